@@ -1,0 +1,77 @@
+"""Validation of what ``add`` and ``extend`` take: every check happens before
+anything is written, so bad input leaves the buffer exactly as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _kernels as K
+from ._torch import as_numpy
+from .config import BUILTIN, Config
+
+_OPTIONAL = set(BUILTIN)
+
+
+class Ingest:
+    """Turns ``add``/``extend`` arguments into rows ``name -> (m, *shape)``."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.inputs = cfg.step_inputs()  # name -> (shape, dtype)
+        # What the storage holds per transition (frames.py replaces "obs" and
+        # "next_obs" with frame references when frame_stack is set).
+        self.stored = dict(self.inputs)
+
+    def step(self, step: dict, priorities):
+        k = self.cfg.num_envs
+        lead = () if k == 1 else (k,)
+        rows = self._check(step, lead, "add", "")
+        rows = {n: v.reshape((k,) + v.shape[len(lead):]) for n, v in rows.items()}
+        return rows, self._priorities(priorities, lead, k)
+
+    def steps(self, data, priorities):
+        if not isinstance(data, dict):
+            raise TypeError(f"extend takes a dict name -> array, got {type(data).__name__}")
+        k = self.cfg.num_envs
+        first = next(iter(data.values()), None)
+        m = np.shape(as_numpy(first))[0] if first is not None and np.ndim(as_numpy(first)) else 0
+        lead = (m,) if k == 1 else (m, k)
+        rows = self._check(data, lead, "extend", "data")
+        rows = {n: v.reshape((m * k,) + v.shape[len(lead):]) for n, v in rows.items()}
+        return rows, self._priorities(priorities, lead, m * k)
+
+    def _check(self, given: dict, lead: tuple, fn: str, arg: str) -> dict:
+        unknown = sorted(set(given) - set(self.inputs))
+        if unknown:
+            raise KeyError(f"{fn}: unknown field(s) {unknown}; expected {sorted(self.inputs)}")
+        missing = sorted(set(self.inputs) - set(given) - _OPTIONAL)
+        if missing:
+            raise KeyError(f"{fn}: missing field(s) {missing}")
+        rows = {}
+        for name, (shape, dtype) in self.inputs.items():
+            label = f"{arg}[{name!r}]" if arg else name
+            if name not in given:
+                rows[name] = np.zeros(lead, dtype=bool)
+                continue
+            v = np.asarray(as_numpy(given[name]))
+            if v.shape != lead + shape:
+                raise ValueError(f"{fn}: {label} must have shape {lead + shape}, got {v.shape}")
+            if v.dtype != dtype and not np.can_cast(v.dtype, dtype, "same_kind"):
+                raise TypeError(f"{fn}: {label} has dtype {v.dtype}, which cannot be cast safely "
+                                f"(same_kind) to the field's {dtype}")
+            rows[name] = v.astype(dtype, copy=False)
+        return rows
+
+    def _priorities(self, priorities, lead: tuple, m: int):
+        if priorities is None:
+            return None
+        p = np.asarray(as_numpy(priorities))
+        if p.dtype.kind not in "fiub":
+            raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
+        if p.shape != lead:
+            raise ValueError(f"priorities must have shape {lead}, got {p.shape}")
+        p = np.ascontiguousarray(p, dtype=np.float64).reshape(m)
+        bad = K.first_bad_priority(p)
+        if bad >= 0:
+            raise ValueError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
+        return p

@@ -1,0 +1,63 @@
+"""Batch: what ``sample`` returns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Batch(Mapping):
+    """A sampled batch: data by field name, plus the sampling bookkeeping.
+
+    Data is reached by mapping access (``batch["obs"]``), so no data field can
+    collide with ``indices`` or ``weights``.
+
+    Attributes
+    ----------
+    data : dict[str, np.ndarray]
+        Every field with a leading batch axis, plus ``next_<name>`` for the
+        fields in ``next_of``, ``terminated``, ``truncated`` and ``discount``.
+    indices : np.ndarray, (B,) int64
+        Slots the transitions were drawn from.
+    weights : np.ndarray, (B,) float32
+        Importance-sampling weights, normalized as the buffer's ``weight_norm`` says.
+    probabilities : np.ndarray, (B,) float64
+        ``P(i)`` of each draw at sampling time.
+    generations : np.ndarray, (B,) int64
+        How many times each slot had been written when it was sampled; lets
+        ``update_priorities`` skip slots overwritten since.
+    """
+
+    data: dict
+    indices: np.ndarray
+    weights: np.ndarray
+    probabilities: np.ndarray
+    generations: np.ndarray
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.data[key]
+
+    def __iter__(self):
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @property
+    def size(self) -> int:
+        """Number of transitions in the batch."""
+        return int(self.indices.shape[0])
+
+    def to_torch(self, device=None, non_blocking: bool = True) -> dict:
+        """Tensors keyed like the batch, plus ``weights`` (float32) and ``indices`` (int64).
+
+        On the CPU each field costs at most one copy (none where numpy's memory
+        can be shared); with a CUDA device the copy goes through pinned host
+        memory and is non-blocking.
+        """
+        from ._torch import batch_to_torch
+
+        return batch_to_torch(self, device=device, non_blocking=non_blocking)

@@ -1,0 +1,307 @@
+"""PrioritizedReplayBuffer: the ring, add/extend/sample/update."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _kernels as K
+from . import nstep
+from ._ingest import Ingest
+from .batch import Batch
+from .config import Config
+from .storage import open_storage
+from .tree import PriorityTree
+
+# Slot status: what a slot holds right now.
+EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3
+
+
+class PrioritizedReplayBuffer:
+    """A prioritized replay buffer (proportional PER) over any storage.
+
+    Parameters
+    ----------
+    capacity : int
+        Transitions held, across all envs (>= 1).
+    fields : dict[str, tuple[shape, dtype]]
+        Per-step data. ``"obs"`` is a stack of frames on axis 0 when
+        ``frame_stack`` is set.
+    frame_stack : int, optional
+        Store each frame of ``"obs"`` once and rebuild stacks at sample time.
+    n_step, gamma : int, float
+        n-step returns computed at sample time.
+    alpha, eps, max_priority : float
+        A leaf holds ``(min(p, max_priority) + eps) ** alpha``.
+    beta : float or schedule
+        IS exponent; a schedule is advanced once per ``sample`` call.
+    weight_norm : {"global", "batch"}
+        Divide weights by the largest possible weight, or by the batch's largest.
+    storage : {"memory", "memmap", "hdf5"}
+    path : str or Path, optional
+        Where disk storages live; reopening the same path resumes.
+    next_of : tuple[str], optional
+        Fields that get a successor ``next_<name>``; default ``("obs",)`` where there is one.
+    num_envs : int
+        With more than one, ``add`` takes a leading env axis and each env is its own stream.
+    seed : int, optional
+        Seed of the one ``numpy.random.Generator`` that draws every uniform.
+    """
+
+    def __init__(self, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
+                 eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", storage="memory",
+                 path=None, next_of=None, num_envs=1, seed=0):
+        cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
+                           n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
+                           max_priority=max_priority, beta=beta, weight_norm=weight_norm,
+                           next_of=next_of, num_envs=num_envs, seed=seed, storage=storage)
+        if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
+            raise ValueError("n_step > 1 needs a scalar 'reward' field to sum, "
+                             f"got fields {sorted(cfg.fields)}")
+        self._setup(cfg, open_storage(cfg.storage, path))
+
+    # -- construction ----------------------------------------------------------
+    def _setup(self, cfg: Config, store) -> None:
+        self.config = cfg
+        self._cfg_beta = cfg.schedule
+        self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
+        self._gamma = cfg.gamma
+        self._norm_batch = cfg.weight_norm == "batch"
+        c = cfg.capacity
+        self._ingest = Ingest(cfg)
+        self._store = store
+        store.allocate({name: (c, shape, dtype) for name, (shape, dtype) in self._ingest.stored.items()})
+        self._tree = PriorityTree(c, track_min=not self._norm_batch)
+        self._gid = np.full(c, -1, dtype=np.int64)
+        self._status = np.zeros(c, dtype=np.uint8)
+        self._ends = np.zeros(c, dtype=np.uint8)
+        self._pending = np.zeros(c if cfg.n_step > 1 else 0, dtype=np.float64)
+        self._count = 0
+        self._max_leaf = 1.0
+        self._beta_step = 0
+        self._rng = np.random.default_rng(cfg.seed)
+        self._closed = False
+
+    # -- sizes -----------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity
+
+    def __len__(self) -> int:
+        """Transitions held (sampleable or waiting for their n-step window)."""
+        return min(self._count, self.config.capacity)
+
+    @property
+    def total_priority(self) -> float:
+        """Sum of all leaves: ``P(i) = leaf_i / total_priority``."""
+        return self._tree.total
+
+    @property
+    def beta(self) -> float:
+        """The beta the next ``sample`` call will use."""
+        return self._cfg_beta(self._beta_step)
+
+    # -- writing ---------------------------------------------------------------
+    def add(self, *, priorities=None, **step) -> None:
+        """Add one env step (with ``num_envs > 1``: one step of every env).
+
+        Takes every field, ``next_<name>`` for the fields in ``next_of``, and
+        optionally ``terminated`` and ``truncated`` (default False). Values
+        have the field's shape, with a leading env axis when ``num_envs > 1``.
+        """
+        self._check_open()
+        rows, leaves = self._ingest.step(step, priorities)
+        self._write(rows, leaves)
+
+    def extend(self, data, priorities=None) -> None:
+        """Add many steps: every value has a leading time axis (then the env
+        axis when ``num_envs > 1``); ``priorities`` matches those axes."""
+        self._check_open()
+        rows, leaves = self._ingest.steps(data, priorities)
+        self._write(rows, leaves)
+
+    def _write(self, rows: dict, leaves) -> None:
+        m = rows["terminated"].shape[0]
+        if m == 0:
+            return
+        cfg = self.config
+        c = cfg.capacity
+        g0 = self._count
+        if m > c:  # only the newest `capacity` survive; skip writing the rest
+            skip = m - c
+            rows = {n: v[skip:] for n, v in rows.items()}
+            leaves = None if leaves is None else leaves[skip:]
+            g0, m = g0 + skip, c
+        gids = np.arange(g0, g0 + m, dtype=np.int64)
+        slots = gids % c
+        where = slots[0] if m == 1 else (slice(slots[0], slots[0] + m) if slots[0] + m <= c else slots)
+        for name, values in rows.items():
+            self._store.write(name, where, values[0] if m == 1 else values)
+        if leaves is None:
+            leaves = np.full(m, self._max_leaf)
+        else:
+            leaves = _to_leaves(leaves, cfg.alpha, cfg.eps, self._maxp)
+            self._max_leaf = max(self._max_leaf, float(leaves.max()))
+        self._gid[slots] = gids
+        self._ends[slots] = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
+        self._count = g0 + m
+        if cfg.n_step == 1:
+            self._status[slots] = LIVE
+            self._tree.set(slots, leaves)
+            return
+        self._status[slots] = PENDING
+        self._pending[slots] = leaves
+        self._tree.set(slots, np.zeros(m))
+        first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
+        ready = np.empty(self._count - first, dtype=np.int64)
+        r = nstep.complete(first, self._count, c, cfg.num_envs, cfg.n_step, self._ends,
+                           self._gid, self._status, ready)
+        if r:
+            ready = ready[:r]
+            self._status[ready] = LIVE
+            self._tree.set(ready, self._pending[ready])
+
+    # -- sampling --------------------------------------------------------------
+    def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:
+        """Draw ``batch_size`` transitions with replacement, ``P(i) = leaf_i / total``.
+
+        Parameters
+        ----------
+        batch_size : int
+            >= 1.
+        beta : float, optional
+            Overrides the schedule for this call (the schedule still advances).
+        stratified : bool
+            One draw in each of ``batch_size`` equal slices of the total (default),
+            or every draw over the whole total.
+        """
+        self._check_open()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if beta is not None:
+            b = float(beta)
+            if not (b >= 0 and b < np.inf):
+                raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
+        else:
+            b = self._cfg_beta(self._beta_step)
+        if not self._tree.total > 0:
+            raise ValueError(
+                f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
+                "transition becomes sampleable once its window completes or its episode ends)")
+        idx, prob, w = self._tree.sample(self._rng.random(int(batch_size)), stratified=bool(stratified),
+                                         beta=b, batch_norm=self._norm_batch)
+        self._beta_step += 1
+        return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+
+    def _gather(self, idx: np.ndarray) -> dict:
+        cfg = self.config
+        read = self._store.read
+        if cfg.n_step == 1:
+            data = {name: read(name, idx) for name in self._ingest.stored}
+            data["discount"] = np.where(data["terminated"], 0.0, self._gamma).astype(np.float32)
+            return data
+        slots, discount, term, trunc = nstep.nstep_view(
+            self._gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self._ends, self._gamma)
+        last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
+        data = {}
+        for name in self._ingest.stored:
+            if name in ("terminated", "truncated"):
+                continue
+            src = last if name.startswith("next_") and name[5:] in cfg.next_of else idx
+            data[name] = read(name, src)
+        rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
+        data["reward"] = nstep.discounted_sum(rewards, slots, self._gamma).astype(
+            cfg.dtype("reward") if cfg.dtype("reward").kind == "f" else np.float32)
+        data["terminated"], data["truncated"], data["discount"] = term, trunc, discount
+        return data
+
+    # -- priorities ------------------------------------------------------------
+    def update_priorities(self, target, priorities) -> None:
+        """Set the priorities of sampled transitions.
+
+        Parameters
+        ----------
+        target : Batch or array of int
+            A batch from ``sample`` (slots overwritten since are skipped) or raw slots.
+        priorities : array-like (B,)
+            Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
+            With a repeated index, the last value wins.
+        """
+        self._check_open()
+        if isinstance(target, Batch):
+            idx, stamps, use = target.indices, target.generations, True
+        else:
+            idx = _as_index(target)
+            stamps, use = idx, False
+        p = _as_priorities(priorities, idx.shape[0])
+        codes = K.plan_update(idx, stamps, use, self._gid, self._status)
+        worst = codes.min() if codes.shape[0] else 0
+        if worst < 0:
+            i = int(np.argmax(codes < 0))
+            why = "out of range [0, capacity)" if codes[i] == -1 else "a slot never written"
+            raise IndexError(f"indices[{i}] = {idx[i]} is {why} (capacity={self.capacity}, "
+                             f"len={len(self)})")
+        leaves = np.empty(p.shape[0], dtype=np.float64)
+        top = K.to_leaves(p, self.config.alpha, self.config.eps, self._maxp, leaves)
+        if top > self._max_leaf:
+            self._max_leaf = top
+        if codes.min() == 1:  # the common case: every row goes to the tree
+            self._tree.set(idx, leaves)
+            return
+        live = codes == 1
+        self._tree.set(idx[live], leaves[live])
+        pend = codes == 2
+        self._pending[idx[pend]] = leaves[pend]
+
+    # -- lifecycle -------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("this buffer is closed")
+
+    def close(self) -> None:
+        """Flush and release the storage; reopening a disk path resumes."""
+        if not self._closed:
+            self._store.close()
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"PrioritizedReplayBuffer(len={len(self)}, capacity={self.capacity}, "
+                f"storage={self.config.storage!r}, total_priority={self.total_priority:.6g})")
+
+
+def _to_leaves(p: np.ndarray, alpha: float, eps: float, maxp: float) -> np.ndarray:
+    """Leaf values for validated priorities."""
+    out = np.empty(p.shape[0], dtype=np.float64)
+    K.to_leaves(p, alpha, eps, maxp, out)
+    return out
+
+
+def _as_index(x) -> np.ndarray:
+    from ._torch import as_numpy
+
+    a = np.asarray(as_numpy(x))
+    if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
+        raise TypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
+    return a.astype(np.int64, copy=False)
+
+
+def _as_priorities(x, n: int) -> np.ndarray:
+    from ._torch import as_numpy
+
+    p = np.asarray(as_numpy(x))
+    if p.dtype.kind not in "fiub":
+        raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
+    p = np.ascontiguousarray(p, dtype=np.float64)
+    if p.ndim == 2 and p.shape[1] == 1:
+        p = p[:, 0]
+    if p.ndim != 1 or p.shape[0] != n:
+        raise ValueError(f"priorities must have shape ({n},) to match the indices, got {p.shape}")
+    bad = K.first_bad_priority(p)
+    if bad >= 0:
+        raise ValueError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
+    return p

@@ -1,0 +1,180 @@
+"""Buffer configuration: validated once, JSON-able, compared on reopen and load."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .schedules import as_schedule, schedule_from_dict
+
+# Per-transition flags every buffer stores, and keys that sampling produces.
+BUILTIN = ("terminated", "truncated")
+RESERVED = BUILTIN + ("discount", "priorities")
+STORAGES = ("memory", "memmap", "hdf5")
+WEIGHT_NORMS = ("global", "batch")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def check_name(name, what: str = "field name") -> str:
+    """A name that is safe as a file or dataset name: no separators, no
+    ``..``, no leading dot, not empty."""
+    if not isinstance(name, str) or not _NAME.match(name) or len(name) > 128:
+        raise ValueError(
+            f"{what} must start with a letter or '_' and hold only letters, digits, '_' "
+            f"or '-' (it becomes a file name), got {name!r}")
+    return name
+
+
+def _shape(v, name) -> tuple:
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        v = (int(v),)
+    try:
+        shape = tuple(int(d) for d in v)
+    except TypeError:
+        raise TypeError(f"fields[{name!r}] shape must be a tuple of ints, got {v!r}") from None
+    if any(d < 1 for d in shape):
+        raise ValueError(f"fields[{name!r}] shape must have positive dimensions, got {shape}")
+    return shape
+
+
+def _number(value, name, *, lo=None, lo_open=False, hi=None, none_ok=False):
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    bad = not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) \
+        or (hi is not None and v > hi)
+    if bad:
+        rng = f"{'>' if lo_open else '>='} {lo}" if lo is not None else "finite"
+        if hi is not None:
+            rng += f" and <= {hi}"
+        raise ValueError(f"{name} must be finite and {rng}, got {value!r}")
+    return v
+
+
+def _int(value, name, lo):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything that defines a buffer's layout and sampling; see ``PrioritizedReplayBuffer``."""
+
+    capacity: int
+    fields: dict  # name -> (shape tuple, dtype str)
+    frame_stack: int | None = None
+    n_step: int = 1
+    gamma: float = 0.99
+    alpha: float = 0.6
+    eps: float = 1e-6
+    max_priority: float | None = None
+    beta: dict = field(default_factory=lambda: {"kind": "constant", "value": 0.4})
+    weight_norm: str = "global"
+    next_of: tuple = ()
+    num_envs: int = 1
+    seed: int | None = 0
+    storage: str = "memory"
+
+    @classmethod
+    def build(cls, *, capacity, fields, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
+              eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", next_of=None,
+              num_envs=1, seed=0, storage="memory") -> "Config":
+        capacity = _int(capacity, "capacity", 1)
+        if not isinstance(fields, dict) or not fields:
+            raise TypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
+        specs = {}
+        for name, spec in fields.items():
+            check_name(name)
+            if name in RESERVED:
+                raise ValueError(f"fields may not define {name!r}: bigper stores or computes it itself")
+            try:
+                shape, dtype = spec
+            except (TypeError, ValueError):
+                raise TypeError(f"fields[{name!r}] must be (shape, dtype), got {spec!r}") from None
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                raise TypeError(f"fields[{name!r}] dtype is not a numpy dtype: {dtype!r}") from None
+            if dt.hasobject or dt.fields is not None or dt.kind in "OVUSMm":
+                raise TypeError(f"fields[{name!r}] dtype must be a numeric or bool dtype, got {dt}")
+            specs[name] = (_shape(shape, name), dt.str)
+        if next_of is None:
+            next_of = ("obs",) if "obs" in specs else ()
+        if isinstance(next_of, str):
+            next_of = (next_of,)
+        next_of = tuple(next_of)
+        for name in next_of:
+            if name not in specs:
+                raise ValueError(f"next_of names {name!r}, which is not in fields {sorted(specs)}")
+            if f"next_{name}" in specs:
+                raise ValueError(f"fields defines 'next_{name}', which next_of={next_of!r} also produces")
+        if frame_stack is not None:
+            frame_stack = _int(frame_stack, "frame_stack", 1)
+            if "obs" not in specs:
+                raise ValueError("frame_stack needs an 'obs' field (a stack of frames on axis 0)")
+            obs_shape = specs["obs"][0]
+            if len(obs_shape) < 2 or obs_shape[0] != frame_stack:
+                raise ValueError(
+                    f"frame_stack={frame_stack} needs fields['obs'] of shape ({frame_stack}, ...) "
+                    f"with the stack on axis 0, got {obs_shape}")
+        n_step = _int(n_step, "n_step", 1)
+        gamma = _number(gamma, "gamma", lo=0.0, hi=1.0)
+        alpha = _number(alpha, "alpha", lo=0.0)
+        eps = _number(eps, "eps", lo=0.0)
+        max_priority = _number(max_priority, "max_priority", lo=0.0, lo_open=True, none_ok=True)
+        if weight_norm not in WEIGHT_NORMS:
+            raise ValueError(f"weight_norm must be one of {WEIGHT_NORMS}, got {weight_norm!r}")
+        num_envs = _int(num_envs, "num_envs", 1)
+        if seed is not None:
+            seed = _int(seed, "seed", 0)
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+        return cls(capacity=capacity, fields=specs, frame_stack=frame_stack, n_step=n_step,
+                   gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority,
+                   beta=as_schedule(beta).to_dict(), weight_norm=weight_norm, next_of=next_of,
+                   num_envs=num_envs, seed=seed, storage=storage)
+
+    # -- derived -------------------------------------------------------------
+    @property
+    def schedule(self):
+        return schedule_from_dict(self.beta)
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.fields[name][1])
+
+    def shape(self, name: str) -> tuple:
+        return self.fields[name][0]
+
+    def step_inputs(self) -> dict:
+        """What ``add`` takes per env: name -> (shape, dtype), required first."""
+        out = {n: (s, np.dtype(d)) for n, (s, d) in self.fields.items()}
+        for n in self.next_of:
+            out[f"next_{n}"] = out[n]
+        for n in BUILTIN:
+            out[n] = ((), np.dtype(bool))
+        return out
+
+    # -- persistence -----------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fields"] = {n: [list(s), dt] for n, (s, dt) in self.fields.items()}
+        d["next_of"] = list(self.next_of)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        d = dict(d)
+        d["fields"] = {n: (tuple(s), dt) for n, (s, dt) in d["fields"].items()}
+        d["next_of"] = tuple(d["next_of"])
+        return cls(**d)
+
+    def differences(self, other: "Config", ignore=("seed",)) -> list[str]:
+        """Keys whose values differ, each as ``key: this != other``."""
+        a, b = self.to_dict(), other.to_dict()
+        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if k not in ignore and a[k] != b.get(k)]

@@ -1,0 +1,73 @@
+"""Schedules for beta (or anything else annealed per sample call)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinearSchedule:
+    """``start`` at step 0, moving linearly to ``end`` at ``steps``, then flat.
+
+    Parameters
+    ----------
+    start, end : float
+        Values at step 0 and from step ``steps`` on.
+    steps : int
+        Number of steps (``sample`` calls) over which to anneal, >= 1.
+    """
+
+    start: float
+    end: float
+    steps: int
+
+    def __post_init__(self):
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+                raise ValueError(f"LinearSchedule {name} must be a finite number, got {v!r}")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"LinearSchedule steps must be an int >= 1, got {self.steps!r}")
+
+    def __call__(self, step: int) -> float:
+        frac = min(max(step, 0) / self.steps, 1.0)
+        return self.start + (self.end - self.start) * frac
+
+    def to_dict(self) -> dict:
+        return {"kind": "linear", "start": self.start, "end": self.end, "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class ConstantSchedule:
+    """The same value at every step."""
+
+    value: float
+
+    def __call__(self, step: int) -> float:
+        return self.value
+
+    def to_dict(self) -> dict:
+        return {"kind": "constant", "value": self.value}
+
+
+def as_schedule(beta) -> LinearSchedule | ConstantSchedule:
+    """A schedule from a float or a schedule; raises for anything else."""
+    if isinstance(beta, (LinearSchedule, ConstantSchedule)):
+        return beta
+    if isinstance(beta, (int, float)) and not isinstance(beta, bool):
+        b = float(beta)
+        if not (b == b and abs(b) != float("inf")) or b < 0:
+            raise ValueError(f"beta must be a finite number >= 0 or a schedule, got {beta!r}")
+        return ConstantSchedule(b)
+    if callable(beta) and hasattr(beta, "to_dict"):
+        return beta
+    raise TypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
+
+
+def schedule_from_dict(d: dict):
+    """Inverse of ``to_dict`` (for reopening and snapshots)."""
+    if d["kind"] == "linear":
+        return LinearSchedule(d["start"], d["end"], d["steps"])
+    if d["kind"] == "constant":
+        return ConstantSchedule(d["value"])
+    raise ValueError(f"unknown schedule kind {d['kind']!r}")

@@ -1,0 +1,23 @@
+"""Storages: where a buffer's arrays live."""
+
+from .base import Storage
+from .memory import MemoryStorage
+
+__all__ = ["Storage", "MemoryStorage", "open_storage"]
+
+
+def open_storage(kind: str, path=None, **options):
+    """The storage of ``kind`` (``"memory"``, ``"memmap"`` or ``"hdf5"``)."""
+    if kind == "memory":
+        return MemoryStorage()
+    if path is None:
+        raise ValueError(f"storage={kind!r} needs a path=, got None")
+    if kind == "memmap":
+        from .memmap import MemmapStorage
+
+        return MemmapStorage(path, **options)
+    if kind == "hdf5":
+        from .hdf5 import HDF5Storage
+
+        return HDF5Storage(path, **options)
+    raise ValueError(f"storage must be 'memory', 'memmap' or 'hdf5', got {kind!r}")

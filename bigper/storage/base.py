@@ -1,0 +1,34 @@
+"""The Storage protocol: named 2-D-or-more arrays with a fixed number of rows.
+
+A buffer asks its storage for arrays by name (``allocate``), writes rows and
+reads rows back. Memory and memmap storages hand out numpy arrays (``arrays``)
+that the buffer indexes directly; HDF5 reads through h5py.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class Storage(Protocol):
+    kind: str
+
+    def allocate(self, specs: dict[str, tuple[int, tuple, np.dtype]]) -> None:
+        """Create (or attach to) one array per name: ``name -> (rows, shape, dtype)``."""
+
+    def read(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (int64, any order, duplicates allowed) of array ``name``."""
+
+    def write(self, name: str, rows, values: np.ndarray) -> None:
+        """Write ``values`` at ``rows`` (an int, a slice or an int64 array)."""
+
+    def flush(self) -> None:
+        """Make written rows durable (a no-op in memory)."""
+
+    def close(self) -> None:
+        """Flush and release files and locks."""
+
+    def nbytes(self) -> int:
+        """Bytes the arrays take (on disk for disk storages)."""

@@ -1,0 +1,31 @@
+"""In-memory storage: plain numpy arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class MemoryStorage:
+    kind = "memory"
+
+    def __init__(self):
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def allocate(self, specs):
+        for name, (rows, shape, dtype) in specs.items():
+            self.arrays[name] = np.zeros((rows, *shape), dtype=dtype)
+
+    def read(self, name, rows):
+        return self.arrays[name][rows]
+
+    def write(self, name, rows, values):
+        self.arrays[name][rows] = values
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())

@@ -1,0 +1,146 @@
+"""PriorityTree: a k-ary sum tree (and optional min tree) over any number of leaves.
+
+::
+
+    level 0 (root)            [ 8.0 ]
+                            /    |    \\
+    level 1           [ 3.5 ] [ 4.0 ] [ 0.5 ]           k children a node,
+                      / | \\    / | \\    |                the last node of a level
+    level 2 (leaves) 1 2 .5  0 3 1     .5               may have fewer
+
+All levels live in one flat float64 array, root first (``offsets``/``sizes``
+say where each level starts and how long it is). With ``k = 16`` a node's
+children are two adjacent cache lines, and 2**20 leaves need 5 levels.
+A zero leaf is not sampleable; the min tree ignores it.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import numpy as np
+
+from . import _kernels as K
+
+FANOUT = K.FANOUT
+
+
+def _layout(n: int, k: int = FANOUT) -> tuple[np.ndarray, np.ndarray, int]:
+    """Level offsets and sizes; every level starts on a multiple of ``k`` so
+    that a node's children never straddle an extra cache line."""
+    sizes = [n]
+    while sizes[-1] > 1 or len(sizes) == 1:
+        sizes.append(-(-sizes[-1] // k))
+    sizes.reverse()
+    offsets = np.zeros(len(sizes), dtype=np.int64)
+    pos = 0
+    for lev, size in enumerate(sizes):
+        offsets[lev] = pos
+        pos += -(-size // k) * k
+    return offsets, np.asarray(sizes, dtype=np.int64), pos
+
+
+def _alloc(n: int, fill: float) -> np.ndarray:
+    """float64 array on fresh anonymous pages, 4 KiB aligned, backed by huge
+    pages where the kernel allows it: random descents then miss the TLB less."""
+    if n == 0:
+        return np.zeros(0, dtype=np.float64)
+    m = mmap.mmap(-1, n * 8)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    arr = np.frombuffer(m, dtype=np.float64, count=n)
+    if fill != 0.0:
+        arr.fill(fill)
+    return arr
+
+
+class PriorityTree:
+    """Sum tree (and min tree) over ``capacity`` float64 leaves.
+
+    Parameters
+    ----------
+    capacity : int
+        Number of leaves, any value >= 1.
+    track_min : bool
+        Keep a min tree over the non-zero leaves (needed for global weight
+        normalization).
+    """
+
+    def __init__(self, capacity: int, *, track_min: bool = True):
+        if int(capacity) < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self.capacity = int(capacity)
+        self.k = FANOUT
+        self.offsets, self.sizes, total = _layout(self.capacity)
+        self.sums = _alloc(total, 0.0)
+        self.mins = _alloc(total if track_min else 0, np.inf)
+        self._leaf_off = int(self.offsets[-1])
+
+    # -- reading -----------------------------------------------------------
+    @property
+    def leaves(self) -> np.ndarray:
+        """View of the leaf values, shape ``(capacity,)`` float64 (read it, don't write it)."""
+        return self.sums[self._leaf_off:self._leaf_off + self.capacity]
+
+    @property
+    def total(self) -> float:
+        return float(self.sums[0])
+
+    @property
+    def min(self) -> float:
+        """Smallest non-zero leaf (``inf`` when every leaf is zero)."""
+        if self.mins.shape[0] == 0:
+            nz = self.leaves[self.leaves > 0]
+            return float(nz.min()) if nz.size else math.inf
+        return float(self.mins[0])
+
+    # -- writing (indices and values already validated) ---------------------
+    def set(self, idx: np.ndarray, values: np.ndarray) -> None:
+        """Set leaves ``idx`` (int64) to ``values`` (float64 >= 0); the last duplicate wins."""
+        K.tree_set(self.sums, self.mins, self.offsets, idx, values)
+
+    def set_all(self, values: np.ndarray) -> None:
+        """Replace every leaf and rebuild the tree in O(N)."""
+        self.sums[self._leaf_off:self._leaf_off + self.capacity] = values
+        K.tree_build(self.sums, self.mins, self.offsets, self.sizes)
+
+    def find(self, targets: np.ndarray) -> np.ndarray:
+        """Leaf index for each prefix-sum target in ``[0, total)``."""
+        out = np.empty(targets.shape[0], dtype=np.int64)
+        K.tree_descend(self.sums, self.offsets,
+                       np.ascontiguousarray(targets, dtype=np.float64), out)
+        return out
+
+    def sample(self, uniforms: np.ndarray, *, stratified: bool, beta: float, batch_norm: bool):
+        """Indices, probabilities and IS weights for uniforms in ``[0, 1)``."""
+        n = uniforms.shape[0]
+        idx = np.empty(n, dtype=np.int64)
+        prob = np.empty(n, dtype=np.float64)
+        w = np.empty(n, dtype=np.float32)
+        K.sample_kernel(self.sums, self.mins, self.offsets, uniforms,
+                        stratified, float(beta), batch_norm or self.mins.shape[0] == 0,
+                        idx, prob, w)
+        return idx, prob, w
+
+    # -- state ---------------------------------------------------------------
+    def check(self, rel: float = 1e-9) -> list[str]:
+        """Invariant violations (empty when healthy): parents equal the sum of
+        their children, mins equal the min of theirs."""
+        problems = []
+        for lev in range(len(self.sizes) - 1):
+            child = self.sums[self.offsets[lev + 1]:self.offsets[lev + 1] + self.sizes[lev + 1]]
+            pad = (-child.shape[0]) % self.k
+            sums = np.concatenate([child, np.zeros(pad)]).reshape(-1, self.k).sum(axis=1)
+            got = self.sums[self.offsets[lev]:self.offsets[lev] + self.sizes[lev]]
+            if not np.allclose(got, sums, rtol=rel, atol=0):
+                problems.append(f"level {lev}: a node differs from the sum of its children")
+        if self.mins.shape[0]:
+            nz = self.leaves[self.leaves > 0]
+            want = float(nz.min()) if nz.size else math.inf
+            if self.mins[0] != want:
+                problems.append(f"min tree root {self.mins[0]} != smallest non-zero leaf {want}")
+        return problems

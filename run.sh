@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One entry point that sets everything up itself on a fresh machine with Python >= 3.10:
+#   ./run.sh demo [ARGS]   the main job (bigper demo)
+#   ./run.sh test [ARGS]   the test suite (pytest)
+#   ./run.sh bigper ARGS   any bigper command (bench, info, verify, ...)
+# It creates or reuses .venv beside this file and installs what the command needs.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+venv="${BIGPER_VENV:-$here/.venv}"
+py="${PYTHON:-python3}"
+cmd="${1:-}"; shift || true
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "run.sh: creating $venv" >&2
+  "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+fi
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+
+install() {  # $1: the extras; skipped when the same request was installed already
+  local stamp="$venv/.bigper-installed-$1" want
+  want="$(cat "$here/pyproject.toml" | sha256sum | cut -c1-16)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
+  # A CPU build of torch first, so that torch>=2.1 is already satisfied and no
+  # multi-GB CUDA build is pulled in.
+  "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+  "${pip[@]}" -e "$here[$1]"
+  echo "$want" > "$stamp"
+}
+
+case "$cmd" in
+  demo)   install "torch,atari";         exec "$venv/bin/bigper" demo "$@" ;;
+  test)   install "torch,atari,ray,dev";  cd "$here"; exec "$venv/bin/python" -m pytest "$@" ;;
+  bigper) install "torch,atari,dev";      exec "$venv/bin/bigper" "$@" ;;
+  *) echo "usage: ./run.sh demo|test|bigper [ARGS...]" >&2; exit 2 ;;
+esac
