@@ -9,6 +9,7 @@ from . import nstep
 from ._ingest import Ingest
 from .batch import Batch
 from .config import Config
+from .errors import IncompatibleSnapshotError
 from .storage import open_storage
 from .tree import PriorityTree
 
@@ -49,7 +50,7 @@ class PrioritizedReplayBuffer:
 
     def __init__(self, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
                  eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", storage="memory",
-                 path=None, next_of=None, num_envs=1, seed=0):
+                 path=None, next_of=None, num_envs=1, seed=0, read_only=False, storage_options=None):
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
@@ -57,7 +58,19 @@ class PrioritizedReplayBuffer:
         if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
             raise ValueError("n_step > 1 needs a scalar 'reward' field to sum, "
                              f"got fields {sorted(cfg.fields)}")
-        self._setup(cfg, open_storage(cfg.storage, path))
+        if cfg.storage == "memory" and (path is not None or read_only):
+            raise ValueError(f"storage='memory' takes no path or read_only, got path={path!r}")
+        store = open_storage(cfg.storage, path, read_only=read_only, **(storage_options or {}))
+        recorded = store.open(cfg.to_dict())
+        if recorded is not None:
+            diff = cfg.differences(Config.from_dict(recorded["config"]))
+            if diff:
+                store.close()
+                raise IncompatibleSnapshotError(
+                    f"{path} holds a buffer of another config; differing key(s): " + "; ".join(diff))
+        self._setup(cfg, store)
+        if recorded is not None:
+            self._restore(*store.saved_state())
 
     # -- construction ----------------------------------------------------------
     def _setup(self, cfg: Config, store) -> None:
@@ -80,6 +93,34 @@ class PrioritizedReplayBuffer:
         self._beta_step = 0
         self._rng = np.random.default_rng(cfg.seed)
         self._closed = False
+
+    # -- state (close/reopen and snapshots) --------------------------------------
+    def state_dict(self) -> tuple[dict, dict]:
+        """``(meta, arrays)``: JSON-able counters and RNG state, and the
+        bookkeeping arrays; with the storage's data, everything to resume."""
+        meta = {"count": self._count, "max_leaf": self._max_leaf, "beta_step": self._beta_step,
+                "rng": self._rng.bit_generator.state}
+        arrays = {"leaves": self._tree.leaves, "gid": self._gid, "status": self._status,
+                  "ends": self._ends, "pending": self._pending}
+        return meta, arrays
+
+    def _restore(self, meta: dict, arrays: dict) -> None:
+        c = self.config.capacity
+        for name, want in (("leaves", (c,)), ("gid", (c,)), ("status", (c,)), ("ends", (c,))):
+            got = arrays.get(name)
+            if got is None or got.shape != want:
+                raise IncompatibleSnapshotError(
+                    f"recorded state array {name!r} has shape {None if got is None else got.shape}, "
+                    f"expected {want}")
+        self._tree.set_all(arrays["leaves"])
+        self._gid[:] = arrays["gid"]
+        self._status[:] = arrays["status"]
+        self._ends[:] = arrays["ends"]
+        self._pending[:] = arrays.get("pending", self._pending)
+        self._count = int(meta["count"])
+        self._max_leaf = float(meta["max_leaf"])
+        self._beta_step = int(meta["beta_step"])
+        self._rng.bit_generator.state = meta["rng"]
 
     # -- sizes -----------------------------------------------------------------
     @property
@@ -108,14 +149,14 @@ class PrioritizedReplayBuffer:
         optionally ``terminated`` and ``truncated`` (default False). Values
         have the field's shape, with a leading env axis when ``num_envs > 1``.
         """
-        self._check_open()
+        self._check_writable()
         rows, leaves = self._ingest.step(step, priorities)
         self._write(rows, leaves)
 
     def extend(self, data, priorities=None) -> None:
         """Add many steps: every value has a leading time axis (then the env
         axis when ``num_envs > 1``); ``priorities`` matches those axes."""
-        self._check_open()
+        self._check_writable()
         rows, leaves = self._ingest.steps(data, priorities)
         self._write(rows, leaves)
 
@@ -226,7 +267,7 @@ class PrioritizedReplayBuffer:
             Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
             With a repeated index, the last value wins.
         """
-        self._check_open()
+        self._check_writable()
         if isinstance(target, Batch):
             idx, stamps, use = target.indices, target.generations, True
         else:
@@ -257,10 +298,15 @@ class PrioritizedReplayBuffer:
         if self._closed:
             raise ValueError("this buffer is closed")
 
+    def _check_writable(self):
+        self._check_open()
+        if self._store.read_only:
+            raise ValueError(f"this buffer was opened read_only at {getattr(self._store, 'path', '')}")
+
     def close(self) -> None:
         """Flush and release the storage; reopening a disk path resumes."""
         if not self._closed:
-            self._store.close()
+            self._store.close(None if self._store.read_only else self.state_dict())
             self._closed = True
 
     def __enter__(self):

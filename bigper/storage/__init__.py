@@ -7,7 +7,10 @@ __all__ = ["Storage", "MemoryStorage", "open_storage"]
 
 
 def open_storage(kind: str, path=None, **options):
-    """The storage of ``kind`` (``"memory"``, ``"memmap"`` or ``"hdf5"``)."""
+    """The storage of ``kind`` (``"memory"``, ``"memmap"`` or ``"hdf5"``).
+
+    Disk storages import lazily, so h5py stays out of a memory-only process.
+    """
     if kind == "memory":
         return MemoryStorage()
     if path is None:

@@ -15,6 +15,13 @@ import numpy as np
 class Storage(Protocol):
     kind: str
 
+    def open(self, config: dict) -> dict | None:
+        """Lock the location; return its recorded metadata (``config``,
+        ``state``) when it already holds a buffer, else None."""
+
+    def saved_state(self) -> tuple[dict, dict]:
+        """``(meta, arrays)`` of the buffer's bookkeeping, recorded at the last close."""
+
     def allocate(self, specs: dict[str, tuple[int, tuple, np.dtype]]) -> None:
         """Create (or attach to) one array per name: ``name -> (rows, shape, dtype)``."""
 
@@ -27,8 +34,9 @@ class Storage(Protocol):
     def flush(self) -> None:
         """Make written rows durable (a no-op in memory)."""
 
-    def close(self) -> None:
-        """Flush and release files and locks."""
+    def close(self, state: tuple[dict, dict] | None = None) -> None:
+        """Flush, record ``state`` (the buffer's bookkeeping) durably, mark the
+        location cleanly closed, and release files and locks."""
 
     def nbytes(self) -> int:
         """Bytes the arrays take (on disk for disk storages)."""

@@ -7,9 +7,13 @@ import numpy as np
 
 class MemoryStorage:
     kind = "memory"
+    read_only = False
 
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
+
+    def open(self, config):
+        return None
 
     def allocate(self, specs):
         for name, (rows, shape, dtype) in specs.items():
@@ -24,7 +28,7 @@ class MemoryStorage:
     def flush(self):
         pass
 
-    def close(self):
+    def close(self, state=None):
         pass
 
     def nbytes(self) -> int:
