@@ -18,9 +18,9 @@ class Ingest:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.inputs = cfg.step_inputs()  # name -> (shape, dtype)
-        # What the storage holds per transition (frames.py replaces "obs" and
-        # "next_obs" with frame references when frame_stack is set).
-        self.stored = dict(self.inputs)
+        # What the storage holds per transition. The end flags live in the
+        # buffer's own `ends` array instead (they steer n-step windows).
+        self.stored = {n: v for n, v in self.inputs.items() if n not in BUILTIN}
 
     def step(self, step: dict, priorities):
         k = self.cfg.num_envs

@@ -4,12 +4,14 @@ Nothing here validates input: the Python layer (``tree.py``, ``buffer.py``)
 checks everything once at the public boundary and hands over arrays of the
 right dtype. Every kernel works on a whole batch per call.
 
-Tree layout (see ``tree.py`` for the picture): one flat float64 array holds
-every level, the root first and the leaves last; ``offsets[l]`` is where level
-``l`` starts and ``sizes[l]`` how many nodes it has. Node ``j`` of level ``l``
-has the children ``j*k .. j*k+k-1`` of level ``l+1`` (those that exist). A
-parent is always recomputed from its children, never adjusted by a delta, so
-the sums cannot drift.
+Tree layout (see ``tree.py`` for the picture): flat float64 arrays hold every
+level, the root first and the leaves last; ``offsets[l]`` is where level ``l``
+starts and ``sizes[l]`` how many nodes it has. Node ``j`` of level ``l`` has
+the children ``j*FANOUT .. j*FANOUT+FANOUT-1`` of level ``l+1``.
+
+- ``sums``: each node's total. A parent is always recomputed from its
+  children, never adjusted by a delta, so the sums cannot drift.
+- ``mins``: each node's smallest non-zero leaf below (``inf`` for none).
 """
 
 import numpy as np
@@ -19,40 +21,40 @@ from numba import njit
 # same on-disk cache entries in every process.
 kernel = njit(cache=True, nogil=True)
 
-
 # Children per node: a compile-time constant so the child scans unroll and
-# vectorize. Levels are padded to a multiple of it (zeros in the sum tree,
-# inf in the min tree), so every scan reads exactly FANOUT values.
-FANOUT = 16
+# vectorize. Levels are padded to a multiple of it (zeros in sums, inf in
+# mins), so every scan reads exactly FANOUT values: one 64-byte cache line.
+FANOUT = 8
 
 
 @kernel
-def _sum_children(sums, base):
-    s = 0.0
+def _recompute(sums, mins, offsets, lev, j):
+    """Node ``j`` of level ``lev`` from its children: total and (when tracked) min."""
+    base = offsets[lev + 1] + j * FANOUT
+    acc = 0.0
     for c in range(FANOUT):
-        s += sums[base + c]
-    return s
-
-
-@kernel
-def _min_children(mins, base):
-    m = mins[base]
-    for c in range(1, FANOUT):
-        m = min(m, mins[base + c])
-    return m
+        acc += sums[base + c]
+    sums[offsets[lev] + j] = acc
+    if mins.shape[0] > 0:
+        m = mins[base]
+        for c in range(1, FANOUT):
+            m = min(m, mins[base + c])
+        mins[offsets[lev] + j] = m
 
 
 @kernel
 def _touch(arr, off, node):
-    """Load the first word of each row's children's two cache lines.
+    """Load the cache lines of each row's children before working on them.
 
-    The loads are independent, so the CPU overlaps their misses; the scan
+    The loads are independent, so the CPU overlaps their misses; the work
     that follows finds its lines in cache.
     """
     acc = 0.0
     for b in range(node.shape[0]):
         base = off + node[b] * FANOUT
-        acc += arr[base] + arr[base + 8]
+        acc += arr[base]
+        if FANOUT > 8:
+            acc += arr[base + 8]
     return acc
 
 
@@ -75,49 +77,49 @@ def tree_set(sums, mins, offsets, idx, leaves):
     for lev in range(depth - 2, -1, -1):
         for b in range(node.shape[0]):
             node[b] = node[b] // FANOUT
-        child_off = offsets[lev + 1]
-        _touch(sums, child_off, node)
+        _touch(sums, offsets[lev + 1], node)
         if track_min:
-            _touch(mins, child_off, node)
+            _touch(mins, offsets[lev + 1], node)
         prev = -1
         for b in range(node.shape[0]):
-            j = node[b]
-            if j == prev:
-                continue
-            prev = j
-            base = child_off + j * FANOUT
-            sums[offsets[lev] + j] = _sum_children(sums, base)
-            if track_min:
-                mins[offsets[lev] + j] = _min_children(mins, base)
+            if node[b] != prev:
+                prev = node[b]
+                _recompute(sums, mins, offsets, lev, prev)
 
 
 @kernel
 def tree_build(sums, mins, offsets, sizes):
     """Recompute every internal node from the leaves: O(N)."""
     depth = offsets.shape[0]
-    track_min = mins.shape[0] > 0
-    if track_min:
+    if mins.shape[0] > 0:
         leaf_off = offsets[depth - 1]
         for i in range(sizes[depth - 1]):
             v = sums[leaf_off + i]
             mins[leaf_off + i] = v if v > 0.0 else np.inf
     for lev in range(depth - 2, -1, -1):
         for j in range(sizes[lev]):
-            base = offsets[lev + 1] + j * FANOUT
-            sums[offsets[lev] + j] = _sum_children(sums, base)
-            if track_min:
-                mins[offsets[lev] + j] = _min_children(mins, base)
+            _recompute(sums, mins, offsets, lev, j)
+
+
+@kernel
+def tree_set_many(sums, mins, offsets, sizes, idx, leaves):
+    """``tree_set`` for a large share of the leaves: write them all (the last
+    of duplicates wins), then rebuild every internal node in O(N)."""
+    leaf_off = offsets[offsets.shape[0] - 1]
+    for i in range(idx.shape[0]):
+        sums[leaf_off + idx[i]] = leaves[i]
+    tree_build(sums, mins, offsets, sizes)
 
 
 @kernel
 def tree_descend(sums, offsets, targets, out):
     """For each prefix-sum target find its leaf, breadth-first over the batch.
 
-    At each node the chosen child is the first whose running prefix sum
-    exceeds the target; a zero child adds nothing to the prefix, so it can
-    never be that child. When rounding leaves a target at or past the node's
-    sum, the last non-zero child is taken instead: a target near the total
-    never lands on an empty or unwritten leaf.
+    At each node the chosen child is the first whose running sum of siblings
+    exceeds the target. A zero child adds nothing to that sum, so it can never
+    be the one. When rounding leaves a target at or past the
+    node's total, the last non-zero child is taken instead: a target near the
+    total never lands on an empty or unwritten leaf.
     """
     depth = offsets.shape[0]
     n = targets.shape[0]
@@ -152,16 +154,19 @@ def tree_descend(sums, offsets, targets, out):
 
 
 @kernel
-def sample_kernel(sums, mins, offsets, uniforms, stratified, beta, batch_norm,
-                  idx_out, prob_out, weight_out):
+def sample_kernel(sums, mins, offsets, uniforms, stratified, beta, batch_norm):
     """Draw ``len(uniforms)`` leaves in proportion to their values.
 
     Stratified: draw ``b`` lands in the slice ``[b, b+1) * total / n``.
     Weights: ``(N P(i))**-beta`` divided by the largest possible weight
     (global: the smallest non-zero leaf, read from the min tree) or by the
     batch's largest; N cancels in both, so it is not needed here.
+    Returns indices (int64), probabilities (float64) and weights (float32).
     """
     n = uniforms.shape[0]
+    idx_out = np.empty(n, dtype=np.int64)
+    prob_out = np.empty(n, dtype=np.float64)
+    weight_out = np.empty(n, dtype=np.float32)
     total = sums[0]
     targets = np.empty(n, dtype=np.float64)
     if stratified:
@@ -183,6 +188,7 @@ def sample_kernel(sums, mins, offsets, uniforms, stratified, beta, batch_norm,
         lo = mins[0]
     for b in range(n):
         weight_out[b] = (sums[leaf_off + idx_out[b]] / lo) ** (-beta)
+    return idx_out, prob_out, weight_out
 
 
 @kernel
@@ -211,45 +217,54 @@ def first_bad_priority(p):
 
 
 @kernel
-def first_out_of_range(idx, n):
-    """Position of the first index outside ``[0, n)``, or -1."""
-    for i in range(idx.shape[0]):
-        if idx[i] < 0 or idx[i] >= n:
-            return i
-    return -1
+def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
+                  pending, alpha, eps, max_priority):
+    """A whole priority update in one call: check, route, transform, set.
 
-
-@kernel
-def keep_current(idx, gens_then, gens_now):
-    """Mask of batch rows whose slot was not overwritten since sampling."""
-    out = np.empty(idx.shape[0], dtype=np.bool_)
-    for i in range(idx.shape[0]):
-        out[i] = gens_now[idx[i]] == gens_then[i]
-    return out
-
-
-@kernel
-def plan_update(idx, stamps, use_stamps, gid, status):
-    """Route each row of a priority update.
-
-    Codes: 1 set the tree leaf, 2 keep as the pending value of a transition
-    whose n-step window is not complete, 0 skip (overwritten since sampling,
-    or no longer sampleable), -1 index out of range, -2 slot never written.
+    Nothing is written unless every row passes. Returns ``(code, position,
+    top)``: code 0 (done; ``top`` is the largest new leaf), 1 (a NaN,
+    infinite or negative priority at ``position``), 2 (index out of range) or
+    3 (a slot never written). ``leaves`` is either empty (computed here) or
+    precomputed by the caller. Rows are routed by slot status: sampleable ->
+    tree; waiting for its n-step window -> ``pending``; overwritten since
+    sampling (``stamps`` differ, when ``use_stamps``) or dead -> skipped.
     """
     n = gid.shape[0]
-    out = np.empty(idx.shape[0], dtype=np.int8)
-    for i in range(idx.shape[0]):
+    m = idx.shape[0]
+    for i in range(m):
+        v = p[i]
+        if not (v >= 0.0 and v < np.inf):
+            return 1, i, 0.0
         s = idx[i]
         if s < 0 or s >= n:
-            out[i] = -1
-        elif status[s] == 0:
-            out[i] = -2
-        elif use_stamps and gid[s] != stamps[i]:
-            out[i] = 0
-        elif status[s] == 1:
-            out[i] = 1
-        elif status[s] == 2:
-            out[i] = 2
-        else:
-            out[i] = 0
-    return out
+            return 2, i, 0.0
+        if status[s] == 0:
+            return 3, i, 0.0
+    if leaves.shape[0] != m:
+        leaves = np.empty(m, dtype=np.float64)
+        top = to_leaves(p, alpha, eps, max_priority, leaves)
+    else:
+        top = 0.0
+        for i in range(m):
+            top = max(top, leaves[i])
+    keep = np.empty(m, dtype=np.bool_)
+    all_tree = True
+    for i in range(m):
+        s = idx[i]
+        st = status[s]
+        if use_stamps and gid[s] != stamps[i]:
+            st = 0
+        keep[i] = st == 1
+        if st == 2:
+            pending[s] = leaves[i]
+        if st != 1:
+            all_tree = False
+    if not all_tree:
+        idx = idx[keep]
+        leaves = leaves[keep]
+    if idx.shape[0] * 8 >= n and idx.shape[0] > 1024:
+        # Walking every ancestor of that many leaves costs more than one O(N) rebuild.
+        tree_set_many(sums, mins, offsets, sizes, idx, leaves)
+    else:
+        tree_set(sums, mins, offsets, idx, leaves)
+    return 0, -1, top

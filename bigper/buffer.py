@@ -7,11 +7,17 @@ import numpy as np
 from . import _kernels as K
 from . import nstep
 from ._ingest import Ingest
+from ._torch import as_numpy
 from .batch import Batch
 from .config import Config
 from .errors import IncompatibleSnapshotError
 from .storage import open_storage
 from .tree import PriorityTree
+
+_EMPTY = np.zeros(0, dtype=np.float64)
+# Lookup by the ends bits (1 terminated, 2 truncated): a take() beats a kernel call for a batch.
+_TERM = np.array([False, True, False, True])
+_TRUNC = np.array([False, False, True, True])
 
 # Slot status: what a slot holds right now.
 EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3
@@ -79,6 +85,7 @@ class PrioritizedReplayBuffer:
         self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
         self._gamma = cfg.gamma
         self._norm_batch = cfg.weight_norm == "batch"
+        self._discount1 = np.array([cfg.gamma, 0.0, cfg.gamma, 0.0], dtype=np.float32)
         c = cfg.capacity
         self._ingest = Ingest(cfg)
         self._store = store
@@ -175,8 +182,8 @@ class PrioritizedReplayBuffer:
         gids = np.arange(g0, g0 + m, dtype=np.int64)
         slots = gids % c
         where = slots[0] if m == 1 else (slice(slots[0], slots[0] + m) if slots[0] + m <= c else slots)
-        for name, values in rows.items():
-            self._store.write(name, where, values[0] if m == 1 else values)
+        for name in self._ingest.stored:
+            self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
         if leaves is None:
             leaves = np.full(m, self._max_leaf)
         else:
@@ -238,15 +245,16 @@ class PrioritizedReplayBuffer:
         read = self._store.read
         if cfg.n_step == 1:
             data = {name: read(name, idx) for name in self._ingest.stored}
-            data["discount"] = np.where(data["terminated"], 0.0, self._gamma).astype(np.float32)
+            e = self._ends.take(idx)
+            data["terminated"] = _TERM.take(e)
+            data["truncated"] = _TRUNC.take(e)
+            data["discount"] = self._discount1.take(e)
             return data
         slots, discount, term, trunc = nstep.nstep_view(
             self._gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self._ends, self._gamma)
         last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
         data = {}
         for name in self._ingest.stored:
-            if name in ("terminated", "truncated"):
-                continue
             src = last if name.startswith("next_") and name[5:] in cfg.next_of else idx
             data[name] = read(name, src)
         rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
@@ -274,24 +282,22 @@ class PrioritizedReplayBuffer:
             idx = _as_index(target)
             stamps, use = idx, False
         p = _as_priorities(priorities, idx.shape[0])
-        codes = K.plan_update(idx, stamps, use, self._gid, self._status)
-        worst = codes.min() if codes.shape[0] else 0
-        if worst < 0:
-            i = int(np.argmax(codes < 0))
-            why = "out of range [0, capacity)" if codes[i] == -1 else "a slot never written"
-            raise IndexError(f"indices[{i}] = {idx[i]} is {why} (capacity={self.capacity}, "
+        cfg = self.config
+        # numpy's pow is vectorized; the kernel's is a scalar call per row.
+        with np.errstate(invalid="ignore"):
+            pre = np.power(np.minimum(p, self._maxp) + cfg.eps, cfg.alpha) if p.shape[0] > 4096 else _EMPTY
+        t = self._tree
+        code, pos, top = K.update_kernel(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps, use,
+                                         self._gid, self._status, self._pending, cfg.alpha, cfg.eps,
+                                         self._maxp)
+        if code == 1:
+            raise ValueError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
+        if code:
+            why = "out of range [0, capacity)" if code == 2 else "a slot never written"
+            raise IndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity}, "
                              f"len={len(self)})")
-        leaves = np.empty(p.shape[0], dtype=np.float64)
-        top = K.to_leaves(p, self.config.alpha, self.config.eps, self._maxp, leaves)
         if top > self._max_leaf:
             self._max_leaf = top
-        if codes.min() == 1:  # the common case: every row goes to the tree
-            self._tree.set(idx, leaves)
-            return
-        live = codes == 1
-        self._tree.set(idx[live], leaves[live])
-        pend = codes == 2
-        self._pending[idx[pend]] = leaves[pend]
 
     # -- rooms at the edge (snapshots, offline datasets, shards) -----------------
     def save(self, snapshot) -> None:
@@ -376,15 +382,17 @@ class PrioritizedReplayBuffer:
 
 
 def _to_leaves(p: np.ndarray, alpha: float, eps: float, maxp: float) -> np.ndarray:
-    """Leaf values for validated priorities."""
+    """Leaf values ``(min(p, maxp) + eps) ** alpha`` for validated priorities."""
+    if p.shape[0] > 4096:  # numpy's pow is vectorized; the kernel's is a scalar call
+        return np.power(np.minimum(p, maxp) + eps, alpha)
     out = np.empty(p.shape[0], dtype=np.float64)
     K.to_leaves(p, alpha, eps, maxp, out)
     return out
 
 
 def _as_index(x) -> np.ndarray:
-    from ._torch import as_numpy
-
+    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
+        return x
     a = np.asarray(as_numpy(x))
     if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
         raise TypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
@@ -392,17 +400,15 @@ def _as_index(x) -> np.ndarray:
 
 
 def _as_priorities(x, n: int) -> np.ndarray:
-    from ._torch import as_numpy
-
-    p = np.asarray(as_numpy(x))
-    if p.dtype.kind not in "fiub":
-        raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
-    p = np.ascontiguousarray(p, dtype=np.float64)
+    if type(x) is np.ndarray and x.dtype == np.float64 and x.flags.c_contiguous:
+        p = x
+    else:
+        p = np.asarray(as_numpy(x))
+        if p.dtype.kind not in "fiub":
+            raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
+        p = np.ascontiguousarray(p, dtype=np.float64)
     if p.ndim == 2 and p.shape[1] == 1:
         p = p[:, 0]
     if p.ndim != 1 or p.shape[0] != n:
         raise ValueError(f"priorities must have shape ({n},) to match the indices, got {p.shape}")
-    bad = K.first_bad_priority(p)
-    if bad >= 0:
-        raise ValueError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
     return p

@@ -9,8 +9,8 @@
     level 2 (leaves) 1 2 .5  0 3 1     .5               may have fewer
 
 All levels live in one flat float64 array, root first (``offsets``/``sizes``
-say where each level starts and how long it is). With ``k = 16`` a node's
-children are two adjacent cache lines, and 2**20 leaves need 5 levels.
+say where each level starts and how long it is). With ``k = 8`` a node's
+children are one cache line, and 2**20 leaves need 7 levels.
 A zero leaf is not sampleable; the min tree ignores it.
 """
 
@@ -101,7 +101,11 @@ class PriorityTree:
     # -- writing (indices and values already validated) ---------------------
     def set(self, idx: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``idx`` (int64) to ``values`` (float64 >= 0); the last duplicate wins."""
-        K.tree_set(self.sums, self.mins, self.offsets, idx, values)
+        if idx.shape[0] * 8 >= self.capacity and idx.shape[0] > 1024:
+            # Walking every ancestor of that many leaves costs more than one O(N) rebuild.
+            K.tree_set_many(self.sums, self.mins, self.offsets, self.sizes, idx, values)
+        else:
+            K.tree_set(self.sums, self.mins, self.offsets, idx, values)
 
     def set_all(self, values: np.ndarray) -> None:
         """Replace every leaf and rebuild the tree in O(N)."""
@@ -117,14 +121,8 @@ class PriorityTree:
 
     def sample(self, uniforms: np.ndarray, *, stratified: bool, beta: float, batch_norm: bool):
         """Indices, probabilities and IS weights for uniforms in ``[0, 1)``."""
-        n = uniforms.shape[0]
-        idx = np.empty(n, dtype=np.int64)
-        prob = np.empty(n, dtype=np.float64)
-        w = np.empty(n, dtype=np.float32)
-        K.sample_kernel(self.sums, self.mins, self.offsets, uniforms,
-                        stratified, float(beta), batch_norm or self.mins.shape[0] == 0,
-                        idx, prob, w)
-        return idx, prob, w
+        return K.sample_kernel(self.sums, self.mins, self.offsets, uniforms, stratified,
+                               float(beta), batch_norm or self.mins.shape[0] == 0)
 
     # -- state ---------------------------------------------------------------
     def check(self, rel: float = 1e-9) -> list[str]:

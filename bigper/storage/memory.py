@@ -20,7 +20,8 @@ class MemoryStorage:
             self.arrays[name] = np.zeros((rows, *shape), dtype=dtype)
 
     def read(self, name, rows):
-        return self.arrays[name][rows]
+        # take() is several times faster than fancy indexing for a small batch of rows.
+        return self.arrays[name].take(rows, axis=0)
 
     def write(self, name, rows, values):
         self.arrays[name][rows] = values
