@@ -11,6 +11,7 @@ from ._torch import as_numpy
 from .batch import Batch
 from .config import Config
 from .errors import IncompatibleSnapshotError
+from .frames import FrameStore
 from .storage import open_storage
 from .tree import PriorityTree
 
@@ -89,7 +90,15 @@ class PrioritizedReplayBuffer:
         c = cfg.capacity
         self._ingest = Ingest(cfg)
         self._store = store
-        store.allocate({name: (c, shape, dtype) for name, (shape, dtype) in self._ingest.stored.items()})
+        self._frames = FrameStore(cfg, store) if cfg.frame_stack else None
+        # Fields stored row by row; with frame stacks, obs and next_obs go to the frame ring.
+        framed = ("obs", "next_obs") if self._frames is not None else ()
+        self._plain = {n: v for n, v in self._ingest.stored.items() if n not in framed}
+        self._successors = {f"next_{n}" for n in cfg.next_of}
+        specs = {name: (c, shape, dtype) for name, (shape, dtype) in self._plain.items()}
+        if self._frames is not None:
+            specs.update(self._frames.specs())
+        store.allocate(specs)
         self._tree = PriorityTree(c, track_min=not self._norm_batch)
         self._gid = np.full(c, -1, dtype=np.int64)
         self._status = np.zeros(c, dtype=np.uint8)
@@ -109,6 +118,10 @@ class PrioritizedReplayBuffer:
                 "rng": self._rng.bit_generator.state}
         arrays = {"leaves": self._tree.leaves, "gid": self._gid, "status": self._status,
                   "ends": self._ends, "pending": self._pending}
+        if self._frames is not None:
+            fmeta, farrays = self._frames.state()
+            meta["frames"] = fmeta
+            arrays.update(farrays)
         return meta, arrays
 
     def _restore(self, meta: dict, arrays: dict) -> None:
@@ -128,6 +141,8 @@ class PrioritizedReplayBuffer:
         self._max_leaf = float(meta["max_leaf"])
         self._beta_step = int(meta["beta_step"])
         self._rng.bit_generator.state = meta["rng"]
+        if self._frames is not None:
+            self._frames.restore(meta["frames"], arrays)
 
     # -- sizes -----------------------------------------------------------------
     @property
@@ -169,44 +184,54 @@ class PrioritizedReplayBuffer:
 
     def _write(self, rows: dict, leaves) -> None:
         m = rows["terminated"].shape[0]
-        if m == 0:
-            return
+        c = self.config.capacity
+        # More rows than slots: write in chunks of at most `capacity`, so that
+        # slots within one write are distinct and every frame stream stays whole.
+        for lo in range(0, m, c):
+            hi = min(lo + c, m)
+            self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
+                              None if leaves is None else leaves[lo:hi])
+
+    def _write_chunk(self, rows: dict, leaves) -> None:
         cfg = self.config
         c = cfg.capacity
+        m = rows["terminated"].shape[0]
         g0 = self._count
-        if m > c:  # only the newest `capacity` survive; skip writing the rest
-            skip = m - c
-            rows = {n: v[skip:] for n, v in rows.items()}
-            leaves = None if leaves is None else leaves[skip:]
-            g0, m = g0 + skip, c
         gids = np.arange(g0, g0 + m, dtype=np.int64)
         slots = gids % c
         where = slots[0] if m == 1 else (slice(slots[0], slots[0] + m) if slots[0] + m <= c else slots)
-        for name in self._ingest.stored:
+        ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
+        for name in self._plain:
             self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
+        if self._frames is not None:
+            self._frames.write(rows, gids, slots, where, ends)
         if leaves is None:
             leaves = np.full(m, self._max_leaf)
         else:
             leaves = _to_leaves(leaves, cfg.alpha, cfg.eps, self._maxp)
             self._max_leaf = max(self._max_leaf, float(leaves.max()))
         self._gid[slots] = gids
-        self._ends[slots] = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
+        self._ends[slots] = ends
         self._count = g0 + m
         if cfg.n_step == 1:
             self._status[slots] = LIVE
             self._tree.set(slots, leaves)
-            return
-        self._status[slots] = PENDING
-        self._pending[slots] = leaves
-        self._tree.set(slots, np.zeros(m))
-        first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
-        ready = np.empty(self._count - first, dtype=np.int64)
-        r = nstep.complete(first, self._count, c, cfg.num_envs, cfg.n_step, self._ends,
-                           self._gid, self._status, ready)
-        if r:
-            ready = ready[:r]
-            self._status[ready] = LIVE
-            self._tree.set(ready, self._pending[ready])
+        else:
+            self._status[slots] = PENDING
+            self._pending[slots] = leaves
+            self._tree.set(slots, np.zeros(m))
+            first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
+            ready = np.empty(self._count - first, dtype=np.int64)
+            r = nstep.complete(first, self._count, c, cfg.num_envs, cfg.n_step, self._ends,
+                               self._gid, self._status, ready)
+            if r:
+                ready = ready[:r]
+                self._status[ready] = LIVE
+                self._tree.set(ready, self._pending[ready])
+        if self._frames is not None:
+            dead = self._frames.expire(self._count, self._gid, self._status)
+            if dead.shape[0]:
+                self._tree.set(dead, np.zeros(dead.shape[0]))
 
     # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:
@@ -244,23 +269,26 @@ class PrioritizedReplayBuffer:
         cfg = self.config
         read = self._store.read
         if cfg.n_step == 1:
-            data = {name: read(name, idx) for name in self._ingest.stored}
+            last = idx
             e = self._ends.take(idx)
-            data["terminated"] = _TERM.take(e)
-            data["truncated"] = _TRUNC.take(e)
-            data["discount"] = self._discount1.take(e)
-            return data
-        slots, discount, term, trunc = nstep.nstep_view(
-            self._gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self._ends, self._gamma)
-        last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
+            term, trunc, disc = _TERM.take(e), _TRUNC.take(e), self._discount1.take(e)
+        else:
+            slots, disc, term, trunc = nstep.nstep_view(
+                self._gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self._ends, self._gamma)
+            last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
         data = {}
-        for name in self._ingest.stored:
-            src = last if name.startswith("next_") and name[5:] in cfg.next_of else idx
-            data[name] = read(name, src)
-        rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
-        data["reward"] = nstep.discounted_sum(rewards, slots, self._gamma).astype(
-            cfg.dtype("reward") if cfg.dtype("reward").kind == "f" else np.float32)
-        data["terminated"], data["truncated"], data["discount"] = term, trunc, discount
+        for name in self._plain:
+            data[name] = read(name, last if name in self._successors else idx)
+        if self._frames is not None:
+            data["obs"] = self._frames.stacks("obs_ref", idx)
+            if "obs" in cfg.next_of:
+                data["next_obs"] = self._frames.stacks("next_obs_ref", last)
+        if cfg.n_step > 1:
+            rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
+            rdt = cfg.dtype("reward")
+            data["reward"] = nstep.discounted_sum(rewards, slots, self._gamma).astype(
+                rdt if rdt.kind == "f" else np.float32)
+        data["terminated"], data["truncated"], data["discount"] = term, trunc, disc
         return data
 
     # -- priorities ------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""Frame stacks stored once: a ring of frames and per-transition references.
+
+With ``frame_stack=k`` the ``"obs"`` field is a stack of ``k`` frames on axis
+0. Each transition keeps the global ids of the frames of its ``obs`` stack
+(``obs_ref``) and of its ``next_obs`` stack (``next_obs_ref``); frame ``f``
+lives in row ``f % F`` of the frame ring (``F`` frames, a little more than
+the capacity). A frame is written only when it is new::
+
+    step t    obs      [a b c d]   -> refs of the previous step's next_obs
+              next_obs [b c d e]   -> refs [b c d] shared, e written: 1 frame a step
+
+What is compared is always the bytes, so any input comes back exactly: a
+stack that does not continue the previous step's next_obs (a reset without an
+end flag, other padding) has its frames written, each distinct frame once.
+
+A transition is valid while all its frames are in the ring. Along one env's
+stream the oldest frame a transition references never decreases, so one
+pointer per env finds the transitions whose frames were just overwritten;
+they are marked dead (leaf 0) and never sampled again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._kernels import kernel
+
+
+def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
+    """Frames in the ring: one a step, plus room for episode starts (about
+    1.6%) and for the stacks of every env in flight."""
+    return capacity + capacity // 64 + (k + 1) * num_envs + 1
+
+
+@kernel
+def _same(a, b):
+    """Byte arrays of equal length hold the same bytes (blockwise, so the
+    inner loop vectorizes; stops at the first differing block)."""
+    n = a.shape[0]
+    i = 0
+    while i < n:
+        end = min(i + 256, n)
+        acc = 0
+        for j in range(i, end):
+            acc |= a[j] ^ b[j]
+        if acc != 0:
+            return False
+        i = end
+    return True
+
+
+@kernel
+def _new_frame(src, dst, n_new, fw):
+    dst[n_new, :] = src
+    return fw + 1, n_new + 1
+
+
+@kernel
+def assign_refs(obs, nxt, env, ends, last_frames, last_ref, has_last, fw, has_next,
+                obs_ref, next_ref, new_frames):
+    """Frame references for ``m`` transitions, in order.
+
+    ``obs``, ``nxt``: (m, k, P) uint8 bytes of the stacks; ``env``: (m,) env
+    of each row; ``last_*``: per env, the bytes and refs of the stack the
+    next step should continue (the previous next_obs, or the previous obs
+    shifted by one when next_obs is not stored) and whether the stream goes
+    on (no episode end since). A frame reuses a reference when its bytes
+    equal the frame it continues or the frame before it in the same stack;
+    otherwise it is copied into ``new_frames`` and numbered from ``fw``.
+    Returns the new frame count.
+    """
+    m, k = obs.shape[0], obs.shape[1]
+    n_new = 0
+    shift = 0 if has_next else 1
+    for r in range(m):
+        e = env[r]
+        for j in range(k):
+            src = j + shift
+            if has_last[e] and src < k and _same(obs[r, j], last_frames[e, src]):
+                obs_ref[r, j] = last_ref[e, src]
+            elif j > 0 and _same(obs[r, j], obs[r, j - 1]):
+                obs_ref[r, j] = obs_ref[r, j - 1]
+            else:
+                obs_ref[r, j] = fw
+                fw, n_new = _new_frame(obs[r, j], new_frames, n_new, fw)
+        if has_next:
+            for j in range(k):
+                if j < k - 1 and _same(nxt[r, j], obs[r, j + 1]):
+                    next_ref[r, j] = obs_ref[r, j + 1]
+                elif j > 0 and _same(nxt[r, j], nxt[r, j - 1]):
+                    next_ref[r, j] = next_ref[r, j - 1]
+                else:
+                    next_ref[r, j] = fw
+                    fw, n_new = _new_frame(nxt[r, j], new_frames, n_new, fw)
+            last_frames[e] = nxt[r]
+            last_ref[e] = next_ref[r]
+        else:
+            last_frames[e] = obs[r]
+            last_ref[e] = obs_ref[r]
+        has_last[e] = ends[r] == 0
+    return fw
+
+
+@kernel
+def expire(ptr, count, capacity, k_envs, oldest_frame, minref, gid, status, out):
+    """Advance each env's pointer past transitions whose oldest frame is
+    below ``oldest_frame`` (overwritten); write their slots to ``out`` (those
+    still live or pending) and return how many."""
+    n = 0
+    for e in range(ptr.shape[0]):
+        g = ptr[e]
+        first_live = count - capacity
+        if g < first_live:  # skip what the ring itself has overwritten
+            g += ((first_live - g + k_envs - 1) // k_envs) * k_envs
+        while g < count:
+            s = g % capacity
+            if gid[s] == g and minref[s] >= oldest_frame:
+                break
+            if gid[s] == g and (status[s] == 1 or status[s] == 2):
+                status[s] = 3
+                out[n] = s
+                n += 1
+            g += k_envs
+        ptr[e] = g
+    return n
+
+
+class FrameStore:
+    """The frame ring of one buffer: assigns references when steps are
+    written, expires transitions whose frames were overwritten, and rebuilds
+    stacks at sample time."""
+
+    def __init__(self, cfg, store):
+        self.k = cfg.frame_stack
+        obs_shape = cfg.shape("obs")
+        self.frame_shape = tuple(obs_shape[1:])
+        self.dtype = cfg.dtype("obs")
+        self.row_bytes = int(np.prod(self.frame_shape)) * self.dtype.itemsize
+        self.has_next = "obs" in cfg.next_of
+        self.num_envs = cfg.num_envs
+        self.capacity = cfg.capacity
+        self.F = frame_capacity(cfg.capacity, self.k, cfg.num_envs)
+        self.store = store
+        # Mutable state: frames written, per-env stream continuity, expiry pointers.
+        self.fw = 0
+        self.last_frames = np.zeros((self.num_envs, self.k, self.row_bytes), dtype=np.uint8)
+        self.last_ref = np.zeros((self.num_envs, self.k), dtype=np.int64)
+        self.has_last = np.zeros(self.num_envs, dtype=np.bool_)
+        self.ptr = np.arange(self.num_envs, dtype=np.int64)
+        self.minref = np.zeros(cfg.capacity, dtype=np.int64)
+
+    def specs(self) -> dict:
+        """Arrays the storage holds: name -> (rows, shape, dtype)."""
+        out = {"frames": (self.F, self.frame_shape, self.dtype),
+               "obs_ref": (self.capacity, (self.k,), np.dtype(np.int64))}
+        if self.has_next:
+            out["next_obs_ref"] = (self.capacity, (self.k,), np.dtype(np.int64))
+        return out
+
+    def _bytes(self, stacks: np.ndarray) -> np.ndarray:
+        m = stacks.shape[0]
+        return np.ascontiguousarray(stacks).view(np.uint8).reshape(m, self.k, self.row_bytes)
+
+    def write(self, rows: dict, gids, slots, where, ends: np.ndarray) -> None:
+        """Store the frames of ``rows["obs"]``/``rows["next_obs"]`` that are
+        new and the references of every row at ``where`` (slots ``slots``)."""
+        m = ends.shape[0]
+        obs = self._bytes(rows["obs"])
+        nxt = self._bytes(rows["next_obs"]) if self.has_next else obs
+        env = gids % self.num_envs
+        obs_ref = np.empty((m, self.k), dtype=np.int64)
+        next_ref = np.empty((m, self.k), dtype=np.int64)
+        new = np.empty((2 * m * self.k, self.row_bytes), dtype=np.uint8)
+        fw0 = self.fw
+        fw = assign_refs(obs, nxt, env, ends, self.last_frames, self.last_ref, self.has_last,
+                         fw0, self.has_next, obs_ref, next_ref, new)
+        n_new = fw - fw0
+        if n_new:
+            frames = new[:n_new].view(self.dtype).reshape((n_new, *self.frame_shape))
+            first = fw0 % self.F
+            dest = slice(first, first + n_new) if first + n_new <= self.F else np.arange(fw0, fw) % self.F
+            if n_new > self.F:  # only the newest F frames survive
+                frames, dest = frames[-self.F:], np.arange(fw - self.F, fw) % self.F
+            self.store.write("frames", dest, frames)
+        self.fw = fw
+        one = m == 1
+        self.store.write("obs_ref", where, obs_ref[0] if one else obs_ref)
+        lo = obs_ref.min(axis=1)
+        if self.has_next:
+            self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
+            lo = np.minimum(lo, next_ref.min(axis=1))
+        self.minref[slots] = lo
+
+    def expire(self, count: int, gid, status) -> np.ndarray:
+        """Slots of transitions whose frames are gone; they are marked dead."""
+        oldest = self.fw - self.F
+        if oldest <= 0:
+            return np.zeros(0, dtype=np.int64)
+        out = np.empty(self.capacity, dtype=np.int64)
+        n = expire(self.ptr, count, self.capacity, self.num_envs, oldest, self.minref, gid, status, out)
+        return out[:n]
+
+    def stacks(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """``(B, k, *frame)`` stacks of ``name`` ("obs_ref" or "next_obs_ref") at ``slots``."""
+        refs = self.store.read(name, slots)
+        frames = self.store.read("frames", (refs % self.F).ravel())
+        return frames.reshape((slots.shape[0], self.k, *self.frame_shape))
+
+    # -- state ---------------------------------------------------------------
+    def state(self) -> tuple[dict, dict]:
+        return ({"fw": self.fw},
+                {"frames_last": self.last_frames, "frames_last_ref": self.last_ref,
+                 "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref})
+
+    def restore(self, meta: dict, arrays: dict) -> None:
+        self.fw = int(meta["fw"])
+        self.last_frames[:] = arrays["frames_last"]
+        self.last_ref[:] = arrays["frames_last_ref"]
+        self.has_last[:] = arrays["frames_has_last"]
+        self.ptr[:] = arrays["frames_ptr"]
+        self.minref[:] = arrays["frames_minref"]
