@@ -1,0 +1,161 @@
+"""The shard: a Ray actor that holds one local bigper buffer.
+
+Every method runs to completion before the next starts (a synchronous actor),
+so each call sees and leaves the buffer in a consistent state. Calls from one
+caller run in the order it made them; calls from different callers (writer
+actors, the learner) interleave call by call.
+
+Each reply that the coordinator uses for sampling carries the shard's
+*stats* after the call: ``(total, min_leaf, len, max_leaf, epoch)``.
+
+``epoch`` is 0 for the shard's first incarnation and a random non-zero number
+after Ray restarted it; it is stored in the top bits of the generations a
+batch carries, so a priority update computed against a shard's earlier life
+is skipped instead of landing on a slot the restored shard rewrote.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..batch import Batch
+from ..buffer import PrioritizedReplayBuffer
+from ._manifest import read_recovery_pointer
+
+EPOCH_SHIFT = 48
+GID_MASK = (1 << EPOCH_SHIFT) - 1
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k}"
+
+
+def shard_path(root, k: int, storage: str):
+    """Where shard ``k`` keeps live data under ``root`` (a disk storage), else None."""
+    if root is None or storage == "memory":
+        return None
+    name = shard_name(k) + (".h5" if storage == "hdf5" else "")
+    return str(Path(root) / name)
+
+
+def _reconstructed() -> bool:
+    import ray
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _leaves(buf, batch) -> np.ndarray:
+    """The sampled leaves, exactly (``probabilities * total`` can be off by an ulp)."""
+    tree = getattr(buf, "_tree", None)
+    if tree is not None:
+        return tree.leaves[batch.indices]
+    return batch.probabilities * buf.total_priority
+
+
+class Shard:
+    """Actor body. ``spec`` holds: ``shard`` (its number), ``kwargs`` (the local
+    buffer's keywords, capacity included), ``path`` (live data, disk storages),
+    ``recovery_dir`` (where the pointer to the latest snapshot lives) and
+    ``load_from`` (a shard snapshot to start from)."""
+
+    def __init__(self, spec: dict):
+        self.k = int(spec["shard"])
+        self.path = spec.get("path")
+        self.epoch = 0
+        snap = spec.get("load_from")
+        if _reconstructed():
+            self.epoch = int.from_bytes(os.urandom(2), "little") % ((1 << 15) - 1) + 1
+            latest = read_recovery_pointer(spec.get("recovery_dir"))
+            snap = None if latest is None else str(Path(latest) / shard_name(self.k))
+            if snap is None and self.path is not None and os.path.exists(self.path):
+                # No snapshot to resume from: the dead incarnation's directory is
+                # unclean (see UncleanStorageError); keep it aside, start empty.
+                aside = f"{self.path}.crashed-{int(time.time())}"
+                shutil.move(self.path, aside)
+                warnings.warn(f"shard {self.k} restarted without a snapshot; its old data "
+                              f"was moved to {aside} and it starts empty")
+        if snap is not None:
+            self.buf = PrioritizedReplayBuffer.load(snap, path=self.path)
+        else:
+            self.buf = PrioritizedReplayBuffer(**spec["kwargs"], path=self.path)
+        self.restored_from = snap
+
+    # -- stats -------------------------------------------------------------------
+    def stats(self, max_leaf_hint: float = 0.0) -> tuple:
+        b = self.buf
+        if max_leaf_hint > b._max_leaf:
+            # New transitions get the largest leaf seen on any shard.
+            b._max_leaf = float(max_leaf_hint)
+        return (b.total_priority, b.min_leaf, len(b), b._max_leaf, self.epoch)
+
+    def info(self) -> dict:
+        return {"shard": self.k, "len": len(self.buf), "capacity": self.buf.capacity,
+                "total_priority": self.buf.total_priority, "epoch": self.epoch,
+                "restored_from": self.restored_from, "pid": os.getpid()}
+
+    # -- writing -----------------------------------------------------------------
+    def extend(self, data: dict, priorities=None) -> int:
+        self.buf.extend(data, priorities)
+        return len(self.buf)
+
+    def update(self, slots, stamps, priorities, max_leaf_hint: float) -> tuple:
+        """``stamps``: encoded generations of a batch (rows from another epoch are
+        skipped), or None for raw slots."""
+        if stamps is None:
+            self.buf.update_priorities(slots, priorities)
+        else:
+            keep = (stamps >> EPOCH_SHIFT) == self.epoch
+            if not keep.all():
+                slots, stamps, priorities = slots[keep], stamps[keep], priorities[keep]
+            if slots.shape[0]:
+                target = Batch({}, slots, None, None, stamps & GID_MASK)
+                self.buf.update_priorities(target, priorities)
+        return self.stats(max_leaf_hint)
+
+    # -- sampling ----------------------------------------------------------------
+    def sample(self, targets, seen_total: float, beta: float, max_leaf_hint: float):
+        """Sample at local prefix-sum ``targets`` laid out against ``seen_total``.
+
+        Returns ``(part, stats)``; ``part`` is None when ``targets`` is empty.
+        When this shard's total moved since the coordinator saw it (a writer
+        added, an update landed), the targets are rescaled onto the current
+        total, so the draw inside the shard stays exactly proportional to the
+        current leaves; ``part["scale"] = seen_total / total`` lets the
+        coordinator report the probability the draw really had.
+        """
+        b = self.buf
+        stats = self.stats(max_leaf_hint)
+        if targets.shape[0] == 0:
+            return None, stats
+        total = stats[0]
+        if not total > 0:
+            return {"empty": True}, stats
+        scale = 1.0
+        if total != seen_total:
+            scale = seen_total / total
+            targets = np.minimum(targets / scale, np.nextafter(total, 0.0))
+        else:
+            targets = np.minimum(targets, np.nextafter(total, 0.0))
+        batch = b.sample_at(targets, beta=beta)
+        idx = batch.indices
+        part = {"data": batch.data, "slots": idx, "leaves": _leaves(b, batch),
+                "local_prob": batch.probabilities, "scale": scale,
+                "gens": batch.generations | (self.epoch << EPOCH_SHIFT)}
+        return part, stats
+
+    # -- persistence -------------------------------------------------------------
+    def save(self, snapshot: str) -> dict:
+        self.buf.save(snapshot)
+        return {"len": len(self.buf), "total_priority": self.buf.total_priority,
+                "epoch": self.epoch}
+
+    def close(self) -> None:
+        self.buf.close()

@@ -1,0 +1,189 @@
+"""ShardWriter: the handle writers use to add to a sharded buffer.
+
+It holds the shard actors' handles and the buffer's config, so it pickles
+small and can be passed to other Ray actors (``buf.writer()``). It checks
+every step exactly as a local buffer would (same errors, raised at ``add``),
+collects steps into chunks of ``chunk_size`` and sends each chunk to the next
+shard, round robin, as one ``extend`` call, with at most ``max_in_flight``
+chunks unacknowledged.
+
+With ``n_step > 1`` or ``frame_stack`` a chunk must not cut an episode (the
+n-step window or frame stack would run into another writer's steps on that
+shard), so chunks end at episode ends, and the steps of an unfinished episode
+stay with the writer until the episode ends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._ingest import Ingest
+from ..config import Config
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+class ShardWriter:
+    """Adds transitions to a ``ShardedPrioritizedBuffer`` from any process.
+
+    Get one with ``ShardedPrioritizedBuffer.writer()``; ``add`` and ``extend``
+    take what the local buffer's take. Call ``flush()`` to send what is
+    pending and wait until every shard has stored it.
+    """
+
+    def __init__(self, shards, config: dict, *, start: int = 0, chunk_size: int = 256,
+                 max_in_flight: int = 4):
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, (int, np.integer)) \
+                or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        self._shards = list(shards)
+        self._config = config
+        self._start = int(start)
+        self.chunk_size = int(chunk_size)
+        self.max_in_flight = int(max_in_flight)
+        self._setup()
+
+    def _setup(self) -> None:
+        cfg = Config.from_dict(self._config)
+        self._ingest = Ingest(cfg)
+        self._envs = cfg.num_envs
+        self._episodic = cfg.n_step > 1 or cfg.frame_stack is not None
+        self._next = self._start % len(self._shards)
+        self._pieces: list[tuple[dict, np.ndarray | None]] = []  # rows (m*envs, ...), priorities
+        self._pending = 0  # steps in _pieces
+        self._in_flight: list[list] = []  # [ref, shard, data, priorities, attempts]
+        self.sent = 0  # steps handed to shards
+
+    # -- pickling: a fresh, empty writer on the other side -------------------------
+    def __getstate__(self):
+        if self._pending or self._in_flight:
+            raise RuntimeError("flush() this ShardWriter before passing it to another process: "
+                               f"{self._pending} step(s) pending, {len(self._in_flight)} chunk(s) in flight")
+        return {"shards": self._shards, "config": self._config, "start": self._start,
+                "chunk_size": self.chunk_size, "max_in_flight": self.max_in_flight}
+
+    def __setstate__(self, state):
+        self._shards, self._config, self._start = state["shards"], state["config"], state["start"]
+        self.chunk_size, self.max_in_flight = state["chunk_size"], state["max_in_flight"]
+        self._setup()
+
+    # -- writing -------------------------------------------------------------------
+    def add(self, *, priorities=None, **step) -> None:
+        """One env step (with ``num_envs > 1``, one step of every env); see
+        ``PrioritizedReplayBuffer.add``."""
+        rows, p = self._ingest.step(step, priorities)
+        self._push(rows, p, 1)
+
+    def extend(self, data, priorities=None) -> None:
+        """Many steps; see ``PrioritizedReplayBuffer.extend``."""
+        rows, p = self._ingest.steps(data, priorities)
+        m = rows["terminated"].shape[0] // self._envs
+        if m:
+            self._push(rows, p, m)
+
+    def flush(self) -> None:
+        """Send every pending step (in episode mode: up to the last episode end)
+        and wait until the shards have stored all of it."""
+        self._send_ready(force=True)
+        self._wait(0)
+
+    @property
+    def pending(self) -> int:
+        """Steps collected here and not yet sent."""
+        return self._pending
+
+    def _push(self, rows: dict, p, m: int) -> None:
+        if self._pieces and (p is None) != (self._pieces[-1][1] is None):
+            # A chunk has priorities for every step or for none: cut here.
+            self._send_ready(force=True)
+        self._pieces.append((rows, p))
+        self._pending += m
+        if self._pending >= self.chunk_size and (
+                not self._episodic or (rows["terminated"] | rows["truncated"]).any()):
+            # In episode mode a chunk can only end where an episode ends.
+            self._send_ready(force=False)
+
+    def _send_ready(self, force: bool) -> None:
+        if not self._pending:
+            return
+        pieces = self._pieces
+        if len(pieces) == 1:
+            rows, p = pieces[0]
+        else:
+            rows = {n: np.concatenate([r[n] for r, _ in pieces]) for n in pieces[0][0]}
+            p = None if pieces[0][1] is None else np.concatenate([q for _, q in pieces])
+        e, n, c = self._envs, self._pending, self.chunk_size
+        if self._episodic:
+            ends = np.flatnonzero(rows["terminated"] | rows["truncated"])  # num_envs is 1 here
+            cuts, s = [], 0
+            for end in ends:
+                if end + 1 - s >= c:
+                    cuts.append(end + 1)
+                    s = end + 1
+            if force and ends.shape[0] and (not cuts or cuts[-1] != ends[-1] + 1):
+                cuts.append(int(ends[-1]) + 1)
+        else:
+            cuts = list(range(c, n + 1, c))
+            if force and (not cuts or cuts[-1] != n):
+                cuts.append(n)
+        s = 0
+        for cut in cuts:
+            self._send({k: v[s * e:cut * e] for k, v in rows.items()},
+                       None if p is None else p[s * e:cut * e], cut - s)
+            s = cut
+        if s == n:
+            self._pieces, self._pending = [], 0
+        elif s:
+            self._pieces = [({k: v[s * e:] for k, v in rows.items()}, None if p is None else p[s * e:])]
+            self._pending = n - s
+        elif len(pieces) > 1:
+            self._pieces = [(rows, p)]
+
+    def _send(self, rows: dict, p, m: int) -> None:
+        e = self._envs
+        if e > 1:
+            rows = {k: v.reshape((m, e) + v.shape[1:]) for k, v in rows.items()}
+            p = None if p is None else p.reshape(m, e)
+        self._submit([None, None, rows, p, 0])
+        self.sent += m
+        self._wait(self.max_in_flight)
+
+    def _submit(self, entry: list) -> None:
+        k = self._next
+        self._next = (k + 1) % len(self._shards)
+        entry[0] = self._shards[k].extend.remote(entry[2], entry[3])
+        entry[1] = k
+        self._in_flight.append(entry)
+
+    def _wait(self, most: int) -> None:
+        """Wait until at most ``most`` chunks are unacknowledged. A chunk whose
+        shard died is sent to the next shard (the dead shard restarts from its
+        snapshot, without it)."""
+        ray = _ray()
+        from ray.exceptions import RayActorError
+
+        while len(self._in_flight) > most:
+            refs = [x[0] for x in self._in_flight]
+            ready, _ = ray.wait(refs, num_returns=len(refs) - most)
+            done = set(ready)
+            keep, retry = [], []
+            for entry in self._in_flight:
+                if entry[0] not in done:
+                    keep.append(entry)
+                    continue
+                try:
+                    ray.get(entry[0])
+                except RayActorError:
+                    entry[4] += 1
+                    if entry[4] > 2 * len(self._shards):
+                        raise
+                    retry.append(entry)
+            self._in_flight = keep
+            for entry in retry:
+                self._submit(entry)

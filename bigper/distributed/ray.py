@@ -1,0 +1,527 @@
+"""ShardedPrioritizedBuffer: one bigper buffer split over Ray actors.
+
+What it guarantees
+------------------
+* **Exact proportional sampling across shards.** One seeded generator (here,
+  in the coordinator) draws every uniform; the ``B`` stratified draws are laid
+  over the shard totals end to end (see ``_sampling``), so with the shards at
+  rest ``P(i) = leaf_i / T`` over all shards, the same law a single buffer
+  follows; with one shard the batches are those of a local buffer with the
+  same seed and data. IS weights use the global ``T`` and, for
+  ``weight_norm="global"``, the smallest leaf over all shards.
+* **Totals: fresh (default) or pipelined.** ``fresh_totals=True`` asks every
+  shard for its total, then samples: two round trips, exact whenever no
+  writer lands a chunk between the two. ``fresh_totals=False`` takes one round
+  trip: each shard's reply to a sample or update carries its total, and the
+  next ``sample`` lays its draws over those (after waiting for its own
+  updates in flight); exact when nothing else wrote in between. In both modes
+  a shard whose total moved rescales its targets onto its current leaves, so
+  the draw inside it stays exactly proportional, and ``batch.probabilities``
+  and ``batch.weights`` are those of the law the draw really followed.
+* **Indices** are global slots: shard ``k`` owns ``[offsets[k], offsets[k+1])``.
+  Generations carry the shard's restart epoch in their top bits, so
+  ``update_priorities(batch, ...)`` skips slots rewritten since sampling,
+  also across a shard restart.
+* **Writes** (``add``/``extend`` here or on ``writer()`` handles in other
+  actors) go in chunks, round robin over the shards. Nothing is lost or stored
+  twice while shards live; a chunk whose shard died is sent to the next one.
+* **Faults.** ``save`` commits a snapshot of every shard plus a manifest
+  atomically and points ``recovery_dir/latest.json`` at it. Shards run with
+  ``max_restarts``; a restarted shard reloads that snapshot (what it took in
+  since is lost). While a shard is down, sampling goes on over the live
+  shards: ``P(i) = leaf_i / T_live``, which is exact over the transitions that
+  can be drawn, and ``len``/``total_priority`` count live shards only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import ray
+from ray.exceptions import RayActorError
+
+from ..batch import Batch
+from ..buffer import _as_index, _as_priorities
+from ..config import Config
+from . import _manifest as M
+from ._sampling import assemble, lay_out, shard_capacities
+from ._shard import Shard, shard_path
+from ._writer import ShardWriter
+
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_REMOTE_SHARD = None
+
+
+def _remote_shard():
+    global _REMOTE_SHARD
+    if _REMOTE_SHARD is None:
+        _REMOTE_SHARD = ray.remote(Shard)
+    return _REMOTE_SHARD
+
+
+class ShardedPrioritizedBuffer:
+    """A prioritized replay buffer whose transitions live in ``num_shards`` Ray actors.
+
+    Parameters
+    ----------
+    num_shards : int
+        Shard actors, each holding a local ``PrioritizedReplayBuffer`` of
+        ``capacity / num_shards`` transitions (its own ``path/shard-k`` on disk).
+    capacity, fields, **keywords
+        As ``bigper.PrioritizedReplayBuffer`` (``seed`` seeds the coordinator's generator).
+    placement : {"PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"}
+        Placement-group strategy for the shards' bundles.
+    num_cpus_per_shard : float
+        CPUs each shard's bundle reserves (fractions allowed).
+    recovery_dir : str or Path, optional
+        Where ``latest.json`` (the snapshot restarted shards reload) lives;
+        default ``path`` for disk storages, else a fresh temporary directory
+        (single node only: on a multi-node cluster give a shared directory).
+    fresh_totals : bool
+        Ask the shards for their totals on every ``sample`` (exact, two round
+        trips) or use the totals their last replies carried (one round trip).
+    chunk_size, max_writes_in_flight : int
+        Steps per write call, and unacknowledged write calls per writer.
+    max_updates_in_flight : int
+        Unacknowledged ``update_priorities`` calls before ``update_priorities`` waits.
+    shard_timeout_s : float
+        How long ``sample`` waits for a shard before going on without it.
+    max_restarts : int
+        Ray restarts per shard (-1: unlimited).
+    actor_options : dict, optional
+        More ``ray.remote`` options for the shard actors (memory, runtime_env, ...).
+    """
+
+    def __init__(self, num_shards, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99,
+                 alpha=0.6, eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
+                 storage="memory", path=None, next_of=None, num_envs=1, seed=0,
+                 storage_options=None, placement="PACK", num_cpus_per_shard=1.0,
+                 recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
+                 max_updates_in_flight=8, shard_timeout_s=10.0, max_restarts=-1,
+                 actor_options=None, _restore=None):
+        if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+            raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+        cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack, n_step=n_step,
+                           gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority, beta=beta,
+                           weight_norm=weight_norm, next_of=next_of, num_envs=num_envs, seed=seed,
+                           storage=storage)
+        if cfg.capacity < num_shards:
+            raise ValueError(f"capacity must be >= num_shards={num_shards}, got {capacity!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if not float(num_cpus_per_shard) > 0:
+            raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard!r}")
+        if (cfg.n_step > 1 or cfg.frame_stack) and cfg.num_envs > 1:
+            raise ValueError("a sharded buffer with n_step > 1 or frame_stack needs num_envs=1 "
+                             "(chunks must end at episode ends); give each env its own writer(), "
+                             f"got num_envs={num_envs}")
+        if storage != "memory" and path is None:
+            raise ValueError(f"storage={storage!r} needs a path=, got None")
+        self.config, self.num_shards = cfg, int(num_shards)
+        self.fresh_totals = bool(fresh_totals)
+        self.shard_timeout_s = float(shard_timeout_s)
+        self.max_updates_in_flight = int(max_updates_in_flight)
+        self._caps = shard_capacities(cfg.capacity, self.num_shards)
+        self._offsets = np.concatenate([[0], np.cumsum(self._caps)]).astype(np.int64)
+        self._path = None if path is None else str(Path(path).absolute())
+        self._tmp_recovery = None
+        if recovery_dir is None:
+            if self._path is not None:
+                recovery_dir = self._path
+            else:
+                recovery_dir = self._tmp_recovery = tempfile.mkdtemp(prefix="bigper-recovery-")
+        self.recovery_dir = str(Path(recovery_dir).absolute())
+        if _restore is None:
+            M.clear_recovery_pointer(self.recovery_dir)  # a pointer from an earlier run is not ours
+        else:
+            M.write_recovery_pointer(self.recovery_dir, _restore[0])
+        self._closed = True
+        self._start_shards(cfg, dict(frame_stack=frame_stack, n_step=n_step, gamma=gamma, alpha=alpha,
+                                     eps=eps, max_priority=max_priority, beta=beta,
+                                     weight_norm=weight_norm, storage=storage, next_of=next_of,
+                                     num_envs=num_envs, storage_options=storage_options),
+                           placement, float(num_cpus_per_shard), int(max_restarts),
+                           dict(actor_options or {}), _restore)
+        self._closed = False
+        self._rng = np.random.default_rng(cfg.seed)
+        self._schedule, self._beta_step = cfg.schedule, 0
+        self._norm_batch = cfg.weight_norm == "batch"
+        self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
+        self._max_leaf = 1.0
+        self._stats: list = [None] * self.num_shards  # (seq, stats) of the newest reply
+        self._seq = 0
+        self._down = [False] * self.num_shards
+        self._probes: list = [None] * self.num_shards  # a probe of a down shard, in flight
+        self._updates: list = []  # (ref, shard, seq)
+        self._writers = 1
+        self.chunk_size, self.max_writes_in_flight = int(chunk_size), int(max_writes_in_flight)
+        self._writer = ShardWriter(self._shards, cfg.to_dict(), start=0, chunk_size=chunk_size,
+                                   max_in_flight=max_writes_in_flight)
+        if _restore is not None:
+            coord = _restore[1]["coordinator"]
+            self._rng.bit_generator.state = coord["rng"]
+            self._beta_step, self._max_leaf = int(coord["beta_step"]), float(coord["max_leaf"])
+
+    def _start_shards(self, cfg, kw, placement, cpus, max_restarts, actor_options, restore):
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._pg = placement_group([{"CPU": cpus}] * self.num_shards, strategy=placement)
+        ready, _ = ray.wait([self._pg.ready()], timeout=max(60.0, self.shard_timeout_s))
+        if not ready:
+            remove_placement_group(self._pg)
+            raise RuntimeError(
+                f"could not place {self.num_shards} shard(s) of {cpus} CPU each ({placement}) "
+                f"within 60 s; the cluster has {ray.available_resources().get('CPU', 0)} CPU free. "
+                "Lower num_cpus_per_shard or add nodes.")
+        remote = _remote_shard()
+        self._shards = []
+        for k in range(self.num_shards):
+            spec = {"shard": k, "recovery_dir": self.recovery_dir,
+                    "path": shard_path(self._path, k, cfg.storage),
+                    "load_from": None if restore is None else str(Path(restore[0]) / f"shard-{k}"),
+                    "kwargs": dict(kw, capacity=int(self._caps[k]), fields=dict(cfg.fields),
+                                   seed=None if cfg.seed is None else cfg.seed + 1 + k)}
+            opts = dict(num_cpus=cpus, max_restarts=max_restarts, max_task_retries=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            self._pg, placement_group_bundle_index=k))
+            opts.update(actor_options)
+            self._shards.append(remote.options(**opts).remote(spec))
+        try:
+            ray.get([s.stats.remote(0.0) for s in self._shards])
+        except BaseException:
+            self._kill()
+            raise
+
+    # -- sizes ---------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity
+
+    @property
+    def beta(self) -> float:
+        """The beta the next ``sample`` call will use."""
+        return self._schedule(self._beta_step)
+
+    @property
+    def shard_offsets(self) -> np.ndarray:
+        """(num_shards + 1,) int64: shard ``k`` owns global indices ``[offsets[k], offsets[k+1])``."""
+        return self._offsets.copy()
+
+    def __len__(self) -> int:
+        """Transitions held by the live shards (after flushing this process's writes)."""
+        self._sync()
+        return int(sum(st[2] for st in self._probe().values()))
+
+    @property
+    def total_priority(self) -> float:
+        """Sum of the leaves of the live shards."""
+        self._sync()
+        return float(sum(st[0] for st in self._probe().values()))
+
+    def shard_info(self) -> list:
+        """Per shard: a dict (len, capacity, total_priority, epoch, restored_from, pid), or
+        None for a shard that did not answer within ``shard_timeout_s``."""
+        self._check_open()
+        refs = [s.info.remote() for s in self._shards]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.shard_timeout_s)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else None)
+            except RayActorError:
+                out.append(None)
+        return out
+
+    # -- writing ---------------------------------------------------------------------
+    def writer(self, *, chunk_size=None, max_in_flight=None) -> ShardWriter:
+        """A handle for writing from another process (pass it to a Ray actor)."""
+        self._check_open()
+        w = ShardWriter(self._shards, self.config.to_dict(), start=self._writers,
+                        chunk_size=chunk_size or self.chunk_size,
+                        max_in_flight=max_in_flight or self.max_writes_in_flight)
+        self._writers += 1
+        return w
+
+    def add(self, *, priorities=None, **step) -> None:
+        """As ``PrioritizedReplayBuffer.add``; collected into chunks (see ``flush``)."""
+        self._check_open()
+        self._writer.add(priorities=priorities, **step)
+
+    def extend(self, data, priorities=None) -> None:
+        """As ``PrioritizedReplayBuffer.extend``; sent in chunks, round robin."""
+        self._check_open()
+        self._writer.extend(data, priorities)
+
+    def flush(self) -> None:
+        """Send this process's pending steps and wait until the shards stored them
+        and applied every priority update sent so far."""
+        self._sync()
+        self._reap(0)
+
+    def _sync(self) -> None:
+        self._check_open()
+        self._writer.flush()
+
+    # -- sampling --------------------------------------------------------------------
+    def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:
+        """Draw ``batch_size`` transitions over all live shards, ``P(i) = leaf_i / T``.
+
+        Same arguments and same ``Batch`` as ``PrioritizedReplayBuffer.sample``;
+        ``indices`` are global (see ``shard_offsets``).
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if beta is not None:
+            b = float(beta)
+            if not (b >= 0 and b < np.inf):
+                raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
+        else:
+            b = self._schedule(self._beta_step)
+        self._sync()
+        self._reap(self.max_updates_in_flight)
+        n = int(batch_size)
+        for _ in range(self.num_shards + 2):
+            if self.fresh_totals:
+                stats = self._probe()
+            else:
+                self._reap(0)
+                stats = self._cached_stats()
+            totals = np.array([stats[s][0] if s in stats else 0.0 for s in range(self.num_shards)])
+            if not totals.sum() > 0:
+                raise ValueError(
+                    f"cannot sample: no sampleable transition (len={sum(st[2] for st in stats.values())} "
+                    f"on {len(stats)} live shard(s) of {self.num_shards})")
+            shard, local, total = lay_out(self._rng.random(n), totals, bool(stratified))
+            calls = {}
+            for s in stats:
+                pos = np.flatnonzero(shard == s)
+                if pos.shape[0] or not self.fresh_totals:
+                    calls[s] = (pos, self._call(s, "sample", local[pos], totals[s], b, self._max_leaf))
+            got = self._gather(calls)
+            if got is None:
+                continue  # a shard died or emptied mid-call: draw again over the live ones
+            parts, positions = got
+            floor = min([st[1] * (parts[s]["scale"] if s in parts else 1.0) for s, st in stats.items()
+                         if st[1] < np.inf] or [np.inf])
+            batch = assemble(n, parts, positions, self._offsets, total, floor, b, self._norm_batch)
+            self._beta_step += 1
+            return batch
+        raise RuntimeError(f"sampling failed {self.num_shards + 2} times in a row: shards keep dying")
+
+    def _call(self, s: int, method: str, *args):
+        self._seq += 1
+        return getattr(self._shards[s], method).remote(*args), self._seq
+
+    def _gather(self, calls: dict):
+        parts, positions, failed = {}, {}, False
+        for s, (pos, (ref, seq)) in calls.items():
+            try:
+                part, st = ray.get(ref, timeout=self.shard_timeout_s)
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                self._mark_down(s)
+                failed = True
+                continue
+            self._note(s, seq, st)
+            if part is not None and part.get("empty"):
+                failed = True
+            elif part is not None:
+                parts[s], positions[s] = part, pos
+        return None if failed else (parts, positions)
+
+    # -- shard stats and liveness --------------------------------------------------------
+    def _note(self, s: int, seq: int, st: tuple) -> None:
+        if self._stats[s] is None or seq > self._stats[s][0]:
+            self._stats[s] = (seq, st)
+        self._max_leaf = max(self._max_leaf, st[3])
+
+    def _mark_down(self, s: int) -> None:
+        self._down[s], self._stats[s] = True, None
+
+    def _revive(self) -> list:
+        """Down shards whose background probe has come back: up again."""
+        back = []
+        for s in range(self.num_shards):
+            if not self._down[s]:
+                continue
+            ref = self._probes[s]
+            if ref is not None:
+                ready, _ = ray.wait([ref], timeout=0)
+                if not ready:
+                    continue
+                self._probes[s] = None
+                try:
+                    ray.get(ref)
+                    self._down[s] = False
+                    back.append(s)
+                    continue
+                except RayActorError:
+                    pass
+            self._probes[s] = self._shards[s].stats.remote(self._max_leaf)
+        return back
+
+    def _probe(self) -> dict:
+        """Fresh stats of every live shard, one parallel round trip."""
+        self._revive()
+        calls = {s: self._call(s, "stats", self._max_leaf)
+                 for s in range(self.num_shards) if not self._down[s]}
+        refs = [ref for ref, _ in calls.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.shard_timeout_s)
+        ready, out = set(ready), {}
+        for s, (ref, seq) in calls.items():
+            if ref not in ready:
+                self._mark_down(s)
+                self._probes[s] = ref
+                continue
+            try:
+                st = ray.get(ref)
+            except RayActorError:
+                self._mark_down(s)
+                continue
+            self._note(s, seq, st)
+            out[s] = st
+        return out
+
+    def _cached_stats(self) -> dict:
+        self._revive()
+        if any(not self._down[s] and self._stats[s] is None for s in range(self.num_shards)):
+            return self._probe()
+        return {s: self._stats[s][1] for s in range(self.num_shards) if not self._down[s]}
+
+    # -- priorities --------------------------------------------------------------------
+    def update_priorities(self, target, priorities) -> None:
+        """As ``PrioritizedReplayBuffer.update_priorities``, grouped by shard and
+        asynchronous: at most ``max_updates_in_flight`` calls are unacknowledged.
+        An error a shard raises (a raw index never written) surfaces at a later call."""
+        self._check_open()
+        if isinstance(target, Batch):
+            idx, stamps = target.indices, target.generations
+        else:
+            idx, stamps = _as_index(target), None
+        p = _as_priorities(priorities, idx.shape[0])
+        out = np.flatnonzero((idx < 0) | (idx >= self.capacity))
+        if out.shape[0]:
+            bad = int(out[0])
+            raise IndexError(f"indices[{bad}] = {idx[bad]} is out of range [0, capacity) "
+                             f"(capacity={self.capacity})")
+        if p.shape[0] == 0:
+            return
+        cfg = self.config
+        top = (min(float(p.max()), self._maxp) + cfg.eps) ** cfg.alpha
+        self._max_leaf = max(self._max_leaf, top)
+        shard = np.searchsorted(self._offsets, idx, side="right") - 1
+        slots = idx - self._offsets[shard]
+        for s in np.unique(shard):
+            sel = shard == s
+            ref, seq = self._call(int(s), "update", slots[sel], None if stamps is None else stamps[sel],
+                                  p[sel], self._max_leaf)
+            self._updates.append((ref, int(s), seq))
+        self._reap(self.max_updates_in_flight)
+
+    def _reap(self, most: int) -> None:
+        """Collect finished updates (and wait until at most ``most`` are in flight)."""
+        if not self._updates:
+            return
+        refs = [u[0] for u in self._updates]
+        want = max(len(refs) - most, 0)
+        ready, _ = ray.wait(refs, num_returns=len(refs) if want == 0 else want,
+                            timeout=0 if want == 0 else None)
+        ready = set(ready)
+        done = [u for u in self._updates if u[0] in ready]
+        self._updates = [u for u in self._updates if u[0] not in ready]
+        for ref, s, seq in done:
+            try:
+                self._note(s, seq, ray.get(ref))
+            except RayActorError:
+                self._mark_down(s)  # it restarts from its snapshot; the update is moot
+
+    # -- persistence ---------------------------------------------------------------------
+    def save(self, snapshot) -> None:
+        """Snapshot every shard and the coordinator into the new directory ``snapshot``.
+
+        All or nothing (see ``_manifest``). Writers in other processes should
+        ``flush()`` first: each shard is saved as it stands when its call runs.
+        """
+        self.flush()
+        snapshot = Path(snapshot).absolute()
+        tmp = M.temp_dir_for(snapshot)
+        try:
+            infos = ray.get([s.save.remote(str(tmp / f"shard-{k}")) for k, s in enumerate(self._shards)])
+            M.commit(tmp, snapshot, {
+                "format": M.FORMAT, "version": M.VERSION, "num_shards": self.num_shards,
+                "capacities": self._caps.tolist(), "config": self.config.to_dict(), "path": self._path,
+                "coordinator": {"rng": self._rng.bit_generator.state, "beta_step": self._beta_step,
+                                "max_leaf": self._max_leaf},
+                "shards": infos})
+        except BaseException:
+            M.abort(tmp)
+            raise
+        M.write_recovery_pointer(self.recovery_dir, snapshot)
+
+    @classmethod
+    def load(cls, snapshot, *, path=None, **options) -> "ShardedPrioritizedBuffer":
+        """Resume a sharded buffer saved by ``save``: shards reload their snapshots
+        (live data under ``path``, default the recorded one), the coordinator its
+        generator and beta step. ``options``: the constructor's Ray and routing keywords."""
+        m = M.read_manifest(snapshot)
+        cfg = Config.from_dict(m["config"])
+        if shard_capacities(cfg.capacity, m["num_shards"]).tolist() != m["capacities"]:
+            raise M.IncompatibleSnapshotError(f"{snapshot}: shard capacities {m['capacities']} do not "
+                                              f"split capacity {cfg.capacity} the way this bigper does")
+        fields = {n: (s, d) for n, (s, d) in cfg.fields.items()}
+        return cls(m["num_shards"], cfg.capacity, fields, frame_stack=cfg.frame_stack,
+                   n_step=cfg.n_step, gamma=cfg.gamma, alpha=cfg.alpha, eps=cfg.eps,
+                   max_priority=cfg.max_priority, beta=cfg.schedule, weight_norm=cfg.weight_norm,
+                   storage=cfg.storage, path=path if path is not None else m["path"],
+                   next_of=cfg.next_of, num_envs=cfg.num_envs, seed=cfg.seed,
+                   _restore=(str(Path(snapshot).absolute()), m), **options)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this sharded buffer is closed")
+
+    def close(self) -> None:
+        """Flush, close every shard's storage (disk storages resume on reopen),
+        stop the actors and free the placement group."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            refs = [s.close.remote() for s in self._shards]
+            ray.wait(refs, num_returns=len(refs), timeout=max(self.shard_timeout_s, 60.0))
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=0)
+                except (RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # a dead shard has nothing to close; a stuck one is killed below
+        finally:
+            self._kill()
+
+    def _kill(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for s in getattr(self, "_shards", []):
+            ray.kill(s, no_restart=True)
+        remove_placement_group(self._pg)
+        if self._tmp_recovery:
+            shutil.rmtree(self._tmp_recovery, ignore_errors=True)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        raise TypeError("a ShardedPrioritizedBuffer stays in the process that made it; "
+                        "pass buf.writer() to other actors")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"capacity={self.capacity}"
+        return f"ShardedPrioritizedBuffer(num_shards={self.num_shards}, {state})"
