@@ -1,0 +1,333 @@
+"""Offline datasets: open a D4RL, Minari or bigper HDF5 file in place, score it, sample it by score.
+
+::
+
+    ds = PrioritizedReplayBuffer.from_hdf5("hopper-medium-v2.hdf5")   # read-only, in place
+    ds.reprioritize(score_fn, batch_size=4096)   # every transition, in order, resumable
+    batch = ds.sample(256)                       # P(i) ~ (score_i + eps) ** alpha
+    ds.update_priorities(batch, td_abs)          # as with any buffer
+    ds.close()                                   # changed priorities go to the sidecar
+
+The source file is never written (see ``storage/h5source.py`` for how each
+layout maps onto fields); priorities live in a sidecar directory beside it
+(``_sidecar.py``). ``add`` and ``extend`` fail: the data is read-only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from ._sidecar import Sidecar, SidecarMismatchError, _xxh
+from ._torch import as_numpy
+from .batch import Batch
+from .config import Config
+from .schedules import schedule_from_dict
+from .storage.h5source import LIVE, H5Source, OfflineDatasetError
+
+__all__ = ["from_hdf5", "reprioritize", "describe", "load_score_fn", "OfflineDatasetError",
+           "SidecarMismatchError"]
+
+
+def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps=None, beta=None,
+              max_priority=None, weight_norm=None, gamma=None, seed=0, cache_bytes: int = 64 << 20):
+    """Open an HDF5 dataset in place as a read-only prioritized buffer.
+
+    Parameters
+    ----------
+    dataset : str or Path
+        A D4RL or bigper HDF5 file, or a Minari dataset (its directory or its ``main_data.hdf5``).
+    layout : {"auto", "d4rl", "minari", "bigper"}
+    priorities : str or Path, optional
+        The sidecar directory (default ``<dataset>.priorities``). Its priorities are
+        resumed; one made for another dataset raises ``SidecarMismatchError``.
+    alpha, eps, beta, max_priority, weight_norm, gamma : optional
+        As for ``PrioritizedReplayBuffer``; unset means the defaults (0.6, 1e-6, 0.4,
+        None, "global", 0.99), or for bigper's layout the values the file recorded.
+    seed : int
+        Seed of the sampling RNG.
+    cache_bytes : int
+        h5py chunk cache for datasets read through h5py (compressed ones).
+
+    Returns
+    -------
+    PrioritizedReplayBuffer
+        ``capacity`` and ``len`` are the number of transitions (slots for bigper's
+        layout). Priorities: saved leaves, else the scores of the last complete
+        ``reprioritize``, else 1.0 for every sampleable transition.
+    """
+    from .buffer import PrioritizedReplayBuffer
+
+    src = H5Source(dataset, layout=layout, cache_bytes=cache_bytes)
+    try:
+        cfg = _config(src, alpha=alpha, eps=eps, beta=beta, max_priority=max_priority,
+                      weight_norm=weight_norm, gamma=gamma, seed=seed)
+        where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
+        sidecar = Sidecar(where, src.fingerprint(), src.n)
+        sidecar.load()
+        buf = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
+        buf._setup(cfg, src)
+        _init_state(buf, src)
+        leaves = _initial_leaves(buf, sidecar)
+        buf._tree.set_all(leaves)
+        buf._max_leaf = max(1.0, float(leaves.max()))
+        src.sidecar = sidecar
+        src.leaves_digest = _xxh(buf._tree.leaves)
+        src.on_close = partial(_save_changed_leaves, buf._tree, cfg, src)
+    except BaseException:
+        src.close()
+        raise
+    return buf
+
+
+def _config(src: H5Source, *, alpha, eps, beta, max_priority, weight_norm, gamma, seed) -> Config:
+    if src.recorded is not None:  # bigper's layout: its recorded config, with these overrides
+        rec = Config.from_dict(src.recorded[0])
+        base = {k: getattr(rec, k) for k in inspect.signature(Config.build).parameters if hasattr(rec, k)}
+        base["beta"] = schedule_from_dict(rec.beta)
+    else:
+        base = {"capacity": src.n, "fields": src.fields(), "next_of": src.next_of}
+    given = {"alpha": alpha, "eps": eps, "beta": beta, "max_priority": max_priority,
+             "weight_norm": weight_norm, "gamma": gamma}
+    base.update({k: v for k, v in given.items() if v is not None})
+    base.update(seed=seed, storage="hdf5")
+    return Config.build(**base)
+
+
+def _init_state(buf, src: H5Source) -> None:
+    n = src.n
+    buf._status[:] = src.status
+    buf._ends[:] = src.ends
+    if src.recorded is None:
+        buf._gid[:] = np.arange(n, dtype=np.int64)
+        buf._count = n
+        return
+    state, arrays = src.recorded[1], src.recorded[2]
+    buf._gid[:] = arrays["gid"]
+    if buf._pending.shape[0] and arrays.get("pending") is not None and arrays["pending"].shape == (n,):
+        buf._pending[:] = arrays["pending"]
+    buf._count = int(state["count"])
+
+
+def _leaves_of(scores: np.ndarray, live: np.ndarray, cfg: Config) -> np.ndarray:
+    from .buffer import _to_leaves
+
+    out = np.zeros(live.shape[0], dtype=np.float64)
+    maxp = np.inf if cfg.max_priority is None else cfg.max_priority
+    out[live] = _to_leaves(np.ascontiguousarray(scores[live], dtype=np.float64), cfg.alpha, cfg.eps, maxp)
+    return out
+
+
+def _initial_leaves(buf, sidecar: Sidecar) -> np.ndarray:
+    cfg = buf.config
+    live = buf._status == LIVE
+    saved = sidecar.leaves(cfg.alpha, cfg.eps, cfg.max_priority)
+    if saved is not None:
+        return np.where(live, saved, 0.0)
+    if (sidecar.meta or {}).get("leaves"):
+        e = sidecar.meta["leaves"]
+        warnings.warn(f"{sidecar.path}: priorities saved with alpha={e['alpha']}, eps={e['eps']}, "
+                      f"max_priority={e['max_priority']} are not used with alpha={cfg.alpha}, eps={cfg.eps}, "
+                      f"max_priority={cfg.max_priority}", stacklevel=3)
+    scores = sidecar.scores()
+    if scores is not None:
+        return _leaves_of(scores, live, cfg)
+    return live.astype(np.float64)
+
+
+def _save_changed_leaves(tree, cfg: Config, src: H5Source) -> None:
+    """At close: priorities changed by update_priorities go to the sidecar."""
+    leaves = tree.leaves
+    if _xxh(leaves) == src.leaves_digest:
+        return
+    sc = src.sidecar
+    try:
+        sc.lock()
+        try:
+            sc.save_leaves(leaves, cfg.alpha, cfg.eps, cfg.max_priority)
+        finally:
+            sc.unlock()
+    except Exception as e:  # closing must not fail; the data is untouched either way
+        warnings.warn(f"could not save the changed priorities to {sc.path}: {e}", stacklevel=4)
+
+
+# -- reprioritize ---------------------------------------------------------------------
+def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *,
+                 restart: bool = False, commit_seconds: float = 2.0) -> None:
+    """Score every sampleable transition in order and make the scores its priorities.
+
+    Parameters
+    ----------
+    buf : PrioritizedReplayBuffer
+        Opened with ``from_hdf5``.
+    score_fn : callable
+        ``score_fn(batch) -> (B,)`` non-negative finite scores (numpy or torch), e.g.
+        ``|TD error|``. ``batch`` is a ``Batch`` of consecutive transitions;
+        ``batch.indices`` are their slots.
+    batch_size : int
+        Transitions per call.
+    progress : bool
+        A progress bar with rate and ETA (tqdm).
+    restart : bool
+        Ignore an interrupted run and start over (by default it is resumed).
+    commit_seconds : float
+        Scores are made durable in the sidecar at most this many seconds apart, and
+        whenever ``score_fn`` raises: a new call resumes after the last scored chunk.
+
+    Scores are kept raw in the sidecar; at the end every leaf is set to
+    ``(min(score, max_priority) + eps) ** alpha`` with one O(N) rebuild. Until then
+    the buffer's priorities are unchanged. A bad score (NaN, inf, negative, wrong
+    length) raises before anything of its chunk is written.
+    """
+    src = buf._store
+    if not isinstance(src, H5Source):
+        raise TypeError("reprioritize works on buffers opened with PrioritizedReplayBuffer.from_hdf5; "
+                        f"this one has storage {buf.config.storage!r}")
+    buf._check_open()
+    if not callable(score_fn):
+        raise TypeError(f"score_fn must be callable, got {score_fn!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    batch_size = int(batch_size)
+    sc = src.sidecar
+    sc.load()
+    live = np.flatnonzero(buf._status == LIVE)
+    total = live.shape[0]
+    entry, done, scores = None, 0, np.zeros(src.n, dtype=np.float64)
+    if not restart and (resumed := sc.partial()) is not None and resumed[1]["total"] == total:
+        scores, entry = resumed
+        done = entry["done"]
+    committed = done
+    bar = _bar(total, done, progress, src.path.name)
+    try:
+        last = time.monotonic()
+        while done < total:
+            idx = live[done:done + batch_size]
+            probs = buf._tree.leaves[idx] / buf._tree.total if buf._tree.total > 0 else np.zeros(idx.shape[0])
+            batch = Batch(buf._gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs,
+                          buf._gid[idx])
+            s = _check_scores(score_fn(batch), idx, done, src.path)
+            if not sc.locked:  # the first good chunk: only now is anything written
+                sc.lock()
+            if entry is None:
+                entry = sc.start_run(total, batch_size)
+            scores[idx] = s
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            sc.write_scores(entry, lo, scores[lo:hi])
+            done += idx.shape[0]
+            bar.update(idx.shape[0])
+            if done < total and time.monotonic() - last >= commit_seconds:
+                sc.commit_progress(entry, done, scores, hi)
+                committed, last = done, time.monotonic()
+        if entry is not None:
+            sc.finish_run(entry, scores)
+    except BaseException:
+        if entry is not None and done > committed:
+            sc.lock()
+            sc.commit_progress(entry, done, scores, int(live[done - 1]) + 1)
+        raise
+    finally:
+        bar.close()
+        sc.unlock()
+    if entry is None:
+        return  # nothing sampleable
+    buf._tree.set_all(_leaves_of(scores, buf._status == LIVE, buf.config))
+    buf._max_leaf = max(buf._max_leaf, float(buf._tree.leaves.max()))
+    src.leaves_digest = _xxh(buf._tree.leaves)
+
+
+def _bar(total: int, initial: int, progress: bool, name: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not progress, unit="tr", unit_scale=True,
+                desc=f"reprioritize {name}", smoothing=0.1, mininterval=0.5)
+
+
+def _check_scores(s, idx: np.ndarray, done: int, where) -> np.ndarray:
+    n = idx.shape[0]
+    if s is None:
+        raise TypeError(f"score_fn returned None for transitions {done}..{done + n - 1} of {where}; "
+                        f"it must return ({n},) scores")
+    a = np.asarray(as_numpy(s))
+    if a.dtype.kind not in "fiub":
+        raise TypeError(f"score_fn must return numbers, got dtype {a.dtype} for transitions "
+                        f"{done}..{done + n - 1} of {where}")
+    a = a.astype(np.float64, copy=False)
+    if a.ndim == 2 and a.shape[1] == 1:
+        a = a[:, 0]
+    if a.shape != (n,):
+        raise ValueError(f"score_fn returned scores of shape {a.shape} for a batch of {n} transitions "
+                         f"({done}..{done + n - 1} of {where}); expected shape ({n},). Nothing of this "
+                         "batch was written")
+    bad = np.flatnonzero(~((a >= 0) & (a < np.inf)))
+    if bad.shape[0]:
+        i = int(bad[0])
+        raise ValueError(f"score_fn returned {a[i]} for transition {done + i} (slot {idx[i]}, position {i} "
+                         f"of its batch) of {where}; scores must be finite and >= 0. Nothing of this "
+                         "batch was written")
+    return a
+
+
+# -- command-line helpers -------------------------------------------------------------------
+def load_score_fn(spec: str):
+    """``"package.module:function"`` (or ``"path/to/file.py:function"``) -> the function."""
+    mod_name, sep, attr = str(spec).partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"--score must look like package.module:function, got {spec!r}")
+    if mod_name.endswith(".py"):
+        import importlib.util
+
+        path = Path(mod_name)
+        if not path.is_file():
+            raise FileNotFoundError(f"--score: no file {path}")
+        mspec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(mspec)
+        mspec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod_name)
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"--score: {mod_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"--score: {spec} is not callable")
+    return obj
+
+
+def describe(path, priorities=None) -> str:
+    """A few lines on an HDF5 dataset: layout, transitions, fields and where they come from, priorities."""
+    src = H5Source(path)
+    try:
+        live = int((src.status == LIVE).sum())
+        episodes = src.starts.shape[0] - 1 if src.layout == "minari" else None
+        if src.layout == "d4rl":
+            ends = src.ends != 0
+            episodes = int(ends.sum()) + int(not ends[-1])
+        lines = [f"{src.path}: {src.layout} layout, read in place ({src.file_path.stat().st_size / 1e6:,.1f} MB)",
+                 f"  transitions: {src.n:,} ({live:,} sampleable)"
+                 + (f", episodes: {episodes:,}" if episodes is not None else "")]
+        lines.append("  fields:")
+        w = max(len(n) for n in src.columns)
+        for name, col in src.columns.items():
+            lines.append(f"    {name:<{w}}  {str(col.shape):<14} {str(col.dtype.newbyteorder('=')):<8} "
+                         f"<- {col.source}  ({col.mapping()})")
+        lines.append(f"    {'terminated':<{w}}  {'()':<14} {'bool':<8} <- end flags, bit 0")
+        lines.append(f"    {'truncated':<{w}}  {'()':<14} {'bool':<8} <- end flags, bit 1")
+        lines.extend(f"  note: {n}" for n in src.notes)
+        where = Sidecar.default_path(path) if priorities is None else Path(priorities)
+        sc = Sidecar(where, src.fingerprint(), src.n)
+        try:
+            sc.load()
+            lines.append("  " + sc.describe())
+        except Exception as e:
+            lines.append(f"  priorities: {where}: unusable: {e}")
+        return "\n".join(lines)
+    finally:
+        src.close()

@@ -1,0 +1,194 @@
+"""Rows of HDF5 datasets read through a memory map of the file, h5py where that cannot work.
+
+An uncompressed HDF5 dataset is one run of bytes at a known file offset
+(contiguous layout), or chunks, each a run of bytes at its own offset. Where
+every chunk spans whole rows, row ``r`` of a dataset starts at byte::
+
+    chunk_addr[r // chunk_rows] + (r % chunk_rows) * row_bytes
+
+so a batch is a gather from a read-only memory map of the file: the speed of
+the memmap storage, and no h5py call per batch. A :class:`Column` is one
+output array over one dataset per *segment* (a Minari episode; the whole file
+for D4RL and bigper's layout). Anything the map cannot serve (compressed or
+filtered chunks, chunks that split a row, compact or external layouts, other
+file drivers) is read through h5py, grouped so that each chunk is read once.
+A mapped column is checked against h5py on one row when it is built; a
+mismatch sends it to h5py for good.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._kernels import kernel
+
+# Rows of a contiguous dataset read as one h5py block when read through h5py.
+_BLOCK_BYTES = 1 << 16
+
+
+@kernel
+def gather_rows(mm, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, out):
+    """Copy row ``row[i]`` of segment ``seg[i]`` into ``out[i]`` (uint8, ``(n, row_bytes)``).
+
+    A chunk that was never written (address -1) reads as zeros, HDF5's fill value.
+    """
+    for i in range(row.shape[0]):
+        s = seg[i]
+        r = row[i]
+        cr = chunk_rows[s]
+        a = chunk_addr[first_chunk[s] + r // cr]
+        if a < 0:
+            out[i, :] = 0
+        else:
+            a += (r % cr) * row_bytes
+            out[i, :] = mm[a:a + row_bytes]
+
+
+@dataclass
+class Column:
+    """One array a batch carries, read from one dataset per segment.
+
+    ``row = t + shift - back[g]``, clipped into the segment, where ``t`` is
+    the transition's step inside its segment and ``g`` its global index:
+    ``shift=1`` reads the successor row (``next_obs`` from ``observations``),
+    ``back`` (uint8 per transition, optional) cancels that shift where the
+    successor is unknown (a D4RL terminal without ``next_observations``).
+    """
+
+    name: str
+    shape: tuple
+    dtype: np.dtype
+    paths: list            # one dataset path per segment
+    source: str            # how describe() names it, e.g. "observations[t+1]"
+    shift: int = 0
+    back: np.ndarray | None = None
+    seg_rows: np.ndarray | None = None      # (E,) rows of each segment's dataset
+    # The map (filled by map_column); chunk_rows[s] == 0: segment s is read through h5py.
+    chunk_rows: np.ndarray | None = None
+    first_chunk: np.ndarray | None = None
+    chunk_addr: np.ndarray | None = None
+    row_bytes: int = 0
+    mapped_all: bool = False
+    mapped_any: bool = False
+
+    def mapping(self) -> str:
+        return "memory-mapped" if self.mapped_all else ("partly mapped" if self.mapped_any else "via h5py")
+
+
+def _dataset_map(d, row_bytes: int):
+    """``(chunk_rows, chunk addresses)`` of dataset ``d``, or None where rows are not plain bytes."""
+    from h5py import h5d
+
+    rows = d.shape[0]
+    if rows == 0 or row_bytes == 0 or d.dtype.hasobject or d.dtype.kind not in "biuf":
+        return None
+    dcpl = d.id.get_create_plist()
+    if dcpl.get_external_count():
+        return None
+    layout = dcpl.get_layout()
+    if layout == h5d.CONTIGUOUS:
+        off = d.id.get_offset()
+        return None if off is None else (rows, np.array([off], dtype=np.int64))
+    if layout != h5d.CHUNKED or dcpl.get_nfilters() or tuple(d.chunks[1:]) != tuple(d.shape[1:]):
+        return None
+    cr = int(d.chunks[0])
+    addr = np.full(-(-rows // cr), -1, dtype=np.int64)
+
+    def visit(info):
+        c = info.chunk_offset[0] // cr
+        if c < addr.shape[0]:
+            addr[c] = info.byte_offset
+
+    try:
+        d.id.chunk_iter(visit)
+    except (AttributeError, NotImplementedError):  # HDF5 < 1.12.3: one call per chunk
+        for i in range(d.id.get_num_chunks()):
+            visit(d.id.get_chunk_info(i))
+    if (addr < 0).any() and np.any(d.fillvalue):
+        return None  # unwritten chunks read as a non-zero fill value: leave that to h5py
+    return cr, addr
+
+
+def map_column(col: Column, f, mm) -> None:
+    """Fill ``col``'s map from the open h5py file ``f``; ``mm`` is its uint8 memory map or None."""
+    e = len(col.paths)
+    col.row_bytes = int(np.prod(col.shape, dtype=np.int64)) * col.dtype.itemsize
+    col.chunk_rows = np.zeros(e, dtype=np.int64)
+    col.first_chunk = np.zeros(e, dtype=np.int64)
+    tables = []
+    n = 0
+    for s, path in enumerate(col.paths):
+        got = _dataset_map(f[path], col.row_bytes) if mm is not None else None
+        if got is None:
+            continue
+        col.chunk_rows[s], table = got
+        col.first_chunk[s] = n
+        tables.append(table)
+        n += table.shape[0]
+    col.chunk_addr = np.concatenate(tables) if tables else np.zeros(1, dtype=np.int64)
+    if tables and n and int(col.chunk_addr.max()) + col.row_bytes > mm.shape[0]:
+        col.chunk_rows[:] = 0  # addresses past the end of the file: not this file's bytes
+    col.mapped_any = bool((col.chunk_rows > 0).any())
+    col.mapped_all = bool((col.chunk_rows > 0).all())
+    if col.mapped_any:
+        s = int(np.argmax(col.chunk_rows > 0))
+        d = f[col.paths[s]]
+        last = d.shape[0] - 1
+        via_map = _gather_mapped(col, mm, np.full(2, s, dtype=np.int64), np.array([0, last]))
+        via_h5 = np.asarray([d[0], d[last]], dtype=col.dtype)
+        if via_map.tobytes() != via_h5.tobytes():
+            col.chunk_rows[:] = 0
+            col.mapped_any = col.mapped_all = False
+
+
+def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray) -> np.ndarray:
+    out = np.empty((row.shape[0], col.row_bytes), dtype=np.uint8)
+    gather_rows(mm, seg, row, col.chunk_rows, col.first_chunk, col.chunk_addr, col.row_bytes, out)
+    return out.view(col.dtype).reshape((row.shape[0],) + col.shape)
+
+
+def _read_h5(d, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = d[rows]`` for sorted unique ``rows``: one h5py slice read per run of
+    rows in the same or adjacent chunks, so each chunk is read (and decompressed) once."""
+    if d.chunks:
+        span = int(d.chunks[0])
+    else:
+        row_bytes = max(1, int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize)
+        span = max(1, _BLOCK_BYTES // row_bytes)
+    block = rows // span
+    cuts = np.flatnonzero(np.diff(block) > 1) + 1
+    lo = 0
+    for hi in (*cuts.tolist(), rows.shape[0]):
+        a, b = int(rows[lo]), int(rows[hi - 1]) + 1
+        part = d[a:b]
+        out[lo:hi] = part[rows[lo:hi] - a]
+        lo = hi
+
+
+def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Rows of ``col`` for sorted unique transitions ``g`` (segment ``seg``, step ``t``)."""
+    row = t + col.shift if col.shift else t
+    if col.back is not None:
+        row = row - col.back[g]
+    if col.shift or col.back is not None:
+        row = np.clip(row, 0, col.seg_rows[seg] - 1)
+    if col.mapped_all:
+        out = _gather_mapped(col, mm, seg, row)
+    else:
+        out = np.empty((row.shape[0],) + col.shape, dtype=col.dtype)
+        use_map = col.chunk_rows[seg] > 0 if col.mapped_any else np.zeros(row.shape[0], dtype=bool)
+        if use_map.any():
+            out[use_map] = _gather_mapped(col, mm, seg[use_map], row[use_map])
+        rest = np.flatnonzero(~use_map)
+        if rest.shape[0]:
+            # Rows are sorted by transition, hence by segment: cut at segment changes.
+            cuts = np.flatnonzero(np.diff(seg[rest])) + 1
+            for part in np.split(rest, cuts):
+                sub = np.empty((part.shape[0],) + col.shape, dtype=col.dtype)
+                _read_h5(f[col.paths[int(seg[part[0]])]], row[part], sub)
+                out[part] = sub
+    if not out.dtype.isnative:
+        out = out.astype(out.dtype.newbyteorder("="))
+    return out
