@@ -1,109 +1,400 @@
-"""Memory-mapped storage: a directory with one preallocated file per array.
+"""Memory-mapped storage: a directory of preallocated chunk files per array.
 
 ::
 
     path/
-      meta.json        format, version, config, arrays, clean flag, buffer state
-      .lock            flock of the one writer
-      data/<name>.bin  raw rows, C order, preallocated with posix_fallocate
-      state/<name>.npy the buffer's bookkeeping, written at close
+      meta.json                 format, version, config, arrays, clean flag, buffer state
+      .lock                     flock of the one writer
+      data/<name>.bin           rows 0 .. chunk_rows-1, raw, C order, preallocated
+      data/<name>.000001.bin    the next ``chunk_rows`` rows, and so on (an array
+                                of up to ``chunk_bytes`` is the one file <name>.bin)
+      state/<name>.npy          the buffer's bookkeeping, written at close
+
+Every array is one numpy array over one contiguous range of address space;
+each chunk file is mapped over its part (``_region.py``), so reads and writes
+are plain numpy indexing.
+
+Snapshots hard-link chunk files instead of copying them. A chunk file that
+has another link (``st_nlink > 1``: a snapshot holds it) is *shared*: it is
+mapped read-only, and the first write into it copies the file to a private
+one and maps the copy in its place (copy-on-write at chunk granularity), so
+the live buffer never writes into a file a snapshot holds.
 
 Files are never truncated on open. ``clean`` is false while a writer has the
-directory open, so a writer that died is detected on the next open.
+directory open, so a writer that died is detected on the next open; a
+snapshot load with ``takeover=True`` replaces whatever such a writer left.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import IncompatibleSnapshotError
 from ._files import FileLock, fsync_dir, preallocate, read_json, write_json
+from ._region import PAGE, Region, round_up
 from ._state import check_meta, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
-VERSION = 1
+VERSION = 1  # chunk files arrived before any release; one chunk is the original layout
+CHUNK_BYTES = 4 << 20
+# What a storage directory may hold; takeover refuses a directory with anything else.
+_OWN = {"meta.json", ".meta.json.tmp", ".lock", "data", "state"}
+
+
+def chunk_name(name: str, k: int) -> str:
+    """File name of chunk ``k`` of array ``name`` (field names hold no dots)."""
+    return f"{name}.bin" if k == 0 else f"{name}.{k:06d}.bin"
+
+
+def chunk_rows_for(rows: int, row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk file: about ``chunk_bytes``, and a whole number of pages
+    (so the chunks tile one address range), or all rows in one chunk."""
+    unit = PAGE // math.gcd(row_bytes, PAGE)
+    per = max(unit, (max(1, chunk_bytes // row_bytes) // unit) * unit)
+    return rows if per >= rows else per
+
+
+class _Array:
+    """One array: its chunk files, their mapping and their shared/private state."""
+
+    def __init__(self, root: Path, name: str, rec: dict):
+        self.name = name
+        self.rows, self.shape = int(rec["rows"]), tuple(rec["shape"])
+        self.dtype = np.dtype(rec["dtype"])
+        self.row_bytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.chunk_rows = int(rec["chunk_rows"])
+        self.n = -(-self.rows // self.chunk_rows)
+        self.dir = root / "data"
+        self.chunk_bytes = self.chunk_rows * self.row_bytes  # a page multiple unless n == 1
+        self.sizes = [min(self.chunk_rows, self.rows - k * self.chunk_rows) * self.row_bytes
+                      for k in range(self.n)]
+        self.shared = np.zeros(self.n, dtype=bool)
+        self.digests: list = [None] * self.n  # xxh3 of a shared chunk (files that never change)
+        self.inodes = [0] * self.n
+        self.region = None
+
+    def path(self, k: int) -> Path:
+        return self.dir / chunk_name(self.name, k)
+
+    def offset(self, k: int) -> int:
+        return k * self.chunk_bytes
+
+    def map(self, writable: bool, known: dict) -> None:
+        self.region = Region(self.offset(self.n - 1) + round_up(self.sizes[-1]))
+        for k in range(self.n):
+            self._map_chunk(k, writable, known.get(str(k)))
+        self.flat = self.region.array(self.region.size)
+        self.rw = self.flat[:self.rows * self.row_bytes].view(self.dtype).reshape((self.rows, *self.shape))
+        self.ro = self.rw.view()
+        self.ro.flags.writeable = False
+
+    def _map_chunk(self, k: int, writable: bool, known=None) -> None:
+        p = self.path(k)
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            st = os.fstat(fd)
+            if st.st_size < self.sizes[k]:  # mapping past the end would SIGBUS on access
+                raise IncompatibleSnapshotError(
+                    f"chunk file {p} has {st.st_size} bytes, expected {self.sizes[k]}")
+            shared = st.st_nlink > 1
+            if writable and not shared:
+                os.close(fd)
+                fd = os.open(p, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            self.region.map_file(self.offset(k), self.sizes[k], fd, writable=writable and not shared)
+        finally:
+            os.close(fd)
+        self.shared[k] = shared
+        self.inodes[k] = st.st_ino
+        self.digests[k] = known[1] if shared and known and known[0] == st.st_ino else None
+
+    def view(self, k: int) -> np.ndarray:
+        """The chunk's bytes as mapped (uint8, padding included)."""
+        o = self.offset(k)
+        return self.flat[o:o + self.sizes[k]]
+
+    def thaw(self, k: int) -> bool:
+        """Make chunk ``k`` private and writable: copy it first if a snapshot
+        holds it. True when a copy replaced the file (the directory changed)."""
+        p = self.path(k)
+        copied = os.stat(p).st_nlink > 1
+        if copied:
+            tmp = p.with_name(p.name + ".cow")
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, self.sizes[k])  # a full disk is an OSError here
+                view = memoryview(self.view(k))
+                while view:
+                    view = view[os.write(fd, view):]
+                os.replace(tmp, p)
+            except BaseException:
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
+        else:
+            fd = os.open(p, os.O_RDWR)
+        try:
+            self.region.map_file(self.offset(k), self.sizes[k], fd, writable=True)
+            self.inodes[k] = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        self.shared[k] = False
+        self.digests[k] = None
+        return copied
+
+    def chunks_of(self, rows) -> np.ndarray:
+        cr = self.chunk_rows
+        if isinstance(rows, (int, np.integer)):
+            return np.array([int(rows) % self.rows // cr])
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(self.rows)
+            if step == 1:
+                return np.arange(start // cr, (stop - 1) // cr + 1) if stop > start else np.zeros(0, np.int64)
+            rows = np.arange(start, stop, step)
+        r = np.asarray(rows).reshape(-1)
+        return np.unique(np.where(r < 0, r + self.rows, r) // cr)
 
 
 class MemmapStorage:
     kind = "memmap"
 
-    def __init__(self, path, *, read_only: bool = False):
+    def __init__(self, path, *, read_only: bool = False, takeover: bool = False,
+                 chunk_bytes: int = CHUNK_BYTES):
+        if takeover and read_only:
+            raise ValueError("takeover=True needs a writer; read_only must be False")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
         self.path = Path(path)
         self.read_only = read_only
+        self.takeover = takeover
+        self.chunk_bytes = chunk_bytes
         self.arrays: dict[str, np.ndarray] = {}
-        self._maps: list[np.memmap] = []
+        self._arr: dict[str, _Array] = {}
+        self._rw: dict[str, np.ndarray] = {}
+        self._nshared = 0
+        self._renamed = False
         self._lock = None
         self._created = False
         self._meta: dict | None = None
+        self.previous: dict | None = None  # with takeover: the meta found there, if readable
 
     # -- open / create -------------------------------------------------------
     def open(self, config: dict) -> dict | None:
-        """Lock the directory; return its recorded meta when it holds a buffer."""
+        """Lock the directory; return its recorded meta when it holds a buffer
+        (with ``takeover``: None, whatever it holds; see ``previous``)."""
         meta_path = self.path / "meta.json"
-        if not meta_path.exists():
+        if not meta_path.exists() or self.takeover:
             if self.read_only:
                 raise FileNotFoundError(f"no bigper memmap storage at {self.path}")
+            if self.path.exists() and not self.path.is_dir():
+                raise FileExistsError(f"{self.path} exists and is not a directory")
             self._created = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
         self._lock = FileLock(self.path / ".lock", shared=self.read_only)
-        if meta_path.exists():
-            self._meta = check_meta(read_json(meta_path), FORMAT, VERSION, self.path)
-            return self._meta
-        self._meta = {"format": FORMAT, "version": VERSION, "config": config,
-                      "arrays": {}, "clean": False, "state": None}
+        try:
+            if self.takeover:
+                return self._take_over(config)
+            if meta_path.exists():
+                self._meta = check_meta(read_json(meta_path), FORMAT, VERSION, self.path)
+                for rec in self._meta["arrays"].values():  # written before chunks: one each
+                    rec.setdefault("chunk_rows", rec["rows"])
+                return self._meta
+        except BaseException:
+            self._abort()
+            raise
+        self._meta = self._new_meta(config)
         return None
+
+    def _new_meta(self, config):
+        return {"format": FORMAT, "version": VERSION, "config": config, "arrays": {},
+                "clean": False, "state": None, "chunk_bytes": self.chunk_bytes, "shared_digests": {}}
+
+    def _take_over(self, config) -> None:
+        """Lock only: nothing changes on disk until ``adopt`` or ``allocate``,
+        so a caller that finds ``previous`` unacceptable can still ``abort``."""
+        foreign = sorted(e for e in os.listdir(self.path) if e not in _OWN and not e.startswith(".trash-"))
+        if foreign:
+            raise FileExistsError(
+                f"{self.path} holds {foreign[:5]}, which a bigper memmap storage does not: "
+                "refusing to take it over (pass an empty or bigper directory as path)")
+        try:
+            self.previous = read_json(self.path / "meta.json")
+        except (OSError, ValueError):
+            self.previous = None
+        self._meta = self._new_meta(config)
+        return None
+
+    def _wipe(self) -> None:
+        """Takeover: mark the directory unclean, then clear what the last writer left."""
+        write_json(self.path / "meta.json", self._meta)
+        for sub in ("data", "state"):
+            if (self.path / sub).exists():
+                os.replace(self.path / sub, self.path / f".trash-{uuid.uuid4().hex[:12]}")
+        for trash in self.path.glob(".trash-*"):
+            shutil.rmtree(trash, ignore_errors=True)
+        self.takeover = False
+
+    def adopt(self, arrays: dict) -> None:
+        """Attach a snapshot's chunk files (takeover only): hard-link each (copy
+        where linking fails) into ``data/``. ``arrays``: name -> layout dict
+        (``rows``, ``shape``, ``dtype``, ``chunk_rows``) plus ``files``, a list of
+        ``(source path, xxh3 digest)`` per chunk."""
+        if not self.takeover:
+            raise RuntimeError("adopt() is for a fresh takeover, before allocate()")
+        self._wipe()
+        data = self.path / "data"
+        data.mkdir()
+        for name, rec in arrays.items():
+            digests = {}
+            for k, (src, digest) in enumerate(rec["files"]):
+                dst = data / chunk_name(name, k)
+                try:
+                    os.link(src, dst)
+                    digests[str(k)] = [os.stat(dst).st_ino, digest]
+                except OSError:  # another filesystem, or links not allowed: copy
+                    shutil.copyfile(src, dst)
+            self._meta["arrays"][name] = {k: rec[k] for k in ("rows", "shape", "dtype", "chunk_rows")}
+            self._meta["shared_digests"][name] = digests
+        write_json(self.path / "meta.json", self._meta)
+
+    def layout(self, specs) -> dict:
+        """The chunk layout this storage gives ``specs`` (``name -> (rows, shape, dtype)``)."""
+        out = {}
+        for name, (rows, shape, dtype) in specs.items():
+            row_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            out[name] = {"rows": int(rows), "shape": [int(s) for s in shape], "dtype": np.dtype(dtype).str,
+                         "chunk_rows": chunk_rows_for(int(rows), row_bytes, self.chunk_bytes)}
+        return out
 
     def allocate(self, specs) -> None:
         fresh = not self._meta["arrays"]
-        data = self.path / "data"
         try:
+            if self.takeover:
+                self._wipe()
             if fresh:
+                data = self.path / "data"
                 data.mkdir(exist_ok=True)
-                for name, (rows, shape, dtype) in specs.items():
-                    nbytes = rows * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                    preallocate(data / f"{name}.bin", nbytes)
-                    self._meta["arrays"][name] = {"rows": rows, "shape": list(shape),
-                                                  "dtype": np.dtype(dtype).str, "file": f"data/{name}.bin"}
+                for name, rec in self.layout(specs).items():
+                    a = _Array(self.path, name, rec)
+                    for k in range(a.n):
+                        preallocate(a.path(k), a.sizes[k])
+                    self._meta["arrays"][name] = rec
                 fsync_dir(data)
                 write_json(self.path / "meta.json", self._meta)
-            for name, a in self._meta["arrays"].items():
-                mode = "r" if self.read_only else "r+"
-                m = np.memmap(self.path / a["file"], dtype=a["dtype"], mode=mode,
-                              shape=(a["rows"], *a["shape"]))
-                self._maps.append(m)
-                self.arrays[name] = m.view(np.ndarray)
+            else:
+                want = self.layout(specs)
+                have = {n: {k: r[k] for k in ("rows", "shape", "dtype")} for n, r in self._meta["arrays"].items()}
+                if have != {n: {k: r[k] for k in ("rows", "shape", "dtype")} for n, r in want.items()}:
+                    raise IncompatibleSnapshotError(
+                        f"{self.path} holds arrays {have}, but the buffer needs {want}")
+            known = self._meta.get("shared_digests") or {}
+            for name, rec in self._meta["arrays"].items():
+                a = _Array(self.path, name, rec)
+                a.map(not self.read_only, known.get(name, {}))
+                self._arr[name], self._rw[name], self.arrays[name] = a, a.rw, a.ro
+            self._nshared = sum(int(a.shared.sum()) for a in self._arr.values())
             if not fresh and not self.read_only:
+                for stale in self.path.glob("data/*.cow"):
+                    stale.unlink()
                 self._meta["clean"] = False
                 write_json(self.path / "meta.json", self._meta)
         except BaseException:
             self._abort()
             raise
 
+    def abort(self) -> None:
+        """Release without recording anything; a directory this storage created is removed."""
+        self._abort()
+
     def _abort(self) -> None:
         """Undo a failed creation: nothing half-made stays behind."""
-        self.arrays.clear()
-        self._maps.clear()
+        self._drop()
         if self._lock:
             self._lock.release()
             self._lock = None
         if self._created:
             shutil.rmtree(self.path, ignore_errors=True)
 
+    def _drop(self) -> None:
+        # The mappings go when the last array view does (a sampled row may still be held).
+        self.arrays.clear()
+        self._rw.clear()
+        self._arr.clear()
+
     # -- rows ----------------------------------------------------------------
     def read(self, name, rows):
         return self.arrays[name][rows]
 
     def write(self, name, rows, values):
-        self.arrays[name][rows] = values
+        if self._nshared:
+            self._thaw_rows(self._arr[name].rows, rows)
+        self._rw[name][rows] = values
+
+    def _thaw_rows(self, nrows: int, rows) -> None:
+        # Every array with these rows first: a full disk then fails before any field is written.
+        for a in self._arr.values():
+            if a.rows != nrows or not a.shared.any():
+                continue
+            for k in a.chunks_of(rows):
+                if a.shared[k]:
+                    if self.read_only:
+                        raise ValueError(f"{self.path} is open read_only")
+                    self._renamed |= a.thaw(int(k))
+                    self._nshared -= 1
 
     def flush(self) -> None:
-        for m in self._maps:
-            m.flush()
+        if not self.read_only:
+            for a in self._arr.values():
+                a.region.sync(0, a.region.size)
+            if self._renamed:  # copies that replaced shared chunk files
+                fsync_dir(self.path / "data")
+                self._renamed = False
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
+
+    # -- snapshots ---------------------------------------------------------------
+    def chunk_table(self) -> dict:
+        """name -> (layout dict, [(path, size, shared, digest or None), ...]) for snapshots."""
+        out = {}
+        for name, a in self._arr.items():
+            rec = dict(self._meta["arrays"][name])
+            out[name] = (rec, [(a.path(k), a.sizes[k], bool(a.shared[k]), a.digests[k]) for k in range(a.n)])
+        return out
+
+    def chunk_view(self, name: str, k: int) -> np.ndarray:
+        """The bytes of chunk ``k`` of ``name`` (uint8, as mapped, padding included)."""
+        return self._arr[name].view(k)
+
+    def sync_chunk(self, name: str, k: int) -> None:
+        """Make chunk ``k`` durable (msync of its pages, then fsync of its file)."""
+        a = self._arr[name]
+        a.region.sync(a.offset(k), a.sizes[k])
+        fd = os.open(a.path(k), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def mark_shared(self, name: str, k: int, digest: str) -> None:
+        """A snapshot now links chunk ``k``: map it read-only; the next write copies it."""
+        a = self._arr[name]
+        if a.shared[k]:
+            a.digests[k] = digest
+            return
+        fd = os.open(a.path(k), os.O_RDONLY)
+        try:
+            a.region.map_file(a.offset(k), a.sizes[k], fd, writable=False)
+        finally:
+            os.close(fd)
+        a.shared[k] = True
+        a.digests[k] = digest
+        self._nshared += 1
 
     # -- state and close -------------------------------------------------------
     def saved_state(self):
@@ -119,9 +410,12 @@ class MemmapStorage:
             if state is not None:
                 save_state_dir(self.path / "state", state[1])
                 self._meta["state"] = state[0]
+            if self._arr:
+                self._meta["shared_digests"] = {
+                    name: {str(k): [a.inodes[k], a.digests[k]] for k in range(a.n) if a.digests[k]}
+                    for name, a in self._arr.items()}
             self._meta["clean"] = True
             write_json(self.path / "meta.json", self._meta)
-        self.arrays.clear()
-        self._maps.clear()
+        self._drop()
         self._lock.release()
         self._lock = None
