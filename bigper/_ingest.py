@@ -22,14 +22,14 @@ class Ingest:
         # buffer's own `ends` array instead (they steer n-step windows).
         self.stored = {n: v for n, v in self.inputs.items() if n not in BUILTIN}
 
-    def step(self, step: dict, priorities):
+    def step(self, step: dict, priorities, valid):
         k = self.cfg.num_envs
         lead = () if k == 1 else (k,)
         rows = self._check(step, lead, "add", "")
         rows = {n: v.reshape((k,) + v.shape[len(lead):]) for n, v in rows.items()}
-        return rows, self._priorities(priorities, lead, k)
+        return rows, self._priorities(priorities, lead, k), self._valid(valid, lead, k)
 
-    def steps(self, data, priorities):
+    def steps(self, data, priorities, valid):
         if not isinstance(data, dict):
             raise TypeError(f"extend takes a dict name -> array, got {type(data).__name__}")
         k = self.cfg.num_envs
@@ -38,7 +38,7 @@ class Ingest:
         lead = (m,) if k == 1 else (m, k)
         rows = self._check(data, lead, "extend", "data")
         rows = {n: v.reshape((m * k,) + v.shape[len(lead):]) for n, v in rows.items()}
-        return rows, self._priorities(priorities, lead, m * k)
+        return rows, self._priorities(priorities, lead, m * k), self._valid(valid, lead, m * k)
 
     def _check(self, given: dict, lead: tuple, fn: str, arg: str) -> dict:
         unknown = sorted(set(given) - set(self.inputs))
@@ -61,6 +61,14 @@ class Ingest:
                                 f"(same_kind) to the field's {dtype}")
             rows[name] = v.astype(dtype, copy=False)
         return rows
+
+    def _valid(self, valid, lead: tuple, m: int):
+        if valid is None:
+            return None
+        v = np.asarray(as_numpy(valid))
+        if v.dtype != np.bool_ or v.shape != lead:
+            raise TypeError(f"valid must be a bool array of shape {lead}, got {v.dtype} {v.shape}")
+        return v.reshape(m)
 
     def _priorities(self, priorities, lead: tuple, m: int):
         if priorities is None:

@@ -107,6 +107,7 @@ class PrioritizedReplayBuffer:
         self._count = 0
         self._max_leaf = 1.0
         self._beta_step = 0
+        self._env_ended = np.ones(cfg.num_envs, dtype=bool)  # no episode in progress
         self._rng = np.random.default_rng(cfg.seed)
         self._closed = False
 
@@ -115,7 +116,7 @@ class PrioritizedReplayBuffer:
         """``(meta, arrays)``: JSON-able counters and RNG state, and the
         bookkeeping arrays; with the storage's data, everything to resume."""
         meta = {"count": self._count, "max_leaf": self._max_leaf, "beta_step": self._beta_step,
-                "rng": self._rng.bit_generator.state}
+                "rng": self._rng.bit_generator.state, "env_ended": self._env_ended.tolist()}
         arrays = {"leaves": self._tree.leaves, "gid": self._gid, "status": self._status,
                   "ends": self._ends, "pending": self._pending}
         if self._frames is not None:
@@ -140,6 +141,7 @@ class PrioritizedReplayBuffer:
         self._count = int(meta["count"])
         self._max_leaf = float(meta["max_leaf"])
         self._beta_step = int(meta["beta_step"])
+        self._env_ended[:] = meta["env_ended"]
         self._rng.bit_generator.state = meta["rng"]
         if self._frames is not None:
             self._frames.restore(meta["frames"], arrays)
@@ -164,35 +166,56 @@ class PrioritizedReplayBuffer:
         return self._cfg_beta(self._beta_step)
 
     # -- writing ---------------------------------------------------------------
-    def add(self, *, priorities=None, **step) -> None:
+    def add(self, *, priorities=None, valid=None, **step) -> None:
         """Add one env step (with ``num_envs > 1``: one step of every env).
 
         Takes every field, ``next_<name>`` for the fields in ``next_of``, and
         optionally ``terminated`` and ``truncated`` (default False). Values
         have the field's shape, with a leading env axis when ``num_envs > 1``.
+
+        ``valid`` (bool per env) marks envs whose step is not a transition:
+        with Gymnasium's next-step autoreset, the step right after an episode
+        end only resets the env. Such a row keeps its env's stream aligned
+        but is never sampled; it is accepted only right after an episode end
+        of that env (or before its first step).
         """
         self._check_writable()
-        rows, leaves = self._ingest.step(step, priorities)
-        self._write(rows, leaves)
+        rows, leaves, valid = self._ingest.step(step, priorities, valid)
+        self._write(rows, leaves, valid)
 
-    def extend(self, data, priorities=None) -> None:
+    def extend(self, data, priorities=None, valid=None) -> None:
         """Add many steps: every value has a leading time axis (then the env
-        axis when ``num_envs > 1``); ``priorities`` matches those axes."""
+        axis when ``num_envs > 1``); ``priorities`` and ``valid`` match those axes."""
         self._check_writable()
-        rows, leaves = self._ingest.steps(data, priorities)
-        self._write(rows, leaves)
+        rows, leaves, valid = self._ingest.steps(data, priorities, valid)
+        self._write(rows, leaves, valid)
 
-    def _write(self, rows: dict, leaves) -> None:
+    def _write(self, rows: dict, leaves, valid=None) -> None:
         m = rows["terminated"].shape[0]
+        if valid is not None:
+            # A placeholder row may only follow an episode end of its env.
+            ended = (rows["terminated"] | rows["truncated"]) | ~valid
+            before = np.concatenate([self._env_ended, ended])[:m]
+            bad = np.flatnonzero(~valid & ~before)
+            if bad.size:
+                r = int(bad[0])
+                raise ValueError(
+                    f"valid is False for env {(self._count + r) % self.config.num_envs} at row {r}, "
+                    "but that env's previous step did not end an episode; valid=False is for the "
+                    "reset step of next-step autoreset")
+        else:
+            ended = rows["terminated"] | rows["truncated"]
+        self._env_ended = np.concatenate([self._env_ended, ended])[-self.config.num_envs:]
         c = self.config.capacity
         # More rows than slots: write in chunks of at most `capacity`, so that
         # slots within one write are distinct and every frame stream stays whole.
         for lo in range(0, m, c):
             hi = min(lo + c, m)
             self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
-                              None if leaves is None else leaves[lo:hi])
+                              None if leaves is None else leaves[lo:hi],
+                              None if valid is None else valid[lo:hi])
 
-    def _write_chunk(self, rows: dict, leaves) -> None:
+    def _write_chunk(self, rows: dict, leaves, valid) -> None:
         cfg = self.config
         c = cfg.capacity
         m = rows["terminated"].shape[0]
@@ -204,7 +227,7 @@ class PrioritizedReplayBuffer:
         for name in self._plain:
             self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
         if self._frames is not None:
-            self._frames.write(rows, gids, slots, where, ends)
+            self._frames.write(rows, gids, slots, where, ends, valid)
         if leaves is None:
             leaves = np.full(m, self._max_leaf)
         else:
@@ -213,11 +236,14 @@ class PrioritizedReplayBuffer:
         self._gid[slots] = gids
         self._ends[slots] = ends
         self._count = g0 + m
+        status = LIVE if cfg.n_step == 1 else PENDING
+        if valid is not None:
+            status = np.where(valid, status, DEAD).astype(np.uint8)
+            leaves = np.where(valid, leaves, 0.0)
+        self._status[slots] = status
         if cfg.n_step == 1:
-            self._status[slots] = LIVE
             self._tree.set(slots, leaves)
         else:
-            self._status[slots] = PENDING
             self._pending[slots] = leaves
             self._tree.set(slots, np.zeros(m))
             first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)

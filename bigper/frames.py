@@ -56,7 +56,7 @@ def _new_frame(src, dst, n_new, fw):
 
 
 @kernel
-def assign_refs(obs, nxt, env, ends, last_frames, last_ref, has_last, fw, has_next,
+def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
                 obs_ref, next_ref, new_frames):
     """Frame references for ``m`` transitions, in order.
 
@@ -67,13 +67,19 @@ def assign_refs(obs, nxt, env, ends, last_frames, last_ref, has_last, fw, has_ne
     on (no episode end since). A frame reuses a reference when its bytes
     equal the frame it continues or the frame before it in the same stack;
     otherwise it is copied into ``new_frames`` and numbered from ``fw``.
-    Returns the new frame count.
+    Rows with ``valid`` False (reset steps of next-step autoreset) store
+    nothing and get the reference -1. Returns the new frame count.
     """
     m, k = obs.shape[0], obs.shape[1]
     n_new = 0
     shift = 0 if has_next else 1
     for r in range(m):
         e = env[r]
+        if not valid[r]:
+            for j in range(k):
+                obs_ref[r, j] = -1
+                next_ref[r, j] = -1
+            continue
         for j in range(k):
             src = j + shift
             if has_last[e] and src < k and _same(obs[r, j], last_frames[e, src]):
@@ -161,7 +167,7 @@ class FrameStore:
         m = stacks.shape[0]
         return np.ascontiguousarray(stacks).view(np.uint8).reshape(m, self.k, self.row_bytes)
 
-    def write(self, rows: dict, gids, slots, where, ends: np.ndarray) -> None:
+    def write(self, rows: dict, gids, slots, where, ends: np.ndarray, valid=None) -> None:
         """Store the frames of ``rows["obs"]``/``rows["next_obs"]`` that are
         new and the references of every row at ``where`` (slots ``slots``)."""
         m = ends.shape[0]
@@ -172,7 +178,8 @@ class FrameStore:
         next_ref = np.empty((m, self.k), dtype=np.int64)
         new = np.empty((2 * m * self.k, self.row_bytes), dtype=np.uint8)
         fw0 = self.fw
-        fw = assign_refs(obs, nxt, env, ends, self.last_frames, self.last_ref, self.has_last,
+        ok = np.ones(m, dtype=np.bool_) if valid is None else valid
+        fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
                          fw0, self.has_next, obs_ref, next_ref, new)
         n_new = fw - fw0
         if n_new:
