@@ -4,6 +4,7 @@ from .batch import Batch
 from .buffer import PrioritizedReplayBuffer
 from .errors import BigperError, CorruptSnapshotError, IncompatibleSnapshotError, StorageLockedError
 from .schedules import ConstantSchedule, LinearSchedule
+from .snapshot import Snapshots
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,7 @@ __all__ = [
     "IncompatibleSnapshotError",
     "LinearSchedule",
     "PrioritizedReplayBuffer",
+    "Snapshots",
     "StorageLockedError",
     "__version__",
 ]

@@ -1,0 +1,123 @@
+"""Looking at a snapshot without loading it: ``verify`` and ``describe``
+(``bigper verify SNAP`` and ``bigper info SNAP``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CorruptSnapshotError
+from ._load import _config, _layouts, _state_arrays
+from ._manifest import READ_BLOCK, check_file, read_manifest
+
+LIVE = 1  # the buffer's slot status of a sampleable transition (buffer.py)
+
+
+def _invariants(body: dict, state: dict) -> list[str]:
+    """Problems of the recorded bookkeeping (empty when healthy)."""
+    from ..tree import PriorityTree
+
+    cap = body["config"]["capacity"]
+    meta = body["state"]["meta"]
+    out = []
+    leaves = state.get("leaves")
+    if leaves is None or leaves.shape != (cap,) or leaves.dtype != np.float64:
+        return [f"leaves: expected float64 of shape ({cap},), got "
+                f"{None if leaves is None else (leaves.dtype, leaves.shape)}"]
+    if not np.isfinite(leaves).all() or (leaves < 0).any():
+        out.append("leaves: a leaf is negative or not finite")
+        return out
+    status = state.get("status")
+    if status is not None and status.shape == (cap,):
+        bad = np.flatnonzero((leaves > 0) & (status != LIVE))
+        if bad.size:
+            out.append(f"leaves: slot {bad[0]} has a priority but is not sampleable (status {status[bad[0]]})")
+    gid = state.get("gid")
+    count = meta.get("count")
+    if gid is not None and gid.shape == (cap,):
+        slots = np.flatnonzero(gid >= 0)
+        if (gid[slots] % cap != slots).any():
+            out.append("gid: a slot holds a transition number that does not map to it")
+        if isinstance(count, int) and slots.size and gid[slots].max() >= count:
+            out.append(f"gid: a transition number is >= count ({count})")
+    top = meta.get("max_leaf")
+    if isinstance(top, (int, float)) and leaves.size and leaves.max() > top:
+        out.append(f"max_leaf {top} is below the largest leaf {leaves.max()}")
+    tree = PriorityTree(cap, track_min=body["config"].get("weight_norm") != "batch")
+    tree.set_all(leaves)
+    out += [f"tree: {p}" for p in tree.check()]
+    recorded = body.get("summary", {}).get("total_priority")
+    if isinstance(recorded, float) and tree.total != recorded:
+        out.append(f"tree: rebuilt total {tree.total!r} != recorded total {recorded!r}")
+    return out
+
+
+def verify(snapshot) -> dict:
+    """Check every file of ``snapshot`` and the invariants of its bookkeeping.
+
+    Returns
+    -------
+    dict
+        ``files``, ``bytes`` checked and ``problems`` (a list; empty when the
+        snapshot is sound).
+
+    Raises
+    ------
+    CorruptSnapshotError, IncompatibleSnapshotError
+        As ``load`` would.
+    """
+    snap = Path(os.path.abspath(snapshot))
+    body = read_manifest(snap)
+    _config(body, snap)
+    _layouts(body, snap)
+    state = _state_arrays(body, snap)
+    buf = bytearray(READ_BLOCK)
+    for name, rec in body["files"].items():
+        if name.startswith("data/"):
+            check_file(snap, name, rec, buf)
+    return {"snapshot": str(snap), "files": len(body["files"]),
+            "bytes": sum(r["size"] for r in body["files"].values()),
+            "problems": _invariants(body, state)}
+
+
+def describe(snapshot) -> dict:
+    """A summary of ``snapshot`` for people: config, size, fill, priorities.
+
+    Reads the manifest and the leaf priorities only (both checked); the data
+    files are not read (``verify`` does that).
+    """
+    snap = Path(os.path.abspath(snapshot))
+    body = read_manifest(snap)
+    cfg, meta, summary = body["config"], body["state"]["meta"], body.get("summary", {})
+    files = body["files"]
+    shared = 0
+    for name, rec in files.items():
+        try:
+            if os.stat(snap / name).st_nlink > 1:
+                shared += rec["size"]
+        except OSError:
+            pass
+    out = {
+        "snapshot": str(snap), "format": body["format"], "bigper_version": body.get("bigper_version"),
+        "created": body.get("created"), "storage": body["storage"],
+        "config": cfg, "len": summary.get("len"), "capacity": cfg.get("capacity"),
+        "count": meta.get("count"), "beta_step": meta.get("beta_step"),
+        "files": len(files), "bytes": sum(r["size"] for r in files.values()), "bytes_shared": shared,
+        "arrays": {n: {"rows": r["rows"], "shape": r["shape"], "dtype": r["dtype"], "files": len(r["files"])}
+                   for n, r in body["data"].items()},
+    }
+    member = body["state"]["arrays"].get("leaves")
+    if member is not None:
+        try:
+            leaves = _state_arrays({"state": {"arrays": {"leaves": member}}, "files": files}, snap)["leaves"]
+        except CorruptSnapshotError as e:
+            out["priorities"] = {"error": str(e)}
+        else:
+            nz = leaves[leaves > 0]
+            out["priorities"] = {
+                "total": summary.get("total_priority", float(leaves.sum())), "sampleable": int(nz.size),
+                "min": float(nz.min()) if nz.size else None, "mean": float(nz.mean()) if nz.size else None,
+                "max": float(nz.max()) if nz.size else None, "max_leaf": meta.get("max_leaf")}
+    return out

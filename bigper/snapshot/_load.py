@@ -1,0 +1,281 @@
+"""Loading a snapshot: verify every byte, then rebuild the buffer.
+
+Nothing is written into the snapshot, ever (promise 6). Every file is read
+once and checked against its size and checksum before anything on disk
+changes; then the live location is taken over:
+
+- memory: rows are copied into fresh arrays (checked as they are read);
+- memmap: the snapshot's chunk files are hard-linked into ``path/data``
+  (copied where linking is impossible) and mapped; they are shared, so the
+  live buffer copies a chunk before its first write into it;
+- hdf5: a new file at ``path`` receives the rows.
+
+Taking over ``path`` replaces whatever a dead writer left there. A path
+whose writer is alive raises ``StorageLockedError``; a path that holds a
+buffer of another config raises ``IncompatibleSnapshotError`` (nothing is
+touched); a path holding files that are not bigper's raises ``FileExistsError``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from ..config import Config
+from ..errors import BigperError, CorruptSnapshotError, IncompatibleSnapshotError
+from ..storage._files import FileLock
+from ._manifest import READ_BLOCK, check_file, read_manifest
+from ._save import specs_of
+
+
+def _config(body: dict, snap) -> Config:
+    d = body["config"]
+    try:
+        c = Config.from_dict(d)
+        rebuilt = Config.build(
+            capacity=c.capacity, fields=c.fields, frame_stack=c.frame_stack, n_step=c.n_step,
+            gamma=c.gamma, alpha=c.alpha, eps=c.eps, max_priority=c.max_priority, beta=c.schedule,
+            weight_norm=c.weight_norm, next_of=c.next_of, num_envs=c.num_envs, seed=c.seed,
+            storage=c.storage)
+    except Exception as e:  # any shape of bad config is the same answer
+        raise IncompatibleSnapshotError(f"{snap}: its config is not valid for this bigper: {e}") from None
+    if rebuilt.to_dict() != d:
+        diff = [k for k in rebuilt.to_dict() if rebuilt.to_dict()[k] != d.get(k)]
+        raise IncompatibleSnapshotError(f"{snap}: its config does not validate; key(s) {diff} differ")
+    return rebuilt
+
+
+def _layouts(body: dict, snap) -> dict:
+    """name -> (rows, shape, dtype), with each data file's size checked against it."""
+    out = {}
+    for name, rec in body["data"].items():
+        try:
+            dt = np.dtype(rec["dtype"])
+        except TypeError:
+            raise IncompatibleSnapshotError(f"{snap}: data[{name!r}] has dtype {rec['dtype']!r}") from None
+        if dt.hasobject or dt.fields is not None or dt.kind in "OVUSMm":
+            raise IncompatibleSnapshotError(f"{snap}: data[{name!r}] has dtype {dt}, not a numeric one")
+        rows, cr, shape = rec["rows"], rec["chunk_rows"], tuple(rec["shape"])
+        row_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        for k, member in enumerate(rec["files"]):
+            want = min(cr, rows - k * cr) * row_bytes
+            if body["files"][member]["size"] != want:
+                raise IncompatibleSnapshotError(
+                    f"{snap}: {member} is recorded with {body['files'][member]['size']} bytes, "
+                    f"but {name}'s layout needs {want}")
+        out[name] = (rows, shape, dt)
+    return out
+
+
+def _state_arrays(body: dict, snap) -> dict:
+    out = {}
+    for name, member in body["state"]["arrays"].items():
+        raw = check_file(snap, member, body["files"][member], keep=True)
+        try:
+            out[name] = np.load(io.BytesIO(raw), allow_pickle=False)
+        except Exception as e:  # checksum held, so the writer wrote something unreadable
+            raise CorruptSnapshotError(f"{snap}: {member} is not a readable .npy file: {e}") from None
+    return out
+
+
+def _fill(store, snap: Path, body: dict, layouts: dict) -> None:
+    """Copy every data file's rows into ``store`` (checking each file again as it is read)."""
+    for name, rec in body["data"].items():
+        rows, shape, dt = layouts[name]
+        cr = rec["chunk_rows"]
+        for k, member in enumerate(rec["files"]):
+            raw = check_file(snap, member, body["files"][member], keep=True)
+            stop = min(rows, (k + 1) * cr)
+            block = np.frombuffer(raw, dtype=dt).reshape((stop - k * cr, *shape))
+            store.write(name, slice(k * cr, stop), block)
+
+
+def _check_apart(live: Path, snap: Path) -> None:
+    lv, sn = live.resolve(), snap.resolve()
+    if lv == sn or sn in lv.parents or lv in sn.parents:
+        raise ValueError(f"path={str(live)!r} and the snapshot {str(snap)!r} overlap; a load "
+                         "never writes into a snapshot, so the live data must live elsewhere")
+
+
+def _check_previous(meta, cfg: Config, live) -> None:
+    """A location that holds a buffer of another config is not taken over."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        return
+    try:
+        prev = Config.from_dict(meta["config"])
+    except Exception:
+        return
+    diff = cfg.differences(prev)
+    if diff:
+        raise IncompatibleSnapshotError(
+            f"{live} holds a buffer of another config, which loading would replace; differing "
+            "key(s): " + "; ".join(diff) + ". Pass another path= (or remove that buffer first).")
+
+
+def _release(store) -> None:
+    """Let go of a storage that failed to load, recording nothing: a disk
+    location stays marked unclean (or is removed if this load created it)."""
+    release = getattr(store, "abort", None) or getattr(store, "_abort", None)
+    if release is not None:
+        release()
+
+
+def _new_buffer(cfg: Config, store):
+    from ..buffer import PrioritizedReplayBuffer
+
+    buf = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
+    buf._setup(cfg, store)
+    return buf
+
+
+def _check_specs(store, layouts: dict, snap) -> None:
+    have = {n: (r, s, d) for n, (r, s, d) in specs_of(store).items()}
+    if have != layouts:
+        raise IncompatibleSnapshotError(
+            f"{snap}: the snapshot's arrays {sorted(layouts)} do not fit the buffer its config "
+            f"builds ({sorted(have)}); first difference: "
+            + next(f"{n}: {layouts.get(n)} != {have.get(n)}" for n in sorted(set(have) | set(layouts))
+                   if have.get(n) != layouts.get(n)))
+
+
+def _load_memmap(cfg, body, snap, live, layouts):
+    from ..storage.memmap import CHUNK_BYTES, MemmapStorage
+
+    opts = body["storage"].get("options") or {}
+    store = MemmapStorage(live, takeover=True, chunk_bytes=int(opts.get("chunk_bytes", CHUNK_BYTES)))
+    store.open(cfg.to_dict())
+    try:
+        _check_previous(store.previous, cfg, live)
+        native = store.layout(layouts)
+        if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):
+            store.adopt({n: {**native[n], "files": [(snap / m, body["files"][m]["xxh3_64"])
+                                                    for m in body["data"][n]["files"]]}
+                         for n in layouts})
+            buf = _new_buffer(cfg, store)
+        else:  # written with another chunking (another page size): copy the rows
+            buf = _new_buffer(cfg, store)
+            _check_specs(store, layouts, snap)
+            _fill(store, snap, body, layouts)
+    except BaseException:
+        store.abort()
+        raise
+    return buf
+
+
+def _peek_hdf5(live: Path):
+    """The meta recorded in an HDF5 storage file; None when unreadable. Raises
+    FileExistsError for an HDF5 file that is not a bigper storage."""
+    import h5py
+
+    try:
+        with h5py.File(live, "r") as f:
+            g = f.get("_bigper")
+            if g is None or "meta" not in g.attrs:
+                raise FileExistsError(f"{live} is an HDF5 file but not a bigper storage: "
+                                      "refusing to replace it")
+            import json
+
+            return json.loads(g.attrs["meta"])
+    except FileExistsError:
+        raise
+    except Exception:
+        return None
+
+
+def _load_hdf5(cfg, body, snap, live, layouts):
+    from ..storage.hdf5 import HDF5Storage
+
+    # Move the dead writer's file aside under its lock; the new storage then creates a fresh one.
+    # (HDF5Storage has no takeover mode: between this lock and its own there is a short window.)
+    trash = None
+    lock = FileLock(live.with_name(live.name + ".lock"), owner=live)
+    try:
+        if live.exists():
+            if not live.is_file():
+                raise FileExistsError(f"{live} exists and is not a file")
+            _check_previous(_peek_hdf5(live), cfg, live)
+            trash = live.with_name(f".{live.name}.trash-{uuid.uuid4().hex[:12]}")
+            os.replace(live, trash)
+    finally:
+        lock.release()
+    opts = body["storage"].get("options") or {}
+    store = HDF5Storage(live, compression=opts.get("compression"))
+    if store.open(cfg.to_dict()) is not None:
+        store.close()
+        raise FileExistsError(f"{live} was created by another writer during the load")
+    try:
+        buf = _new_buffer(cfg, store)
+        _check_specs(store, layouts, snap)
+        _fill(store, snap, body, layouts)
+    except BaseException:
+        _release(store)
+        raise
+    if trash is not None:
+        trash.unlink(missing_ok=True)
+    return buf
+
+
+def load(snapshot, *, path=None):
+    """Resume the buffer saved in ``snapshot``.
+
+    Parameters
+    ----------
+    snapshot : str or Path
+        A snapshot directory (from ``buf.save`` or ``Snapshots``).
+    path : str or Path, optional
+        Where a disk storage keeps its live data; default, the path recorded
+        in the snapshot. Whatever a dead writer left there is replaced.
+
+    Raises
+    ------
+    CorruptSnapshotError
+        A file is missing, truncated or does not match its checksum.
+    IncompatibleSnapshotError
+        Another format version, a config this bigper cannot build, or
+        ``path`` holds a buffer of another config.
+    StorageLockedError
+        A live writer holds ``path``.
+    """
+    snap = Path(os.path.abspath(snapshot))
+    body = read_manifest(snap)
+    cfg = _config(body, snap)
+    layouts = _layouts(body, snap)
+    state = _state_arrays(body, snap)
+    kind = cfg.storage
+    if kind != "memory":
+        live = path if path is not None else body["storage"].get("path")
+        if live is None:
+            raise ValueError(f"{snap} records no live path for its {kind} storage; pass path=")
+        live = Path(os.path.abspath(live))
+        _check_apart(live, snap)
+        rbuf = bytearray(READ_BLOCK)
+        for rec in body["data"].values():  # every byte checked before the live path changes
+            for member in rec["files"]:
+                check_file(snap, member, body["files"][member], rbuf)
+    elif path is not None:
+        raise ValueError(f"{snap} holds a storage='memory' buffer, which takes no path=, got {path!r}")
+    if kind == "memory":
+        from ..storage import MemoryStorage
+
+        store = MemoryStorage()
+        buf = _new_buffer(cfg, store)
+        _check_specs(store, layouts, snap)
+        _fill(store, snap, body, layouts)
+    elif kind == "memmap":
+        buf = _load_memmap(cfg, body, snap, live, layouts)
+    else:
+        buf = _load_hdf5(cfg, body, snap, live, layouts)
+    try:
+        buf._restore(body["state"]["meta"], state)
+    except BigperError:
+        _release(buf._store)
+        raise
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        _release(buf._store)
+        raise IncompatibleSnapshotError(
+            f"{snap}: its recorded state does not fit this bigper's buffer: {e!r}") from e
+    return buf

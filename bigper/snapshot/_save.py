@@ -1,0 +1,245 @@
+"""Writing a snapshot: everything into a temporary directory, then one rename.
+
+The order is what makes a snapshot all or nothing (promise 1)::
+
+    mkdir  <parent>/.tmp-<name>-<pid>-<rand>/{state,data}
+    write + fsync   state/*.npy, data/* (or hard-link shared chunk files)
+    write + fsync   manifest.json (last: a directory without it is no snapshot)
+    fsync           state/, data/, the temporary directory
+    rename          .tmp-... -> <name>
+    fsync           <parent>
+
+Any failed write or fsync raises ``OSError``; the temporary directory is
+removed and nothing else changed. A failed fsync is never retried (after a
+failure, the kernel may have dropped the dirty pages and report success the
+second time).
+
+Memmap storage: a chunk file is hard-linked, not copied. Chunks already
+shared with an earlier snapshot are linked as they are (their checksum is
+known); the others are made durable, hashed, linked, and from then on are
+shared, so the live buffer copies them before writing (``storage/memmap.py``).
+Where links are impossible (another filesystem, a read-only storage whose
+writer is another process) chunks are copied.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import shutil
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from ..config import check_name
+from ..storage._files import fsync_dir
+from ..storage.memmap import chunk_name, chunk_rows_for
+from ._manifest import FORMAT, MAGIC, MANIFEST, digest, encode
+
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.EOPNOTSUPP,
+            getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+TMP_PREFIX = ".tmp-"
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class Transaction:
+    """The temporary directory of one snapshot and the files written into it."""
+
+    def __init__(self, target: Path):
+        self.target = target
+        self.tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.files: dict[str, dict] = {}
+
+    def begin(self) -> None:
+        os.mkdir(self.tmp)
+        for top in ("state", "data"):
+            os.mkdir(self.tmp / top)
+
+    def write(self, name: str, data) -> str:
+        """Write the bytes-like ``data`` to member ``name`` and fsync it."""
+        fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.files[name] = {"size": memoryview(data).nbytes, "xxh3_64": digest(data)}
+        return name
+
+    def link(self, name: str, src: Path, size: int, xxh: str) -> str:
+        os.link(src, self.tmp / name)
+        self.files[name] = {"size": int(size), "xxh3_64": xxh}
+        return name
+
+    def commit(self, body: dict) -> None:
+        body["files"] = dict(sorted(self.files.items()))
+        body.setdefault("summary", {})["bytes"] = sum(f["size"] for f in self.files.values())
+        fd = os.open(self.tmp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, encode(body))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for d in (self.tmp / "state", self.tmp / "data", self.tmp):
+            fsync_dir(d)
+        if os.path.lexists(self.target):
+            raise FileExistsError(f"snapshot {self.target} appeared while it was being written")
+        os.rename(self.tmp, self.target)
+        fsync_dir(self.target.parent)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _mkdirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each durably named in its parent."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        fsync_dir(d.parent)
+
+
+def _npy(arr: np.ndarray) -> memoryview:
+    bio = io.BytesIO()
+    np.save(bio, np.ascontiguousarray(arr), allow_pickle=False)
+    return bio.getbuffer()
+
+
+def specs_of(store) -> dict:
+    """name -> (rows, shape, dtype) of every array a storage holds."""
+    arrays = getattr(store, "dsets", None) or store.arrays
+    return {n: (int(a.shape[0]), tuple(int(d) for d in a.shape[1:]), np.dtype(a.dtype))
+            for n, a in arrays.items()}
+
+
+def _rows(store, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of array ``name``, straight from the storage's arrays."""
+    arrays = getattr(store, "dsets", None) or store.arrays
+    return arrays[name][start:stop]
+
+
+def _link_chunks(tx: Transaction, store) -> dict:
+    out, linkable = {}, True
+    for name, (rec, chunks) in store.chunk_table().items():
+        files = []
+        for k, (path, size, shared, xxh) in enumerate(chunks):
+            member = f"data/{chunk_name(name, k)}"
+            if linkable:
+                if not shared:
+                    store.sync_chunk(name, k)
+                if xxh is None:
+                    xxh = digest(store.chunk_view(name, k))
+                try:
+                    tx.link(member, path, size, xxh)
+                except OSError as e:
+                    if e.errno not in _NO_LINK:
+                        raise
+                    linkable = False
+                else:
+                    store.mark_shared(name, k, xxh)
+            if not linkable:
+                tx.write(member, store.chunk_view(name, k))
+            files.append(member)
+        out[name] = {**{k: rec[k] for k in ("rows", "shape", "dtype", "chunk_rows")}, "files": files}
+    return out
+
+
+def _copy_rows(tx: Transaction, store) -> dict:
+    out = {}
+    for name, (rows, shape, dtype) in specs_of(store).items():
+        row_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        cr = chunk_rows_for(rows, row_bytes)
+        files = []
+        for k in range(-(-rows // cr)):
+            block = np.ascontiguousarray(_rows(store, name, k * cr, min(rows, (k + 1) * cr)))
+            files.append(tx.write(f"data/{chunk_name(name, k)}", block.reshape(-1).view(np.uint8)))
+        out[name] = {"rows": rows, "shape": list(shape), "dtype": dtype.str, "chunk_rows": cr, "files": files}
+    return out
+
+
+def _storage_record(store) -> dict:
+    path = getattr(store, "path", None)
+    options = {}
+    if store.kind == "memmap":
+        options["chunk_bytes"] = store.chunk_bytes
+    elif store.kind == "hdf5":
+        options["compression"] = store.compression
+    return {"kind": store.kind, "path": None if path is None else os.path.abspath(path), "options": options}
+
+
+def save(buf, snapshot) -> Path:
+    """Write a crash-consistent snapshot of ``buf`` to the new directory ``snapshot``.
+
+    Parameters
+    ----------
+    buf : PrioritizedReplayBuffer
+        Open; it may go on being used afterwards (memmap storage copies a
+        chunk the snapshot shares before its first write into it).
+    snapshot : str or Path
+        A directory that must not exist yet; missing parents are created.
+
+    Returns
+    -------
+    Path
+        The snapshot's absolute path.
+
+    Raises
+    ------
+    FileExistsError
+        ``snapshot`` exists: snapshots are never overwritten.
+    OSError
+        A write or fsync failed (a full disk, an I/O error): nothing was
+        written, any earlier snapshot is untouched.
+    """
+    from .. import __version__
+
+    buf._check_open()
+    target = Path(os.path.abspath(snapshot))
+    if os.path.lexists(target):
+        raise FileExistsError(f"snapshot {target} exists; snapshots are never overwritten "
+                              "(pick a new name, or let bigper.Snapshots number them)")
+    meta, arrays = buf.state_dict()
+    try:
+        meta = json.loads(json.dumps(meta))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"the buffer's state_dict meta is not JSON-able: {e}") from None
+    for name in arrays:
+        check_name(name, "state array name")
+    _mkdirs(target.parent)
+    store = buf._store
+    tx = Transaction(target)
+    try:
+        tx.begin()
+        state = {name: tx.write(f"state/{name}.npy", _npy(a)) for name, a in arrays.items()}
+        linked = store.kind == "memmap" and not store.read_only
+        data = _link_chunks(tx, store) if linked else _copy_rows(tx, store)
+        body = {
+            "magic": MAGIC, "format": FORMAT, "bigper_version": __version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "config": buf.config.to_dict(),
+            "storage": _storage_record(store),
+            "state": {"meta": meta, "arrays": state},
+            "data": data,
+            "summary": {"len": len(buf), "capacity": buf.capacity, "total_priority": buf.total_priority},
+        }
+        tx.commit(body)
+    except BaseException:
+        tx.abort()
+        raise
+    return target

@@ -1,0 +1,180 @@
+"""Snapshots: a directory of numbered snapshots with retention and fallback."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import uuid
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import CorruptSnapshotError
+from ..storage._files import fsync_dir
+from ._load import load
+from ._manifest import MANIFEST, read_manifest
+from ._save import TMP_PREFIX, save
+
+_NAME = re.compile(r"^snap-(\d{8,})$")
+DEL_PREFIX = ".del-"
+
+
+def _seq(p: Path) -> int:
+    m = _NAME.match(p.name)
+    return int(m.group(1)) if m else -1
+
+
+class Snapshots:
+    """Numbered snapshots of one buffer under ``root``, the newest ``keep`` kept.
+
+    ::
+
+        root/
+          .lock                       flock: exclusive while saving, shared while loading
+          snap-00000041/              complete snapshots (written by bigper.snapshot.save)
+          snap-00000042/
+          .tmp-snap-00000043-...      an interrupted save: removed when Snapshots starts
+          .del-snap-00000040-...      an interrupted deletion: removed when Snapshots starts
+
+    Parameters
+    ----------
+    root : str or Path
+        Created if missing.
+    keep : int or None
+        Complete snapshots to keep (>= 1), or None to keep all. Retention runs
+        after each successful ``save`` and never deletes the newest complete
+        snapshot.
+    """
+
+    def __init__(self, root, keep: int | None = 3):
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+        self.root = Path(os.path.abspath(root))
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cleaned = self._clean()
+
+    def __repr__(self) -> str:
+        return f"Snapshots({str(self.root)!r}, keep={self.keep})"
+
+    # -- the lock ---------------------------------------------------------------
+    @contextmanager
+    def _locked(self, shared: bool, blocking: bool = True):
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, mode)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _clean(self) -> list[str]:
+        """Remove leftovers of interrupted saves and deletions (unless one is running)."""
+        removed = []
+        with self._locked(shared=False, blocking=False) as held:
+            if not held:
+                return removed
+            for entry in sorted(os.listdir(self.root)):
+                if entry.startswith(TMP_PREFIX) or entry.startswith(DEL_PREFIX):
+                    shutil.rmtree(self.root / entry, ignore_errors=True)
+                    removed.append(entry)
+            if removed:
+                fsync_dir(self.root)
+        return removed
+
+    # -- listing ----------------------------------------------------------------
+    def _entries(self) -> list[Path]:
+        """Every ``snap-*`` directory, oldest first."""
+        out = [self.root / e for e in os.listdir(self.root) if _NAME.match(e)]
+        return sorted((p for p in out if p.is_dir()), key=_seq)
+
+    def list(self) -> list[Path]:
+        """Complete snapshots (a manifest is present), oldest first; not verified."""
+        return [p for p in self._entries() if (p / MANIFEST).is_file()]
+
+    @staticmethod
+    def _intact(p: Path) -> bool:
+        try:
+            read_manifest(p)
+        except (CorruptSnapshotError, OSError):
+            return False
+        except Exception:  # another format: intact, just not ours to judge
+            return True
+        return True
+
+    def latest(self) -> Path | None:
+        """The newest snapshot whose manifest is intact, or None. Its data files
+        are checked by ``load_latest`` (or ``bigper verify``)."""
+        for p in reversed(self._entries()):
+            if self._intact(p):
+                return p
+        return None
+
+    # -- saving -------------------------------------------------------------------
+    def save(self, buf) -> Path:
+        """Snapshot ``buf`` as the next number, then apply retention; returns its path."""
+        with self._locked(shared=False):
+            entries = self._entries()
+            seq = (_seq(entries[-1]) + 1) if entries else 1
+            path = save(buf, self.root / f"snap-{seq:08d}")
+            self._retain()
+        return path
+
+    def _retain(self) -> None:
+        if self.keep is None:
+            return
+        entries = self._entries()
+        kept = [p for p in reversed(entries) if self._intact(p)][: self.keep]
+        if not kept:  # nothing complete: delete nothing
+            return
+        oldest = _seq(kept[-1])
+        for p in entries:
+            if _seq(p) < oldest:
+                self._delete(p)
+
+    def _delete(self, p: Path) -> None:
+        # Renamed first: an interrupted deletion leaves a .del- leftover, never a
+        # snap- directory with some files missing.
+        dst = self.root / f"{DEL_PREFIX}{p.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(p, dst)
+        fsync_dir(self.root)
+        shutil.rmtree(dst, ignore_errors=True)
+
+    # -- loading ------------------------------------------------------------------
+    def load_latest(self, *, path=None):
+        """Load the newest snapshot that verifies; an older one, with a warning,
+        when a newer one is corrupt.
+
+        Parameters
+        ----------
+        path : str or Path, optional
+            Where a disk storage keeps its live data (see ``PrioritizedReplayBuffer.load``).
+
+        Raises
+        ------
+        FileNotFoundError
+            ``root`` holds no snapshot.
+        CorruptSnapshotError
+            Every snapshot is corrupt.
+        """
+        with self._locked(shared=True):
+            entries = [p for p in reversed(self._entries()) if (p / MANIFEST).exists()] \
+                or list(reversed(self._entries()))
+            if not entries:
+                raise FileNotFoundError(f"no snapshot in {self.root}")
+            problems = []
+            for i, p in enumerate(entries):
+                try:
+                    return load(p, path=path)
+                except CorruptSnapshotError as e:
+                    problems.append(str(e))
+                    if i + 1 < len(entries):
+                        warnings.warn(f"snapshot {p.name} is corrupt ({e}); falling back to "
+                                      f"{entries[i + 1].name}", RuntimeWarning, stacklevel=2)
+            raise CorruptSnapshotError(f"no loadable snapshot in {self.root}: " + "; ".join(problems))
