@@ -16,6 +16,7 @@ layout maps onto fields); priorities live in a sidecar directory beside it
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import time
 import warnings
@@ -108,11 +109,11 @@ def _init_state(buf, src: H5Source) -> None:
         buf._gid[:] = np.arange(n, dtype=np.int64)
         buf._count = n
         return
-    state, arrays = src.recorded[1], src.recorded[2]
-    buf._gid[:] = arrays["gid"]
-    if buf._pending.shape[0] and arrays.get("pending") is not None and arrays["pending"].shape == (n,):
-        buf._pending[:] = arrays["pending"]
-    buf._count = int(state["count"])
+    # bigper's layout: everything its writer recorded (frame ring included), but a fresh
+    # RNG and beta schedule; the priorities are set by from_hdf5 afterwards.
+    buf._restore(src.recorded[1], src.recorded[2])
+    buf._rng = np.random.default_rng(buf.config.seed)
+    buf._beta_step = 0
 
 
 def _leaves_of(scores: np.ndarray, live: np.ndarray, cfg: Config) -> np.ndarray:
@@ -281,8 +282,6 @@ def load_score_fn(spec: str):
     if not sep or not mod_name or not attr:
         raise ValueError(f"--score must look like package.module:function, got {spec!r}")
     if mod_name.endswith(".py"):
-        import importlib.util
-
         path = Path(mod_name)
         if not path.is_file():
             raise FileNotFoundError(f"--score: no file {path}")

@@ -202,11 +202,11 @@ class H5Source:
             cols[name] = Column(name, shape, d.dtype, [key], key)
         if "next_observations" in ds:
             nx = ds["next_observations"]
-            if nx.shape != obs.shape or nx.dtype != obs.dtype:
+            if nx.shape != obs.shape or nx.dtype.newbyteorder("=") != obs.dtype.newbyteorder("="):
                 raise OfflineDatasetError(
                     f"{self.file_path}: dataset 'next_observations' has shape {nx.shape} {nx.dtype}, "
                     f"'observations' {obs.shape} {obs.dtype}; they must match")
-            cols["next_obs"] = Column("next_obs", obs.shape[1:], obs.dtype, ["next_observations"],
+            cols["next_obs"] = Column("next_obs", obs.shape[1:], nx.dtype, ["next_observations"],
                                       "next_observations")
         else:
             unknown = tout & ~term
@@ -406,8 +406,9 @@ class H5Source:
             if name in ("terminated", "truncated"):
                 continue
             col = self.columns.get(name)
-            if col is None or rows != self.n or tuple(shape) != col.shape:
-                have = None if col is None else (self.n, col.shape)
+            want = None if col is None else (int(col.seg_rows.sum()) if self.recorded else self.n)
+            if col is None or rows != want or tuple(shape) != col.shape:
+                have = None if col is None else (want, col.shape)
                 raise OfflineDatasetError(f"{self.file_path}: the buffer asks for {name!r} "
                                           f"{(rows, tuple(shape))}, the dataset has {have}")
 
@@ -415,13 +416,19 @@ class H5Source:
         rows = np.asarray(rows)
         if rows.ndim != 1:
             return self.read(name, rows.reshape(-1)).reshape(rows.shape + self._shape(name))
+        flags = name in ("terminated", "truncated")
+        col = None if flags else self.columns.get(name)
+        if col is None and not flags:
+            raise KeyError(f"{name!r} is not a field of {self.path}; fields: {sorted(self.columns)}")
+        # bigper's layout holds arrays of other lengths (the frame ring): bound by the array
+        limit = int(col.seg_rows[0]) if col is not None and self.recorded else self.n
         seg, t, uniq, inverse = self._plan_for(rows)
-        if name in ("terminated", "truncated"):
+        if uniq.shape[0] and (uniq[0] < 0 or uniq[-1] >= limit):
+            bad = uniq[0] if uniq[0] < 0 else uniq[-1]
+            raise IndexError(f"row {bad} of {name!r} is out of range [0, {limit}) in {self.path}")
+        if flags:
             out = (self.ends[uniq] & (1 if name == "terminated" else 2)) != 0
         else:
-            col = self.columns.get(name)
-            if col is None:
-                raise KeyError(f"{name!r} is not a field of {self.path}; fields: {sorted(self.columns)}")
             out = read_column(col, self._file, self._mm, seg, t, uniq)
         return out if inverse is None else out[inverse]
 
@@ -434,9 +441,6 @@ class H5Source:
             return self._plan
         r = rows.astype(np.int64, copy=False)
         n = r.shape[0]
-        if n and (r.min() < 0 or r.max() >= self.n):
-            bad = r[(r < 0) | (r >= self.n)][0]
-            raise IndexError(f"row {bad} is out of range [0, {self.n}) of {self.path}")
         inverse = None
         if n > 1 and not (r[1:] > r[:-1]).all():
             if (r[1:] >= r[:-1]).all():  # sorted with repeats (stratified sampling): no sort needed
