@@ -39,10 +39,10 @@ from ..config import check_name
 from ..storage._files import fsync_dir
 from ..storage.memmap import chunk_name, chunk_rows_for
 from ._manifest import FORMAT, MAGIC, MANIFEST, digest, encode
+from ._series import TMP_PREFIX
 
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.EOPNOTSUPP,
             getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
-TMP_PREFIX = ".tmp-"
 
 
 def _write_all(fd: int, data) -> None:

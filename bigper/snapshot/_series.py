@@ -13,12 +13,11 @@ from pathlib import Path
 
 from ..errors import CorruptSnapshotError
 from ..storage._files import fsync_dir
-from ._load import load
-from ._manifest import MANIFEST, read_manifest
-from ._save import TMP_PREFIX, save
 
 _NAME = re.compile(r"^snap-(\d{8,})$")
-DEL_PREFIX = ".del-"
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-"  # a save in progress (or interrupted): <parent>/.tmp-<name>-<pid>-<rand>
+DEL_PREFIX = ".del-"  # a deletion in progress (or interrupted)
 
 
 def _seq(p: Path) -> int:
@@ -100,6 +99,8 @@ class Snapshots:
 
     @staticmethod
     def _intact(p: Path) -> bool:
+        from ._manifest import read_manifest
+
         try:
             read_manifest(p)
         except (CorruptSnapshotError, OSError):
@@ -119,6 +120,8 @@ class Snapshots:
     # -- saving -------------------------------------------------------------------
     def save(self, buf) -> Path:
         """Snapshot ``buf`` as the next number, then apply retention; returns its path."""
+        from ._save import save
+
         with self._locked(shared=False):
             entries = self._entries()
             seq = (_seq(entries[-1]) + 1) if entries else 1
@@ -163,6 +166,8 @@ class Snapshots:
         CorruptSnapshotError
             Every snapshot is corrupt.
         """
+        from ._load import load
+
         with self._locked(shared=True):
             entries = [p for p in reversed(self._entries()) if (p / MANIFEST).exists()] \
                 or list(reversed(self._entries()))
