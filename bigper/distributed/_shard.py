@@ -88,13 +88,30 @@ class Shard:
             self.buf = PrioritizedReplayBuffer(**spec["kwargs"], path=self.path)
         self.restored_from = snap
 
-    # -- stats -------------------------------------------------------------------
-    def stats(self, max_leaf_hint: float = 0.0) -> tuple:
+    # -- stats and priority updates ---------------------------------------------------
+    # Every call from the coordinator carries its pending priority updates
+    # (applied first, in order) and the largest leaf it has seen on any shard.
+    def _apply(self, updates, max_leaf_hint: float) -> tuple:
         b = self.buf
+        for slots, stamps, priorities in updates or ():
+            if stamps is None:
+                b.update_priorities(slots, priorities)
+                continue
+            keep = (stamps >> EPOCH_SHIFT) == self.epoch
+            if not keep.all():
+                slots, stamps, priorities = slots[keep], stamps[keep], priorities[keep]
+            if slots.shape[0]:
+                b.update_priorities(Batch({}, slots, None, None, stamps & GID_MASK), priorities)
         if max_leaf_hint > b._max_leaf:
             # New transitions get the largest leaf seen on any shard.
             b._max_leaf = float(max_leaf_hint)
         return (b.total_priority, b.min_leaf, len(b), b._max_leaf, self.epoch)
+
+    def stats(self, updates=None, max_leaf_hint: float = 0.0):
+        return None, self._apply(updates, max_leaf_hint)
+
+    def update(self, updates, max_leaf_hint: float):
+        return None, self._apply(updates, max_leaf_hint)
 
     def info(self) -> dict:
         return {"shard": self.k, "len": len(self.buf), "capacity": self.buf.capacity,
@@ -102,26 +119,15 @@ class Shard:
                 "restored_from": self.restored_from, "pid": os.getpid()}
 
     # -- writing -----------------------------------------------------------------
-    def extend(self, data: dict, priorities=None) -> int:
-        self.buf.extend(data, priorities)
+    def extend(self, data: dict, priorities=None, valid=None) -> int:
+        if valid is None:
+            self.buf.extend(data, priorities)
+        else:
+            self.buf.extend(data, priorities, valid)
         return len(self.buf)
 
-    def update(self, slots, stamps, priorities, max_leaf_hint: float) -> tuple:
-        """``stamps``: encoded generations of a batch (rows from another epoch are
-        skipped), or None for raw slots."""
-        if stamps is None:
-            self.buf.update_priorities(slots, priorities)
-        else:
-            keep = (stamps >> EPOCH_SHIFT) == self.epoch
-            if not keep.all():
-                slots, stamps, priorities = slots[keep], stamps[keep], priorities[keep]
-            if slots.shape[0]:
-                target = Batch({}, slots, None, None, stamps & GID_MASK)
-                self.buf.update_priorities(target, priorities)
-        return self.stats(max_leaf_hint)
-
     # -- sampling ----------------------------------------------------------------
-    def sample(self, targets, seen_total: float, beta: float, max_leaf_hint: float):
+    def sample(self, updates, max_leaf_hint: float, targets, seen_total: float, beta: float):
         """Sample at local prefix-sum ``targets`` laid out against ``seen_total``.
 
         Returns ``(part, stats)``; ``part`` is None when ``targets`` is empty.
@@ -132,7 +138,7 @@ class Shard:
         coordinator report the probability the draw really had.
         """
         b = self.buf
-        stats = self.stats(max_leaf_hint)
+        stats = self._apply(updates, max_leaf_hint)
         if targets.shape[0] == 0:
             return None, stats
         total = stats[0]
@@ -141,14 +147,11 @@ class Shard:
         scale = 1.0
         if total != seen_total:
             scale = seen_total / total
-            targets = np.minimum(targets / scale, np.nextafter(total, 0.0))
-        else:
-            targets = np.minimum(targets, np.nextafter(total, 0.0))
+            targets = targets / scale
+        targets = np.minimum(targets, np.nextafter(total, 0.0))
         batch = b.sample_at(targets, beta=beta)
-        idx = batch.indices
-        part = {"data": batch.data, "slots": idx, "leaves": _leaves(b, batch),
-                "local_prob": batch.probabilities, "scale": scale,
-                "gens": batch.generations | (self.epoch << EPOCH_SHIFT)}
+        part = {"data": batch.data, "slots": batch.indices, "leaves": _leaves(b, batch),
+                "scale": scale, "gens": batch.generations | (self.epoch << EPOCH_SHIFT)}
         return part, stats
 
     # -- persistence -------------------------------------------------------------

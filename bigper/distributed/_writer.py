@@ -55,9 +55,10 @@ class ShardWriter:
         self._envs = cfg.num_envs
         self._episodic = cfg.n_step > 1 or cfg.frame_stack is not None
         self._next = self._start % len(self._shards)
-        self._pieces: list[tuple[dict, np.ndarray | None]] = []  # rows (m*envs, ...), priorities
+        self._pieces: list[tuple] = []  # (rows (m*envs, ...), priorities, valid)
         self._pending = 0  # steps in _pieces
-        self._in_flight: list[list] = []  # [ref, shard, data, priorities, attempts]
+        self._in_flight: list[list] = []  # [ref, shard, data, priorities, valid, attempts]
+        self._placeholders = False  # this writer has sent placeholder rows (num_envs > 1)
         self.sent = 0  # steps handed to shards
 
     # -- pickling: a fresh, empty writer on the other side -------------------------
@@ -74,18 +75,16 @@ class ShardWriter:
         self._setup()
 
     # -- writing -------------------------------------------------------------------
-    def add(self, *, priorities=None, **step) -> None:
+    def add(self, *, priorities=None, valid=None, **step) -> None:
         """One env step (with ``num_envs > 1``, one step of every env); see
         ``PrioritizedReplayBuffer.add``."""
-        rows, p = self._ingest.step(step, priorities)
-        self._push(rows, p, 1)
+        rows, p, v = self._ingest.step(step, priorities, valid)
+        self._push(rows, p, v)
 
-    def extend(self, data, priorities=None) -> None:
+    def extend(self, data, priorities=None, valid=None) -> None:
         """Many steps; see ``PrioritizedReplayBuffer.extend``."""
-        rows, p = self._ingest.steps(data, priorities)
-        m = rows["terminated"].shape[0] // self._envs
-        if m:
-            self._push(rows, p, m)
+        rows, p, v = self._ingest.steps(data, priorities, valid)
+        self._push(rows, p, v)
 
     def flush(self) -> None:
         """Send every pending step (in episode mode: up to the last episode end)
@@ -98,66 +97,97 @@ class ShardWriter:
         """Steps collected here and not yet sent."""
         return self._pending
 
-    def _push(self, rows: dict, p, m: int) -> None:
+    def _push(self, rows: dict, p, v) -> None:
+        e = self._envs
+        if v is not None and e == 1:
+            # A placeholder row (an env's reset step) carries no transition, and
+            # with one env no stream to keep aligned: it never leaves the writer.
+            if not v.all():
+                rows = {k: a[v] for k, a in rows.items()}
+                p = None if p is None else p[v]
+            v = None
+        m = rows["terminated"].shape[0] // e
+        if m == 0:
+            return
+        if v is not None:
+            self._placeholders = True
         if self._pieces and (p is None) != (self._pieces[-1][1] is None):
             # A chunk has priorities for every step or for none: cut here.
             self._send_ready(force=True)
-        self._pieces.append((rows, p))
+        self._pieces.append((rows, p, v))
         self._pending += m
         if self._pending >= self.chunk_size and (
                 not self._episodic or (rows["terminated"] | rows["truncated"]).any()):
             # In episode mode a chunk can only end where an episode ends.
             self._send_ready(force=False)
 
+    def _cuts(self, rows: dict, n: int, force: bool) -> list:
+        """Where to cut ``n`` pending steps into chunks of about ``chunk_size``."""
+        e, c = self._envs, self.chunk_size
+        ends = (rows["terminated"] | rows["truncated"]).reshape(n, e)
+        if self._episodic:
+            # The next chunk may go to another shard: never cut an episode.
+            allowed = np.flatnonzero(ends[:, 0]) + 1
+        elif self._placeholders:
+            # A placeholder row must follow its env's episode end on the same
+            # shard: cut only after a step where no env's episode ended.
+            allowed = np.flatnonzero(~ends.any(axis=1)) + 1
+        else:
+            cuts = list(range(c, n + 1, c))
+            if force and (not cuts or cuts[-1] != n):
+                cuts.append(n)
+            return cuts
+        cuts, s = [], 0
+        for cut in allowed:
+            if cut - s >= c:
+                cuts.append(int(cut))
+                s = cut
+        if force and allowed.shape[0] and allowed[-1] > s:
+            cuts.append(int(allowed[-1]))
+        return cuts
+
     def _send_ready(self, force: bool) -> None:
         if not self._pending:
             return
         pieces = self._pieces
         if len(pieces) == 1:
-            rows, p = pieces[0]
+            rows, p, v = pieces[0]
         else:
-            rows = {n: np.concatenate([r[n] for r, _ in pieces]) for n in pieces[0][0]}
-            p = None if pieces[0][1] is None else np.concatenate([q for _, q in pieces])
-        e, n, c = self._envs, self._pending, self.chunk_size
-        if self._episodic:
-            ends = np.flatnonzero(rows["terminated"] | rows["truncated"])  # num_envs is 1 here
-            cuts, s = [], 0
-            for end in ends:
-                if end + 1 - s >= c:
-                    cuts.append(end + 1)
-                    s = end + 1
-            if force and ends.shape[0] and (not cuts or cuts[-1] != ends[-1] + 1):
-                cuts.append(int(ends[-1]) + 1)
-        else:
-            cuts = list(range(c, n + 1, c))
-            if force and (not cuts or cuts[-1] != n):
-                cuts.append(n)
+            rows = {n: np.concatenate([r[n] for r, _, _ in pieces]) for n in pieces[0][0]}
+            p = None if pieces[0][1] is None else np.concatenate([q for _, q, _ in pieces])
+            v = None
+            if any(w is not None for _, _, w in pieces):
+                v = np.concatenate([np.ones(r["terminated"].shape[0], bool) if w is None else w
+                                    for r, _, w in pieces])
+        e, n = self._envs, self._pending
         s = 0
-        for cut in cuts:
-            self._send({k: v[s * e:cut * e] for k, v in rows.items()},
-                       None if p is None else p[s * e:cut * e], cut - s)
+        for cut in self._cuts(rows, n, force):
+            sl = slice(s * e, cut * e)
+            self._send({k: a[sl] for k, a in rows.items()}, None if p is None else p[sl],
+                       None if v is None else v[sl], cut - s)
             s = cut
         if s == n:
             self._pieces, self._pending = [], 0
-        elif s:
-            self._pieces = [({k: v[s * e:] for k, v in rows.items()}, None if p is None else p[s * e:])]
+        elif s or len(pieces) > 1:
+            sl = slice(s * e, None)
+            self._pieces = [({k: a[sl] for k, a in rows.items()}, None if p is None else p[sl],
+                             None if v is None else v[sl])]
             self._pending = n - s
-        elif len(pieces) > 1:
-            self._pieces = [(rows, p)]
 
-    def _send(self, rows: dict, p, m: int) -> None:
+    def _send(self, rows: dict, p, v, m: int) -> None:
         e = self._envs
         if e > 1:
-            rows = {k: v.reshape((m, e) + v.shape[1:]) for k, v in rows.items()}
+            rows = {k: a.reshape((m, e) + a.shape[1:]) for k, a in rows.items()}
             p = None if p is None else p.reshape(m, e)
-        self._submit([None, None, rows, p, 0])
+            v = None if v is None else v.reshape(m, e)
+        self._submit([None, None, rows, p, v, 0])
         self.sent += m
         self._wait(self.max_in_flight)
 
     def _submit(self, entry: list) -> None:
         k = self._next
         self._next = (k + 1) % len(self._shards)
-        entry[0] = self._shards[k].extend.remote(entry[2], entry[3])
+        entry[0] = self._shards[k].extend.remote(entry[2], entry[3], entry[4])
         entry[1] = k
         self._in_flight.append(entry)
 
@@ -180,8 +210,8 @@ class ShardWriter:
                 try:
                     ray.get(entry[0])
                 except RayActorError:
-                    entry[4] += 1
-                    if entry[4] > 2 * len(self._shards):
+                    entry[5] += 1
+                    if entry[5] > 2 * len(self._shards):
                         raise
                     retry.append(entry)
             self._in_flight = keep

@@ -50,6 +50,7 @@ from ..config import Config
 from . import _manifest as M
 from ._sampling import assemble, lay_out, shard_capacities
 from ._shard import Shard, shard_path
+from ._shardset import ShardSet
 from ._writer import ShardWriter
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -86,8 +87,9 @@ class ShardedPrioritizedBuffer:
         trips) or use the totals their last replies carried (one round trip).
     chunk_size, max_writes_in_flight : int
         Steps per write call, and unacknowledged write calls per writer.
-    max_updates_in_flight : int
-        Unacknowledged ``update_priorities`` calls before ``update_priorities`` waits.
+    max_pending_updates, max_updates_in_flight : int
+        Priority-update rows a shard may have waiting for its next call before
+        they are sent on their own, and how many such calls may be unacknowledged.
     shard_timeout_s : float
         How long ``sample`` waits for a shard before going on without it.
     max_restarts : int
@@ -101,7 +103,7 @@ class ShardedPrioritizedBuffer:
                  storage="memory", path=None, next_of=None, num_envs=1, seed=0,
                  storage_options=None, placement="PACK", num_cpus_per_shard=1.0,
                  recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
-                 max_updates_in_flight=8, shard_timeout_s=10.0, max_restarts=-1,
+                 max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0, max_restarts=-1,
                  actor_options=None, _restore=None):
         if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
             raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
@@ -124,7 +126,6 @@ class ShardedPrioritizedBuffer:
         self.config, self.num_shards = cfg, int(num_shards)
         self.fresh_totals = bool(fresh_totals)
         self.shard_timeout_s = float(shard_timeout_s)
-        self.max_updates_in_flight = int(max_updates_in_flight)
         self._caps = shard_capacities(cfg.capacity, self.num_shards)
         self._offsets = np.concatenate([[0], np.cumsum(self._caps)]).astype(np.int64)
         self._path = None if path is None else str(Path(path).absolute())
@@ -151,12 +152,9 @@ class ShardedPrioritizedBuffer:
         self._schedule, self._beta_step = cfg.schedule, 0
         self._norm_batch = cfg.weight_norm == "batch"
         self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
-        self._max_leaf = 1.0
-        self._stats: list = [None] * self.num_shards  # (seq, stats) of the newest reply
-        self._seq = 0
-        self._down = [False] * self.num_shards
-        self._probes: list = [None] * self.num_shards  # a probe of a down shard, in flight
-        self._updates: list = []  # (ref, shard, seq)
+        self._set = ShardSet(self._shards, timeout=self.shard_timeout_s,
+                             max_in_flight=int(max_updates_in_flight),
+                             max_pending=int(max_pending_updates))
         self._writers = 1
         self.chunk_size, self.max_writes_in_flight = int(chunk_size), int(max_writes_in_flight)
         self._writer = ShardWriter(self._shards, cfg.to_dict(), start=0, chunk_size=chunk_size,
@@ -164,7 +162,7 @@ class ShardedPrioritizedBuffer:
         if _restore is not None:
             coord = _restore[1]["coordinator"]
             self._rng.bit_generator.state = coord["rng"]
-            self._beta_step, self._max_leaf = int(coord["beta_step"]), float(coord["max_leaf"])
+            self._beta_step, self._set.max_leaf = int(coord["beta_step"]), float(coord["max_leaf"])
 
     def _start_shards(self, cfg, kw, placement, cpus, max_restarts, actor_options, restore):
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -212,16 +210,21 @@ class ShardedPrioritizedBuffer:
         """(num_shards + 1,) int64: shard ``k`` owns global indices ``[offsets[k], offsets[k+1])``."""
         return self._offsets.copy()
 
+    @property
+    def shard_actors(self) -> list:
+        """The shard actors' handles (shard ``k`` at position ``k``)."""
+        return list(self._shards)
+
     def __len__(self) -> int:
         """Transitions held by the live shards (after flushing this process's writes)."""
         self._sync()
-        return int(sum(st[2] for st in self._probe().values()))
+        return int(sum(st[2] for st in self._set.probe().values()))
 
     @property
     def total_priority(self) -> float:
         """Sum of the leaves of the live shards."""
         self._sync()
-        return float(sum(st[0] for st in self._probe().values()))
+        return float(sum(st[0] for st in self._set.probe().values()))
 
     def shard_info(self) -> list:
         """Per shard: a dict (len, capacity, total_priority, epoch, restored_from, pid), or
@@ -247,21 +250,22 @@ class ShardedPrioritizedBuffer:
         self._writers += 1
         return w
 
-    def add(self, *, priorities=None, **step) -> None:
+    def add(self, *, priorities=None, valid=None, **step) -> None:
         """As ``PrioritizedReplayBuffer.add``; collected into chunks (see ``flush``)."""
         self._check_open()
-        self._writer.add(priorities=priorities, **step)
+        self._writer.add(priorities=priorities, valid=valid, **step)
 
-    def extend(self, data, priorities=None) -> None:
+    def extend(self, data, priorities=None, valid=None) -> None:
         """As ``PrioritizedReplayBuffer.extend``; sent in chunks, round robin."""
         self._check_open()
-        self._writer.extend(data, priorities)
+        self._writer.extend(data, priorities, valid)
 
     def flush(self) -> None:
         """Send this process's pending steps and wait until the shards stored them
         and applied every priority update sent so far."""
         self._sync()
-        self._reap(0)
+        self._set.send_updates()
+        self._set.reap(0)
 
     def _sync(self) -> None:
         self._check_open()
@@ -283,120 +287,48 @@ class ShardedPrioritizedBuffer:
         else:
             b = self._schedule(self._beta_step)
         self._sync()
-        self._reap(self.max_updates_in_flight)
-        n = int(batch_size)
+        sh, n = self._set, int(batch_size)
+        sh.reap(sh.max_in_flight)
         for _ in range(self.num_shards + 2):
             if self.fresh_totals:
-                stats = self._probe()
+                stats = sh.probe()
             else:
-                self._reap(0)
-                stats = self._cached_stats()
+                sh.reap(0)
+                stats = sh.cached()
             totals = np.array([stats[s][0] if s in stats else 0.0 for s in range(self.num_shards)])
             if not totals.sum() > 0:
                 raise ValueError(
                     f"cannot sample: no sampleable transition (len={sum(st[2] for st in stats.values())} "
                     f"on {len(stats)} live shard(s) of {self.num_shards})")
             shard, local, total = lay_out(self._rng.random(n), totals, bool(stratified))
-            calls = {}
+            positions, calls = {}, {}
             for s in stats:
                 pos = np.flatnonzero(shard == s)
+                # Pipelined: every live shard answers, so its cached total stays fresh.
                 if pos.shape[0] or not self.fresh_totals:
-                    calls[s] = (pos, self._call(s, "sample", local[pos], totals[s], b, self._max_leaf))
-            got = self._gather(calls)
-            if got is None:
+                    positions[s] = pos
+                    calls[s] = sh.call(s, "sample", local[pos], totals[s], b)
+            replies = sh.collect(calls)
+            parts = {s: r[0] for s, r in replies.items() if r[0] is not None}
+            if len(replies) < len(calls) or any(p.get("empty") for p in parts.values()):
                 continue  # a shard died or emptied mid-call: draw again over the live ones
-            parts, positions = got
+            for s, r in replies.items():
+                stats[s] = r[1]
             floor = min([st[1] * (parts[s]["scale"] if s in parts else 1.0) for s, st in stats.items()
                          if st[1] < np.inf] or [np.inf])
-            batch = assemble(n, parts, positions, self._offsets, total, floor, b, self._norm_batch)
+            batch = assemble(n, parts, {s: positions[s] for s in parts}, self._offsets, total, floor,
+                             b, self._norm_batch)
             self._beta_step += 1
             return batch
         raise RuntimeError(f"sampling failed {self.num_shards + 2} times in a row: shards keep dying")
 
-    def _call(self, s: int, method: str, *args):
-        self._seq += 1
-        return getattr(self._shards[s], method).remote(*args), self._seq
-
-    def _gather(self, calls: dict):
-        parts, positions, failed = {}, {}, False
-        for s, (pos, (ref, seq)) in calls.items():
-            try:
-                part, st = ray.get(ref, timeout=self.shard_timeout_s)
-            except (RayActorError, ray.exceptions.GetTimeoutError):
-                self._mark_down(s)
-                failed = True
-                continue
-            self._note(s, seq, st)
-            if part is not None and part.get("empty"):
-                failed = True
-            elif part is not None:
-                parts[s], positions[s] = part, pos
-        return None if failed else (parts, positions)
-
-    # -- shard stats and liveness --------------------------------------------------------
-    def _note(self, s: int, seq: int, st: tuple) -> None:
-        if self._stats[s] is None or seq > self._stats[s][0]:
-            self._stats[s] = (seq, st)
-        self._max_leaf = max(self._max_leaf, st[3])
-
-    def _mark_down(self, s: int) -> None:
-        self._down[s], self._stats[s] = True, None
-
-    def _revive(self) -> list:
-        """Down shards whose background probe has come back: up again."""
-        back = []
-        for s in range(self.num_shards):
-            if not self._down[s]:
-                continue
-            ref = self._probes[s]
-            if ref is not None:
-                ready, _ = ray.wait([ref], timeout=0)
-                if not ready:
-                    continue
-                self._probes[s] = None
-                try:
-                    ray.get(ref)
-                    self._down[s] = False
-                    back.append(s)
-                    continue
-                except RayActorError:
-                    pass
-            self._probes[s] = self._shards[s].stats.remote(self._max_leaf)
-        return back
-
-    def _probe(self) -> dict:
-        """Fresh stats of every live shard, one parallel round trip."""
-        self._revive()
-        calls = {s: self._call(s, "stats", self._max_leaf)
-                 for s in range(self.num_shards) if not self._down[s]}
-        refs = [ref for ref, _ in calls.values()]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.shard_timeout_s)
-        ready, out = set(ready), {}
-        for s, (ref, seq) in calls.items():
-            if ref not in ready:
-                self._mark_down(s)
-                self._probes[s] = ref
-                continue
-            try:
-                st = ray.get(ref)
-            except RayActorError:
-                self._mark_down(s)
-                continue
-            self._note(s, seq, st)
-            out[s] = st
-        return out
-
-    def _cached_stats(self) -> dict:
-        self._revive()
-        if any(not self._down[s] and self._stats[s] is None for s in range(self.num_shards)):
-            return self._probe()
-        return {s: self._stats[s][1] for s in range(self.num_shards) if not self._down[s]}
-
     # -- priorities --------------------------------------------------------------------
     def update_priorities(self, target, priorities) -> None:
         """As ``PrioritizedReplayBuffer.update_priorities``, grouped by shard and
-        asynchronous: at most ``max_updates_in_flight`` calls are unacknowledged.
-        An error a shard raises (a raw index never written) surfaces at a later call."""
+        asynchronous: a shard's updates ride on the next call to it (the next
+        ``sample``), or go on their own once ``max_pending_updates`` rows wait, with
+        at most ``max_updates_in_flight`` such calls unacknowledged. An error a
+        shard raises (a raw index never written) surfaces at a later call."""
         self._check_open()
         if isinstance(target, Batch):
             idx, stamps = target.indices, target.generations
@@ -412,32 +344,15 @@ class ShardedPrioritizedBuffer:
             return
         cfg = self.config
         top = (min(float(p.max()), self._maxp) + cfg.eps) ** cfg.alpha
-        self._max_leaf = max(self._max_leaf, top)
+        self._set.max_leaf = max(self._set.max_leaf, top)
         shard = np.searchsorted(self._offsets, idx, side="right") - 1
         slots = idx - self._offsets[shard]
+        if self.num_shards == 1:
+            self._set.queue_update(0, slots, stamps, p)
+            return
         for s in np.unique(shard):
             sel = shard == s
-            ref, seq = self._call(int(s), "update", slots[sel], None if stamps is None else stamps[sel],
-                                  p[sel], self._max_leaf)
-            self._updates.append((ref, int(s), seq))
-        self._reap(self.max_updates_in_flight)
-
-    def _reap(self, most: int) -> None:
-        """Collect finished updates (and wait until at most ``most`` are in flight)."""
-        if not self._updates:
-            return
-        refs = [u[0] for u in self._updates]
-        want = max(len(refs) - most, 0)
-        ready, _ = ray.wait(refs, num_returns=len(refs) if want == 0 else want,
-                            timeout=0 if want == 0 else None)
-        ready = set(ready)
-        done = [u for u in self._updates if u[0] in ready]
-        self._updates = [u for u in self._updates if u[0] not in ready]
-        for ref, s, seq in done:
-            try:
-                self._note(s, seq, ray.get(ref))
-            except RayActorError:
-                self._mark_down(s)  # it restarts from its snapshot; the update is moot
+            self._set.queue_update(int(s), slots[sel], None if stamps is None else stamps[sel], p[sel])
 
     # -- persistence ---------------------------------------------------------------------
     def save(self, snapshot) -> None:
@@ -455,7 +370,7 @@ class ShardedPrioritizedBuffer:
                 "format": M.FORMAT, "version": M.VERSION, "num_shards": self.num_shards,
                 "capacities": self._caps.tolist(), "config": self.config.to_dict(), "path": self._path,
                 "coordinator": {"rng": self._rng.bit_generator.state, "beta_step": self._beta_step,
-                                "max_leaf": self._max_leaf},
+                                "max_leaf": self._set.max_leaf},
                 "shards": infos})
         except BaseException:
             M.abort(tmp)
