@@ -41,6 +41,129 @@ def _reprioritize(args) -> int:
     return 0
 
 
+def _print_json(obj) -> None:
+    import json
+
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def _info_snapshot(path: Path, args) -> int:
+    from .snapshot import describe
+    from .snapshot._inspect import format_description
+
+    d = describe(path)
+    _print_json(d) if args.json else print(format_description(d))
+    return 0
+
+
+def _info_series(path: Path, args) -> int:
+    from .snapshot import Snapshots
+
+    snaps = Snapshots.__new__(Snapshots)  # look only: no cleanup, no directory created
+    snaps.root, snaps.keep = path.resolve(), None
+    found = snaps.list()
+    latest = snaps.latest()
+    if args.json:
+        _print_json({"root": str(path), "snapshots": [str(p) for p in found], "latest": str(latest)})
+        return 0
+    print(f"{path}: {len(found)} snapshot(s); latest intact: {latest.name if latest else None}")
+    for p in found:
+        print(f"  {p.name}")
+    return _info_snapshot(latest, args) if latest else 0
+
+
+def _info_storage(path: Path, args) -> int:
+    import json
+
+    meta = json.loads((path / "meta.json").read_text())
+    if args.json:
+        _print_json({k: v for k, v in meta.items() if k != "state"})
+        return 0
+    cfg, state = meta.get("config", {}), meta.get("state") or {}
+    cap = cfg.get("capacity", 0)
+    n = min(state.get("count", 0), cap)
+    size = sum(p.stat().st_size for p in (path / "data").iterdir()) if (path / "data").is_dir() else 0
+    print(f"{path}: a live {meta.get('format')} storage, version {meta.get('version')}, "
+          f"{'closed cleanly' if meta.get('clean') else 'OPEN or its writer died (resume from a snapshot)'}")
+    print(f"  capacity {cap:,}; {n:,} transitions at the last close; {size / 1e6:,.1f} MB of data")
+    for name, a in meta.get("arrays", {}).items():
+        print(f"  {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']}")
+    return 0
+
+
+def _info(args) -> int:
+    """Dispatch on what PATH is; anything that is not a snapshot or a storage
+    goes to ``bigper.offline.describe`` (HDF5 and Minari datasets)."""
+    from .errors import BigperError
+
+    path = Path(args.path)
+    if not path.exists():
+        print(f"bigper info: {path} does not exist", file=sys.stderr)
+        return 2
+    try:
+        if (path / "manifest.json").is_file():
+            return _info_snapshot(path, args)
+        if path.is_dir() and any(p.name.startswith("snap-") for p in path.iterdir()):
+            return _info_series(path, args)
+        if (path / "meta.json").is_file():
+            return _info_storage(path, args)
+    except BigperError as e:
+        print(f"bigper info: {e}", file=sys.stderr)
+        return 1
+    try:
+        from .offline import describe
+    except ImportError:
+        describe = None
+    if describe is None:
+        print(f"bigper info: {path} is not a snapshot, a Snapshots root or a storage directory",
+              file=sys.stderr)
+        return 2
+    try:
+        out = describe(path)
+    except (OSError, ValueError, TypeError, BigperError) as e:
+        print(f"bigper info: {path}: {e}", file=sys.stderr)
+        return 2
+    _print_json(out) if args.json and not isinstance(out, str) else print(out)
+    return 0
+
+
+def _verify(args) -> int:
+    from .errors import CorruptSnapshotError, IncompatibleSnapshotError
+    from .snapshot import verify
+
+    path = Path(args.path)
+    if not (path / "manifest.json").exists() and path.is_dir() \
+            and any(p.name.startswith("snap-") for p in path.iterdir()):
+        targets = sorted(p for p in path.iterdir() if p.name.startswith("snap-"))
+    else:
+        targets = [path]
+    bad = 0
+    for t in targets:
+        try:
+            rep = verify(t)
+        except FileNotFoundError as e:
+            print(f"MISSING  {t}: {e}")
+            bad += 1
+            continue
+        except CorruptSnapshotError as e:
+            print(f"CORRUPT  {t}: {e}")
+            bad += 1
+            continue
+        except IncompatibleSnapshotError as e:
+            print(f"INCOMPATIBLE  {t}: {e}")
+            bad += 1
+            continue
+        if rep["problems"]:
+            bad += 1
+            print(f"INVALID  {t}: files intact, but the bookkeeping is inconsistent:")
+            for p in rep["problems"]:
+                print(f"  - {p}")
+        else:
+            print(f"OK       {t}: {rep['files']} files, {rep['bytes']:,} bytes checked; tree and "
+                  "bookkeeping consistent")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bigper", description="Prioritized replay on disk.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -59,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--restart", action="store_true", help="start over instead of resuming an interrupted run")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=_reprioritize)
+    i = sub.add_parser("info", help="config, size, fill and priorities of a snapshot, a Snapshots "
+                                    "root, a storage directory or a dataset")
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(func=_info)
+    v = sub.add_parser("verify", help="check every file of a snapshot (or of each snapshot under a "
+                                      "Snapshots root) against its checksum, and the tree's invariants")
+    v.add_argument("path")
+    v.set_defaults(func=_verify)
     return p
 
 

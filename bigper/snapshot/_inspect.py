@@ -121,3 +121,51 @@ def describe(snapshot) -> dict:
                 "min": float(nz.min()) if nz.size else None, "mean": float(nz.mean()) if nz.size else None,
                 "max": float(nz.max()) if nz.size else None, "max_leaf": meta.get("max_leaf")}
     return out
+
+
+def _bytes(n) -> str:
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+
+
+def _beta(b: dict) -> str:
+    if b.get("kind") == "linear":
+        return f"linear {b['start']:g} -> {b['end']:g} over {b['steps']:,} samples"
+    return f"{b.get('value', b)}"
+
+
+def format_description(d: dict) -> str:
+    """``describe``'s dict as a few lines for a terminal."""
+    cfg, st = d["config"], d["storage"]
+    fields = ", ".join(f"{n} {tuple(s)} {dt}" for n, (s, dt) in cfg["fields"].items())
+    opts = ", ".join(f"{k} {v}" for k, v in (st.get("options") or {}).items())
+    where = f" at {st['path']}" if st.get("path") else ""
+    n, cap = d.get("len") or 0, d.get("capacity") or 1
+    lines = [
+        f"snapshot  {d['snapshot']}  (format {d['format']}, bigper {d['bigper_version']}, {d['created']})",
+        f"storage   {st['kind']}{where}" + (f" ({opts})" if opts else ""),
+        f"config    capacity {cap:,}; fields {fields}; frame_stack {cfg.get('frame_stack')}, "
+        f"n_step {cfg.get('n_step')}, gamma {cfg.get('gamma')}, alpha {cfg.get('alpha')}, "
+        f"eps {cfg.get('eps')}, beta {_beta(cfg.get('beta', {}))}, weight_norm {cfg.get('weight_norm')}, "
+        f"num_envs {cfg.get('num_envs')}, seed {cfg.get('seed')}",
+        f"fill      {n:,} / {cap:,} ({100 * n / cap:.1f}%); {d.get('count') or 0:,} steps added; "
+        f"beta step {d.get('beta_step')}",
+        f"size      {_bytes(d['bytes'])} in {d['files']:,} files"
+        + (f" ({_bytes(d['bytes_shared'])} shared by hard links with other snapshots or a live buffer)"
+           if d["bytes_shared"] else ""),
+    ]
+    p = d.get("priorities")
+    if p and "error" in p:
+        lines.append(f"priority  unreadable: {p['error']}")
+    elif p:
+        lines.append(f"priority  total {p['total']:.6g}; {p['sampleable']:,} sampleable; leaf min "
+                     f"{p['min'] if p['min'] is None else format(p['min'], '.4g')}, mean "
+                     f"{p['mean'] if p['mean'] is None else format(p['mean'], '.4g')}, max "
+                     f"{p['max'] if p['max'] is None else format(p['max'], '.4g')} "
+                     f"(largest ever {p['max_leaf']:.4g})")
+    for name, a in d["arrays"].items():
+        lines.append(f"array     {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']} in {a['files']} file(s)")
+    return "\n".join(lines)
