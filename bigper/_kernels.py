@@ -11,7 +11,9 @@ the children ``j*FANOUT .. j*FANOUT+FANOUT-1`` of level ``l+1``.
 
 - ``sums``: each node's total. A parent is always recomputed from its
   children, never adjusted by a delta, so the sums cannot drift.
-- ``mins``: each node's smallest non-zero leaf below (``inf`` for none).
+- ``mins``: each internal node's smallest non-zero leaf below (``inf`` for
+  none). It has no leaf level: a zero leaf counts as ``inf`` when its parent
+  is recomputed, so a bulk update writes the leaves once, not twice.
 """
 
 import numpy as np
@@ -36,9 +38,14 @@ def _recompute(sums, mins, offsets, lev, j):
         acc += sums[base + c]
     sums[offsets[lev] + j] = acc
     if mins.shape[0] > 0:
-        m = mins[base]
-        for c in range(1, FANOUT):
-            m = min(m, mins[base + c])
+        m = np.inf
+        if lev == offsets.shape[0] - 2:  # children are leaves: zero means not sampleable
+            for c in range(FANOUT):
+                v = sums[base + c]
+                m = min(m, v if v > 0.0 else np.inf)
+        else:
+            for c in range(FANOUT):
+                m = min(m, mins[base + c])
         mins[offsets[lev] + j] = m
 
 
@@ -66,10 +73,7 @@ def tree_set(sums, mins, offsets, idx, leaves):
     leaf_off = offsets[depth - 1]
     track_min = mins.shape[0] > 0
     for i in range(idx.shape[0]):
-        v = leaves[i]
-        sums[leaf_off + idx[i]] = v
-        if track_min:
-            mins[leaf_off + idx[i]] = v if v > 0.0 else np.inf
+        sums[leaf_off + idx[i]] = leaves[i]
     # Ancestors are recomputed level by level after every leaf is in place,
     # so duplicates and shared parents see the final values; touching a
     # level's lines first lets the batch's cache misses overlap.
@@ -78,7 +82,7 @@ def tree_set(sums, mins, offsets, idx, leaves):
         for b in range(node.shape[0]):
             node[b] = node[b] // FANOUT
         _touch(sums, offsets[lev + 1], node)
-        if track_min:
+        if track_min and lev < depth - 2:
             _touch(mins, offsets[lev + 1], node)
         prev = -1
         for b in range(node.shape[0]):
@@ -91,11 +95,6 @@ def tree_set(sums, mins, offsets, idx, leaves):
 def tree_build(sums, mins, offsets, sizes):
     """Recompute every internal node from the leaves: O(N)."""
     depth = offsets.shape[0]
-    if mins.shape[0] > 0:
-        leaf_off = offsets[depth - 1]
-        for i in range(sizes[depth - 1]):
-            v = sums[leaf_off + i]
-            mins[leaf_off + i] = v if v > 0.0 else np.inf
     for lev in range(depth - 2, -1, -1):
         for j in range(sizes[lev]):
             _recompute(sums, mins, offsets, lev, j)

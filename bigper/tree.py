@@ -77,7 +77,8 @@ class PriorityTree:
         self.k = FANOUT
         self.offsets, self.sizes, total = _layout(self.capacity)
         self.sums = _alloc(total, 0.0)
-        self.mins = _alloc(total if track_min else 0, np.inf)
+        # The min tree has no leaf level (see _kernels): it ends where the leaves start.
+        self.mins = _alloc(int(self.offsets[-1]) if track_min else 0, np.inf)
         self._leaf_off = int(self.offsets[-1])
 
     # -- reading -----------------------------------------------------------
