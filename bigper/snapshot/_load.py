@@ -132,14 +132,15 @@ def _new_buffer(cfg: Config, store):
     return buf
 
 
-def _check_specs(store, layouts: dict, snap) -> None:
-    have = {n: (r, s, d) for n, (r, s, d) in specs_of(store).items()}
+def _check_specs(store, layouts: dict, snap, cfg: Config) -> None:
+    have = specs_of(store)
     if have != layouts:
+        n = next(n for n in sorted(set(have) | set(layouts)) if have.get(n) != layouts.get(n))
+        fmt = lambda v: "absent" if v is None else f"{v[0]} rows of {v[1]} {v[2]}"  # noqa: E731
         raise IncompatibleSnapshotError(
-            f"{snap}: the snapshot's arrays {sorted(layouts)} do not fit the buffer its config "
-            f"builds ({sorted(have)}); first difference: "
-            + next(f"{n}: {layouts.get(n)} != {have.get(n)}" for n in sorted(set(have) | set(layouts))
-                   if have.get(n) != layouts.get(n)))
+            f"{snap}: its data does not fit the buffer its config builds (capacity {cfg.capacity}, "
+            f"fields {cfg.fields}, frame_stack {cfg.frame_stack}, num_envs {cfg.num_envs}): array "
+            f"{n!r} is recorded as {fmt(layouts.get(n))}, the config needs {fmt(have.get(n))}")
 
 
 def _load_memmap(cfg, body, snap, live, layouts):
@@ -158,7 +159,7 @@ def _load_memmap(cfg, body, snap, live, layouts):
             buf = _new_buffer(cfg, store)
         else:  # written with another chunking (another page size): copy the rows
             buf = _new_buffer(cfg, store)
-            _check_specs(store, layouts, snap)
+            _check_specs(store, layouts, snap, cfg)
             _fill(store, snap, body, layouts)
     except BaseException:
         store.abort()
@@ -209,7 +210,7 @@ def _load_hdf5(cfg, body, snap, live, layouts):
         raise FileExistsError(f"{live} was created by another writer during the load")
     try:
         buf = _new_buffer(cfg, store)
-        _check_specs(store, layouts, snap)
+        _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
     except BaseException:
         _release(store)
@@ -263,7 +264,7 @@ def load(snapshot, *, path=None):
 
         store = MemoryStorage()
         buf = _new_buffer(cfg, store)
-        _check_specs(store, layouts, snap)
+        _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
     elif kind == "memmap":
         buf = _load_memmap(cfg, body, snap, live, layouts)

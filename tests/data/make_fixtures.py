@@ -1,0 +1,94 @@
+"""Write the committed format-1 snapshot fixtures (run from the repository root):
+
+    python tests/data/make_fixtures.py
+
+Writes ``tests/data/snapshot-v1-<kind>/`` (a snapshot) and
+``snapshot-v1-<kind>.expected.json`` (what loading it must give: length,
+total priority, and the first batches sampled after the load, with the
+updates that follow each). A fixture is written once, by the format version
+it names, and then kept: ``tests/test_snapshot.py`` checks that this bigper
+still loads it and resumes it exactly. Do not regenerate one to make a test
+pass; a new format version gets new fixtures beside the old ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+import bigper  # noqa: E402
+
+
+def steps(rng, n, num_envs, k, frame):
+    """Consistent steps: frame stacks that continue, episode ends every ~10 steps."""
+    stack = [None] * num_envs
+    for _ in range(n):
+        rows = []
+        for e in range(num_envs):
+            if stack[e] is None:
+                f = rng.integers(0, 256, frame, dtype=np.uint8)
+                stack[e] = np.stack([f] * k) if k else f
+            f = rng.integers(0, 256, frame, dtype=np.uint8)
+            nxt = np.concatenate([stack[e][1:], f[None]]) if k else f
+            end = rng.random() < 0.1
+            term = bool(end and rng.random() < 0.5)
+            rows.append(dict(obs=stack[e], next_obs=nxt, reward=np.float32(rng.standard_normal()),
+                             action=np.int64(rng.integers(0, 4)), terminated=term, truncated=end and not term))
+            stack[e] = None if end else nxt
+        yield rows[0] if num_envs == 1 else {n: np.stack([r[n] for r in rows]) for n in rows[0]}
+
+
+FIXTURES = {
+    "memory": dict(capacity=24, num_envs=2, k=None, frame=(3, 3),
+                   kw=dict(n_step=3, gamma=0.9, alpha=0.6, beta=bigper.LinearSchedule(0.4, 1.0, 100))),
+    "memmap": dict(capacity=20, num_envs=1, k=2, frame=(4, 4), kw=dict(n_step=1, alpha=0.5, beta=0.5)),
+}
+
+
+def make(kind: str, out: Path) -> None:
+    spec = FIXTURES[kind]
+    rng = np.random.default_rng(2024)
+    obs = ((spec["k"], *spec["frame"]) if spec["k"] else spec["frame"], np.uint8)
+    fields = {"obs": obs, "reward": ((), np.float32), "action": ((), np.int64)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = None if kind == "memory" else Path(tmp) / "live"
+        buf = bigper.PrioritizedReplayBuffer(spec["capacity"], fields, storage=kind, path=path,
+                                             num_envs=spec["num_envs"], frame_stack=spec["k"], seed=7,
+                                             **spec["kw"])
+        for step in steps(rng, 30, spec["num_envs"], spec["k"], spec["frame"]):
+            buf.add(**step)
+            if buf.total_priority > 0 and rng.random() < 0.5:
+                b = buf.sample(4)
+                buf.update_priorities(b, rng.random(4) * 2)
+        snap = out / f"snapshot-v1-{kind}"
+        if snap.exists():
+            shutil.rmtree(snap)
+        buf.save(snap)
+        buf.close()
+        # what a load must give: sampled from a fresh load of the fixture itself
+        loaded = bigper.PrioritizedReplayBuffer.load(snap, path=None if kind == "memory" else Path(tmp) / "l2")
+        expected = {"len": len(loaded), "total_priority": loaded.total_priority, "batches": []}
+        for i in range(3):
+            b = loaded.sample(6)
+            upd = (np.arange(6) + 1.0 + i).tolist()
+            expected["batches"].append({
+                "batch_size": 6, "indices": b.indices.tolist(), "weights": b.weights.tolist(),
+                "data": {f: b[f].tolist() for f in ("obs", "reward", "action", "discount")},
+                "update": upd})
+            loaded.update_priorities(b, np.asarray(upd))
+        loaded.close()
+    (out / f"snapshot-v1-{kind}.expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    print(f"wrote {snap}")
+
+
+if __name__ == "__main__":
+    for kind in sys.argv[1:] or sorted(FIXTURES):
+        make(kind, HERE)
