@@ -1,0 +1,422 @@
+"""``bigper demo``: a real Atari game into a disk-backed replay buffer, measured.
+
+Pong (ALE, through Gymnasium's ``AtariPreprocessing`` and
+``FrameStackObservation``) fills a memmap buffer of capacity 1,000,000
+(frame stacks stored once, 3-step returns, beta annealed 0.4 -> 1). Every
+``--learn-every`` env steps a learner-shaped step runs beside it: sample 32,
+an IS-weighted Huber loss of a tiny conv Q-network on the CPU, priorities
+updated from ``|TD|``. At the end the buffer is snapshotted with
+``Snapshots``, restored into a fresh directory with ``load_latest``, and the
+restored buffer's next samples are checked against the original's. It prints
+what it measured and writes a plot of the priorities and of the ages of the
+sampled transitions.
+
+The run directory (``--path``)::
+
+    replay/      the live memmap buffer
+    snaps/       the snapshot series
+    restored/    the buffer restored from the latest snapshot
+    demo.png     priorities and sampled ages
+    results.json the table's numbers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+GAME = "Pong"
+CAPACITY = 1_000_000
+DEFAULT_STEPS = 30_000
+NAIVE_BYTES = 2 * 4 * 84 * 84  # obs and next_obs, four 84x84 frames each, per transition
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"env steps (default {DEFAULT_STEPS:,}: a few minutes on 2 cores; "
+                        "1000000 fills the buffer)")
+    p.add_argument("--capacity", type=int, default=CAPACITY,
+                   help=f"buffer capacity in transitions (default {CAPACITY:,}, about 7.2 GB on disk)")
+    p.add_argument("--path", help="run directory, new or empty (default runs/demo-<timestamp>)")
+    p.add_argument("--game", default=GAME, help=f"ALE game (default {GAME})")
+    p.add_argument("--learn-every", type=int, default=4, help="env steps per learner step (4)")
+    p.add_argument("--batch-size", type=int, default=32, help="transitions per sample (32)")
+    p.add_argument("--verify-batches", type=int, default=20,
+                   help="batches compared between the original and the restored buffer (20)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def estimate_bytes(capacity: int) -> int:
+    """Disk a demo buffer of ``capacity`` preallocates: frames, refs, the other fields."""
+    from .frames import frame_capacity
+
+    frames = frame_capacity(capacity, 4, 1) * 84 * 84
+    per = 2 * 4 * 8 + 8 + 4 + 1 + 1  # obs/next_obs refs, action, reward, flags
+    return frames + capacity * per + (64 << 20)
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _allocated(root: Path) -> int:
+    """Bytes the files under ``root`` take on disk (allocated blocks, not sizes)."""
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def check_args(args) -> str | None:
+    for name in ("steps", "capacity", "learn_every", "batch_size"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if args.verify_batches < 0 or args.threads < 1:
+        return "--verify-batches must be >= 0 and --threads >= 1"
+    run = Path(args.path)
+    if run.exists() and (not run.is_dir() or any(run.iterdir())):
+        return f"--path {run} exists and is not an empty directory; choose a new run directory"
+    need = estimate_bytes(args.capacity)
+    free = shutil.disk_usage(_existing(run)).free
+    if free < need:
+        return (f"a buffer of capacity {args.capacity:,} preallocates about {need / 1e9:.1f} GB at {run}, "
+                f"but only {free / 1e9:.1f} GB is free there. Free some space, pass --path on a larger "
+                f"disk, or shrink the buffer with --capacity (e.g. --capacity "
+                f"{max(1000, int(args.capacity * free / need * 0.8) // 1000 * 1000):,})")
+    return None
+
+
+class Stopwatch:
+    """Seconds and calls, by name. The first call of each name is kept apart
+    (``first``): it loads or compiles numba kernels, which is not the steady rate."""
+
+    def __init__(self):
+        self.s: dict = {}
+        self.n: dict = {}
+        self.first: dict = {}
+
+    def add(self, name: str, dt: float, n: int = 1) -> None:
+        if name not in self.first:
+            self.first[name] = dt
+            return
+        self.s[name] = self.s.get(name, 0.0) + dt
+        self.n[name] = self.n.get(name, 0) + n
+
+    def rate(self, name: str) -> float:
+        return self.n.get(name, 0) / max(self.s.get(name, 0.0), 1e-12)
+
+    def mean_us(self, name: str) -> float:
+        return 1e6 * self.s.get(name, 0.0) / max(self.n.get(name, 0), 1)
+
+
+def run(args) -> int:
+    if args.path is None:
+        args.path = str(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
+    problem = check_args(args)
+    if problem:
+        print(f"bigper demo: {problem}", file=sys.stderr)
+        return 2
+    try:
+        import torch
+        from tqdm import tqdm
+
+        from .examples._atari import make_env
+    except ImportError as e:
+        print(f"bigper demo: {e} (pip install 'bigper[torch,atari]')", file=sys.stderr)
+        return 2
+    run_dir = Path(args.path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    env = make_env(args.game, seed=args.seed)
+    print(f"bigper demo: ALE/{args.game}-v5 (frameskip=1, repeat_action_probability=0.0; "
+          f"AtariPreprocessing + FrameStackObservation(4)), {args.steps:,} env steps into a memmap "
+          f"buffer of capacity {args.capacity:,} at {run_dir / 'replay'}", flush=True)
+    learner = _Learner(env.action_space.n, args, torch)
+    buf = learner.open_buffer(run_dir / "replay")
+    clock, trace = Stopwatch(), _Trace(args.steps, args.batch_size)
+    t_start = time.perf_counter()
+    try:
+        _play(env, buf, learner, clock, trace, args, tqdm)
+    finally:
+        env.close()
+    t_loop = time.perf_counter() - t_start
+    _plot(buf, trace, run_dir / "demo.png", args)
+    disk = _allocated(run_dir / "replay")
+
+    from . import Snapshots
+
+    print("snapshotting (Snapshots.save) ...", flush=True)
+    snaps = Snapshots(run_dir / "snaps", keep=2)
+    t0 = time.perf_counter()
+    snap = snaps.save(buf)
+    t_snap = time.perf_counter() - t0
+    print(f"restoring (Snapshots.load_latest) into {run_dir / 'restored'} ...", flush=True)
+    t0 = time.perf_counter()
+    restored = snaps.load_latest(path=run_dir / "restored")
+    t_restore = time.perf_counter() - t0
+    try:
+        same = _verify(buf, restored, learner, args.verify_batches, args.batch_size)
+    finally:
+        restored.close()
+        buf.close()
+
+    results = {
+        "game": args.game, "steps": args.steps, "capacity": args.capacity, "held": len(buf),
+        "env_steps_per_s": clock.n.get("env", 0) / max(clock.s.get("env", 0.0) + clock.s.get("reset", 0.0), 1e-12), "adds_per_s": clock.rate("add"),
+        "sample_update_us": clock.mean_us("sample") + clock.mean_us("update"),
+        "sample_us": clock.mean_us("sample"), "update_us": clock.mean_us("update"),
+        "first_sample_update_ms": 1e3 * (clock.first.get("sample", 0.0) + clock.first.get("update", 0.0)),
+        "learner_ms": clock.mean_us("learn") / 1e3, "loop_steps_per_s": args.steps / t_loop,
+        "disk_bytes": disk, "bytes_per_transition": disk / args.capacity,
+        "snapshot_s": t_snap, "restore_s": t_restore, "verified_batches": same,
+        "verify_ok": same == args.verify_batches, "snapshot": str(snap),
+        "episodes": trace.episodes, "mean_return_last10": trace.mean_return(),
+    }
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1))
+    print(format_table(results, args))
+    print(f"\nrun directory: {run_dir}\n  plot:     {run_dir / 'demo.png'}\n  buffer:   {run_dir / 'replay'}"
+          f"\n  snapshot: {snap}\n  restored: {run_dir / 'restored'}\n  numbers:  {run_dir / 'results.json'}")
+    print(f"(it holds about {disk / 1e9:.1f} GB on disk; remove it with: rm -r {run_dir})")
+    if not results["verify_ok"]:
+        print(f"bigper demo: the restored buffer diverged from the original after {same} identical "
+              "batches", file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_table(r: dict, args) -> str:
+    rows = [
+        ("env steps/s (ALE + preprocessing)", f"{r['env_steps_per_s']:,.0f}"),
+        ("adds/s (buffer.add)", f"{r['adds_per_s']:,.0f}"),
+        (f"sample({args.batch_size}) + update_priorities, us",
+         f"{r['sample_update_us']:,.0f}  ({r['sample_us']:,.0f} + {r['update_us']:,.0f})"),
+        ("first sample + update (kernels load), ms", f"{r['first_sample_update_ms']:,.0f}"),
+        ("learner step (tiny CPU Q-net), ms", f"{r['learner_ms']:,.1f}"),
+        ("whole loop, env steps/s", f"{r['loop_steps_per_s']:,.0f}"),
+        ("bytes on disk per transition", f"{r['bytes_per_transition']:,.0f}  "
+                                         f"(obs + next_obs stored naively: {NAIVE_BYTES:,})"),
+        ("snapshot, s", f"{r['snapshot_s']:.2f}"),
+        ("restore, s", f"{r['restore_s']:.2f}"),
+        ("restored == original", f"{'yes' if r['verify_ok'] else 'NO'}: {r['verified_batches']} of "
+                                 f"{args.verify_batches} batches identical (indices, weights, data)"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    title = (f"\nbigper demo: {r['steps']:,} steps of {r['game']}, {r['held']:,} transitions held "
+             f"(capacity {r['capacity']:,}, {r['disk_bytes'] / 1e9:.2f} GB on disk)")
+    line = "-" * (w + 2 + max(len(v) for _, v in rows))
+    return "\n".join([title, line, *(f"{k:<{w}}  {v}" for k, v in rows), line])
+
+
+class _Trace:
+    """What the plot needs: how many times each age was sampled, and what
+    uniform sampling would have drawn in expectation."""
+
+    def __init__(self, steps: int, batch: int):
+        self.sampled = np.zeros(steps + 1, dtype=np.int64)
+        self.uniform = np.zeros(steps + 2, dtype=np.float64)  # a difference array
+        self.batch = batch
+        self.returns: list = []
+        self.episodes = 0
+
+    def record(self, ages: np.ndarray, lo: int, hi: int) -> None:
+        np.add.at(self.sampled, ages, 1)
+        if hi > lo:  # uniform over the sampleable ages [lo, hi)
+            self.uniform[lo] += self.batch / (hi - lo)
+            self.uniform[hi] -= self.batch / (hi - lo)
+
+    def mean_return(self):
+        return float(np.mean(self.returns[-10:])) if self.returns else None
+
+
+class _Learner:
+    """A tiny conv Q-network learning from the buffer (3-step double-DQN targets)."""
+
+    def __init__(self, n_actions: int, args, torch):
+        from .examples._atari import q_network
+
+        self.torch = torch
+        self.args = args
+        self.n_actions = n_actions
+        self.net = q_network(n_actions)
+        self.target = q_network(n_actions)
+        self.target.load_state_dict(self.net.state_dict())
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4, eps=1.5e-4)
+        self.updates = 0
+        self.rng = np.random.default_rng(args.seed)
+
+    def open_buffer(self, path: Path):
+        import bigper
+
+        from .examples._atari import atari_fields
+
+        n_samples = max(1, self.args.steps // self.args.learn_every)
+        return bigper.PrioritizedReplayBuffer(
+            self.args.capacity, atari_fields(), frame_stack=4, n_step=3, gamma=0.99, alpha=0.6,
+            beta=bigper.LinearSchedule(0.4, 1.0, n_samples), storage="memmap", path=path,
+            seed=self.args.seed)
+
+    def act(self, obs, eps: float) -> int:
+        if self.rng.random() < eps:
+            return int(self.rng.integers(self.n_actions))
+        with self.torch.no_grad():
+            return int(self.net(self.torch.from_numpy(obs)[None]).argmax(1))
+
+    def td(self, t: dict):
+        """TD errors of a torch batch: (B,) with grad through the online net."""
+        torch = self.torch
+        with torch.no_grad():
+            a_next = self.net(t["next_obs"]).argmax(1, keepdim=True)
+            q_next = self.target(t["next_obs"]).gather(1, a_next).squeeze(1)
+            y = t["reward"] + t["discount"] * q_next
+        q = self.net(t["obs"]).gather(1, t["action"][:, None]).squeeze(1)
+        return y - q
+
+    def step(self, t: dict):
+        torch = self.torch
+        td = self.td(t)
+        loss = (t["weights"] * torch.nn.functional.huber_loss(td, torch.zeros_like(td), reduction="none")).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.updates += 1
+        if self.updates % 1000 == 0:
+            self.target.load_state_dict(self.net.state_dict())
+        return td.detach().abs(), float(loss.detach())
+
+
+def _play(env, buf, learner, clock, trace, args, tqdm) -> None:
+    pc = time.perf_counter
+    obs, _ = env.reset(seed=args.seed)
+    start = min(1_000, max(args.batch_size, args.steps // 10))  # env steps before learning starts
+    explore = max(1, args.steps // 2)
+    ret, loss = 0.0, float("nan")
+    bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, file=sys.stderr,
+               dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    try:
+        for step in range(args.steps):
+            action = learner.act(obs, max(0.05, 1.0 - 0.95 * step / explore))
+            t0 = pc()
+            nxt, reward, term, trunc, _ = env.step(action)
+            t1 = pc()
+            buf.add(obs=obs, action=action, reward=np.sign(reward), next_obs=nxt, terminated=term,
+                    truncated=trunc)
+            t2 = pc()
+            clock.add("env", t1 - t0)
+            clock.add("add", t2 - t1)
+            ret += reward
+            obs = nxt
+            if term or trunc:
+                t0 = pc()
+                obs, _ = env.reset()
+                clock.add("reset", pc() - t0)
+                trace.returns.append(ret)
+                trace.episodes += 1
+                ret = 0.0
+            if step >= start and step % args.learn_every == 0:
+                loss = _learn(buf, learner, clock, trace, step + 1, args)
+            if step % 500 == 0 or step == args.steps - 1:
+                bar.set_postfix_str(f"env {clock.rate('env'):,.0f}/s, sample+update "
+                                    f"{clock.mean_us('sample') + clock.mean_us('update'):,.0f} us, "
+                                    f"loss {loss:.4f}, episodes {trace.episodes}", refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _learn(buf, learner, clock, trace, added: int, args) -> float:
+    pc = time.perf_counter
+    t0 = pc()
+    batch = buf.sample(args.batch_size)
+    t1 = pc()
+    td_abs, loss = learner.step(batch.to_torch())
+    t2 = pc()
+    buf.update_priorities(batch, td_abs)
+    t3 = pc()
+    clock.add("sample", t1 - t0)
+    clock.add("learn", t2 - t1)
+    clock.add("update", t3 - t2)
+    # Age 0 is the newest transition; the newest n_step - 1 wait for their window.
+    held = len(buf)
+    trace.record(added - 1 - batch.generations, 2, held)
+    return loss
+
+
+def _verify(buf, restored, learner, n: int, batch_size: int) -> int:
+    """Sample both buffers ``n`` times, feeding both the same priority
+    updates; the number of batches that were identical before the first
+    difference."""
+    for i in range(n):
+        a, b = buf.sample(batch_size), restored.sample(batch_size)
+        same = (np.array_equal(a.indices, b.indices) and np.array_equal(a.weights, b.weights)
+                and np.array_equal(a.probabilities, b.probabilities) and a.keys() == b.keys()
+                and all(np.array_equal(a[k], b[k]) for k in a))
+        if not same:
+            return i
+        with learner.torch.no_grad():
+            td_abs = learner.td(a.to_torch()).abs()
+        buf.update_priorities(a, td_abs)
+        restored.update_priorities(b, td_abs)
+    return n
+
+
+def _plot(buf, trace, png: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, arrays = buf.state_dict()
+    leaves = np.asarray(arrays["leaves"])
+    leaves = leaves[leaves > 0]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if leaves.size:
+        lo, hi = leaves.min(), leaves.max()
+        bins = np.geomspace(lo, hi * 1.0001, 60) if hi > lo * 1.01 else 20
+        ax1.hist(leaves, bins=bins, color="tab:blue")
+        if hi > lo * 1.01:
+            ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("leaf value (|TD| + eps) ** alpha")
+    ax1.set_ylabel("transitions")
+    ax1.set_title(f"priority distribution ({leaves.size:,} sampleable transitions)")
+
+    n = trace.sampled.shape[0]
+    uniform = np.cumsum(trace.uniform)[:n]
+    nb = min(60, max(1, n))
+    edges = np.linspace(0, n, nb + 1).astype(np.int64)
+    per = np.add.reduceat(trace.sampled, edges[:-1])
+    uni = np.add.reduceat(uniform, edges[:-1])
+    width = edges[1:] - edges[:-1]
+    ax2.bar(edges[:-1], per / width, width=width, align="edge", color="tab:orange", alpha=0.8,
+            label="prioritized (this run)")
+    ax2.step(edges[:-1], uni / width, where="post", color="black", label="uniform (expected)")
+    ax2.set_xlabel("age of the sampled transition (env steps since it was added)")
+    ax2.set_ylabel("samples per transition of that age")
+    ax2.set_title("how often each age was sampled")
+    ax2.legend()
+    fig.suptitle(f"bigper demo: {args.game}, {args.steps:,} steps, capacity {args.capacity:,}, "
+                 f"batch {args.batch_size} every {args.learn_every} steps")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="bigper demo", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
