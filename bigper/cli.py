@@ -164,9 +164,21 @@ def _verify(args) -> int:
     return 1 if bad else 0
 
 
+def _demo(args) -> int:
+    from .demo import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bigper", description="Prioritized replay on disk.")
     sub = p.add_subparsers(dest="command", required=True)
+    from .demo import add_arguments as demo_arguments
+
+    d = sub.add_parser("demo", help="the main job: Pong fills a 1M-capacity memmap buffer beside a "
+                                    "learner loop; snapshot, restore, verify; prints what it measured")
+    demo_arguments(d)
+    d.set_defaults(func=_demo)
     b = sub.add_parser("bench", help="benchmark bigper against cpprb, Tianshou and TorchRL "
                                      "(tools/bench.py; default workload: tree)")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="workload and options for tools/bench.py")

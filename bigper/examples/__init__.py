@@ -1,0 +1,6 @@
+"""Runnable examples, each ``python -m bigper.examples.NAME`` (``--smoke`` for a short run).
+
+- ``dqn_atari``: Double DQN with prioritized replay on an ALE game, memmap buffer, beta annealed 0.4 -> 1.
+- ``sac``: SAC with twin critics on Pendulum-v1; priority (|delta1| + |delta2|) / 2, ``--no-per`` for uniform.
+- ``resume``: training killed by SIGKILL, resumed from the latest snapshot, checked against a run never killed.
+"""
