@@ -30,20 +30,26 @@ _BLOCK_BYTES = 1 << 16
 
 @kernel
 def gather_rows(mm, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, out):
-    """Copy row ``row[i]`` of segment ``seg[i]`` into ``out[i]`` (uint8, ``(n, row_bytes)``).
+    """Copy row ``row[i]`` of segment ``seg[i]`` to bytes ``i*row_bytes ..`` of ``out`` (1-D uint8).
 
-    A chunk that was never written (address -1) reads as zeros, HDF5's fill value.
+    A chunk that was never written (address -1) reads as zeros, HDF5's fill
+    value. Byte offsets are unsigned so that the copy loops vectorize (signed
+    indices carry a wraparound check per byte).
     """
+    rb = np.uint64(row_bytes)
     for i in range(row.shape[0]):
         s = seg[i]
         r = row[i]
         cr = chunk_rows[s]
         a = chunk_addr[first_chunk[s] + r // cr]
+        dst = np.uint64(i) * rb
         if a < 0:
-            out[i, :] = 0
+            for j in range(rb):
+                out[dst + j] = 0
         else:
-            a += (r % cr) * row_bytes
-            out[i, :] = mm[a:a + row_bytes]
+            src = np.uint64(a) + np.uint64(r % cr) * rb
+            for j in range(rb):
+                out[dst + j] = mm[src + j]
 
 
 @dataclass
@@ -72,6 +78,7 @@ class Column:
     row_bytes: int = 0
     mapped_all: bool = False
     mapped_any: bool = False
+    flat: np.ndarray | None = None  # one segment laid out as one run of rows: a plain array view
 
     def mapping(self) -> str:
         return "memory-mapped" if self.mapped_all else ("partly mapped" if self.mapped_any else "via h5py")
@@ -141,10 +148,18 @@ def map_column(col: Column, f, mm) -> None:
         if via_map.tobytes() != via_h5.tobytes():
             col.chunk_rows[:] = 0
             col.mapped_any = col.mapped_all = False
+    if col.mapped_all and e == 1:
+        # Contiguous, or chunks placed back to back in row order (HDF5's early allocation):
+        # rows are then one strided run, and numpy's take() is the memmap storage's own gather.
+        a, cr = col.chunk_addr, int(col.chunk_rows[0])
+        rows = int(col.seg_rows[0])
+        regular = (a >= 0).all() and (a.shape[0] == 1 or (np.diff(a) == cr * col.row_bytes).all())
+        if regular and int(a[0]) + rows * col.row_bytes <= mm.shape[0]:
+            col.flat = np.ndarray((rows, *col.shape), dtype=col.dtype, buffer=mm, offset=int(a[0]))
 
 
 def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray) -> np.ndarray:
-    out = np.empty((row.shape[0], col.row_bytes), dtype=np.uint8)
+    out = np.empty(row.shape[0] * col.row_bytes, dtype=np.uint8)
     gather_rows(mm, seg, row, col.chunk_rows, col.first_chunk, col.chunk_addr, col.row_bytes, out)
     return out.view(col.dtype).reshape((row.shape[0],) + col.shape)
 
@@ -174,7 +189,9 @@ def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarra
         row = row - col.back[g]
     if col.shift or col.back is not None:
         row = np.clip(row, 0, col.seg_rows[seg] - 1)
-    if col.mapped_all:
+    if col.flat is not None:
+        out = col.flat.take(row, axis=0)
+    elif col.mapped_all:
         out = _gather_mapped(col, mm, seg, row)
     else:
         out = np.empty((row.shape[0],) + col.shape, dtype=col.dtype)
