@@ -64,6 +64,7 @@ class Sidecar:
         self.rows = int(rows)
         self.meta = None
         self._lock_fd = -1
+        self._scores_fd, self._scores_name = -1, None
 
     @staticmethod
     def default_path(dataset) -> Path:
@@ -170,6 +171,7 @@ class Sidecar:
         return self._lock_fd >= 0
 
     def unlock(self) -> None:
+        self._close_scores()
         if self._lock_fd >= 0:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
@@ -197,11 +199,16 @@ class Sidecar:
 
     def write_scores(self, entry: dict, lo: int, values: np.ndarray) -> None:
         """Write ``values`` (float64) at slots ``lo ..`` of the partial file (not durable yet)."""
-        fd = os.open(self.path / entry["file"], os.O_WRONLY)
-        try:
-            os.pwrite(fd, np.ascontiguousarray(values, dtype="<f8").tobytes(), lo * 8)
-        finally:
-            os.close(fd)
+        if self._scores_fd < 0 or self._scores_name != entry["file"]:
+            self._close_scores()
+            self._scores_fd = os.open(self.path / entry["file"], os.O_WRONLY)
+            self._scores_name = entry["file"]
+        os.pwrite(self._scores_fd, memoryview(np.ascontiguousarray(values, dtype="<f8")).cast("B"), lo * 8)
+
+    def _close_scores(self) -> None:
+        if self._scores_fd >= 0:
+            os.close(self._scores_fd)
+            self._scores_fd = -1
 
     def commit_progress(self, entry: dict, done: int, scores: np.ndarray, rows_valid: int) -> None:
         """Make the partial file durable up to slot ``rows_valid`` and record ``done`` transitions."""

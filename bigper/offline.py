@@ -119,8 +119,10 @@ def _init_state(buf, src: H5Source) -> None:
 def _leaves_of(scores: np.ndarray, live: np.ndarray, cfg: Config) -> np.ndarray:
     from .buffer import _to_leaves
 
-    out = np.zeros(live.shape[0], dtype=np.float64)
     maxp = np.inf if cfg.max_priority is None else cfg.max_priority
+    if live.all():
+        return _to_leaves(np.ascontiguousarray(scores, dtype=np.float64), cfg.alpha, cfg.eps, maxp)
+    out = np.zeros(live.shape[0], dtype=np.float64)
     out[live] = _to_leaves(np.ascontiguousarray(scores[live], dtype=np.float64), cfg.alpha, cfg.eps, maxp)
     return out
 
@@ -210,16 +212,16 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
         last = time.monotonic()
         while done < total:
             idx = live[done:done + batch_size]
-            probs = buf._tree.leaves[idx] / buf._tree.total if buf._tree.total > 0 else np.zeros(idx.shape[0])
-            batch = Batch(buf._gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs,
-                          buf._gid[idx])
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            at = slice(lo, hi) if hi - lo == idx.shape[0] else idx  # a run of slots: slices, no gathers
+            probs = buf._tree.leaves[at] / max(buf._tree.total, 1e-300)
+            batch = Batch(buf._gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs, buf._gid[at].copy())
             s = _check_scores(score_fn(batch), idx, done, src.path)
             if not sc.locked:  # the first good chunk: only now is anything written
                 sc.lock()
             if entry is None:
                 entry = sc.start_run(total, batch_size)
-            scores[idx] = s
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            scores[at] = s
             sc.write_scores(entry, lo, scores[lo:hi])
             done += idx.shape[0]
             bar.update(idx.shape[0])

@@ -190,7 +190,11 @@ def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarra
     if col.shift or col.back is not None:
         row = np.clip(row, 0, col.seg_rows[seg] - 1)
     if col.flat is not None:
-        out = col.flat.take(row, axis=0)
+        n = row.shape[0]
+        if n and col.back is None and int(row[-1]) - int(row[0]) == n - 1:  # a run (reprioritize): one copy
+            out = col.flat[int(row[0]):int(row[0]) + n].copy()
+        else:
+            out = col.flat.take(row, axis=0)
     elif col.mapped_all:
         out = _gather_mapped(col, mm, seg, row)
     else:
