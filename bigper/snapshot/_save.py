@@ -94,7 +94,11 @@ class Transaction:
         if os.path.lexists(self.target):
             raise FileExistsError(f"snapshot {self.target} appeared while it was being written")
         os.rename(self.tmp, self.target)
-        fsync_dir(self.target.parent)
+        try:
+            fsync_dir(self.target.parent)
+        except BaseException:  # its name may not last: a failed snapshot is none at all
+            os.rename(self.target, self.tmp)
+            raise
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
