@@ -666,6 +666,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bench", description="bigper side by side with cpprb, Tianshou and TorchRL; prints ratios."
     )
     sub = parser.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
+    # offline: its own module, tools/bench_offline.py (`bigper bench` runs this file through runpy)
+    if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_offline
+
+    bench_offline.add_arguments(sub.add_parser(
+        "offline", help="HDF5 datasets in place: reprioritize vs h5py streaming, sample(256) vs memmap"))
 
     p = sub.add_parser("tree", help="capacity 2^20: sample + IS weights + priority update, batch 32 and 256")
     p.add_argument("--quick", action="store_true", help="fewer rounds and repeats (a smoke run)")
