@@ -1,0 +1,286 @@
+"""Workload "offline": HDF5 datasets opened in place (``PrioritizedReplayBuffer.from_hdf5``).
+
+Two datasets, each written once into a temporary directory:
+
+- ``d4rl``: D4RL-style vectors (observations and next_observations (17,) f32,
+  actions (6,) f32, rewards, terminals, timeouts; 1000-step episodes), written
+  by h5py in D4RL's layout;
+- ``atari``: 84x84 uint8 frames with action and reward, in bigper's own HDF5
+  layout (a ``storage="hdf5"`` buffer filled and closed; chunked datasets).
+
+For each, measured in the same run:
+
+1. ``reprioritize`` with a trivial score function (``|reward|``) against h5py
+   reading the same datasets sequentially in chunks of the same batch size:
+   the ratio ``h5py time / reprioritize time`` (target >= 0.70). Warm page
+   cache, and cold too where the cache can be dropped (root).
+2. ``sample(256)`` from the dataset opened in place against ``sample(256)``
+   from a memmap buffer holding the same data: the ratio ``hdf5 / memmap``
+   (target <= 3).
+
+Usage::
+
+    python tools/bench.py offline [--quick] [--million] [--dir DIR]
+
+Sizes: 1M vector transitions and 30k frames by default; ``--quick`` 200k and
+5k; ``--million`` 1M of each (about 7 GB of frames in the file plus 7 GB for
+the memmap twin; checked against free disk first, deleted after).
+Prints a table and, last, one JSON line ``{"bench": "offline", ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import _import_bigper, interleaved_blocks, print_header, print_table
+
+OBS, ACT = 17, 6
+FRAME = (84, 84)
+BATCH = 256
+CHUNK = 4096  # reprioritize batch and h5py read chunk
+TARGET_STREAM = 0.70
+TARGET_SAMPLE = 3.0
+SIZES = {"quick": (200_000, 5_000), "default": (1_000_000, 30_000), "million": (1_000_000, 1_000_000)}
+
+
+# -- data -------------------------------------------------------------------------------------
+def write_d4rl(path: Path, n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    block = 100_000
+    with __import__("h5py").File(path, "w") as f:
+        d = {"observations": f.create_dataset("observations", (n, OBS), np.float32),
+             "next_observations": f.create_dataset("next_observations", (n, OBS), np.float32),
+             "actions": f.create_dataset("actions", (n, ACT), np.float32),
+             "rewards": f.create_dataset("rewards", (n,), np.float32),
+             "terminals": f.create_dataset("terminals", (n,), bool),
+             "timeouts": f.create_dataset("timeouts", (n,), bool)}
+        for a in range(0, n, block):
+            m = min(block, n - a)
+            obs = rng.standard_normal((m + 1, OBS), dtype=np.float32)
+            d["observations"][a:a + m] = obs[:m]
+            d["next_observations"][a:a + m] = obs[1:]
+            d["actions"][a:a + m] = rng.standard_normal((m, ACT), dtype=np.float32)
+            d["rewards"][a:a + m] = rng.standard_normal(m, dtype=np.float32)
+            t = np.arange(a, a + m)
+            d["terminals"][a:a + m] = rng.random(m) < 0.0005
+            d["timeouts"][a:a + m] = t % 1000 == 999
+    return list(d)
+
+
+def frames(n: int, seed: int) -> np.ndarray:
+    """Game-screen-like frames: flat background, moving blocks, a little noise."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, *FRAME), dtype=np.uint8)
+    yy, xx = np.mgrid[: FRAME[0], : FRAME[1]]
+    for i in range(n):
+        f = np.full(FRAME, 40 + (i // 97) % 8 * 10, dtype=np.uint8)
+        for b in range(3):
+            y, x = (17 * b + 3 * i) % 76, (29 * b + 5 * i) % 76
+            f[(yy >= y) & (yy < y + 8) & (xx >= x) & (xx < x + 6)] = 200 - 30 * b
+        f[rng.random(FRAME) < 0.01] = 255
+        out[i] = f
+    return out
+
+
+ATARI_FIELDS = {"obs": (FRAME, np.uint8), "action": ((), np.int64), "reward": ((), np.float32)}
+
+
+def fill_atari(buf, n: int, pool: np.ndarray, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    step = 2000
+    for a in range(0, n, step):
+        m = min(step, n - a)
+        s = a % (pool.shape[0] - m + 1)
+        buf.extend({"obs": pool[s:s + m], "action": rng.integers(0, 18, m),
+                    "reward": rng.standard_normal(m).astype(np.float32),
+                    "terminated": rng.random(m) < 0.0005})
+
+
+def d4rl_twin(bigper, path: Path, src: Path, n: int):
+    """A memmap buffer holding the same transitions as the D4RL file."""
+    import h5py
+
+    buf = bigper.PrioritizedReplayBuffer(
+        n, {"obs": ((OBS,), np.float32), "action": ((ACT,), np.float32), "reward": ((), np.float32)},
+        storage="memmap", path=path)
+    with h5py.File(src, "r") as f:
+        for a in range(0, n, 100_000):
+            sl = slice(a, min(n, a + 100_000))
+            buf.extend({"obs": f["observations"][sl], "action": f["actions"][sl], "reward": f["rewards"][sl],
+                        "next_obs": f["next_observations"][sl], "terminated": f["terminals"][sl],
+                        "truncated": f["timeouts"][sl]})
+    return buf
+
+
+# -- measurements ------------------------------------------------------------------------------
+def drop_page_cache() -> str | None:
+    if os.geteuid() != 0:
+        return "not root"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def h5py_stream(path: Path, names: list[str], chunk: int) -> float:
+    """Seconds for h5py to read ``names`` from start to end, ``chunk`` rows at a time."""
+    import h5py
+
+    t0 = time.perf_counter()
+    with h5py.File(path, "r") as f:
+        ds = [f[n] for n in names]
+        rows = ds[0].shape[0]
+        for a in range(0, rows, chunk):
+            for d in ds:
+                d[a:a + chunk]
+    return time.perf_counter() - t0
+
+
+def reprioritize_stream(bigper, path: Path, side: Path, chunk: int) -> float:
+    shutil.rmtree(side, ignore_errors=True)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(path, priorities=side) as buf:
+        t0 = time.perf_counter()
+        buf.reprioritize(lambda b: np.abs(b["reward"]), batch_size=chunk, progress=False)
+        return time.perf_counter() - t0
+
+
+def stream_pair(bigper, path: Path, names: list[str], side: Path, repeats: int, cold: bool) -> dict:
+    out = {"h5py_s": [], "reprioritize_s": []}
+    note = None
+    for r in range(repeats):
+        for which in (("h5py", "reprioritize") if r % 2 == 0 else ("reprioritize", "h5py")):
+            if cold and (note := drop_page_cache()):
+                return {"skipped": note}
+            if which == "h5py":
+                out["h5py_s"].append(h5py_stream(path, names, CHUNK))
+            else:
+                out["reprioritize_s"].append(reprioritize_stream(bigper, path, side, CHUNK))
+    h, rp = min(out["h5py_s"]), min(out["reprioritize_s"])
+    out["ratio"] = h / rp
+    return out
+
+
+def sample_pair(hdf5_buf, memmap_buf, rounds: int, blocks: int) -> dict:
+    fns = {"hdf5": lambda i: hdf5_buf.sample(BATCH), "memmap": lambda i: memmap_buf.sample(BATCH)}
+    res = interleaved_blocks(fns, rounds, blocks, warmup=20)
+    us = {k: statistics.median(v) * 1e6 for k, v in res.items()}
+    return {"hdf5_us": us["hdf5"], "memmap_us": us["memmap"], "ratio": us["hdf5"] / us["memmap"]}
+
+
+def run_offline(size: str, root: Path, cold: bool = True, say=print) -> dict:
+    bigper = _import_bigper()
+    n_vec, n_atari = SIZES[size]
+    quick = size == "quick"
+    repeats = 1 if size == "million" else 3
+    rounds, blocks = (50, 5) if quick else (200, 7)
+    report = {}
+
+    say(f"[offline] d4rl: writing {n_vec:,} transitions ...", flush=True)
+    src = root / "d4rl.hdf5"
+    names = write_d4rl(src, n_vec)
+    r = {"transitions": n_vec, "file_mb": src.stat().st_size / 1e6}
+    r["stream_warm"] = stream_pair(bigper, src, names, root / "d4rl.prio", repeats, cold=False)
+    if cold:
+        r["stream_cold"] = stream_pair(bigper, src, names, root / "d4rl.prio", 1, cold=True)
+    twin = d4rl_twin(bigper, root / "d4rl-memmap", src, n_vec)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(src, priorities=root / "d4rl.prio2") as ds:
+        r["sample"] = sample_pair(ds, twin, rounds, blocks)
+    twin.close()
+    report["d4rl"] = r
+
+    say(f"[offline] atari: writing {n_atari:,} frames in bigper's HDF5 layout ...", flush=True)
+    src = root / "atari.h5"
+    pool = frames(min(n_atari, 4000) + 1, 0)
+    kw = dict(next_of=())
+    live = bigper.PrioritizedReplayBuffer(n_atari, ATARI_FIELDS, storage="hdf5", path=src, **kw)
+    fill_atari(live, n_atari, pool)
+    live.close()
+    names = list(ATARI_FIELDS)
+    r = {"transitions": n_atari, "file_mb": src.stat().st_size / 1e6}
+    r["stream_warm"] = stream_pair(bigper, src, names, root / "atari.prio", repeats, cold=False)
+    if cold:
+        r["stream_cold"] = stream_pair(bigper, src, names, root / "atari.prio", 1, cold=True)
+    say("[offline] atari: memmap twin ...", flush=True)
+    twin = bigper.PrioritizedReplayBuffer(n_atari, ATARI_FIELDS, storage="memmap", path=root / "atari-memmap", **kw)
+    fill_atari(twin, n_atari, pool)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(src, priorities=root / "atari.prio2") as ds:
+        r["sample"] = sample_pair(ds, twin, rounds, blocks)
+    twin.close()
+    report["atari"] = r
+    return report
+
+
+def print_offline(report: dict) -> None:
+    rows = []
+    for name, r in report.items():
+        for kind in ("stream_warm", "stream_cold"):
+            s = r.get(kind)
+            if not s:
+                continue
+            if "skipped" in s:
+                rows.append([f"{name} {kind}", "-", "-", f"skipped: {s['skipped']}", "-"])
+                continue
+            n = r["transitions"]
+            h, rp = min(s["h5py_s"]), min(s["reprioritize_s"])
+            rows.append([f"{name} {kind.replace('stream_', 'stream ')}", f"h5py {n / h / 1e6:.2f} M/s",
+                         f"reprio {n / rp / 1e6:.2f} M/s", f"{s['ratio']:.2f}",
+                         "ok" if s["ratio"] >= TARGET_STREAM else "MISS"])
+        s = r["sample"]
+        rows.append([f"{name} sample({BATCH})", f"memmap {s['memmap_us']:.0f} us", f"hdf5 {s['hdf5_us']:.0f} us",
+                     f"{s['ratio']:.2f}", "ok" if s["ratio"] <= TARGET_SAMPLE else "MISS"])
+    print_table(["workload", "peer", "bigper offline", "ratio", f"target (>= {TARGET_STREAM} / <= {TARGET_SAMPLE})"],
+                rows)
+    print("stream ratio = h5py time / reprioritize time (higher is better); "
+          "sample ratio = hdf5 / memmap time (lower is better)")
+
+
+def cmd_offline(args) -> int:
+    size = "million" if args.million else ("quick" if args.quick else "default")
+    print_header("offline")
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    n_vec, n_atari = SIZES[size]
+    need = 2.2 * (n_atari * (FRAME[0] * FRAME[1] + 16) + n_vec * 4 * (2 * OBS + ACT + 2))
+    free = shutil.disk_usage(base).free
+    if free < need:
+        print(f"not enough free disk under {base}: {free / 1e9:.1f} GB free, {need / 1e9:.1f} GB needed")
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="bigper-bench-offline-", dir=base))
+    try:
+        report = run_offline(size, root, cold=not args.warm_only)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_offline(report)
+    print(json.dumps({"bench": "offline", "size": size, "results": report}, separators=(",", ":")))
+    miss = [n for n, r in report.items()
+            if r["sample"]["ratio"] > TARGET_SAMPLE or r["stream_warm"]["ratio"] < TARGET_STREAM]
+    return 1 if miss else 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="200k vectors and 5k frames (a smoke run; default: 1M vectors, 30k frames)")
+    p.add_argument("--million", action="store_true",
+                   help="1M transitions of each (~14 GB on disk while it runs; deleted after)")
+    p.add_argument("--dir", help="where to put the files (a temporary directory under it; default: $TMPDIR)")
+    p.add_argument("--warm-only", action="store_true", help="skip the cold-cache streaming runs")
+    p.set_defaults(func=cmd_offline)
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="bench_offline", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    a = parser.parse_args()
+    sys.exit(a.func(a))
