@@ -679,7 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--libs", help=f"comma-separated subset of {','.join(ALL_LIBS)}")
     p.set_defaults(func=cmd_tree)
 
-    # storage, atari, snapshot, offline, ray: one subparser and one section each.
+    p = sub.add_parser("atari", help="Atari-shaped replay, one process per library: add, sample+update, bytes")
+    import bench_atari  # its own module: tools/bench_atari.py
+
+    bench_atari.add_arguments(p)
+
+    # storage, snapshot, ray: one subparser and one section each.
     return parser
 
 
