@@ -119,8 +119,6 @@ class H5Source:
         self.notes: list[str] = []
         self.on_close = None
         self._lock_fd = -1
-        self._plan_rows = None
-        self._plan = None
         try:
             self._file = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes)
         except OSError as e:
@@ -436,9 +434,7 @@ class H5Source:
         return () if name in ("terminated", "truncated") else self.columns[name].shape
 
     def _plan_for(self, rows: np.ndarray):
-        # The buffer reads every field with the same index array: plan once per array.
-        if rows is self._plan_rows:
-            return self._plan
+        """Sorted unique rows, their segments and steps, and how to undo the sort."""
         r = rows.astype(np.int64, copy=False)
         n = r.shape[0]
         inverse = None
@@ -456,8 +452,7 @@ class H5Source:
         else:
             seg = np.searchsorted(self.starts, r, side="right") - 1
             t = r - self.starts[seg]
-        self._plan_rows, self._plan = rows, (seg, t, r, inverse)
-        return self._plan
+        return seg, t, r, inverse
 
     def write(self, name, rows, values):
         raise ValueError(f"{self.path} is an offline dataset, opened read-only: add and extend cannot "
@@ -479,7 +474,6 @@ class H5Source:
 
     def _release(self) -> None:
         self._mm = None
-        self._plan_rows = self._plan = None
         if getattr(self, "_file", None) is not None:
             self._file.close()
             self._file = None
