@@ -335,6 +335,10 @@ class ShardedPrioritizedBuffer:
         else:
             idx, stamps = _as_index(target), None
         p = _as_priorities(priorities, idx.shape[0])
+        bad = np.flatnonzero(~((p >= 0) & (p < np.inf)))
+        if bad.shape[0]:
+            i = int(bad[0])
+            raise ValueError(f"priorities must be finite and >= 0, got {p[i]} at position {i}")
         out = np.flatnonzero((idx < 0) | (idx >= self.capacity))
         if out.shape[0]:
             bad = int(out[0])
