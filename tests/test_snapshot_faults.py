@@ -81,11 +81,13 @@ def test_every_flipped_bit_and_truncation_is_detected(kind, tmp_path):
 
 class Faults:
     """Fails the first os.write/os.fsync whose file's path matches a pattern
-    with EIO, and counts the calls made after that failure."""
+    with EIO, and records the calls made after that failure (fsyncs run from
+    a thread pool, so the other files of the same batch may still be synced)."""
 
     def __init__(self, monkeypatch):
         self.target = None
-        self.failed_after = None
+        self.failed = None  # (name, path) of the failing call
+        self.after = []  # (name, path) of every call after it
         self._real = {"write": os.write, "fsync": os.fsync}
         for name in self._real:
             monkeypatch.setattr(os, name, self._wrap(name))
@@ -94,28 +96,35 @@ class Faults:
         real = self._real[name]
 
         def call(fd, *args):
-            if self.failed_after is not None:
-                self.failed_after += 1
-            elif self.target and self.target[0] == name and \
-                    re.search(self.target[1], os.readlink(f"/proc/self/fd/{fd}")):
-                self.failed_after = 0
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if self.failed is not None:
+                self.after.append((name, path))
+            elif self.target and self.target[0] == name and re.search(self.target[1], path):
+                self.failed = (name, path)
                 raise OSError(errno.EIO, f"injected EIO in os.{name}")
             return real(fd, *args)
         return call
 
     def arm(self, name=None, pattern=None):
         self.target = None if name is None else (name, pattern)
-        self.failed_after = None
+        self.failed, self.after = None, []
+
+    def check_stopped(self, root: Path) -> None:
+        """Never retried, and the save went no further: no write, no parent fsync."""
+        assert self.failed is not None
+        assert self.failed not in self.after, f"{self.failed} was retried"
+        assert not [c for c in self.after if c[0] == "write"], self.after
+        assert not [c for c in self.after if Path(c[1]) == root], self.after
 
 
 # Every kind of file a save writes or syncs: state arrays, data chunks (copied,
-# or the live chunk files made durable before they are linked), the manifest,
+# or the live chunk files linked, then made durable), the manifest,
 # the temporary directories, and the parent after the rename.
 TARGETS = {
     "memmap": [("write", r"/state/leaves\.npy$"), ("write", r"/state/[a-z_]+\.npy$"),
                ("write", r"/manifest\.json$"),
-               ("fsync", r"/state/gid\.npy$"), ("fsync", r"/live/data/[a-z_]+\.bin$"),
-               ("fsync", r"/live/data/frames\.\d+\.bin$"), ("fsync", r"/manifest\.json$"),
+               ("fsync", r"/state/gid\.npy$"), ("fsync", r"/\.tmp-snap-[^/]+/data/[a-z_]+\.bin$"),
+               ("fsync", r"/\.tmp-snap-[^/]+/data/frames\.\d+\.bin$"), ("fsync", r"/manifest\.json$"),
                ("fsync", r"/\.tmp-snap-[^/]+/state$"), ("fsync", r"/\.tmp-snap-[^/]+/data$"),
                ("fsync", r"/\.tmp-snap-[^/]+$"), ("fsync", r"/snaps$")],
     "memory": [("write", r"/state/leaves\.npy$"), ("write", r"/data/frames\.bin$"),
@@ -147,7 +156,7 @@ def test_an_io_error_fails_the_snapshot_and_leaves_the_previous_one(kind, tmp_pa
             assert e.errno == errno.EIO, (name, pattern, e)
         else:
             pytest.fail(f"no os.{name} of a file matching {pattern} in a save")
-        assert faults.failed_after == 0, f"calls after a failed {name} of {pattern}: never retried"
+        faults.check_stopped(root)
         assert sorted(os.listdir(root)) == [".lock", first.name], "no leftovers, nothing new"
     faults.arm()
     assert tree_hash(first) == before

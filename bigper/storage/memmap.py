@@ -178,6 +178,7 @@ class MemmapStorage:
         self._rw: dict[str, np.ndarray] = {}
         self._nshared = 0
         self._renamed = False
+        self._marked = False  # meta.json already says clean: false in this session
         self._lock = None
         self._created = False
         self._meta: dict | None = None
@@ -231,7 +232,8 @@ class MemmapStorage:
 
     def _wipe(self) -> None:
         """Takeover: mark the directory unclean, then clear what the last writer left."""
-        write_json(self.path / "meta.json", self._meta)
+        if isinstance(self.previous, dict) and self.previous.get("clean"):
+            write_json(self.path / "meta.json", self._meta)  # a closed buffer: unclean from now on
         for sub in ("data", "state"):
             if (self.path / sub).exists():
                 os.replace(self.path / sub, self.path / f".trash-{uuid.uuid4().hex[:12]}")
@@ -261,6 +263,7 @@ class MemmapStorage:
             self._meta["arrays"][name] = {k: rec[k] for k in ("rows", "shape", "dtype", "chunk_rows")}
             self._meta["shared_digests"][name] = digests
         write_json(self.path / "meta.json", self._meta)
+        self._marked = True
 
     def layout(self, specs) -> dict:
         """The chunk layout this storage gives ``specs`` (``name -> (rows, shape, dtype)``)."""
@@ -302,7 +305,8 @@ class MemmapStorage:
                 for stale in self.path.glob("data/*.cow"):
                     stale.unlink()
                 self._meta["clean"] = False
-                write_json(self.path / "meta.json", self._meta)
+                if not self._marked:
+                    write_json(self.path / "meta.json", self._meta)
         except BaseException:
             self._abort()
             raise
