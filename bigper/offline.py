@@ -215,7 +215,8 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
             lo, hi = int(idx[0]), int(idx[-1]) + 1
             at = slice(lo, hi) if hi - lo == idx.shape[0] else idx  # a run of slots: slices, no gathers
             probs = buf._tree.leaves[at] / max(buf._tree.total, 1e-300)
-            batch = Batch(buf._gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs, buf._gid[at].copy())
+            batch = Batch(buf._gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs,
+                          buf._gid[at].copy())
             s = _check_scores(score_fn(batch), idx, done, src.path)
             if not sc.locked:  # the first good chunk: only now is anything written
                 sc.lock()
@@ -229,6 +230,8 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
                 sc.commit_progress(entry, done, scores, hi)
                 committed, last = done, time.monotonic()
         if entry is not None:
+            if not sc.locked:  # resumed with nothing left to score
+                sc.lock()
             sc.finish_run(entry, scores)
     except BaseException:
         if entry is not None and done > committed:

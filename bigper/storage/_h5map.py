@@ -26,6 +26,8 @@ from .._kernels import kernel
 
 # Rows of a contiguous dataset read as one h5py block when read through h5py.
 _BLOCK_BYTES = 1 << 16
+# Runs at least this long are announced to the kernel for readahead (madvise WILLNEED).
+_PREFETCH_BYTES = 1 << 20
 
 
 @kernel
@@ -79,6 +81,7 @@ class Column:
     mapped_all: bool = False
     mapped_any: bool = False
     flat: np.ndarray | None = None  # one segment laid out as one run of rows: a plain array view
+    flat_offset: int = 0            # where that run starts in the file
 
     def mapping(self) -> str:
         return "memory-mapped" if self.mapped_all else ("partly mapped" if self.mapped_any else "via h5py")
@@ -156,6 +159,7 @@ def map_column(col: Column, f, mm) -> None:
         regular = (a >= 0).all() and (a.shape[0] == 1 or (np.diff(a) == cr * col.row_bytes).all())
         if regular and int(a[0]) + rows * col.row_bytes <= mm.shape[0]:
             col.flat = np.ndarray((rows, *col.shape), dtype=col.dtype, buffer=mm, offset=int(a[0]))
+            col.flat_offset = int(a[0])
 
 
 def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray) -> np.ndarray:
@@ -182,8 +186,14 @@ def _read_h5(d, rows: np.ndarray, out: np.ndarray) -> None:
         lo = hi
 
 
-def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """Rows of ``col`` for sorted unique transitions ``g`` (segment ``seg``, step ``t``)."""
+def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarray,
+                prefetch=None) -> np.ndarray:
+    """Rows of ``col`` for sorted unique transitions ``g`` (segment ``seg``, step ``t``).
+
+    ``prefetch(offset, nbytes)``, when given, is told of a run of rows read
+    whole (and of as many after it), so the next run is on its way from disk
+    while this one is used.
+    """
     row = t + col.shift if col.shift else t
     if col.back is not None:
         row = row - col.back[g]
@@ -192,7 +202,10 @@ def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarra
     if col.flat is not None:
         n = row.shape[0]
         if n and col.back is None and int(row[-1]) - int(row[0]) == n - 1:  # a run (reprioritize): one copy
-            out = col.flat[int(row[0]):int(row[0]) + n].copy()
+            r0 = int(row[0])
+            if prefetch is not None and n * col.row_bytes >= _PREFETCH_BYTES:
+                prefetch(col.flat_offset + r0 * col.row_bytes, 2 * n * col.row_bytes)
+            out = col.flat[r0:r0 + n].copy()
         else:
             out = col.flat.take(row, axis=0)
     elif col.mapped_all:

@@ -31,60 +31,23 @@ arrays held in memory; data is read at sample time (see ``_h5map``).
 
 from __future__ import annotations
 
-import fcntl
 import json
+import mmap
 import os
 import re
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import BigperError, StorageLockedError
-from ._h5map import Column, map_column, read_column
+from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
+from ._h5map import map_column, read_column
+
+__all__ = ["H5Source", "OfflineDatasetError", "LAYOUTS", "LIVE", "DEAD"]
 
 LAYOUTS = ("auto", "d4rl", "minari", "bigper")
-LIVE, DEAD = 1, 3  # the buffer's slot status codes
-_RESERVED = {"terminated", "truncated", "discount", "priorities"}
-_FLAG_BLOCK = 1 << 20
 
 
-class OfflineDatasetError(BigperError, ValueError):
-    """An HDF5 dataset that cannot be read as D4RL, Minari or bigper layout (names the dataset)."""
-
-
-def _safe_name(text: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9_\-]", "_", text.strip("/")).strip("_") or "field"
-    return name if re.match(r"[A-Za-z_]", name) else f"f_{name}"
-
-
-def _leaves(node, parts=()):
-    """``(parts, dataset)`` for every dataset under ``node`` (itself when it is one), sorted."""
-    import h5py
-
-    if isinstance(node, h5py.Dataset):
-        return [(parts, node)]
-    out = []
-    for key in sorted(node.keys()):
-        out.extend(_leaves(node[key], parts + (key,)))
-    return out
-
-
-def _numeric(d) -> bool:
-    return d.dtype.kind in "biuf" and not d.dtype.hasobject and d.ndim >= 1 and 0 not in d.shape[1:]
-
-
-def _flags(d, n: int) -> np.ndarray:
-    """A per-step flag dataset (bool, int or float; ``(n,)`` or ``(n, 1)``) as bool, read in blocks."""
-    if d.shape not in ((n,), (n, 1)):
-        raise OfflineDatasetError(f"{d.file.filename}: dataset {d.name!r} must have shape ({n},), "
-                                  f"got {d.shape}")
-    out = np.empty(n, dtype=bool)
-    for a in range(0, n, _FLAG_BLOCK):
-        out[a:a + _FLAG_BLOCK] = np.asarray(d[a:a + _FLAG_BLOCK]).reshape(-1) != 0
-    return out
-
-
-class H5Source:
+class H5Source(Layouts):
     """A read-only storage over an HDF5 dataset; see the module docstring.
 
     Parameters
@@ -119,6 +82,7 @@ class H5Source:
         self.notes: list[str] = []
         self.on_close = None
         self._lock_fd = -1
+        self._map = None
         try:
             self._file = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes)
         except OSError as e:
@@ -152,226 +116,12 @@ class H5Source:
         self._one_segment = self.starts.shape[0] == 2
         mm = None
         if f.driver == "sec2" and os.path.getsize(self.file_path) > 0:
-            mm = np.memmap(self.file_path, dtype=np.uint8, mode="r")
+            with open(self.file_path, "rb") as fh:
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            mm = np.frombuffer(self._map, dtype=np.uint8)
         self._mm = mm
         for col in self.columns.values():
             map_column(col, f, mm)
-
-    def _need(self, group, key: str, where: str = ""):
-        import h5py
-
-        obj = group.get(key)
-        if not isinstance(obj, h5py.Dataset):
-            found = sorted(group.keys())[:20]
-            raise OfflineDatasetError(
-                f"{self.file_path}: the {self.layout} layout needs a dataset {where + key!r}, which is "
-                f"missing (found {found})")
-        return obj
-
-    def _open_d4rl(self, f) -> None:
-        obs = self._need(f, "observations")
-        n = obs.shape[0] if obs.ndim else 0
-        if n == 0:
-            raise OfflineDatasetError(f"{self.file_path}: dataset 'observations' holds no transitions")
-        named = {"observations": "obs", "actions": "action", "rewards": "reward"}
-        ds = {k: self._need(f, k) for k in (*named, "terminals")}
-        for key in ("timeouts", "next_observations"):
-            if key in f:
-                ds[key] = self._need(f, key)
-        for key, d in ds.items():
-            if d.ndim == 0 or d.shape[0] != n:
-                raise OfflineDatasetError(
-                    f"{self.file_path}: dataset {key!r} has {d.shape[0] if d.ndim else 0} rows but "
-                    f"'observations' has {n}; every per-step dataset needs one row per transition")
-        term = _flags(ds["terminals"], n)
-        tout = _flags(ds["timeouts"], n) if "timeouts" in ds else np.zeros(n, dtype=bool)
-        if "timeouts" not in ds:
-            self.notes.append("no 'timeouts' dataset: episode ends by time limit are not marked")
-        self.n, self.starts = n, [0, n]
-        self.ends = term.astype(np.uint8) | (tout.astype(np.uint8) << 1)
-        self.status = np.full(n, LIVE, dtype=np.uint8)
-        cols = {}
-        for key, name in named.items():
-            d = ds[key]
-            if not _numeric(d):
-                raise OfflineDatasetError(f"{self.file_path}: dataset {key!r} has dtype {d.dtype}; "
-                                          "bigper reads numeric arrays")
-            shape = d.shape[1:] if name != "reward" or d.shape[1:] != (1,) else ()
-            cols[name] = Column(name, shape, d.dtype, [key], key)
-        if "next_observations" in ds:
-            nx = ds["next_observations"]
-            if nx.shape != obs.shape or nx.dtype.newbyteorder("=") != obs.dtype.newbyteorder("="):
-                raise OfflineDatasetError(
-                    f"{self.file_path}: dataset 'next_observations' has shape {nx.shape} {nx.dtype}, "
-                    f"'observations' {obs.shape} {obs.dtype}; they must match")
-            cols["next_obs"] = Column("next_obs", obs.shape[1:], nx.dtype, ["next_observations"],
-                                      "next_observations")
-        else:
-            unknown = tout & ~term
-            unknown[-1] |= not term[-1]
-            self.status[unknown] = DEAD
-            k = int(unknown.sum())
-            if k:
-                self.notes.append(f"{k} transition(s) end an episode by timeout (or end the file) with no "
-                                  "next observation in the file: held, never sampled")
-            cols["next_obs"] = Column("next_obs", obs.shape[1:], obs.dtype, ["observations"],
-                                      "observations[t+1] (own row at a terminal)", shift=1,
-                                      back=term.astype(np.uint8))
-        used = set(ds) | {"timeouts"}
-
-        def visit(key, d):
-            if key in used or not hasattr(d, "dtype"):
-                return
-            name = _safe_name(key.replace("/", "_"))
-            if d.ndim == 0 or d.shape[0] != n:
-                self.notes.append(f"dataset {key!r} skipped: {d.shape[0] if d.ndim else 0} rows, not {n}")
-            elif not _numeric(d):
-                self.notes.append(f"dataset {key!r} skipped: dtype {d.dtype} is not numeric")
-            elif name in cols or name in _RESERVED or f"next_{name}" in cols:
-                self.notes.append(f"dataset {key!r} skipped: its field name {name!r} is taken")
-            else:
-                cols[name] = Column(name, d.shape[1:], d.dtype, [key], key)
-
-        f.visititems(visit)
-        self.columns, self.next_of = cols, ("obs",)
-        for col in cols.values():
-            col.seg_rows = np.array([n], dtype=np.int64)
-
-    def _open_minari(self, f) -> None:
-        keys = sorted((int(k[8:]), k) for k in f.keys() if re.fullmatch(r"episode_\d+", k))
-        if not keys:
-            raise OfflineDatasetError(f"{self.file_path}: no episode_<i> groups (Minari layout)")
-        spaces = {}
-        meta_path = self.file_path.parent / "metadata.json"
-        if meta_path.is_file():
-            try:
-                meta = json.loads(meta_path.read_text())
-                spaces = {"observations": json.loads(meta.get("observation_space") or "null"),
-                          "actions": json.loads(meta.get("action_space") or "null")}
-            except (ValueError, TypeError):
-                spaces = {}
-        schema = None       # name -> (shape, dtype, relative path, shift, extra rows)
-        paths: dict[str, list] = {}
-        seg_rows: dict[str, list] = {}
-        lengths, ends, skipped = [], [], 0
-        for _, key in keys:
-            g = f[key]
-            steps = self._need(g, "rewards", f"{key}/").shape[0]
-            if steps == 0:
-                skipped += 1
-                continue
-            cols = self._minari_episode(g, key, steps, spaces)
-            if schema is None:
-                schema = cols
-                paths = {name: [] for name in cols}
-                seg_rows = {name: [] for name in cols}
-            else:
-                for name in schema.keys() | cols.keys():
-                    a, b = schema.get(name), cols.get(name)
-                    if a is None or b is None or a[:2] != b[:2] or a[3] != b[3]:
-                        raise OfflineDatasetError(
-                            f"{self.file_path}: {key} does not match the first episode in field {name!r}: "
-                            f"{b[:2] if b else 'missing'} per step, expected {a[:2] if a else 'missing'}")
-            for name, (_, _, rel, shift, rows) in cols.items():
-                paths[name].append(f"{key}/{rel}")
-                seg_rows[name].append(rows)
-            term = _flags(self._need(g, "terminations", f"{key}/"), steps)
-            trunc = _flags(self._need(g, "truncations", f"{key}/"), steps)
-            ends.append(term.astype(np.uint8) | (trunc.astype(np.uint8) << 1))
-            lengths.append(steps)
-        if schema is None:
-            raise OfflineDatasetError(f"{self.file_path}: every episode is empty; no transitions")
-        if skipped:
-            self.notes.append(f"{skipped} empty episode(s) skipped")
-        self.starts = np.concatenate([[0], np.cumsum(lengths)])
-        self.n = int(self.starts[-1])
-        self.ends = np.concatenate(ends)
-        self.status = np.full(self.n, LIVE, dtype=np.uint8)
-        self.columns = {}
-        for name, (shape, dtype, rel, shift, _) in schema.items():
-            col = Column(name, shape, dtype, paths[name], f"{rel}[t+{shift}]" if shift else rel, shift=shift)
-            col.seg_rows = np.asarray(seg_rows[name], dtype=np.int64)
-            self.columns[name] = col
-        self.next_of = tuple(n for n in schema if n == "obs" or n.startswith("obs_"))
-        for name in self.next_of:
-            col = self.columns[name]
-            nxt = Column(f"next_{name}", col.shape, col.dtype, col.paths,
-                         f"{schema[name][2]}[t+1]", shift=1)
-            nxt.seg_rows = col.seg_rows
-            self.columns[nxt.name] = nxt
-
-    def _minari_episode(self, g, key: str, steps: int, spaces: dict) -> dict:
-        """Fields of one episode: name -> (shape, dtype, path in the group, row shift, rows)."""
-        out = {}
-        groups = (("observations", "obs", steps + 1), ("actions", "action", steps),
-                  ("rewards", "reward", steps), ("infos", "info", None))
-        for top, prefix, rows in groups:
-            if top not in g:
-                if top == "infos":
-                    continue
-                self._need(g, top, f"{key}/")
-            for parts, d in _leaves(g[top]):
-                rel = "/".join((top, *parts))
-                want = rows if rows is not None else (steps + 1 if d.shape[:1] == (steps + 1,) else steps)
-                name = prefix if not parts else _safe_name(prefix + "_" + "_".join(p.strip("_") for p in parts))
-                shape = tuple(d.shape[1:])
-                space = _space_leaf(spaces.get(top), parts)
-                encoded = not _numeric(d) or (space is not None and space.get("type") == "Box"
-                                              and tuple(space.get("shape", shape)) != shape)
-                if top == "infos" and (encoded or d.shape[:1] != (want,)):
-                    continue  # not one numeric row per step
-                if encoded:
-                    raise OfflineDatasetError(
-                        f"{self.file_path}: {key}/{rel} holds {d.dtype} rows of shape {shape}, not the "
-                        f"space's raw arrays (JPEG-encoded images, Minari's default for image spaces); "
-                        "bigper reads raw arrays: create the dataset with DataCollector(..., "
-                        "jpeg_encoding=False)")
-                if d.shape[0] != want:
-                    raise OfflineDatasetError(
-                        f"{self.file_path}: dataset {key}/{rel} has {d.shape[0]} rows; expected {want} "
-                        f"({key} has {steps} steps)")
-                if name in out or name in _RESERVED:
-                    raise OfflineDatasetError(f"{self.file_path}: {key}/{rel} maps to the field name "
-                                              f"{name!r}, which is taken")
-                if prefix == "reward" and shape == (1,):
-                    shape = ()
-                shift = 1 if (top == "infos" and want == steps + 1) else 0
-                out[name] = (shape, d.dtype, rel, shift, want)
-        return out
-
-    def _open_bigper(self, f) -> None:
-        from ._state import check_meta
-        from .hdf5 import FORMAT, VERSION
-
-        lock = self.file_path.with_name(self.file_path.name + ".lock")
-        if lock.exists():  # a writer holds it exclusively while the buffer is open
-            fd = os.open(lock, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise StorageLockedError(f"{self.file_path} is open in a writer (lock {lock} is held)") from None
-            self._lock_fd = fd
-        meta = check_meta(json.loads(f["_bigper"].attrs["meta"]), FORMAT, VERSION, self.file_path)
-        g = f.get("_bigper/state")
-        if g is None or meta.get("state") is None:
-            raise OfflineDatasetError(f"{self.file_path}: no recorded buffer state in /_bigper/state")
-        arrays = {name: g[name][()] for name in g}
-        cap = int(meta["config"]["capacity"])
-        for name in ("gid", "status", "ends"):
-            if name not in arrays or arrays[name].shape != (cap,):
-                raise OfflineDatasetError(f"{self.file_path}: recorded state array {name!r} is missing or "
-                                          f"not of shape ({cap},)")
-        self.recorded = (meta["config"], meta["state"], arrays)
-        self.n, self.starts = cap, [0, cap]
-        self.ends = arrays["ends"].astype(np.uint8)
-        self.status = arrays["status"].astype(np.uint8)
-        self.columns = {}
-        for name, a in meta["arrays"].items():
-            col = Column(name, tuple(a["shape"]), np.dtype(a["dtype"]), [name], name)
-            col.seg_rows = np.array([a["rows"]], dtype=np.int64)
-            self.columns[name] = col
-        self.next_of = tuple(meta["config"].get("next_of", ()))
 
     # -- what the buffer is built from -------------------------------------------
     def fields(self) -> dict:
@@ -427,7 +177,7 @@ class H5Source:
         if flags:
             out = (self.ends[uniq] & (1 if name == "terminated" else 2)) != 0
         else:
-            out = read_column(col, self._file, self._mm, seg, t, uniq)
+            out = read_column(col, self._file, self._mm, seg, t, uniq, self._prefetch)
         return out if inverse is None else out[inverse]
 
     def _shape(self, name) -> tuple:
@@ -472,8 +222,24 @@ class H5Source:
         finally:
             self._release()
 
+    def _prefetch(self, offset: int, nbytes: int) -> None:
+        """Ask the kernel to read a range of the file ahead (a streamed run: reprioritize)."""
+        if self._map is not None and hasattr(mmap, "MADV_WILLNEED"):
+            start = offset - offset % mmap.PAGESIZE
+            end = min(offset + nbytes, len(self._map))
+            if end > start:
+                self._map.madvise(mmap.MADV_WILLNEED, start, end - start)
+
     def _release(self) -> None:
         self._mm = None
+        for col in getattr(self, "columns", {}).values():
+            col.flat = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere: the map goes with it
+                pass
+            self._map = None
         if getattr(self, "_file", None) is not None:
             self._file.close()
             self._file = None
@@ -482,16 +248,3 @@ class H5Source:
             self._lock_fd = -1
 
 
-def _space_leaf(space, parts):
-    """The serialized Minari space at ``parts`` (Dict keys, Tuple ``_index_i``), or None."""
-    for p in parts:
-        if not isinstance(space, dict):
-            return None
-        sub = space.get("subspaces")
-        if isinstance(sub, dict):
-            space = sub.get(p)
-        elif isinstance(sub, list) and p.startswith("_index_") and p[7:].isdigit() and int(p[7:]) < len(sub):
-            space = sub[int(p[7:])]
-        else:
-            return None
-    return space if isinstance(space, dict) else None
