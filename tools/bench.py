@@ -684,6 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_atari.add_arguments(p)
 
+    import bench_snapshot  # its own module: tools/bench_snapshot.py
+
+    bench_snapshot.add_arguments(sub.add_parser(
+        "snapshot", help="memmap snapshots of 100k (--million: 1M) Atari frames: first and second "
+                         "snapshot, load with verification, each beside its baseline"))
+
     # storage, snapshot, ray: one subparser and one section each.
     return parser
 
