@@ -68,7 +68,7 @@ class Sidecar:
 
     @staticmethod
     def default_path(dataset) -> Path:
-        p = Path(dataset).expanduser()
+        p = Path(dataset).expanduser().absolute()
         return p.with_name(p.name + ".priorities")
 
     # -- reading -------------------------------------------------------------

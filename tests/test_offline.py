@@ -193,6 +193,19 @@ def test_data_is_read_only_but_priorities_update(d4rl):
         assert again.total_priority == pytest.approx(buf.total_priority)
 
 
+def test_saved_leaves_need_the_same_transform(d4rl, tmp_path):
+    path, _ = d4rl
+    with PRB.from_hdf5(path) as buf:
+        buf.update_priorities(np.array([0, 1]), np.array([5.0, 7.0]))
+    with pytest.warns(UserWarning, match="alpha=0.6.*not used with alpha=0.9"):
+        other = PRB.from_hdf5(path, alpha=0.9)
+    with other:  # neither scores nor usable leaves: uniform
+        assert np.array_equal(other._tree.leaves, (buf._status == 1).astype(float))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SidecarMismatchError, match="is a file"):
+        PRB.from_hdf5(path, priorities=tmp_path / "afile")
+
+
 def scores_of(batch):
     return np.abs(batch["reward"]).astype(np.float64) + 0.1 * (batch.indices % 3)
 

@@ -70,7 +70,7 @@ class H5Source(Layouts):
 
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self.path = Path(dataset).expanduser()
+        self.path = Path(dataset).expanduser().absolute()
         if not self.path.exists():
             raise FileNotFoundError(f"no dataset at {self.path}")
         self.file_path = self.path
