@@ -221,7 +221,7 @@ def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
     """A whole priority update in one call: check, route, transform, set.
 
     Nothing is written unless every row passes. Returns ``(code, position,
-    top)``: code 0 (done; ``top`` is the largest new leaf), 1 (a NaN,
+    top)``: code 0 (done; ``top`` is the largest value set), 1 (a NaN,
     infinite or negative priority at ``position``), 2 (index out of range) or
     3 (a slot never written). ``leaves`` is either empty (computed here) or
     precomputed by the caller. Rows are routed by slot status: sampleable ->
@@ -241,11 +241,10 @@ def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
             return 3, i, 0.0
     if leaves.shape[0] != m:
         leaves = np.empty(m, dtype=np.float64)
-        top = to_leaves(p, alpha, eps, max_priority, leaves)
-    else:
-        top = 0.0
-        for i in range(m):
-            top = max(top, leaves[i])
+        to_leaves(p, alpha, eps, max_priority, leaves)
+    # Only values that become leaves (now or when their window completes)
+    # count toward the largest leaf; skipped rows do not.
+    top = 0.0
     keep = np.empty(m, dtype=np.bool_)
     all_tree = True
     for i in range(m):
@@ -254,6 +253,8 @@ def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
         if use_stamps and gid[s] != stamps[i]:
             st = 0
         keep[i] = st == 1
+        if st == 1 or st == 2:
+            top = max(top, leaves[i])
         if st == 2:
             pending[s] = leaves[i]
         if st != 1:

@@ -277,7 +277,10 @@ class PrioritizedReplayBuffer:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if beta is not None:
-            b = float(beta)
+            try:
+                b = float(beta)
+            except (TypeError, ValueError):
+                raise TypeError(f"beta must be a number >= 0, got {beta!r}") from None
             if not (b >= 0 and b < np.inf):
                 raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
         else:

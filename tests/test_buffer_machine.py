@@ -129,11 +129,10 @@ class BufferMachine(RuleBasedStateMachine):
         p = np.array(ps).reshape(-1, 1) if as_column else np.array(ps)
         self.buf.update_priorities(batch, p)
         for s, g, pr in zip(batch.indices, gids_then, ps):
-            # every priority given counts toward the max leaf, even a skipped row's
-            self.max_leaf = max(self.max_leaf, self.leaf(pr))
-            if self.gid[s] != g:  # overwritten since it was sampled: skipped
+            if self.gid[s] != g:  # overwritten since it was sampled: skipped, not a leaf
                 continue
             self.leaves[s] = self.leaf(pr)
+            self.max_leaf = max(self.max_leaf, self.leaves[s])
 
     # -- sampling --------------------------------------------------------------
     @rule(target=batches, n=st.integers(1, 9), stratified=st.booleans(),

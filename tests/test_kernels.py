@@ -335,7 +335,7 @@ def reference_update(idx, p, stamps, use, gid, status, n, alpha, eps, maxp):
             return (2, i), None
         if status[s] == 0:
             return (3, i), None
-    tree, pend = {}, {}
+    tree, pend, kept = {}, {}, []
     leaves = [(min(v, maxp) + eps) ** alpha for v in p]
     for s, g, lf in zip(idx, stamps, leaves):
         st_ = 0 if use and gid[s] != g else status[s]
@@ -343,7 +343,9 @@ def reference_update(idx, p, stamps, use, gid, status, n, alpha, eps, maxp):
             tree[s] = lf
         elif st_ == 2:
             pend[s] = lf
-    return (0, -1), (tree, pend, max(leaves, default=0.0))
+        if st_ in (1, 2):  # only values that become leaves count toward the largest
+            kept.append(lf)
+    return (0, -1), (tree, pend, max(kept, default=0.0))
 
 
 @SETTINGS
