@@ -65,6 +65,9 @@ def test_one_shard_matches_a_local_buffer(cluster, weight_norm, stratified):
     local = bigper.PrioritizedReplayBuffer(500, FIELDS, **kw)
     rng = np.random.default_rng(1)
     with ShardedPrioritizedBuffer(1, 500, FIELDS, chunk_size=128, **kw, **SMALL) as sharded:
+        for buf in (sharded, local):  # empty: an error, and no uniform drawn
+            with pytest.raises(ValueError, match="cannot sample"):
+                buf.sample(4)
         for lo, hi in ((0, 300), (300, 700)):  # the second wraps around: slots are overwritten
             d, p = _data(range(lo, hi), seed=lo, end_every=37), rng.random(hi - lo) * 3
             local.extend(d, p)
@@ -87,6 +90,28 @@ def test_one_shard_matches_a_local_buffer(cluster, weight_norm, stratified):
                 sharded.extend(d)
         assert len(sharded) == len(local)
         assert sharded.total_priority == pytest.approx(local.total_priority, rel=1e-12)
+        if weight_norm == "batch":
+            _bad_input_raises_before_anything_is_sent(sharded)
+
+
+def _bad_input_raises_before_anything_is_sent(buf):
+    n = len(buf)
+    with pytest.raises(ValueError, match="shape"):
+        buf.add(x=np.zeros(4, np.float32), id=1)
+    b = buf.sample(4)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        buf.update_priorities(b, [1.0, np.nan, 1.0, 1.0])
+    with pytest.raises(IndexError, match="out of range"):
+        buf.update_priorities(np.array([buf.capacity]), [1.0])
+    with pytest.raises(ValueError, match="batch_size"):
+        buf.sample(0)
+    with pytest.raises(TypeError, match="writer"):
+        import pickle
+
+        pickle.dumps(buf)
+    assert len(buf) == n
+    with pytest.raises(ValueError, match="num_shards"):
+        ShardedPrioritizedBuffer(0, 100, FIELDS)
 
 
 def test_uneven_shards_sample_the_global_law(cluster):
@@ -102,8 +127,8 @@ def test_uneven_shards_sample_the_global_law(cluster):
         leaves = prios ** alpha
         exact = leaves / leaves.sum()
         counts = np.zeros(3 * per)
-        for _ in range(60):
-            batch = buf.sample(2048)
+        for _ in range(25):
+            batch = buf.sample(4096)
             ids = batch["id"]
             np.add.at(counts, ids, 1)
             np.testing.assert_allclose(batch.probabilities, exact[ids], rtol=1e-12)
@@ -116,9 +141,6 @@ def test_uneven_shards_sample_the_global_law(cluster):
         assert counts[:per].sum() / n == pytest.approx(exact[:per].sum(), rel=0.1)
         chi = scipy_stats.chisquare(counts, exact * n)
         assert chi.pvalue > 1e-4, chi
-        # batch norm: by the largest weight in the batch
-        b = buf.sample(256, beta=0.5)
-        np.testing.assert_allclose(b.weights, (b.probabilities / b.probabilities.min()) ** -0.5, rtol=1e-5)
 
 
 @ray.remote(num_cpus=0.1)
@@ -243,24 +265,3 @@ def test_save_load_and_a_killed_shard(cluster, tmp_path):
         b = buf.sample(128)
         np.testing.assert_allclose(b.probabilities, 1.0 / snap_lens[victim], rtol=1e-9)
         np.testing.assert_allclose(b.weights, 1.0, rtol=1e-6)
-
-
-def test_bad_input_raises_before_anything_is_sent(cluster):
-    with ShardedPrioritizedBuffer(1, 100, FIELDS, **SMALL) as buf:
-        with pytest.raises(ValueError, match="cannot sample"):
-            buf.sample(4)
-        with pytest.raises(ValueError, match="shape"):
-            buf.add(x=np.zeros(4, np.float32), id=1)
-        buf.extend(_data(range(10)))
-        b = buf.sample(4)
-        with pytest.raises(ValueError, match="finite and >= 0"):
-            buf.update_priorities(b, [1.0, np.nan, 1.0, 1.0])
-        with pytest.raises(IndexError, match="out of range"):
-            buf.update_priorities(np.array([100]), [1.0])
-        with pytest.raises(TypeError, match="writer"):
-            import pickle
-
-            pickle.dumps(buf)
-        assert len(buf) == 10
-    with pytest.raises(ValueError, match="num_shards"):
-        ShardedPrioritizedBuffer(0, 100, FIELDS)

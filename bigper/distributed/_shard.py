@@ -127,8 +127,13 @@ class Shard:
         return len(self.buf)
 
     # -- sampling ----------------------------------------------------------------
-    def sample(self, updates, max_leaf_hint: float, targets, seen_total: float, beta: float):
+    def sample(self, updates, max_leaf_hint: float, targets, seen_total: float, beta: float,
+               uniforms=None, stratified: bool = True):
         """Sample at local prefix-sum ``targets`` laid out against ``seen_total``.
+
+        With ``uniforms`` instead (the coordinator's only live shard), the
+        targets are laid out here over the current total, with the arithmetic
+        of a local buffer's ``sample``: one round trip, exact, bit for bit.
 
         Returns ``(part, stats)``; ``part`` is None when ``targets`` is empty.
         When this shard's total moved since the coordinator saw it (a writer
@@ -139,9 +144,15 @@ class Shard:
         """
         b = self.buf
         stats = self._apply(updates, max_leaf_hint)
+        total = stats[0]
+        if uniforms is not None:
+            if not total > 0:
+                return {"empty": True}, stats
+            n = uniforms.shape[0]
+            targets = (np.arange(n) + uniforms) * (total / n) if stratified else uniforms * total
+            seen_total = total
         if targets.shape[0] == 0:
             return None, stats
-        total = stats[0]
         if not total > 0:
             return {"empty": True}, stats
         scale = 1.0

@@ -99,6 +99,11 @@ class ShardSet:
                     pass
             self._probes[s] = self.actors[s].stats.remote(None, self.max_leaf)
 
+    def live(self) -> list:
+        """Shards not known to be down."""
+        self.revive()
+        return [s for s in range(self.n) if not self.down[s]]
+
     def probe(self) -> dict:
         """Fresh stats of every live shard (carrying their pending updates): one round trip."""
         self.revive()

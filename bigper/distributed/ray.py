@@ -290,6 +290,13 @@ class ShardedPrioritizedBuffer:
         sh, n = self._set, int(batch_size)
         sh.reap(sh.max_in_flight)
         for _ in range(self.num_shards + 2):
+            live = sh.live()
+            if len(live) == 1:
+                batch = self._sample_one(live[0], n, b, bool(stratified))
+                if batch is None:
+                    continue
+                self._beta_step += 1
+                return batch
             if self.fresh_totals:
                 stats = sh.probe()
             else:
@@ -321,6 +328,21 @@ class ShardedPrioritizedBuffer:
             self._beta_step += 1
             return batch
         raise RuntimeError(f"sampling failed {self.num_shards + 2} times in a row: shards keep dying")
+
+    def _sample_one(self, s: int, n: int, beta: float, stratified: bool):
+        """The only live shard lays the draws out itself: one round trip."""
+        state = self._rng.bit_generator.state
+        calls = {s: self._set.call(s, "sample", None, 0.0, beta, self._rng.random(n), stratified)}
+        reply = self._set.collect(calls).get(s)
+        if reply is None:
+            return None  # it went down: try again over what is live
+        part, st = reply
+        if part.get("empty"):
+            self._rng.bit_generator.state = state  # as a local buffer: no draw when empty
+            raise ValueError(f"cannot sample: no sampleable transition (len={st[2]} on the one live "
+                             f"shard of {self.num_shards})")
+        return assemble(n, {s: part}, {s: np.arange(n)}, self._offsets, st[0], st[1], beta,
+                        self._norm_batch)
 
     # -- priorities --------------------------------------------------------------------
     def update_priorities(self, target, priorities) -> None:
