@@ -690,6 +690,12 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot", help="memmap snapshots of 100k (--million: 1M) Atari frames: first and second "
                          "snapshot, load with verification, each beside its baseline"))
 
+    import bench_ray  # its own module: tools/bench_ray.py (needs the ray extra only to run)
+
+    bench_ray.add_arguments(sub.add_parser(
+        "ray", help="sharded buffer on a local Ray cluster: inserts/s from 2 writer actors and "
+                    "samples/s at the learner for 1, 2, 4 shards, beside one local buffer"))
+
     # storage, snapshot, ray: one subparser and one section each.
     return parser
 
