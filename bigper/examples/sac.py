@@ -39,8 +39,9 @@ import bigper
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bigper.examples.sac", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20_000)
-    p.add_argument("--use-per", action=argparse.BooleanOptionalAction, default=True,
-                   help="prioritized replay (default) or uniform (--no-per)")
+    p.add_argument("--use-per", dest="use_per", action="store_true", default=True,
+                   help="prioritized replay (the default)")
+    p.add_argument("--no-per", dest="use_per", action="store_false", help="uniform replay (alpha=0)")
     p.add_argument("--capacity", type=int, default=100_000)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--learning-starts", type=int, default=1_000)
