@@ -16,7 +16,7 @@ import pytest
 
 import bigper
 from bigper import CorruptSnapshotError, IncompatibleSnapshotError, Snapshots, StorageLockedError
-from bigper.snapshot import load, save, verify
+from bigper.snapshot import load, verify
 from bigper.snapshot._manifest import MANIFEST, decode, encode
 
 from ._snapshot_cases import (KINDS, Stream, assert_same_runs, assert_same_state, feed, learn, make,
@@ -372,3 +372,69 @@ def test_committed_format_1_snapshot_keeps_loading(name, tmp_path):
         b.update_priorities(got, np.asarray(want["update"]))
     b.close()
     assert tree_hash(snap) == before
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def test_cli_info_and_verify(tmp_path, capsys):
+    from bigper.cli import main
+
+    stream = Stream(k=2, seed=4)
+    a = make("memmap", tmp_path / "live", stream, capacity=32, n_step=2)
+    feed(a, stream, 40)
+    snaps = Snapshots(tmp_path / "snaps", keep=3)
+    first = snaps.save(a)
+    feed(a, stream, 3)
+    second = snaps.save(a)
+    a.close()
+    assert main(["info", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert "capacity 32" in out and "memmap" in out and "sampleable" in out and "frame_stack 2" in out
+    assert main(["info", "--json", str(second)]) == 0
+    assert json.loads(capsys.readouterr().out)["len"] == 32
+    assert main(["info", str(tmp_path / "snaps")]) == 0
+    assert "2 snapshot(s)" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "live")]) == 0
+    assert "closed cleanly" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "snaps")]) == 0
+    assert capsys.readouterr().out.count("OK ") == 2
+    chunk = sorted((first / "data").iterdir())[0]
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 4
+    os.unlink(chunk)  # a hard link shared with the live buffer: replace it, do not write through it
+    chunk.write_bytes(bytes(raw))
+    assert main(["verify", str(first)]) == 1
+    assert "CORRUPT" in capsys.readouterr().out
+    assert main(["verify", str(second)]) == 0
+    assert main(["info", str(tmp_path / "nothing")]) == 2
+
+
+def test_verify_reports_inconsistent_bookkeeping(tmp_path):
+    stream = Stream(k=None, seed=4)
+    a = make("memory", None, stream, capacity=16)
+    feed(a, stream, 10)
+    snap = tmp_path / "snap"
+    a.save(snap)
+    leaves = np.load(snap / "state" / "leaves.npy")
+    leaves[12] = 5.0  # a priority on a slot never written
+
+    def bad(body):
+        bio = __import__("io").BytesIO()
+        np.save(bio, leaves, allow_pickle=False)
+        (snap / "state" / "leaves.npy").write_bytes(bio.getvalue())
+        from bigper.snapshot._manifest import digest
+
+        body["files"]["state/leaves.npy"] = {"size": len(bio.getvalue()), "xxh3_64": digest(bio.getvalue())}
+    _rewrite_manifest(snap, bad)
+    problems = verify(snap)["problems"]
+    assert any("slot 12" in p for p in problems), problems
+
+
+def test_a_dataset_opened_in_place_is_not_snapshotted(tmp_path):
+    stream = Stream(k=None, seed=4)
+    a = make("memory", None, stream, capacity=16)
+    a._store.kind = "hdf5-source"
+    with pytest.raises(ValueError, match="hdf5-source"):
+        a.save(tmp_path / "snap")
+    assert not (tmp_path / "snap").exists()

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import bigper
 from bigper import CorruptSnapshotError, Snapshots
 from bigper.snapshot import load, verify
 

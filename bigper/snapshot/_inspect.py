@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import CorruptSnapshotError
 from ._load import _config, _layouts, _state_arrays
-from ._manifest import READ_BLOCK, check_file, read_manifest
+from ._manifest import check_files, read_manifest
 
 LIVE = 1  # the buffer's slot status of a sampleable transition (buffer.py)
 
@@ -73,10 +73,7 @@ def verify(snapshot) -> dict:
     _config(body, snap)
     _layouts(body, snap)
     state = _state_arrays(body, snap)
-    buf = bytearray(READ_BLOCK)
-    for name, rec in body["files"].items():
-        if name.startswith("data/"):
-            check_file(snap, name, rec, buf)
+    check_files(snap, [(n, r) for n, r in body["files"].items() if n.startswith("data/")])
     return {"snapshot": str(snap), "files": len(body["files"]),
             "bytes": sum(r["size"] for r in body["files"].values()),
             "problems": _invariants(body, state)}

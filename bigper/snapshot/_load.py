@@ -28,7 +28,7 @@ import numpy as np
 from ..config import Config
 from ..errors import BigperError, CorruptSnapshotError, IncompatibleSnapshotError
 from ..storage._files import FileLock
-from ._manifest import READ_BLOCK, check_file, read_manifest
+from ._manifest import check_file, check_files, read_manifest
 from ._save import specs_of
 
 
@@ -195,6 +195,8 @@ def _load_hdf5(cfg, body, snap, live, layouts):
     trash = None
     lock = FileLock(live.with_name(live.name + ".lock"), owner=live)
     try:
+        for stale in live.parent.glob(f".{live.name}.trash-*"):  # of a load that was interrupted
+            stale.unlink(missing_ok=True)
         if live.exists():
             if not live.is_file():
                 raise FileExistsError(f"{live} exists and is not a file")
@@ -253,10 +255,8 @@ def load(snapshot, *, path=None):
             raise ValueError(f"{snap} records no live path for its {kind} storage; pass path=")
         live = Path(os.path.abspath(live))
         _check_apart(live, snap)
-        rbuf = bytearray(READ_BLOCK)
-        for rec in body["data"].values():  # every byte checked before the live path changes
-            for member in rec["files"]:
-                check_file(snap, member, body["files"][member], rbuf)
+        # every byte checked before the live path changes
+        check_files(snap, [(m, body["files"][m]) for rec in body["data"].values() for m in rec["files"]])
     elif path is not None:
         raise ValueError(f"{snap} holds a storage='memory' buffer, which takes no path=, got {path!r}")
     if kind == "memory":

@@ -31,6 +31,8 @@ import json
 import os
 import re
 import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
@@ -198,3 +200,28 @@ def check_file(snap: Path, name: str, rec: dict, buf: bytearray | None = None, k
         return out if keep else None
     finally:
         os.close(fd)
+
+
+def check_files(snap: Path, files: list, threads: int = 4) -> None:
+    """``check_file`` for each ``(name, rec)``, a few at a time: reading and
+    hashing both release the GIL, so threads overlap the I/O of one file with
+    the hashing of another. Raises the error of the first bad file in order."""
+    if threads <= 1 or len(files) <= 1:
+        buf = bytearray(READ_BLOCK)
+        for name, rec in files:
+            check_file(snap, name, rec, buf)
+        return
+    local = threading.local()
+
+    def one(item):
+        if not hasattr(local, "buf"):
+            local.buf = bytearray(READ_BLOCK)
+        check_file(snap, item[0], item[1], local.buf)
+
+    ex = ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="bigper-verify")
+    try:
+        futures = [ex.submit(one, item) for item in files]
+        for f in futures:
+            f.result()
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)

@@ -19,8 +19,9 @@ and device flushes instead of one per file (6x faster here for 15 files).
 
 Memmap storage: a chunk file is hard-linked, not copied. Chunks already
 shared with an earlier snapshot are linked as they are (their checksum is
-known); the others are made durable, hashed, linked, and from then on are
-shared, so the live buffer copies them before writing (``storage/memmap.py``).
+known); the others are hashed, linked and made durable, and once the
+snapshot is committed they are shared, so the live buffer copies them before
+writing (``storage/memmap.py``).
 Where links are impossible (another filesystem, a read-only storage whose
 writer is another process) chunks are copied.
 """
@@ -167,28 +168,31 @@ def _rows(store, name: str, start: int, stop: int) -> np.ndarray:
     return arrays[name][start:stop]
 
 
-def _link_chunks(tx: Transaction, store) -> dict:
-    out, linkable = {}, True
+def _link_chunks(tx: Transaction, store) -> tuple[dict, list]:
+    """Link every chunk file; returns the data entries and the chunks to mark
+    shared once the snapshot is committed (a failed save marks nothing)."""
+    out, linkable, share = {}, True, []
     for name, (rec, chunks) in store.chunk_table().items():
         files = []
         for k, (path, size, shared, xxh) in enumerate(chunks):
             member = f"data/{chunk_name(name, k)}"
             if linkable:
+                durable = shared and xxh is not None  # linked by a committed snapshot before
                 if xxh is None:
                     xxh = digest(store.chunk_view(name, k))
-                try:  # a chunk shared before is durable; a private one is synced at commit
-                    tx.link(member, path, size, xxh, sync=not shared)
+                try:
+                    tx.link(member, path, size, xxh, sync=not durable)
                 except OSError as e:
                     if e.errno not in _NO_LINK:
                         raise
                     linkable = False
                 else:
-                    store.mark_shared(name, k, xxh)
+                    share.append((name, k, xxh))
             if not linkable:
                 tx.write(member, store.chunk_view(name, k))
             files.append(member)
         out[name] = {**{k: rec[k] for k in ("rows", "shape", "dtype", "chunk_rows")}, "files": files}
-    return out
+    return out, share
 
 
 def _copy_rows(tx: Transaction, store) -> dict:
@@ -241,6 +245,12 @@ def save(buf, snapshot) -> Path:
     from .. import __version__
 
     buf._check_open()
+    kind = getattr(buf._store, "kind", None)
+    if kind not in ("memory", "memmap", "hdf5"):
+        raise ValueError(
+            f"snapshots hold buffers on memory, memmap or hdf5 storage; this buffer's storage is "
+            f"{kind!r} (a dataset opened in place is its own data, and reprioritize keeps its "
+            "priorities in a sidecar beside it)")
     target = Path(os.path.abspath(snapshot))
     if os.path.lexists(target):
         raise FileExistsError(f"snapshot {target} exists; snapshots are never overwritten "
@@ -258,8 +268,11 @@ def save(buf, snapshot) -> Path:
     try:
         tx.begin()
         state = {name: tx.write(f"state/{name}.npy", _npy(a)) for name, a in arrays.items()}
-        linked = store.kind == "memmap" and not store.read_only
-        data = _link_chunks(tx, store) if linked else _copy_rows(tx, store)
+        share = []
+        if store.kind == "memmap" and not store.read_only:
+            data, share = _link_chunks(tx, store)
+        else:
+            data = _copy_rows(tx, store)
         body = {
             "magic": MAGIC, "format": FORMAT, "bigper_version": __version__,
             "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
@@ -273,4 +286,6 @@ def save(buf, snapshot) -> Path:
     except BaseException:
         tx.abort()
         raise
+    for name, k, xxh in share:  # the snapshot holds these files now: copy before writing
+        store.mark_shared(name, k, xxh)
     return target

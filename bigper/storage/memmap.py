@@ -375,30 +375,20 @@ class MemmapStorage:
         """The bytes of chunk ``k`` of ``name`` (uint8, as mapped, padding included)."""
         return self._arr[name].view(k)
 
-    def sync_chunk(self, name: str, k: int) -> None:
-        """Make chunk ``k`` durable (msync of its pages, then fsync of its file)."""
-        a = self._arr[name]
-        a.region.sync(a.offset(k), a.sizes[k])
-        fd = os.open(a.path(k), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def mark_shared(self, name: str, k: int, digest: str) -> None:
         """A snapshot now links chunk ``k``: map it read-only; the next write copies it."""
         a = self._arr[name]
         if a.shared[k]:
             a.digests[k] = digest
             return
+        a.shared[k] = True  # first: whatever happens next, a write copies the chunk
+        a.digests[k] = digest
+        self._nshared += 1
         fd = os.open(a.path(k), os.O_RDONLY)
-        try:
+        try:  # read-only from now on: a stray write faults instead of changing a snapshot
             a.region.map_file(a.offset(k), a.sizes[k], fd, writable=False)
         finally:
             os.close(fd)
-        a.shared[k] = True
-        a.digests[k] = digest
-        self._nshared += 1
 
     # -- state and close -------------------------------------------------------
     def saved_state(self):
