@@ -42,6 +42,20 @@ def temp_dir_for(snapshot: Path) -> Path:
     return tmp
 
 
+def save(actors: list, snapshot: Path, body: dict) -> None:
+    """Each shard saves itself into ``<tmp>/shard-k`` (in parallel); then the
+    manifest ``body`` (plus format, version and the shards' summaries) commits."""
+    import ray
+
+    tmp = temp_dir_for(snapshot)
+    try:
+        infos = ray.get([a.save.remote(str(tmp / f"shard-{k}")) for k, a in enumerate(actors)])
+        commit(tmp, snapshot, {"format": FORMAT, "version": VERSION, **body, "shards": infos})
+    except BaseException:
+        abort(tmp)
+        raise
+
+
 def commit(tmp: Path, snapshot: Path, manifest: dict) -> None:
     """Write the manifest last, then rename ``tmp`` to ``snapshot`` and fsync the parent."""
     write_json(tmp / "manifest.json", manifest)
@@ -69,6 +83,12 @@ def read_manifest(snapshot) -> dict:
     if m.get("version") != VERSION:
         raise IncompatibleSnapshotError(
             f"{snapshot} has {FORMAT} version {m.get('version')!r}; this bigper reads version {VERSION}")
+    from ._sampling import shard_capacities
+
+    cap = m["config"]["capacity"]
+    if shard_capacities(cap, m["num_shards"]).tolist() != m["capacities"]:
+        raise IncompatibleSnapshotError(f"{snapshot}: shard capacities {m['capacities']} do not "
+                                        f"split capacity {cap} the way this bigper does")
     for k in range(int(m["num_shards"])):
         if not (snapshot / f"shard-{k}").is_dir():
             raise CorruptSnapshotError(f"{snapshot} lacks shard-{k}/ that its manifest lists")

@@ -1,36 +1,14 @@
 """ShardedPrioritizedBuffer: one bigper buffer split over Ray actors.
 
-What it guarantees
-------------------
-* **Exact proportional sampling across shards.** One seeded generator (here,
-  in the coordinator) draws every uniform; the ``B`` stratified draws are laid
-  over the shard totals end to end (see ``_sampling``), so with the shards at
-  rest ``P(i) = leaf_i / T`` over all shards, the same law a single buffer
-  follows; with one shard the batches are those of a local buffer with the
-  same seed and data. IS weights use the global ``T`` and, for
-  ``weight_norm="global"``, the smallest leaf over all shards.
-* **Totals: fresh (default) or pipelined.** ``fresh_totals=True`` asks every
-  shard for its total, then samples: two round trips, exact whenever no
-  writer lands a chunk between the two. ``fresh_totals=False`` takes one round
-  trip: each shard's reply to a sample or update carries its total, and the
-  next ``sample`` lays its draws over those (after waiting for its own
-  updates in flight); exact when nothing else wrote in between. In both modes
-  a shard whose total moved rescales its targets onto its current leaves, so
-  the draw inside it stays exactly proportional, and ``batch.probabilities``
-  and ``batch.weights`` are those of the law the draw really followed.
-* **Indices** are global slots: shard ``k`` owns ``[offsets[k], offsets[k+1])``.
-  Generations carry the shard's restart epoch in their top bits, so
-  ``update_priorities(batch, ...)`` skips slots rewritten since sampling,
-  also across a shard restart.
-* **Writes** (``add``/``extend`` here or on ``writer()`` handles in other
-  actors) go in chunks, round robin over the shards. Nothing is lost or stored
-  twice while shards live; a chunk whose shard died is sent to the next one.
-* **Faults.** ``save`` commits a snapshot of every shard plus a manifest
-  atomically and points ``recovery_dir/latest.json`` at it. Shards run with
-  ``max_restarts``; a restarted shard reloads that snapshot (what it took in
-  since is lost). While a shard is down, sampling goes on over the live
-  shards: ``P(i) = leaf_i / T_live``, which is exact over the transitions that
-  can be drawn, and ``len``/``total_priority`` count live shards only.
+::
+
+    writers (any actor)          coordinator (the learner's process)
+    writer().add/extend          one np.random.Generator, the beta schedule
+        | chunks, round robin        | 1. totals of every shard   (one parallel round trip)
+        v                            | 2. sample_at on each shard (one parallel round trip)
+    [shard 0] [shard 1] ... [shard S-1]   each a Ray actor holding a local buffer
+
+What it guarantees, and what it costs: see ``bigper.distributed``.
 """
 
 from __future__ import annotations
@@ -49,19 +27,10 @@ from ..buffer import _as_index, _as_priorities
 from ..config import Config
 from . import _manifest as M
 from ._sampling import assemble, lay_out, shard_capacities
-from ._shard import Shard, shard_path
+from ._placement import PLACEMENTS, start_shards, stop_shards
+from ._shard import shard_path
 from ._shardset import ShardSet
 from ._writer import ShardWriter
-
-PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-_REMOTE_SHARD = None
-
-
-def _remote_shard():
-    global _REMOTE_SHARD
-    if _REMOTE_SHARD is None:
-        _REMOTE_SHARD = ray.remote(Shard)
-    return _REMOTE_SHARD
 
 
 class ShardedPrioritizedBuffer:
@@ -103,8 +72,8 @@ class ShardedPrioritizedBuffer:
                  storage="memory", path=None, next_of=None, num_envs=1, seed=0,
                  storage_options=None, placement="PACK", num_cpus_per_shard=1.0,
                  recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
-                 max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0, max_restarts=-1,
-                 actor_options=None, _restore=None):
+                 max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0,
+                 max_restarts=-1, actor_options=None, _restore=None):
         if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
             raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack, n_step=n_step,
@@ -123,6 +92,13 @@ class ShardedPrioritizedBuffer:
                              f"got num_envs={num_envs}")
         if storage != "memory" and path is None:
             raise ValueError(f"storage={storage!r} needs a path=, got None")
+        for name, v in (("chunk_size", chunk_size), ("max_writes_in_flight", max_writes_in_flight),
+                        ("max_updates_in_flight", max_updates_in_flight),
+                        ("max_pending_updates", max_pending_updates)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not float(shard_timeout_s) > 0:
+            raise ValueError(f"shard_timeout_s must be > 0, got {shard_timeout_s!r}")
         self.config, self.num_shards = cfg, int(num_shards)
         self.fresh_totals = bool(fresh_totals)
         self.shard_timeout_s = float(shard_timeout_s)
@@ -141,17 +117,26 @@ class ShardedPrioritizedBuffer:
         else:
             M.write_recovery_pointer(self.recovery_dir, _restore[0])
         self._closed = True
-        self._start_shards(cfg, dict(frame_stack=frame_stack, n_step=n_step, gamma=gamma, alpha=alpha,
-                                     eps=eps, max_priority=max_priority, beta=beta,
-                                     weight_norm=weight_norm, storage=storage, next_of=next_of,
-                                     num_envs=num_envs, storage_options=storage_options),
-                           placement, float(num_cpus_per_shard), int(max_restarts),
-                           dict(actor_options or {}), _restore)
+        kw = dict(frame_stack=frame_stack, n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
+                  max_priority=max_priority, beta=beta, weight_norm=weight_norm, storage=storage,
+                  next_of=next_of, num_envs=num_envs, storage_options=storage_options)
+        specs = [{"shard": k, "recovery_dir": self.recovery_dir, "path": shard_path(self._path, k, storage),
+                  "load_from": None if _restore is None else str(Path(_restore[0]) / f"shard-{k}"),
+                  "kwargs": dict(kw, capacity=int(self._caps[k]), fields=dict(cfg.fields),
+                                 seed=None if cfg.seed is None else cfg.seed + 1 + k)}
+                 for k in range(self.num_shards)]
+        try:
+            self._pg, self._shards = start_shards(
+                specs, placement=placement, cpus=float(num_cpus_per_shard), max_restarts=int(max_restarts),
+                actor_options=dict(actor_options or {}), timeout=max(60.0, self.shard_timeout_s))
+        except BaseException:
+            if self._tmp_recovery:
+                shutil.rmtree(self._tmp_recovery, ignore_errors=True)
+            raise
         self._closed = False
         self._rng = np.random.default_rng(cfg.seed)
         self._schedule, self._beta_step = cfg.schedule, 0
         self._norm_batch = cfg.weight_norm == "batch"
-        self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
         self._set = ShardSet(self._shards, timeout=self.shard_timeout_s,
                              max_in_flight=int(max_updates_in_flight),
                              max_pending=int(max_pending_updates))
@@ -163,37 +148,6 @@ class ShardedPrioritizedBuffer:
             coord = _restore[1]["coordinator"]
             self._rng.bit_generator.state = coord["rng"]
             self._beta_step, self._set.max_leaf = int(coord["beta_step"]), float(coord["max_leaf"])
-
-    def _start_shards(self, cfg, kw, placement, cpus, max_restarts, actor_options, restore):
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self._pg = placement_group([{"CPU": cpus}] * self.num_shards, strategy=placement)
-        ready, _ = ray.wait([self._pg.ready()], timeout=max(60.0, self.shard_timeout_s))
-        if not ready:
-            remove_placement_group(self._pg)
-            raise RuntimeError(
-                f"could not place {self.num_shards} shard(s) of {cpus} CPU each ({placement}) "
-                f"within 60 s; the cluster has {ray.available_resources().get('CPU', 0)} CPU free. "
-                "Lower num_cpus_per_shard or add nodes.")
-        remote = _remote_shard()
-        self._shards = []
-        for k in range(self.num_shards):
-            spec = {"shard": k, "recovery_dir": self.recovery_dir,
-                    "path": shard_path(self._path, k, cfg.storage),
-                    "load_from": None if restore is None else str(Path(restore[0]) / f"shard-{k}"),
-                    "kwargs": dict(kw, capacity=int(self._caps[k]), fields=dict(cfg.fields),
-                                   seed=None if cfg.seed is None else cfg.seed + 1 + k)}
-            opts = dict(num_cpus=cpus, max_restarts=max_restarts, max_task_retries=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            self._pg, placement_group_bundle_index=k))
-            opts.update(actor_options)
-            self._shards.append(remote.options(**opts).remote(spec))
-        try:
-            ray.get([s.stats.remote(0.0) for s in self._shards])
-        except BaseException:
-            self._kill()
-            raise
 
     # -- sizes ---------------------------------------------------------------------
     @property
@@ -368,9 +322,6 @@ class ShardedPrioritizedBuffer:
                              f"(capacity={self.capacity})")
         if p.shape[0] == 0:
             return
-        cfg = self.config
-        top = (min(float(p.max()), self._maxp) + cfg.eps) ** cfg.alpha
-        self._set.max_leaf = max(self._set.max_leaf, top)
         shard = np.searchsorted(self._offsets, idx, side="right") - 1
         slots = idx - self._offsets[shard]
         if self.num_shards == 1:
@@ -389,18 +340,11 @@ class ShardedPrioritizedBuffer:
         """
         self.flush()
         snapshot = Path(snapshot).absolute()
-        tmp = M.temp_dir_for(snapshot)
-        try:
-            infos = ray.get([s.save.remote(str(tmp / f"shard-{k}")) for k, s in enumerate(self._shards)])
-            M.commit(tmp, snapshot, {
-                "format": M.FORMAT, "version": M.VERSION, "num_shards": self.num_shards,
-                "capacities": self._caps.tolist(), "config": self.config.to_dict(), "path": self._path,
-                "coordinator": {"rng": self._rng.bit_generator.state, "beta_step": self._beta_step,
-                                "max_leaf": self._set.max_leaf},
-                "shards": infos})
-        except BaseException:
-            M.abort(tmp)
-            raise
+        M.save(self._shards, snapshot, {
+            "num_shards": self.num_shards, "capacities": self._caps.tolist(),
+            "config": self.config.to_dict(), "path": self._path,
+            "coordinator": {"rng": self._rng.bit_generator.state, "beta_step": self._beta_step,
+                            "max_leaf": self._set.max_leaf}})
         M.write_recovery_pointer(self.recovery_dir, snapshot)
 
     @classmethod
@@ -410,9 +354,6 @@ class ShardedPrioritizedBuffer:
         generator and beta step. ``options``: the constructor's Ray and routing keywords."""
         m = M.read_manifest(snapshot)
         cfg = Config.from_dict(m["config"])
-        if shard_capacities(cfg.capacity, m["num_shards"]).tolist() != m["capacities"]:
-            raise M.IncompatibleSnapshotError(f"{snapshot}: shard capacities {m['capacities']} do not "
-                                              f"split capacity {cfg.capacity} the way this bigper does")
         fields = {n: (s, d) for n, (s, d) in cfg.fields.items()}
         return cls(m["num_shards"], cfg.capacity, fields, frame_stack=cfg.frame_stack,
                    n_step=cfg.n_step, gamma=cfg.gamma, alpha=cfg.alpha, eps=cfg.eps,
@@ -444,11 +385,7 @@ class ShardedPrioritizedBuffer:
             self._kill()
 
     def _kill(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for s in getattr(self, "_shards", []):
-            ray.kill(s, no_restart=True)
-        remove_placement_group(self._pg)
+        stop_shards(self._shards, self._pg)
         if self._tmp_recovery:
             shutil.rmtree(self._tmp_recovery, ignore_errors=True)
         self._closed = True
