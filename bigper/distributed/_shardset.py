@@ -80,8 +80,9 @@ class ShardSet:
             self._probes[s] = probe
 
     # -- stats -----------------------------------------------------------------------
-    def revive(self) -> None:
-        """Down shards whose background probe has answered are up again."""
+    def revive(self) -> list:
+        """Down shards whose background probe has answered are up again; returns them."""
+        back = []
         for s in range(self.n):
             if not self.down[s]:
                 continue
@@ -94,10 +95,12 @@ class ShardSet:
                 try:
                     ray.get(ref)
                     self.down[s] = False
+                    back.append(s)
                     continue
                 except RayActorError:
                     pass
             self._probes[s] = self.actors[s].stats.remote(None, self.max_leaf)
+        return back
 
     def live(self) -> list:
         """Shards not known to be down."""
@@ -108,7 +111,11 @@ class ShardSet:
         """Fresh stats of every live shard (carrying their pending updates): one round trip."""
         self.revive()
         calls = {s: self.call(s, "stats") for s in range(self.n) if not self.down[s]}
-        return {s: v[1] for s, v in self.collect(calls).items()}
+        out = {s: v[1] for s, v in self.collect(calls).items()}
+        back = self.revive()  # background probes that answered meanwhile: ask those too
+        if back:
+            out.update({s: v[1] for s, v in self.collect({s: self.call(s, "stats") for s in back}).items()})
+        return out
 
     def cached(self) -> dict:
         """The newest stats each live shard reported (probing any that has none)."""
