@@ -136,21 +136,30 @@ def test_d4rl_timeouts_keep_bootstrap(d4rl):
         assert np.allclose(b["discount"], 0.9)
 
 
-def test_chunks_out_of_row_order_are_mapped(tmp_path):
-    """Chunks written last-first sit in the file in reverse: the per-chunk address table serves them."""
+@pytest.mark.parametrize("chunk, runs", [(3, True), (1, False)], ids=["few-runs", "per-row-gather"])
+def test_chunks_out_of_row_order_are_mapped(tmp_path, chunk, runs):
+    """Chunks written last-first sit in the file in reverse: a few runs are read as views,
+    many through the per-chunk address table."""
     path = tmp_path / "rev.hdf5"
-    data = write_d4rl(path, layout="chunked")
+    data = write_d4rl(path, lengths=(50, 40, 30), ends=("terminal", "timeout", "terminal"), next_obs=False)
     with h5py.File(path, "a") as f:
         obs = f["observations"][()]
         del f["observations"]
-        d = f.create_dataset("observations", shape=obs.shape, dtype=obs.dtype, chunks=(3, 3))
-        for a in reversed(range(0, obs.shape[0], 3)):
-            d[a:a + 3] = obs[a:a + 3]
+        d = f.create_dataset("observations", shape=obs.shape, dtype=obs.dtype, chunks=(chunk, 3))
+        for a in reversed(range(0, obs.shape[0], chunk)):
+            d[a:a + chunk] = obs[a:a + chunk]
     with PRB.from_hdf5(path) as buf:
         col = buf._store.columns["obs"]
-        assert col.mapped_all and col.flat is None
-        for _ in range(10):
-            check_rows(buf.sample(16), data)
+        assert col.mapped_all and (col.runs is not None) == runs
+        assert col.runs is None or len(col.runs) == -(-obs.shape[0] // chunk)
+        for _ in range(20):
+            b = buf.sample(16)
+            check_rows(b, data)
+            term = data["terminals"][b.indices] != 0
+            nxt = np.where(term[:, None], obs[b.indices], obs[np.minimum(b.indices + 1, obs.shape[0] - 1)])
+            assert np.array_equal(b["next_obs"], nxt)
+        idx = np.arange(10, 40)  # a run across chunks and runs
+        assert np.array_equal(buf._store.read("obs", idx), obs[idx])
 
 
 def test_big_endian_and_bool_datasets(tmp_path):

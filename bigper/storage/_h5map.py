@@ -28,6 +28,8 @@ from .._kernels import kernel
 _BLOCK_BYTES = 1 << 16
 # Runs at least this long are announced to the kernel for readahead (madvise WILLNEED).
 _PREFETCH_BYTES = 1 << 20
+# More runs of back-to-back chunks than this: the per-row address gather instead.
+_MAX_RUNS = 64
 
 
 @kernel
@@ -80,8 +82,11 @@ class Column:
     row_bytes: int = 0
     mapped_all: bool = False
     mapped_any: bool = False
-    flat: np.ndarray | None = None  # one segment laid out as one run of rows: a plain array view
-    flat_offset: int = 0            # where that run starts in the file
+    # One segment whose chunks lie back to back in row order, in a few runs: a plain
+    # array view of each run (numpy's take() is the memmap storage's own gather).
+    runs: list | None = None                # the views
+    runs_start: np.ndarray | None = None    # first row of each run, then the row count
+    runs_offset: np.ndarray | None = None   # where each run starts in the file
 
     def mapping(self) -> str:
         return "memory-mapped" if self.mapped_all else ("partly mapped" if self.mapped_any else "via h5py")
@@ -152,14 +157,49 @@ def map_column(col: Column, f, mm) -> None:
             col.chunk_rows[:] = 0
             col.mapped_any = col.mapped_all = False
     if col.mapped_all and e == 1:
-        # Contiguous, or chunks placed back to back in row order (HDF5's early allocation):
-        # rows are then one strided run, and numpy's take() is the memmap storage's own gather.
-        a, cr = col.chunk_addr, int(col.chunk_rows[0])
-        rows = int(col.seg_rows[0])
-        regular = (a >= 0).all() and (a.shape[0] == 1 or (np.diff(a) == cr * col.row_bytes).all())
-        if regular and int(a[0]) + rows * col.row_bytes <= mm.shape[0]:
-            col.flat = np.ndarray((rows, *col.shape), dtype=col.dtype, buffer=mm, offset=int(a[0]))
-            col.flat_offset = int(a[0])
+        _find_runs(col, mm)
+
+
+def _find_runs(col: Column, mm) -> None:
+    """Contiguous layout, or chunks placed back to back (HDF5's early allocation puts
+    nearly all of them so): cut the rows into runs of plain bytes, if there are few."""
+    a, cr, rows, rb = col.chunk_addr, int(col.chunk_rows[0]), int(col.seg_rows[0]), col.row_bytes
+    if (a < 0).any():
+        return
+    first = np.concatenate([[0], np.flatnonzero(np.diff(a) != cr * rb) + 1])  # chunk opening each run
+    if first.shape[0] > _MAX_RUNS:
+        return
+    start = np.minimum(first * cr, rows)
+    stop = np.append(start[1:], rows)
+    if (a[first] + (stop - start) * rb > mm.shape[0]).any():
+        return
+    col.runs = [np.ndarray((int(m), *col.shape), dtype=col.dtype, buffer=mm, offset=int(o))
+                for m, o in zip(stop - start, a[first])]
+    col.runs_start = np.append(start, rows).astype(np.int64)
+    col.runs_offset = a[first].astype(np.int64)
+
+
+def _read_runs(col: Column, row: np.ndarray, prefetch, unique: bool) -> np.ndarray:
+    n = row.shape[0]
+    out = np.empty((n,) + col.shape, dtype=col.dtype)
+    if len(col.runs) == 1:
+        groups = [(0, 0, n)]
+    else:  # rows are sorted: one group per run they fall in
+        which = np.searchsorted(col.runs_start, row, side="right") - 1
+        cut = np.flatnonzero(np.diff(which)) + 1
+        bounds = [0, *cut.tolist(), n]
+        groups = [(int(which[lo]), lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    for j, lo, hi in groups:
+        rr = row[lo:hi] - col.runs_start[j] if j else row[lo:hi]
+        view, m = col.runs[j], hi - lo
+        r0 = int(rr[0])
+        if unique and m > 1 and int(rr[-1]) - r0 == m - 1:  # a run of rows (reprioritize): one copy
+            if prefetch is not None and m * col.row_bytes >= _PREFETCH_BYTES:
+                prefetch(int(col.runs_offset[j]) + r0 * col.row_bytes, 2 * m * col.row_bytes)
+            out[lo:hi] = view[r0:r0 + m]
+        else:
+            np.take(view, rr, axis=0, out=out[lo:hi])
+    return out
 
 
 def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray) -> np.ndarray:
@@ -199,15 +239,9 @@ def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarra
         row = row - col.back[g]
     if col.shift or col.back is not None:
         row = np.clip(row, 0, col.seg_rows[seg] - 1)
-    if col.flat is not None:
-        n = row.shape[0]
-        if n and col.back is None and int(row[-1]) - int(row[0]) == n - 1:  # a run (reprioritize): one copy
-            r0 = int(row[0])
-            if prefetch is not None and n * col.row_bytes >= _PREFETCH_BYTES:
-                prefetch(col.flat_offset + r0 * col.row_bytes, 2 * n * col.row_bytes)
-            out = col.flat[r0:r0 + n].copy()
-        else:
-            out = col.flat.take(row, axis=0)
+    if col.runs is not None:
+        # rows shifted or clipped may repeat: a run of rows is then not told by its ends
+        out = _read_runs(col, row, prefetch, unique=not col.shift and col.back is None)
     elif col.mapped_all:
         out = _gather_mapped(col, mm, seg, row)
     else:

@@ -233,7 +233,7 @@ class H5Source(Layouts):
     def _release(self) -> None:
         self._mm = None
         for col in getattr(self, "columns", {}).values():
-            col.flat = None
+            col.runs = None
         if self._map is not None:
             try:
                 self._map.close()
