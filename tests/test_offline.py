@@ -431,6 +431,18 @@ def test_bigper_layout_refused_while_a_writer_has_it(tmp_path):
         w.close()
 
 
+def test_file_open_for_writing_elsewhere_is_refused(d4rl):
+    import subprocess
+    import sys
+
+    path, _ = d4rl
+    with h5py.File(path, "r+"):
+        code = f"import bigper; bigper.PrioritizedReplayBuffer.from_hdf5({str(path)!r})"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "StorageLockedError" in r.stderr and "open for writing in another process" in r.stderr
+
+
 # -- command line ---------------------------------------------------------------------------------
 def test_cli_reprioritize(d4rl, tmp_path, monkeypatch, capsys):
     from bigper.cli import main

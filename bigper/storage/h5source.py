@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import StorageLockedError
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
 from ._h5map import map_column, read_column
 
@@ -86,8 +87,13 @@ class H5Source(Layouts):
         try:
             self._file = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes)
         except OSError as e:
-            if "lock" not in str(e).lower():
+            msg = str(e)
+            if "lock" not in msg.lower():
                 raise OSError(f"{self.file_path} cannot be opened as an HDF5 file: {e}") from e
+            if "errno = 11" in msg:  # EAGAIN: a writer holds HDF5's own file lock
+                raise StorageLockedError(f"{self.file_path} is open for writing in another process "
+                                         f"(HDF5 file lock: {e})") from None
+            # file systems without locks (read-only mounts, some NFS): read without one
             self._file = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes, locking=False)
         try:
             self._open(layout)
