@@ -29,10 +29,17 @@ SMALL = dict(num_cpus_per_shard=0.2, shard_timeout_s=20.0)
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Workers import bigper from this checkout.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,
-             log_to_driver=False, configure_logging=False)
+    # Workers import bigper from this checkout (they inherit the environment at init).
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, before) if p)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,
+                 log_to_driver=False, configure_logging=False)
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -141,6 +148,27 @@ def test_uneven_shards_sample_the_global_law(cluster):
         assert counts[:per].sum() / n == pytest.approx(exact[:per].sum(), rel=0.1)
         chi = scipy_stats.chisquare(counts, exact * n)
         assert chi.pvalue > 1e-4, chi
+        # Pipelined totals (one round trip): the same law while nothing changes.
+        buf.fresh_totals = False
+        for _ in range(3):
+            batch = buf.sample(1024)
+            np.testing.assert_allclose(batch.probabilities, exact[batch["id"]], rtol=1e-12)
+        # After an update the split between shards lags one call behind; the
+        # probabilities reported are still those the draw followed: they match
+        # the leaves within each shard.
+        buf.update_priorities(np.arange(per), np.full(per, 50.0))  # shard 0 becomes heavy
+        batch = buf.sample(1024)
+        shard = np.searchsorted(buf.shard_offsets, batch.indices, side="right") - 1
+        for k in range(3):
+            ids = batch["id"][shard == k]
+            if ids.shape[0] > 1:
+                new = np.where(ids < per, 50.0, prios[np.minimum(ids, 3 * per - 1)])
+                ratio = batch.probabilities[shard == k] / new
+                np.testing.assert_allclose(ratio, ratio[0], rtol=1e-9)
+        buf.fresh_totals = True
+        batch = buf.sample(1024)
+        now = np.where(np.arange(3 * per) < per, 50.0, prios)
+        np.testing.assert_allclose(batch.probabilities, (now / now.sum())[batch["id"]], rtol=1e-12)
 
 
 @ray.remote(num_cpus=0.1)

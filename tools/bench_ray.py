@@ -141,6 +141,7 @@ def run_ray(quick: bool, shard_counts: list, cpus: int, chunk: int) -> dict:
     secs = 1.0 if quick else 3.0
     report = {"bench": "ray", "capacity": cap, "batch": BATCH, "per_writer": per_writer,
               "chunk": chunk, "cpus": cpus, "machine_cpus": os.cpu_count(), "versions": versions()}
+    report["load_average"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     report["local"] = run_local(bigper, cap, per_writer, secs)
     # Workers import bigper from this checkout, and this module by value.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -153,6 +154,12 @@ def run_ray(quick: bool, shard_counts: list, cpus: int, chunk: int) -> dict:
         Writer = ray.remote(num_cpus=0.1)(_WriterActor)
         writers = [Writer.remote(per_writer, 10 + k) for k in range(2)]
         ray.get([w.__ray_ready__.remote() for w in writers])
+        for _ in range(50):
+            ray.get(writers[0].__ray_ready__.remote())
+        t0, n = time.perf_counter(), 300
+        for _ in range(n):  # the floor: an empty actor call, sent and waited for
+            ray.get(writers[0].__ray_ready__.remote())
+        report["noop_round_trip_ms"] = (time.perf_counter() - t0) / n * 1e3
         report["sharded"] = {}
         for s in shard_counts:
             report["sharded"][str(s)] = run_sharded(ray, ShardedPrioritizedBuffer, writers, s, cap,
@@ -166,7 +173,9 @@ def print_ray(report: dict) -> None:
     loc = report["local"]
     print(f"capacity {report['capacity']}, batch {report['batch']}, 2 writers x {report['per_writer']} "
           f"steps (add per step, chunks of {report['chunk']}), Ray cluster of {report['cpus']} CPUs "
-          f"on a {report['machine_cpus']}-CPU machine (ray.init {report['ray_init_s']:.1f} s)")
+          f"on a {report['machine_cpus']}-CPU machine (ray.init {report['ray_init_s']:.1f} s); "
+          f"an empty actor call takes {report['noop_round_trip_ms']:.2f} ms here, "
+          f"load average {report['load_average']}")
     rows = [["local buffer (driver)", _fmt(loc["inserts_per_s"], ",.0f"), _fmt(loc["samples_per_s"], ",.0f"),
              "-", "-", "-", f"{1e3 / loc['rounds_per_s']:.3f}"]]
     for s, r in report["sharded"].items():
