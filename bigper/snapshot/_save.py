@@ -172,14 +172,18 @@ def _link_chunks(tx: Transaction, store) -> tuple[dict, list]:
     """Link every chunk file; returns the data entries and the chunks to mark
     shared once the snapshot is committed (a failed save marks nothing)."""
     out, linkable, share = {}, True, []
-    for name, (rec, chunks) in store.chunk_table().items():
+    table = store.chunk_table()
+    todo = [(name, k) for name, (_, chunks) in table.items() for k, c in enumerate(chunks) if c[3] is None]
+    # Hashing releases the GIL (and so do the page faults of a fresh mapping): a few threads.
+    with ThreadPoolExecutor(4, thread_name_prefix="bigper-hash") as ex:
+        fresh = dict(zip(todo, ex.map(lambda nk: digest(store.chunk_view(*nk)), todo)))
+    for name, (rec, chunks) in table.items():
         files = []
         for k, (path, size, shared, xxh) in enumerate(chunks):
             member = f"data/{chunk_name(name, k)}"
             if linkable:
                 durable = shared and xxh is not None  # linked by a committed snapshot before
-                if xxh is None:
-                    xxh = digest(store.chunk_view(name, k))
+                xxh = xxh or fresh[name, k]
                 try:
                     tx.link(member, path, size, xxh, sync=not durable)
                 except OSError as e:

@@ -133,7 +133,12 @@ class Snapshots:
         if self.keep is None:
             return
         entries = self._entries()
-        kept = [p for p in reversed(entries) if self._intact(p)][: self.keep]
+        kept = []
+        for p in reversed(entries):
+            if len(kept) == self.keep:
+                break
+            if self._intact(p):
+                kept.append(p)
         if not kept:  # nothing complete: delete nothing
             return
         oldest = _seq(kept[-1])
