@@ -184,7 +184,7 @@ def run(args) -> int:
     (run_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(format_table(results, args))
     print(f"\nrun directory: {run_dir}\n  plot:     {run_dir / 'demo.png'}\n  buffer:   {run_dir / 'replay'}"
-          f"\n  snapshot: {snap}\n  restored: {run_dir / 'restored'}\n  numbers:  {run_dir / 'results.json'}")
+          f"\n  snapshot: {run_dir / 'snaps' / Path(snap).name}\n  restored: {run_dir / 'restored'}\n  numbers:  {run_dir / 'results.json'}")
     print(f"(it holds about {disk / 1e9:.1f} GB on disk; remove it with: rm -r {run_dir})")
     if not results["verify_ok"]:
         print(f"bigper demo: the restored buffer diverged from the original after {same} identical "
