@@ -134,3 +134,20 @@ def test_chunked_reads_and_writes_round_trip_across_chunk_edges(tmp_path):
     back = load(tmp_path / "s", path=tmp_path / "c")
     assert np.array_equal(back._store.read("x", np.arange(1000)), data["x"])
     back.close()
+
+
+def test_prepare_copies_every_shared_chunk_a_step_will_write_before_any_write(setup):
+    buf, stream, tmp = setup
+    buf.save(tmp / "s1")
+    snap_bytes = tree_hash(tmp / "s1")
+    st = buf._store
+    before = inodes(tmp / "live")
+    data = {n: st.read(n, np.arange(256)) for n in st.arrays}
+    st.prepare({"obs": np.array([0, 255]), "reward": slice(0, 4)})
+    after = inodes(tmp / "live")
+    changed = {n for n in before if before[n] != after[n]}
+    assert changed == {"obs.bin", f"obs.{63:06d}.bin", "reward.bin"}, changed
+    for n in st.arrays:  # nothing written: only copied
+        assert np.array_equal(st.read(n, np.arange(256)), data[n])
+    feed(buf, stream, 5)
+    assert tree_hash(tmp / "s1") == snap_bytes

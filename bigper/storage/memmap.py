@@ -339,17 +339,29 @@ class MemmapStorage:
             self._thaw_rows(self._arr[name].rows, rows)
         self._rw[name][rows] = values
 
+    def prepare(self, writes: dict) -> None:
+        """Make writable now every chunk that ``writes`` (name -> rows) will touch:
+        copying a shared chunk is the one write that can fail for want of space,
+        so a caller that prepares all of a step's writes first fails before any."""
+        if self._nshared:
+            for name, rows in writes.items():
+                self._thaw(self._arr[name], rows)
+
     def _thaw_rows(self, nrows: int, rows) -> None:
         # Every array with these rows first: a full disk then fails before any field is written.
         for a in self._arr.values():
-            if a.rows != nrows or not a.shared.any():
-                continue
-            for k in a.chunks_of(rows):
-                if a.shared[k]:
-                    if self.read_only:
-                        raise ValueError(f"{self.path} is open read_only")
-                    self._renamed |= a.thaw(int(k))
-                    self._nshared -= 1
+            if a.rows == nrows:
+                self._thaw(a, rows)
+
+    def _thaw(self, a: _Array, rows) -> None:
+        if not a.shared.any():
+            return
+        for k in a.chunks_of(rows):
+            if a.shared[k]:
+                if self.read_only:
+                    raise ValueError(f"{self.path} is open read_only")
+                self._renamed |= a.thaw(int(k))
+                self._nshared -= 1
 
     def flush(self) -> None:
         if not self.read_only:
