@@ -23,7 +23,6 @@ The run directory (``--path``)::
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -128,7 +127,8 @@ def run(args) -> int:
         import torch
         from tqdm import tqdm
 
-        from .examples._atari import make_env
+        from .examples._atari import make_env, q_network
+        from .examples._dqn import DoubleDQN
     except ImportError as e:
         print(f"bigper demo: {e} (pip install 'bigper[torch,atari]')", file=sys.stderr)
         return 2
@@ -140,8 +140,10 @@ def run(args) -> int:
     print(f"bigper demo: ALE/{args.game}-v5 (frameskip=1, repeat_action_probability=0.0; "
           f"AtariPreprocessing + FrameStackObservation(4)), {args.steps:,} env steps into a memmap "
           f"buffer of capacity {args.capacity:,} at {run_dir / 'replay'}", flush=True)
-    learner = _Learner(env.action_space.n, args, torch)
-    buf = learner.open_buffer(run_dir / "replay")
+    n_actions = env.action_space.n
+    # A tiny conv Q-network (3-step Double DQN targets, IS-weighted Huber loss) on the CPU.
+    learner = DoubleDQN(lambda: q_network(n_actions, size="tiny"), lr=1e-4, target_every=1000)
+    buf = _open_buffer(run_dir / "replay", args)
     clock, trace = Stopwatch(), _Trace(args.steps, args.batch_size)
     t_start = time.perf_counter()
     try:
@@ -237,60 +239,15 @@ class _Trace:
         return float(np.mean(self.returns[-10:])) if self.returns else None
 
 
-class _Learner:
-    """A tiny conv Q-network learning from the buffer (3-step double-DQN targets)."""
+def _open_buffer(path: Path, args):
+    import bigper
 
-    def __init__(self, n_actions: int, args, torch):
-        from .examples._atari import q_network
+    from .examples._atari import atari_fields
 
-        self.torch = torch
-        self.args = args
-        self.n_actions = n_actions
-        self.net = q_network(n_actions)
-        self.target = q_network(n_actions)
-        self.target.load_state_dict(self.net.state_dict())
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4, eps=1.5e-4)
-        self.updates = 0
-        self.rng = np.random.default_rng(args.seed)
-
-    def open_buffer(self, path: Path):
-        import bigper
-
-        from .examples._atari import atari_fields
-
-        n_samples = max(1, self.args.steps // self.args.learn_every)
-        return bigper.PrioritizedReplayBuffer(
-            self.args.capacity, atari_fields(), frame_stack=4, n_step=3, gamma=0.99, alpha=0.6,
-            beta=bigper.LinearSchedule(0.4, 1.0, n_samples), storage="memmap", path=path,
-            seed=self.args.seed)
-
-    def act(self, obs, eps: float) -> int:
-        if self.rng.random() < eps:
-            return int(self.rng.integers(self.n_actions))
-        with self.torch.no_grad():
-            return int(self.net(self.torch.from_numpy(obs)[None]).argmax(1))
-
-    def td(self, t: dict):
-        """TD errors of a torch batch: (B,) with grad through the online net."""
-        torch = self.torch
-        with torch.no_grad():
-            a_next = self.net(t["next_obs"]).argmax(1, keepdim=True)
-            q_next = self.target(t["next_obs"]).gather(1, a_next).squeeze(1)
-            y = t["reward"] + t["discount"] * q_next
-        q = self.net(t["obs"]).gather(1, t["action"][:, None]).squeeze(1)
-        return y - q
-
-    def step(self, t: dict):
-        torch = self.torch
-        td = self.td(t)
-        loss = (t["weights"] * torch.nn.functional.huber_loss(td, torch.zeros_like(td), reduction="none")).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        self.updates += 1
-        if self.updates % 1000 == 0:
-            self.target.load_state_dict(self.net.state_dict())
-        return td.detach().abs(), float(loss.detach())
+    n_samples = max(1, args.steps // args.learn_every)
+    return bigper.PrioritizedReplayBuffer(
+        args.capacity, atari_fields(), frame_stack=4, n_step=3, gamma=0.99, alpha=0.6,
+        beta=bigper.LinearSchedule(0.4, 1.0, n_samples), storage="memmap", path=path, seed=args.seed)
 
 
 def _play(env, buf, learner, clock, trace, args, tqdm) -> None:
@@ -298,12 +255,14 @@ def _play(env, buf, learner, clock, trace, args, tqdm) -> None:
     obs, _ = env.reset(seed=args.seed)
     start = min(1_000, max(args.batch_size, args.steps // 10))  # env steps before learning starts
     explore = max(1, args.steps // 2)
+    rng, n_actions = np.random.default_rng(args.seed), env.action_space.n
     ret, loss = 0.0, float("nan")
     bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, file=sys.stderr,
                dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 15.0)
     try:
         for step in range(args.steps):
-            action = learner.act(obs, max(0.05, 1.0 - 0.95 * step / explore))
+            eps = max(0.05, 1.0 - 0.95 * step / explore)
+            action = int(rng.integers(n_actions)) if rng.random() < eps else learner.act(obs)
             t0 = pc()
             nxt, reward, term, trunc, _ = env.step(action)
             t1 = pc()
@@ -337,7 +296,7 @@ def _learn(buf, learner, clock, trace, added: int, args) -> float:
     t0 = pc()
     batch = buf.sample(args.batch_size)
     t1 = pc()
-    td_abs, loss = learner.step(batch.to_torch())
+    td_abs, loss = learner.learn(batch)
     t2 = pc()
     buf.update_priorities(batch, td_abs)
     t3 = pc()
@@ -354,6 +313,8 @@ def _verify(buf, restored, learner, n: int, batch_size: int) -> int:
     """Sample both buffers ``n`` times, feeding both the same priority
     updates; the number of batches that were identical before the first
     difference."""
+    import torch
+
     for i in range(n):
         a, b = buf.sample(batch_size), restored.sample(batch_size)
         same = (np.array_equal(a.indices, b.indices) and np.array_equal(a.weights, b.weights)
@@ -361,8 +322,8 @@ def _verify(buf, restored, learner, n: int, batch_size: int) -> int:
                 and all(np.array_equal(a[k], b[k]) for k in a))
         if not same:
             return i
-        with learner.torch.no_grad():
-            td_abs = learner.td(a.to_torch()).abs()
+        with torch.no_grad():
+            td_abs = learner.td_errors(a.to_torch()).abs()
         buf.update_priorities(a, td_abs)
         restored.update_priorities(b, td_abs)
     return n

@@ -36,7 +36,7 @@ def test_dqn_atari_smoke(tmp_path):
 @pytest.mark.parametrize("per", [True, False], ids=["per", "uniform"])
 def test_sac_smoke(tmp_path, per):
     out = _run(tmp_path, "bigper.examples.sac", "--smoke", *([] if per else ["--no-per"]))
-    assert f"final eval return" in out
+    assert "final eval return" in out
     assert ("prioritized replay" if per else "uniform replay") in out
 
 
