@@ -129,7 +129,7 @@ def _info(args) -> int:
         return 2
     try:
         out = describe(path)
-    except (OSError, ValueError, TypeError, BigperError) as e:
+    except Exception as e:  # a file that is no dataset either: say so, no traceback
         print(f"bigper info: {path}: {e}", file=sys.stderr)
         return 2
     _print_json(out) if args.json and not isinstance(out, str) else print(out)
