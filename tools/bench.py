@@ -679,6 +679,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--libs", help=f"comma-separated subset of {','.join(ALL_LIBS)}")
     p.set_defaults(func=cmd_tree)
 
+    p = sub.add_parser("storage", help="memory vs memmap vs HDF5 on Atari-shaped data: fill, bytes, rounds")
+    tools = os.path.dirname(os.path.abspath(__file__))
+    if tools not in sys.path:  # `bigper bench` runs this file through runpy
+        sys.path.insert(0, tools)
+    import bench_storage  # its own module: tools/bench_storage.py
+
+    bench_storage.add_arguments(p)
+
     p = sub.add_parser("atari", help="Atari-shaped replay, one process per library: add, sample+update, bytes")
     import bench_atari  # its own module: tools/bench_atari.py
 

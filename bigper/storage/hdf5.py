@@ -2,9 +2,16 @@
 
 Datasets are chunked along rows, about ``CHUNK_BYTES`` a chunk (a few dozen
 84x84 frames), optionally compressed with what h5py ships (``"lzf"``,
-``"gzip"``). A batch is read with sorted unique rows, one read per dataset.
+``"gzip"``). A batch is read with sorted unique rows: one read per dataset
+for small rows, one read per row for rows of ``ROW_READ_BYTES`` or more.
 Metadata and the buffer's bookkeeping live in the group ``/_bigper``; the
 writer's lock is ``<file>.lock`` beside the file.
+
+Uncompressed datasets are allocated when they are created (HDF5's early
+allocation, no fill writes) and the file's blocks are then reserved with
+``posix_fallocate``, so a full disk is an ``OSError`` at creation. Compressed
+chunks change size as they are written, so their space cannot be reserved:
+with compression a full disk surfaces later, as an error from h5py.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ._files import FileLock, fsync_dir
+from ._files import FileLock, fsync_dir, preallocate
 from ._state import check_meta
 
 FORMAT = "bigper-hdf5"
 VERSION = 1
 CHUNK_BYTES = 256 * 1024
+ROW_READ_BYTES = 4096  # rows at least this large are read one by one
 COMPRESSIONS = (None, "lzf", "gzip")
 
 
@@ -43,25 +51,29 @@ class HDF5Storage:
         self._file = None
         self._lock = None
         self._created = False
+        self._lock_created = False
         self._meta: dict | None = None
 
     def open(self, config: dict) -> dict | None:
         h5py = _h5py()
-        exists = self.path.exists()
-        if not exists and self.read_only:
+        if not self.path.exists() and self.read_only:
             raise FileNotFoundError(f"no bigper HDF5 storage at {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = FileLock(self.path.with_name(self.path.name + ".lock"), shared=self.read_only,
-                              owner=self.path)
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        self._lock_created = not lock_path.exists()
+        self._lock = FileLock(lock_path, shared=self.read_only, owner=self.path)
+        # Looked at under the lock: a writer that created the file since must
+        # not see it truncated by mode "w".
+        exists = self.path.exists()
         try:
             if exists:
-                self._file = h5py.File(self.path, "r" if self.read_only else "r+")
+                self._file = h5py.File(self.path, "r" if self.read_only else "r+", rdcc_nbytes=0)
                 raw = self._file.get("_bigper")
                 meta = json.loads(raw.attrs["meta"]) if raw is not None and "meta" in raw.attrs else {}
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
                 return self._meta
             self._created = True
-            self._file = h5py.File(self.path, "w", rdcc_nbytes=16 * CHUNK_BYTES)
+            self._file = h5py.File(self.path, "w-", rdcc_nbytes=0)
             self._meta = {"format": FORMAT, "version": VERSION, "config": config, "arrays": {},
                           "clean": False, "state": None, "compression": self.compression}
             return None
@@ -73,22 +85,40 @@ class HDF5Storage:
         f = self._file
         try:
             if not self._meta["arrays"]:
+                h5py, reserve = _h5py(), self.compression is None
                 for name, (rows, shape, dtype) in specs.items():
                     row_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                     chunk_rows = int(max(1, min(rows, CHUNK_BYTES // max(row_bytes, 1))))
+                    early = {}
+                    if reserve:  # every chunk placed now; never written with fill values
+                        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                        early = {"dcpl": dcpl, "fill_time": "never"}
                     f.create_dataset(name, shape=(rows, *shape), dtype=dtype,
                                      chunks=(chunk_rows, *shape), compression=self.compression,
-                                     fillvalue=np.zeros((), dtype=dtype))
+                                     fillvalue=np.zeros((), dtype=dtype), **early)
                     self._meta["arrays"][name] = {"rows": rows, "shape": list(shape),
                                                   "dtype": np.dtype(dtype).str, "chunk_rows": chunk_rows}
-                self._write_meta()
+                self._write_meta()  # the flush extends the (sparse) file over every chunk
+                if reserve:
+                    preallocate(self.path, os.stat(self.path).st_size)
             elif not self.read_only:
                 self._meta["clean"] = False
                 self._write_meta()
-            self.dsets = {name: f[name] for name in self._meta["arrays"]}
+            self.dsets = {name: self._open_dataset(name) for name in self._meta["arrays"]}
         except BaseException:
             self._abort()
             raise
+
+    def _open_dataset(self, name: str):
+        """``name`` with a chunk cache where it is compressed. The file has none:
+        an uncompressed row is then read or written in place, where a cache
+        would move its whole chunk (for random rows, a miss every time)."""
+        h5py = _h5py()
+        dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+        if self._meta.get("compression") is not None:
+            dapl.set_chunk_cache(521, 16 * CHUNK_BYTES, 0.75)
+        return h5py.Dataset(h5py.h5d.open(self._file.id, name.encode(), dapl=dapl))
 
     def _write_meta(self) -> None:
         g = self._file.require_group("_bigper")
@@ -102,16 +132,27 @@ class HDF5Storage:
         if self._created and self.path.exists():
             self.path.unlink()
         if self._lock:
+            if self._created and self._lock_created:  # leave nothing of a failed creation behind
+                self._lock.path.unlink(missing_ok=True)
             self._lock.release()
             self._lock = None
 
     # -- rows ----------------------------------------------------------------
     def read(self, name, rows):
         rows = np.asarray(rows)
+        d = self.dsets[name]
         if rows.ndim == 0:
-            return self.dsets[name][int(rows)]
+            return d[int(rows)]
         uniq, inverse = np.unique(rows, return_inverse=True)
-        return self.dsets[name][uniq][inverse.reshape(rows.shape)]
+        if d.dtype.itemsize * int(np.prod(d.shape[1:], dtype=np.int64)) < ROW_READ_BYTES:
+            return d[uniq][inverse.reshape(rows.shape)]
+        # Large rows (frames) one at a time: HDF5 builds the union of many
+        # row hyperslabs slowly (about 1 ms a row for 84x84 frames), while a
+        # single row is one simple selection (tens of microseconds).
+        out = np.empty((uniq.shape[0], *d.shape[1:]), dtype=d.dtype)
+        for k, r in enumerate(uniq.tolist()):
+            out[k] = d[r]
+        return out[inverse.reshape(rows.shape)]
 
     def write(self, name, rows, values):
         d = self.dsets[name]
@@ -141,7 +182,11 @@ class HDF5Storage:
             if state is not None:
                 g = self._file.require_group("_bigper/state")
                 for name, arr in state[1].items():
-                    if name in g:
+                    old = g.get(name)
+                    if old is not None and old.shape == arr.shape and old.dtype == arr.dtype:
+                        old[...] = arr  # in place: reopen cycles do not grow the file
+                        continue
+                    if old is not None:
                         del g[name]
                     g.create_dataset(name, data=arr)
                 self._meta["state"] = state[0]
