@@ -105,20 +105,19 @@ def fill_atari(buf, n: int, pool: np.ndarray, seed: int = 0) -> None:
                     "terminated": rng.random(m) < 0.0005})
 
 
-def d4rl_twin(bigper, path: Path, src: Path, n: int):
-    """A memmap buffer holding the same transitions as the D4RL file."""
+D4RL_FIELDS = {"obs": ((OBS,), np.float32), "action": ((ACT,), np.float32), "reward": ((), np.float32)}
+
+
+def d4rl_twin(buf, src: Path, n: int) -> None:
+    """Fill a memmap buffer with the transitions of the D4RL file."""
     import h5py
 
-    buf = bigper.PrioritizedReplayBuffer(
-        n, {"obs": ((OBS,), np.float32), "action": ((ACT,), np.float32), "reward": ((), np.float32)},
-        storage="memmap", path=path)
     with h5py.File(src, "r") as f:
         for a in range(0, n, 100_000):
             sl = slice(a, min(n, a + 100_000))
             buf.extend({"obs": f["observations"][sl], "action": f["actions"][sl], "reward": f["rewards"][sl],
                         "next_obs": f["next_observations"][sl], "terminated": f["terminals"][sl],
                         "truncated": f["timeouts"][sl]})
-    return buf
 
 
 # -- measurements ------------------------------------------------------------------------------
@@ -199,22 +198,26 @@ def sample_pair(hdf5_buf, memmap_buf, rounds: int, blocks: int, warmup: int = 20
     return {"hdf5_us": us["hdf5"], "memmap_us": us["memmap"], "ratio": us["hdf5"] / us["memmap"]}
 
 
-def sample_both(bigper, src: Path, twin_path: Path, twin, side: Path, rounds: int, blocks: int,
+def sample_both(bigper, src: Path, twin_path: Path, open_twin, side: Path, rounds: int, blocks: int,
                 cold: bool) -> dict:
-    """Warm: both files read through first (when they fit in the page cache together);
-    cold: the page cache dropped, then a few interleaved blocks with no warm-up."""
+    """Both buffers opened afresh for each measurement (a fresh mapping has no pages mapped
+    yet; the page cache cannot drop pages a process still maps). Warm: both files read
+    through first, when they fit in the page cache together; cold: the page cache dropped,
+    then a few interleaved blocks with no warm-up."""
     out = {}
-    with bigper.PrioritizedReplayBuffer.from_hdf5(src, priorities=side) as ds:
-        size = src.stat().st_size + sum(p.stat().st_size for p in twin_path.rglob("*") if p.is_file())
-        if size < 0.8 * mem_available():
-            read_through([src, twin_path])
-            out["warm"] = sample_pair(ds, twin, rounds, blocks)
-        else:
-            out["warm"] = {"skipped": f"the two copies ({size / 1e9:.1f} GB) do not fit in the page cache "
-                                      f"({mem_available() / 1e9:.1f} GB available)"}
-        if cold:
-            note = drop_page_cache()
-            out["cold"] = {"skipped": note} if note else sample_pair(ds, twin, max(5, rounds // 10), 3, warmup=0)
+    size = src.stat().st_size + sum(p.stat().st_size for p in twin_path.rglob("*") if p.is_file())
+    for kind in ("warm", "cold") if cold else ("warm",):
+        if kind == "warm" and size > 0.8 * mem_available():
+            out[kind] = {"skipped": f"the two copies ({size / 1e9:.1f} GB) do not fit in the page cache "
+                                    f"({mem_available() / 1e9:.1f} GB available)"}
+            continue
+        note = read_through([src, twin_path]) if kind == "warm" else drop_page_cache()
+        if note:
+            out[kind] = {"skipped": note}
+            continue
+        with open_twin() as twin, bigper.PrioritizedReplayBuffer.from_hdf5(src, priorities=side) as ds:
+            out[kind] = (sample_pair(ds, twin, rounds, blocks) if kind == "warm"
+                         else sample_pair(ds, twin, max(5, rounds // 10), 3, warmup=0))
     return out
 
 
@@ -229,12 +232,16 @@ def run_offline(size: str, root: Path, cold: bool = True, say=print) -> dict:
     src = root / "d4rl.hdf5"
     names = write_d4rl(src, n_vec)
     r = {"transitions": n_vec, "file_mb": src.stat().st_size / 1e6}
-    r["stream_warm"] = stream_pair(bigper, src, names, root / "d4rl.prio", 3, cold=False)
+    r["stream_warm"] = stream_pair(bigper, src, names, root / "d4rl.prio", 5, cold=False)
     if cold:
         r["stream_cold"] = stream_pair(bigper, src, names, root / "d4rl.prio", 1, cold=True)
-    twin = d4rl_twin(bigper, root / "d4rl-memmap", src, n_vec)
-    r["sample"] = sample_both(bigper, src, root / "d4rl-memmap", twin, root / "d4rl.prio2", rounds, blocks, cold)
-    twin.close()
+    def open_twin():
+        return bigper.PrioritizedReplayBuffer(n_vec, D4RL_FIELDS, storage="memmap", path=root / "d4rl-memmap")
+
+    with open_twin() as twin:
+        d4rl_twin(twin, src, n_vec)
+    r["sample"] = sample_both(bigper, src, root / "d4rl-memmap", open_twin, root / "d4rl.prio2", rounds, blocks,
+                              cold)
     report["d4rl"] = r
 
     say(f"[offline] atari: writing {n_atari:,} frames in bigper's HDF5 layout ...", flush=True)
@@ -251,10 +258,14 @@ def run_offline(size: str, root: Path, cold: bool = True, say=print) -> dict:
     if cold:
         r["stream_cold"] = stream_pair(bigper, src, names, root / "atari.prio", 1, cold=True)
     say("[offline] atari: memmap twin ...", flush=True)
-    twin = bigper.PrioritizedReplayBuffer(n_atari, ATARI_FIELDS, storage="memmap", path=root / "atari-memmap", **kw)
-    fill_atari(twin, n_atari, pool)
-    r["sample"] = sample_both(bigper, src, root / "atari-memmap", twin, root / "atari.prio2", rounds, blocks, cold)
-    twin.close()
+    def open_twin_atari():
+        return bigper.PrioritizedReplayBuffer(n_atari, ATARI_FIELDS, storage="memmap", path=root / "atari-memmap",
+                                              **kw)
+
+    with open_twin_atari() as twin:
+        fill_atari(twin, n_atari, pool)
+    r["sample"] = sample_both(bigper, src, root / "atari-memmap", open_twin_atari, root / "atari.prio2", rounds,
+                              blocks, cold)
     report["atari"] = r
     return report
 
