@@ -224,6 +224,14 @@ class PrioritizedReplayBuffer:
         slots = gids % c
         where = slots[0] if m == 1 else (slice(slots[0], slots[0] + m) if slots[0] + m <= c else slots)
         ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
+        prepare = getattr(self._store, "prepare", None)
+        if prepare is not None:
+            # Copy-on-write storages make every row this step touches writable
+            # first: running out of space then fails before anything changed.
+            writes = {name: where for name in self._plain}
+            if self._frames is not None:
+                writes.update(self._frames.rows_touched(m, where))
+            prepare(writes)
         for name in self._plain:
             self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
         if self._frames is not None:
@@ -357,11 +365,12 @@ class PrioritizedReplayBuffer:
             self._max_leaf = top
 
     # -- rooms at the edge (snapshots, offline datasets, shards) -----------------
-    def save(self, snapshot) -> None:
-        """Write a crash-consistent snapshot of tree, data and state to the directory ``snapshot``."""
+    def save(self, snapshot):
+        """Write a crash-consistent snapshot of tree, data and state to the
+        directory ``snapshot``; returns its path."""
         from .snapshot import save
 
-        save(self, snapshot)
+        return save(self, snapshot)
 
     @classmethod
     def load(cls, snapshot, *, path=None) -> "PrioritizedReplayBuffer":
@@ -383,6 +392,26 @@ class PrioritizedReplayBuffer:
         from .offline import reprioritize
 
         reprioritize(self, score_fn, batch_size=batch_size, progress=progress)
+
+    def leaves(self, indices) -> np.ndarray:
+        """Leaf values (float64) at ``indices``: 0 for slots not sampleable."""
+        idx = _as_index(indices)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
+            raise IndexError(f"indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
+        return self._tree.leaves[idx]
+
+    @property
+    def max_leaf(self) -> float:
+        """The largest leaf value so far: what a new transition enters with."""
+        return self._max_leaf
+
+    def raise_max_leaf(self, value: float) -> None:
+        """Let new transitions enter at ``value`` if it is larger (for shards
+        that share the largest leaf any of them has seen)."""
+        v = float(value)
+        if not (v > 0 and v < np.inf):
+            raise ValueError(f"value must be finite and > 0, got {value!r}")
+        self._max_leaf = max(self._max_leaf, v)
 
     @property
     def min_leaf(self) -> float:

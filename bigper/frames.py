@@ -198,6 +198,15 @@ class FrameStore:
             lo = np.minimum(lo, next_ref.min(axis=1))
         self.minref[slots] = lo
 
+    def rows_touched(self, m: int, where) -> dict:
+        """Rows a write of ``m`` transitions at ``where`` may touch, by array
+        (frame rows as an upper bound: every frame of both stacks new)."""
+        most = min(2 * m * self.k, self.F)
+        out = {"obs_ref": where, "frames": np.arange(self.fw, self.fw + most) % self.F}
+        if self.has_next:
+            out["next_obs_ref"] = where
+        return out
+
     def expire(self, count: int, gid, status) -> np.ndarray:
         """Slots of transitions whose frames are gone; they are marked dead."""
         oldest = self.fw - self.F
