@@ -43,7 +43,7 @@ def _check_run(r, run: Path, steps: int):
     assert "yes: 20 of 20 batches identical" in r.stdout
     png = run / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert str(png) in r.stdout  # it says where the plot is
+    assert f"{run.name}/demo.png" in r.stdout  # it says where the plot is
     res = json.loads((run / "results.json").read_text())
     assert res["verify_ok"] and res["held"] == min(steps, res["capacity"])
     assert 7_000 < res["bytes_per_transition"] < 8_000  # each 84x84 frame once, not 8 per transition
