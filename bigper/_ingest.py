@@ -83,3 +83,36 @@ class Ingest:
         if bad >= 0:
             raise ValueError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
         return p
+
+
+def to_leaves(p: np.ndarray, alpha: float, eps: float, maxp: float) -> np.ndarray:
+    """Leaf values ``(min(p, maxp) + eps) ** alpha`` for validated priorities."""
+    if p.shape[0] > 4096:  # numpy's pow is vectorized; the kernel's is a scalar call
+        return np.power(np.minimum(p, maxp) + eps, alpha)
+    out = np.empty(p.shape[0], dtype=np.float64)
+    K.to_leaves(p, alpha, eps, maxp, out)
+    return out
+
+
+def as_index(x) -> np.ndarray:
+    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
+        return x
+    a = np.asarray(as_numpy(x))
+    if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
+        raise TypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
+    return a.astype(np.int64, copy=False)
+
+
+def as_priorities(x, n: int) -> np.ndarray:
+    if type(x) is np.ndarray and x.dtype == np.float64 and x.flags.c_contiguous:
+        p = x
+    else:
+        p = np.asarray(as_numpy(x))
+        if p.dtype.kind not in "fiub":
+            raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
+        p = np.ascontiguousarray(p, dtype=np.float64)
+    if p.ndim == 2 and p.shape[1] == 1:
+        p = p[:, 0]
+    if p.ndim != 1 or p.shape[0] != n:
+        raise ValueError(f"priorities must have shape ({n},) to match the indices, got {p.shape}")
+    return p

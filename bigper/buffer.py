@@ -6,8 +6,8 @@ import numpy as np
 
 from . import _kernels as K
 from . import nstep
-from ._ingest import Ingest
-from ._torch import as_numpy
+from ._edges import EdgeMethods
+from ._ingest import Ingest, as_index, as_priorities, to_leaves
 from .batch import Batch
 from .config import Config
 from .errors import IncompatibleSnapshotError
@@ -24,7 +24,7 @@ _TRUNC = np.array([False, False, True, True])
 EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3
 
 
-class PrioritizedReplayBuffer:
+class PrioritizedReplayBuffer(EdgeMethods):
     """A prioritized replay buffer (proportional PER) over any storage.
 
     Parameters
@@ -239,7 +239,7 @@ class PrioritizedReplayBuffer:
         if leaves is None:
             leaves = np.full(m, self._max_leaf)
         else:
-            leaves = _to_leaves(leaves, cfg.alpha, cfg.eps, self._maxp)
+            leaves = to_leaves(leaves, cfg.alpha, cfg.eps, self._maxp)
             self._max_leaf = max(self._max_leaf, float(leaves.max()))
         self._gid[slots] = gids
         self._ends[slots] = ends
@@ -344,9 +344,9 @@ class PrioritizedReplayBuffer:
         if isinstance(target, Batch):
             idx, stamps, use = target.indices, target.generations, True
         else:
-            idx = _as_index(target)
+            idx = as_index(target)
             stamps, use = idx, False
-        p = _as_priorities(priorities, idx.shape[0])
+        p = as_priorities(priorities, idx.shape[0])
         cfg = self.config
         # numpy's pow is vectorized; the kernel's is a scalar call per row.
         with np.errstate(invalid="ignore"):
@@ -363,82 +363,6 @@ class PrioritizedReplayBuffer:
                              f"len={len(self)})")
         if top > self._max_leaf:
             self._max_leaf = top
-
-    # -- rooms at the edge (snapshots, offline datasets, shards) -----------------
-    def save(self, snapshot):
-        """Write a crash-consistent snapshot of tree, data and state to the
-        directory ``snapshot``; returns its path."""
-        from .snapshot import save
-
-        return save(self, snapshot)
-
-    @classmethod
-    def load(cls, snapshot, *, path=None) -> "PrioritizedReplayBuffer":
-        """Resume the buffer saved in ``snapshot``; ``path``: where a disk storage keeps
-        its live data (default: the path recorded in the snapshot)."""
-        from .snapshot import load
-
-        return load(snapshot, path=path)
-
-    @classmethod
-    def from_hdf5(cls, dataset, **kwargs) -> "PrioritizedReplayBuffer":
-        """Open a D4RL, Minari or bigper HDF5 dataset in place, read-only; see ``bigper.offline``."""
-        from .offline import from_hdf5
-
-        return from_hdf5(dataset, **kwargs)
-
-    def reprioritize(self, score_fn, batch_size: int = 4096, progress: bool = True) -> None:
-        """Score every transition in order with ``score_fn(batch) -> |TD|`` and set all priorities."""
-        from .offline import reprioritize
-
-        reprioritize(self, score_fn, batch_size=batch_size, progress=progress)
-
-    def leaves(self, indices) -> np.ndarray:
-        """Leaf values (float64) at ``indices``: 0 for slots not sampleable."""
-        idx = _as_index(indices)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
-            raise IndexError(f"indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
-        return self._tree.leaves[idx]
-
-    @property
-    def max_leaf(self) -> float:
-        """The largest leaf value so far: what a new transition enters with."""
-        return self._max_leaf
-
-    def raise_max_leaf(self, value: float) -> None:
-        """Let new transitions enter at ``value`` if it is larger (for shards
-        that share the largest leaf any of them has seen)."""
-        v = float(value)
-        if not (v > 0 and v < np.inf):
-            raise ValueError(f"value must be finite and > 0, got {value!r}")
-        self._max_leaf = max(self._max_leaf, v)
-
-    @property
-    def min_leaf(self) -> float:
-        """Smallest non-zero leaf (``inf`` when nothing is sampleable)."""
-        return self._tree.min
-
-    def sample_at(self, targets, *, beta: float) -> Batch:
-        """Sample the leaves at the given prefix-sum ``targets`` in ``[0, total_priority)``.
-
-        For coordinators that draw the uniforms themselves (the Ray shards):
-        the RNG and the beta schedule are not touched; probabilities and
-        weights are local to this buffer (weights normalized by the batch max).
-        """
-        self._check_open()
-        t = np.ascontiguousarray(targets, dtype=np.float64)
-        if t.ndim != 1 or t.shape[0] < 1:
-            raise ValueError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
-        total = self._tree.total
-        if not total > 0:
-            raise ValueError(f"cannot sample: no sampleable transition (len={len(self)})")
-        bad = K.first_bad_priority(t)
-        if bad >= 0 or t.max() >= total:
-            raise ValueError(f"targets must be finite and in [0, {total}), got {t[bad if bad >= 0 else t.argmax()]}")
-        idx = self._tree.find(t)
-        leaves = self._tree.leaves[idx]
-        w = ((leaves / leaves.min()) ** (-float(beta))).astype(np.float32)
-        return Batch(self._gather(idx), idx, w, leaves / total, self._gid[idx])
 
     # -- lifecycle -------------------------------------------------------------
     def _check_open(self):
@@ -465,36 +389,3 @@ class PrioritizedReplayBuffer:
     def __repr__(self) -> str:
         return (f"PrioritizedReplayBuffer(len={len(self)}, capacity={self.capacity}, "
                 f"storage={self.config.storage!r}, total_priority={self.total_priority:.6g})")
-
-
-def _to_leaves(p: np.ndarray, alpha: float, eps: float, maxp: float) -> np.ndarray:
-    """Leaf values ``(min(p, maxp) + eps) ** alpha`` for validated priorities."""
-    if p.shape[0] > 4096:  # numpy's pow is vectorized; the kernel's is a scalar call
-        return np.power(np.minimum(p, maxp) + eps, alpha)
-    out = np.empty(p.shape[0], dtype=np.float64)
-    K.to_leaves(p, alpha, eps, maxp, out)
-    return out
-
-
-def _as_index(x) -> np.ndarray:
-    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
-        return x
-    a = np.asarray(as_numpy(x))
-    if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
-        raise TypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
-    return a.astype(np.int64, copy=False)
-
-
-def _as_priorities(x, n: int) -> np.ndarray:
-    if type(x) is np.ndarray and x.dtype == np.float64 and x.flags.c_contiguous:
-        p = x
-    else:
-        p = np.asarray(as_numpy(x))
-        if p.dtype.kind not in "fiub":
-            raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
-        p = np.ascontiguousarray(p, dtype=np.float64)
-    if p.ndim == 2 and p.shape[1] == 1:
-        p = p[:, 0]
-    if p.ndim != 1 or p.shape[0] != n:
-        raise ValueError(f"priorities must have shape ({n},) to match the indices, got {p.shape}")
-    return p

@@ -117,13 +117,13 @@ def _init_state(buf, src: H5Source) -> None:
 
 
 def _leaves_of(scores: np.ndarray, live: np.ndarray, cfg: Config) -> np.ndarray:
-    from .buffer import _to_leaves
+    from ._ingest import to_leaves
 
     maxp = np.inf if cfg.max_priority is None else cfg.max_priority
     if live.all():
-        return _to_leaves(np.ascontiguousarray(scores, dtype=np.float64), cfg.alpha, cfg.eps, maxp)
+        return to_leaves(np.ascontiguousarray(scores, dtype=np.float64), cfg.alpha, cfg.eps, maxp)
     out = np.zeros(live.shape[0], dtype=np.float64)
-    out[live] = _to_leaves(np.ascontiguousarray(scores[live], dtype=np.float64), cfg.alpha, cfg.eps, maxp)
+    out[live] = to_leaves(np.ascontiguousarray(scores[live], dtype=np.float64), cfg.alpha, cfg.eps, maxp)
     return out
 
 

@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..batch import Batch
-from ..buffer import _as_index, _as_priorities
+from .._ingest import as_index, as_priorities
 from ..config import Config
 from . import _manifest as M
 from ._sampling import assemble, lay_out, shard_capacities
@@ -309,8 +309,8 @@ class ShardedPrioritizedBuffer:
         if isinstance(target, Batch):
             idx, stamps = target.indices, target.generations
         else:
-            idx, stamps = _as_index(target), None
-        p = _as_priorities(priorities, idx.shape[0])
+            idx, stamps = as_index(target), None
+        p = as_priorities(priorities, idx.shape[0])
         bad = np.flatnonzero(~((p >= 0) & (p < np.inf)))
         if bad.shape[0]:
             i = int(bad[0])
