@@ -32,7 +32,7 @@ import numpy as np
 
 GAME = "Pong"
 CAPACITY = 1_000_000
-DEFAULT_STEPS = 30_000
+DEFAULT_STEPS = 50_000
 NAIVE_BYTES = 2 * 4 * 84 * 84  # obs and next_obs, four 84x84 frames each, per transition
 
 

@@ -39,9 +39,10 @@ def atari_fields() -> dict:
 def q_network(n_actions: int, *, size: str = "tiny"):
     """A conv Q-network over (B, 4, 84, 84) uint8 stacks.
 
-    ``"tiny"``: one 8x8 stride-8 conv and a 64-unit layer, a few ms per
-    update on one CPU core, so that in the demo the buffer, not the network,
-    is what is measured. ``"nature"``: the DQN paper's network.
+    ``"tiny"``: every other pixel (42x42), one 4x4 stride-4 conv and a
+    64-unit layer; about 4 ms per Double DQN update of 32 on one CPU core,
+    so that in the demo the buffer, not the network, is what is measured.
+    ``"nature"``: the DQN paper's network.
     """
     import torch
     from torch import nn
@@ -49,8 +50,9 @@ def q_network(n_actions: int, *, size: str = "tiny"):
     class QNet(nn.Module):
         def __init__(self):
             super().__init__()
+            self.stride = 2 if size == "tiny" else 1
             if size == "tiny":
-                self.body = nn.Sequential(nn.Conv2d(STACK, 16, 8, stride=8), nn.ReLU(), nn.Flatten(),
+                self.body = nn.Sequential(nn.Conv2d(STACK, 16, 4, stride=4), nn.ReLU(), nn.Flatten(),
                                           nn.Linear(16 * 10 * 10, 64), nn.ReLU())
                 width = 64
             elif size == "nature":
@@ -64,6 +66,8 @@ def q_network(n_actions: int, *, size: str = "tiny"):
             self.head = nn.Linear(width, n_actions)
 
         def forward(self, obs):
+            if self.stride > 1:  # subsample while still uint8: 4x fewer bytes to convert
+                obs = obs[..., ::self.stride, ::self.stride]
             return self.head(self.body(obs.to(torch.float32) / 255.0))
 
     return QNet()
