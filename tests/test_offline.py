@@ -240,6 +240,27 @@ def test_reprioritize_chi_square_and_source_unchanged(d4rl):
         assert np.allclose(other._tree.leaves, want ** (1 / 0.7), rtol=1e-6)
 
 
+@pytest.mark.parametrize("batch_size", [7, 8192])
+def test_reprioritize_batches_are_the_file_rows(tmp_path, batch_size):
+    """Runs of rows are copied from the map, or read with pread when long (8192 rows of 12 bytes)."""
+    path = tmp_path / "long.hdf5"
+    data = write_d4rl(path, lengths=(12_000, 9_000, 3), ends=("timeout", "terminal", "timeout"), next_obs=False)
+    obs = data["observations"]
+    seen = []
+
+    def check(batch):
+        i = batch.indices
+        seen.append(i)
+        check_rows(batch, data)
+        term = data["terminals"][i] != 0
+        assert np.array_equal(batch["next_obs"], np.where(term[:, None], obs[i], obs[np.minimum(i + 1, len(obs) - 1)]))
+        return np.ones(batch.size)
+
+    with PRB.from_hdf5(path) as buf:
+        buf.reprioritize(check, batch_size=batch_size, progress=False)
+        assert np.array_equal(np.concatenate(seen), np.flatnonzero(buf._status == 1))
+
+
 def test_reprioritize_torch_scores(d4rl):
     torch = pytest.importorskip("torch")
     path, data = d4rl

@@ -26,8 +26,9 @@ from .._kernels import kernel
 
 # Rows of a contiguous dataset read as one h5py block when read through h5py.
 _BLOCK_BYTES = 1 << 16
-# Runs at least this long are announced to the kernel for readahead (madvise WILLNEED).
-_PREFETCH_BYTES = 1 << 20
+# Runs of rows at least this long are read with pread, not copied from the map: no page
+# faults, and the kernel's sequential readahead (a streamed reprioritize reads like h5py).
+_PREAD_BYTES = 1 << 16
 # More runs of back-to-back chunks than this: the per-row address gather instead.
 _MAX_RUNS = 64
 
@@ -179,7 +180,7 @@ def _find_runs(col: Column, mm) -> None:
     col.runs_offset = a[first].astype(np.int64)
 
 
-def _read_runs(col: Column, row: np.ndarray, prefetch, unique: bool) -> np.ndarray:
+def _read_runs(col: Column, row: np.ndarray, pread, unique: bool) -> np.ndarray:
     n = row.shape[0]
     out = np.empty((n,) + col.shape, dtype=col.dtype)
     if len(col.runs) == 1:
@@ -194,9 +195,10 @@ def _read_runs(col: Column, row: np.ndarray, prefetch, unique: bool) -> np.ndarr
         view, m = col.runs[j], hi - lo
         r0 = int(rr[0])
         if unique and m > 1 and int(rr[-1]) - r0 == m - 1:  # a run of rows (reprioritize): one copy
-            if prefetch is not None and m * col.row_bytes >= _PREFETCH_BYTES:
-                prefetch(int(col.runs_offset[j]) + r0 * col.row_bytes, 2 * m * col.row_bytes)
-            out[lo:hi] = view[r0:r0 + m]
+            if pread is not None and m * col.row_bytes >= _PREAD_BYTES:
+                pread(int(col.runs_offset[j]) + r0 * col.row_bytes, out[lo:hi])
+            else:
+                out[lo:hi] = view[r0:r0 + m]
         else:
             np.take(view, rr, axis=0, out=out[lo:hi])
     return out
@@ -227,12 +229,11 @@ def _read_h5(d, rows: np.ndarray, out: np.ndarray) -> None:
 
 
 def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarray,
-                prefetch=None) -> np.ndarray:
+                pread=None) -> np.ndarray:
     """Rows of ``col`` for sorted unique transitions ``g`` (segment ``seg``, step ``t``).
 
-    ``prefetch(offset, nbytes)``, when given, is told of a run of rows read
-    whole (and of as many after it), so the next run is on its way from disk
-    while this one is used.
+    ``pread(offset, out)``, when given, fills the array ``out`` from the file at
+    ``offset``; long runs of consecutive rows are read with it.
     """
     row = t + col.shift if col.shift else t
     if col.back is not None:
@@ -241,7 +242,7 @@ def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarra
         row = np.clip(row, 0, col.seg_rows[seg] - 1)
     if col.runs is not None:
         # rows shifted or clipped may repeat: a run of rows is then not told by its ends
-        out = _read_runs(col, row, prefetch, unique=not col.shift and col.back is None)
+        out = _read_runs(col, row, pread, unique=not col.shift and col.back is None)
     elif col.mapped_all:
         out = _gather_mapped(col, mm, seg, row)
     else:

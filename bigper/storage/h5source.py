@@ -83,6 +83,7 @@ class H5Source(Layouts):
         self.notes: list[str] = []
         self.on_close = None
         self._lock_fd = -1
+        self._fd = -1
         self._map = None
         try:
             self._file = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes)
@@ -122,8 +123,8 @@ class H5Source(Layouts):
         self._one_segment = self.starts.shape[0] == 2
         mm = None
         if f.driver == "sec2" and os.path.getsize(self.file_path) > 0:
-            with open(self.file_path, "rb") as fh:
-                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._fd = os.open(self.file_path, os.O_RDONLY)
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
             mm = np.frombuffer(self._map, dtype=np.uint8)
         self._mm = mm
         for col in self.columns.values():
@@ -183,7 +184,7 @@ class H5Source(Layouts):
         if flags:
             out = (self.ends[uniq] & (1 if name == "terminated" else 2)) != 0
         else:
-            out = read_column(col, self._file, self._mm, seg, t, uniq, self._prefetch)
+            out = read_column(col, self._file, self._mm, seg, t, uniq, self._pread)
         return out if inverse is None else out[inverse]
 
     def _shape(self, name) -> tuple:
@@ -228,13 +229,14 @@ class H5Source(Layouts):
         finally:
             self._release()
 
-    def _prefetch(self, offset: int, nbytes: int) -> None:
-        """Ask the kernel to read a range of the file ahead (a streamed run: reprioritize)."""
-        if self._map is not None and hasattr(mmap, "MADV_WILLNEED"):
-            start = offset - offset % mmap.PAGESIZE
-            end = min(offset + nbytes, len(self._map))
-            if end > start:
-                self._map.madvise(mmap.MADV_WILLNEED, start, end - start)
+    def _pread(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` (C-contiguous) with the file's bytes from ``offset``."""
+        view = memoryview(out).cast("B")
+        while view.nbytes:
+            got = os.preadv(self._fd, [view], offset)
+            if got <= 0:
+                raise OSError(f"{self.file_path}: unexpected end of file at byte {offset}")
+            view, offset = view[got:], offset + got
 
     def _release(self) -> None:
         self._mm = None
@@ -246,6 +248,9 @@ class H5Source(Layouts):
             except BufferError:  # a view is still alive somewhere: the map goes with it
                 pass
             self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if getattr(self, "_file", None) is not None:
             self._file.close()
             self._file = None
