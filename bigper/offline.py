@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._kernels import first_bad_priority
 from ._sidecar import Sidecar, SidecarMismatchError, _xxh
 from ._torch import as_numpy
 from .batch import Batch
@@ -271,9 +272,8 @@ def _check_scores(s, idx: np.ndarray, done: int, where) -> np.ndarray:
         raise ValueError(f"score_fn returned scores of shape {a.shape} for a batch of {n} transitions "
                          f"({done}..{done + n - 1} of {where}); expected shape ({n},). Nothing of this "
                          "batch was written")
-    bad = np.flatnonzero(~((a >= 0) & (a < np.inf)))
-    if bad.shape[0]:
-        i = int(bad[0])
+    i = first_bad_priority(np.ascontiguousarray(a))
+    if i >= 0:
         raise ValueError(f"score_fn returned {a[i]} for transition {done + i} (slot {idx[i]}, position {i} "
                          f"of its batch) of {where}; scores must be finite and >= 0. Nothing of this "
                          "batch was written")

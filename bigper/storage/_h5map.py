@@ -57,6 +57,18 @@ def gather_rows(mm, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, ou
                 out[dst + j] = mm[src + j]
 
 
+@kernel
+def row_order(r):
+    """0: strictly increasing, 1: non-decreasing with repeats, 2: unsorted."""
+    kind = 0
+    for i in range(1, r.shape[0]):
+        if r[i] < r[i - 1]:
+            return 2
+        if r[i] == r[i - 1]:
+            kind = 1
+    return kind
+
+
 @dataclass
 class Column:
     """One array a batch carries, read from one dataset per segment.

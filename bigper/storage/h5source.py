@@ -41,7 +41,7 @@ import numpy as np
 
 from ..errors import StorageLockedError
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
-from ._h5map import map_column, read_column
+from ._h5map import map_column, read_column, row_order
 
 __all__ = ["H5Source", "OfflineDatasetError", "LAYOUTS", "LIVE", "DEAD"]
 
@@ -195,8 +195,9 @@ class H5Source(Layouts):
         r = rows.astype(np.int64, copy=False)
         n = r.shape[0]
         inverse = None
-        if n > 1 and not (r[1:] > r[:-1]).all():
-            if (r[1:] >= r[:-1]).all():  # sorted with repeats (stratified sampling): no sort needed
+        order = row_order(r) if n > 1 else 0
+        if order:
+            if order == 1:  # sorted with repeats (stratified sampling): no sort needed
                 keep = np.empty(n, dtype=bool)
                 keep[0] = True
                 np.not_equal(r[1:], r[:-1], out=keep[1:])
