@@ -2,7 +2,15 @@
 
 from .batch import Batch
 from .buffer import PrioritizedReplayBuffer
-from .errors import BigperError, CorruptSnapshotError, IncompatibleSnapshotError, StorageLockedError
+from .errors import (
+    BigperError,
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    OfflineDatasetError,
+    SidecarMismatchError,
+    StorageLockedError,
+    UncleanStorageError,
+)
 from .schedules import ConstantSchedule, LinearSchedule
 from .snapshot import Snapshots
 
@@ -15,8 +23,11 @@ __all__ = [
     "CorruptSnapshotError",
     "IncompatibleSnapshotError",
     "LinearSchedule",
+    "OfflineDatasetError",
     "PrioritizedReplayBuffer",
+    "SidecarMismatchError",
     "Snapshots",
     "StorageLockedError",
+    "UncleanStorageError",
     "__version__",
 ]

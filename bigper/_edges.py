@@ -4,11 +4,16 @@ the rooms themselves import lazily, so ``import bigper`` stays light."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from . import _kernels as K
 from ._ingest import as_index
 from .batch import Batch
+
+if TYPE_CHECKING:
+    from .buffer import PrioritizedReplayBuffer
 
 
 class EdgeMethods:

@@ -28,15 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CorruptSnapshotError, IncompatibleSnapshotError, StorageLockedError
+from .errors import CorruptSnapshotError, SidecarMismatchError, StorageLockedError
 from .storage._files import fsync_dir, preallocate, write_durable, write_json
 
 FORMAT = "bigper-priorities"
 VERSION = 1
 
 
-class SidecarMismatchError(IncompatibleSnapshotError):
-    """A priorities sidecar that belongs to another dataset (length, schema or episodes differ)."""
 
 
 def _xxh(data) -> str:

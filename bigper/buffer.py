@@ -340,7 +340,7 @@ class PrioritizedReplayBuffer(EdgeMethods):
             Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
             With a repeated index, the last value wins.
         """
-        self._check_writable()
+        self._check_writable("priorities")
         if isinstance(target, Batch):
             idx, stamps, use = target.indices, target.generations, True
         else:
@@ -369,10 +369,12 @@ class PrioritizedReplayBuffer(EdgeMethods):
         if self._closed:
             raise ValueError("this buffer is closed")
 
-    def _check_writable(self):
+    def _check_writable(self, what: str = "data"):
         self._check_open()
-        if self._store.read_only:
-            raise ValueError(f"this buffer was opened read_only at {getattr(self._store, 'path', '')}")
+        store = self._store
+        if store.read_only and not (what == "priorities" and getattr(store, "priorities_writable", False)):
+            where = getattr(store, "path", None) or getattr(store, "file_path", "")
+            raise ValueError(f"this buffer is read-only ({what}): opened read_only at {where}")
 
     def close(self) -> None:
         """Flush and release the storage; reopening a disk path resumes."""

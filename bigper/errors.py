@@ -16,3 +16,16 @@ class IncompatibleSnapshotError(BigperError):
 
 class StorageLockedError(BigperError):
     """Another live writer holds the storage directory."""
+
+
+class UncleanStorageError(BigperError):
+    """A storage whose last writer died without closing it: its data and
+    priorities may disagree, so it is refused; resume from a snapshot."""
+
+
+class SidecarMismatchError(IncompatibleSnapshotError):
+    """A priorities sidecar that belongs to another dataset (length, schema or episodes differ)."""
+
+
+class OfflineDatasetError(BigperError, ValueError):
+    """An HDF5 dataset that cannot be read as D4RL, Minari or bigper layout (names the dataset)."""

@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from ..errors import BigperError, StorageLockedError
+from ..errors import OfflineDatasetError, StorageLockedError
 from ._h5map import Column
 
 LIVE, DEAD = 1, 3  # the buffer's slot status codes
@@ -25,8 +25,6 @@ _RESERVED = {"terminated", "truncated", "discount", "priorities"}
 _FLAG_BLOCK = 1 << 20
 
 
-class OfflineDatasetError(BigperError, ValueError):
-    """An HDF5 dataset that cannot be read as D4RL, Minari or bigper layout (names the dataset)."""
 
 
 def _safe_name(text: str) -> str:

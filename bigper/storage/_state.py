@@ -7,12 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BigperError, IncompatibleSnapshotError
+from ..errors import IncompatibleSnapshotError, UncleanStorageError
 from ._files import fsync_dir
 
 
-class UncleanStorageError(BigperError):
-    """The storage's last writer died without closing it; its state is unknown."""
 
 
 def check_meta(meta: dict, fmt: str, version: int, where) -> dict:

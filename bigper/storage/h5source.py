@@ -61,9 +61,8 @@ class H5Source(Layouts):
     """
 
     kind = "hdf5-source"
-    # The buffer refuses update_priorities as well as add/extend while read_only is
-    # true; an offline buffer keeps update_priorities, so write() refuses data instead.
-    read_only = False
+    # Data is read-only; priorities stay writable (they live in the sidecar).
+    read_only = True
     priorities_writable = True
 
     def __init__(self, dataset, *, layout: str = "auto", cache_bytes: int = 64 << 20):
