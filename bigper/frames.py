@@ -21,6 +21,8 @@ they are marked dead (leaf 0) and never sampled again.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ._kernels import kernel
@@ -34,14 +36,14 @@ def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
 
 @kernel
 def _same(a, b):
-    """Byte arrays of equal length hold the same bytes (blockwise, so the
-    inner loop vectorizes; stops at the first differing block)."""
+    """Two frames (as words of equal count) hold the same bytes. Blockwise,
+    so the inner loop vectorizes; stops at the first differing block."""
     n = a.shape[0]
     i = 0
     while i < n:
-        end = min(i + 256, n)
-        acc = 0
-        for j in range(i, end):
+        end = min(i + 64, n)
+        acc = a[i] ^ b[i]
+        for j in range(i + 1, end):
             acc |= a[j] ^ b[j]
         if acc != 0:
             return False
@@ -142,6 +144,9 @@ class FrameStore:
         self.frame_shape = tuple(obs_shape[1:])
         self.dtype = cfg.dtype("obs")
         self.row_bytes = int(np.prod(self.frame_shape)) * self.dtype.itemsize
+        # Frames are compared and copied as 8-byte words where their size allows.
+        self.word = np.dtype(np.uint64 if self.row_bytes % 8 == 0 else np.uint8)
+        self.row_words = self.row_bytes // self.word.itemsize
         self.has_next = "obs" in cfg.next_of
         self.num_envs = cfg.num_envs
         self.capacity = cfg.capacity
@@ -149,11 +154,13 @@ class FrameStore:
         self.store = store
         # Mutable state: frames written, per-env stream continuity, expiry pointers.
         self.fw = 0
-        self.last_frames = np.zeros((self.num_envs, self.k, self.row_bytes), dtype=np.uint8)
+        self.last_frames = np.zeros((self.num_envs, self.k, self.row_words), dtype=self.word)
         self.last_ref = np.zeros((self.num_envs, self.k), dtype=np.int64)
         self.has_last = np.zeros(self.num_envs, dtype=np.bool_)
         self.ptr = np.arange(self.num_envs, dtype=np.int64)
         self.minref = np.zeros(cfg.capacity, dtype=np.int64)
+        self._expired = np.empty(cfg.capacity, dtype=np.int64)  # scratch for expire()
+        self._outs: list[np.ndarray] = []  # stacks handed out, reused once nobody holds them
 
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
@@ -163,20 +170,21 @@ class FrameStore:
             out["next_obs_ref"] = (self.capacity, (self.k,), np.dtype(np.int64))
         return out
 
-    def _bytes(self, stacks: np.ndarray) -> np.ndarray:
+    def _words(self, stacks: np.ndarray) -> np.ndarray:
         m = stacks.shape[0]
-        return np.ascontiguousarray(stacks).view(np.uint8).reshape(m, self.k, self.row_bytes)
+        flat = np.ascontiguousarray(stacks).reshape(m, self.k, -1).view(np.uint8)
+        return flat.view(self.word)
 
     def write(self, rows: dict, gids, slots, where, ends: np.ndarray, valid=None) -> None:
         """Store the frames of ``rows["obs"]``/``rows["next_obs"]`` that are
         new and the references of every row at ``where`` (slots ``slots``)."""
         m = ends.shape[0]
-        obs = self._bytes(rows["obs"])
-        nxt = self._bytes(rows["next_obs"]) if self.has_next else obs
+        obs = self._words(rows["obs"])
+        nxt = self._words(rows["next_obs"]) if self.has_next else obs
         env = gids % self.num_envs
         obs_ref = np.empty((m, self.k), dtype=np.int64)
         next_ref = np.empty((m, self.k), dtype=np.int64)
-        new = np.empty((2 * m * self.k, self.row_bytes), dtype=np.uint8)
+        new = np.empty((2 * m * self.k, self.row_words), dtype=self.word)
         fw0 = self.fw
         ok = np.ones(m, dtype=np.bool_) if valid is None else valid
         fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
@@ -212,25 +220,44 @@ class FrameStore:
         oldest = self.fw - self.F
         if oldest <= 0:
             return np.zeros(0, dtype=np.int64)
-        out = np.empty(self.capacity, dtype=np.int64)
-        n = expire(self.ptr, count, self.capacity, self.num_envs, oldest, self.minref, gid, status, out)
-        return out[:n]
+        n = expire(self.ptr, count, self.capacity, self.num_envs, oldest, self.minref, gid, status,
+                   self._expired)
+        return self._expired[:n].copy()
 
     def stacks(self, name: str, slots: np.ndarray) -> np.ndarray:
         """``(B, k, *frame)`` stacks of ``name`` ("obs_ref" or "next_obs_ref") at ``slots``."""
-        refs = self.store.read(name, slots)
-        frames = self.store.read("frames", (refs % self.F).ravel())
+        rows = (self.store.read(name, slots) % self.F).ravel()
+        arrays = getattr(self.store, "arrays", None)
+        if arrays is None:
+            frames = self.store.read("frames", rows)
+        else:
+            frames = arrays["frames"].take(rows, axis=0, out=self._out((rows.shape[0], *self.frame_shape)))
         return frames.reshape((slots.shape[0], self.k, *self.frame_shape))
+
+    def _out(self, shape: tuple) -> np.ndarray:
+        """An output array for a gather: one handed out before if nothing else
+        refers to it any more, else a new one. A batch's stacks are about a
+        megabyte; fresh ones cost hundreds of page faults each time the
+        allocator gives their pages back to the system."""
+        for a in self._outs:
+            # References: the list, the loop variable and getrefcount's argument.
+            if a.shape == shape and sys.getrefcount(a) == 3:
+                return a
+        a = np.empty(shape, dtype=self.dtype)
+        self._outs = [a] + self._outs[:3]
+        return a
 
     # -- state ---------------------------------------------------------------
     def state(self) -> tuple[dict, dict]:
+        last = self.last_frames.view(np.uint8).reshape(self.num_envs, self.k, self.row_bytes)
         return ({"fw": self.fw},
-                {"frames_last": self.last_frames, "frames_last_ref": self.last_ref,
+                {"frames_last": last, "frames_last_ref": self.last_ref,
                  "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref})
 
     def restore(self, meta: dict, arrays: dict) -> None:
         self.fw = int(meta["fw"])
-        self.last_frames[:] = arrays["frames_last"]
+        self.last_frames.view(np.uint8).reshape(self.num_envs, self.k, self.row_bytes)[:] = \
+            arrays["frames_last"]
         self.last_ref[:] = arrays["frames_last_ref"]
         self.has_last[:] = arrays["frames_has_last"]
         self.ptr[:] = arrays["frames_ptr"]

@@ -225,3 +225,22 @@ def test_frame_stack_needs_a_stack_axis():
         bigper.PrioritizedReplayBuffer(capacity=10, fields={"obs": ((84, 84), np.uint8)}, frame_stack=4)
     with pytest.raises(ValueError, match="needs an 'obs' field"):
         bigper.PrioritizedReplayBuffer(capacity=10, fields={"x": ((4, 2), np.uint8)}, frame_stack=4)
+
+
+def test_stacks_held_by_the_caller_are_never_reused():
+    """Sampling reuses a previous batch's stack arrays only once nothing refers to them."""
+    rng = np.random.default_rng(3)
+    buf = bigper.PrioritizedReplayBuffer(
+        capacity=200, fields={"obs": ((4, H, W), np.uint8), "action": ((), np.int64),
+                              "reward": ((), np.float32), "extra": ((2,), np.int16)},
+        frame_stack=4, seed=3)
+    run_streams(buf, Streams(rng, 4, 1, 0.05, 0.0, 0.1), 150, [], use_extend=False, rng=rng)
+    held = buf.sample(16)
+    want = held["obs"].copy(), held["next_obs"].copy()
+    view = buf.sample(16)["obs"][3]  # only a view of a batch's array survives
+    want_view = view.copy()
+    for _ in range(20):
+        buf.sample(16)
+    np.testing.assert_array_equal(held["obs"], want[0])
+    np.testing.assert_array_equal(held["next_obs"], want[1])
+    np.testing.assert_array_equal(view, want_view)
