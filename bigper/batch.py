@@ -20,6 +20,9 @@ class Batch(Mapping):
     data : dict[str, np.ndarray]
         Every field with a leading batch axis, plus ``next_<name>`` for the
         fields in ``next_of``, ``terminated``, ``truncated`` and ``discount``.
+        The arrays are the caller's (nothing in the buffer writes to them
+        later); with frame stacks, ``obs`` and ``next_obs`` may be two views
+        of one array, not contiguous along the batch axis.
     indices : np.ndarray, (B,) int64
         Slots the transitions were drawn from.
     weights : np.ndarray, (B,) float32

@@ -317,8 +317,12 @@ class PrioritizedReplayBuffer(EdgeMethods):
         for name in self._plain:
             data[name] = read(name, last if name in self._successors else idx)
         if self._frames is not None:
-            data["obs"] = self._frames.stacks("obs_ref", idx)
-            if "obs" in cfg.next_of:
+            if "obs" not in cfg.next_of:
+                data["obs"] = self._frames.stacks("obs_ref", idx)
+            elif last is idx:
+                data["obs"], data["next_obs"] = self._frames.pair(idx)
+            else:
+                data["obs"] = self._frames.stacks("obs_ref", idx)
                 data["next_obs"] = self._frames.stacks("next_obs_ref", last)
         if cfg.n_step > 1:
             rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)

@@ -234,6 +234,25 @@ class FrameStore:
             frames = arrays["frames"].take(rows, axis=0, out=self._out((rows.shape[0], *self.frame_shape)))
         return frames.reshape((slots.shape[0], self.k, *self.frame_shape))
 
+    def pair(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``obs`` and ``next_obs`` stacks of the transitions at ``slots``.
+
+        When every next_obs stack is its obs stack moved on by one frame (a
+        batch without episode starts), both are views of one gather of
+        ``k + 1`` frames a row: 5/8 of the bytes for k = 4. They are then not
+        contiguous along the batch axis.
+        """
+        ro = self.store.read("obs_ref", slots)
+        rn = self.store.read("next_obs_ref", slots)
+        arrays = getattr(self.store, "arrays", None)
+        if arrays is None or not (rn[:, :-1] == ro[:, 1:]).all():
+            return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", slots)
+        b, k = slots.shape[0], self.k
+        rows = (np.concatenate([ro, rn[:, -1:]], axis=1) % self.F).ravel()
+        out = arrays["frames"].take(rows, axis=0, out=self._out((rows.shape[0], *self.frame_shape)))
+        out = out.reshape((b, k + 1, *self.frame_shape))
+        return out[:, :k], out[:, 1:]
+
     def _out(self, shape: tuple) -> np.ndarray:
         """An output array for a gather: one handed out before if nothing else
         refers to it any more, else a new one. A batch's stacks are about a
@@ -241,6 +260,7 @@ class FrameStore:
         allocator gives their pages back to the system."""
         for a in self._outs:
             # References: the list, the loop variable and getrefcount's argument.
+            # (Views of it, such as the stacks pair() returns, count through their .base.)
             if a.shape == shape and sys.getrefcount(a) == 3:
                 return a
         a = np.empty(shape, dtype=self.dtype)
