@@ -21,12 +21,14 @@ class Ingest:
         # What the storage holds per transition. The end flags live in the
         # buffer's own `ends` array instead (they steer n-step windows).
         self.stored = {n: v for n, v in self.inputs.items() if n not in BUILTIN}
+        self.required = set(self.inputs) - _OPTIONAL
 
     def step(self, step: dict, priorities, valid):
         k = self.cfg.num_envs
         lead = () if k == 1 else (k,)
         rows = self._check(step, lead, "add", "")
-        rows = {n: v.reshape((k,) + v.shape[len(lead):]) for n, v in rows.items()}
+        if k == 1:  # one env: give every value its leading row axis
+            rows = {n: v[None] for n, v in rows.items()}
         return rows, self._priorities(priorities, lead, k), self._valid(valid, lead, k)
 
     def steps(self, data, priorities, valid):
@@ -41,19 +43,23 @@ class Ingest:
         return rows, self._priorities(priorities, lead, m * k), self._valid(valid, lead, m * k)
 
     def _check(self, given: dict, lead: tuple, fn: str, arg: str) -> dict:
-        unknown = sorted(set(given) - set(self.inputs))
-        if unknown:
+        if not given.keys() <= self.inputs.keys():
+            unknown = sorted(set(given) - set(self.inputs))
             raise KeyError(f"{fn}: unknown field(s) {unknown}; expected {sorted(self.inputs)}")
-        missing = sorted(set(self.inputs) - set(given) - _OPTIONAL)
-        if missing:
+        if not self.required <= given.keys():
+            missing = sorted(self.required - set(given))
             raise KeyError(f"{fn}: missing field(s) {missing}")
         rows = {}
         for name, (shape, dtype) in self.inputs.items():
-            label = f"{arg}[{name!r}]" if arg else name
             if name not in given:
                 rows[name] = np.zeros(lead, dtype=bool)
                 continue
-            v = np.asarray(as_numpy(given[name]))
+            v = given[name]
+            if type(v) is np.ndarray and v.dtype == dtype and v.shape == lead + shape:
+                rows[name] = v  # the common case, checked without conversions
+                continue
+            label = f"{arg}[{name!r}]" if arg else name
+            v = np.asarray(as_numpy(v))
             if v.shape != lead + shape:
                 raise ValueError(f"{fn}: {label} must have shape {lead + shape}, got {v.shape}")
             if v.dtype != dtype and not np.can_cast(v.dtype, dtype, "same_kind"):

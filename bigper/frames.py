@@ -28,6 +28,9 @@ import numpy as np
 from ._kernels import kernel
 
 
+_ALL_VALID = np.ones(256, dtype=np.bool_)
+
+
 def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
     """Frames in the ring: one a step, plus room for episode starts (about
     1.6%) and for the stacks of every env in flight."""
@@ -59,7 +62,7 @@ def _new_frame(src, dst, n_new, fw):
 
 @kernel
 def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
-                obs_ref, next_ref, new_frames):
+                obs_ref, next_ref, new_frames, slots, minref):
     """Frame references for ``m`` transitions, in order.
 
     ``obs``, ``nxt``: (m, k, P) uint8 bytes of the stacks; ``env``: (m,) env
@@ -70,7 +73,8 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
     equal the frame it continues or the frame before it in the same stack;
     otherwise it is copied into ``new_frames`` and numbered from ``fw``.
     Rows with ``valid`` False (reset steps of next-step autoreset) store
-    nothing and get the reference -1. Returns the new frame count.
+    nothing and get the reference -1. ``minref[slots[r]]`` gets row r's
+    oldest reference. Returns the new frame count.
     """
     m, k = obs.shape[0], obs.shape[1]
     n_new = 0
@@ -106,6 +110,12 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
             last_frames[e] = obs[r]
             last_ref[e] = obs_ref[r]
         has_last[e] = ends[r] == 0
+        lo = obs_ref[r, 0]
+        for j in range(k):
+            lo = min(lo, obs_ref[r, j])
+            if has_next:
+                lo = min(lo, next_ref[r, j])
+        minref[slots[r]] = lo
     return fw
 
 
@@ -186,9 +196,10 @@ class FrameStore:
         next_ref = np.empty((m, self.k), dtype=np.int64)
         new = np.empty((2 * m * self.k, self.row_words), dtype=self.word)
         fw0 = self.fw
-        ok = np.ones(m, dtype=np.bool_) if valid is None else valid
+        ok = (_ALL_VALID[:m] if m <= _ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
+            if valid is None else valid
         fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
-                         fw0, self.has_next, obs_ref, next_ref, new)
+                         fw0, self.has_next, obs_ref, next_ref, new, slots, self.minref)
         n_new = fw - fw0
         if n_new:
             frames = new[:n_new].view(self.dtype).reshape((n_new, *self.frame_shape))
@@ -200,11 +211,8 @@ class FrameStore:
         self.fw = fw
         one = m == 1
         self.store.write("obs_ref", where, obs_ref[0] if one else obs_ref)
-        lo = obs_ref.min(axis=1)
         if self.has_next:
             self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
-            lo = np.minimum(lo, next_ref.min(axis=1))
-        self.minref[slots] = lo
 
     def rows_touched(self, m: int, where) -> dict:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array

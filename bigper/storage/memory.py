@@ -17,7 +17,11 @@ class MemoryStorage:
 
     def allocate(self, specs):
         for name, (rows, shape, dtype) in specs.items():
-            self.arrays[name] = np.zeros((rows, *shape), dtype=dtype)
+            # Touched now rather than page by page on the hot path (and the
+            # memory is there, or MemoryError, when the buffer is created).
+            a = np.empty((rows, *shape), dtype=dtype)
+            a.fill(0)
+            self.arrays[name] = a
 
     def read(self, name, rows):
         # take() is several times faster than fancy indexing for a small batch of rows.
