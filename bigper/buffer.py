@@ -293,7 +293,7 @@ class PrioritizedReplayBuffer(EdgeMethods):
                 raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
         else:
             b = self._cfg_beta(self._beta_step)
-        if not self._tree.total > 0:
+        if not self._tree.sums[0] > 0:
             raise ValueError(
                 f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
                 "transition becomes sampleable once its window completes or its episode ends)")
@@ -352,9 +352,10 @@ class PrioritizedReplayBuffer(EdgeMethods):
             stamps, use = idx, False
         p = as_priorities(priorities, idx.shape[0])
         cfg = self.config
-        # numpy's pow is vectorized; the kernel's is a scalar call per row.
-        with np.errstate(invalid="ignore"):
-            pre = np.power(np.minimum(p, self._maxp) + cfg.eps, cfg.alpha) if p.shape[0] > 4096 else _EMPTY
+        pre = _EMPTY
+        if p.shape[0] > 4096:  # numpy's pow is vectorized; the kernel's is a scalar call per row
+            with np.errstate(invalid="ignore"):
+                pre = np.power(np.minimum(p, self._maxp) + cfg.eps, cfg.alpha)
         t = self._tree
         code, pos, top = K.update_kernel(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps, use,
                                          self._gid, self._status, self._pending, cfg.alpha, cfg.eps,
