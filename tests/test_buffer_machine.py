@@ -166,10 +166,12 @@ class BufferMachine(RuleBasedStateMachine):
             lo, hi = np.arange(n) * total / n, np.arange(1, n + 1) * total / n
             tol = 1e-9 * total
             assert np.all(cum[idx] - leaves[idx] <= hi + tol) and np.all(cum[idx] >= lo - tol)
-        p = leaves / total
-        top = p[idx].min() if self.norm == "batch" else p[p > 0].min()
-        with np.errstate(over="ignore", under="ignore"):
-            want = ((p[idx] / top) ** -beta).astype(np.float32)  # float32: tiny weights flush to 0
+        # w = (N P(i))**-beta / max w = (P(i) / P_min)**-beta, and P(i) / P_min is
+        # leaf_i / leaf_min exactly: dividing by the total first could underflow
+        # a denormal leaf's P to 0 and drop it from the min.
+        top = leaves[idx].min() if self.norm == "batch" else leaves[leaves > 0].min()
+        with np.errstate(over="ignore", under="ignore", divide="ignore"):
+            want = ((leaves[idx] / top) ** -beta).astype(np.float32)  # float32: tiny weights flush to 0
         np.testing.assert_allclose(batch.weights, want, rtol=1e-5, atol=1e-37)
         return batch, [self.gid[s] for s in idx]
 
