@@ -42,7 +42,7 @@ import numpy as np
 
 from ..config import check_name
 from ..storage._files import fsync_dir
-from ..storage.memmap import chunk_name, chunk_rows_for
+from ..storage._chunks import chunk_name, chunk_rows_for
 from ._manifest import FORMAT, MAGIC, MANIFEST, digest, encode
 from ._series import TMP_PREFIX
 

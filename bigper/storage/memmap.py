@@ -27,7 +27,6 @@ snapshot load with ``takeover=True`` replaces whatever such a writer left.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import uuid
@@ -36,128 +35,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IncompatibleSnapshotError
+from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
 from ._files import FileLock, fsync_dir, preallocate, read_json, write_json
-from ._region import PAGE, Region, round_up
 from ._state import check_meta, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
 VERSION = 1  # chunk files arrived before any release; one chunk is the original layout
-CHUNK_BYTES = 4 << 20
 # What a storage directory may hold; takeover refuses a directory with anything else.
 _OWN = {"meta.json", ".meta.json.tmp", ".lock", "data", "state"}
-
-
-def chunk_name(name: str, k: int) -> str:
-    """File name of chunk ``k`` of array ``name`` (field names hold no dots)."""
-    return f"{name}.bin" if k == 0 else f"{name}.{k:06d}.bin"
-
-
-def chunk_rows_for(rows: int, row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Rows per chunk file: about ``chunk_bytes``, and a whole number of pages
-    (so the chunks tile one address range), or all rows in one chunk."""
-    unit = PAGE // math.gcd(row_bytes, PAGE)
-    per = max(unit, (max(1, chunk_bytes // row_bytes) // unit) * unit)
-    return rows if per >= rows else per
-
-
-class _Array:
-    """One array: its chunk files, their mapping and their shared/private state."""
-
-    def __init__(self, root: Path, name: str, rec: dict):
-        self.name = name
-        self.rows, self.shape = int(rec["rows"]), tuple(rec["shape"])
-        self.dtype = np.dtype(rec["dtype"])
-        self.row_bytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self.chunk_rows = int(rec["chunk_rows"])
-        self.n = -(-self.rows // self.chunk_rows)
-        self.dir = root / "data"
-        self.chunk_bytes = self.chunk_rows * self.row_bytes  # a page multiple unless n == 1
-        self.sizes = [min(self.chunk_rows, self.rows - k * self.chunk_rows) * self.row_bytes
-                      for k in range(self.n)]
-        self.shared = np.zeros(self.n, dtype=bool)
-        self.digests: list = [None] * self.n  # xxh3 of a shared chunk (files that never change)
-        self.inodes = [0] * self.n
-        self.region = None
-
-    def path(self, k: int) -> Path:
-        return self.dir / chunk_name(self.name, k)
-
-    def offset(self, k: int) -> int:
-        return k * self.chunk_bytes
-
-    def map(self, writable: bool, known: dict) -> None:
-        self.region = Region(self.offset(self.n - 1) + round_up(self.sizes[-1]))
-        for k in range(self.n):
-            self._map_chunk(k, writable, known.get(str(k)))
-        self.flat = self.region.array(self.region.size)
-        self.rw = self.flat[:self.rows * self.row_bytes].view(self.dtype).reshape((self.rows, *self.shape))
-        self.ro = self.rw.view()
-        self.ro.flags.writeable = False
-
-    def _map_chunk(self, k: int, writable: bool, known=None) -> None:
-        p = self.path(k)
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            st = os.fstat(fd)
-            if st.st_size < self.sizes[k]:  # mapping past the end would SIGBUS on access
-                raise IncompatibleSnapshotError(
-                    f"chunk file {p} has {st.st_size} bytes, expected {self.sizes[k]}")
-            shared = st.st_nlink > 1
-            if writable and not shared:
-                os.close(fd)
-                fd = os.open(p, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-            self.region.map_file(self.offset(k), self.sizes[k], fd, writable=writable and not shared)
-        finally:
-            os.close(fd)
-        self.shared[k] = shared
-        self.inodes[k] = st.st_ino
-        self.digests[k] = known[1] if shared and known and known[0] == st.st_ino else None
-
-    def view(self, k: int) -> np.ndarray:
-        """The chunk's bytes as mapped (uint8, padding included)."""
-        o = self.offset(k)
-        return self.flat[o:o + self.sizes[k]]
-
-    def thaw(self, k: int) -> bool:
-        """Make chunk ``k`` private and writable: copy it first if a snapshot
-        holds it. True when a copy replaced the file (the directory changed)."""
-        p = self.path(k)
-        copied = os.stat(p).st_nlink > 1
-        if copied:
-            tmp = p.with_name(p.name + ".cow")
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.posix_fallocate(fd, 0, self.sizes[k])  # a full disk is an OSError here
-                view = memoryview(self.view(k))
-                while view:
-                    view = view[os.write(fd, view):]
-                os.replace(tmp, p)
-            except BaseException:
-                os.close(fd)
-                tmp.unlink(missing_ok=True)
-                raise
-        else:
-            fd = os.open(p, os.O_RDWR)
-        try:
-            self.region.map_file(self.offset(k), self.sizes[k], fd, writable=True)
-            self.inodes[k] = os.fstat(fd).st_ino
-        finally:
-            os.close(fd)
-        self.shared[k] = False
-        self.digests[k] = None
-        return copied
-
-    def chunks_of(self, rows) -> np.ndarray:
-        cr = self.chunk_rows
-        if isinstance(rows, (int, np.integer)):
-            return np.array([int(rows) % self.rows // cr])
-        if isinstance(rows, slice):
-            start, stop, step = rows.indices(self.rows)
-            if step == 1:
-                return np.arange(start // cr, (stop - 1) // cr + 1) if stop > start else np.zeros(0, np.int64)
-            rows = np.arange(start, stop, step)
-        r = np.asarray(rows).reshape(-1)
-        return np.unique(np.where(r < 0, r + self.rows, r) // cr)
 
 
 class MemmapStorage:
