@@ -704,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ray", help="sharded buffer on a local Ray cluster: inserts/s from 2 writer actors and "
                     "samples/s at the learner for 1, 2, 4 shards, beside one local buffer"))
 
-    # storage, snapshot, ray: one subparser and one section each.
+    # Each workload: one subparser here, its code in tools/bench_<workload>.py.
     return parser
 
 
