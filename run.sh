@@ -17,15 +17,20 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 
-install() {  # $1: the extras; skipped when the same request was installed already
-  local stamp="$venv/.bigper-installed-$1" want
-  want="$(cat "$here/pyproject.toml" | sha256sum | cut -c1-16)"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
+install() {  # $1: the extras; skipped when they were installed already from this pyproject.toml
+  local stamp="$venv/.bigper-installed" want have x missing=""
+  want="$(sha256sum < "$here/pyproject.toml" | cut -c1-16)"
+  have=""
+  if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then have="$(tail -n +2 "$stamp")"; fi
+  for x in ${1//,/ }; do grep -qx "$x" <<<"$have" || missing="$missing $x"; done
+  [ -z "$missing" ] && return
+  # The union of what was installed and what is asked: one install serves every mode after it.
+  local all; all="$(printf '%s\n' $have ${1//,/ } | sort -u | paste -sd, -)"
   # A CPU build of torch first, so that torch>=2.1 is already satisfied and no
   # multi-GB CUDA build is pulled in.
   "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-  "${pip[@]}" -e "$here[$1]"
-  echo "$want" > "$stamp"
+  "${pip[@]}" -e "$here[$all]"
+  { echo "$want"; tr ',' '\n' <<<"$all"; } > "$stamp"
 }
 
 case "$cmd" in

@@ -11,6 +11,7 @@ import numpy as np
 from . import _kernels as K
 from ._ingest import as_index
 from .batch import Batch
+from .errors import InvalidArgumentError, InvalidIndexError
 
 if TYPE_CHECKING:
     from .buffer import PrioritizedReplayBuffer
@@ -49,7 +50,7 @@ class EdgeMethods:
         """Leaf values (float64) at ``indices``: 0 for slots not sampleable."""
         idx = as_index(indices)
         if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
-            raise IndexError(f"indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
+            raise InvalidIndexError(f"indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
         return self._tree.leaves[idx]
 
     @property
@@ -62,7 +63,7 @@ class EdgeMethods:
         that share the largest leaf any of them has seen)."""
         v = float(value)
         if not (v > 0 and v < np.inf):
-            raise ValueError(f"value must be finite and > 0, got {value!r}")
+            raise InvalidArgumentError(f"value must be finite and > 0, got {value!r}")
         self._max_leaf = max(self._max_leaf, v)
 
     @property
@@ -80,13 +81,13 @@ class EdgeMethods:
         self._check_open()
         t = np.ascontiguousarray(targets, dtype=np.float64)
         if t.ndim != 1 or t.shape[0] < 1:
-            raise ValueError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
+            raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
         total = self._tree.total
         if not total > 0:
-            raise ValueError(f"cannot sample: no sampleable transition (len={len(self)})")
+            raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={len(self)})")
         bad = K.first_bad_priority(t)
         if bad >= 0 or t.max() >= total:
-            raise ValueError(f"targets must be finite and in [0, {total}), got {t[bad if bad >= 0 else t.argmax()]}")
+            raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad if bad >= 0 else t.argmax()]}")
         idx = self._tree.find(t)
         leaves = self._tree.leaves[idx]
         w = ((leaves / leaves.min()) ** (-float(beta))).astype(np.float32)

@@ -8,6 +8,7 @@ import numpy as np
 from . import _kernels as K
 from ._torch import as_numpy
 from .config import BUILTIN, Config
+from .errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
 
 _OPTIONAL = set(BUILTIN)
 
@@ -33,7 +34,7 @@ class Ingest:
 
     def steps(self, data, priorities, valid):
         if not isinstance(data, dict):
-            raise TypeError(f"extend takes a dict name -> array, got {type(data).__name__}")
+            raise InvalidTypeError(f"extend takes a dict name -> array, got {type(data).__name__}")
         k = self.cfg.num_envs
         first = next(iter(data.values()), None)
         m = np.shape(as_numpy(first))[0] if first is not None and np.ndim(as_numpy(first)) else 0
@@ -45,10 +46,10 @@ class Ingest:
     def _check(self, given: dict, lead: tuple, fn: str, arg: str) -> dict:
         if not given.keys() <= self.inputs.keys():
             unknown = sorted(set(given) - set(self.inputs))
-            raise KeyError(f"{fn}: unknown field(s) {unknown}; expected {sorted(self.inputs)}")
+            raise UnknownFieldError(f"{fn}: unknown field(s) {unknown}; expected {sorted(self.inputs)}")
         if not self.required <= given.keys():
             missing = sorted(self.required - set(given))
-            raise KeyError(f"{fn}: missing field(s) {missing}")
+            raise UnknownFieldError(f"{fn}: missing field(s) {missing}")
         rows = {}
         for name, (shape, dtype) in self.inputs.items():
             if name not in given:
@@ -61,9 +62,9 @@ class Ingest:
             label = f"{arg}[{name!r}]" if arg else name
             v = np.asarray(as_numpy(v))
             if v.shape != lead + shape:
-                raise ValueError(f"{fn}: {label} must have shape {lead + shape}, got {v.shape}")
+                raise InvalidArgumentError(f"{fn}: {label} must have shape {lead + shape}, got {v.shape}")
             if v.dtype != dtype and not np.can_cast(v.dtype, dtype, "same_kind"):
-                raise TypeError(f"{fn}: {label} has dtype {v.dtype}, which cannot be cast safely "
+                raise InvalidTypeError(f"{fn}: {label} has dtype {v.dtype}, which cannot be cast safely "
                                 f"(same_kind) to the field's {dtype}")
             rows[name] = v.astype(dtype, copy=False)
         return rows
@@ -73,7 +74,7 @@ class Ingest:
             return None
         v = np.asarray(as_numpy(valid))
         if v.dtype != np.bool_ or v.shape != lead:
-            raise TypeError(f"valid must be a bool array of shape {lead}, got {v.dtype} {v.shape}")
+            raise InvalidTypeError(f"valid must be a bool array of shape {lead}, got {v.dtype} {v.shape}")
         return v.reshape(m)
 
     def _priorities(self, priorities, lead: tuple, m: int):
@@ -81,13 +82,13 @@ class Ingest:
             return None
         p = np.asarray(as_numpy(priorities))
         if p.dtype.kind not in "fiub":
-            raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
+            raise InvalidTypeError(f"priorities must be numbers, got dtype {p.dtype}")
         if p.shape != lead:
-            raise ValueError(f"priorities must have shape {lead}, got {p.shape}")
+            raise InvalidArgumentError(f"priorities must have shape {lead}, got {p.shape}")
         p = np.ascontiguousarray(p, dtype=np.float64).reshape(m)
         bad = K.first_bad_priority(p)
         if bad >= 0:
-            raise ValueError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
+            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
         return p
 
 
@@ -105,7 +106,7 @@ def as_index(x) -> np.ndarray:
         return x
     a = np.asarray(as_numpy(x))
     if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
-        raise TypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
+        raise InvalidTypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
     return a.astype(np.int64, copy=False)
 
 
@@ -115,10 +116,10 @@ def as_priorities(x, n: int) -> np.ndarray:
     else:
         p = np.asarray(as_numpy(x))
         if p.dtype.kind not in "fiub":
-            raise TypeError(f"priorities must be numbers, got dtype {p.dtype}")
+            raise InvalidTypeError(f"priorities must be numbers, got dtype {p.dtype}")
         p = np.ascontiguousarray(p, dtype=np.float64)
     if p.ndim == 2 and p.shape[1] == 1:
         p = p[:, 0]
     if p.ndim != 1 or p.shape[0] != n:
-        raise ValueError(f"priorities must have shape ({n},) to match the indices, got {p.shape}")
+        raise InvalidArgumentError(f"priorities must have shape ({n},) to match the indices, got {p.shape}")
     return p

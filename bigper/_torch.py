@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict, deque
 
 import numpy as np
+from .errors import InvalidTypeError
 
 # Pinned buffers a field keeps at most; beyond it the oldest one's event is waited on.
 POOL_DEPTH = 3
@@ -136,7 +137,7 @@ def _torch_dtype(torch, dtype: np.dtype, key: str):
     try:
         return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
     except TypeError:
-        raise TypeError(f"field {key!r} has dtype {dtype}, which torch cannot hold") from None
+        raise InvalidTypeError(f"field {key!r} has dtype {dtype}, which torch cannot hold") from None
 
 
 def batch_to_torch(batch, device=None, non_blocking: bool = True) -> dict:
@@ -174,7 +175,7 @@ def _from_numpy(torch, key: str, arr: np.ndarray):
     try:
         return torch.from_numpy(_host_array(arr))
     except TypeError:
-        raise TypeError(f"field {key!r} has dtype {np.asarray(arr).dtype}, which torch cannot hold") from None
+        raise InvalidTypeError(f"field {key!r} has dtype {np.asarray(arr).dtype}, which torch cannot hold") from None
 
 
 def _to_cuda(torch, arrays: dict, dev, non_blocking: bool) -> dict:

@@ -7,10 +7,16 @@ import numpy as np
 from . import _kernels as K
 from . import nstep
 from ._edges import EdgeMethods
+from ._statecheck import check_state
 from ._ingest import Ingest, as_index, as_priorities, to_leaves
 from .batch import Batch
 from .config import Config
-from .errors import IncompatibleSnapshotError
+from .errors import (
+    IncompatibleSnapshotError,
+    InvalidArgumentError,
+    InvalidIndexError,
+    InvalidTypeError,
+)
 from .frames import FrameStore
 from .storage import open_storage
 from .tree import PriorityTree
@@ -63,10 +69,10 @@ class PrioritizedReplayBuffer(EdgeMethods):
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
                            next_of=next_of, num_envs=num_envs, seed=seed, storage=storage)
         if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
-            raise ValueError("n_step > 1 needs a scalar 'reward' field to sum, "
+            raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
                              f"got fields {sorted(cfg.fields)}")
         if cfg.storage == "memory" and (path is not None or read_only):
-            raise ValueError(f"storage='memory' takes no path or read_only, got path={path!r}")
+            raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
         store = open_storage(cfg.storage, path, read_only=read_only, **(storage_options or {}))
         recorded = store.open(cfg.to_dict())
         if recorded is not None:
@@ -126,6 +132,7 @@ class PrioritizedReplayBuffer(EdgeMethods):
         return meta, arrays
 
     def _restore(self, meta: dict, arrays: dict) -> None:
+        check_state(self.config, meta, arrays)
         c = self.config.capacity
         for name, want in (("leaves", (c,)), ("gid", (c,)), ("status", (c,)), ("ends", (c,))):
             got = arrays.get(name)
@@ -199,7 +206,7 @@ class PrioritizedReplayBuffer(EdgeMethods):
             bad = np.flatnonzero(~valid & ~before)
             if bad.size:
                 r = int(bad[0])
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"valid is False for env {(self._count + r) % self.config.num_envs} at row {r}, "
                     "but that env's previous step did not end an episode; valid=False is for the "
                     "reset step of next-step autoreset")
@@ -283,18 +290,18 @@ class PrioritizedReplayBuffer(EdgeMethods):
         """
         self._check_open()
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+            raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if beta is not None:
             try:
                 b = float(beta)
             except (TypeError, ValueError):
-                raise TypeError(f"beta must be a number >= 0, got {beta!r}") from None
+                raise InvalidTypeError(f"beta must be a number >= 0, got {beta!r}") from None
             if not (b >= 0 and b < np.inf):
-                raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
+                raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
         else:
             b = self._cfg_beta(self._beta_step)
         if not self._tree.sums[0] > 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
                 "transition becomes sampleable once its window completes or its episode ends)")
         idx, prob, w = self._tree.sample(self._rng.random(int(batch_size)), stratified=bool(stratified),
@@ -361,10 +368,10 @@ class PrioritizedReplayBuffer(EdgeMethods):
                                          self._gid, self._status, self._pending, cfg.alpha, cfg.eps,
                                          self._maxp)
         if code == 1:
-            raise ValueError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
+            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
         if code:
             why = "out of range [0, capacity)" if code == 2 else "a slot never written"
-            raise IndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity}, "
+            raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity}, "
                              f"len={len(self)})")
         if top > self._max_leaf:
             self._max_leaf = top
@@ -372,14 +379,14 @@ class PrioritizedReplayBuffer(EdgeMethods):
     # -- lifecycle -------------------------------------------------------------
     def _check_open(self):
         if self._closed:
-            raise ValueError("this buffer is closed")
+            raise InvalidArgumentError("this buffer is closed")
 
     def _check_writable(self, what: str = "data"):
         self._check_open()
         store = self._store
         if store.read_only and not (what == "priorities" and getattr(store, "priorities_writable", False)):
             where = getattr(store, "path", None) or getattr(store, "file_path", "")
-            raise ValueError(f"this buffer is read-only ({what}): opened read_only at {where}")
+            raise InvalidArgumentError(f"this buffer is read-only ({what}): opened read_only at {where}")
 
     def close(self) -> None:
         """Flush and release the storage; reopening a disk path resumes."""

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .schedules import as_schedule, schedule_from_dict
+from .errors import InvalidArgumentError, InvalidTypeError
 
 # Per-transition flags every buffer stores, and keys that sampling produces.
 BUILTIN = ("terminated", "truncated")
@@ -22,7 +23,7 @@ def check_name(name, what: str = "field name") -> str:
     """A name that is safe as a file or dataset name: no separators, no
     ``..``, no leading dot, not empty."""
     if not isinstance(name, str) or not _NAME.match(name) or len(name) > 128:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what} must start with a letter or '_' and hold only letters, digits, '_' "
             f"or '-' (it becomes a file name), got {name!r}")
     return name
@@ -34,9 +35,9 @@ def _shape(v, name) -> tuple:
     try:
         shape = tuple(int(d) for d in v)
     except TypeError:
-        raise TypeError(f"fields[{name!r}] shape must be a tuple of ints, got {v!r}") from None
+        raise InvalidTypeError(f"fields[{name!r}] shape must be a tuple of ints, got {v!r}") from None
     if any(d < 1 for d in shape):
-        raise ValueError(f"fields[{name!r}] shape must have positive dimensions, got {shape}")
+        raise InvalidArgumentError(f"fields[{name!r}] shape must have positive dimensions, got {shape}")
     return shape
 
 
@@ -44,7 +45,7 @@ def _number(value, name, *, lo=None, lo_open=False, hi=None, none_ok=False):
     if value is None and none_ok:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+        raise InvalidTypeError(f"{name} must be a number, got {value!r}")
     v = float(value)
     bad = not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) \
         or (hi is not None and v > hi)
@@ -52,13 +53,13 @@ def _number(value, name, *, lo=None, lo_open=False, hi=None, none_ok=False):
         rng = f"{'>' if lo_open else '>='} {lo}" if lo is not None else "finite"
         if hi is not None:
             rng += f" and <= {hi}"
-        raise ValueError(f"{name} must be finite and {rng}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be finite and {rng}, got {value!r}")
     return v
 
 
 def _int(value, name, lo):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
     return int(value)
 
 
@@ -87,22 +88,22 @@ class Config:
               num_envs=1, seed=0, storage="memory") -> "Config":
         capacity = _int(capacity, "capacity", 1)
         if not isinstance(fields, dict) or not fields:
-            raise TypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
+            raise InvalidTypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
         specs = {}
         for name, spec in fields.items():
             check_name(name)
             if name in RESERVED:
-                raise ValueError(f"fields may not define {name!r}: bigper stores or computes it itself")
+                raise InvalidArgumentError(f"fields may not define {name!r}: bigper stores or computes it itself")
             try:
                 shape, dtype = spec
             except (TypeError, ValueError):
-                raise TypeError(f"fields[{name!r}] must be (shape, dtype), got {spec!r}") from None
+                raise InvalidTypeError(f"fields[{name!r}] must be (shape, dtype), got {spec!r}") from None
             try:
                 dt = np.dtype(dtype)
             except TypeError:
-                raise TypeError(f"fields[{name!r}] dtype is not a numpy dtype: {dtype!r}") from None
+                raise InvalidTypeError(f"fields[{name!r}] dtype is not a numpy dtype: {dtype!r}") from None
             if dt.hasobject or dt.fields is not None or dt.kind in "OVUSMm":
-                raise TypeError(f"fields[{name!r}] dtype must be a numeric or bool dtype, got {dt}")
+                raise InvalidTypeError(f"fields[{name!r}] dtype must be a numeric or bool dtype, got {dt}")
             specs[name] = (_shape(shape, name), dt.str)
         if next_of is None:
             next_of = ("obs",) if "obs" in specs else ()
@@ -111,16 +112,16 @@ class Config:
         next_of = tuple(next_of)
         for name in next_of:
             if name not in specs:
-                raise ValueError(f"next_of names {name!r}, which is not in fields {sorted(specs)}")
+                raise InvalidArgumentError(f"next_of names {name!r}, which is not in fields {sorted(specs)}")
             if f"next_{name}" in specs:
-                raise ValueError(f"fields defines 'next_{name}', which next_of={next_of!r} also produces")
+                raise InvalidArgumentError(f"fields defines 'next_{name}', which next_of={next_of!r} also produces")
         if frame_stack is not None:
             frame_stack = _int(frame_stack, "frame_stack", 1)
             if "obs" not in specs:
-                raise ValueError("frame_stack needs an 'obs' field (a stack of frames on axis 0)")
+                raise InvalidArgumentError("frame_stack needs an 'obs' field (a stack of frames on axis 0)")
             obs_shape = specs["obs"][0]
             if len(obs_shape) < 2 or obs_shape[0] != frame_stack:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"frame_stack={frame_stack} needs fields['obs'] of shape ({frame_stack}, ...) "
                     f"with the stack on axis 0, got {obs_shape}")
         n_step = _int(n_step, "n_step", 1)
@@ -129,12 +130,12 @@ class Config:
         eps = _number(eps, "eps", lo=0.0)
         max_priority = _number(max_priority, "max_priority", lo=0.0, lo_open=True, none_ok=True)
         if weight_norm not in WEIGHT_NORMS:
-            raise ValueError(f"weight_norm must be one of {WEIGHT_NORMS}, got {weight_norm!r}")
+            raise InvalidArgumentError(f"weight_norm must be one of {WEIGHT_NORMS}, got {weight_norm!r}")
         num_envs = _int(num_envs, "num_envs", 1)
         if seed is not None:
             seed = _int(seed, "seed", 0)
         if storage not in STORAGES:
-            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+            raise InvalidArgumentError(f"storage must be one of {STORAGES}, got {storage!r}")
         return cls(capacity=capacity, fields=specs, frame_stack=frame_stack, n_step=n_step,
                    gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority,
                    beta=as_schedule(beta).to_dict(), weight_norm=weight_norm, next_of=next_of,

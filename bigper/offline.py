@@ -32,6 +32,7 @@ from .batch import Batch
 from .config import Config
 from .schedules import schedule_from_dict
 from .storage.h5source import LIVE, H5Source, OfflineDatasetError
+from .errors import InvalidArgumentError, InvalidTypeError, PathNotFoundError
 
 __all__ = ["from_hdf5", "reprioritize", "describe", "load_score_fn", "OfflineDatasetError",
            "SidecarMismatchError"]
@@ -191,13 +192,13 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
     """
     src = buf._store
     if not isinstance(src, H5Source):
-        raise TypeError("reprioritize works on buffers opened with PrioritizedReplayBuffer.from_hdf5; "
+        raise InvalidTypeError("reprioritize works on buffers opened with PrioritizedReplayBuffer.from_hdf5; "
                         f"this one has storage {buf.config.storage!r}")
     buf._check_open()
     if not callable(score_fn):
-        raise TypeError(f"score_fn must be callable, got {score_fn!r}")
+        raise InvalidTypeError(f"score_fn must be callable, got {score_fn!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
     batch_size = int(batch_size)
     sc = src.sidecar
     sc.load()
@@ -259,22 +260,22 @@ def _bar(total: int, initial: int, progress: bool, name: str):
 def _check_scores(s, idx: np.ndarray, done: int, where) -> np.ndarray:
     n = idx.shape[0]
     if s is None:
-        raise TypeError(f"score_fn returned None for transitions {done}..{done + n - 1} of {where}; "
+        raise InvalidTypeError(f"score_fn returned None for transitions {done}..{done + n - 1} of {where}; "
                         f"it must return ({n},) scores")
     a = np.asarray(as_numpy(s))
     if a.dtype.kind not in "fiub":
-        raise TypeError(f"score_fn must return numbers, got dtype {a.dtype} for transitions "
+        raise InvalidTypeError(f"score_fn must return numbers, got dtype {a.dtype} for transitions "
                         f"{done}..{done + n - 1} of {where}")
     a = a.astype(np.float64, copy=False)
     if a.ndim == 2 and a.shape[1] == 1:
         a = a[:, 0]
     if a.shape != (n,):
-        raise ValueError(f"score_fn returned scores of shape {a.shape} for a batch of {n} transitions "
+        raise InvalidArgumentError(f"score_fn returned scores of shape {a.shape} for a batch of {n} transitions "
                          f"({done}..{done + n - 1} of {where}); expected shape ({n},). Nothing of this "
                          "batch was written")
     i = first_bad_priority(np.ascontiguousarray(a))
     if i >= 0:
-        raise ValueError(f"score_fn returned {a[i]} for transition {done + i} (slot {idx[i]}, position {i} "
+        raise InvalidArgumentError(f"score_fn returned {a[i]} for transition {done + i} (slot {idx[i]}, position {i} "
                          f"of its batch) of {where}; scores must be finite and >= 0. Nothing of this "
                          "batch was written")
     return a
@@ -285,11 +286,11 @@ def load_score_fn(spec: str):
     """``"package.module:function"`` (or ``"path/to/file.py:function"``) -> the function."""
     mod_name, sep, attr = str(spec).partition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"--score must look like package.module:function, got {spec!r}")
+        raise InvalidArgumentError(f"--score must look like package.module:function, got {spec!r}")
     if mod_name.endswith(".py"):
         path = Path(mod_name)
         if not path.is_file():
-            raise FileNotFoundError(f"--score: no file {path}")
+            raise PathNotFoundError(f"--score: no file {path}")
         mspec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(mspec)
         mspec.loader.exec_module(module)
@@ -301,7 +302,7 @@ def load_score_fn(spec: str):
             raise AttributeError(f"--score: {mod_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TypeError(f"--score: {spec} is not callable")
+        raise InvalidTypeError(f"--score: {spec} is not callable")
     return obj
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from .errors import InvalidArgumentError, InvalidTypeError
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,9 @@ class LinearSchedule:
         for name in ("start", "end"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
-                raise ValueError(f"LinearSchedule {name} must be a finite number, got {v!r}")
+                raise InvalidArgumentError(f"LinearSchedule {name} must be a finite number, got {v!r}")
         if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"LinearSchedule steps must be an int >= 1, got {self.steps!r}")
+            raise InvalidArgumentError(f"LinearSchedule steps must be an int >= 1, got {self.steps!r}")
 
     def __call__(self, step: int) -> float:
         frac = min(max(step, 0) / self.steps, 1.0)
@@ -57,11 +58,11 @@ def as_schedule(beta) -> LinearSchedule | ConstantSchedule:
     if isinstance(beta, (int, float)) and not isinstance(beta, bool):
         b = float(beta)
         if not (b == b and abs(b) != float("inf")) or b < 0:
-            raise ValueError(f"beta must be a finite number >= 0 or a schedule, got {beta!r}")
+            raise InvalidArgumentError(f"beta must be a finite number >= 0 or a schedule, got {beta!r}")
         return ConstantSchedule(b)
     if callable(beta) and hasattr(beta, "to_dict"):
         return beta
-    raise TypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
+    raise InvalidTypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
 
 
 def schedule_from_dict(d: dict):
@@ -70,4 +71,4 @@ def schedule_from_dict(d: dict):
         return LinearSchedule(d["start"], d["end"], d["steps"])
     if d["kind"] == "constant":
         return ConstantSchedule(d["value"])
-    raise ValueError(f"unknown schedule kind {d['kind']!r}")
+    raise InvalidArgumentError(f"unknown schedule kind {d['kind']!r}")

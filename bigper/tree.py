@@ -22,6 +22,7 @@ import mmap
 import numpy as np
 
 from . import _kernels as K
+from .errors import InvalidArgumentError
 
 FANOUT = K.FANOUT
 
@@ -72,7 +73,7 @@ class PriorityTree:
 
     def __init__(self, capacity: int, *, track_min: bool = True):
         if int(capacity) < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+            raise InvalidArgumentError(f"capacity must be >= 1, got {capacity!r}")
         self.capacity = int(capacity)
         self.k = FANOUT
         self.offsets, self.sizes, total = _layout(self.capacity)

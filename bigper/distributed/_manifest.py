@@ -24,7 +24,12 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
+from ..errors import (
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    PathExistsError,
+    PathNotFoundError,
+)
 from ..storage._files import fsync_dir, read_json, write_json
 
 FORMAT = "bigper-sharded"
@@ -35,7 +40,7 @@ POINTER = "latest.json"
 def temp_dir_for(snapshot: Path) -> Path:
     snapshot = Path(snapshot)
     if snapshot.exists():
-        raise FileExistsError(f"snapshot {snapshot} already exists; save to a new directory")
+        raise PathExistsError(f"snapshot {snapshot} already exists; save to a new directory")
     snapshot.parent.mkdir(parents=True, exist_ok=True)
     tmp = snapshot.parent / f".{snapshot.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     tmp.mkdir()
@@ -72,7 +77,7 @@ def read_manifest(snapshot) -> dict:
     snapshot = Path(snapshot)
     path = snapshot / "manifest.json"
     if not path.exists():
-        raise FileNotFoundError(f"no sharded bigper snapshot at {snapshot} (missing manifest.json)")
+        raise PathNotFoundError(f"no sharded bigper snapshot at {snapshot} (missing manifest.json)")
     try:
         m = read_json(path)
     except ValueError as exc:

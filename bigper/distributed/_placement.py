@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 
 from ._shard import Shard
+from ..errors import ShardUnavailableError
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _REMOTE_SHARD = None
@@ -30,7 +31,7 @@ def start_shards(specs: list, *, placement: str, cpus: float, max_restarts: int,
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
         remove_placement_group(pg)
-        raise RuntimeError(
+        raise ShardUnavailableError(
             f"could not place {n} shard(s) of {cpus} CPU each ({placement}) within {timeout:.0f} s; "
             f"the cluster has {ray.available_resources().get('CPU', 0)} CPU free. "
             "Lower num_cpus_per_shard or add nodes.")

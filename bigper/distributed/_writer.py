@@ -19,6 +19,7 @@ import numpy as np
 
 from .._ingest import Ingest
 from ..config import Config
+from ..errors import InvalidArgumentError, ShardUnavailableError
 
 
 def _ray():
@@ -38,10 +39,10 @@ class ShardWriter:
     def __init__(self, shards, config: dict, *, start: int = 0, chunk_size: int = 256,
                  max_in_flight: int = 4):
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+            raise InvalidArgumentError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, (int, np.integer)) \
                 or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+            raise InvalidArgumentError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self._shards = list(shards)
         self._config = config
         self._start = int(start)
@@ -64,7 +65,7 @@ class ShardWriter:
     # -- pickling: a fresh, empty writer on the other side -------------------------
     def __getstate__(self):
         if self._pending or self._in_flight:
-            raise RuntimeError("flush() this ShardWriter before passing it to another process: "
+            raise ShardUnavailableError("flush() this ShardWriter before passing it to another process: "
                                f"{self._pending} step(s) pending, {len(self._in_flight)} chunk(s) in flight")
         return {"shards": self._shards, "config": self._config, "start": self._start,
                 "chunk_size": self.chunk_size, "max_in_flight": self.max_in_flight}

@@ -31,6 +31,7 @@ from ._placement import PLACEMENTS, start_shards, stop_shards
 from ._shard import shard_path
 from ._shardset import ShardSet
 from ._writer import ShardWriter
+from ..errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError, ShardUnavailableError
 
 
 class ShardedPrioritizedBuffer:
@@ -75,30 +76,30 @@ class ShardedPrioritizedBuffer:
                  max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0,
                  max_restarts=-1, actor_options=None, _restore=None):
         if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
-            raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+            raise InvalidArgumentError(f"num_shards must be an int >= 1, got {num_shards!r}")
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack, n_step=n_step,
                            gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority, beta=beta,
                            weight_norm=weight_norm, next_of=next_of, num_envs=num_envs, seed=seed,
                            storage=storage)
         if cfg.capacity < num_shards:
-            raise ValueError(f"capacity must be >= num_shards={num_shards}, got {capacity!r}")
+            raise InvalidArgumentError(f"capacity must be >= num_shards={num_shards}, got {capacity!r}")
         if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+            raise InvalidArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         if not float(num_cpus_per_shard) > 0:
-            raise ValueError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard!r}")
+            raise InvalidArgumentError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard!r}")
         if (cfg.n_step > 1 or cfg.frame_stack) and cfg.num_envs > 1:
-            raise ValueError("a sharded buffer with n_step > 1 or frame_stack needs num_envs=1 "
+            raise InvalidArgumentError("a sharded buffer with n_step > 1 or frame_stack needs num_envs=1 "
                              "(chunks must end at episode ends); give each env its own writer(), "
                              f"got num_envs={num_envs}")
         if storage != "memory" and path is None:
-            raise ValueError(f"storage={storage!r} needs a path=, got None")
+            raise InvalidArgumentError(f"storage={storage!r} needs a path=, got None")
         for name, v in (("chunk_size", chunk_size), ("max_writes_in_flight", max_writes_in_flight),
                         ("max_updates_in_flight", max_updates_in_flight),
                         ("max_pending_updates", max_pending_updates)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
         if not float(shard_timeout_s) > 0:
-            raise ValueError(f"shard_timeout_s must be > 0, got {shard_timeout_s!r}")
+            raise InvalidArgumentError(f"shard_timeout_s must be > 0, got {shard_timeout_s!r}")
         self.config, self.num_shards = cfg, int(num_shards)
         self.fresh_totals = bool(fresh_totals)
         self.shard_timeout_s = float(shard_timeout_s)
@@ -233,11 +234,11 @@ class ShardedPrioritizedBuffer:
         ``indices`` are global (see ``shard_offsets``).
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+            raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if beta is not None:
             b = float(beta)
             if not (b >= 0 and b < np.inf):
-                raise ValueError(f"beta must be finite and >= 0, got {beta!r}")
+                raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
         else:
             b = self._schedule(self._beta_step)
         self._sync()
@@ -258,7 +259,7 @@ class ShardedPrioritizedBuffer:
                 stats = sh.cached()
             totals = np.array([stats[s][0] if s in stats else 0.0 for s in range(self.num_shards)])
             if not totals.sum() > 0:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"cannot sample: no sampleable transition (len={sum(st[2] for st in stats.values())} "
                     f"on {len(stats)} live shard(s) of {self.num_shards})")
             shard, local, total = lay_out(self._rng.random(n), totals, bool(stratified))
@@ -281,7 +282,7 @@ class ShardedPrioritizedBuffer:
                              b, self._norm_batch)
             self._beta_step += 1
             return batch
-        raise RuntimeError(f"sampling failed {self.num_shards + 2} times in a row: shards keep dying")
+        raise ShardUnavailableError(f"sampling failed {self.num_shards + 2} times in a row: shards keep dying")
 
     def _sample_one(self, s: int, n: int, beta: float, stratified: bool):
         """The only live shard lays the draws out itself: one round trip."""
@@ -293,7 +294,7 @@ class ShardedPrioritizedBuffer:
         part, st = reply
         if part.get("empty"):
             self._rng.bit_generator.state = state  # as a local buffer: no draw when empty
-            raise ValueError(f"cannot sample: no sampleable transition (len={st[2]} on the one live "
+            raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={st[2]} on the one live "
                              f"shard of {self.num_shards})")
         return assemble(n, {s: part}, {s: np.arange(n)}, self._offsets, st[0], st[1], beta,
                         self._norm_batch)
@@ -314,11 +315,11 @@ class ShardedPrioritizedBuffer:
         bad = np.flatnonzero(~((p >= 0) & (p < np.inf)))
         if bad.shape[0]:
             i = int(bad[0])
-            raise ValueError(f"priorities must be finite and >= 0, got {p[i]} at position {i}")
+            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[i]} at position {i}")
         out = np.flatnonzero((idx < 0) | (idx >= self.capacity))
         if out.shape[0]:
             bad = int(out[0])
-            raise IndexError(f"indices[{bad}] = {idx[bad]} is out of range [0, capacity) "
+            raise InvalidIndexError(f"indices[{bad}] = {idx[bad]} is out of range [0, capacity) "
                              f"(capacity={self.capacity})")
         if p.shape[0] == 0:
             return
@@ -365,7 +366,7 @@ class ShardedPrioritizedBuffer:
     # -- lifecycle -------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this sharded buffer is closed")
+            raise InvalidArgumentError("this sharded buffer is closed")
 
     def close(self) -> None:
         """Flush, close every shard's storage (disk storages resume on reopen),
@@ -397,7 +398,7 @@ class ShardedPrioritizedBuffer:
         self.close()
 
     def __reduce__(self):
-        raise TypeError("a ShardedPrioritizedBuffer stays in the process that made it; "
+        raise InvalidTypeError("a ShardedPrioritizedBuffer stays in the process that made it; "
                         "pass buf.writer() to other actors")
 
     def __repr__(self) -> str:

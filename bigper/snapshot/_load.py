@@ -26,7 +26,13 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config
-from ..errors import BigperError, CorruptSnapshotError, IncompatibleSnapshotError
+from ..errors import (
+    BigperError,
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    InvalidArgumentError,
+    PathExistsError,
+)
 from ..storage._files import FileLock
 from ._manifest import check_file, check_files, read_manifest
 from ._save import specs_of
@@ -97,7 +103,7 @@ def _fill(store, snap: Path, body: dict, layouts: dict) -> None:
 def _check_apart(live: Path, snap: Path) -> None:
     lv, sn = live.resolve(), snap.resolve()
     if lv == sn or sn in lv.parents or lv in sn.parents:
-        raise ValueError(f"path={str(live)!r} and the snapshot {str(snap)!r} overlap; a load "
+        raise InvalidArgumentError(f"path={str(live)!r} and the snapshot {str(snap)!r} overlap; a load "
                          "never writes into a snapshot, so the live data must live elsewhere")
 
 
@@ -176,7 +182,7 @@ def _peek_hdf5(live: Path):
         with h5py.File(live, "r") as f:
             g = f.get("_bigper")
             if g is None or "meta" not in g.attrs:
-                raise FileExistsError(f"{live} is an HDF5 file but not a bigper storage: "
+                raise PathExistsError(f"{live} is an HDF5 file but not a bigper storage: "
                                       "refusing to replace it")
             import json
 
@@ -199,7 +205,7 @@ def _load_hdf5(cfg, body, snap, live, layouts):
             stale.unlink(missing_ok=True)
         if live.exists():
             if not live.is_file():
-                raise FileExistsError(f"{live} exists and is not a file")
+                raise PathExistsError(f"{live} exists and is not a file")
             _check_previous(_peek_hdf5(live), cfg, live)
             trash = live.with_name(f".{live.name}.trash-{uuid.uuid4().hex[:12]}")
             os.replace(live, trash)
@@ -209,7 +215,7 @@ def _load_hdf5(cfg, body, snap, live, layouts):
     store = HDF5Storage(live, compression=opts.get("compression"))
     if store.open(cfg.to_dict()) is not None:
         store.close()
-        raise FileExistsError(f"{live} was created by another writer during the load")
+        raise PathExistsError(f"{live} was created by another writer during the load")
     try:
         buf = _new_buffer(cfg, store)
         _check_specs(store, layouts, snap, cfg)
@@ -252,13 +258,13 @@ def load(snapshot, *, path=None):
     if kind != "memory":
         live = path if path is not None else body["storage"].get("path")
         if live is None:
-            raise ValueError(f"{snap} records no live path for its {kind} storage; pass path=")
+            raise InvalidArgumentError(f"{snap} records no live path for its {kind} storage; pass path=")
         live = Path(os.path.abspath(live))
         _check_apart(live, snap)
         # every byte checked before the live path changes
         check_files(snap, [(m, body["files"][m]) for rec in body["data"].values() for m in rec["files"]])
     elif path is not None:
-        raise ValueError(f"{snap} holds a storage='memory' buffer, which takes no path=, got {path!r}")
+        raise InvalidArgumentError(f"{snap} holds a storage='memory' buffer, which takes no path=, got {path!r}")
     if kind == "memory":
         from ..storage import MemoryStorage
 

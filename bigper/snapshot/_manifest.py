@@ -37,7 +37,12 @@ from pathlib import Path
 
 import xxhash
 
-from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
+from ..errors import (
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    InvalidArgumentError,
+    PathNotFoundError,
+)
 
 MAGIC = "bigper-snapshot"
 FORMAT = 1
@@ -59,7 +64,7 @@ def encode(body: dict) -> bytes:
     holds the checksum of everything before it."""
     text = json.dumps(body, indent=1, sort_keys=True)
     if not text.endswith("\n}"):
-        raise ValueError("manifest body must be a non-empty dict")
+        raise InvalidArgumentError("manifest body must be a non-empty dict")
     head = text[:-2].encode()
     return head + f',\n "manifest_xxh3_64": "{digest(head)}"\n}}\n'.encode()
 
@@ -86,7 +91,7 @@ def read_manifest(snap: Path) -> dict:
     """Read, check and return the manifest body of the snapshot directory ``snap``."""
     snap = Path(snap)
     if not snap.is_dir():
-        raise FileNotFoundError(f"no snapshot directory at {snap}")
+        raise PathNotFoundError(f"no snapshot directory at {snap}")
     try:
         fd = os.open(snap / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:

@@ -45,6 +45,7 @@ from ..storage._files import fsync_dir
 from ..storage._chunks import chunk_name, chunk_rows_for
 from ._manifest import FORMAT, MAGIC, MANIFEST, digest, encode
 from ._series import TMP_PREFIX
+from ..errors import InvalidArgumentError, InvalidTypeError, PathExistsError
 
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.EOPNOTSUPP,
             getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -101,7 +102,7 @@ class Transaction:
             os.close(fd)
         fsync_all([self.tmp / "state", self.tmp / "data", self.tmp])
         if os.path.lexists(self.target):
-            raise FileExistsError(f"snapshot {self.target} appeared while it was being written")
+            raise PathExistsError(f"snapshot {self.target} appeared while it was being written")
         os.rename(self.tmp, self.target)
         try:
             fsync_dir(self.target.parent)
@@ -251,19 +252,19 @@ def save(buf, snapshot) -> Path:
     buf._check_open()
     kind = getattr(buf._store, "kind", None)
     if kind not in ("memory", "memmap", "hdf5"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"snapshots hold buffers on memory, memmap or hdf5 storage; this buffer's storage is "
             f"{kind!r} (a dataset opened in place is its own data, and reprioritize keeps its "
             "priorities in a sidecar beside it)")
     target = Path(os.path.abspath(snapshot))
     if os.path.lexists(target):
-        raise FileExistsError(f"snapshot {target} exists; snapshots are never overwritten "
+        raise PathExistsError(f"snapshot {target} exists; snapshots are never overwritten "
                               "(pick a new name, or let bigper.Snapshots number them)")
     meta, arrays = buf.state_dict()
     try:
         meta = json.loads(json.dumps(meta))
     except (TypeError, ValueError) as e:
-        raise TypeError(f"the buffer's state_dict meta is not JSON-able: {e}") from None
+        raise InvalidTypeError(f"the buffer's state_dict meta is not JSON-able: {e}") from None
     for name in arrays:
         check_name(name, "state array name")
     _mkdirs(target.parent)

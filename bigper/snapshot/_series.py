@@ -11,7 +11,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError
+from ..errors import CorruptSnapshotError, InvalidArgumentError, PathNotFoundError
 from ..storage._files import fsync_dir
 
 _NAME = re.compile(r"^snap-(\d{8,})$")
@@ -49,7 +49,7 @@ class Snapshots:
 
     def __init__(self, root, keep: int | None = 3):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+            raise InvalidArgumentError(f"keep must be an int >= 1 or None, got {keep!r}")
         self.root = Path(os.path.abspath(root))
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,7 @@ class Snapshots:
             entries = [p for p in reversed(self._entries()) if (p / MANIFEST).exists()] \
                 or list(reversed(self._entries()))
             if not entries:
-                raise FileNotFoundError(f"no snapshot in {self.root}")
+                raise PathNotFoundError(f"no snapshot in {self.root}")
             problems = []
             for i, p in enumerate(entries):
                 try:

@@ -2,6 +2,7 @@
 
 from .base import Storage
 from .memory import MemoryStorage
+from ..errors import InvalidArgumentError
 
 __all__ = ["Storage", "MemoryStorage", "open_storage"]
 
@@ -14,7 +15,7 @@ def open_storage(kind: str, path=None, **options):
     if kind == "memory":
         return MemoryStorage()
     if path is None:
-        raise ValueError(f"storage={kind!r} needs a path=, got None")
+        raise InvalidArgumentError(f"storage={kind!r} needs a path=, got None")
     if kind == "memmap":
         from .memmap import MemmapStorage
 
@@ -23,4 +24,4 @@ def open_storage(kind: str, path=None, **options):
         from .hdf5 import HDF5Storage
 
         return HDF5Storage(path, **options)
-    raise ValueError(f"storage must be 'memory', 'memmap' or 'hdf5', got {kind!r}")
+    raise InvalidArgumentError(f"storage must be 'memory', 'memmap' or 'hdf5', got {kind!r}")

@@ -25,6 +25,7 @@ import os
 import sys
 
 import numpy as np
+from ..errors import InvalidArgumentError
 
 PAGE = mmap.PAGESIZE
 
@@ -71,7 +72,7 @@ class Region:
         was there. Only the last chunk of a region may end inside a page (the
         rest of that page reads as zeros and is never written back)."""
         if offset % PAGE or length < 1 or offset + round_up(length) > self.size:
-            raise ValueError(f"bad chunk placement: offset {offset}, length {length}, region {self.size}")
+            raise InvalidArgumentError(f"bad chunk placement: offset {offset}, length {length}, region {self.size}")
         prot = PROT_READ | (PROT_WRITE if writable else 0)
         want = self.addr + offset
         got = _libc.mmap(want, length, prot, MAP_SHARED | MAP_FIXED, fd, 0)

@@ -39,7 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StorageLockedError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidIndexError,
+    PathNotFoundError,
+    StorageLockedError,
+    UnknownFieldError,
+)
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
 from ._h5map import map_column, read_column, row_order
 
@@ -69,10 +75,10 @@ class H5Source(Layouts):
         import h5py
 
         if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+            raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.path = Path(dataset).expanduser().absolute()
         if not self.path.exists():
-            raise FileNotFoundError(f"no dataset at {self.path}")
+            raise PathNotFoundError(f"no dataset at {self.path}")
         self.file_path = self.path
         if self.path.is_dir():
             self.file_path = self.path / "data" / "main_data.hdf5"
@@ -173,13 +179,13 @@ class H5Source(Layouts):
         flags = name in ("terminated", "truncated")
         col = None if flags else self.columns.get(name)
         if col is None and not flags:
-            raise KeyError(f"{name!r} is not a field of {self.path}; fields: {sorted(self.columns)}")
+            raise UnknownFieldError(f"{name!r} is not a field of {self.path}; fields: {sorted(self.columns)}")
         # bigper's layout holds arrays of other lengths (the frame ring): bound by the array
         limit = int(col.seg_rows[0]) if col is not None and self.recorded else self.n
         seg, t, uniq, inverse = self._plan_for(rows)
         if uniq.shape[0] and (uniq[0] < 0 or uniq[-1] >= limit):
             bad = uniq[0] if uniq[0] < 0 else uniq[-1]
-            raise IndexError(f"row {bad} of {name!r} is out of range [0, {limit}) in {self.path}")
+            raise InvalidIndexError(f"row {bad} of {name!r} is out of range [0, {limit}) in {self.path}")
         if flags:
             out = (self.ends[uniq] & (1 if name == "terminated" else 2)) != 0
         else:
@@ -212,7 +218,7 @@ class H5Source(Layouts):
         return seg, t, r, inverse
 
     def write(self, name, rows, values):
-        raise ValueError(f"{self.path} is an offline dataset, opened read-only: add and extend cannot "
+        raise InvalidArgumentError(f"{self.path} is an offline dataset, opened read-only: add and extend cannot "
                          "write to it (update_priorities can)")
 
     def flush(self) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from ._files import FileLock, fsync_dir, preallocate
 from ._state import check_meta
+from ..errors import InvalidArgumentError, PathNotFoundError
 
 FORMAT = "bigper-hdf5"
 VERSION = 1
@@ -43,7 +44,7 @@ class HDF5Storage:
 
     def __init__(self, path, *, read_only: bool = False, compression=None):
         if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+            raise InvalidArgumentError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         self.path = Path(path)
         self.read_only = read_only
         self.compression = compression
@@ -57,7 +58,7 @@ class HDF5Storage:
     def open(self, config: dict) -> dict | None:
         h5py = _h5py()
         if not self.path.exists() and self.read_only:
-            raise FileNotFoundError(f"no bigper HDF5 storage at {self.path}")
+            raise PathNotFoundError(f"no bigper HDF5 storage at {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock_path = self.path.with_name(self.path.name + ".lock")
         self._lock_created = not lock_path.exists()

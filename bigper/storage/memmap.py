@@ -34,7 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import IncompatibleSnapshotError
+from ..errors import (
+    IncompatibleSnapshotError,
+    InvalidArgumentError,
+    PathExistsError,
+    PathNotFoundError,
+)
 from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
 from ._files import FileLock, fsync_dir, preallocate, read_json, write_json
 from ._state import check_meta, load_state_dir, save_state_dir
@@ -51,9 +56,9 @@ class MemmapStorage:
     def __init__(self, path, *, read_only: bool = False, takeover: bool = False,
                  chunk_bytes: int = CHUNK_BYTES):
         if takeover and read_only:
-            raise ValueError("takeover=True needs a writer; read_only must be False")
+            raise InvalidArgumentError("takeover=True needs a writer; read_only must be False")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
+            raise InvalidArgumentError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
         self.path = Path(path)
         self.read_only = read_only
         self.takeover = takeover
@@ -76,9 +81,9 @@ class MemmapStorage:
         meta_path = self.path / "meta.json"
         if not meta_path.exists() or self.takeover:
             if self.read_only:
-                raise FileNotFoundError(f"no bigper memmap storage at {self.path}")
+                raise PathNotFoundError(f"no bigper memmap storage at {self.path}")
             if self.path.exists() and not self.path.is_dir():
-                raise FileExistsError(f"{self.path} exists and is not a directory")
+                raise PathExistsError(f"{self.path} exists and is not a directory")
             self._created = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
         self._lock = FileLock(self.path / ".lock", shared=self.read_only)
@@ -105,7 +110,7 @@ class MemmapStorage:
         so a caller that finds ``previous`` unacceptable can still ``abort``."""
         foreign = sorted(e for e in os.listdir(self.path) if e not in _OWN and not e.startswith(".trash-"))
         if foreign:
-            raise FileExistsError(
+            raise PathExistsError(
                 f"{self.path} holds {foreign[:5]}, which a bigper memmap storage does not: "
                 "refusing to take it over (pass an empty or bigper directory as path)")
         try:
@@ -244,7 +249,7 @@ class MemmapStorage:
         for k in a.chunks_of(rows):
             if a.shared[k]:
                 if self.read_only:
-                    raise ValueError(f"{self.path} is open read_only")
+                    raise InvalidArgumentError(f"{self.path} is open read_only")
                 self._renamed |= a.thaw(int(k))
                 self._nshared -= 1
 
