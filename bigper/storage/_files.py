@@ -1,37 +1,183 @@
-"""File helpers shared by the disk storages and snapshots: locks, durable
-JSON, preallocation."""
+"""File helpers shared by the disk storages and snapshots: safe opening of
+untrusted files, locks, durable JSON, preallocation."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 from pathlib import Path
 
-from ..errors import StorageLockedError
+from ..errors import CorruptSnapshotError, StorageLockedError
+
+# Largest JSON file bigper reads (meta.json, a sidecar's meta): far above any it writes.
+JSON_LIMIT = 64 << 20
+
+
+def open_regular(path, flags: int = os.O_RDONLY, *, dir_fd: int | None = None,
+                 follow: bool = False, mode: int = 0o644, error=CorruptSnapshotError) -> int:
+    """Open ``path`` as a regular file without ever blocking, and return the fd.
+
+    Everything bigper reads from disk is untrusted: a FIFO in place of a data
+    file would block ``open``/``read`` forever, a device could be read without
+    end, and a symlink could lead outside the directory bigper was given. So
+    the file is opened with ``O_NONBLOCK`` (a FIFO opens at once), with
+    ``O_NOFOLLOW`` unless ``follow`` (the last component may not be a symlink),
+    then ``fstat``-ed: anything but a regular file is closed and refused.
+    ``O_NONBLOCK`` is cleared again before returning (it means nothing for a
+    regular file, but callers get an ordinary fd).
+
+    Parameters
+    ----------
+    path : str or Path
+        The file; relative to ``dir_fd`` when that is given.
+    flags : int
+        ``os.open`` flags (``O_RDONLY``, ``O_RDWR | O_CREAT``, ...).
+    dir_fd : int, optional
+        A directory fd that ``path`` is resolved in.
+    follow : bool
+        Allow the last component to be a symlink (for paths a user gave, not
+        names bigper reads from its own records).
+    mode : int
+        Permissions of a file that ``O_CREAT`` creates.
+    error : type
+        The ``BigperError`` class raised for a file that is not regular (or a
+        symlink where none may be); ``CorruptSnapshotError`` by default.
+
+    Returns
+    -------
+    int
+        An open fd of a regular file; the caller closes it.
+
+    Raises
+    ------
+    error
+        ``path`` is a FIFO, socket, device, directory or (unless ``follow``) a symlink.
+    FileNotFoundError, OSError
+        As ``os.open`` raises them otherwise (a missing file is the caller's to word).
+    """
+    extra = os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags | extra, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise error(f"{path} is a symbolic link; bigper opens only regular files it names") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR, errno.EWOULDBLOCK, errno.ENODEV, errno.EOPNOTSUPP):
+            raise error(f"{path} is not a regular file ({e.strerror})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file")
+            raise error(f"{path} is {kind}, not a regular file; refused")
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path, *, limit: int = JSON_LIMIT, dir_fd: int | None = None,
+                 follow: bool = False, error=CorruptSnapshotError) -> bytes:
+    """The bytes of the regular file ``path`` (opened by ``open_regular``);
+    ``error`` when it holds more than ``limit`` bytes."""
+    fd = open_regular(path, os.O_RDONLY, dir_fd=dir_fd, follow=follow, error=error)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise error(f"{path} has {size} bytes, more than the {limit} bigper ever writes there")
+        out = bytearray()
+        while len(out) <= limit:
+            chunk = os.read(fd, max(1, min(limit + 1 - len(out), 8 << 20)))
+            if not chunk:
+                break
+            out += chunk
+        if len(out) > limit:
+            raise error(f"{path} grew past {limit} bytes while it was read")
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+# Locks this process holds, by (device, inode) of the lock file: flock is per open
+# file, so a second open in the same process conflicts like another process would,
+# and the error can say that the holder is this very process (a buffer not closed).
+_HELD: dict[tuple[int, int], str] = {}
 
 
 class FileLock:
     """An flock on ``path``: released by the kernel when the process dies, so
     a killed writer never blocks the next one. Exclusive for writers, shared
-    for readers."""
+    for readers. A writer records its PID in the lock file, so the error of a
+    second one can say who holds it."""
 
     def __init__(self, path: Path, *, shared: bool = False, owner=None):
         self.path = Path(path)
         owner = owner if owner is not None else self.path.parent
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+        st = os.fstat(self.fd)
+        self.key = (st.st_dev, st.st_ino)
         try:
             fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
+            who = self._holder()
             os.close(self.fd)
             self.fd = -1
-            who = "a writer" if shared else "another writer or reader"
             raise StorageLockedError(
-                f"{owner} is in use by {who} (lock {self.path} is held); "
-                "one writer per storage path") from None
+                f"{owner} is in use by {who} (lock {self.path} is held); one writer per storage "
+                "path") from None
+        except BaseException:
+            os.close(self.fd)
+            self.fd = -1
+            raise
+        if not shared:
+            try:  # who holds it, for the next one's error; a failure here only loses that line
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError:
+                pass
+        _HELD[self.key] = "a writer" if not shared else "a reader"
+
+    def _holder(self) -> str:
+        if self.key in _HELD:
+            return (f"{_HELD[self.key]} in this process (pid {os.getpid()}): a buffer on this path "
+                    "is still open; close() it first")
+        try:
+            pid = int(os.pread(self.fd, 32, 0).decode().strip() or "x")
+        except (OSError, ValueError, UnicodeDecodeError):
+            return "another process (a writer or readers)"
+        if pid == os.getpid():  # recorded by a writer of this process that holds it still
+            return f"a writer in this process (pid {pid}): a buffer on this path is still open"
+        return f"process {pid} (or readers that opened it after that process)"
+
+    @staticmethod
+    def holder_pid(path) -> int | None:
+        """The PID a live writer recorded in the lock file ``path``, or None
+        when no writer holds it (probed with a shared, non-blocking flock)."""
+        try:
+            fd = open_regular(path, os.O_RDONLY)
+        except (OSError, CorruptSnapshotError):
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    return int(os.pread(fd, 32, 0).decode().strip())
+                except (OSError, ValueError, UnicodeDecodeError):
+                    return -1
+            return None
+        finally:
+            os.close(fd)  # releases a probe lock
 
     def release(self) -> None:
         if self.fd >= 0:
+            _HELD.pop(self.key, None)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
@@ -50,7 +196,7 @@ def write_durable(path: Path, data: bytes) -> None:
     it into place and fsync the directory."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         view = memoryview(data)
         while view:
@@ -66,15 +212,21 @@ def write_json(path: Path, obj) -> None:
     write_durable(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
-def read_json(path: Path):
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+def read_json(path: Path, *, error=CorruptSnapshotError):
+    """The JSON in the regular file ``path``; ``error`` for a special file, a
+    symlink, a huge file, or bytes that are not JSON (a 100,000-deep list
+    included). A missing file raises ``FileNotFoundError``."""
+    raw = read_regular(path, error=error)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise error(f"{path} is not valid JSON: {str(e)[:200]}") from None
 
 
-def preallocate(path: Path, nbytes: int) -> None:
+def preallocate(path: Path, nbytes: int, *, follow: bool = False) -> None:
     """Create ``path`` with ``nbytes`` really reserved on disk: a full disk is
     an OSError here, never a SIGBUS when a mapped page is first written."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow=follow)
     try:
         if nbytes > 0:
             os.posix_fallocate(fd, 0, nbytes)
