@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import _import_bigper, interleaved_blocks, print_header, print_table
+from benchkit import import_bigper, interleaved_blocks, print_header, print_table
 
 OBS, ACT = 17, 6
 FRAME = (84, 84)
@@ -222,7 +222,7 @@ def sample_both(bigper, src: Path, twin_path: Path, open_twin, side: Path, round
 
 
 def run_offline(size: str, root: Path, cold: bool = True, say=print) -> dict:
-    bigper = _import_bigper()
+    bigper = import_bigper()
     n_vec, n_atari = SIZES[size]
     quick = size == "quick"
     rounds, blocks = (50, 5) if quick else (200, 7)

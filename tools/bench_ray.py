@@ -33,7 +33,8 @@ import time
 
 import numpy as np
 
-from bench import _REPO_ROOT, _fmt, _import_bigper, print_header, print_table, versions
+from benchkit import REPO_ROOT as _REPO_ROOT, fmt as _fmt, import_bigper as _import_bigper  # noqa: I001
+from benchkit import print_header, print_table, versions
 
 OBS = 64
 BATCH = 256

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import _import_bigper, print_header, print_table, versions
+from benchkit import import_bigper, print_header, print_table, versions
 
 FRAME = (84, 84)
 FIELDS = {"obs": (FRAME, np.uint8), "action": ((), np.int64), "reward": ((), np.float32)}
@@ -134,7 +134,7 @@ class _CowClock:
 
 
 def run_snapshot(capacity: int, where: Path) -> dict:
-    bigper = _import_bigper()
+    bigper = import_bigper()
     from bigper.snapshot import load
 
     rng = np.random.default_rng(0)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import _fmt, _import_bigper, print_header, print_table, ratio, versions
+from benchkit import fmt, import_bigper, print_header, print_table, ratio, versions
 
 KINDS = ("memory", "memmap", "hdf5", "hdf5-lzf")
 FRAME = (84, 84)
@@ -95,7 +95,7 @@ class Steps:
 
 
 def open_buffer(kind: str, capacity: int, root: Path, **kw):
-    bigper = _import_bigper()
+    bigper = import_bigper()
     if kind == "hdf5-lzf":
         kw["storage_options"] = {"compression": "lzf"}
     if kind != "memory":
@@ -155,7 +155,7 @@ def make_round(buf, pool):
 
 
 def interleaved_wall_cpu(fns: dict, n: int, repeats: int, warmup: int, block_s: float = 0.25) -> dict:
-    """Like ``bench.interleaved_blocks``, with the process's CPU time of each
+    """Like ``benchkit.interleaved_blocks``, with the process's CPU time of each
     block beside its wall time (µs per call): on a shared, loaded machine the
     CPU time is the steadier of the two for work that does not wait on a disk.
     A slow function gets fewer calls a block (about ``block_s`` seconds, at
@@ -289,17 +289,17 @@ def print_storages(rep: dict) -> None:
                "warm us", "warm cpu us", "cold us"]
     rows = []
     for kind, r in rep["results"].items():
-        rows.append([kind, _fmt(r["create_s"], ".3f"), _fmt(r["add_per_s"], ",.0f"),
-                     _fmt(r["extend_per_s"], ",.0f"), _fmt(r["close_s"], ".2f"),
-                     _fmt(r["durable_per_s"], ",.0f"),
-                     f"{r['bytes_per_transition']:,.0f} ({r['where']})", _fmt(r["warm_us"], ".1f"),
-                     _fmt(r["warm_cpu_us"], ".1f"),
-                     _fmt(r.get("cold_us"), ".1f") if kind != "memory" else "-"])
+        rows.append([kind, fmt(r["create_s"], ".3f"), fmt(r["add_per_s"], ",.0f"),
+                     fmt(r["extend_per_s"], ",.0f"), fmt(r["close_s"], ".2f"),
+                     fmt(r["durable_per_s"], ",.0f"),
+                     f"{r['bytes_per_transition']:,.0f} ({r['where']})", fmt(r["warm_us"], ".1f"),
+                     fmt(r["warm_cpu_us"], ".1f"),
+                     fmt(r.get("cold_us"), ".1f") if kind != "memory" else "-"])
     print_table(headers, rows)
     print(f"cold: {rep['cold']}")
     for name, v in rep["ratios"].items():
         target = f"  (target <= {TARGET_MEMMAP_OVER_MEMORY})" if name.startswith("memmap/memory") else ""
-        print(f"  {name}: {_fmt(v, '.2f')}{target}")
+        print(f"  {name}: {fmt(v, '.2f')}{target}")
     for kind, r in rep["results"].items():
         b = r["warm_us_blocks"]
         print(f"  {kind} warm block range us: {min(b):.1f}-{max(b):.1f} "
@@ -330,7 +330,7 @@ class RssSampler(threading.Thread):
 
 
 def run_million(quick: bool, root: Path, say=print) -> dict:
-    bigper = _import_bigper()
+    bigper = import_bigper()
     cap = 1_000_000
     fill = 100_000 if quick else cap
     steps = Steps(next_obs=False)
