@@ -1,13 +1,177 @@
 """Validation of a recorded buffer state (from a snapshot or a reopened
 storage) before any of it is used: everything read from disk is hostile
-until checked. Raises ``CorruptSnapshotError`` naming the field and value."""
+until checked. Raises ``CorruptSnapshotError`` naming the field and value.
+
+What a buffer of config ``cfg`` can have written (``buffer.py`` ``_setup``,
+``_write_chunk``; ``frames.py`` ``state``)::
+
+    meta    count        int, 0 <= count < 2**62
+            max_leaf     float, finite, > 0, >= every leaf
+            beta_step    int, 0 <= beta_step < 2**62
+            env_ended    list of num_envs bools
+            rng          a PCG64 state that numpy accepts
+            frames       {"fw": int} with frame stacks
+    arrays  leaves       float64 (C,), finite, >= 0; 0 unless the slot is live
+            gid          int64 (C,): slot s holds the newest transition number
+                         g < count with g % C == s, or -1 if none was written
+            status       uint8 (C,) in {empty, live, pending, dead}; empty iff gid < 0
+            ends         uint8 (C,) in 0..3 (bit 0 terminated, bit 1 truncated)
+            pending      float64 (C,) with n_step > 1 else (0,), finite, >= 0
+            frames_*     the frame ring's per-env stream state (see frames.py)
+
+Every check is one numpy pass over the arrays (O(N)); nothing is allocated
+from a recorded size before the recorded arrays are known to have it.
+"""
 
 from __future__ import annotations
 
-from .errors import CorruptSnapshotError  # noqa: F401
+import numpy as np
+
+from .errors import CorruptSnapshotError
+from .frames import frame_capacity
+
+EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3  # buffer.py's slot status values
+_BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
+_BASE = ("leaves", "gid", "status", "ends", "pending")
+_FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr", "frames_minref")
+
+
+def _bad(what: str):
+    raise CorruptSnapshotError(f"recorded buffer state: {what}")
+
+
+def _int(meta: dict, key: str, lo: int = 0, hi: int = _BIG) -> int:
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
+        _bad(f"{key} must be an int in [{lo}, {hi}), got {v!r:.80}")
+    return v
+
+
+def _array(arrays: dict, name: str, dtype, shape: tuple) -> np.ndarray:
+    a = arrays.get(name)
+    if not isinstance(a, np.ndarray):
+        _bad(f"array {name!r} is missing")
+    if a.dtype != np.dtype(dtype) or a.shape != shape:
+        _bad(f"array {name!r} must be {np.dtype(dtype)} of shape {shape}, got {a.dtype} of shape {a.shape}")
+    return a
+
+
+def _rng(state) -> None:
+    if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
+        _bad(f"rng must be a PCG64 state, got {str(state)[:80]!r}")
+    try:
+        np.random.PCG64().state = state  # numpy's own check of every field
+    except Exception as e:  # noqa: BLE001  (any refusal by numpy is a corrupt state)
+        _bad(f"rng state is not one numpy accepts: {str(e)[:120]}")
+
+
+def expected_gid(count: int, capacity: int) -> np.ndarray:
+    """The transition number each slot holds after ``count`` adds (-1: none)."""
+    s = np.arange(capacity, dtype=np.int64)
+    if count == 0:
+        return np.full(capacity, -1, dtype=np.int64)
+    g = s + ((count - 1 - s) // capacity) * capacity
+    return np.where(s < count, g, -1)
 
 
 def check_state(cfg, meta: dict, arrays: dict) -> None:
     """Check the JSON counters ``meta`` and the bookkeeping ``arrays`` of a
     buffer with config ``cfg``; raise ``CorruptSnapshotError`` on anything a
-    buffer could not have written."""
+    buffer could not have written.
+
+    Parameters
+    ----------
+    cfg : Config
+        The buffer's validated config (capacity, n_step, num_envs, frame_stack).
+    meta : dict
+        ``state_dict()[0]`` as recorded (JSON).
+    arrays : dict
+        name -> ndarray, ``state_dict()[1]`` as recorded.
+    """
+    if not isinstance(meta, dict) or not isinstance(arrays, dict):
+        _bad(f"meta and arrays must be a dict, got {type(meta).__name__} and {type(arrays).__name__}")
+    c, envs = cfg.capacity, cfg.num_envs
+    want = set(_BASE) | (set(_FRAMES) if cfg.frame_stack else set())
+    have = set(arrays)
+    if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
+        have.add("pending")
+        arrays = {**arrays, "pending": np.zeros(0, np.float64)}
+    if have != want:
+        _bad(f"arrays {sorted(have)} differ from the expected {sorted(want)}")
+
+    count = _int(meta, "count")
+    _int(meta, "beta_step")
+    top = meta.get("max_leaf")
+    if isinstance(top, bool) or not isinstance(top, (int, float)) or not np.isfinite(top) or top <= 0:
+        _bad(f"max_leaf must be a finite number > 0, got {top!r:.80}")
+    ended = meta.get("env_ended")
+    if not isinstance(ended, list) or len(ended) != envs or not all(isinstance(e, bool) for e in ended):
+        _bad(f"env_ended must be a list of {envs} bools, got {str(ended)[:80]}")
+    _rng(meta.get("rng"))
+
+    leaves = _array(arrays, "leaves", np.float64, (c,))
+    gid = _array(arrays, "gid", np.int64, (c,))
+    status = _array(arrays, "status", np.uint8, (c,))
+    ends = _array(arrays, "ends", np.uint8, (c,))
+    pending = _array(arrays, "pending", np.float64, (c if cfg.n_step > 1 else 0,))
+
+    bad = np.flatnonzero(~np.isfinite(leaves) | (leaves < 0))
+    if bad.size:
+        _bad(f"leaves[{bad[0]}] = {leaves[bad[0]]!r} (a leaf is finite and >= 0)")
+    if leaves.size and leaves.max() > top:
+        _bad(f"max_leaf {top!r} is below the largest leaf {leaves.max()!r}")
+    bad = np.flatnonzero(~np.isfinite(pending) | (pending < 0))
+    if bad.size:
+        _bad(f"pending[{bad[0]}] = {pending[bad[0]]!r} (a pending leaf is finite and >= 0)")
+    bad = np.flatnonzero(status > DEAD)
+    if bad.size:
+        _bad(f"status[{bad[0]}] = {status[bad[0]]} (not one of 0 empty, 1 live, 2 pending, 3 dead)")
+    bad = np.flatnonzero(ends > 3)
+    if bad.size:
+        _bad(f"ends[{bad[0]}] = {ends[bad[0]]} (episode-end flags are 0..3)")
+    bad = np.flatnonzero(gid != expected_gid(count, c))
+    if bad.size:
+        s = int(bad[0])
+        _bad(f"gid[{s}] = {gid[s]}, but after count {count} slot {s} holds transition "
+             f"{expected_gid(count, c)[s]}")
+    bad = np.flatnonzero((gid < 0) != (status == EMPTY))
+    if bad.size:
+        _bad(f"slot {bad[0]} has gid {gid[bad[0]]} and status {status[bad[0]]} (written iff not empty)")
+    bad = np.flatnonzero((leaves > 0) & (status != LIVE))
+    if bad.size:
+        _bad(f"slot {bad[0]} has leaf {leaves[bad[0]]!r} but status {status[bad[0]]}: only a live "
+             "transition can be sampled")
+    if cfg.n_step == 1 and (status == PENDING).any():
+        _bad(f"slot {np.flatnonzero(status == PENDING)[0]} waits for an n-step window, but n_step is 1")
+    if cfg.frame_stack:
+        _check_frames(cfg, meta, arrays, count, status)
+
+
+def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray) -> None:
+    """The frame ring's stream state (``frames.py`` ``FrameStore.state``)."""
+    k, envs, c = cfg.frame_stack, cfg.num_envs, cfg.capacity
+    fm = meta.get("frames")
+    if not isinstance(fm, dict):
+        _bad(f"frames must be a dict with frame stacks, got {str(fm)[:80]}")
+    # Each transition writes at most the 2k frames of its two stacks.
+    fw = _int(fm, "fw", 0, 2 * k * count + 1)
+    shape = cfg.shape("obs")
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * cfg.dtype("obs").itemsize
+    _array(arrays, "frames_last", np.uint8, (envs, k, row_bytes))
+    last_ref = _array(arrays, "frames_last_ref", np.int64, (envs, k))
+    has_last = _array(arrays, "frames_has_last", np.bool_, (envs,))
+    ptr = _array(arrays, "frames_ptr", np.int64, (envs,))
+    minref = _array(arrays, "frames_minref", np.int64, (c,))
+    live = last_ref[has_last]
+    if live.size and (live.min() < 0 or live.max() >= fw):
+        _bad(f"frames_last_ref holds a frame outside the {fw} frames written")
+    e = np.arange(envs, dtype=np.int64)
+    bad = np.flatnonzero((ptr < 0) | (ptr % envs != e) | (ptr >= count + envs))
+    if bad.size:
+        _bad(f"frames_ptr[{bad[0]}] = {ptr[bad[0]]} (env {bad[0]}'s expiry pointer after {count} steps)")
+    used = (status == LIVE) | (status == PENDING)
+    refs = minref[used]
+    lo = fw - frame_capacity(c, k, envs)
+    if refs.size and (refs.min() < max(lo, 0) or refs.max() >= fw):
+        _bad(f"frames_minref: a sampleable transition references frames outside the ring "
+             f"[{max(lo, 0)}, {fw})")
