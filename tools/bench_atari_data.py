@@ -37,7 +37,7 @@ def real_frames(n: int = N_FRAMES) -> tuple[np.ndarray, str]:
         import gymnasium as gym
         from gymnasium.wrappers import AtariPreprocessing
     except ImportError as exc:
-        from bench_storage import frames as synthetic
+        from bench_storage_data import frames as synthetic
 
         return synthetic(n), f"synthetic frames ({short_error(exc)})"
     gym.register_envs(ale_py)
