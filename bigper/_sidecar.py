@@ -11,36 +11,60 @@
       .lock                  flock of the one writer
 
 ``meta.json`` is replaced atomically and names every file it relies on, with
-an xxh64 checksum of the bytes it vouches for; a file it does not name is left
-over from an interrupted write and is removed by the next writer. Scores are
-kept raw, so reopening with another ``alpha`` or ``eps`` transforms them anew;
-leaves saved at close record the ``alpha``, ``eps`` and ``max_priority`` they
-were made with and are used only when those match.
+an xxh64 checksum of the bytes it vouches for; a file of bigper's own naming
+that it does not name is left over from an interrupted write and is removed by
+the next writer. Scores are kept raw, so reopening with another ``alpha`` or
+``eps`` transforms them anew; leaves saved at close record the ``alpha``,
+``eps`` and ``max_priority`` they were made with and are used only when those
+match.
+
+Everything in the directory is untrusted (a sidecar can come in a tarball
+beside the dataset): ``meta.json`` is checked field by field, the file names it
+gives must be names bigper itself makes (``scores-<12 hex>.f64``,
+``leaves-<12 hex>.npy``), they are opened with ``O_NOFOLLOW | O_NONBLOCK`` as
+regular files only, a file written in place must have one link and not be the
+dataset, and only files of bigper's naming are ever deleted.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
+import io
+import math
 import os
+import re
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-from .errors import CorruptSnapshotError, SidecarMismatchError, StorageLockedError
-from .storage._files import fsync_dir, preallocate, write_durable, write_json
+from .errors import CorruptSnapshotError, PathExistsError, SidecarMismatchError, StorageLockedError
+from .storage._files import fsync_dir, open_regular, read_json, write_durable, write_json
 
 FORMAT = "bigper-priorities"
 VERSION = 1
 
-
+_NAMES = {"scores": re.compile(r"scores-[0-9a-f]{12}\.f64"), "partial": re.compile(r"scores-[0-9a-f]{12}\.f64"),
+          "leaves": re.compile(r"leaves-[0-9a-f]{12}\.npy")}
+# Every name bigper creates in a sidecar; nothing else there is ever deleted.
+_OURS = re.compile(r"(scores-[0-9a-f]{12}\.f64|leaves-[0-9a-f]{12}\.npy|\.meta\.json\.tmp"
+                   r"|\.leaves-[0-9a-f]{12}\.npy\.tmp|\.lock|meta\.json)")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_NPY_HEADER = 4096  # more than np.save ever writes before the data of a 1-D float64 array
 
 
 def _xxh(data) -> str:
     import xxhash
 
     return xxhash.xxh64(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class Sidecar:
@@ -54,12 +78,16 @@ class Sidecar:
         The dataset's ``H5Source.fingerprint()``.
     rows : int
         Slots (one score per slot).
+    protect : tuple of (int, int), optional
+        ``(st_dev, st_ino)`` of the dataset's file: a sidecar file that is the
+        dataset (a hard link) is never opened for writing.
     """
 
-    def __init__(self, path, fingerprint: dict, rows: int):
+    def __init__(self, path, fingerprint: dict, rows: int, protect=None):
         self.path = Path(path)
         self.fingerprint = fingerprint
         self.rows = int(rows)
+        self.protect = protect
         self.meta = None
         self._lock_fd = -1
         self._scores_fd, self._scores_name = -1, None
@@ -72,38 +100,109 @@ class Sidecar:
     # -- reading -------------------------------------------------------------
     def load(self) -> dict | None:
         """Read and check ``meta.json``; None when there is no sidecar yet."""
-        if self.path.exists() and not self.path.is_dir():
+        if os.path.lexists(self.path) and not self.path.is_dir():
             raise SidecarMismatchError(f"priorities path {self.path} is a file, not a sidecar directory")
         mp = self.path / "meta.json"
-        if not mp.exists():
+        try:
+            meta = read_json(mp)
+        except FileNotFoundError:
             self.meta = None
             return None
-        try:
-            meta = json.loads(mp.read_bytes())
-        except ValueError as e:
-            raise CorruptSnapshotError(f"{mp} is not valid JSON: {e}") from None
+        except NotADirectoryError:
+            raise SidecarMismatchError(f"priorities path {self.path} is not a directory") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise SidecarMismatchError(f"{self.path} is not a bigper priorities sidecar")
         if meta.get("version") != VERSION:
             raise SidecarMismatchError(f"{self.path} has sidecar version {meta.get('version')!r}; "
                                        f"this bigper reads version {VERSION}")
-        theirs, ours = meta.get("dataset", {}), self.fingerprint
-        diff = [f"{k}: sidecar {theirs.get(k)!r} != dataset {ours[k]!r}"
+        theirs, ours = meta.get("dataset"), self.fingerprint
+        if not isinstance(theirs, dict):
+            raise CorruptSnapshotError(f"{mp}: 'dataset' must be an object, got {theirs!r:.80}")
+        diff = [f"{k}: sidecar {theirs.get(k)!r:.80} != dataset {ours[k]!r}"
                 for k in ("layout", "transitions", "schema", "episodes") if theirs.get(k) != ours[k]]
         if diff:
             raise SidecarMismatchError(
-                f"priorities sidecar {self.path} was made for another dataset ({theirs.get('name')!r}); "
+                f"priorities sidecar {self.path} was made for another dataset ({theirs.get('name')!r:.80}); "
                 + "; ".join(diff) + ". Pass priorities= another path, or delete it to start over")
+        for key in ("scores", "partial", "leaves"):
+            self._check_entry(mp, key, meta.get(key))
         self.meta = meta
         return meta
 
+    def _check_entry(self, mp: Path, key: str, e) -> None:
+        """Every field of entry ``key`` of meta.json: types, ranges, a name bigper makes."""
+        if e is None:
+            return
+
+        def bad(what):
+            raise CorruptSnapshotError(f"{mp}: {key!r} entry {what}")
+
+        if not isinstance(e, dict):
+            bad(f"must be an object, got {e!r:.80}")
+        name = e.get("file")
+        if not isinstance(name, str) or not _NAMES[key].fullmatch(name):
+            bad(f"names the file {name!r:.80}, not one bigper writes ({_NAMES[key].pattern}); refused")
+        if not isinstance(e.get("xxh64"), str) or not _HEX16.fullmatch(e["xxh64"]):
+            bad(f"has checksum {e.get('xxh64')!r:.80}, not 16 hex digits")
+        n = self.rows
+        if key == "scores":
+            if not _is_int(e.get("total")) or not 0 <= e["total"] <= n:
+                bad(f"has total {e.get('total')!r:.80}; expected an int in [0, {n}]")
+        elif key == "partial":
+            for k in ("done", "total", "rows_valid", "batch_size"):
+                if not _is_int(e.get(k)):
+                    bad(f"has {k} {e.get(k)!r:.80}; expected an int")
+            if not 0 <= e["done"] <= e["total"] <= n:
+                bad(f"has done {e['done']} and total {e['total']}; expected 0 <= done <= total <= {n}")
+            if not 0 <= e["rows_valid"] <= n or e["batch_size"] < 1:
+                bad(f"has rows_valid {e['rows_valid']} and batch_size {e['batch_size']}; expected "
+                    f"0 <= rows_valid <= {n} and batch_size >= 1")
+        else:
+            for k in ("alpha", "eps"):
+                if not _is_num(e.get(k)):
+                    bad(f"has {k} {e.get(k)!r:.80}; expected a finite number")
+            if e.get("max_priority") is not None and not _is_num(e["max_priority"]):
+                bad(f"has max_priority {e['max_priority']!r:.80}; expected null or a finite number")
+
+    def _open(self, name: str, flags: int = os.O_RDONLY) -> int:
+        """``name`` (a plain name checked by ``load``) inside the sidecar, as a regular file, never a
+        symlink; a file opened for writing must have one link and not be the dataset."""
+        if "/" in name or name in (".", ".."):  # names come from _check_entry or uuid; never a path
+            raise CorruptSnapshotError(f"{self.path}: {name!r} is not a plain file name")
+        p = self.path / name
+        try:
+            fd = open_regular(p, flags)
+        except FileNotFoundError:
+            raise CorruptSnapshotError(f"{p}, named in {self.path / 'meta.json'}, is missing") from None
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            st = os.fstat(fd)
+            if st.st_nlink != 1 or (self.protect is not None and (st.st_dev, st.st_ino) == tuple(self.protect)):
+                os.close(fd)
+                what = "is the dataset itself" if st.st_nlink == 1 else f"has {st.st_nlink} links"
+                raise CorruptSnapshotError(f"{p} {what}; bigper writes only files it created (one link), "
+                                           "never the dataset; refused")
+        return fd
+
     def _read_f64(self, entry: dict, count: int) -> np.ndarray:
         p = self.path / entry["file"]
+        fd = self._open(entry["file"])
         try:
-            a = np.fromfile(p, dtype="<f8", count=count)
+            size = os.fstat(fd).st_size
+            if size != self.rows * 8:  # every scores file is preallocated to one float64 a slot
+                raise CorruptSnapshotError(f"{p} has {size} bytes; a scores file of {self.rows} slots has "
+                                           f"{self.rows * 8}")
+            a = np.empty(count, dtype="<f8")
+            view, off = memoryview(a).cast("B"), 0
+            while off < view.nbytes:
+                got = os.preadv(fd, [view[off:]], off)
+                if got <= 0:
+                    raise CorruptSnapshotError(f"{p} ended at byte {off} while it was read")
+                off += got
         except OSError as e:
             raise CorruptSnapshotError(f"{p} cannot be read: {e}") from None
-        if a.shape[0] != count or _xxh(a) != entry["xxh64"]:
+        finally:
+            os.close(fd)
+        if _xxh(a) != entry["xxh64"]:
             raise CorruptSnapshotError(f"{p} does not match its checksum in {self.path / 'meta.json'}")
         return a
 
@@ -127,12 +226,22 @@ class Sidecar:
         if e is None or [e["alpha"], e["eps"], e["max_priority"]] != [alpha, eps, max_priority]:
             return None
         p = self.path / e["file"]
+        fd = self._open(e["file"])
         try:
-            a = np.load(p, allow_pickle=False)
-        except (OSError, ValueError) as err:
+            size = os.fstat(fd).st_size
+            if size > self.rows * 8 + _NPY_HEADER:
+                raise CorruptSnapshotError(f"{p} has {size} bytes, more than {self.rows} float64 leaves need")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read(self.rows * 8 + _NPY_HEADER + 1)
+            a = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
             raise CorruptSnapshotError(f"{p} cannot be read: {err}") from None
+        finally:
+            os.close(fd)
         if a.shape != (self.rows,) or a.dtype != np.float64 or _xxh(a) != e["xxh64"]:
             raise CorruptSnapshotError(f"{p} does not match its checksum in {self.path / 'meta.json'}")
+        if not (np.isfinite(a).all() and (a >= 0).all()):
+            raise CorruptSnapshotError(f"{p} holds leaves that are negative or not finite")
         return a
 
     def describe(self) -> str:
@@ -153,8 +262,18 @@ class Sidecar:
     def lock(self) -> None:
         if self._lock_fd >= 0:
             return
+        if os.path.lexists(self.path) and not self.path.is_dir():
+            raise SidecarMismatchError(f"priorities path {self.path} is a file, not a sidecar directory")
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # A directory without meta.json is taken only when all it holds is bigper's own
+        # names (an interrupted first run); anything else is someone's, untouched.
+        if not os.path.lexists(self.path / "meta.json"):
+            foreign = sorted(p.name for p in self.path.iterdir() if not _OURS.fullmatch(p.name))
+            if foreign:
+                raise PathExistsError(f"priorities path {self.path} holds files bigper did not create "
+                                      f"({foreign[:5]}); pass priorities= an empty or new directory")
+        # Read-only is enough for flock: the lock file is never written, whatever it is.
+        fd = open_regular(self.path / ".lock", os.O_RDONLY | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -162,7 +281,11 @@ class Sidecar:
             raise StorageLockedError(f"priorities sidecar {self.path} is being written by another "
                                      "process (its .lock is held)") from None
         self._lock_fd = fd
-        self.load()  # what the last writer committed
+        try:
+            self.load()  # what the last writer committed
+        except BaseException:
+            self.unlock()
+            raise
 
     @property
     def locked(self) -> bool:
@@ -176,11 +299,13 @@ class Sidecar:
             self._lock_fd = -1
 
     def _commit(self, meta: dict) -> None:
+        # A planted temporary name (a hard link to another file) must not be truncated in place.
+        (self.path / ".meta.json.tmp").unlink(missing_ok=True)
         write_json(self.path / "meta.json", meta)
         self.meta = meta
         keep = {"meta.json", ".lock"} | {meta[k]["file"] for k in ("scores", "partial", "leaves") if meta.get(k)}
         for p in self.path.iterdir():
-            if p.name not in keep:
+            if p.name not in keep and _OURS.fullmatch(p.name):
                 p.unlink(missing_ok=True)
 
     def _base(self) -> dict:
@@ -191,30 +316,52 @@ class Sidecar:
     def start_run(self, total: int, batch_size: int) -> dict:
         """A new partial scores file (preallocated); returns its entry (not yet committed)."""
         name = f"scores-{uuid.uuid4().hex[:12]}.f64"
-        preallocate(self.path / name, self.rows * 8)
+        fd = open_regular(self.path / name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            if self.rows:
+                os.posix_fallocate(fd, 0, self.rows * 8)
+        except BaseException:
+            os.close(fd)
+            (self.path / name).unlink(missing_ok=True)
+            raise
+        self._close_scores()
+        self._scores_fd, self._scores_name = fd, name
         return {"file": name, "done": 0, "total": int(total), "rows_valid": 0, "xxh64": _xxh(np.zeros(0)),
                 "batch_size": int(batch_size)}
 
     def write_scores(self, entry: dict, lo: int, values: np.ndarray) -> None:
         """Write ``values`` (float64) at slots ``lo ..`` of the partial file (not durable yet)."""
+        if not 0 <= lo <= self.rows - values.shape[0]:
+            raise CorruptSnapshotError(f"{self.path}: scores at slot {lo} ({values.shape[0]} of them) "
+                                       f"fall outside its {self.rows} slots")
         if self._scores_fd < 0 or self._scores_name != entry["file"]:
             self._close_scores()
-            self._scores_fd = os.open(self.path / entry["file"], os.O_WRONLY)
+            self._scores_fd = self._open(entry["file"], os.O_WRONLY)
             self._scores_name = entry["file"]
-        os.pwrite(self._scores_fd, memoryview(np.ascontiguousarray(values, dtype="<f8")).cast("B"), lo * 8)
+        data = memoryview(np.ascontiguousarray(values, dtype="<f8")).cast("B")
+        off = lo * 8
+        while data.nbytes:
+            got = os.pwrite(self._scores_fd, data, off)
+            data, off = data[got:], off + got
 
     def _close_scores(self) -> None:
         if self._scores_fd >= 0:
             os.close(self._scores_fd)
             self._scores_fd = -1
 
-    def commit_progress(self, entry: dict, done: int, scores: np.ndarray, rows_valid: int) -> None:
-        """Make the partial file durable up to slot ``rows_valid`` and record ``done`` transitions."""
-        fd = os.open(self.path / entry["file"], os.O_RDONLY)
+    def _sync_scores(self, entry: dict) -> None:
+        if self._scores_fd >= 0 and self._scores_name == entry["file"]:
+            os.fsync(self._scores_fd)
+            return
+        fd = self._open(entry["file"])
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def commit_progress(self, entry: dict, done: int, scores: np.ndarray, rows_valid: int) -> None:
+        """Make the partial file durable up to slot ``rows_valid`` and record ``done`` transitions."""
+        self._sync_scores(entry)
         entry = dict(entry, done=int(done), rows_valid=int(rows_valid), xxh64=_xxh(scores[:rows_valid]))
         meta = self._base()
         meta["partial"] = entry
@@ -222,11 +369,7 @@ class Sidecar:
 
     def finish_run(self, entry: dict, scores: np.ndarray) -> None:
         """The partial file becomes the complete scores; saved leaves are dropped (they are older)."""
-        fd = os.open(self.path / entry["file"], os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self._sync_scores(entry)
         meta = self._base()
         meta["scores"] = {"file": entry["file"], "total": entry["total"], "xxh64": _xxh(scores)}
         meta["partial"] = meta["leaves"] = None
@@ -234,10 +377,9 @@ class Sidecar:
 
     def save_leaves(self, leaves: np.ndarray, alpha: float, eps: float, max_priority) -> None:
         name = f"leaves-{uuid.uuid4().hex[:12]}.npy"
-        import io
-
         buf = io.BytesIO()
         np.save(buf, np.ascontiguousarray(leaves, dtype=np.float64), allow_pickle=False)
+        (self.path / f".{name}.tmp").unlink(missing_ok=True)
         write_durable(self.path / name, buf.getvalue())
         meta = self._base()
         meta["leaves"] = {"file": name, "alpha": alpha, "eps": eps, "max_priority": max_priority,

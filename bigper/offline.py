@@ -39,7 +39,8 @@ __all__ = ["from_hdf5", "reprioritize", "describe", "load_score_fn", "OfflineDat
 
 
 def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps=None, beta=None,
-              max_priority=None, weight_norm=None, gamma=None, seed=0, cache_bytes: int = 64 << 20):
+              max_priority=None, weight_norm=None, gamma=None, seed=0, cache_bytes: int = 64 << 20,
+              allow_external: bool = False):
     """Open an HDF5 dataset in place as a read-only prioritized buffer.
 
     Parameters
@@ -57,6 +58,11 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps
         Seed of the sampling RNG.
     cache_bytes : int
         h5py chunk cache for datasets read through h5py (compressed ones).
+    allow_external : bool
+        Read datasets whose data lies outside the file (HDF5 external raw storage,
+        external links, virtual datasets of other files). Off by default: an untrusted
+        file could otherwise return the bytes of any file you can read. Refused ones
+        raise ``OfflineDatasetError`` naming the dataset and its target.
 
     Returns
     -------
@@ -67,12 +73,12 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps
     """
     from .buffer import PrioritizedReplayBuffer
 
-    src = H5Source(dataset, layout=layout, cache_bytes=cache_bytes)
+    src = H5Source(dataset, layout=layout, cache_bytes=cache_bytes, allow_external=allow_external)
     try:
         cfg = _config(src, alpha=alpha, eps=eps, beta=beta, max_priority=max_priority,
                       weight_norm=weight_norm, gamma=gamma, seed=seed)
         where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
-        sidecar = Sidecar(where, src.fingerprint(), src.n)
+        sidecar = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
         sidecar.load()
         buf = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
         buf._setup(cfg, src)
@@ -327,7 +333,7 @@ def describe(path, priorities=None) -> str:
         lines.append(f"    {'truncated':<{w}}  {'()':<14} {'bool':<8} <- end flags, bit 1")
         lines.extend(f"  note: {n}" for n in src.notes)
         where = Sidecar.default_path(path) if priorities is None else Path(priorities)
-        sc = Sidecar(where, src.fingerprint(), src.n)
+        sc = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
         try:
             sc.load()
             lines.append("  " + sc.describe())

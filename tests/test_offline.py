@@ -349,7 +349,7 @@ def test_bad_datasets(tmp_path):
     with pytest.raises(FileNotFoundError, match="no dataset at"):
         PRB.from_hdf5(tmp_path / "missing.hdf5")
     (tmp_path / "text.hdf5").write_text("not hdf5")
-    with pytest.raises(OSError, match="text.hdf5"):
+    with pytest.raises(OfflineDatasetError, match="text.hdf5.*cannot be opened as an HDF5 file"):
         PRB.from_hdf5(tmp_path / "text.hdf5")
     p = tmp_path / "norewards.hdf5"
     write_d4rl(p)

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 
 import numpy as np
 
 from ..errors import OfflineDatasetError, StorageLockedError
+from ._files import open_regular, read_regular
+from ._h5guard import check_row_bytes, check_rows
 from ._h5map import Column
 
 LIVE, DEAD = 1, 3  # the buffer's slot status codes
 _RESERVED = {"terminated", "truncated", "discount", "priorities"}
 _FLAG_BLOCK = 1 << 20
+_MAX_DEPTH = 32  # nested observation groups deeper than this are not a Minari space
+_METADATA_LIMIT = 16 << 20
 
 
 
@@ -32,15 +37,23 @@ def _safe_name(text: str) -> str:
     return name if re.match(r"[A-Za-z_]", name) else f"f_{name}"
 
 
-def _leaves(node, parts=()):
-    """``(parts, dataset)`` for every dataset under ``node`` (itself when it is one), sorted."""
+def _leaves(node, parts=(), seen=None):
+    """``(parts, dataset)`` for every dataset under ``node`` (itself when it is one), sorted.
+
+    A group reached twice (hard links can make cycles) is entered once, and the
+    depth is bounded: a crafted file cannot recurse without end."""
     import h5py
 
     if isinstance(node, h5py.Dataset):
         return [(parts, node)]
+    seen = set() if seen is None else seen
+    if node.id in seen or len(parts) > _MAX_DEPTH:
+        raise OfflineDatasetError(f"{node.file.filename}: group {node.name!r} is reached twice or nests "
+                                  f"deeper than {_MAX_DEPTH} levels (a link cycle?)")
+    seen.add(node.id)
     out = []
     for key in sorted(node.keys()):
-        out.extend(_leaves(node[key], parts + (key,)))
+        out.extend(_leaves(node[key], parts + (key,), seen))
     return out
 
 
@@ -53,6 +66,9 @@ def _flags(d, n: int) -> np.ndarray:
     if d.shape not in ((n,), (n, 1)):
         raise OfflineDatasetError(f"{d.file.filename}: dataset {d.name!r} must have shape ({n},), "
                                   f"got {d.shape}")
+    if d.dtype.hasobject or d.dtype.kind not in "biuf":
+        raise OfflineDatasetError(f"{d.file.filename}: dataset {d.name!r} holds {d.dtype}; end flags "
+                                  "must be bool, int or float")
     out = np.empty(n, dtype=bool)
     for a in range(0, n, _FLAG_BLOCK):
         out[a:a + _FLAG_BLOCK] = np.asarray(d[a:a + _FLAG_BLOCK]).reshape(-1) != 0
@@ -79,6 +95,7 @@ class Layouts:
         n = obs.shape[0] if obs.ndim else 0
         if n == 0:
             raise OfflineDatasetError(f"{self.file_path}: dataset 'observations' holds no transitions")
+        check_rows(n, self.file_path, "dataset 'observations'")
         named = {"observations": "obs", "actions": "action", "rewards": "reward"}
         ds = {k: self._need(f, k) for k in (*named, "terminals")}
         for key in ("timeouts", "next_observations"):
@@ -144,17 +161,21 @@ class Layouts:
             col.seg_rows = np.array([n], dtype=np.int64)
 
     def _open_minari(self, f) -> None:
+        import h5py
+
         keys = sorted((int(k[8:]), k) for k in f.keys() if re.fullmatch(r"episode_\d+", k))
         if not keys:
             raise OfflineDatasetError(f"{self.file_path}: no episode_<i> groups (Minari layout)")
         spaces = {}
         meta_path = self.file_path.parent / "metadata.json"
-        if meta_path.is_file():
-            try:
-                meta = json.loads(meta_path.read_text())
+        if os.path.lexists(meta_path):
+            try:  # a regular file of bounded size: a FIFO or device there is ignored, never read
+                meta = json.loads(read_regular(meta_path, limit=_METADATA_LIMIT, follow=True,
+                                               error=OfflineDatasetError))
                 spaces = {"observations": json.loads(meta.get("observation_space") or "null"),
                           "actions": json.loads(meta.get("action_space") or "null")}
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, AttributeError, RecursionError, OSError) as e:
+                self.notes.append(f"{meta_path} ignored: {str(e)[:200]}")
                 spaces = {}
         schema = None       # name -> (shape, dtype, relative path, shift, extra rows)
         paths: dict[str, list] = {}
@@ -162,7 +183,11 @@ class Layouts:
         lengths, ends, skipped = [], [], 0
         for _, key in keys:
             g = f[key]
-            steps = self._need(g, "rewards", f"{key}/").shape[0]
+            if not isinstance(g, h5py.Group):
+                raise OfflineDatasetError(f"{self.file_path}: {key} is not a group (Minari layout)")
+            rewards = self._need(g, "rewards", f"{key}/")
+            steps = rewards.shape[0] if rewards.ndim else 0
+            check_rows(sum(lengths) + steps, self.file_path, f"the episodes up to {key}")
             if steps == 0:
                 skipped += 1
                 continue
@@ -246,24 +271,41 @@ class Layouts:
         return out
 
     def _open_bigper(self, f) -> None:
+        import h5py
+
         from ._state import check_meta
         from .hdf5 import FORMAT, VERSION
 
         lock = self.file_path.with_name(self.file_path.name + ".lock")
-        if lock.exists():  # a writer holds it exclusively while the buffer is open
-            fd = os.open(lock, os.O_RDONLY)
+        if os.path.lexists(lock):  # a writer holds it exclusively while the buffer is open
+            fd = open_regular(lock, os.O_RDONLY, error=OfflineDatasetError)
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise StorageLockedError(f"{self.file_path} is open in a writer (lock {lock} is held)") from None
             self._lock_fd = fd
-        meta = check_meta(json.loads(f["_bigper"].attrs["meta"]), FORMAT, VERSION, self.file_path)
+        raw = f["_bigper"].attrs["meta"]
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "replace")
+        if not isinstance(raw, str) or len(raw) > _METADATA_LIMIT:
+            raise OfflineDatasetError(f"{self.file_path}: /_bigper's meta attribute is not a JSON string")
+        meta = check_meta(json.loads(raw), FORMAT, VERSION, self.file_path)
+        self._check_bigper_meta(f, meta)
         g = f.get("_bigper/state")
-        if g is None or meta.get("state") is None:
+        if not isinstance(g, h5py.Group) or meta.get("state") is None:
             raise OfflineDatasetError(f"{self.file_path}: no recorded buffer state in /_bigper/state")
-        arrays = {name: g[name][()] for name in g}
-        cap = int(meta["config"]["capacity"])
+        cap = meta["config"]["capacity"]
+        arrays = {}
+        for name in g:
+            d = g.get(name)
+            if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
+                raise OfflineDatasetError(f"{self.file_path}: recorded state {name!r} is not a numeric dataset")
+            # state arrays hold a few numbers per slot: a bigger one is crafted, not read
+            if math.prod(d.shape) * d.dtype.itemsize > 64 * (cap + 1024):
+                raise OfflineDatasetError(f"{self.file_path}: recorded state {name!r} of shape {d.shape} is "
+                                          f"larger than any state of a {cap}-slot buffer")
+            arrays[name] = d[()]
         for name in ("gid", "status", "ends"):
             if name not in arrays or arrays[name].shape != (cap,):
                 raise OfflineDatasetError(f"{self.file_path}: recorded state array {name!r} is missing or "
@@ -278,6 +320,40 @@ class Layouts:
             col.seg_rows = np.array([a["rows"]], dtype=np.int64)
             self.columns[name] = col
         self.next_of = tuple(meta["config"].get("next_of", ()))
+
+
+    def _check_bigper_meta(self, f, meta: dict) -> None:
+        """The recorded config's capacity and every array's rows, shape and dtype, against the
+        file's datasets: a crafted meta must not make the map read other bytes than the data."""
+        import h5py
+
+        def bad(what):
+            raise OfflineDatasetError(f"{self.file_path}: /_bigper meta {what}")
+
+        cfg, arrays = meta.get("config"), meta.get("arrays")
+        if not isinstance(cfg, dict) or not isinstance(arrays, dict):
+            bad("has no config or arrays object")
+        cap = cfg.get("capacity")
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            bad(f"has capacity {cap!r:.80}; expected an int >= 1")
+        check_rows(cap, self.file_path, "the recorded config")
+        for name, a in arrays.items():
+            if not isinstance(a, dict) or not isinstance(name, str) or "/" in name or name.startswith("_"):
+                bad(f"names array {name!r:.80} with {a!r:.80}")
+            d = f.get(name)
+            if not isinstance(d, h5py.Dataset):
+                bad(f"names array {name!r}, which is not a dataset of the file")
+            try:
+                dt = np.dtype(a.get("dtype"))
+                shape = tuple(int(x) for x in a.get("shape"))
+            except (TypeError, ValueError):
+                bad(f"gives array {name!r} dtype {a.get('dtype')!r:.40} and shape {a.get('shape')!r:.80}")
+            rows = a.get("rows")
+            if dt.hasobject or dt.kind not in "biuf" or dt != d.dtype or (rows, *shape) != d.shape \
+                    or isinstance(rows, bool):
+                bad(f"records array {name!r} as {rows!r:.20} rows of {shape} {dt}; the dataset is "
+                    f"{d.shape} {d.dtype}")
+            check_row_bytes(shape, dt.itemsize, self.file_path, name)
 
 
 def _space_leaf(space, parts):

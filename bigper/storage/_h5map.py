@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._kernels import kernel
+from ._h5guard import check_row_bytes
 
 # Rows of a contiguous dataset read as one h5py block when read through h5py.
 _BLOCK_BYTES = 1 << 16
@@ -105,8 +106,13 @@ class Column:
         return "memory-mapped" if self.mapped_all else ("partly mapped" if self.mapped_any else "via h5py")
 
 
-def _dataset_map(d, row_bytes: int):
-    """``(chunk_rows, chunk addresses)`` of dataset ``d``, or None where rows are not plain bytes."""
+def _dataset_map(d, row_bytes: int, size: int):
+    """``(chunk_rows, chunk addresses)`` of dataset ``d``, or None where rows are not plain bytes.
+
+    Every byte the map would serve must lie inside the file's ``size`` bytes: a
+    crafted address past the end would make the gather read outside the map
+    (a crash, not an error), so it is refused here, naming the dataset.
+    """
     from h5py import h5d
 
     rows = d.shape[0]
@@ -118,37 +124,57 @@ def _dataset_map(d, row_bytes: int):
     layout = dcpl.get_layout()
     if layout == h5d.CONTIGUOUS:
         off = d.id.get_offset()
-        return None if off is None else (rows, np.array([off], dtype=np.int64))
+        if off is None:
+            return None
+        if off + rows * row_bytes > size:
+            raise _outside(d, off, rows * row_bytes, size)
+        return rows, np.array([off], dtype=np.int64)
     if layout != h5d.CHUNKED or dcpl.get_nfilters() or tuple(d.chunks[1:]) != tuple(d.shape[1:]):
         return None
     cr = int(d.chunks[0])
     addr = np.full(-(-rows // cr), -1, dtype=np.int64)
+    bad = []
 
     def visit(info):
         c = info.chunk_offset[0] // cr
         if c < addr.shape[0]:
-            addr[c] = info.byte_offset
+            off = int(info.byte_offset)
+            need = min(cr, rows - c * cr) * row_bytes
+            if off + need > size:
+                bad.append((off, need))
+            else:
+                addr[c] = off
 
     try:
         d.id.chunk_iter(visit)
     except (AttributeError, NotImplementedError):  # HDF5 < 1.12.3: one call per chunk
         for i in range(d.id.get_num_chunks()):
             visit(d.id.get_chunk_info(i))
+    if bad:
+        raise _outside(d, bad[0][0], bad[0][1], size)
     if (addr < 0).any() and np.any(d.fillvalue):
         return None  # unwritten chunks read as a non-zero fill value: leave that to h5py
     return cr, addr
 
 
+def _outside(d, off: int, nbytes: int, size: int):
+    from ._h5layouts import OfflineDatasetError
+
+    return OfflineDatasetError(f"{d.file.filename}: dataset {d.name!r} declares {nbytes:,} bytes of data at "
+                               f"byte {off:,}, past the end of the file ({size:,} bytes); a truncated or "
+                               "crafted file")
+
+
 def map_column(col: Column, f, mm) -> None:
     """Fill ``col``'s map from the open h5py file ``f``; ``mm`` is its uint8 memory map or None."""
     e = len(col.paths)
-    col.row_bytes = int(np.prod(col.shape, dtype=np.int64)) * col.dtype.itemsize
+    col.row_bytes = check_row_bytes(col.shape, col.dtype.itemsize, f.filename, col.name)
     col.chunk_rows = np.zeros(e, dtype=np.int64)
     col.first_chunk = np.zeros(e, dtype=np.int64)
     tables = []
     n = 0
     for s, path in enumerate(col.paths):
-        got = _dataset_map(f[path], col.row_bytes) if mm is not None else None
+        got = _dataset_map(f[path], col.row_bytes, mm.shape[0]) if mm is not None else None
         if got is None:
             continue
         col.chunk_rows[s], table = got
@@ -156,8 +182,6 @@ def map_column(col: Column, f, mm) -> None:
         tables.append(table)
         n += table.shape[0]
     col.chunk_addr = np.concatenate(tables) if tables else np.zeros(1, dtype=np.int64)
-    if tables and n and int(col.chunk_addr.max()) + col.row_bytes > mm.shape[0]:
-        col.chunk_rows[:] = 0  # addresses past the end of the file: not this file's bytes
     col.mapped_any = bool((col.chunk_rows > 0).any())
     col.mapped_all = bool((col.chunk_rows > 0).all())
     if col.mapped_any:

@@ -40,12 +40,17 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import (
+    IncompatibleSnapshotError,
     InvalidArgumentError,
     InvalidIndexError,
+    InvalidTypeError,
     PathNotFoundError,
     StorageLockedError,
+    UncleanStorageError,
     UnknownFieldError,
 )
+from ._files import open_regular
+from ._h5guard import check_links
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
 from ._h5map import map_column, read_column, row_order
 
@@ -71,41 +76,75 @@ class H5Source(Layouts):
     read_only = True
     priorities_writable = True
 
-    def __init__(self, dataset, *, layout: str = "auto", cache_bytes: int = 64 << 20):
+    def __init__(self, dataset, *, layout: str = "auto", cache_bytes: int = 64 << 20,
+                 allow_external: bool = False):
         import h5py
 
         if layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(allow_external, bool):
+            raise InvalidTypeError(f"allow_external must be True or False, got {allow_external!r}")
         self.path = Path(dataset).expanduser().absolute()
-        if not self.path.exists():
+        if not os.path.lexists(self.path):
             raise PathNotFoundError(f"no dataset at {self.path}")
         self.file_path = self.path
         if self.path.is_dir():
             self.file_path = self.path / "data" / "main_data.hdf5"
-            if not self.file_path.is_file():
+            if not os.path.lexists(self.file_path):
                 raise OfflineDatasetError(f"{self.path} is a directory without data/main_data.hdf5 "
                                           "(a Minari dataset directory holds one)")
         self.notes: list[str] = []
         self.on_close = None
         self._lock_fd = -1
-        self._fd = -1
         self._map = None
+        self._file = None
+        # The file itself first, without blocking: a FIFO or a device in its place (or at
+        # the end of a symlink the user gave) is refused before HDF5 opens it. Read-only,
+        # here and in h5py: nothing in bigper ever opens a dataset for writing.
         try:
-            self._file = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes)
+            self._fd = open_regular(self.file_path, os.O_RDONLY, follow=True, error=OfflineDatasetError)
+        except FileNotFoundError:
+            raise PathNotFoundError(f"no dataset at {self.file_path} (a dangling symlink?)") from None
+        except OSError as e:
+            raise OfflineDatasetError(f"{self.file_path} cannot be opened: {e.strerror}") from None
+        st = os.fstat(self._fd)
+        self.file_id = (st.st_dev, st.st_ino)
+        self._size = st.st_size
+        try:
+            self._file = self._open_h5(h5py, cache_bytes)
+            check_links(self._file, self.file_path, allow_external)
+            try:
+                self._open(layout)
+            except (OfflineDatasetError, StorageLockedError, IncompatibleSnapshotError, UncleanStorageError):
+                raise
+            except (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, OverflowError,
+                    RecursionError, MemoryError) as e:
+                # h5py's errors on a crafted file (links in loops, unreadable types, bad
+                # metadata): bigper's error, naming the file
+                raise OfflineDatasetError(f"{self.file_path} cannot be read as a dataset: "
+                                          f"{type(e).__name__}: {str(e)[:300]}") from None
+        except BaseException:
+            self._release()
+            raise
+
+    def _open_h5(self, h5py, cache_bytes: int):
+        try:
+            f = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes)
         except OSError as e:
             msg = str(e)
             if "lock" not in msg.lower():
-                raise OSError(f"{self.file_path} cannot be opened as an HDF5 file: {e}") from e
+                raise OfflineDatasetError(f"{self.file_path} cannot be opened as an HDF5 file: {e}") from None
             if "errno = 11" in msg:  # EAGAIN: a writer holds HDF5's own file lock
                 raise StorageLockedError(f"{self.file_path} is open for writing in another process "
                                          f"(HDF5 file lock: {e})") from None
             # file systems without locks (read-only mounts, some NFS): read without one
-            self._file = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes, locking=False)
-        try:
-            self._open(layout)
-        except BaseException:
-            self._release()
-            raise
+            f = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes, locking=False)
+        if f.driver == "sec2":  # the file h5py opened is the one checked above, not a swapped one
+            st = os.fstat(f.id.get_vfd_handle())
+            if (st.st_dev, st.st_ino) != self.file_id:
+                f.close()
+                raise OfflineDatasetError(f"{self.file_path} was replaced while it was being opened")
+        return f
 
     # -- layouts ---------------------------------------------------------------
     def _open(self, layout: str) -> None:
@@ -127,8 +166,7 @@ class H5Source(Layouts):
         self.starts = np.asarray(self.starts, dtype=np.int64)
         self._one_segment = self.starts.shape[0] == 2
         mm = None
-        if f.driver == "sec2" and os.path.getsize(self.file_path) > 0:
-            self._fd = os.open(self.file_path, os.O_RDONLY)
+        if f.driver == "sec2" and self._size > 0:
             self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
             mm = np.frombuffer(self._map, dtype=np.uint8)
         self._mm = mm
