@@ -91,13 +91,22 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if not isinstance(meta, dict) or not isinstance(arrays, dict):
         _bad(f"meta and arrays must be a dict, got {type(meta).__name__} and {type(arrays).__name__}")
     c, envs = cfg.capacity, cfg.num_envs
+    kind = getattr(cfg, "prioritization", "proportional")
     want = set(_BASE) | (set(_FRAMES) if cfg.frame_stack else set())
     have = set(arrays)
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
         arrays = {**arrays, "pending": np.zeros(0, np.float64)}
-    if have != want:
+    if kind != "proportional":
+        # Another prioritization keeps its own arrays (checked by its restore); the
+        # buffer's own ones must all be there.
+        want.discard("leaves")
+        if not want <= have:
+            _bad(f"arrays {sorted(have)} lack {sorted(want - have)}")
+    elif have != want:
         _bad(f"arrays {sorted(have)} differ from the expected {sorted(want)}")
+    if not isinstance(meta.get("prioritization", {}), dict):
+        _bad(f"prioritization must be a dict, got {str(meta.get('prioritization'))[:80]}")
 
     count = _int(meta, "count")
     _int(meta, "beta_step")
@@ -109,17 +118,11 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
         _bad(f"env_ended must be a list of {envs} bools, got {str(ended)[:80]}")
     _rng(meta.get("rng"))
 
-    leaves = _array(arrays, "leaves", np.float64, (c,))
     gid = _array(arrays, "gid", np.int64, (c,))
     status = _array(arrays, "status", np.uint8, (c,))
     ends = _array(arrays, "ends", np.uint8, (c,))
     pending = _array(arrays, "pending", np.float64, (c if cfg.n_step > 1 else 0,))
 
-    bad = np.flatnonzero(~np.isfinite(leaves) | (leaves < 0))
-    if bad.size:
-        _bad(f"leaves[{bad[0]}] = {leaves[bad[0]]!r} (a leaf is finite and >= 0)")
-    if leaves.size and leaves.max() > top:
-        _bad(f"max_leaf {top!r} is below the largest leaf {leaves.max()!r}")
     bad = np.flatnonzero(~np.isfinite(pending) | (pending < 0))
     if bad.size:
         _bad(f"pending[{bad[0]}] = {pending[bad[0]]!r} (a pending leaf is finite and >= 0)")
@@ -137,14 +140,28 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     bad = np.flatnonzero((gid < 0) != (status == EMPTY))
     if bad.size:
         _bad(f"slot {bad[0]} has gid {gid[bad[0]]} and status {status[bad[0]]} (written iff not empty)")
-    bad = np.flatnonzero((leaves > 0) & (status != LIVE))
-    if bad.size:
-        _bad(f"slot {bad[0]} has leaf {leaves[bad[0]]!r} but status {status[bad[0]]}: only a live "
-             "transition can be sampled")
+    if "leaves" in arrays:
+        _check_leaves(_array(arrays, "leaves", np.float64, (c,)), status, top)
     if cfg.n_step == 1 and (status == PENDING).any():
         _bad(f"slot {np.flatnonzero(status == PENDING)[0]} waits for an n-step window, but n_step is 1")
     if cfg.frame_stack:
         _check_frames(cfg, meta, arrays, count, status)
+
+
+def _check_leaves(leaves: np.ndarray, status: np.ndarray, top: float) -> None:
+    bad = np.flatnonzero(~np.isfinite(leaves) | (leaves < 0))
+    if bad.size:
+        _bad(f"leaves[{bad[0]}] = {leaves[bad[0]]!r} (a leaf is finite and >= 0)")
+    bad = np.flatnonzero((leaves > 0) & (status != LIVE))
+    if bad.size:
+        _bad(f"slot {bad[0]} has leaf {leaves[bad[0]]!r} but status {status[bad[0]]}: only a live "
+             "transition can be sampled")
+    if leaves.size and leaves.max() > top:
+        _bad(f"max_leaf {top!r} is below the largest leaf {leaves.max()!r}")
+    with np.errstate(over="ignore"):
+        total = float(leaves.sum())
+    if not np.isfinite(total):
+        _bad("the leaves sum to more than the largest float: no probability could be computed")
 
 
 def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptSnapshotError
-from ._load import _config, _layouts, _state_arrays
+from ._load import _state_arrays, inspect
 from ._manifest import check_files, read_manifest
 
 LIVE = 1  # the buffer's slot status of a sampleable transition (buffer.py)
@@ -69,14 +69,14 @@ def verify(snapshot) -> dict:
         As ``load`` would.
     """
     snap = Path(os.path.abspath(snapshot))
-    body = read_manifest(snap)
-    _config(body, snap)
-    _layouts(body, snap)
-    state = _state_arrays(body, snap)
+    problems: list[str] = []
+    body, _, _, state = inspect(snap, problems)
     check_files(snap, [(n, r) for n, r in body["files"].items() if n.startswith("data/")])
+    if not problems:  # the state passed its checks: the tree's own invariants
+        problems = _invariants(body, state)
     return {"snapshot": str(snap), "files": len(body["files"]),
             "bytes": sum(r["size"] for r in body["files"].values()),
-            "problems": _invariants(body, state)}
+            "problems": problems}
 
 
 def describe(snapshot) -> dict:

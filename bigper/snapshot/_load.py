@@ -13,13 +13,22 @@ changes; then the live location is taken over:
 Taking over ``path`` replaces whatever a dead writer left there. A path
 whose writer is alive raises ``StorageLockedError``; a path that holds a
 buffer of another config raises ``IncompatibleSnapshotError`` (nothing is
-touched); a path holding files that are not bigper's raises ``FileExistsError``.
+touched); a path holding anything bigper cannot prove it wrote (its marker,
+and only the file names its records name) raises ``PathExistsError``.
+
+Everything in the snapshot is untrusted until checked, in this order, and
+nothing is allocated from a recorded size before the files on disk are
+known to hold that many bytes: the manifest (its checksum, then types and
+ranges), the config, the data layout against the arrays the config needs,
+every member's size on disk, the state arrays and their invariants
+(``_statecheck``), every data byte; only then is a buffer built.
 """
 
 from __future__ import annotations
 
-import io
+import math
 import os
+import stat
 import uuid
 from pathlib import Path
 
@@ -33,8 +42,10 @@ from ..errors import (
     InvalidArgumentError,
     PathExistsError,
 )
-from ..storage._files import FileLock
-from ._manifest import check_file, check_files, read_manifest
+from .._statecheck import check_state
+from ..storage._files import FileLock, open_regular
+from ..storage._state import npy_from_bytes
+from ._manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of
 
 
@@ -61,12 +72,12 @@ def _layouts(body: dict, snap) -> dict:
     for name, rec in body["data"].items():
         try:
             dt = np.dtype(rec["dtype"])
-        except TypeError:
+        except Exception:  # noqa: BLE001  (numpy's many ways of refusing a dtype string)
             raise IncompatibleSnapshotError(f"{snap}: data[{name!r}] has dtype {rec['dtype']!r}") from None
-        if dt.hasobject or dt.fields is not None or dt.kind in "OVUSMm":
+        if dt.hasobject or dt.fields is not None or dt.shape or dt.kind not in "biufc":
             raise IncompatibleSnapshotError(f"{snap}: data[{name!r}] has dtype {dt}, not a numeric one")
         rows, cr, shape = rec["rows"], rec["chunk_rows"], tuple(rec["shape"])
-        row_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        row_bytes = math.prod(shape) * dt.itemsize  # Python ints: sizes never wrap
         for k, member in enumerate(rec["files"]):
             want = min(cr, rows - k * cr) * row_bytes
             if body["files"][member]["size"] != want:
@@ -81,11 +92,49 @@ def _state_arrays(body: dict, snap) -> dict:
     out = {}
     for name, member in body["state"]["arrays"].items():
         raw = check_file(snap, member, body["files"][member], keep=True)
-        try:
-            out[name] = np.load(io.BytesIO(raw), allow_pickle=False)
-        except Exception as e:  # checksum held, so the writer wrote something unreadable
-            raise CorruptSnapshotError(f"{snap}: {member} is not a readable .npy file: {e}") from None
+        out[name] = npy_from_bytes(raw, f"{snap}/{member}")
     return out
+
+
+class _Probed(Exception):
+    pass
+
+
+class _SpecProbe:
+    """A storage that only records what a buffer asks it to allocate."""
+
+    kind = "probe"
+    specs: dict = {}
+
+    def allocate(self, specs) -> None:
+        self.specs = {n: (int(r), tuple(int(d) for d in s), np.dtype(t)) for n, (r, s, t) in specs.items()}
+        raise _Probed
+
+
+def _needed_specs(cfg: Config) -> dict:
+    """name -> (rows, shape, dtype) of the arrays a buffer of ``cfg`` stores,
+    found without allocating them."""
+    from ..buffer import PrioritizedReplayBuffer
+
+    probe = _SpecProbe()
+    try:
+        PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)._setup(cfg, probe)
+    except _Probed:
+        return probe.specs
+    raise IncompatibleSnapshotError("this bigper's buffer allocates no storage")  # pragma: no cover
+
+
+def _check_sizes(body: dict, snap, cfg: Config, layouts: dict) -> None:
+    """Before anything is allocated: the recorded layout is the one the
+    config needs, and every file is on disk with its recorded size, so what
+    the config makes a load allocate is bounded by the bytes really there."""
+    member_sizes(snap, sorted(body["files"].items()))
+    leaves = body["state"]["arrays"].get("leaves")
+    if leaves is None or body["files"][leaves]["size"] < 8 * cfg.capacity:
+        raise CorruptSnapshotError(
+            f"{snap}: its config declares capacity {cfg.capacity}, but its recorded leaves "
+            f"({leaves!r}) do not hold {cfg.capacity} float64 values")
+    _compare_specs(_needed_specs(cfg), layouts, snap, cfg)
 
 
 def _fill(store, snap: Path, body: dict, layouts: dict) -> None:
@@ -139,7 +188,10 @@ def _new_buffer(cfg: Config, store):
 
 
 def _check_specs(store, layouts: dict, snap, cfg: Config) -> None:
-    have = specs_of(store)
+    _compare_specs(specs_of(store), layouts, snap, cfg)
+
+
+def _compare_specs(have: dict, layouts: dict, snap, cfg: Config) -> None:
     if have != layouts:
         n = next(n for n in sorted(set(have) | set(layouts)) if have.get(n) != layouts.get(n))
         fmt = lambda v: "absent" if v is None else f"{v[0]} rows of {v[1]} {v[2]}"  # noqa: E731
@@ -173,24 +225,42 @@ def _load_memmap(cfg, body, snap, live, layouts):
     return buf
 
 
-def _peek_hdf5(live: Path):
-    """The meta recorded in an HDF5 storage file; None when unreadable. Raises
-    FileExistsError for an HDF5 file that is not a bigper storage."""
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _peek_hdf5(live: Path) -> dict:
+    """The meta of the bigper HDF5 storage at ``live``; ``PathExistsError``
+    for anything else (a symlink, a special file, a file that is not HDF5, an
+    HDF5 file without bigper's marker, one h5py cannot read): bigper replaces
+    only what carries its own marker."""
+    import json
+
     import h5py
 
+    st = os.lstat(live)
+    if not stat.S_ISREG(st.st_mode):
+        raise PathExistsError(f"{live} exists and is not a regular file (a symlink, directory or "
+                              "special file): refusing to replace it")
+    fd = open_regular(live, error=PathExistsError)  # no FIFO reaches h5py
+    try:
+        head = os.pread(fd, len(_HDF5_SIGNATURE), 0)
+    finally:
+        os.close(fd)
+    if head != _HDF5_SIGNATURE:
+        raise PathExistsError(f"{live} exists and is not a bigper HDF5 storage (not an HDF5 file): "
+                              "refusing to replace it")
     try:
         with h5py.File(live, "r") as f:
             g = f.get("_bigper")
-            if g is None or "meta" not in g.attrs:
-                raise PathExistsError(f"{live} is an HDF5 file but not a bigper storage: "
-                                      "refusing to replace it")
-            import json
-
-            return json.loads(g.attrs["meta"])
-    except FileExistsError:
-        raise
-    except Exception:
-        return None
+            raw = g.attrs.get("meta") if isinstance(g, h5py.Group) else None
+            meta = json.loads(raw) if isinstance(raw, (str, bytes)) else None
+    except Exception as e:  # noqa: BLE001  (h5py and json refuse in many ways; each means "not provably ours")
+        raise PathExistsError(f"{live} is an HDF5 file that cannot be read as a bigper storage "
+                              f"({str(e)[:120]}): refusing to replace it; remove it yourself if it is "
+                              "a dead writer's") from None
+    if not isinstance(meta, dict) or meta.get("format") != "bigper-hdf5":
+        raise PathExistsError(f"{live} is an HDF5 file but not a bigper storage: refusing to replace it")
+    return meta
 
 
 def _load_hdf5(cfg, body, snap, live, layouts):
@@ -199,13 +269,13 @@ def _load_hdf5(cfg, body, snap, live, layouts):
     # Move the dead writer's file aside under its lock; the new storage then creates a fresh one.
     # (HDF5Storage has no takeover mode: between this lock and its own there is a short window.)
     trash = None
+    live.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(live.with_name(live.name + ".lock"), owner=live)
     try:
         for stale in live.parent.glob(f".{live.name}.trash-*"):  # of a load that was interrupted
-            stale.unlink(missing_ok=True)
-        if live.exists():
-            if not live.is_file():
-                raise PathExistsError(f"{live} exists and is not a file")
+            if stale.is_file() and not stale.is_symlink() and len(stale.name) == len(live.name) + 20:
+                stale.unlink(missing_ok=True)
+        if os.path.lexists(live):
             _check_previous(_peek_hdf5(live), cfg, live)
             trash = live.with_name(f".{live.name}.trash-{uuid.uuid4().hex[:12]}")
             os.replace(live, trash)
@@ -226,6 +296,26 @@ def _load_hdf5(cfg, body, snap, live, layouts):
     if trash is not None:
         trash.unlink(missing_ok=True)
     return buf
+
+
+def inspect(snap: Path, problems: list | None = None):
+    """``(body, cfg, layouts, state)`` of the snapshot ``snap``: manifest,
+    config, data layout, state arrays, each checked before the next is read
+    (state files fully, against their checksums; data files by size only).
+    An invalid recorded state raises ``CorruptSnapshotError``, or is appended
+    to ``problems`` when a list is given (``verify`` reports it)."""
+    body = read_manifest(snap)
+    cfg = _config(body, snap)
+    layouts = _layouts(body, snap)
+    _check_sizes(body, snap, cfg, layouts)
+    state = _state_arrays(body, snap)
+    try:
+        check_state(cfg, body["state"]["meta"], state)
+    except CorruptSnapshotError as e:
+        if problems is None:
+            raise CorruptSnapshotError(f"{snap}: {e}") from None
+        problems.append(str(e))
+    return body, cfg, layouts, state
 
 
 def load(snapshot, *, path=None):
@@ -250,10 +340,7 @@ def load(snapshot, *, path=None):
         A live writer holds ``path``.
     """
     snap = Path(os.path.abspath(snapshot))
-    body = read_manifest(snap)
-    cfg = _config(body, snap)
-    layouts = _layouts(body, snap)
-    state = _state_arrays(body, snap)
+    body, cfg, layouts, state = inspect(snap)
     kind = cfg.storage
     if kind != "memory":
         live = path if path is not None else body["storage"].get("path")

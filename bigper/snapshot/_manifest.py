@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +42,7 @@ from ..errors import (
     InvalidArgumentError,
     PathNotFoundError,
 )
+from ..storage._files import open_regular
 
 MAGIC = "bigper-snapshot"
 FORMAT = 1
@@ -51,6 +51,8 @@ TOPS = ("state", "data")
 _TAIL = re.compile(rb',\n "manifest_xxh3_64": "([0-9a-f]{16})"\n}\n\Z')
 _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 READ_BLOCK = 8 << 20
+MANIFEST_LIMIT = 64 << 20  # bytes; a manifest bigper writes is a few kilobytes a thousand files
+BIG = 1 << 62  # no recorded count, size or dimension reaches it; products are checked against it
 
 
 def digest(buf) -> str:
@@ -79,8 +81,8 @@ def decode(raw: bytes, where) -> dict:
         raise CorruptSnapshotError(f"{where}: manifest.json does not match its checksum")
     try:
         body = json.loads(raw.decode())
-    except ValueError as e:  # cannot pass the checksum unless the writer was broken
-        raise CorruptSnapshotError(f"{where}: manifest.json is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # a broken writer, or a crafted (re-signed) file
+        raise CorruptSnapshotError(f"{where}: manifest.json is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise CorruptSnapshotError(f"{where}: manifest.json is not a JSON object")
     body.pop("manifest_xxh3_64", None)
@@ -93,14 +95,16 @@ def read_manifest(snap: Path) -> dict:
     if not snap.is_dir():
         raise PathNotFoundError(f"no snapshot directory at {snap}")
     try:
-        fd = os.open(snap / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(snap / MANIFEST)
     except FileNotFoundError:
         raise CorruptSnapshotError(
             f"{snap} has no manifest.json: an incomplete snapshot, or not a snapshot") from None
     except OSError as e:
         raise CorruptSnapshotError(f"{snap}/manifest.json cannot be opened: {e}") from None
     with os.fdopen(fd, "rb") as f:
-        raw = f.read(64 << 20)
+        raw = f.read(MANIFEST_LIMIT + 1)
+    if len(raw) > MANIFEST_LIMIT:
+        raise CorruptSnapshotError(f"{snap}/manifest.json is larger than {MANIFEST_LIMIT} bytes")
     body = decode(raw, snap)
     if body.get("magic") != MAGIC:
         raise IncompatibleSnapshotError(f"{snap} is not a bigper snapshot (magic {body.get('magic')!r})")
@@ -128,50 +132,92 @@ def _need(cond, where, what):
         raise IncompatibleSnapshotError(f"{where}: manifest has an unexpected layout: {what}")
 
 
+def _count(v, lo: int = 0) -> bool:
+    """An int (not a bool) in ``[lo, BIG)``."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < BIG
+
+
 def check_structure(body: dict, where) -> None:
-    """Types and cross references of a format-1 body (after its checksum held)."""
+    """Types, ranges and cross references of a format-1 body (after its
+    checksum held): whatever a crafted, re-signed manifest holds, what passes
+    here can be used without a raw Python error or an overflow."""
     for key, typ in (("config", dict), ("storage", dict), ("state", dict), ("data", dict), ("files", dict)):
         _need(isinstance(body.get(key), typ), where, f"{key!r} must be a {typ.__name__}")
+    _need(isinstance(body.get("summary", {}), dict), where, "'summary' must be a dict")
     files = body["files"]
     for name, rec in files.items():
         check_member(name, where)
-        _need(isinstance(rec, dict) and isinstance(rec.get("size"), int) and rec["size"] >= 0
-              and isinstance(rec.get("xxh3_64"), str), where, f"files[{name!r}]")
+        _need(isinstance(rec, dict) and _count(rec.get("size")) and isinstance(rec.get("xxh3_64"), str),
+              where, f"files[{name!r}] needs an int size >= 0 and an xxh3_64 string")
+    sto = body["storage"]
+    _need(isinstance(sto.get("kind"), str), where, "storage kind must be a string")
+    _need(sto.get("path") is None or isinstance(sto["path"], str), where, "storage path must be a string")
+    opts = sto.get("options")
+    _need(opts is None or isinstance(opts, dict), where, f"storage options must be a dict, got {str(opts)[:60]}")
+    opts = opts or {}
+    _need("chunk_bytes" not in opts or _count(opts["chunk_bytes"], 1), where,
+          f"storage option chunk_bytes must be an int >= 1, got {str(opts.get('chunk_bytes'))[:60]}")
+    _need(opts.get("compression") in (None, "lzf", "gzip"), where,
+          f"storage option compression must be null, 'lzf' or 'gzip', got {str(opts.get('compression'))[:60]}")
     st = body["state"]
     _need(isinstance(st.get("meta"), dict) and isinstance(st.get("arrays"), dict), where, "state")
     for name, f in st["arrays"].items():
-        _need(_PART.match(name) and f in files and f.startswith("state/"), where, f"state array {name!r}")
+        _need(_PART.match(name) and isinstance(f, str) and f in files and f.startswith("state/"), where,
+              f"state array {name!r}")
+    claimed = set()
     for name, rec in body["data"].items():
         _need(_PART.match(name) and isinstance(rec, dict), where, f"data[{name!r}]")
-        ok = all(isinstance(rec.get(k), int) and rec[k] >= 1 for k in ("rows", "chunk_rows")) \
-            and isinstance(rec.get("shape"), list) and all(isinstance(d, int) and d >= 1 for d in rec["shape"]) \
-            and isinstance(rec.get("dtype"), str) and isinstance(rec.get("files"), list)
-        _need(ok, where, f"data[{name!r}] needs rows, chunk_rows, shape, dtype, files")
+        ok = all(_count(rec.get(k), 1) for k in ("rows", "chunk_rows")) \
+            and isinstance(rec.get("shape"), list) and len(rec["shape"]) <= 32 \
+            and all(_count(d, 1) for d in rec["shape"]) \
+            and isinstance(rec.get("dtype"), str) and len(rec["dtype"]) <= 32 \
+            and isinstance(rec.get("files"), list)
+        _need(ok, where, f"data[{name!r}] needs rows, chunk_rows, shape (ints >= 1), dtype, files")
+        elements = rec["rows"]
+        for d in rec["shape"]:  # Python ints: no wrap-around (an int64 product of 2**32 x 2**32 is 0)
+            elements *= d
+            _need(elements < BIG, where, f"data[{name!r}] declares {rec['rows']} rows of shape "
+                                         f"{rec['shape']}: more elements than any buffer holds")
         _need(len(rec["files"]) == -(-rec["rows"] // rec["chunk_rows"]), where,
               f"data[{name!r}] has {len(rec['files'])} files for {rec['rows']} rows of {rec['chunk_rows']}")
         for f in rec["files"]:
-            _need(f in files and f.startswith("data/"), where, f"data[{name!r}] file {f!r}")
+            _need(isinstance(f, str) and f in files and f.startswith("data/") and f not in claimed, where,
+                  f"data[{name!r}] file {str(f)[:80]!r}")
+            claimed.add(f)
 
 
 # -- reading members ---------------------------------------------------------------
 def open_member(snap: Path, name: str) -> int:
     """An fd for the regular file ``name`` under ``snap``; nothing on the way may be a symlink."""
     top, leaf = check_member(name, snap).split("/")
-    flags = os.O_RDONLY | os.O_NOFOLLOW
     try:
-        dfd = os.open(Path(snap) / top, flags | os.O_DIRECTORY)
+        dfd = os.open(Path(snap) / top, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY)
         try:
-            fd = os.open(leaf, flags, dir_fd=dfd)
+            # O_NONBLOCK and fstat: a FIFO or device here is refused at once, never read
+            return open_regular(leaf, os.O_RDONLY, dir_fd=dfd)
         finally:
             os.close(dfd)
     except FileNotFoundError:
         raise CorruptSnapshotError(f"{snap}: {name} is missing") from None
+    except CorruptSnapshotError as e:
+        raise CorruptSnapshotError(f"{snap}: {name}: {e}") from None
     except OSError as e:
         raise CorruptSnapshotError(f"{snap}: {name} cannot be opened ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptSnapshotError(f"{snap}: {name} is not a regular file")
-    return fd
+
+
+def member_sizes(snap: Path, names) -> None:
+    """Check that each member's size on disk is the one its manifest records
+    (``names``: ``(name, rec)`` pairs), without reading it: what a load may
+    allocate from the manifest is then bounded by the bytes really there."""
+    for name, rec in names:
+        fd = open_member(snap, name)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size != rec["size"]:
+            raise CorruptSnapshotError(
+                f"{snap}: {name} has {size} bytes, the manifest records {rec['size']} (truncated?)")
 
 
 def check_file(snap: Path, name: str, rec: dict, buf: bytearray | None = None, keep: bool = False):
