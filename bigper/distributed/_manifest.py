@@ -12,7 +12,13 @@ atomically; and the recovery pointer that restarted shards read.
 The shards write into a temporary sibling directory; the manifest is written
 and fsynced last, then the directory is renamed into place and its parent
 fsynced. A crash at any point leaves either the complete snapshot or none
-(a leftover ``.<name>.tmp-*`` directory that loading ignores).
+(a leftover ``.tmp-<name>-*`` directory that loading ignores and
+``bigper.Snapshots`` removes, as it does its own).
+
+manifest.json ends with a checksum of everything before it, laid out as a
+local snapshot's manifest (``"manifest_xxh3_64"`` last): a flipped bit or a
+truncation is a ``CorruptSnapshotError``, and ``bigper.Snapshots`` lists a
+sharded snapshot as intact (another format) only when its checksum holds.
 
 ``recovery_dir/latest.json`` names the latest committed snapshot; it is
 replaced atomically after each commit. A shard that Ray restarts reads it.
@@ -20,9 +26,13 @@ replaced atomically after each commit. A shard that Ray restarts reads it.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from pathlib import Path
+
+import xxhash
 
 from ..errors import (
     CorruptSnapshotError,
@@ -30,11 +40,33 @@ from ..errors import (
     PathExistsError,
     PathNotFoundError,
 )
-from ..storage._files import fsync_dir, read_json, write_json
+from ..storage._files import fsync_dir, read_json, read_regular, write_durable, write_json
 
 FORMAT = "bigper-sharded"
 VERSION = 1
 POINTER = "latest.json"
+TMP_PREFIX = ".tmp-"  # the prefix bigper.Snapshots clears at start (an interrupted save)
+_TAIL = re.compile(rb',\n "manifest_xxh3_64": "([0-9a-f]{16})"\n}\n\Z')
+
+
+def encode(body: dict) -> bytes:
+    """manifest.json's bytes: ``body`` as JSON, its last key the xxh3-64 of what precedes it."""
+    head = json.dumps(body, indent=1, sort_keys=True)[:-2].encode()
+    return head + f',\n "manifest_xxh3_64": "{xxhash.xxh3_64(head).hexdigest()}"\n}}\n'.encode()
+
+
+def decode(raw: bytes, where) -> dict:
+    m = _TAIL.search(raw)
+    if m is None or xxhash.xxh3_64(raw[:m.start()]).hexdigest() != m.group(1).decode():
+        raise CorruptSnapshotError(f"{where}: manifest.json is truncated or does not match its checksum")
+    try:
+        body = json.loads(raw.decode())
+    except (ValueError, RecursionError) as e:
+        raise CorruptSnapshotError(f"{where}: manifest.json is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise CorruptSnapshotError(f"{where}: manifest.json is not a JSON object")
+    body.pop("manifest_xxh3_64", None)
+    return body
 
 
 def temp_dir_for(snapshot: Path) -> Path:
@@ -42,7 +74,7 @@ def temp_dir_for(snapshot: Path) -> Path:
     if snapshot.exists():
         raise PathExistsError(f"snapshot {snapshot} already exists; save to a new directory")
     snapshot.parent.mkdir(parents=True, exist_ok=True)
-    tmp = snapshot.parent / f".{snapshot.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    tmp = snapshot.parent / f"{TMP_PREFIX}{snapshot.name}-{os.getpid()}-{os.urandom(4).hex()}"
     tmp.mkdir()
     return tmp
 
@@ -63,7 +95,7 @@ def save(actors: list, snapshot: Path, body: dict) -> None:
 
 def commit(tmp: Path, snapshot: Path, manifest: dict) -> None:
     """Write the manifest last, then rename ``tmp`` to ``snapshot`` and fsync the parent."""
-    write_json(tmp / "manifest.json", manifest)
+    write_durable(tmp / "manifest.json", encode(manifest))
     fsync_dir(tmp)
     os.rename(tmp, snapshot)
     fsync_dir(snapshot.parent)
@@ -74,27 +106,34 @@ def abort(tmp: Path) -> None:
 
 
 def read_manifest(snapshot) -> dict:
+    """The checked manifest of the sharded snapshot directory ``snapshot``."""
     snapshot = Path(snapshot)
     path = snapshot / "manifest.json"
-    if not path.exists():
-        raise PathNotFoundError(f"no sharded bigper snapshot at {snapshot} (missing manifest.json)")
+    if not snapshot.is_dir():
+        raise PathNotFoundError(f"no sharded bigper snapshot at {snapshot} (not a directory)")
     try:
-        m = read_json(path)
-    except ValueError as exc:
-        raise CorruptSnapshotError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        got = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise IncompatibleSnapshotError(f"{snapshot} is not a {FORMAT} snapshot (format={got!r})")
+        raw = read_regular(path, error=CorruptSnapshotError)
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{snapshot} has no manifest.json: an incomplete snapshot, "
+                                   "or not a snapshot") from None
+    m = decode(raw, snapshot)
+    if m.get("format") != FORMAT:
+        raise IncompatibleSnapshotError(f"{snapshot} is not a {FORMAT} snapshot (format={m.get('format')!r})")
     if m.get("version") != VERSION:
         raise IncompatibleSnapshotError(
             f"{snapshot} has {FORMAT} version {m.get('version')!r}; this bigper reads version {VERSION}")
     from ._sampling import shard_capacities
 
-    cap = m["config"]["capacity"]
-    if shard_capacities(cap, m["num_shards"]).tolist() != m["capacities"]:
-        raise IncompatibleSnapshotError(f"{snapshot}: shard capacities {m['capacities']} do not "
+    try:
+        n, cap, caps = int(m["num_shards"]), int(m["config"]["capacity"]), list(m["capacities"])
+        m["coordinator"]["rng"], m["coordinator"]["beta_step"], m["coordinator"]["max_leaf"]
+        ok = 1 <= n <= cap and shard_capacities(cap, n).tolist() == caps
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptSnapshotError(f"{snapshot}: manifest lacks or mangles a field ({e!r})") from None
+    if not ok:
+        raise IncompatibleSnapshotError(f"{snapshot}: shard capacities {caps} do not "
                                         f"split capacity {cap} the way this bigper does")
-    for k in range(int(m["num_shards"])):
+    for k in range(n):
         if not (snapshot / f"shard-{k}").is_dir():
             raise CorruptSnapshotError(f"{snapshot} lacks shard-{k}/ that its manifest lists")
     return m

@@ -20,12 +20,14 @@ import os
 import shutil
 import time
 import warnings
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 
 from ..batch import Batch
 from ..buffer import PrioritizedReplayBuffer
+from ..errors import BigperError
 from ._manifest import read_recovery_pointer
 
 EPOCH_SHIFT = 48
@@ -82,11 +84,46 @@ class Shard:
                 shutil.move(self.path, aside)
                 warnings.warn(f"shard {self.k} restarted without a snapshot; its old data "
                               f"was moved to {aside} and it starts empty")
-        if snap is not None:
-            self.buf = PrioritizedReplayBuffer.load(snap, path=self.path)
-        else:
-            self.buf = PrioritizedReplayBuffer(**spec["kwargs"], path=self.path)
-        self.restored_from = snap
+        self.failed, self.restored_from = None, snap
+        try:
+            if snap is not None:
+                self.buf = PrioritizedReplayBuffer.load(snap, path=self.path)
+            else:
+                self.buf = PrioritizedReplayBuffer(**spec["kwargs"], path=self.path)
+        except BigperError as e:
+            if self.epoch:
+                raise  # a restart: Ray tries again (the error is in the actor's log)
+            # A first start: the coordinator raises this error as its own
+            # (a constructor's exception would only reach it as ActorDiedError).
+            self.failed, self.buf = (type(e).__name__, str(e)), None
+            return
+        # Arrival stamps of the rows held, oldest first: [stamp, rows]. Rows
+        # restored from a snapshot are older than anything a writer sends now.
+        held = len(self.buf)
+        self._ages = deque([[0, held]] if held else [])
+        self._aged = held  # rows in _ages
+
+    def ready(self):
+        """None, or ``(error class name, message)`` of a failed start."""
+        return self.failed
+
+    def _arrived(self, stamp: int, rows: int) -> None:
+        """Keep the stamps in step with the ring: the oldest rows are overwritten first."""
+        ages = self._ages
+        ages.append([int(stamp), rows])
+        self._aged += rows
+        extra = self._aged - len(self.buf)
+        while extra > 0 and ages:
+            cut = min(ages[0][1], extra)
+            ages[0][1] -= cut
+            self._aged -= cut
+            extra -= cut
+            if not ages[0][1]:
+                ages.popleft()
+
+    def _fill(self) -> tuple:
+        """What a writer routes by: ``(len, capacity, stamp of the oldest row or None)``."""
+        return len(self.buf), self.buf.capacity, (self._ages[0][0] if self._ages else None)
 
     # -- stats and priority updates ---------------------------------------------------
     # Every call from the coordinator carries its pending priority updates
@@ -114,17 +151,27 @@ class Shard:
         return None, self._apply(updates, max_leaf_hint)
 
     def info(self) -> dict:
+        import ray
+
         return {"shard": self.k, "len": len(self.buf), "capacity": self.buf.capacity,
                 "total_priority": self.buf.total_priority, "epoch": self.epoch,
-                "restored_from": self.restored_from, "pid": os.getpid()}
+                "restored_from": self.restored_from, "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(),
+                "oldest_stamp": self._fill()[2]}
 
     # -- writing -----------------------------------------------------------------
-    def extend(self, data: dict, priorities=None, valid=None) -> int:
+    def extend(self, data: dict, priorities=None, valid=None, stamp: int = 0) -> tuple:
+        """Store a chunk; ``stamp`` is when its writer sent it (ns since the epoch).
+        Returns ``_fill()`` after the chunk, for the writer's routing."""
         if valid is None:
             self.buf.extend(data, priorities)
         else:
             self.buf.extend(data, priorities, valid)
-        return len(self.buf)
+        self._arrived(stamp, int(data["terminated"].size))
+        return self._fill()
+
+    def fill(self) -> tuple:
+        return self._fill()
 
     # -- sampling ----------------------------------------------------------------
     def sample(self, updates, max_leaf_hint: float, targets, seen_total: float, beta: float,

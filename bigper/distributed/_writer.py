@@ -3,9 +3,10 @@
 It holds the shard actors' handles and the buffer's config, so it pickles
 small and can be passed to other Ray actors (``buf.writer()``). It checks
 every step exactly as a local buffer would (same errors, raised at ``add``),
-collects steps into chunks of ``chunk_size`` and sends each chunk to the next
-shard, round robin, as one ``extend`` call, with at most ``max_in_flight``
-chunks unacknowledged.
+collects steps into chunks of ``chunk_size`` and sends each chunk as one
+``extend`` call, with at most ``max_in_flight`` chunks unacknowledged, to
+the shard ``_routing`` picks: the one with the most room while any has
+room (cutting the chunk to it), then the one whose oldest row is oldest.
 
 With ``n_step > 1`` or ``frame_stack`` a chunk must not cut an episode (the
 n-step window or frame stack would run into another writer's steps on that
@@ -20,6 +21,8 @@ import numpy as np
 from .._ingest import Ingest
 from ..config import Config
 from ..errors import InvalidArgumentError, ShardUnavailableError
+from ._routing import Router
+from ._sampling import shard_capacities
 
 
 def _ray():
@@ -55,10 +58,10 @@ class ShardWriter:
         self._ingest = Ingest(cfg)
         self._envs = cfg.num_envs
         self._episodic = cfg.n_step > 1 or cfg.frame_stack is not None
-        self._next = self._start % len(self._shards)
+        self._router = None  # built at the first send, from the shards' fill
         self._pieces: list[tuple] = []  # (rows (m*envs, ...), priorities, valid)
         self._pending = 0  # steps in _pieces
-        self._in_flight: list[list] = []  # [ref, shard, data, priorities, valid, attempts]
+        self._in_flight: list[list] = []  # [ref, shard, data, priorities, valid, attempts, rows]
         self._placeholders = False  # this writer has sent placeholder rows (num_envs > 1)
         self.sent = 0  # steps handed to shards
 
@@ -177,19 +180,48 @@ class ShardWriter:
 
     def _send(self, rows: dict, p, v, m: int) -> None:
         e = self._envs
-        if e > 1:
-            rows = {k: a.reshape((m, e) + a.shape[1:]) for k, a in rows.items()}
-            p = None if p is None else p.reshape(m, e)
-            v = None if v is None else v.reshape(m, e)
-        self._submit([None, None, rows, p, v, 0])
-        self.sent += m
-        self._wait(self.max_in_flight)
+        # A cut may fall between any two steps, unless an episode or a
+        # placeholder row must stay with the steps around it.
+        cuttable = not self._episodic and not self._placeholders
+        s = 0
+        while s < m:
+            k, take = self._route().choose((m - s) * e, unit=e, cuttable=cuttable)
+            t = take // e
+            sl = slice(s * e, (s + t) * e)
+            part = {n: a[sl] for n, a in rows.items()}
+            pp = None if p is None else p[sl]
+            vv = None if v is None else v[sl]
+            if e > 1:
+                part = {n: a.reshape((t, e) + a.shape[1:]) for n, a in part.items()}
+                pp = None if pp is None else pp.reshape(t, e)
+                vv = None if vv is None else vv.reshape(t, e)
+            self._submit([None, None, part, pp, vv, 0, t * e], k)
+            s += t
+            self.sent += t
+            self._wait(self.max_in_flight)
 
-    def _submit(self, entry: list) -> None:
-        k = self._next
-        self._next = (k + 1) % len(self._shards)
-        entry[0] = self._shards[k].extend.remote(entry[2], entry[3], entry[4])
+    def _route(self) -> Router:
+        if self._router is None:
+            ray = _ray()
+            from ray.exceptions import RayActorError
+
+            cfg = Config.from_dict(self._config)
+            self._router = r = Router(shard_capacities(cfg.capacity, len(self._shards)), self._start)
+            refs = [a.fill.remote() for a in self._shards]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30.0)
+            for k, ref in enumerate(refs):
+                try:
+                    if ref in ready:
+                        r.acked(k, ray.get(ref), 0)
+                except RayActorError:
+                    pass  # a dead shard: learnt from its first reply once it is back
+        return self._router
+
+    def _submit(self, entry: list, k: int) -> None:
+        stamp = self._route().stamp()
+        entry[0] = self._shards[k].extend.remote(entry[2], entry[3], entry[4], stamp)
         entry[1] = k
+        self._router.sent(k, entry[6], stamp)
         self._in_flight.append(entry)
 
     def _wait(self, most: int) -> None:
@@ -204,17 +236,24 @@ class ShardWriter:
             ready, _ = ray.wait(refs, num_returns=len(refs) - most)
             done = set(ready)
             keep, retry = [], []
-            for entry in self._in_flight:
+            for i, entry in enumerate(self._in_flight):
                 if entry[0] not in done:
                     keep.append(entry)
                     continue
                 try:
-                    ray.get(entry[0])
+                    fill = ray.get(entry[0])
                 except RayActorError:
                     entry[5] += 1
                     if entry[5] > 2 * len(self._shards):
                         raise
                     retry.append(entry)
+                    continue
+                # A caller's calls run in order: the reply counts every earlier
+                # chunk to that shard, none of the later ones.
+                k = entry[1]
+                later = sum(x[6] for x in self._in_flight[i + 1:] if x[1] == k)
+                self._router.acked(k, fill, later)
             self._in_flight = keep
             for entry in retry:
-                self._submit(entry)
+                k, _ = self._router.choose(entry[6], exclude=(entry[1],))
+                self._submit(entry, k)

@@ -26,12 +26,14 @@ from ..batch import Batch
 from .._ingest import as_index, as_priorities
 from ..config import Config
 from . import _manifest as M
-from ._sampling import assemble, lay_out, shard_capacities
-from ._placement import PLACEMENTS, start_shards, stop_shards
+from . import _options
+from ._draw import draw
+from ._sampling import shard_capacities
+from ._placement import start_shards, stop_shards
 from ._shard import shard_path
 from ._shardset import ShardSet
 from ._writer import ShardWriter
-from ..errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError, ShardUnavailableError
+from ..errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError
 
 
 class ShardedPrioritizedBuffer:
@@ -44,10 +46,22 @@ class ShardedPrioritizedBuffer:
         ``capacity / num_shards`` transitions (its own ``path/shard-k`` on disk).
     capacity, fields, **keywords
         As ``bigper.PrioritizedReplayBuffer`` (``seed`` seeds the coordinator's generator).
+        **Capacity across shards:** writers fill the shard with the most room
+        first (cutting chunks to fit where no episode must stay whole), then
+        send each chunk to the shard whose oldest rows arrived first. One writer
+        fills the buffer to exactly ``min(added, capacity)`` and evicts oldest
+        first across shards, to within one chunk per shard; in episode mode
+        (``n_step > 1`` or ``frame_stack``, where chunks end at episode ends)
+        the buffer holds ``min(added, capacity)`` minus less than one chunk per
+        shard. With several writers the rules hold to within the chunks in
+        flight (see ``bigper.distributed._routing``).
     placement : {"PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"}
         Placement-group strategy for the shards' bundles.
-    num_cpus_per_shard : float
-        CPUs each shard's bundle reserves (fractions allowed).
+    num_cpus_per_shard : float or None
+        CPUs each shard's bundle reserves (fractions allowed). None (default),
+        as Ray does for actors: no reservation, the shards go anywhere the
+        placement strategy allows. A reservation the cluster cannot hold raises
+        ``ShardUnavailableError`` within 5 s, naming what was asked and what is free.
     recovery_dir : str or Path, optional
         Where ``latest.json`` (the snapshot restarted shards reload) lives;
         default ``path`` for disk storages, else a fresh temporary directory
@@ -71,38 +85,24 @@ class ShardedPrioritizedBuffer:
     def __init__(self, num_shards, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99,
                  alpha=0.6, eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
                  storage="memory", path=None, next_of=None, num_envs=1, seed=0,
-                 storage_options=None, placement="PACK", num_cpus_per_shard=1.0,
+                 storage_options=None, placement="PACK", num_cpus_per_shard=None,
                  recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
                  max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0,
                  max_restarts=-1, actor_options=None, _restore=None):
-        if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
-            raise InvalidArgumentError(f"num_shards must be an int >= 1, got {num_shards!r}")
+        self._closed = True
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack, n_step=n_step,
                            gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority, beta=beta,
                            weight_norm=weight_norm, next_of=next_of, num_envs=num_envs, seed=seed,
                            storage=storage)
-        if cfg.capacity < num_shards:
-            raise InvalidArgumentError(f"capacity must be >= num_shards={num_shards}, got {capacity!r}")
-        if placement not in PLACEMENTS:
-            raise InvalidArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        if not float(num_cpus_per_shard) > 0:
-            raise InvalidArgumentError(f"num_cpus_per_shard must be > 0, got {num_cpus_per_shard!r}")
-        if (cfg.n_step > 1 or cfg.frame_stack) and cfg.num_envs > 1:
-            raise InvalidArgumentError("a sharded buffer with n_step > 1 or frame_stack needs num_envs=1 "
-                             "(chunks must end at episode ends); give each env its own writer(), "
-                             f"got num_envs={num_envs}")
-        if storage != "memory" and path is None:
-            raise InvalidArgumentError(f"storage={storage!r} needs a path=, got None")
-        for name, v in (("chunk_size", chunk_size), ("max_writes_in_flight", max_writes_in_flight),
-                        ("max_updates_in_flight", max_updates_in_flight),
-                        ("max_pending_updates", max_pending_updates)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
-        if not float(shard_timeout_s) > 0:
-            raise InvalidArgumentError(f"shard_timeout_s must be > 0, got {shard_timeout_s!r}")
-        self.config, self.num_shards = cfg, int(num_shards)
+        o = _options.check(cfg, num_shards=num_shards, placement=placement,
+                           num_cpus_per_shard=num_cpus_per_shard, storage=storage, path=path,
+                           chunk_size=chunk_size, max_writes_in_flight=max_writes_in_flight,
+                           max_updates_in_flight=max_updates_in_flight,
+                           max_pending_updates=max_pending_updates, shard_timeout_s=shard_timeout_s,
+                           max_restarts=max_restarts)
+        self.config, self.num_shards = cfg, o["num_shards"]
         self.fresh_totals = bool(fresh_totals)
-        self.shard_timeout_s = float(shard_timeout_s)
+        self.shard_timeout_s = o["shard_timeout_s"]
         self._caps = shard_capacities(cfg.capacity, self.num_shards)
         self._offsets = np.concatenate([[0], np.cumsum(self._caps)]).astype(np.int64)
         self._path = None if path is None else str(Path(path).absolute())
@@ -117,7 +117,6 @@ class ShardedPrioritizedBuffer:
             M.clear_recovery_pointer(self.recovery_dir)  # a pointer from an earlier run is not ours
         else:
             M.write_recovery_pointer(self.recovery_dir, _restore[0])
-        self._closed = True
         kw = dict(frame_stack=frame_stack, n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                   max_priority=max_priority, beta=beta, weight_norm=weight_norm, storage=storage,
                   next_of=next_of, num_envs=num_envs, storage_options=storage_options)
@@ -126,10 +125,13 @@ class ShardedPrioritizedBuffer:
                   "kwargs": dict(kw, capacity=int(self._caps[k]), fields=dict(cfg.fields),
                                  seed=None if cfg.seed is None else cfg.seed + 1 + k)}
                  for k in range(self.num_shards)]
+        # An explicit reservation that cannot fit fails fast (the figures are
+        # known); with none, placement only waits on the cluster's own start-up.
+        wait = 5.0 if o["cpus"] is not None else max(60.0, self.shard_timeout_s)
         try:
             self._pg, self._shards = start_shards(
-                specs, placement=placement, cpus=float(num_cpus_per_shard), max_restarts=int(max_restarts),
-                actor_options=dict(actor_options or {}), timeout=max(60.0, self.shard_timeout_s))
+                specs, placement=placement, cpus=o["cpus"], max_restarts=o["max_restarts"],
+                actor_options=dict(actor_options or {}), timeout=wait)
         except BaseException:
             if self._tmp_recovery:
                 shutil.rmtree(self._tmp_recovery, ignore_errors=True)
@@ -139,12 +141,12 @@ class ShardedPrioritizedBuffer:
         self._schedule, self._beta_step = cfg.schedule, 0
         self._norm_batch = cfg.weight_norm == "batch"
         self._set = ShardSet(self._shards, timeout=self.shard_timeout_s,
-                             max_in_flight=int(max_updates_in_flight),
-                             max_pending=int(max_pending_updates))
+                             max_in_flight=o["max_updates_in_flight"],
+                             max_pending=o["max_pending_updates"])
         self._writers = 1
-        self.chunk_size, self.max_writes_in_flight = int(chunk_size), int(max_writes_in_flight)
-        self._writer = ShardWriter(self._shards, cfg.to_dict(), start=0, chunk_size=chunk_size,
-                                   max_in_flight=max_writes_in_flight)
+        self.chunk_size, self.max_writes_in_flight = o["chunk_size"], o["max_writes_in_flight"]
+        self._writer = ShardWriter(self._shards, cfg.to_dict(), start=0, chunk_size=self.chunk_size,
+                                   max_in_flight=self.max_writes_in_flight)
         if _restore is not None:
             coord = _restore[1]["coordinator"]
             self._rng.bit_generator.state = coord["rng"]
@@ -242,62 +244,10 @@ class ShardedPrioritizedBuffer:
         else:
             b = self._schedule(self._beta_step)
         self._sync()
-        sh, n = self._set, int(batch_size)
-        sh.reap(sh.max_in_flight)
-        for _ in range(self.num_shards + 2):
-            live = sh.live()
-            if len(live) == 1:
-                batch = self._sample_one(live[0], n, b, bool(stratified))
-                if batch is None:
-                    continue
-                self._beta_step += 1
-                return batch
-            if self.fresh_totals:
-                stats = sh.probe()
-            else:
-                sh.reap(0)
-                stats = sh.cached()
-            totals = np.array([stats[s][0] if s in stats else 0.0 for s in range(self.num_shards)])
-            if not totals.sum() > 0:
-                raise InvalidArgumentError(
-                    f"cannot sample: no sampleable transition (len={sum(st[2] for st in stats.values())} "
-                    f"on {len(stats)} live shard(s) of {self.num_shards})")
-            shard, local, total = lay_out(self._rng.random(n), totals, bool(stratified))
-            positions, calls = {}, {}
-            for s in stats:
-                pos = np.flatnonzero(shard == s)
-                # Pipelined: every live shard answers, so its cached total stays fresh.
-                if pos.shape[0] or not self.fresh_totals:
-                    positions[s] = pos
-                    calls[s] = sh.call(s, "sample", local[pos], totals[s], b)
-            replies = sh.collect(calls)
-            parts = {s: r[0] for s, r in replies.items() if r[0] is not None}
-            if len(replies) < len(calls) or any(p.get("empty") for p in parts.values()):
-                continue  # a shard died or emptied mid-call: draw again over the live ones
-            for s, r in replies.items():
-                stats[s] = r[1]
-            floor = min([st[1] * (parts[s]["scale"] if s in parts else 1.0) for s, st in stats.items()
-                         if st[1] < np.inf] or [np.inf])
-            batch = assemble(n, parts, {s: positions[s] for s in parts}, self._offsets, total, floor,
-                             b, self._norm_batch)
-            self._beta_step += 1
-            return batch
-        raise ShardUnavailableError(f"sampling failed {self.num_shards + 2} times in a row: shards keep dying")
-
-    def _sample_one(self, s: int, n: int, beta: float, stratified: bool):
-        """The only live shard lays the draws out itself: one round trip."""
-        state = self._rng.bit_generator.state
-        calls = {s: self._set.call(s, "sample", None, 0.0, beta, self._rng.random(n), stratified)}
-        reply = self._set.collect(calls).get(s)
-        if reply is None:
-            return None  # it went down: try again over what is live
-        part, st = reply
-        if part.get("empty"):
-            self._rng.bit_generator.state = state  # as a local buffer: no draw when empty
-            raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={st[2]} on the one live "
-                             f"shard of {self.num_shards})")
-        return assemble(n, {s: part}, {s: np.arange(n)}, self._offsets, st[0], st[1], beta,
-                        self._norm_batch)
+        batch = draw(self._set, self._rng, self._offsets, int(batch_size), b, bool(stratified),
+                     fresh=self.fresh_totals, batch_norm=self._norm_batch)
+        self._beta_step += 1
+        return batch
 
     # -- priorities --------------------------------------------------------------------
     def update_priorities(self, target, priorities) -> None:
@@ -333,11 +283,14 @@ class ShardedPrioritizedBuffer:
             self._set.queue_update(int(s), slots[sel], None if stamps is None else stamps[sel], p[sel])
 
     # -- persistence ---------------------------------------------------------------------
-    def save(self, snapshot) -> None:
-        """Snapshot every shard and the coordinator into the new directory ``snapshot``.
+    def save(self, snapshot) -> Path:
+        """Snapshot every shard and the coordinator into the new directory ``snapshot``;
+        returns its absolute path.
 
-        All or nothing (see ``_manifest``). Writers in other processes should
-        ``flush()`` first: each shard is saved as it stands when its call runs.
+        All or nothing (see ``_manifest``); ``bigper.Snapshots`` numbers, keeps
+        and falls back over these as over a local buffer's. Writers in other
+        processes should ``flush()`` first: each shard is saved as it stands
+        when its call runs. Restarted shards reload the latest one.
         """
         self.flush()
         snapshot = Path(snapshot).absolute()
@@ -347,12 +300,17 @@ class ShardedPrioritizedBuffer:
             "coordinator": {"rng": self._rng.bit_generator.state, "beta_step": self._beta_step,
                             "max_leaf": self._set.max_leaf}})
         M.write_recovery_pointer(self.recovery_dir, snapshot)
+        return snapshot
 
     @classmethod
     def load(cls, snapshot, *, path=None, **options) -> "ShardedPrioritizedBuffer":
         """Resume a sharded buffer saved by ``save``: shards reload their snapshots
         (live data under ``path``, default the recorded one), the coordinator its
-        generator and beta step. ``options``: the constructor's Ray and routing keywords."""
+        generator and beta step. ``options``: the constructor's Ray and routing keywords.
+
+        Raises ``CorruptSnapshotError`` when a shard's snapshot fails its checks
+        (so ``Snapshots.load_latest`` falls back to the previous one).
+        """
         m = M.read_manifest(snapshot)
         cfg = Config.from_dict(m["config"])
         fields = {n: (s, d) for n, (s, d) in cfg.fields.items()}

@@ -1,0 +1,103 @@
+"""Which shard a writer's next chunk goes to: fill first, then oldest first.
+
+Round robin over shards of equal capacity loses room: with 3 shards of 1000
+and chunks of 256, 3000 steps put 1024, 1024 and 952 rows on them, so two
+shards evict while the third has room (2952 held). A writer instead keeps a
+model of every shard, ``(held, capacity, stamps of the rows it holds)``:
+
+* **Fill first.** While some shard has room, the chunk goes to the shard with
+  the most room (ties in turn, starting at the writer's own offset, so
+  writers spread), cut to that room where a chunk may be cut (no n-step
+  window or frame stack to keep whole, no placeholder rows): one writer fills
+  the buffer to exactly ``capacity`` before anything is evicted.
+* **Then oldest first.** Once every shard is full, the chunk goes to the
+  shard whose oldest row arrived first; that shard's ring overwrites exactly
+  those rows. Eviction follows arrival order across shards to within one
+  chunk per shard (a chunk can evict part of its shard's second-oldest chunk).
+
+Stamps are the sender's wall clock (ns), so several writers order their
+chunks against each other as far as their clocks agree. The model is exact
+for one writer; with several, each learns the others' rows from the shards'
+replies (every ``extend`` returns ``(len, capacity, oldest stamp)``), so the
+rules hold to within the chunks in flight. Without cuts (episode mode) a
+shard can overflow by less than one chunk while another has room: the buffer
+then holds ``min(added, capacity)`` minus less than one chunk per shard.
+
+Pure Python, no Ray: the writer calls ``choose``, ``sent`` and ``acked``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+
+class Router:
+    """Routing state of one writer over ``capacities`` (one per shard)."""
+
+    def __init__(self, capacities, start: int = 0):
+        self.caps = [int(c) for c in capacities]
+        self.n = len(self.caps)
+        self.held = [0] * self.n  # rows each shard holds, as far as this writer knows
+        self.own = [deque() for _ in range(self.n)]  # [stamp, rows] this writer sent, still held
+        self.mine = [0] * self.n  # rows in own[k]
+        self.oldest = [None] * self.n  # oldest stamp the shard last reported (None: empty/unknown)
+        self._turn = start % self.n
+        self._clock = 0
+
+    def stamp(self) -> int:
+        """A send time, strictly increasing for this writer."""
+        self._clock = max(self._clock + 1, time.time_ns())
+        return self._clock
+
+    def _front(self, k: int):
+        own = self.own[k]
+        if own and self.mine[k] >= self.held[k]:
+            return own[0][0]  # everything there came from this writer
+        known = [s for s in (self.oldest[k], own[0][0] if own else None) if s is not None]
+        return min(known) if known else 0  # unknown rows: as old as can be
+
+    def choose(self, rows: int, *, unit: int = 1, cuttable: bool = False, exclude=()) -> tuple:
+        """``(shard, rows to send there)`` for a chunk of ``rows`` transitions.
+
+        ``unit``: transitions per step (``num_envs``); a cut falls between steps.
+        ``exclude``: shards not to use (one that just failed this chunk).
+        """
+        order = [(self._turn + i) % self.n for i in range(self.n)]
+        order = [k for k in order if k not in exclude] or order
+        room = {k: self.caps[k] - self.held[k] for k in order}
+        best = max(order, key=lambda k: room[k])  # max keeps the first of equals: turn order
+        if room[best] > 0:
+            take = rows
+            if cuttable and room[best] < rows:
+                take = (room[best] // unit) * unit or rows
+        else:
+            best = min(order, key=self._front)
+            take = rows
+        self._turn = (best + 1) % self.n
+        return best, take
+
+    def sent(self, k: int, rows: int, stamp: int) -> None:
+        """``rows`` went to shard ``k``: it holds them, and evicts its oldest beyond capacity."""
+        self.own[k].append([stamp, rows])
+        self.mine[k] += rows
+        self.held[k] = min(self.held[k] + rows, self.caps[k])
+        self._trim(k)
+
+    def acked(self, k: int, fill: tuple, in_flight: int) -> None:
+        """Shard ``k`` replied ``fill = (len, capacity, oldest stamp)`` to a chunk;
+        ``in_flight``: rows sent to it since, not yet acknowledged."""
+        held, _, oldest = fill
+        self.held[k] = min(int(held) + in_flight, self.caps[k])
+        self.oldest[k] = oldest
+        self._trim(k)
+
+    def _trim(self, k: int) -> None:
+        own, extra = self.own[k], self.mine[k] - self.held[k]
+        while extra > 0 and own:
+            cut = min(own[0][1], extra)
+            own[0][1] -= cut
+            self.mine[k] -= cut
+            extra -= cut
+            if not own[0][1]:
+                own.popleft()
