@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IncompatibleSnapshotError
+from ._files import open_regular
 from ._region import PAGE, Region, round_up
 
 CHUNK_BYTES = 4 << 20
@@ -65,7 +66,7 @@ class _Array:
 
     def _map_chunk(self, k: int, writable: bool, known=None) -> None:
         p = self.path(k)
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = open_regular(p, os.O_RDONLY)  # never a FIFO (a hang) or a symlink out of data/
         try:
             st = os.fstat(fd)
             if st.st_size < self.sizes[k]:  # mapping past the end would SIGBUS on access
@@ -74,7 +75,7 @@ class _Array:
             shared = st.st_nlink > 1
             if writable and not shared:
                 os.close(fd)
-                fd = os.open(p, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+                fd = open_regular(p, os.O_RDWR)
             self.region.map_file(self.offset(k), self.sizes[k], fd, writable=writable and not shared)
         finally:
             os.close(fd)
@@ -94,7 +95,7 @@ class _Array:
         copied = os.stat(p).st_nlink > 1
         if copied:
             tmp = p.with_name(p.name + ".cow")
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             try:
                 os.posix_fallocate(fd, 0, self.sizes[k])  # a full disk is an OSError here
                 view = memoryview(self.view(k))
@@ -106,7 +107,7 @@ class _Array:
                 tmp.unlink(missing_ok=True)
                 raise
         else:
-            fd = os.open(p, os.O_RDWR)
+            fd = open_regular(p, os.O_RDWR)
         try:
             self.region.map_file(self.offset(k), self.sizes[k], fd, writable=True)
             self.inodes[k] = os.fstat(fd).st_ino

@@ -23,31 +23,82 @@ the live buffer never writes into a file a snapshot holds.
 Files are never truncated on open. ``clean`` is false while a writer has the
 directory open, so a writer that died is detected on the next open; a
 snapshot load with ``takeover=True`` replaces whatever such a writer left.
+
+Takeover replaces only what bigper can prove it wrote: ``meta.json`` with
+this format's marker is written before any chunk file exists, and names
+every array; ``data/`` may hold only those arrays' chunk files (and their
+``.cow`` copies in progress), ``state/`` only the ``.npy`` files named at the
+last close. Anything else anywhere in the directory (a user's
+``data/train.csv``, a subdirectory, a symlink, a FIFO) is refused with
+``PathExistsError`` before anything changes.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import (
+    CorruptSnapshotError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
     PathExistsError,
     PathNotFoundError,
 )
 from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
-from ._files import FileLock, fsync_dir, preallocate, read_json, write_json
-from ._state import check_meta, load_state_dir, save_state_dir
+from ._files import FileLock, fsync_dir, open_regular, preallocate, read_json, write_json
+from ._state import STATE_NAME, check_meta, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
 VERSION = 1  # chunk files arrived before any release; one chunk is the original layout
 # What a storage directory may hold; takeover refuses a directory with anything else.
-_OWN = {"meta.json", ".meta.json.tmp", ".lock", "data", "state"}
+_OWN = {"meta.json": "file", ".meta.json.tmp": "file", ".lock": "file", "data": "dir", "state": "dir"}
+_TRASH = re.compile(r"^\.trash-[0-9a-f]{12}$")
+_BIG = 1 << 62
+_ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,127}$")  # config.check_name's field names
+
+
+def _kind(path: Path) -> str:
+    mode = os.lstat(path).st_mode
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+def check_arrays(arrays, where) -> dict:
+    """The ``arrays`` record of a meta.json (name -> rows, shape, dtype,
+    chunk_rows), checked so that mapping it can neither overflow nor
+    reach outside ``data/``; ``CorruptSnapshotError`` otherwise."""
+    def bad(what):
+        raise CorruptSnapshotError(f"{where}/meta.json: {what}")
+
+    if not isinstance(arrays, dict):
+        bad(f"arrays must be a dict, got {type(arrays).__name__}")
+    for name, rec in arrays.items():
+        if not isinstance(name, str) or not _ARRAY_NAME.match(name):
+            bad(f"array name {name[:80]!r} is not a plain name")
+        if not isinstance(rec, dict):
+            bad(f"arrays[{name!r}] must be a dict")
+        rec.setdefault("chunk_rows", rec.get("rows"))  # written before chunks: one each
+        ints = [rec.get("rows"), rec.get("chunk_rows")] + (rec["shape"] if isinstance(rec.get("shape"), list) else [None])
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v < _BIG for v in ints):
+            bad(f"arrays[{name!r}] needs rows, chunk_rows and shape of ints >= 1")
+        try:
+            dt = np.dtype(rec.get("dtype"))
+        except Exception:  # noqa: BLE001
+            bad(f"arrays[{name!r}] has dtype {str(rec.get('dtype'))[:40]!r}")
+        if dt.hasobject or dt.fields is not None or dt.shape or dt.kind not in "biufc":
+            bad(f"arrays[{name!r}] has dtype {dt}, not a numeric one")
+        n = rec["rows"] * dt.itemsize
+        for d in rec["shape"]:
+            n *= d
+        if n >= _BIG:
+            bad(f"arrays[{name!r}] declares {n} bytes")
+    return arrays
 
 
 class MemmapStorage:
@@ -92,8 +143,7 @@ class MemmapStorage:
                 return self._take_over(config)
             if meta_path.exists():
                 self._meta = check_meta(read_json(meta_path), FORMAT, VERSION, self.path)
-                for rec in self._meta["arrays"].values():  # written before chunks: one each
-                    rec.setdefault("chunk_rows", rec["rows"])
+                check_arrays(self._meta.get("arrays"), self.path)
                 return self._meta
         except BaseException:
             self._abort()
@@ -108,27 +158,70 @@ class MemmapStorage:
     def _take_over(self, config) -> None:
         """Lock only: nothing changes on disk until ``adopt`` or ``allocate``,
         so a caller that finds ``previous`` unacceptable can still ``abort``."""
-        foreign = sorted(e for e in os.listdir(self.path) if e not in _OWN and not e.startswith(".trash-"))
-        if foreign:
-            raise PathExistsError(
-                f"{self.path} holds {foreign[:5]}, which a bigper memmap storage does not: "
-                "refusing to take it over (pass an empty or bigper directory as path)")
-        try:
-            self.previous = read_json(self.path / "meta.json")
-        except (OSError, ValueError):
-            self.previous = None
+        self.previous = self._own_previous()
         self._meta = self._new_meta(config)
         return None
+
+    def _own_previous(self) -> dict | None:
+        """The meta.json of the buffer that this directory holds (None if it
+        holds none yet), after proving that every entry in it is one bigper
+        wrote there; ``PathExistsError`` naming the first that is not."""
+        def foreign(what: str):
+            raise PathExistsError(
+                f"{self.path} holds {what}, which a bigper memmap storage does not: refusing to "
+                "take it over (pass an empty or bigper directory as path); nothing was changed")
+
+        previous = None
+        if os.path.lexists(self.path / "meta.json"):
+            try:
+                previous = read_json(self.path / "meta.json", error=PathExistsError)
+            except PathExistsError:
+                foreign("a meta.json that is not a regular file or not JSON")
+            if not isinstance(previous, dict) or previous.get("format") != FORMAT:
+                foreign("a meta.json without bigper's memmap marker")
+        names = {"data": set(), "state": set()}
+        arrays = previous.get("arrays") if previous else None
+        if isinstance(arrays, dict):
+            try:
+                for name, rec in check_arrays(arrays, self.path).items():
+                    n = -(-rec["rows"] // rec["chunk_rows"])
+                    for k in range(n):
+                        names["data"] |= {chunk_name(name, k), chunk_name(name, k) + ".cow"}
+            except CorruptSnapshotError:
+                pass  # a damaged record proves nothing: only an empty data/ is taken over
+        recorded = previous.get("state_files") if previous else None
+        for entry in sorted(os.listdir(self.path)):
+            if entry in _OWN:
+                if _kind(self.path / entry) != _OWN[entry]:
+                    foreign(f"{entry!r} (not a plain {_OWN[entry]})")
+            elif not (_TRASH.match(entry) and _kind(self.path / entry) == "dir"):
+                foreign(repr(entry))
+        for sub in ("data", "state"):
+            if not (self.path / sub).is_dir():
+                continue
+            for entry in sorted(os.listdir(self.path / sub)):
+                if sub == "state":
+                    stem = entry[1:-8] if entry.startswith(".") and entry.endswith(".npy.tmp") else \
+                        entry[:-4] if entry.endswith(".npy") else None
+                    ok = stem is not None and STATE_NAME.match(stem) and \
+                        (stem in recorded if isinstance(recorded, list) else previous is not None)
+                else:
+                    ok = entry in names["data"]
+                if not ok or _kind(self.path / sub / entry) != "file":
+                    foreign(f"{sub}/{entry!r}")
+        return previous
 
     def _wipe(self) -> None:
         """Takeover: mark the directory unclean, then clear what the last writer left."""
         if isinstance(self.previous, dict) and self.previous.get("clean"):
-            write_json(self.path / "meta.json", self._meta)  # a closed buffer: unclean from now on
+            # Unclean from now on, still naming its arrays: what is left stays provably bigper's.
+            write_json(self.path / "meta.json", {**self.previous, "clean": False})
         for sub in ("data", "state"):
             if (self.path / sub).exists():
                 os.replace(self.path / sub, self.path / f".trash-{uuid.uuid4().hex[:12]}")
-        for trash in self.path.glob(".trash-*"):
-            shutil.rmtree(trash, ignore_errors=True)
+        for trash in self.path.iterdir():
+            if _TRASH.match(trash.name):
+                shutil.rmtree(trash, ignore_errors=True)
         self.takeover = False
 
     def adopt(self, arrays: dict) -> None:
@@ -139,6 +232,9 @@ class MemmapStorage:
         if not self.takeover:
             raise RuntimeError("adopt() is for a fresh takeover, before allocate()")
         self._wipe()
+        for name, rec in arrays.items():  # named before any file exists (see _own_previous)
+            self._meta["arrays"][name] = {k: rec[k] for k in ("rows", "shape", "dtype", "chunk_rows")}
+        write_json(self.path / "meta.json", self._meta)
         data = self.path / "data"
         data.mkdir()
         for name, rec in arrays.items():
@@ -170,15 +266,16 @@ class MemmapStorage:
             if self.takeover:
                 self._wipe()
             if fresh:
+                layout = self.layout(specs)
+                self._meta["arrays"].update(layout)
+                write_json(self.path / "meta.json", self._meta)  # names every file before it exists
                 data = self.path / "data"
                 data.mkdir(exist_ok=True)
-                for name, rec in self.layout(specs).items():
+                for name, rec in layout.items():
                     a = _Array(self.path, name, rec)
                     for k in range(a.n):
                         preallocate(a.path(k), a.sizes[k])
-                    self._meta["arrays"][name] = rec
                 fsync_dir(data)
-                write_json(self.path / "meta.json", self._meta)
             else:
                 want = self.layout(specs)
                 have = {n: {k: r[k] for k in ("rows", "shape", "dtype")} for n, r in self._meta["arrays"].items()}
@@ -286,7 +383,7 @@ class MemmapStorage:
         a.shared[k] = True  # first: whatever happens next, a write copies the chunk
         a.digests[k] = digest
         self._nshared += 1
-        fd = os.open(a.path(k), os.O_RDONLY)
+        fd = open_regular(a.path(k), os.O_RDONLY)
         try:  # read-only from now on: a stray write faults instead of changing a snapshot
             a.region.map_file(a.offset(k), a.sizes[k], fd, writable=False)
         finally:
@@ -295,7 +392,8 @@ class MemmapStorage:
     # -- state and close -------------------------------------------------------
     def saved_state(self):
         """``(meta, arrays)`` the last writer recorded at close."""
-        return self._meta["state"], load_state_dir(self.path / "state")
+        names = self._meta.get("state_files")
+        return self._meta["state"], load_state_dir(self.path / "state", names if isinstance(names, list) else None)
 
     def close(self, state: tuple[dict, dict] | None = None) -> None:
         """Flush data, record ``state`` (``(meta, arrays)``) and mark the directory clean."""
@@ -306,6 +404,7 @@ class MemmapStorage:
             if state is not None:
                 save_state_dir(self.path / "state", state[1])
                 self._meta["state"] = state[0]
+                self._meta["state_files"] = sorted(state[1])
             if self._arr:
                 self._meta["shared_digests"] = {
                     name: {str(k): [a.inodes[k], a.digests[k]] for k in range(a.n) if a.digests[k]}
