@@ -1,33 +1,71 @@
 """bigper: prioritized experience replay for millions of transitions on disk."""
 
+from . import buffer as _buffer
 from .batch import Batch
 from .buffer import PrioritizedReplayBuffer
 from .errors import (
     BigperError,
+    BufferClosedError,
     CorruptSnapshotError,
     IncompatibleSnapshotError,
+    InvalidArgumentError,
+    InvalidIndexError,
+    InvalidTypeError,
     OfflineDatasetError,
+    PathExistsError,
+    PathNotFoundError,
+    ReadOnlyBufferError,
+    ShardUnavailableError,
     SidecarMismatchError,
     StorageLockedError,
     UncleanStorageError,
+    UnknownFieldError,
 )
 from .schedules import ConstantSchedule, LinearSchedule
 from .snapshot import Snapshots
+from .snapshot import load as _load
+from .snapshot import save as _save
 
 __version__ = "0.1.0"
+
+
+def _from_hdf5(dataset, **kwargs):
+    from .offline import from_hdf5  # h5py-heavy: loaded on first use
+
+    return from_hdf5(dataset, **kwargs)
+
+
+def _reprioritize(buf, score_fn, **kwargs):
+    from .offline import reprioritize
+
+    return reprioritize(buf, score_fn, **kwargs)
+
+
+# The buffer's save/load/from_hdf5/reprioritize methods are implemented by the
+# rooms above it; plugging them in here keeps every import pointing down.
+_buffer.provide(save=_save, load=_load, from_hdf5=_from_hdf5, reprioritize=_reprioritize)
 
 __all__ = [
     "Batch",
     "BigperError",
+    "BufferClosedError",
     "ConstantSchedule",
     "CorruptSnapshotError",
     "IncompatibleSnapshotError",
+    "InvalidArgumentError",
+    "InvalidIndexError",
+    "InvalidTypeError",
     "LinearSchedule",
     "OfflineDatasetError",
+    "PathExistsError",
+    "PathNotFoundError",
     "PrioritizedReplayBuffer",
+    "ReadOnlyBufferError",
+    "ShardUnavailableError",
     "SidecarMismatchError",
     "Snapshots",
     "StorageLockedError",
     "UncleanStorageError",
+    "UnknownFieldError",
     "__version__",
 ]

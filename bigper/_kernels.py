@@ -123,7 +123,7 @@ def tree_descend(sums, offsets, targets, out):
     depth = offsets.shape[0]
     n = targets.shape[0]
     node = np.zeros(n, dtype=np.int64)
-    rem = targets.copy()
+    rem = np.maximum(targets, 0.0)  # a negative target takes the first non-zero leaf
     for lev in range(1, depth):
         off = offsets[lev]
         _touch(sums, off, node)
@@ -142,7 +142,7 @@ def tree_descend(sums, offsets, targets, out):
                 u -= below
             else:
                 cnt = FANOUT - 1
-                while sums[base + cnt] <= 0.0:
+                while cnt > 0 and sums[base + cnt] <= 0.0:
                     cnt -= 1
                 # Stay strictly inside that child on the levels below.
                 u = sums[base + cnt] * (1.0 - 2.0 ** -52)
@@ -186,8 +186,20 @@ def sample_kernel(sums, mins, offsets, uniforms, stratified, beta, batch_norm):
     if not batch_norm:
         lo = mins[0]
     for b in range(n):
-        weight_out[b] = (sums[leaf_off + idx_out[b]] / lo) ** (-beta)
+        weight_out[b] = is_weight(lo, sums[leaf_off + idx_out[b]], beta)
     return idx_out, prob_out, weight_out
+
+
+@kernel
+def is_weight(lo, v, beta):
+    """``(lo / v) ** beta`` for leaves ``0 < lo <= v``: the IS weight
+    ``(N P)**-beta`` over the largest possible one. The ratio is <= 1, so it
+    cannot overflow; where it underflows (leaves more than ~1e308 apart) the
+    weight is taken through logarithms instead of collapsing to 0."""
+    r = lo / v
+    if r >= 2.2250738585072014e-308:
+        return r ** beta
+    return np.exp(beta * (np.log(lo) - np.log(v)))
 
 
 @kernel
@@ -242,29 +254,41 @@ def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
     if leaves.shape[0] != m:
         leaves = np.empty(m, dtype=np.float64)
         to_leaves(p, alpha, eps, max_priority, leaves)
-    # Only values that become leaves (now or when their window completes)
-    # count toward the largest leaf; skipped rows do not.
-    top = 0.0
     keep = np.empty(m, dtype=np.bool_)
+    route = np.empty(m, dtype=np.uint8)
     all_tree = True
     for i in range(m):
         s = idx[i]
         st = status[s]
         if use_stamps and gid[s] != stamps[i]:
             st = 0
+        route[i] = st
         keep[i] = st == 1
-        if st == 1 or st == 2:
-            top = max(top, leaves[i])
         if st == 2:
             pending[s] = leaves[i]
         if st != 1:
             all_tree = False
+    kept_idx = idx
     if not all_tree:
-        idx = idx[keep]
+        kept_idx = idx[keep]
         leaves = leaves[keep]
-    if idx.shape[0] * 8 >= n and idx.shape[0] > 1024:
+    if kept_idx.shape[0] * 8 >= n and kept_idx.shape[0] > 1024:
         # Walking every ancestor of that many leaves costs more than one O(N) rebuild.
-        tree_set_many(sums, mins, offsets, sizes, idx, leaves)
+        tree_set_many(sums, mins, offsets, sizes, kept_idx, leaves)
     else:
-        tree_set(sums, mins, offsets, idx, leaves)
+        tree_set(sums, mins, offsets, kept_idx, leaves)
+    # Only values that became leaves (now, or when their window completes)
+    # count toward the largest leaf: read back what each routed slot holds, so a
+    # repeated index counts its last value only and skipped rows not at all.
+    leaf_off = offsets[offsets.shape[0] - 1]
+    top = 0.0
+    for i in range(m):
+        if route[i] == 1:
+            v = sums[leaf_off + idx[i]]
+        elif route[i] == 2:
+            v = pending[idx[i]]
+        else:
+            continue
+        if v > top:
+            top = v
     return 0, -1, top

@@ -2,35 +2,99 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+
 import numpy as np
 
-from . import _kernels as K
 from . import nstep
-from ._edges import EdgeMethods
+from ._ingest import Ingest, as_index, as_priorities
 from ._statecheck import check_state
-from ._ingest import Ingest, as_index, as_priorities, to_leaves
 from .batch import Batch
-from .config import Config
+from .config import LAYOUT_KEYS, Config
 from .errors import (
+    BufferClosedError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
     InvalidIndexError,
     InvalidTypeError,
+    PathExistsError,
+    ReadOnlyBufferError,
 )
 from .frames import FrameStore
+from .prioritization import make as make_prioritization
+from .prioritization.base import DEAD, EMPTY, LIVE, PENDING  # noqa: F401  (slot status codes)
 from .storage import open_storage
-from .tree import PriorityTree
 
-_EMPTY = np.zeros(0, dtype=np.float64)
+log = logging.getLogger("bigper")
+
 # Lookup by the ends bits (1 terminated, 2 truncated): a take() beats a kernel call for a batch.
 _TERM = np.array([False, True, False, True])
 _TRUNC = np.array([False, False, True, True])
+MODES = ("new", "resume", "overwrite")
+# Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
+MAX_BATCH = 1 << 24
 
-# Slot status: what a slot holds right now.
-EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3
+# Rooms above the buffer (snapshots, offline datasets) provide the entry points
+# that the buffer offers as methods (``save``, ``load``, ``from_hdf5``,
+# ``reprioritize``); ``bigper/__init__`` plugs them in, so this module never
+# imports upward.
+_PROVIDED: dict = {}
 
 
-class PrioritizedReplayBuffer(EdgeMethods):
+def provide(**entry_points) -> None:
+    """Plug in the functions behind ``save``/``load``/``from_hdf5``/``reprioritize``."""
+    _PROVIDED.update(entry_points)
+
+
+def _provided(name: str):
+    fn = _PROVIDED.get(name)
+    if fn is None:  # only reachable when bigper's package __init__ did not run
+        raise InvalidArgumentError(f"{name} needs the bigper package imported (import bigper)")
+    return fn
+
+
+def _held(recorded: dict) -> int:
+    """Transitions a recorded storage holds (for messages)."""
+    try:
+        cfg, state = recorded["config"], recorded["state"]
+        return int(min(int(state["count"]), int(cfg["capacity"])))
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def _overwrite(cfg: Config, path, opts: dict):
+    """A fresh storage at ``path``, which ``open`` just recognized as a bigper
+    storage (so its files are bigper's to replace)."""
+    if cfg.storage == "memmap":
+        store = open_storage("memmap", path, takeover=True, **opts)
+    else:
+        from pathlib import Path
+
+        Path(path).unlink()
+        store = open_storage(cfg.storage, path, **opts)
+    store.open(cfg.to_dict())
+    return store
+
+
+# Buffers still open at interpreter exit are closed cleanly (state recorded),
+# so a script that ends without close() leaves a folder that resumes.
+_OPEN: "weakref.WeakSet[PrioritizedReplayBuffer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for buf in list(_OPEN):
+        try:
+            buf.close()
+        except Exception as e:  # noqa: BLE001 (exit must go on; say what was lost)
+            log.warning("bigper: could not close %r at exit: %s", buf, e)
+
+
+class PrioritizedReplayBuffer:
     """A prioritized replay buffer (proportional PER) over any storage.
 
     Parameters
@@ -62,36 +126,78 @@ class PrioritizedReplayBuffer(EdgeMethods):
     """
 
     def __init__(self, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
-                 eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", storage="memory",
-                 path=None, next_of=None, num_envs=1, seed=0, read_only=False, storage_options=None):
+                 eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
+                 prioritization="proportional", storage="memory", path=None, mode="new",
+                 next_of=None, num_envs=1, seed=0, read_only=False, storage_options=None):
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
-                           next_of=next_of, num_envs=num_envs, seed=seed, storage=storage)
+                           next_of=next_of, num_envs=num_envs, seed=seed, storage=storage,
+                           prioritization=prioritization)
         if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
             raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
-                             f"got fields {sorted(cfg.fields)}")
+                                       f"got fields {sorted(cfg.fields)}")
         if cfg.storage == "memory" and (path is not None or read_only):
             raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
-        store = open_storage(cfg.storage, path, read_only=read_only, **(storage_options or {}))
+        if mode not in MODES:
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+        if read_only and mode != "resume":
+            mode = "resume"  # a reader only ever looks at what is there
+        opts = dict(storage_options or {})
+        store = open_storage(cfg.storage, path, read_only=read_only, **opts)
         recorded = store.open(cfg.to_dict())
+        if recorded is not None and mode != "resume":
+            held = _held(recorded)
+            store.close()
+            if mode == "new":
+                raise PathExistsError(
+                    f"path={str(path)!r} already holds a bigper buffer ({held} transitions); pass "
+                    "mode='resume' to continue it or mode='overwrite' to replace it")
+            store = _overwrite(cfg, path, opts)
+            recorded = None
+        self.resumed = None
         if recorded is not None:
-            diff = cfg.differences(Config.from_dict(recorded["config"]))
+            old = Config.from_dict(recorded["config"])
+            diff = cfg.differences(old, ignore=(), only=LAYOUT_KEYS)
             if diff:
                 store.close()
                 raise IncompatibleSnapshotError(
-                    f"{path} holds a buffer of another config; differing key(s): " + "; ".join(diff))
-        self._setup(cfg, store)
+                    f"{path} holds a buffer of another layout; differing key(s): " + "; ".join(diff)
+                    + " (the stored data depends on these; use another path or mode='overwrite')")
+            self.resumed = _held(recorded)
+        try:
+            self._setup(cfg, store)
+            if recorded is not None:
+                self._restore(*store.saved_state(), reseed=cfg.seed != old.seed)
+        except BaseException:
+            self._closed = True
+            _OPEN.discard(self)
+            store.close()
+            raise
         if recorded is not None:
-            self._restore(*store.saved_state())
+            changed = cfg.differences(old, ignore=LAYOUT_KEYS)
+            log.info("bigper: resumed %s with %d transitions%s", path, self.resumed,
+                     "; new values for " + "; ".join(changed) if changed else "")
+
+    @classmethod
+    def from_parts(cls, config: Config, store, state=None) -> "PrioritizedReplayBuffer":
+        """A buffer over an opened, allocated-on-demand ``store`` (for snapshot
+        loads and offline datasets); ``state``: ``(meta, arrays)`` as
+        ``state_dict`` gives them, checked before use."""
+        buf = cls.__new__(cls)
+        buf.resumed = None
+        buf._setup(config, store)
+        if state is not None:
+            buf._restore(*state)
+        return buf
 
     # -- construction ----------------------------------------------------------
     def _setup(self, cfg: Config, store) -> None:
         self.config = cfg
+        self._closed = True  # until the storage is allocated
         self._cfg_beta = cfg.schedule
         self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
         self._gamma = cfg.gamma
-        self._norm_batch = cfg.weight_norm == "batch"
         self._discount1 = np.array([cfg.gamma, 0.0, cfg.gamma, 0.0], dtype=np.float32)
         c = cfg.capacity
         self._ingest = Ingest(cfg)
@@ -105,7 +211,8 @@ class PrioritizedReplayBuffer(EdgeMethods):
         if self._frames is not None:
             specs.update(self._frames.specs())
         store.allocate(specs)
-        self._tree = PriorityTree(c, track_min=not self._norm_batch)
+        self._prio = make_prioritization(cfg.prioritization, c, alpha=cfg.alpha, eps=cfg.eps,
+                                         max_priority=self._maxp, weight_norm=cfg.weight_norm)
         self._gid = np.full(c, -1, dtype=np.int64)
         self._status = np.zeros(c, dtype=np.uint8)
         self._ends = np.zeros(c, dtype=np.uint8)
@@ -116,6 +223,7 @@ class PrioritizedReplayBuffer(EdgeMethods):
         self._env_ended = np.ones(cfg.num_envs, dtype=bool)  # no episode in progress
         self._rng = np.random.default_rng(cfg.seed)
         self._closed = False
+        _OPEN.add(self)
 
     # -- state (close/reopen and snapshots) --------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
@@ -123,24 +231,33 @@ class PrioritizedReplayBuffer(EdgeMethods):
         bookkeeping arrays; with the storage's data, everything to resume."""
         meta = {"count": self._count, "max_leaf": self._max_leaf, "beta_step": self._beta_step,
                 "rng": self._rng.bit_generator.state, "env_ended": self._env_ended.tolist()}
-        arrays = {"leaves": self._tree.leaves, "gid": self._gid, "status": self._status,
-                  "ends": self._ends, "pending": self._pending}
+        pmeta, arrays = self._prio.state()
+        if pmeta:
+            meta["prioritization"] = pmeta
+        arrays = dict(arrays)
+        arrays.update({"gid": self._gid, "status": self._status, "ends": self._ends,
+                       "pending": self._pending})
         if self._frames is not None:
             fmeta, farrays = self._frames.state()
             meta["frames"] = fmeta
             arrays.update(farrays)
         return meta, arrays
 
-    def _restore(self, meta: dict, arrays: dict) -> None:
+    def load_state(self, meta: dict, arrays: dict) -> None:
+        """Replace the bookkeeping with a recorded ``state_dict`` (checked first;
+        ``CorruptSnapshotError`` on anything a buffer could not have written)."""
+        self._restore(meta, arrays)
+
+    def _restore(self, meta: dict, arrays: dict, reseed: bool = False) -> None:
         check_state(self.config, meta, arrays)
         c = self.config.capacity
-        for name, want in (("leaves", (c,)), ("gid", (c,)), ("status", (c,)), ("ends", (c,))):
+        for name, want in (("gid", (c,)), ("status", (c,)), ("ends", (c,))):
             got = arrays.get(name)
             if got is None or got.shape != want:
                 raise IncompatibleSnapshotError(
                     f"recorded state array {name!r} has shape {None if got is None else got.shape}, "
                     f"expected {want}")
-        self._tree.set_all(arrays["leaves"])
+        self._prio.restore(meta.get("prioritization", {}), arrays, arrays["status"])
         self._gid[:] = arrays["gid"]
         self._status[:] = arrays["status"]
         self._ends[:] = arrays["ends"]
@@ -149,7 +266,8 @@ class PrioritizedReplayBuffer(EdgeMethods):
         self._max_leaf = float(meta["max_leaf"])
         self._beta_step = int(meta["beta_step"])
         self._env_ended[:] = meta["env_ended"]
-        self._rng.bit_generator.state = meta["rng"]
+        if not reseed:  # a new seed on resume starts a new random stream
+            self._rng.bit_generator.state = meta["rng"]
         if self._frames is not None:
             self._frames.restore(meta["frames"], arrays)
 
@@ -165,7 +283,7 @@ class PrioritizedReplayBuffer(EdgeMethods):
     @property
     def total_priority(self) -> float:
         """Sum of all leaves: ``P(i) = leaf_i / total_priority``."""
-        return self._tree.total
+        return self._prio.total
 
     @property
     def beta(self) -> float:
@@ -197,7 +315,10 @@ class PrioritizedReplayBuffer(EdgeMethods):
         rows, leaves, valid = self._ingest.steps(data, priorities, valid)
         self._write(rows, leaves, valid)
 
-    def _write(self, rows: dict, leaves, valid=None) -> None:
+    def _write(self, rows: dict, priorities, valid=None) -> None:
+        # Everything that can fail runs first (checks, keys, the storage's
+        # copy-on-write preparation); only then does any state change.
+        cfg = self.config
         m = rows["terminated"].shape[0]
         if valid is not None:
             # A placeholder row may only follow an episode end of its env.
@@ -207,22 +328,35 @@ class PrioritizedReplayBuffer(EdgeMethods):
             if bad.size:
                 r = int(bad[0])
                 raise InvalidArgumentError(
-                    f"valid is False for env {(self._count + r) % self.config.num_envs} at row {r}, "
+                    f"valid is False for env {(self._count + r) % cfg.num_envs} at row {r}, "
                     "but that env's previous step did not end an episode; valid=False is for the "
                     "reset step of next-step autoreset")
         else:
             ended = rows["terminated"] | rows["truncated"]
-        self._env_ended = np.concatenate([self._env_ended, ended])[-self.config.num_envs:]
-        c = self.config.capacity
+        keys = None if priorities is None else self._prio.keys(priorities)
+        c = cfg.capacity
+        first = self._count % c
+        where = slice(0, c) if m >= c else (
+            first if m == 1 else (slice(first, first + m) if first + m <= c else
+                                  (np.arange(first, first + m) % c)))
+        prepare = getattr(self._store, "prepare", None)
+        if prepare is not None:
+            # Copy-on-write storages make every row this write touches writable
+            # first: running out of space then fails before anything changed.
+            writes = {name: where for name in self._plain}
+            if self._frames is not None:
+                writes.update(self._frames.rows_touched(m, where))
+            prepare(writes)
+        self._env_ended = np.concatenate([self._env_ended, ended])[-cfg.num_envs:]
         # More rows than slots: write in chunks of at most `capacity`, so that
         # slots within one write are distinct and every frame stream stays whole.
         for lo in range(0, m, c):
             hi = min(lo + c, m)
             self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
-                              None if leaves is None else leaves[lo:hi],
+                              None if keys is None else keys[lo:hi],
                               None if valid is None else valid[lo:hi])
 
-    def _write_chunk(self, rows: dict, leaves, valid) -> None:
+    def _write_chunk(self, rows: dict, keys, valid) -> None:
         cfg = self.config
         c = cfg.capacity
         m = rows["terminated"].shape[0]
@@ -231,36 +365,33 @@ class PrioritizedReplayBuffer(EdgeMethods):
         slots = gids % c
         where = slots[0] if m == 1 else (slice(slots[0], slots[0] + m) if slots[0] + m <= c else slots)
         ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
-        prepare = getattr(self._store, "prepare", None)
-        if prepare is not None:
-            # Copy-on-write storages make every row this step touches writable
-            # first: running out of space then fails before anything changed.
-            writes = {name: where for name in self._plain}
-            if self._frames is not None:
-                writes.update(self._frames.rows_touched(m, where))
-            prepare(writes)
         for name in self._plain:
             self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
         if self._frames is not None:
             self._frames.write(rows, gids, slots, where, ends, valid)
-        if leaves is None:
-            leaves = np.full(m, self._max_leaf)
+        if keys is None:
+            keys = np.full(m, self._max_leaf)
         else:
-            leaves = to_leaves(leaves, cfg.alpha, cfg.eps, self._maxp)
-            self._max_leaf = max(self._max_leaf, float(leaves.max()))
+            # Only values that become keys count toward the largest one.
+            counted = keys if valid is None else keys[valid]
+            if counted.shape[0]:
+                self._max_leaf = max(self._max_leaf, float(counted.max()))
         self._gid[slots] = gids
         self._ends[slots] = ends
         self._count = g0 + m
         status = LIVE if cfg.n_step == 1 else PENDING
         if valid is not None:
             status = np.where(valid, status, DEAD).astype(np.uint8)
-            leaves = np.where(valid, leaves, 0.0)
         self._status[slots] = status
         if cfg.n_step == 1:
-            self._tree.set(slots, leaves)
+            if valid is None:
+                self._prio.insert(slots, keys)  # replaces what the slots held
+            else:
+                self._prio.remove(slots[~valid])
+                self._prio.insert(slots[valid], keys[valid])
         else:
-            self._pending[slots] = leaves
-            self._tree.set(slots, np.zeros(m))
+            self._prio.remove(slots)  # waiting for their windows now
+            self._pending[slots] = keys
             first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
             ready = np.empty(self._count - first, dtype=np.int64)
             r = nstep.complete(first, self._count, c, cfg.num_envs, cfg.n_step, self._ends,
@@ -268,11 +399,11 @@ class PrioritizedReplayBuffer(EdgeMethods):
             if r:
                 ready = ready[:r]
                 self._status[ready] = LIVE
-                self._tree.set(ready, self._pending[ready])
+                self._prio.insert(ready, self._pending[ready])
         if self._frames is not None:
             dead = self._frames.expire(self._count, self._gid, self._status)
             if dead.shape[0]:
-                self._tree.set(dead, np.zeros(dead.shape[0]))
+                self._prio.remove(dead)
 
     # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:
@@ -289,8 +420,9 @@ class PrioritizedReplayBuffer(EdgeMethods):
             or every draw over the whole total.
         """
         self._check_open()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+                or not 1 <= batch_size <= MAX_BATCH:
+            raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
         if beta is not None:
             try:
                 b = float(beta)
@@ -300,12 +432,12 @@ class PrioritizedReplayBuffer(EdgeMethods):
                 raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
         else:
             b = self._cfg_beta(self._beta_step)
-        if not self._tree.sums[0] > 0:
+        if not self._prio.sampleable:
             raise InvalidArgumentError(
                 f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
                 "transition becomes sampleable once its window completes or its episode ends)")
-        idx, prob, w = self._tree.sample(self._rng.random(int(batch_size)), stratified=bool(stratified),
-                                         beta=b, batch_norm=self._norm_batch)
+        idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)), stratified=bool(stratified),
+                                         beta=b)
         self._beta_step += 1
         return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
 
@@ -345,8 +477,9 @@ class PrioritizedReplayBuffer(EdgeMethods):
 
         Parameters
         ----------
-        target : Batch or array of int
-            A batch from ``sample`` (slots overwritten since are skipped) or raw slots.
+        target : Batch, mapping with ``"indices"``, or array of int
+            A batch from ``sample`` or the dict ``Batch.to_torch`` gives (slots
+            overwritten since sampling are skipped), or raw slots.
         priorities : array-like (B,)
             Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
             With a repeated index, the last value wins.
@@ -354,45 +487,158 @@ class PrioritizedReplayBuffer(EdgeMethods):
         self._check_writable("priorities")
         if isinstance(target, Batch):
             idx, stamps, use = target.indices, target.generations, True
+        elif isinstance(target, Mapping):
+            if "indices" not in target:
+                raise InvalidTypeError("target is a mapping without 'indices'; pass a Batch, the dict "
+                                       f"Batch.to_torch() gives, or an index array (keys: {sorted(target)[:8]})")
+            idx = as_index(target["indices"])
+            gens = target.get("generations")
+            stamps, use = (idx, False) if gens is None else (as_index(gens), True)
+            if use and stamps.shape != idx.shape:
+                raise InvalidArgumentError(f"target['generations'] has shape {stamps.shape}, "
+                                           f"expected {idx.shape} like target['indices']")
         else:
             idx = as_index(target)
             stamps, use = idx, False
         p = as_priorities(priorities, idx.shape[0])
-        cfg = self.config
-        pre = _EMPTY
-        if p.shape[0] > 4096:  # numpy's pow is vectorized; the kernel's is a scalar call per row
-            with np.errstate(invalid="ignore"):
-                pre = np.power(np.minimum(p, self._maxp) + cfg.eps, cfg.alpha)
-        t = self._tree
-        code, pos, top = K.update_kernel(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps, use,
-                                         self._gid, self._status, self._pending, cfg.alpha, cfg.eps,
-                                         self._maxp)
-        if code == 1:
-            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
-        if code:
-            why = "out of range [0, capacity)" if code == 2 else "a slot never written"
-            raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity}, "
-                             f"len={len(self)})")
+        top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
         if top > self._max_leaf:
             self._max_leaf = top
+
+    # -- for the rooms above (snapshots, offline datasets, shards) -----------------
+    def save(self, snapshot):
+        """Write a crash-consistent snapshot of tree, data and state to the
+        directory ``snapshot``; returns its path."""
+        return _provided("save")(self, snapshot)
+
+    @classmethod
+    def load(cls, snapshot, *, path=None) -> "PrioritizedReplayBuffer":
+        """Resume the buffer saved in ``snapshot``; ``path``: where a disk storage keeps
+        its live data (default: the path recorded in the snapshot)."""
+        return _provided("load")(snapshot, path=path)
+
+    @classmethod
+    def from_hdf5(cls, dataset, **kwargs) -> "PrioritizedReplayBuffer":
+        """Open a D4RL, Minari or bigper HDF5 dataset in place, read-only; see ``bigper.offline``."""
+        return _provided("from_hdf5")(dataset, **kwargs)
+
+    def reprioritize(self, score_fn, batch_size: int = 4096, progress: bool = True) -> None:
+        """Score every transition in order with ``score_fn(batch) -> |TD|`` and set all priorities."""
+        _provided("reprioritize")(self, score_fn, batch_size=batch_size, progress=progress)
+
+    @property
+    def storage(self):
+        """The storage object (``kind``, ``path``, ``read``/``write``)."""
+        return self._store
+
+    @property
+    def prioritization(self):
+        """The prioritization strategy (``bigper.prioritization``)."""
+        return self._prio
+
+    @property
+    def status(self) -> np.ndarray:
+        """Slot status, read-only view (uint8: 0 empty, 1 sampleable, 2 waiting for
+        its n-step window, 3 dead)."""
+        v = self._status.view()
+        v.flags.writeable = False
+        return v
+
+    def gather(self, indices) -> dict:
+        """The data of the transitions at ``indices`` as ``sample`` returns it
+        (no draw, no weights); every index must be sampleable."""
+        self._check_open()
+        idx = self._check_indices(indices)
+        bad = np.flatnonzero(self._status[idx] != LIVE)
+        if bad.size:
+            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable transition")
+        return self._gather(idx)
+
+    def _check_indices(self, indices) -> np.ndarray:
+        idx = as_index(indices)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
+            raise InvalidIndexError(f"indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
+        return idx
+
+    def leaves(self, indices) -> np.ndarray:
+        """Stored priority keys (float64) at ``indices``: 0 for slots not sampleable."""
+        return self._prio.key_at(self._check_indices(indices))
+
+    @property
+    def max_leaf(self) -> float:
+        """The largest key so far: what a new transition enters with."""
+        return self._max_leaf
+
+    def raise_max_leaf(self, value: float) -> None:
+        """Let new transitions enter at ``value`` if it is larger (for shards
+        that share the largest key any of them has seen)."""
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise InvalidTypeError(f"value must be a number, got {value!r}") from None
+        if not (v > 0 and v <= getattr(self._prio, "limit", np.inf) and v < np.inf):
+            raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r}")
+        self._max_leaf = max(self._max_leaf, v)
+
+    @property
+    def min_leaf(self) -> float:
+        """Smallest non-zero key (``inf`` when nothing is sampleable)."""
+        return self._prio.min_key
+
+    def sample_at(self, targets, *, beta: float) -> Batch:
+        """Sample the leaves at the given prefix-sum ``targets`` in ``[0, total_priority)``.
+
+        For coordinators that draw the uniforms themselves (the Ray shards):
+        the RNG and the beta schedule are not touched; probabilities and
+        weights are local to this buffer (weights normalized by the batch max).
+        Proportional prioritization only.
+        """
+        self._check_open()
+        t = np.ascontiguousarray(targets, dtype=np.float64)
+        if t.ndim != 1 or t.shape[0] < 1:
+            raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
+        total = self._prio.total
+        if not self._prio.sampleable:
+            raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={len(self)})")
+        ok = np.isfinite(t) & (t >= 0) & (t < total)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
+        idx, prob, w = self._prio.sample_at(t, beta=float(beta))
+        return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+
+    @property
+    def _tree(self):
+        # Transitional: the proportional strategy's tree, for rooms not yet on the public protocol.
+        return self._prio.tree
 
     # -- lifecycle -------------------------------------------------------------
     def _check_open(self):
         if self._closed:
-            raise InvalidArgumentError("this buffer is closed")
+            raise BufferClosedError("this buffer is closed")
 
     def _check_writable(self, what: str = "data"):
         self._check_open()
         store = self._store
         if store.read_only and not (what == "priorities" and getattr(store, "priorities_writable", False)):
             where = getattr(store, "path", None) or getattr(store, "file_path", "")
-            raise InvalidArgumentError(f"this buffer is read-only ({what}): opened read_only at {where}")
+            raise ReadOnlyBufferError(f"this buffer is read-only ({what}): opened read_only at {where}")
 
     def close(self) -> None:
-        """Flush and release the storage; reopening a disk path resumes."""
-        if not self._closed:
-            self._store.close(None if self._store.read_only else self.state_dict())
+        """Flush, record the state and release the storage; reopening a disk
+        path with ``mode="resume"`` continues. Idempotent."""
+        if not getattr(self, "_closed", True):
             self._closed = True
+            _OPEN.discard(self)
+            self._store.close(None if self._store.read_only else self.state_dict())
+
+    def __del__(self):
+        # A buffer dropped without close() (a notebook cell, an exception)
+        # records its state and releases its lock when it is collected.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
+            pass
 
     def __enter__(self):
         return self

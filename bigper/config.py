@@ -5,17 +5,24 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 
 import numpy as np
 
 from .schedules import as_schedule, schedule_from_dict
-from .errors import InvalidArgumentError, InvalidTypeError
+from .errors import BigperError, InvalidArgumentError, InvalidTypeError
 
 # Per-transition flags every buffer stores, and keys that sampling produces.
 BUILTIN = ("terminated", "truncated")
 RESERVED = BUILTIN + ("discount", "priorities")
 STORAGES = ("memory", "memmap", "hdf5")
 WEIGHT_NORMS = ("global", "batch")
+PRIORITIZATIONS = ("proportional", "rank")
+# What the stored data, leaves and bookkeeping depend on: reopening a path with
+# other values is refused. The other keys (beta schedule, seed, gamma,
+# max_priority, weight_norm) steer only what comes next and take new values.
+LAYOUT_KEYS = ("capacity", "fields", "frame_stack", "n_step", "alpha", "eps", "next_of",
+               "num_envs", "storage", "prioritization")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
@@ -81,11 +88,12 @@ class Config:
     num_envs: int = 1
     seed: int | None = 0
     storage: str = "memory"
+    prioritization: str = "proportional"
 
     @classmethod
     def build(cls, *, capacity, fields, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
               eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", next_of=None,
-              num_envs=1, seed=0, storage="memory") -> "Config":
+              num_envs=1, seed=0, storage="memory", prioritization="proportional") -> "Config":
         capacity = _int(capacity, "capacity", 1)
         if not isinstance(fields, dict) or not fields:
             raise InvalidTypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
@@ -136,10 +144,13 @@ class Config:
             seed = _int(seed, "seed", 0)
         if storage not in STORAGES:
             raise InvalidArgumentError(f"storage must be one of {STORAGES}, got {storage!r}")
+        if prioritization not in PRIORITIZATIONS:
+            raise InvalidArgumentError(
+                f"prioritization must be one of {PRIORITIZATIONS}, got {prioritization!r}")
         return cls(capacity=capacity, fields=specs, frame_stack=frame_stack, n_step=n_step,
                    gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority,
                    beta=as_schedule(beta).to_dict(), weight_norm=weight_norm, next_of=next_of,
-                   num_envs=num_envs, seed=seed, storage=storage)
+                   num_envs=num_envs, seed=seed, storage=storage, prioritization=prioritization)
 
     # -- derived -------------------------------------------------------------
     @property
@@ -166,16 +177,41 @@ class Config:
         d = asdict(self)
         d["fields"] = {n: [list(s), dt] for n, (s, dt) in self.fields.items()}
         d["next_of"] = list(self.next_of)
+        if self.prioritization == "proportional":
+            del d["prioritization"]  # the default: configs stay as format 1 wrote them
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        d = dict(d)
-        d["fields"] = {n: (tuple(s), dt) for n, (s, dt) in d["fields"].items()}
-        d["next_of"] = tuple(d["next_of"])
-        return cls(**d)
+        """Inverse of ``to_dict``, validated as ``build`` validates arguments (a
+        recorded config is read from disk: hostile until checked)."""
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"a recorded config must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in dataclass_fields(cls)}
+        unknown = sorted(str(k) for k in set(d) - known)
+        if unknown:
+            raise InvalidArgumentError(f"a recorded config has unknown key(s) {unknown[:5]}")
+        missing = sorted({"capacity", "fields"} - set(d))
+        if missing:
+            raise InvalidArgumentError(f"a recorded config lacks key(s) {missing}")
+        kw = dict(d)
+        try:
+            if "beta" in kw:
+                kw["beta"] = schedule_from_dict(kw["beta"])
+            if not isinstance(kw["fields"], dict):
+                raise InvalidArgumentError("fields must be an object")
+            kw["fields"] = {n: (tuple(s), dt) for n, (s, dt) in kw["fields"].items()}
+            if kw.get("next_of") is not None:
+                kw["next_of"] = tuple(kw["next_of"])
+            return cls.build(**kw)
+        except BigperError as e:
+            raise InvalidArgumentError(f"a recorded config is not valid: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+            raise InvalidArgumentError(f"a recorded config is not valid: {type(e).__name__}: {e}") from None
 
-    def differences(self, other: "Config", ignore=("seed",)) -> list[str]:
-        """Keys whose values differ, each as ``key: this != other``."""
-        a, b = self.to_dict(), other.to_dict()
-        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if k not in ignore and a[k] != b.get(k)]
+    def differences(self, other: "Config", ignore=("seed",), only=None) -> list[str]:
+        """Keys whose values differ, each as ``key: this != other`` (among ``only`` when given)."""
+        a, b = asdict(self), asdict(other)
+        a["fields"], b["fields"] = self.to_dict()["fields"], other.to_dict()["fields"]
+        keys = [k for k in a if k not in ignore and (only is None or k in only)]
+        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in keys if a[k] != b.get(k)]

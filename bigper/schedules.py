@@ -25,9 +25,10 @@ class LinearSchedule:
     def __post_init__(self):
         for name in ("start", "end"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
-                raise InvalidArgumentError(f"LinearSchedule {name} must be a finite number, got {v!r}")
-        if not isinstance(self.steps, int) or self.steps < 1:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
+                raise InvalidArgumentError(
+                    f"LinearSchedule {name} must be a finite number >= 0 (a beta), got {v!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise InvalidArgumentError(f"LinearSchedule steps must be an int >= 1, got {self.steps!r}")
 
     def __call__(self, step: int) -> float:
@@ -43,6 +44,11 @@ class ConstantSchedule:
     """The same value at every step."""
 
     value: float
+
+    def __post_init__(self):
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
+            raise InvalidArgumentError(f"ConstantSchedule value must be a finite number >= 0 (a beta), got {v!r}")
 
     def __call__(self, step: int) -> float:
         return self.value
@@ -60,15 +66,18 @@ def as_schedule(beta) -> LinearSchedule | ConstantSchedule:
         if not (b == b and abs(b) != float("inf")) or b < 0:
             raise InvalidArgumentError(f"beta must be a finite number >= 0 or a schedule, got {beta!r}")
         return ConstantSchedule(b)
-    if callable(beta) and hasattr(beta, "to_dict"):
-        return beta
     raise InvalidTypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
 
 
 def schedule_from_dict(d: dict):
-    """Inverse of ``to_dict`` (for reopening and snapshots)."""
-    if d["kind"] == "linear":
-        return LinearSchedule(d["start"], d["end"], d["steps"])
-    if d["kind"] == "constant":
-        return ConstantSchedule(d["value"])
-    raise InvalidArgumentError(f"unknown schedule kind {d['kind']!r}")
+    """Inverse of ``to_dict`` (for reopening and snapshots); raises
+    ``InvalidArgumentError`` for anything ``to_dict`` could not have written."""
+    kind = d.get("kind") if isinstance(d, dict) else None
+    try:
+        if kind == "linear" and set(d) == {"kind", "start", "end", "steps"}:
+            return LinearSchedule(d["start"], d["end"], d["steps"])
+        if kind == "constant" and set(d) == {"kind", "value"}:
+            return ConstantSchedule(d["value"])
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"beta schedule {d!r}: {e}") from None
+    raise InvalidArgumentError(f"not a recorded beta schedule: {d!r}")

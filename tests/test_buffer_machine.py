@@ -119,7 +119,8 @@ class BufferMachine(RuleBasedStateMachine):
         self.buf.update_priorities(np.array(idx, dtype=np.int64), np.array(ps))
         for s, p in zip(idx, ps):  # the last of duplicates wins
             self.leaves[s] = self.leaf(p)
-            self.max_leaf = max(self.max_leaf, self.leaves[s])
+        # Only values that became leaves count: a duplicate's losing value does not.
+        self.max_leaf = max([self.max_leaf] + [self.leaves[s] for s in idx])
 
     @rule(sampled=batches, data=st.data())
     def update_by_batch(self, sampled, data):
@@ -128,11 +129,14 @@ class BufferMachine(RuleBasedStateMachine):
         as_column = data.draw(st.booleans())
         p = np.array(ps).reshape(-1, 1) if as_column else np.array(ps)
         self.buf.update_priorities(batch, p)
+        kept = []
         for s, g, pr in zip(batch.indices, gids_then, ps):
             if self.gid[s] != g:  # overwritten since it was sampled: skipped, not a leaf
                 continue
             self.leaves[s] = self.leaf(pr)
-            self.max_leaf = max(self.max_leaf, self.leaves[s])
+            kept.append(s)
+        # Only values that became leaves count: a duplicate's losing value does not.
+        self.max_leaf = max([self.max_leaf] + [self.leaves[s] for s in kept])
 
     # -- sampling --------------------------------------------------------------
     @rule(target=batches, n=st.integers(1, 9), stratified=st.booleans(),

@@ -151,6 +151,52 @@ def heap_remove(keys, ticks, hslot, spos, n, slots):
     return n
 
 
+@kernel
+def rank_update(keys, ticks, hslot, spos, n, tick, idx, p, stamps, use_stamps, gid, status,
+                pending, max_priority):
+    """A whole priority update in one call: check, route, write.
+
+    Nothing is written unless every row passes. Returns ``(code, position,
+    top, n, tick)``: code 0 (done; ``top`` is the largest key set or pended),
+    1 (a NaN, infinite or negative priority at ``position``), 2 (index out
+    of range) or 3 (a slot never written). The key is
+    ``min(p, max_priority)``. Rows go by slot status: sampleable -> heap;
+    waiting for its n-step window -> ``pending``; overwritten since sampling
+    (``stamps`` differ from ``gid``, when ``use_stamps``) or dead -> skipped.
+    Rows are applied in order, so the last of repeated indices wins.
+    """
+    cap = gid.shape[0]
+    m = idx.shape[0]
+    for i in range(m):
+        v = p[i]
+        if not (v >= 0.0 and v < np.inf):
+            return 1, i, 0.0, n, tick
+        s = idx[i]
+        if s < 0 or s >= cap:
+            return 2, i, 0.0, n, tick
+        if status[s] == 0:
+            return 3, i, 0.0, n, tick
+    top = 0.0
+    one = np.empty(1, dtype=np.int64)
+    val = np.empty(1, dtype=np.float64)
+    for i in range(m):
+        s = idx[i]
+        st = status[s]
+        if use_stamps and gid[s] != stamps[i]:
+            continue
+        v = min(p[i], max_priority)
+        if st == 1:
+            one[0] = s
+            val[0] = v
+            n, tick = heap_set(keys, ticks, hslot, spos, n, one, val, tick)
+        elif st == 2:
+            pending[s] = v
+        else:
+            continue
+        top = max(top, v)
+    return 0, -1, top, n, tick
+
+
 # -- full sort ----------------------------------------------------------------------
 @kernel
 def _radix_pass(src_d, src_a, src_b, dst_d, dst_a, dst_b, shift, mask, count):

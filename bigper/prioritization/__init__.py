@@ -1,0 +1,26 @@
+"""Prioritization strategies: how stored priorities become sampling
+probabilities. Each implements ``base.Prioritization``; the buffer holds one,
+chosen by ``prioritization=`` at construction, and never asks which."""
+
+from __future__ import annotations
+
+from ..errors import InvalidArgumentError
+from .base import Prioritization
+from .proportional import Proportional
+
+KINDS = ("proportional", "rank")
+
+
+def make(kind: str, capacity: int, *, alpha: float, eps: float, max_priority: float,
+         weight_norm: str) -> Prioritization:
+    """The strategy named ``kind`` for ``capacity`` slots."""
+    if kind == "proportional":
+        cls = Proportional
+    elif kind == "rank":
+        from .rank import RankPrioritizer as cls  # noqa: N813 (a sibling room, loaded on demand)
+    else:
+        raise InvalidArgumentError(f"prioritization must be one of {KINDS}, got {kind!r}")
+    return cls(capacity, alpha=alpha, eps=eps, max_priority=max_priority, weight_norm=weight_norm)
+
+
+__all__ = ["KINDS", "Prioritization", "Proportional", "make"]

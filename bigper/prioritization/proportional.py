@@ -1,0 +1,131 @@
+"""Proportional prioritization: ``P(i) = leaf_i / sum(leaves)`` over a sum tree."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from .. import _kernels as K
+from ..errors import InvalidArgumentError, InvalidIndexError
+from ..tree import PriorityTree
+from .base import Prioritization
+
+_EMPTY = np.zeros(0, dtype=np.float64)
+_BULK = 4096  # above this many rows numpy's vectorized pow beats the kernel's scalar one
+
+
+def is_weights(lo: float, keys: np.ndarray, beta: float) -> np.ndarray:
+    """``(lo / key) ** beta`` as float32, through logarithms where the ratio
+    underflows (keys more than ~1e308 apart), as ``_kernels.is_weight``."""
+    with np.errstate(under="ignore", divide="ignore"):
+        r = lo / keys
+        w = r ** beta
+        tiny = r < np.finfo(np.float64).tiny
+        if tiny.any():
+            w[tiny] = np.exp(beta * (np.log(lo) - np.log(keys[tiny])))
+    return w.astype(np.float32)
+
+
+class Proportional(Prioritization):
+    """A leaf holds ``(min(p, max_priority) + eps) ** alpha``; a zero leaf is
+    never drawn. Leaves are capped at ``float max / capacity`` so that the
+    total, every node of the tree and the largest leaf stay finite whatever
+    is added; a priority whose leaf would pass the cap is refused.
+    """
+
+    kind = "proportional"
+
+    def __init__(self, capacity, *, alpha, eps, max_priority, weight_norm):
+        super().__init__(capacity, alpha=alpha, eps=eps, max_priority=max_priority,
+                         weight_norm=weight_norm)
+        self.tree = PriorityTree(self.capacity, track_min=not self.batch_norm)
+        # Every leaf <= limit keeps the root (a sum of `capacity` leaves) finite.
+        self.limit = sys.float_info.max / self.capacity
+
+    # -- keys ------------------------------------------------------------------
+    def keys(self, p: np.ndarray) -> np.ndarray:
+        if p.shape[0] > _BULK:
+            with np.errstate(over="ignore", invalid="ignore"):
+                out = np.power(np.minimum(p, self.max_priority) + self.eps, self.alpha)
+        else:
+            out = np.empty(p.shape[0], dtype=np.float64)
+            K.to_leaves(p, self.alpha, self.eps, self.max_priority, out)
+        self._check_keys(p, out)
+        return out
+
+    def _check_keys(self, p, keys) -> None:
+        if keys.shape[0] and not keys.max() <= self.limit:  # also catches NaN
+            bad = int(np.flatnonzero(~(keys <= self.limit))[0])
+            raise InvalidArgumentError(
+                f"priorities[{bad}] = {p[bad]!r} gives the leaf (min(p, max_priority) + eps) ** alpha "
+                f"= {keys[bad]!r}, above the largest leaf this buffer keeps finite "
+                f"(float max / capacity = {self.limit:.6g}); lower alpha or set max_priority")
+
+    # -- writes ----------------------------------------------------------------
+    def insert(self, slots, keys) -> None:
+        self.tree.set(slots, keys)
+
+    def remove(self, slots) -> None:
+        self.tree.set(slots, np.zeros(slots.shape[0]))
+
+    def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
+        # The kernel checks priorities and indices itself; the cap on keys is this
+        # strategy's rule, so keys are computed (and checked) here first.
+        pre = self.keys(p) if K.first_bad_priority(p) < 0 else _EMPTY
+        t = self.tree
+        code, pos, top = K.update_kernel(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
+                                         use_stamps, gid, status, pending, self.alpha, self.eps,
+                                         self.max_priority)
+        if code == 1:
+            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
+        if code:
+            why = "out of range [0, capacity)" if code == 2 else "a slot never written"
+            raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity})")
+        return top
+
+    # -- reads -----------------------------------------------------------------
+    @property
+    def total(self) -> float:
+        return self.tree.total
+
+    @property
+    def sampleable(self) -> bool:
+        return self.tree.sums[0] > 0
+
+    @property
+    def min_key(self) -> float:
+        """Smallest non-zero leaf (``inf`` when nothing is sampleable)."""
+        return self.tree.min
+
+    def key_at(self, idx) -> np.ndarray:
+        return self.tree.leaves[idx]
+
+    def sample(self, uniforms, *, stratified, beta):
+        return self.tree.sample(uniforms, stratified=stratified, beta=beta, batch_norm=self.batch_norm)
+
+    def sample_at(self, targets, *, beta):
+        idx = self.tree.find(targets)
+        leaves = self.tree.leaves[idx]
+        return idx, leaves / self.tree.total, is_weights(leaves.min(), leaves, beta)
+
+    # -- state -----------------------------------------------------------------
+    def state(self):
+        return {}, {"leaves": self.tree.leaves}
+
+    def restore(self, meta, arrays, status) -> None:
+        self.tree.set_all(arrays["leaves"])
+
+    def check(self, status) -> list[str]:
+        problems = self.tree.check()
+        leaves = self.tree.leaves
+        if not np.all(np.isfinite(leaves)) or leaves.min(initial=0.0) < 0:
+            problems.append("a leaf is negative or not finite")
+        elif leaves.max(initial=0.0) > self.limit:
+            problems.append(f"a leaf exceeds float max / capacity ({self.limit:.6g})")
+        if not math.isfinite(self.total):
+            problems.append("the total is not finite")
+        if np.any(leaves[status != 1] != 0):
+            problems.append("a slot that is not sampleable has a non-zero leaf")
+        return problems
