@@ -16,6 +16,7 @@ with compression a full disk surfaces later, as an error from h5py.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -31,6 +32,8 @@ VERSION = 1
 CHUNK_BYTES = 256 * 1024
 ROW_READ_BYTES = 4096  # rows at least this large are read one by one
 COMPRESSIONS = (None, "lzf", "gzip")
+# Bytes reserved at close beyond the state's own (HDF5 object headers, heaps, B-trees).
+RESERVE_SLACK = 256 * 1024
 
 
 def _h5py():
@@ -177,30 +180,98 @@ class HDF5Storage:
         return self._meta["state"], arrays
 
     def close(self, state: tuple[dict, dict] | None = None) -> None:
+        """Record ``state`` and mark the file clean, then release it.
+
+        A full disk must not reach HDF5 here: h5py reports a failed write of
+        metadata only from a destructor ("Exception ignored in ObjectID.__dealloc__"),
+        ``close`` would return as if all was recorded, and the library crashes the
+        process later. So the bytes this close can add are reserved first
+        (``posix_fallocate`` past the end of the file, where HDF5 allocates): when
+        that fails nothing is written and ``OSError`` is raised; the file stays
+        marked unclean (its writer set that at open), so it is refused with
+        ``UncleanStorageError`` until it is resumed from a snapshot. The lock is
+        released either way.
+
+        Raises
+        ------
+        OSError
+            The state could not be recorded (disk full, or an I/O error).
+        """
         if self._file is None:
             return
-        if not self.read_only:
-            if state is not None:
-                g = self._file.require_group("_bigper/state")
-                for name, arr in state[1].items():
-                    old = g.get(name)
-                    if old is not None and old.shape == arr.shape and old.dtype == arr.dtype:
-                        old[...] = arr  # in place: reopen cycles do not grow the file
-                        continue
-                    if old is not None:
-                        del g[name]
-                    g.create_dataset(name, data=arr)
-                self._meta["state"] = state[0]
-            self._meta["clean"] = True
-            self._write_meta()
-        self._file.close()
+        failed = None
+        try:
+            if not self.read_only:
+                self._file.flush()  # rows still cached (compressed chunks): their errors raise here
+                self._reserve(state)
+                if state is not None:
+                    self._write_state(state)
+                self._meta["clean"] = True
+                self._write_meta()
+        except Exception as e:  # noqa: BLE001 (h5py raises RuntimeError, OSError, ValueError)
+            failed = e
+            self._discard_writes()
+        try:
+            self._file.close()
+        except Exception as e:  # noqa: BLE001
+            failed = failed or e
         self._file = None
-        if not self.read_only:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_dir(self.path.parent)
-        self._lock.release()
-        self._lock = None
+        try:
+            if failed is None and not self.read_only:
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                fsync_dir(self.path.parent)
+        except OSError as e:
+            failed = e
+        finally:
+            self._lock.release()
+            self._lock = None
+        if failed is not None:
+            raise OSError(getattr(failed, "errno", None) or errno.EIO,
+                          f"{self.path}: close could not record the buffer's state ({failed}); the file is "
+                          "left unclean and will be refused on reopen: resume from a snapshot") from failed
+
+    def _discard_writes(self) -> None:
+        """After a failed write HDF5 still holds dirty metadata; closing would retry it
+        on the full disk, fail inside a destructor and leave the library in a state
+        that crashes the process later. Point the file's descriptor at an anonymous
+        in-memory file instead: the close completes, what it writes goes nowhere, and
+        the file on disk keeps what was flushed before (marked unclean at open)."""
+        try:
+            vfd = self._file.id.get_vfd_handle()
+            sink = os.memfd_create("bigper-discarded-hdf5-writes")
+        except (OSError, AttributeError, RuntimeError, ValueError):
+            return
+        try:
+            os.ftruncate(sink, os.fstat(vfd).st_size)
+            os.dup2(sink, vfd)
+        finally:
+            os.close(sink)
+
+    def _write_state(self, state) -> None:
+        g = self._file.require_group("_bigper/state")
+        for name, arr in state[1].items():
+            old = g.get(name)
+            if old is not None and old.shape == arr.shape and old.dtype == arr.dtype:
+                old[...] = arr  # in place: reopen cycles do not grow the file
+                continue
+            if old is not None:
+                del g[name]
+            g.create_dataset(name, data=arr)
+        self._meta["state"] = state[0]
+
+    def _reserve(self, state) -> None:
+        """Reserve, past the file's end, the space this close may need (state arrays,
+        the meta attribute, HDF5's headers); ``OSError`` when the disk cannot give it."""
+        arrays = state[1] if state is not None else {}
+        meta = dict(self._meta, clean=True, state=state[0] if state is not None else self._meta.get("state"))
+        need = sum(int(np.asarray(a).nbytes) for a in arrays.values())
+        need = 2 * (need + len(json.dumps(meta))) + RESERVE_SLACK + 4096 * len(arrays)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, os.fstat(fd).st_size, need)
+        finally:
+            os.close(fd)
