@@ -33,6 +33,7 @@ def open_buffer(kind: str, path, capacity, fields, **kw) -> bigper.PrioritizedRe
         kind = "hdf5"
     if kind != "memory":
         kw["path"] = path
+        kw.setdefault("mode", "resume")  # these tests reopen on purpose
     return bigper.PrioritizedReplayBuffer(capacity, fields, storage=kind, **kw)
 
 
@@ -146,7 +147,7 @@ _AGENT = textwrap.dedent("""
         try:
             if cmd[0] == "open":
                 kind, path, role = cmd[1:]
-                buf = bigper.PrioritizedReplayBuffer(16, FIELDS, storage=kind, path=path,
+                buf = bigper.PrioritizedReplayBuffer(16, FIELDS, storage=kind, path=path, mode="resume",
                                                      read_only=role == "reader")
             elif cmd[0] == "add":
                 for i in range(int(cmd[1])):
