@@ -29,8 +29,9 @@ class StackLayout:
     k : int or None
         Frames per stack; None: observations pass unchanged.
     axis : {"auto", "first", "last"}
-        The stacked axis; "auto" takes the smaller of the first and the last
-        axis (SB3's own rule for channel-first images), "first" on a tie.
+        The stacked axis; "auto" takes the one of the first and the last axis
+        that ``k`` divides, and where both, the smaller (SB3's rule for
+        channel-first images), "first" on a tie.
     """
 
     def __init__(self, obs_shape: tuple, k, axis: str = "auto"):
@@ -45,7 +46,11 @@ class StackLayout:
         if not self.obs_shape:
             raise InvalidArgumentError(f"frame_stack={k} needs an observation with an axis, got shape ()")
         if axis == "auto":
-            axis = "last" if self.obs_shape[-1] < self.obs_shape[0] else "first"
+            first, last = self.obs_shape[0] % k == 0, self.obs_shape[-1] % k == 0
+            if first and last:
+                axis = "last" if self.obs_shape[-1] < self.obs_shape[0] else "first"
+            else:
+                axis = "last" if last else "first"
         n = self.obs_shape[0] if axis == "first" else self.obs_shape[-1]
         if n % k:
             raise InvalidArgumentError(

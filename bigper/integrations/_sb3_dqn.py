@@ -39,9 +39,9 @@ class PrioritizedDQN(DQN):
         rb_kwargs = dict(replay_buffer_kwargs or {})
         if n_steps > 1:
             rb_kwargs.setdefault("n_steps", n_steps)
-        self._rb_gamma_default = "gamma" not in rb_kwargs
-
+        # DQN's _setup_model (run inside super().__init__) builds the buffer;
         # the buffer's gamma follows the model's unless given.
+        self._rb_gamma_default = "gamma" not in rb_kwargs
         super().__init__(policy, env, *args, replay_buffer_class=replay_buffer_class,
                          replay_buffer_kwargs=rb_kwargs, **kwargs)
 
@@ -78,7 +78,8 @@ class PrioritizedDQN(DQN):
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         self.logger.record("train/loss", np.mean(losses))
         self.logger.record("train/td_abs", np.mean(td_means))
-        self.logger.record("train/beta", rb.buffer.beta if beta is None else beta)
+        self.last_beta = rb.buffer.beta if beta is None else beta
+        self.logger.record("train/beta", self.last_beta)
 
     def save_replay_buffer(self, path) -> None:
         """Pickle the buffer as SB3 does, with its bigper snapshot in ``<path>.bigper/``
