@@ -9,12 +9,13 @@ byte and rebuilds the buffer, taking over the live location (``_load.py``);
 Only ``Snapshots`` is imported with ``bigper``; the rest on first use.
 """
 
-from ._series import Snapshots
+from ._series import SnapshotInfo, Snapshots, snapshot_info
 
 _LAZY = {"save": "_save", "load": "_load", "verify": "_inspect", "describe": "_inspect",
          "FORMAT": "_manifest", "MAGIC": "_manifest"}
 
-__all__ = ["FORMAT", "MAGIC", "Snapshots", "describe", "load", "save", "verify"]
+__all__ = ["FORMAT", "MAGIC", "SnapshotInfo", "Snapshots", "describe", "load", "save", "snapshot_info",
+           "verify"]
 
 
 def __getattr__(name):

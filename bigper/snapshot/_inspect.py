@@ -71,7 +71,7 @@ def verify(snapshot) -> dict:
     snap = Path(os.path.abspath(snapshot))
     problems: list[str] = []
     body, _, _, state = inspect(snap, problems)
-    check_files(snap, [(n, r) for n, r in body["files"].items() if n.startswith("data/")])
+    check_files(snap, [(n, r) for n, r in body["files"].items() if not n.startswith("state/")])
     if not problems:  # the state passed its checks: the tree's own invariants
         problems = _invariants(body, state)
     return {"snapshot": str(snap), "files": len(body["files"]),
@@ -105,6 +105,9 @@ def describe(snapshot) -> dict:
         "arrays": {n: {"rows": r["rows"], "shape": r["shape"], "dtype": r["dtype"], "files": len(r["files"])}
                    for n, r in body["data"].items()},
     }
+    if body.get("user"):
+        out["user"] = {"metadata": body["user"].get("metadata"),
+                       "files": {n: str(snap / m) for n, m in body["user"].get("files", {}).items()}}
     member = body["state"]["arrays"].get("leaves")
     if member is not None:
         try:
@@ -163,6 +166,12 @@ def format_description(d: dict) -> str:
                      f"{p['mean'] if p['mean'] is None else format(p['mean'], '.4g')}, max "
                      f"{p['max'] if p['max'] is None else format(p['max'], '.4g')} "
                      f"(largest ever {p['max_leaf']:.4g})")
+    user = d.get("user")
+    if user:
+        import json
+
+        lines.append(f"user      metadata {json.dumps(user.get('metadata'))[:200]}; files "
+                     f"{', '.join(user.get('files', {})) or 'none'}")
     for name, a in d["arrays"].items():
         lines.append(f"array     {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']} in {a['files']} file(s)")
     return "\n".join(lines)

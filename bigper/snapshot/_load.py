@@ -352,6 +352,8 @@ def load(snapshot, *, path=None):
         check_files(snap, [(m, body["files"][m]) for rec in body["data"].values() for m in rec["files"]])
     elif path is not None:
         raise InvalidArgumentError(f"{snap} holds a storage='memory' buffer, which takes no path=, got {path!r}")
+    # The caller's files are part of what resumes: a damaged checkpoint makes the snapshot corrupt.
+    check_files(snap, [(m, body["files"][m]) for m in (body.get("user") or {}).get("files", {}).values()])
     if kind == "memory":
         from ..storage import MemoryStorage
 

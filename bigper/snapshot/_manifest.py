@@ -7,6 +7,7 @@
       state/<name>.npy            the buffer's bookkeeping (state_dict arrays)
       data/<name>.bin             rows of a stored array, raw, C order, in chunks
       data/<name>.000001.bin      of ``chunk_rows`` rows (shape, dtype in the manifest)
+      user/<name>                 files the caller asked to keep with it (Snapshots.save(files=))
 
 ``manifest.json`` is one flat JSON object (format 1)::
 
@@ -17,9 +18,13 @@
     data         name -> {rows, shape, dtype, chunk_rows, files: [file, ...]}
     files        file -> {size, xxh3_64}       every file but the manifest
     summary      len, capacity, total_priority, bytes (for `bigper info`)
+    user         {metadata, files: name -> file}   optional: the caller's JSON and files
     manifest_xxh3_64                           xxh3 of every byte before this key
 
-A file name is 1-2 path components: ``state/`` or ``data/`` and a name of
+``user`` arrived within format 1: a snapshot without it loads as before (a
+bigper from before it refuses a snapshot that has user files).
+
+A file name is 2 path components: ``state/``, ``data/`` or ``user/`` and a name of
 letters, digits, ``_ - .`` not starting with a dot. Members are opened one
 component at a time with ``O_NOFOLLOW`` under the snapshot's directory, so
 neither ``..`` nor a symlink can reach outside it.
@@ -47,7 +52,7 @@ from ..storage._files import open_regular
 MAGIC = "bigper-snapshot"
 FORMAT = 1
 MANIFEST = "manifest.json"
-TOPS = ("state", "data")
+TOPS = ("state", "data", "user")
 _TAIL = re.compile(rb',\n "manifest_xxh3_64": "([0-9a-f]{16})"\n}\n\Z')
 _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 READ_BLOCK = 8 << 20
@@ -122,7 +127,7 @@ def check_member(name, where) -> str:
     parts = name.split("/") if isinstance(name, str) else None
     if not parts or len(parts) != 2 or parts[0] not in TOPS or not _PART.match(parts[1]):
         raise CorruptSnapshotError(
-            f"{where}: manifest names the file {name!r}, which is not state/<name> or data/<name> "
+            f"{where}: manifest names the file {name!r}, which is not state/, data/ or user/<name> "
             "(a name that could resolve outside the snapshot is refused)")
     return name
 
@@ -184,6 +189,12 @@ def check_structure(body: dict, where) -> None:
             _need(isinstance(f, str) and f in files and f.startswith("data/") and f not in claimed, where,
                   f"data[{name!r}] file {str(f)[:80]!r}")
             claimed.add(f)
+    user = body.get("user")
+    if user is not None:
+        _need(isinstance(user, dict) and isinstance(user.get("files", {}), dict), where,
+              "'user' must be a dict with a 'files' dict")
+        for name, f in user.get("files", {}).items():
+            _need(_PART.match(name) and f == f"user/{name}" and f in files, where, f"user file {name!r}")
 
 
 # -- reading members ---------------------------------------------------------------

@@ -41,11 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from ..config import check_name
-from ..storage._files import fsync_dir
+from ..errors import InvalidArgumentError, InvalidTypeError, PathExistsError, PathNotFoundError
 from ..storage._chunks import chunk_name, chunk_rows_for
-from ._manifest import FORMAT, MAGIC, MANIFEST, digest, encode
+from ..storage._files import fsync_dir, open_regular
+from ._manifest import _PART, FORMAT, MAGIC, MANIFEST, READ_BLOCK, digest, encode
 from ._series import TMP_PREFIX
-from ..errors import InvalidArgumentError, InvalidTypeError, PathExistsError
+
+METADATA_LIMIT = 1 << 20  # bytes of JSON; metadata is for counters and names, files for the rest
 
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.EOPNOTSUPP,
             getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -66,10 +68,30 @@ class Transaction:
         self.files: dict[str, dict] = {}
         self.unsynced: list[Path] = []  # written or linked, fsynced at commit
 
-    def begin(self) -> None:
+    def begin(self, user: bool = False) -> None:
         os.mkdir(self.tmp)
-        for top in ("state", "data"):
+        for top in ("state", "data", "user") if user else ("state", "data"):
             os.mkdir(self.tmp / top)
+
+    def copy(self, name: str, src_fd: int) -> str:
+        """Copy the open file ``src_fd`` to member ``name``, hashing as it goes."""
+        import xxhash
+
+        fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        h, size, buf = xxhash.xxh3_64(), 0, bytearray(READ_BLOCK)
+        try:
+            while True:
+                n = os.readv(src_fd, [buf])
+                if n == 0:
+                    break
+                h.update(memoryview(buf)[:n])
+                _write_all(fd, memoryview(buf)[:n])
+                size += n
+        finally:
+            os.close(fd)
+        self.unsynced.append(self.tmp / name)
+        self.files[name] = {"size": size, "xxh3_64": h.hexdigest()}
+        return name
 
     def write(self, name: str, data) -> str:
         """Write the bytes-like ``data`` to member ``name`` (fsynced at commit)."""
@@ -100,7 +122,8 @@ class Transaction:
             os.fsync(fd)
         finally:
             os.close(fd)
-        fsync_all([self.tmp / "state", self.tmp / "data", self.tmp])
+        fsync_all([self.tmp / top for top in ("state", "data", "user") if (self.tmp / top).exists()]
+                  + [self.tmp])
         if os.path.lexists(self.target):
             raise PathExistsError(f"snapshot {self.target} appeared while it was being written")
         os.rename(self.tmp, self.target)
@@ -223,7 +246,47 @@ def _storage_record(store) -> dict:
     return {"kind": store.kind, "path": None if path is None else os.path.abspath(path), "options": options}
 
 
-def save(buf, snapshot) -> Path:
+def _user_metadata(metadata):
+    if metadata is None:
+        return None
+    try:
+        text = json.dumps(metadata, allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InvalidTypeError(f"metadata must be JSON (dicts, lists, str, finite numbers, bools, "
+                               f"None), got {type(metadata).__name__}: {str(e)[:120]}") from None
+    if len(text) > METADATA_LIMIT:
+        raise InvalidArgumentError(f"metadata is {len(text)} bytes of JSON, more than {METADATA_LIMIT}; "
+                                   "put large things in files= instead")
+    return json.loads(text)
+
+
+def _open_user_files(files) -> dict:
+    """name -> open fd of each file the caller gave (regular files only), or the error."""
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        raise InvalidTypeError(f"files must be a dict name -> path, got {type(files).__name__}")
+    fds = {}
+    try:
+        for name, src in files.items():
+            if not isinstance(name, str) or not _PART.match(name):
+                raise InvalidArgumentError(
+                    f"files: name {name!r} must be letters, digits, '_', '-' or '.', not starting with "
+                    "a dot (it becomes a file name inside the snapshot)")
+            if not isinstance(src, (str, os.PathLike)):
+                raise InvalidTypeError(f"files[{name!r}] must be a path, got {type(src).__name__}")
+            try:
+                fds[name] = open_regular(src, os.O_RDONLY, follow=True, error=InvalidArgumentError)
+            except FileNotFoundError:
+                raise PathNotFoundError(f"files[{name!r}]: no file at {str(src)!r}") from None
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def save(buf, snapshot, *, metadata=None, files=None) -> Path:
     """Write a crash-consistent snapshot of ``buf`` to the new directory ``snapshot``.
 
     Parameters
@@ -233,6 +296,14 @@ def save(buf, snapshot) -> Path:
         chunk the snapshot shares before its first write into it).
     snapshot : str or Path
         A directory that must not exist yet; missing parents are created.
+    metadata : JSON-able, optional
+        The caller's own record (a step, an episode count, a run id), kept
+        in the manifest, covered by its checksum; bigper never interprets it.
+    files : dict of str to path, optional
+        ``name -> path`` of the caller's files (a model checkpoint written
+        just before), copied into ``user/<name>`` within the same atomic
+        commit and checksummed; bigper never loads them. Names are plain
+        file names.
 
     Returns
     -------
@@ -260,6 +331,7 @@ def save(buf, snapshot) -> Path:
     if os.path.lexists(target):
         raise PathExistsError(f"snapshot {target} exists; snapshots are never overwritten "
                               "(pick a new name, or let bigper.Snapshots number them)")
+    metadata = _user_metadata(metadata)
     meta, arrays = buf.state_dict()
     try:
         meta = json.loads(json.dumps(meta))
@@ -269,9 +341,11 @@ def save(buf, snapshot) -> Path:
         check_name(name, "state array name")
     _mkdirs(target.parent)
     store = buf._store
+    user_fds = _open_user_files(files)
     tx = Transaction(target)
     try:
-        tx.begin()
+        tx.begin(user=bool(user_fds))
+        user = {name: tx.copy(f"user/{name}", fd) for name, fd in user_fds.items()}
         state = {name: tx.write(f"state/{name}.npy", _npy(a)) for name, a in arrays.items()}
         share = []
         if store.kind == "memmap" and not store.read_only:
@@ -287,10 +361,15 @@ def save(buf, snapshot) -> Path:
             "data": data,
             "summary": {"len": len(buf), "capacity": buf.capacity, "total_priority": buf.total_priority},
         }
+        if metadata is not None or user:
+            body["user"] = {"metadata": metadata, "files": user}
         tx.commit(body)
     except BaseException:
         tx.abort()
         raise
+    finally:
+        for fd in user_fds.values():
+            os.close(fd)
     for name, k, xxh in share:  # the snapshot holds these files now: copy before writing
         store.mark_shared(name, k, xxh)
     return target

@@ -6,13 +6,17 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import uuid
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
 
-from ..errors import CorruptSnapshotError, InvalidArgumentError, PathNotFoundError
-from ..storage._files import fsync_dir
+from ..errors import CorruptSnapshotError, InvalidArgumentError, PathExistsError, PathNotFoundError
+from ..storage._files import fsync_dir, open_regular
 
 _NAME = re.compile(r"^snap-(\d{8,})$")
 MANIFEST = "manifest.json"
@@ -23,6 +27,60 @@ DEL_PREFIX = ".del-"  # a deletion in progress (or interrupted)
 def _seq(p: Path) -> int:
     m = _NAME.match(p.name)
     return int(m.group(1)) if m else -1
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a snapshot holds besides the buffer (``Snapshots.last_loaded``,
+    ``snapshot_info``).
+
+    Attributes
+    ----------
+    path : Path
+        The snapshot directory.
+    number : int or None
+        Its sequence number under a ``Snapshots`` root (``snap-00000042`` -> 42).
+    created : str or None
+        When it was written (ISO 8601, UTC).
+    metadata : JSON value or None
+        What the caller passed as ``metadata=`` to ``save`` (e.g. ``{"step": 100000}``).
+    files : Mapping[str, Path]
+        ``name -> path`` of the caller's files kept in the snapshot (read-only:
+        copy one before changing it; retention deletes them with the snapshot).
+    count, len : int or None
+        Transitions ever added, and held, when it was written.
+    """
+
+    path: Path
+    number: int | None
+    created: str | None
+    metadata: Any
+    files: Mapping[str, Path] = field(default_factory=lambda: MappingProxyType({}))
+    count: int | None = None
+    len: int | None = None
+
+    @property
+    def step(self):
+        """``metadata["step"]`` when the caller recorded one, else None."""
+        return self.metadata.get("step") if isinstance(self.metadata, dict) else None
+
+
+def snapshot_info(snapshot) -> SnapshotInfo:
+    """The ``SnapshotInfo`` of one snapshot directory (its manifest checked;
+    the files it names are not read)."""
+    from ._manifest import read_manifest
+
+    p = Path(os.path.abspath(snapshot))
+    body = read_manifest(p)
+    user = body.get("user") or {}
+    seq = _seq(p)
+    count = body["state"]["meta"].get("count")
+    n = body.get("summary", {}).get("len")
+    return SnapshotInfo(
+        path=p, number=seq if seq >= 0 else None, created=body.get("created"),
+        metadata=user.get("metadata"),
+        files=MappingProxyType({name: p / m for name, m in user.get("files", {}).items()}),
+        count=count if isinstance(count, int) else None, len=n if isinstance(n, int) else None)
 
 
 class Snapshots:
@@ -45,6 +103,20 @@ class Snapshots:
         Complete snapshots to keep (>= 1), or None to keep all. Retention runs
         after each successful ``save`` and never deletes the newest complete
         snapshot.
+
+    Attributes
+    ----------
+    last_loaded : SnapshotInfo or None
+        Which snapshot the last ``load_latest`` loaded: its path, number,
+        the caller's ``metadata`` and ``files`` saved with it.
+
+    Examples
+    --------
+    >>> snaps = Snapshots("runs/pong/snaps", keep=3)             # doctest: +SKIP
+    >>> torch.save(model.state_dict(), "runs/pong/model.pt")    # doctest: +SKIP
+    >>> snaps.save(buf, metadata={"step": step}, files={"model.pt": "runs/pong/model.pt"})  # doctest: +SKIP
+    >>> buf = snaps.load_latest()                               # doctest: +SKIP
+    >>> snaps.last_loaded.step, snaps.last_loaded.files["model.pt"]  # doctest: +SKIP
     """
 
     def __init__(self, root, keep: int | None = 3):
@@ -52,7 +124,11 @@ class Snapshots:
             raise InvalidArgumentError(f"keep must be an int >= 1 or None, got {keep!r}")
         self.root = Path(os.path.abspath(root))
         self.keep = keep
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.last_loaded: SnapshotInfo | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise PathExistsError(f"Snapshots root {str(self.root)!r} exists and is not a directory") from None
         self.cleaned = self._clean()
 
     def __repr__(self) -> str:
@@ -61,7 +137,7 @@ class Snapshots:
     # -- the lock ---------------------------------------------------------------
     @contextmanager
     def _locked(self, shared: bool, blocking: bool = True):
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(self.root / ".lock", os.O_RDWR | os.O_CREAT)
         try:
             mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB)
             try:
@@ -81,6 +157,8 @@ class Snapshots:
                 return removed
             for entry in sorted(os.listdir(self.root)):
                 if entry.startswith(TMP_PREFIX) or entry.startswith(DEL_PREFIX):
+                    if os.path.islink(self.root / entry):  # not one bigper made: left alone
+                        continue
                     shutil.rmtree(self.root / entry, ignore_errors=True)
                     removed.append(entry)
             if removed:
@@ -91,7 +169,8 @@ class Snapshots:
     def _entries(self) -> list[Path]:
         """Every ``snap-*`` directory, oldest first."""
         out = [self.root / e for e in os.listdir(self.root) if _NAME.match(e)]
-        return sorted((p for p in out if p.is_dir()), key=_seq)
+        # lstat: a symlink named like a snapshot is not one (it could lead anywhere)
+        return sorted((p for p in out if stat.S_ISDIR(os.lstat(p).st_mode)), key=_seq)
 
     def list(self) -> list[Path]:
         """Complete snapshots (a manifest is present), oldest first; not verified."""
@@ -118,14 +197,27 @@ class Snapshots:
         return None
 
     # -- saving -------------------------------------------------------------------
-    def save(self, buf) -> Path:
-        """Snapshot ``buf`` as the next number, then apply retention; returns its path."""
+    def save(self, buf, *, metadata=None, files=None) -> Path:
+        """Snapshot ``buf`` as the next number, then apply retention; returns its path.
+
+        Parameters
+        ----------
+        buf : PrioritizedReplayBuffer
+        metadata : JSON-able, optional
+            The caller's record to keep with it (a step, an episode count);
+            ``last_loaded.metadata`` after ``load_latest``.
+        files : dict of str to path, optional
+            The caller's files (a model checkpoint written just before) to copy
+            into the snapshot in the same atomic commit, checksummed;
+            ``last_loaded.files[name]`` after ``load_latest``. bigper never
+            loads them; retention deletes them with their snapshot.
+        """
         from ._save import save
 
         with self._locked(shared=False):
             entries = self._entries()
             seq = (_seq(entries[-1]) + 1) if entries else 1
-            path = save(buf, self.root / f"snap-{seq:08d}")
+            path = save(buf, self.root / f"snap-{seq:08d}", metadata=metadata, files=files)
             self._retain()
         return path
 
@@ -155,14 +247,16 @@ class Snapshots:
         shutil.rmtree(dst, ignore_errors=True)
 
     # -- loading ------------------------------------------------------------------
-    def load_latest(self, *, path=None):
+    def load_latest(self, *, path=None, with_info: bool = False):
         """Load the newest snapshot that verifies; an older one, with a warning,
-        when a newer one is corrupt.
+        when a newer one is corrupt. ``last_loaded`` then tells which.
 
         Parameters
         ----------
         path : str or Path, optional
             Where a disk storage keeps its live data (see ``PrioritizedReplayBuffer.load``).
+        with_info : bool
+            Return ``(buffer, SnapshotInfo)`` instead of the buffer alone.
 
         Raises
         ------
@@ -181,10 +275,14 @@ class Snapshots:
             problems = []
             for i, p in enumerate(entries):
                 try:
-                    return load(p, path=path)
+                    info = snapshot_info(p)
+                    buf = load(p, path=path)
                 except CorruptSnapshotError as e:
                     problems.append(str(e))
                     if i + 1 < len(entries):
                         warnings.warn(f"snapshot {p.name} is corrupt ({e}); falling back to "
                                       f"{entries[i + 1].name}", RuntimeWarning, stacklevel=2)
+                else:
+                    self.last_loaded = info
+                    return (buf, info) if with_info else buf
             raise CorruptSnapshotError(f"no loadable snapshot in {self.root}: " + "; ".join(problems))
