@@ -11,15 +11,16 @@ model of every shard, ``(held, capacity, stamps of the rows it holds)``:
   window or frame stack to keep whole, no placeholder rows): one writer fills
   the buffer to exactly ``capacity`` before anything is evicted.
 * **Then oldest first.** Once every shard is full, the chunk goes to the
-  shard whose oldest row arrived first; that shard's ring overwrites exactly
-  those rows. Eviction follows arrival order across shards to within one
-  chunk per shard (a chunk can evict part of its shard's second-oldest chunk).
+  shard where the rows it overwrites (the oldest ``len(chunk)`` rows there:
+  each shard is a ring) arrived first, judged by the newest of them. Eviction
+  follows arrival order across shards to chunk granularity: the newest
+  ``capacity - num_shards * chunk_size`` rows are always held.
 
 Stamps are the sender's wall clock (ns), so several writers order their
 chunks against each other as far as their clocks agree. The model is exact
 for one writer; with several, each learns the others' rows from the shards'
-replies (every ``extend`` returns ``(len, capacity, oldest stamp)``), so the
-rules hold to within the chunks in flight. Without cuts (episode mode) a
+replies (every ``extend`` returns ``(len, capacity, oldest stamp, its
+writer)``), so the rules hold to within the chunks in flight. Without cuts (episode mode) a
 shard can overflow by less than one chunk while another has room: the buffer
 then holds ``min(added, capacity)`` minus less than one chunk per shard.
 
@@ -28,6 +29,7 @@ Pure Python, no Ray: the writer calls ``choose``, ``sent`` and ``acked``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
@@ -41,7 +43,9 @@ class Router:
         self.held = [0] * self.n  # rows each shard holds, as far as this writer knows
         self.own = [deque() for _ in range(self.n)]  # [stamp, rows] this writer sent, still held
         self.mine = [0] * self.n  # rows in own[k]
-        self.oldest = [None] * self.n  # oldest stamp the shard last reported (None: empty/unknown)
+        self.oldest = [None] * self.n  # oldest stamp the shard last reported (None: empty)
+        self.mixed = [False] * self.n  # its oldest row came from another writer (or a snapshot)
+        self.token = int.from_bytes(os.urandom(6), "little")  # names this writer's rows
         self._turn = start % self.n
         self._clock = 0
 
@@ -50,10 +54,16 @@ class Router:
         self._clock = max(self._clock + 1, time.time_ns())
         return self._clock
 
-    def _front(self, k: int):
+    def _evicts(self, k: int, rows: int):
+        """Stamp of the newest row that ``rows`` more rows would evict from full shard ``k``."""
         own = self.own[k]
-        if own and self.mine[k] >= self.held[k]:
-            return own[0][0]  # everything there came from this writer
+        if own and not self.mixed[k]:
+            # Its oldest rows came from this writer: walk its arrivals.
+            for stamp, r in own:
+                rows -= r
+                if rows <= 0:
+                    return stamp
+            return own[-1][0]
         known = [s for s in (self.oldest[k], own[0][0] if own else None) if s is not None]
         return min(known) if known else 0  # unknown rows: as old as can be
 
@@ -72,7 +82,7 @@ class Router:
             if cuttable and room[best] < rows:
                 take = (room[best] // unit) * unit or rows
         else:
-            best = min(order, key=self._front)
+            best = min(order, key=lambda k: self._evicts(k, rows))
             take = rows
         self._turn = (best + 1) % self.n
         return best, take
@@ -85,11 +95,12 @@ class Router:
         self._trim(k)
 
     def acked(self, k: int, fill: tuple, in_flight: int) -> None:
-        """Shard ``k`` replied ``fill = (len, capacity, oldest stamp)`` to a chunk;
-        ``in_flight``: rows sent to it since, not yet acknowledged."""
-        held, _, oldest = fill
+        """Shard ``k`` replied ``fill = (len, capacity, oldest stamp, its writer)`` to
+        a chunk; ``in_flight``: rows sent to it since, not yet acknowledged."""
+        held, _, oldest, writer = fill
         self.held[k] = min(int(held) + in_flight, self.caps[k])
         self.oldest[k] = oldest
+        self.mixed[k] = oldest is not None and writer != self.token
         self._trim(k)
 
     def _trim(self, k: int) -> None:

@@ -97,33 +97,35 @@ class Shard:
             # (a constructor's exception would only reach it as ActorDiedError).
             self.failed, self.buf = (type(e).__name__, str(e)), None
             return
-        # Arrival stamps of the rows held, oldest first: [stamp, rows]. Rows
+        # Arrivals of the rows held, oldest first: [stamp, writer, rows]. Rows
         # restored from a snapshot are older than anything a writer sends now.
         held = len(self.buf)
-        self._ages = deque([[0, held]] if held else [])
+        self._ages = deque([[0, None, held]] if held else [])
         self._aged = held  # rows in _ages
 
     def ready(self):
         """None, or ``(error class name, message)`` of a failed start."""
         return self.failed
 
-    def _arrived(self, stamp: int, rows: int) -> None:
-        """Keep the stamps in step with the ring: the oldest rows are overwritten first."""
+    def _arrived(self, stamp: int, writer, rows: int) -> None:
+        """Keep the arrivals in step with the ring: the oldest rows are overwritten first."""
         ages = self._ages
-        ages.append([int(stamp), rows])
+        ages.append([int(stamp), writer, rows])
         self._aged += rows
         extra = self._aged - len(self.buf)
         while extra > 0 and ages:
-            cut = min(ages[0][1], extra)
-            ages[0][1] -= cut
+            cut = min(ages[0][2], extra)
+            ages[0][2] -= cut
             self._aged -= cut
             extra -= cut
-            if not ages[0][1]:
+            if not ages[0][2]:
                 ages.popleft()
 
     def _fill(self) -> tuple:
-        """What a writer routes by: ``(len, capacity, stamp of the oldest row or None)``."""
-        return len(self.buf), self.buf.capacity, (self._ages[0][0] if self._ages else None)
+        """What a writer routes by: ``(len, capacity, oldest row's stamp, its writer)``
+        (``None, None`` when empty; writer None: restored from a snapshot)."""
+        front = self._ages[0] if self._ages else (None, None)
+        return len(self.buf), self.buf.capacity, front[0], front[1]
 
     # -- stats and priority updates ---------------------------------------------------
     # Every call from the coordinator carries its pending priority updates
@@ -160,14 +162,14 @@ class Shard:
                 "oldest_stamp": self._fill()[2]}
 
     # -- writing -----------------------------------------------------------------
-    def extend(self, data: dict, priorities=None, valid=None, stamp: int = 0) -> tuple:
-        """Store a chunk; ``stamp`` is when its writer sent it (ns since the epoch).
+    def extend(self, data: dict, priorities=None, valid=None, stamp: int = 0, writer=None) -> tuple:
+        """Store a chunk; ``stamp`` is when writer ``writer`` sent it (ns since the epoch).
         Returns ``_fill()`` after the chunk, for the writer's routing."""
         if valid is None:
             self.buf.extend(data, priorities)
         else:
             self.buf.extend(data, priorities, valid)
-        self._arrived(stamp, int(data["terminated"].size))
+        self._arrived(stamp, writer, int(data["terminated"].size))
         return self._fill()
 
     def fill(self) -> tuple:

@@ -219,7 +219,7 @@ class ShardWriter:
 
     def _submit(self, entry: list, k: int) -> None:
         stamp = self._route().stamp()
-        entry[0] = self._shards[k].extend.remote(entry[2], entry[3], entry[4], stamp)
+        entry[0] = self._shards[k].extend.remote(entry[2], entry[3], entry[4], stamp, self._router.token)
         entry[1] = k
         self._router.sent(k, entry[6], stamp)
         self._in_flight.append(entry)

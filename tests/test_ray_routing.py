@@ -1,0 +1,108 @@
+"""Chunk routing (``bigper.distributed._routing``) against shards simulated as
+plain FIFO rings: one writer fills to exactly ``min(added, capacity)`` where
+chunks may be cut, to within one chunk per shard where they may not, and
+evicts oldest first across shards to chunk granularity. No Ray needed."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from bigper.distributed._routing import Router
+from bigper.distributed._sampling import shard_capacities
+
+
+def _fill(capacity, shards, chunk, added, cuttable, seed=0, ragged=False):
+    """Send ids 0..added-1 through a Router onto FIFO rings; returns the rings."""
+    caps = shard_capacities(capacity, shards)
+    router = Router(caps, start=seed)
+    rings = [deque() for _ in caps]
+    rng = np.random.default_rng(seed)
+    nid = 0
+    while nid < added:
+        m = min(int(rng.integers(1, chunk + 1)) if ragged else chunk, added - nid)
+        s = 0
+        while s < m:
+            k, take = router.choose(m - s, cuttable=cuttable)
+            assert 1 <= take <= m - s
+            assert take == m - s or cuttable
+            router.sent(k, take, nid + s)  # stamps: arrival order
+            rings[k].extend(range(nid + s, nid + s + take))
+            while len(rings[k]) > caps[k]:
+                rings[k].popleft()
+            router.acked(k, (len(rings[k]), int(caps[k]), rings[k][0] if rings[k] else None, router.token), 0)
+            s += take
+        nid += m
+    return rings
+
+
+def _check(rings, capacity, shards, chunk, added, cuttable):
+    held = np.sort(np.concatenate([np.fromiter(r, np.int64, len(r)) for r in rings]))
+    assert np.unique(held).shape[0] == held.shape[0]
+    want = min(added, capacity)
+    if cuttable:
+        assert held.shape[0] == want
+    else:
+        assert want - shards * chunk < held.shape[0] <= want
+    # Oldest first, to chunk granularity: every one of the newest
+    # capacity - shards*chunk ids is still held.
+    newest = np.arange(max(0, added - capacity + shards * chunk), added)
+    assert np.isin(newest, held).all()
+
+
+def test_three_shards_hold_exactly_their_capacity():
+    """The case of the issue: 3 shards of 1000, chunks of 256, 3000 steps."""
+    rings = _fill(3000, 3, 256, 3000, cuttable=True)
+    assert [len(r) for r in rings] == [1000, 1000, 1000]
+    rings = _fill(3000, 3, 256, 9000, cuttable=True)
+    assert [len(r) for r in rings] == [1000, 1000, 1000]
+    _check(rings, 3000, 3, 256, 9000, True)
+
+
+def test_while_some_shard_has_room_nothing_is_evicted():
+    caps = shard_capacities(100, 3)
+    router = Router(caps)
+    sent = [0, 0, 0]
+    for i in range(100 // 7 + 1):
+        left = min(7, 100 - sum(sent))
+        while left:
+            k, take = router.choose(left, cuttable=True)
+            assert sent[k] + take <= caps[k]
+            router.sent(k, take, i)
+            sent[k] += take
+            left -= take
+    assert sent == caps.tolist()
+
+
+def test_ties_spread_writers_by_their_start():
+    firsts = {Router([10, 10, 10], start=s).choose(4)[0] for s in range(3)}
+    assert firsts == {0, 1, 2}
+
+
+def test_excluded_shard_is_not_chosen():
+    r = Router([10, 10], start=0)
+    assert r.choose(3, exclude=(0,))[0] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 400), shards=st.integers(1, 5), chunk=st.integers(1, 50),
+       mult=st.floats(0.1, 4.0), cuttable=st.booleans(), ragged=st.booleans(), seed=st.integers(0, 9))
+def test_capacity_rule_and_oldest_first(capacity, shards, chunk, mult, cuttable, ragged, seed):
+    shards = min(shards, capacity)
+    added = max(1, int(capacity * mult))
+    rings = _fill(capacity, shards, chunk, added, cuttable, seed=seed, ragged=ragged)
+    _check(rings, capacity, shards, chunk, added, cuttable)
+
+
+def test_full_shards_take_the_chunk_whose_oldest_row_is_oldest():
+    r = Router([4, 4, 4], start=0)
+    for k, stamp in ((2, 5), (0, 7), (1, 9)):  # filled out of turn order
+        r.sent(k, 4, stamp)
+    assert r.choose(4)[0] == 2
+    r.sent(2, 4, 10)
+    assert r.choose(4)[0] == 0
+    # Another writer's rows, older than anything here, as shard 1 reported them.
+    r.acked(1, (4, 4, 1, r.token + 1), 0)
+    assert r.choose(4)[0] == 1
