@@ -27,10 +27,20 @@ class Ingest:
     def step(self, step: dict, priorities, valid):
         k = self.cfg.num_envs
         lead = () if k == 1 else (k,)
+        if k == 1 and self._env_axis(step):
+            lead = (1,)  # a one-env vector env's step: keep its env axis as the row axis
         rows = self._check(step, lead, "add", "")
-        if k == 1:  # one env: give every value its leading row axis
+        if not lead:  # one env: give every value its leading row axis
             rows = {n: v[None] for n, v in rows.items()}
         return rows, self._priorities(priorities, lead, k), self._valid(valid, lead, k)
+
+    def _env_axis(self, step: dict) -> bool:
+        """Whether a one-env step comes with a leading env axis of length 1 (as a
+        vector env of one env returns it), told by the first field given."""
+        for name, (shape, _) in self.inputs.items():
+            if name in step and name in self.required:
+                return np.shape(as_numpy(step[name])) == (1,) + shape
+        return False
 
     def steps(self, data, priorities, valid):
         if not isinstance(data, dict):

@@ -130,6 +130,8 @@ def _fields(batch) -> dict:
     arrays = dict(batch.data)
     arrays["weights"] = np.asarray(batch.weights).astype(np.float32, copy=False)
     arrays["indices"] = np.asarray(batch.indices).astype(np.int64, copy=False)
+    # With the indices, update_priorities(tensors, td) skips slots overwritten since sampling.
+    arrays["generations"] = np.asarray(batch.generations).astype(np.int64, copy=False)
     return arrays
 
 
@@ -141,7 +143,8 @@ def _torch_dtype(torch, dtype: np.dtype, key: str):
 
 
 def batch_to_torch(batch, device=None, non_blocking: bool = True) -> dict:
-    """Tensors keyed like ``batch``, plus ``weights`` (float32) and ``indices`` (int64).
+    """Tensors keyed like ``batch``, plus ``weights`` (float32), ``indices`` and
+    ``generations`` (int64); the dict can be passed to ``update_priorities``.
 
     Parameters
     ----------

@@ -49,13 +49,18 @@ class Batch(Mapping):
     def __len__(self) -> int:
         return len(self.data)
 
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}: {v.dtype}{list(v.shape)}" for n, v in self.data.items())
+        return f"Batch(size={self.size}, {{{fields}}}, indices, weights, probabilities, generations)"
+
     @property
     def size(self) -> int:
         """Number of transitions in the batch."""
         return int(self.indices.shape[0])
 
     def to_torch(self, device=None, non_blocking: bool = True) -> dict:
-        """Tensors keyed like the batch, plus ``weights`` (float32) and ``indices`` (int64).
+        """Tensors keyed like the batch, plus ``weights`` (float32), ``indices`` and
+        ``generations`` (int64); ``update_priorities`` takes this dict as a target.
 
         On the CPU each field costs at most one copy (none where numpy's memory
         can be shared); with a CUDA device the copy goes through pinned host

@@ -32,10 +32,11 @@ def test_cpu_dtypes_shapes_and_shared_memory():
     buf = _buffer()
     b = buf.sample(8)
     t = b.to_torch()
-    assert set(t) == set(b.keys()) | {"weights", "indices"}
+    assert set(t) == set(b.keys()) | {"weights", "indices", "generations"}
     want = {"obs": torch.uint8, "next_obs": torch.uint8, "action": torch.int64, "reward": torch.float32,
             "aux": torch.float64, "terminated": torch.bool, "truncated": torch.bool,
-            "discount": torch.float32, "weights": torch.float32, "indices": torch.int64}
+            "discount": torch.float32, "weights": torch.float32, "indices": torch.int64,
+            "generations": torch.int64}
     assert {k: v.dtype for k, v in t.items()} == want
     for k in b:
         assert tuple(t[k].shape) == b[k].shape and t[k].device.type == "cpu"
