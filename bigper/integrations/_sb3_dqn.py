@@ -92,3 +92,10 @@ class PrioritizedDQN(DQN):
             super().save_replay_buffer(path)
         finally:
             rb._snapshot_target = None
+
+    def load_replay_buffer(self, path, truncate_last_traj: bool = True) -> None:
+        """Replace the replay buffer by the pickled one; the current one is closed
+        first, so that a disk storage's lock is free for the snapshot's."""
+        if isinstance(self.replay_buffer, PrioritizedReplayBuffer):
+            self.replay_buffer.close()
+        super().load_replay_buffer(path, truncate_last_traj)

@@ -45,13 +45,17 @@ from stable_baselines3.common.buffers import ReplayBuffer
 from .. import PrioritizedReplayBuffer as CoreBuffer
 from .. import Snapshots
 from ..batch import Batch
-from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
+from ..config import Config
+from ..schedules import as_schedule
+from ..errors import BigperError, CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
 from ._layout import StackLayout
 
 __all__ = ["PrioritizedDQN", "PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples"]
 
 _PICKLE_FORMAT = "bigper.sb3/1"
 _MANIFEST = "manifest.json"
+# Buffer options that are not part of bigper's Config.
+_NOT_CONFIG = ("path", "read_only", "storage_options")
 
 
 class PrioritizedReplayBufferSamples(NamedTuple):
@@ -156,23 +160,39 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         fields = {"obs": (self.layout.core_shape, np.dtype(observation_space.dtype)),
                   "action": ((self.action_dim,), self._act_dtype),
                   "reward": ((), np.dtype(np.float32))}
-        self.buffer = CoreBuffer(self.buffer_size * n_envs, fields, frame_stack=frame_stack,
-                                 n_step=self.n_steps, gamma=self.gamma, alpha=alpha, beta=beta,
-                                 storage=storage, path=path, seed=seed, num_envs=n_envs,
-                                 **bigper_kwargs)
+        kwargs = dict(frame_stack=frame_stack, n_step=self.n_steps, gamma=self.gamma, alpha=alpha,
+                      beta=beta, storage=storage, path=path, seed=seed, num_envs=n_envs, **bigper_kwargs)
+        # Checked now, opened on first use: SB3's DQN.load builds a buffer that
+        # load_replay_buffer replaces at once, and it must not touch the disk.
+        try:
+            Config.build(capacity=self.buffer_size * n_envs, fields=fields,
+                         **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
+        except BigperError:
+            raise
+        except TypeError as e:  # an option bigper does not have
+            raise InvalidArgumentError(f"PrioritizedReplayBuffer: {e}; bigper options: {sorted(kwargs)}") from None
+        self._core_args = (self.buffer_size * n_envs, fields, kwargs)
+        self._core = None
+        self._live_path = None if path is None else os.fspath(path)
+        # A float is where PrioritizedDQN starts annealing to 1.0; a schedule
+        # object is the user's, and the bigper buffer advances it.
+        self.beta_is_schedule = not isinstance(beta, (int, float))
+        self.beta0 = float(as_schedule(beta)(0))
         self._wire()
 
+    @property
+    def buffer(self) -> CoreBuffer:
+        """The bigper buffer behind this one (its storage is opened on first use)."""
+        if self._core is None:
+            capacity, fields, kwargs = self._core_args
+            self._core = CoreBuffer(capacity, fields, **kwargs)
+        return self._core
+
     def _wire(self) -> None:
-        """State derived from the bigper buffer (after construction and after unpickling)."""
-        b = self.buffer
-        # A float (a constant schedule) is where PrioritizedDQN starts annealing;
-        # any other schedule is the user's and is left to the bigper buffer.
-        self.beta_is_schedule = b.config.beta.get("kind") != "constant"
-        self.beta0 = float(b.beta)
-        self._steps = b.state_dict()[0]["count"] // self.n_envs
-        self._obs_dtype = b.config.dtype("obs")
+        """Counters derived from the bigper buffer (after construction and after unpickling)."""
         self._last = None  # (indices tensor handed out, its Batch): updates skip overwritten slots
         self._snapshot_target = None
+        self._steps = 0 if self._core is None else self._core.state_dict()[0]["count"] // self.n_envs
         self._sync_cursor()
 
     def _sync_cursor(self) -> None:
@@ -282,7 +302,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
     def close(self) -> None:
         """Close the bigper buffer (a disk storage is flushed and unlocked)."""
-        self.buffer.close()
+        if self._core is not None:
+            self._core.close()
 
     # -- pickling: a snapshot reference, never the transitions -----------------
     def _snapshot_root(self) -> Path:
@@ -290,9 +311,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             return Path(self.snapshot_dir)
         if self._snapshot_target is not None:
             return Path(self._snapshot_target)
-        live = getattr(self.buffer._store, "path", None)
-        if self.buffer.config.storage != "memory" and live is not None:
-            return Path(f"{os.fspath(live)}.snapshots")
+        if self._live_path is not None:
+            return Path(f"{self._live_path}.snapshots")
         raise InvalidArgumentError(
             "pickling a bigper PrioritizedReplayBuffer writes a snapshot, and this one has no place "
             "for it: pass snapshot_dir= to the buffer, use PrioritizedDQN.save_replay_buffer(path), "
@@ -306,7 +326,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 "observation_space": self.observation_space, "action_space": self.action_space,
                 "device": str(self.device), "handle_timeout_termination": self.handle_timeout_termination,
                 "n_steps": self.n_steps, "gamma": self.gamma, "frame_stack": self.layout.k,
-                "frame_axis": self.layout.axis or "auto",
+                "frame_axis": self.layout.axis or "auto", "live_path": self._live_path,
+                "beta_is_schedule": self.beta_is_schedule, "beta0": self.beta0,
                 "snapshot_dir": None if self.snapshot_dir is None else os.fspath(self.snapshot_dir)}
 
     def __setstate__(self, state) -> None:
@@ -336,7 +357,10 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             raise IncompatibleSnapshotError(f"{snap} holds capacity {buf.capacity} for "
                                             f"{buf.config.num_envs} env(s), the pickle says "
                                             f"{self.buffer_size} x {self.n_envs}")
-        self.buffer = buf
+        self._core = buf
+        self._core_args = None
+        self._live_path = state["live_path"]
+        self.beta_is_schedule, self.beta0 = bool(state["beta_is_schedule"]), float(state["beta0"])
         self._wire()
 
 
