@@ -52,9 +52,16 @@ def check_links(f, where, allow_external: bool) -> None:
 
     found = []
 
-    def visit(name: bytes, info) -> None:
-        if len(found) >= 8:
-            return
+    def visit(name: bytes, info):
+        # An exception must not escape this callback (h5py's lock would be left in a bad
+        # state): every failure is recorded, and a non-None return stops the walk.
+        try:
+            _visit(name, info)
+        except Exception as e:  # noqa: BLE001
+            found.append(f"{name.decode('utf-8', 'replace')!r} cannot be opened ({str(e)[:200]})")
+        return True if len(found) >= 8 else None
+
+    def _visit(name: bytes, info) -> None:
         key = name.decode("utf-8", "replace")
         if info.type == h5l.TYPE_SOFT:
             return  # a path inside this file; its target is one of the links visited here
@@ -67,11 +74,9 @@ def check_links(f, where, allow_external: bool) -> None:
             found.append(f"{key!r} is a user-defined link (type {info.type}) that bigper does not follow")
             return
         obj = h5o.open(f.id, name)
-        if h5i.get_type(obj) != h5i.DATASET:
+        if h5i.get_type(obj) != h5i.DATASET or allow_external:
             return
         dcpl = obj.get_create_plist()
-        if allow_external:
-            return
         n_ext = dcpl.get_external_count()
         if n_ext:
             files = [dcpl.get_external(i)[0].decode("utf-8", "replace") for i in range(min(n_ext, 3))]
@@ -91,8 +96,11 @@ def check_links(f, where, allow_external: bool) -> None:
         raise OfflineDatasetError(f"{where}: its links cannot be listed ({e}); not a readable HDF5 "
                                   "dataset") from None
     if found:
+        outside = [m for m in found if "cannot be opened" not in m]
+        if not outside:
+            raise OfflineDatasetError(f"{where} is not a readable HDF5 dataset: " + "; ".join(found))
         raise OfflineDatasetError(
-            f"{where} reads data from outside the file: " + "; ".join(found)
+            f"{where} reads data from outside the file: " + "; ".join(outside)
             + ". An untrusted file could return any local file this way; if you trust this one, "
             "pass allow_external=True")
 
