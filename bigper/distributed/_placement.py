@@ -65,6 +65,10 @@ def start_shards(specs: list, *, placement: str, cpus, max_restarts: int,
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     n = len(specs)
+    nodes = len(_node_cpus())
+    if placement == "STRICT_SPREAD" and n > nodes:
+        raise ShardUnavailableError(f"cannot place {n} shard(s) STRICT_SPREAD (one a node) on the "
+                                    f"{nodes} alive node(s); use SPREAD or add nodes")
     if cpus is None:
         bundle, actor_res = dict(_NO_RESERVATION), {"num_cpus": 0, "memory": 1}
     else:
