@@ -26,7 +26,7 @@ from .snapshot import Snapshots
 from .snapshot import load as _load
 from .snapshot import save as _save
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402,F401
 
 
 def _from_hdf5(dataset, **kwargs):

@@ -16,6 +16,7 @@ from ._statecheck import check_state
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .errors import (
+    BigperError,
     BufferClosedError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
@@ -64,6 +65,20 @@ def _held(recorded: dict) -> int:
         return int(min(int(state["count"]), int(cfg["capacity"])))
     except (KeyError, TypeError, ValueError):
         return 0
+
+
+def _probe(cfg: Config, path, opts: dict):
+    """The recorded meta of a bigper storage at ``path``, looked at read-only
+    (nothing on disk changes), or None when there is none to read."""
+    if not Path(path).exists():
+        return None
+    probe = open_storage(cfg.storage, path, read_only=True, **opts)
+    try:
+        return probe.open(cfg.to_dict())
+    except BigperError:
+        return None  # not a readable bigper storage: the writer's open decides
+    finally:
+        probe.close()
 
 
 def _overwrite(cfg: Config, path, opts: dict):
@@ -144,17 +159,17 @@ class PrioritizedReplayBuffer:
         if read_only and mode != "resume":
             mode = "resume"  # a reader only ever looks at what is there
         opts = dict(storage_options or {})
-        store = open_storage(cfg.storage, path, read_only=read_only, **opts)
-        recorded = store.open(cfg.to_dict())
-        if recorded is not None and mode != "resume":
-            held = _held(recorded)
-            store.close()
-            if mode == "new":
-                raise PathExistsError(
-                    f"path={str(path)!r} already holds a bigper buffer ({held} transitions); pass "
-                    "mode='resume' to continue it or mode='overwrite' to replace it")
+        existing = None if mode == "resume" or cfg.storage == "memory" else _probe(cfg, path, opts)
+        if existing is not None and mode == "new":
+            raise PathExistsError(
+                f"path={str(path)!r} already holds a bigper buffer ({_held(existing)} transitions); "
+                "pass mode='resume' to continue it or mode='overwrite' to replace it")
+        if existing is not None:  # overwrite what open just proved to be a bigper storage
             store = _overwrite(cfg, path, opts)
             recorded = None
+        else:
+            store = open_storage(cfg.storage, path, read_only=read_only, **opts)
+            recorded = store.open(cfg.to_dict())
         self.resumed = None
         if recorded is not None:
             old = Config.from_dict(recorded["config"])
