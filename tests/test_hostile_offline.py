@@ -454,3 +454,69 @@ def test_a_symlink_the_user_gives_to_a_real_dataset_is_followed(tmp_path):
     with PRB.from_hdf5(tmp_path / "link.hdf5") as buf:
         b = buf.sample(8)
         assert np.array_equal(b["obs"], data["observations"][b.indices])
+
+
+# -- the dataset is only ever opened read-only --------------------------------------------------------
+def open_modes(path) -> list:
+    """Access modes (O_RDONLY, O_WRONLY, O_RDWR) of this process's fds open on ``path``."""
+    real = os.path.realpath(path)
+    modes = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != real:
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                flags = next(int(ln.split()[1], 8) for ln in f if ln.startswith("flags:"))
+        except (OSError, StopIteration):
+            continue
+        modes.append(flags & os.O_ACCMODE)
+    return modes
+
+
+def test_the_dataset_file_is_opened_read_only_at_the_os_level(tmp_path):
+    """Equal bytes before and after do not show this (a read-write open changes none);
+    the open modes of the process's descriptors do."""
+    path = tmp_path / "d.hdf5"
+    write_d4rl(path)
+    assert open_modes(path) == []
+    with PRB.from_hdf5(path) as buf:
+        modes = open_modes(path)
+        assert len(modes) >= 2 and set(modes) == {os.O_RDONLY}, modes  # bigper's map and HDF5's own
+        assert buf._store._file.mode == "r"
+        buf.reprioritize(scores_of, batch_size=7, progress=False)
+        buf.update_priorities(np.array([0, 1]), np.array([3.0, 4.0]))
+        assert set(open_modes(path)) == {os.O_RDONLY}
+    assert open_modes(path) == []  # and closed at close
+
+
+READER = """
+import sys
+import bigper
+buf = bigper.PrioritizedReplayBuffer.from_hdf5(sys.argv[1], priorities=sys.argv[2])
+print("open", flush=True)
+sys.stdin.readline()
+print("sampled", buf.sample(4).indices.shape[0], flush=True)
+buf.close()
+"""
+
+
+def test_two_processes_open_one_dataset_at_once(tmp_path):
+    """A read-write open would take HDF5's exclusive lock and refuse the second reader."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "d.hdf5"
+    data = write_d4rl(path)
+    other = subprocess.Popen([sys.executable, "-c", READER, str(path), str(tmp_path / "p2")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "open", other.stderr.read()
+        with PRB.from_hdf5(path) as buf:  # while the other process holds it open
+            b = buf.sample(8)
+            assert np.array_equal(b["obs"], data["observations"][b.indices])
+            out, err = other.communicate("go\n", timeout=120)
+        assert other.returncode == 0 and "sampled 4" in out, err
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
