@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError
 from .base import Prioritization
 from .proportional import Proportional
+from .rank import RankPrioritizer
 
 KINDS = ("proportional", "rank")
 
@@ -17,10 +18,10 @@ def make(kind: str, capacity: int, *, alpha: float, eps: float, max_priority: fl
     if kind == "proportional":
         cls = Proportional
     elif kind == "rank":
-        from .rank import RankPrioritizer as cls  # noqa: N813 (a sibling room, loaded on demand)
+        cls = RankPrioritizer
     else:
         raise InvalidArgumentError(f"prioritization must be one of {KINDS}, got {kind!r}")
     return cls(capacity, alpha=alpha, eps=eps, max_priority=max_priority, weight_norm=weight_norm)
 
 
-__all__ = ["KINDS", "Prioritization", "Proportional", "make"]
+__all__ = ["KINDS", "Prioritization", "Proportional", "RankPrioritizer", "make"]

@@ -318,7 +318,7 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
         A write or fsync failed (a full disk, an I/O error): nothing was
         written, any earlier snapshot is untouched.
     """
-    from .. import __version__
+    from .._version import __version__
 
     buf._check_open()
     kind = getattr(buf._store, "kind", None)
