@@ -408,13 +408,16 @@ def heap_check(keys, ticks, hslot, spos, n):
 # -- the rank law -------------------------------------------------------------------
 @kernel
 def rank_table(alpha):
-    """``H(0..R0)`` summed exactly, then the Euler-Maclaurin constant ``C``
-    (``H(m) = C + I(m) + E(m)`` for ``m >= R0``): ``R0 + 2`` float64."""
-    t = np.empty(R0 + 2, dtype=np.float64)
+    """Per-alpha constants, ``R0 + 4`` float64: ``H(0..R0)`` summed exactly,
+    the Euler-Maclaurin constant ``C`` (``H(m) = C + I(m) + E(m)`` for
+    ``m >= R0``), ``R0**(1 - alpha)`` and ``log(R0)``."""
+    t = np.empty(R0 + 4, dtype=np.float64)
     t[0] = 0.0
     for r in range(1, R0 + 1):
         t[r] = t[r - 1] + float(r) ** -alpha
     t[R0 + 1] = t[R0] - _em_tail(float(R0), alpha)
+    t[R0 + 2] = float(R0) ** (1.0 - alpha)
+    t[R0 + 3] = np.log(float(R0))
     return t
 
 
@@ -441,18 +444,6 @@ def _integral(x, alpha):
 
 
 @kernel
-def _integral_inv(y, alpha):
-    """``x`` with ``I(x) = y`` (clamped where no such ``x`` exists)."""
-    e = 1.0 - alpha
-    if e == 0.0:
-        return R0 * np.exp(y)
-    z = e * y / float(R0) ** e
-    if z <= -1.0:
-        return np.inf
-    return R0 * np.exp(np.log1p(z) / e)
-
-
-@kernel
 def cum_weight(m, alpha, table):
     """``H(m) = 1**-alpha + ... + m**-alpha`` (``m >= 0``)."""
     if m <= R0:
@@ -462,33 +453,65 @@ def cum_weight(m, alpha, table):
 
 
 @kernel
+def _first_above(t, lo, hi, alpha, table):
+    """Smallest ``m`` in ``[lo, hi]`` with ``H(m) > t`` (``hi`` if none)."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if cum_weight(mid, alpha, table) > t:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@kernel
 def rank_of(t, n, alpha, table):
-    """The rank ``r`` in ``1..n`` with ``H(r - 1) <= t < H(r)`` (clamped)."""
+    """The rank ``r`` in ``1..n`` with ``H(r - 1) <= t < H(r)`` (``n`` if none)."""
     if t < table[R0] or n <= R0:
-        # Few candidates: binary search in the table.
         lo = 1
         hi = min(n, R0)
-        while lo < hi:
+        while lo < hi:  # few candidates: binary search in the table
             mid = (lo + hi) >> 1
             if table[mid] > t:
                 hi = mid
             else:
                 lo = mid + 1
         return lo
-    # Midpoint rule: H(r) ~ C + I(r + 1/2), so r ~ I^-1(t - C) - 1/2 rounded up.
-    g = _integral_inv(t - table[R0 + 1], alpha) - 0.5
-    if g < R0 + 1:
-        r = R0 + 1
-    elif g >= n:
+    # The continuous solution x of C + I(x) = t. By the midpoint rule
+    # H(m) ~ C + I(m + 1/2), off by about alpha f(m) / (24 m), so x - 1/2
+    # lies in (r - 1, r) up to that much plus t's rounding in units of f(x).
+    # Only when x is that close to a boundary do exact checks against H
+    # decide (a few draws in a thousand).
+    e = 1.0 - alpha
+    y = t - table[R0 + 1]
+    if e == 0.0:
+        lx = table[R0 + 3] + y
+    else:
+        z = e * y / table[R0 + 2]
+        lx = table[R0 + 3] + np.log1p(z) / e if z > -1.0 else np.inf
+    g = np.exp(lx) - 0.5
+    lo = R0 + 1
+    if g >= n:
         r = n
+    elif g < lo:
+        r = lo
     else:
         r = int(np.ceil(g))
-    # Exact checks against H itself; the guess is almost always right.
-    while r > R0 + 1 and cum_weight(r - 1, alpha, table) > t:
-        r -= 1
-    while r < n and cum_weight(r, alpha, table) <= t:
-        r += 1
-    return r
+        fx = np.exp(-alpha * lx)
+        # x = exp(lx) carries lx's rounding times |lx|.
+        tol = (alpha / (6.0 * g) + 1e-15 * (abs(t) + abs(table[R0 + 1])) / fx
+               + 1e-15 * g * (abs(lx) + 2.0) + 1e-9)
+        if r - g > tol and g - (r - 1) > tol:
+            return r
+    # Bracket the answer around r by growing steps, then bisect.
+    d = 1
+    while True:
+        a = max(lo, r - d)
+        b = min(n, r + d)
+        if (a == lo or cum_weight(a - 1, alpha, table) <= t) and (
+                b == n or cum_weight(b, alpha, table) > t):
+            return _first_above(t, a, b, alpha, table)
+        d *= 4
 
 
 @kernel
