@@ -52,12 +52,7 @@ from ._save import specs_of
 def _config(body: dict, snap) -> Config:
     d = body["config"]
     try:
-        c = Config.from_dict(d)
-        rebuilt = Config.build(
-            capacity=c.capacity, fields=c.fields, frame_stack=c.frame_stack, n_step=c.n_step,
-            gamma=c.gamma, alpha=c.alpha, eps=c.eps, max_priority=c.max_priority, beta=c.schedule,
-            weight_norm=c.weight_norm, next_of=c.next_of, num_envs=c.num_envs, seed=c.seed,
-            storage=c.storage)
+        rebuilt = Config.from_dict(d)  # validated as the constructor validates its arguments
     except Exception as e:  # any shape of bad config is the same answer
         raise IncompatibleSnapshotError(f"{snap}: its config is not valid for this bigper: {e}") from None
     if rebuilt.to_dict() != d:
@@ -129,11 +124,12 @@ def _check_sizes(body: dict, snap, cfg: Config, layouts: dict) -> None:
     config needs, and every file is on disk with its recorded size, so what
     the config makes a load allocate is bounded by the bytes really there."""
     member_sizes(snap, sorted(body["files"].items()))
-    leaves = body["state"]["arrays"].get("leaves")
-    if leaves is None or body["files"][leaves]["size"] < 8 * cfg.capacity:
+    # Every buffer records one status byte per slot, whatever its prioritization.
+    status = body["state"]["arrays"].get("status")
+    if status is None or body["files"][status]["size"] < cfg.capacity:
         raise CorruptSnapshotError(
-            f"{snap}: its config declares capacity {cfg.capacity}, but its recorded leaves "
-            f"({leaves!r}) do not hold {cfg.capacity} float64 values")
+            f"{snap}: its config declares capacity {cfg.capacity}, but its recorded status "
+            f"({status!r}) does not hold {cfg.capacity} slots")
     _compare_specs(_needed_specs(cfg), layouts, snap, cfg)
 
 
