@@ -23,8 +23,8 @@ The ranking is an array max-heap read as an approximately sorted array
 - **Ties.** Equal priorities rank by recency: the most recently written
   first. A new transition enters with the largest priority seen and the
   newest tick, so it takes rank 1.
-- **Memory.** 24 bytes a slot (key 8, tick 8, heap slot 4, slot position 4);
-  a sort allocates 20 bytes per sampleable transition while it runs.
+- **Memory.** 20 bytes a slot (key 8, tick and slot 8, slot position 4);
+  a sort allocates 32 bytes per sampleable transition while it runs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import numpy as np
 
 from ..errors import CorruptSnapshotError, InvalidArgumentError, InvalidIndexError
 from . import _rank_kernels as RK
+from . import _rank_law as LAW
+from ._rank_sort import SLOT_MASK, heap_sort
 from .base import LIVE, Prioritization
 
 _INT32_MAX = 2**31 - 1
@@ -70,14 +72,12 @@ class RankPrioritizer(Prioritization):
             raise InvalidArgumentError(f"sort_every must be an int >= 1, got {sort_every!r}")
         self.sort_every = int(every)
         c = self.capacity
-        self._keys = np.zeros(c, dtype=np.float64)
-        self._ticks = np.zeros(c, dtype=np.int64)
-        self._hslot = np.zeros(c, dtype=np.int32)
+        self._heap = np.zeros((c, 2), dtype=np.int64)
         self._spos = np.full(c, -1, dtype=np.int32)
         self.n = 0          # sampleable slots, the heap's size
         self.tick = 1       # the next write's tick
         self.writes = 0     # writes since the last full sort
-        self._table = RK.rank_table(self.alpha)
+        self._table = LAW.rank_table(self.alpha)
 
     # -- keys ------------------------------------------------------------------
     def keys(self, p: np.ndarray) -> np.ndarray:
@@ -85,22 +85,29 @@ class RankPrioritizer(Prioritization):
         return np.minimum(p, self.max_priority).astype(np.float64, copy=False)
 
     # -- writes ----------------------------------------------------------------
+    def _room(self, m: int) -> None:
+        # Ticks must stay below 2**32; a sort renumbers them from n + 1.
+        if self.tick + m >= RK.TICK_LIMIT:
+            self.sort()
+
     def insert(self, slots, keys) -> None:
-        self.n, self.tick = RK.heap_set(self._keys, self._ticks, self._hslot, self._spos, self.n,
-                                        slots, keys, self.tick)
+        self._room(slots.shape[0])
+        self.n, self.tick = RK.heap_set(self._heap, self._spos, self.n, slots,
+                                        np.ascontiguousarray(keys, dtype=np.float64), self.tick)
         self.writes += slots.shape[0]
 
     def remove(self, slots) -> None:
-        n = RK.heap_remove(self._keys, self._ticks, self._hslot, self._spos, self.n, slots)
+        n = RK.heap_remove(self._heap, self._spos, self.n, slots)
         self.writes += self.n - n
         self.n = n
 
     def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
+        self._room(idx.shape[0])
         n0 = self.n
         tick0 = self.tick
         code, pos, top, n, tick = RK.rank_update(
-            self._keys, self._ticks, self._hslot, self._spos, self.n, self.tick, idx, p, stamps,
-            bool(use_stamps), gid, status, pending, self.max_priority)
+            self._heap, self._spos, self.n, self.tick, idx, p, stamps, bool(use_stamps), gid, status,
+            pending, self.max_priority)
         if code == 1:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
         if code:
@@ -113,13 +120,13 @@ class RankPrioritizer(Prioritization):
 
     def sort(self) -> None:
         """Fully re-sort now: heap positions become the exact ranks."""
-        self.tick = int(RK.heap_sort(self._keys, self._ticks, self._hslot, self._spos, self.n))
+        self.tick = int(heap_sort(self._heap, self._spos, self.n))
         self.writes = 0
 
     # -- reads -----------------------------------------------------------------
     @property
     def total(self) -> float:
-        return float(RK.cum_weight(self.n, self.alpha, self._table)) if self.n else 0.0
+        return float(LAW.cum_weight(self.n, self.alpha, self._table)) if self.n else 0.0
 
     @property
     def sampleable(self) -> bool:
@@ -128,11 +135,24 @@ class RankPrioritizer(Prioritization):
     @property
     def min_key(self) -> float:
         """Smallest priority of a sampleable slot (``inf`` when none)."""
-        return float(self._keys[:self.n].min()) if self.n else math.inf
+        return float(self._heap[:self.n, 0].min().view(np.float64)) if self.n else math.inf
 
     def key_at(self, idx) -> np.ndarray:
         pos = self._spos[idx]
-        return np.where(pos >= 0, self._keys[np.maximum(pos, 0)], 0.0)
+        keys = np.ascontiguousarray(self._heap[np.maximum(pos, 0), 0]).view(np.float64)
+        return np.where(pos >= 0, keys, 0.0)
+
+    def heap_keys(self) -> np.ndarray:
+        """Priorities in heap order, shape ``(n,)`` float64 (a copy)."""
+        return np.ascontiguousarray(self._heap[:self.n, 0]).view(np.float64)
+
+    def heap_slots(self) -> np.ndarray:
+        """Slots in heap order, shape ``(n,)`` int64 (a copy)."""
+        return self._heap[:self.n, 1] & SLOT_MASK
+
+    def heap_ticks(self) -> np.ndarray:
+        """Ticks in heap order, shape ``(n,)`` int64 (a copy)."""
+        return self._heap[:self.n, 1] >> 31
 
     def positions(self, idx) -> np.ndarray:
         """Heap positions of slots ``idx`` (int64; -1 where not sampleable):
@@ -142,7 +162,7 @@ class RankPrioritizer(Prioritization):
     def probabilities(self, idx) -> np.ndarray:
         """``P`` the sampler gives slots ``idx`` now (0 where not sampleable)."""
         pos = self.positions(idx)
-        out = RK.position_probabilities(np.maximum(pos, 0), max(self.n, 1), self.alpha, self._table)
+        out = LAW.rank_probabilities(np.maximum(pos, 0) + 1, max(self.n, 1), self.alpha, self._table)
         out[pos < 0] = 0.0
         return out
 
@@ -151,22 +171,20 @@ class RankPrioritizer(Prioritization):
             raise InvalidArgumentError("cannot sample: no sampleable transition")
         if self.writes >= self.sort_every:
             self.sort()
-        return RK.rank_sample(self._hslot, self.n, self.alpha, float(beta), self._table,
+        return RK.rank_sample(self._heap, self.n, self.alpha, float(beta), self._table,
                               np.ascontiguousarray(uniforms, dtype=np.float64), bool(stratified),
                               self.batch_norm)
 
     # -- state -----------------------------------------------------------------
     def state(self):
         meta = {"n": self.n, "tick": self.tick, "writes": self.writes, "sort_every": self.sort_every}
-        return meta, {"rank_keys": self._keys, "rank_ticks": self._ticks, "rank_slots": self._hslot}
+        return meta, {"rank_heap": self._heap}
 
     def restore(self, meta, arrays, status) -> None:
         """Load a recorded state after checking all of it (``CorruptSnapshotError``
         naming what is wrong); nothing changes on a refusal."""
         got = self._checked(meta, arrays, status)
-        self._keys[:] = got["rank_keys"]
-        self._ticks[:] = got["rank_ticks"]
-        self._hslot[:] = got["rank_slots"]
+        self._heap[:] = got["rank_heap"]
         self._spos[:] = got["spos"]
         self.n, self.tick, self.writes, self.sort_every = (got[k] for k in _META)
 
@@ -178,53 +196,66 @@ class RankPrioritizer(Prioritization):
             bad(f"meta must be a dict, got {type(meta).__name__}")
         c = self.capacity
         out = {}
-        limits = {"n": (0, c), "tick": (1, 2**62), "writes": (0, 2**62), "sort_every": (1, 2**62)}
+        limits = {"n": (0, c), "tick": (1, RK.TICK_LIMIT - 1), "writes": (0, 2**62),
+                  "sort_every": (1, 2**62)}
         for key in _META:
             v = meta.get(key)
             lo, hi = limits[key]
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
                 bad(f"meta[{key!r}] must be an int in [{lo}, {hi}], got {v!r}")
             out[key] = int(v)
-        for name, dtype in (("rank_keys", np.float64), ("rank_ticks", np.int64), ("rank_slots", np.int32)):
-            a = arrays.get(name)
-            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != (c,):
-                desc = None if not isinstance(a, np.ndarray) else (a.dtype, a.shape)
-                bad(f"array {name!r} must be {np.dtype(dtype)} of shape ({c},), got {desc}")
-            out[name] = np.ascontiguousarray(a)
+        heap = arrays.get("rank_heap") if isinstance(arrays, dict) else None
+        if not isinstance(heap, np.ndarray) or heap.dtype != np.int64 or heap.shape != (c, 2):
+            desc = (heap.dtype, heap.shape) if isinstance(heap, np.ndarray) else type(heap).__name__
+            bad(f"array 'rank_heap' must be int64 of shape ({c}, 2), got {desc}")
+        heap = np.ascontiguousarray(heap)
         n = out["n"]
-        keys = out["rank_keys"][:n]
-        ticks = out["rank_ticks"][:n]
-        slots = out["rank_slots"][:n]
-        if n and not (ticks.min() >= 1 and ticks.max() < out["tick"]):
-            bad(f"a tick outside [1, tick={out['tick']})")
-        if n and not (slots.min() >= 0 and slots.max() < c):
-            bad(f"a slot outside [0, {c})")
+        words = heap[:n, 1]
+        if n and words.min() < 0:
+            bad("a negative tick word")
+        slots = words & SLOT_MASK
+        ticks = words >> 31
+        if n and not (slots.max() < c and ticks.min() >= 1 and ticks.max() < out["tick"]):
+            bad(f"a slot outside [0, {c}) or a tick outside [1, tick={out['tick']})")
         spos = np.full(c, -1, dtype=np.int32)
         spos[slots] = np.arange(n, dtype=np.int32)
-        if n and np.count_nonzero(spos >= 0) != n:
+        if np.count_nonzero(spos >= 0) != n:
             bad("a slot appears twice in the heap")
         live = np.asarray(status) == LIVE
         if live.shape != (c,) or not np.array_equal(spos >= 0, live):
             bad("the heap's slots are not exactly the sampleable slots of status")
         if n and np.unique(ticks).shape[0] != n:
             bad("two entries share a tick")
-        code, pos = RK.heap_check(keys.copy(), ticks.copy(), slots.copy(), spos, n)
+        code, pos = RK.heap_check(heap, spos, n)
         if code:
             bad(_PROBLEMS[code].format(pos=pos))
+        out["rank_heap"] = heap
         out["spos"] = spos
         return out
 
     def check(self, status) -> list[str]:
         problems = []
-        code, pos = RK.heap_check(self._keys, self._ticks, self._hslot, self._spos, self.n)
+        code, pos = RK.heap_check(self._heap, self._spos, self.n)
         if code:
             problems.append(_PROBLEMS[code].format(pos=pos))
         live = np.asarray(status) == LIVE
         if not np.array_equal(self._spos >= 0, live):
             problems.append("the heap's slots are not exactly the sampleable slots")
-        if self.n and int(self._ticks[:self.n].max()) >= self.tick:
+        ticks = self.heap_ticks()
+        if self.n and int(ticks.max()) >= self.tick:
             problems.append(f"a tick is not below the next tick {self.tick}")
+        if self.n and np.unique(ticks).shape[0] != self.n:
+            problems.append("two entries share a tick")
         return problems
+
+    def exact_ranks(self) -> np.ndarray:
+        """Exact rank (1 = largest priority, ties by recency) of each heap
+        position, shape ``(n,)`` int64; O(n log n), for diagnostics and tests."""
+        n = self.n
+        order = np.lexsort((-self.heap_ticks(), -self.heap_keys()))
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(1, n + 1)
+        return rank
 
     def rank_drift(self) -> dict:
         """How far heap positions are from exact ranks now (a diagnostic, O(n log n)).
@@ -233,21 +264,17 @@ class RankPrioritizer(Prioritization):
         over the sampleable transitions of ``|log2((position + 1) / rank)|``
         (0 right after a sort; 1 means a factor 2 in ``rank``, ``2**alpha`` in ``P``).
         """
-        n = self.n
         out = {"writes_since_sort": self.writes, "median": 0.0, "p90": 0.0, "max": 0.0}
-        if n == 0:
+        if self.n == 0:
             return out
-        order = np.lexsort((-self._ticks[:n], -self._keys[:n]))  # exact ranks, ties by recency
-        rank = np.empty(n, dtype=np.float64)
-        rank[order] = np.arange(1, n + 1)
-        d = np.abs(np.log2(np.arange(1, n + 1) / rank))
+        d = np.abs(np.log2(np.arange(1, self.n + 1) / self.exact_ranks()))
         out.update(median=float(np.median(d)), p90=float(np.quantile(d, 0.9)), max=float(d.max()))
         return out
 
 
 _PROBLEMS = {
-    1: "heap position {pos} ranks above its parent",
-    2: "heap position {pos}: slot and position tables disagree",
-    3: "heap position {pos} shares its parent's tick",
-    4: "heap position {pos} holds a key that is NaN, infinite, negative or -0.0",
+    1: "heap position {pos} does not rank below its parent",
+    2: "heap position {pos}: the heap and the slot positions disagree",
+    4: "heap position {pos} holds a key that is not a finite float >= 0 (or is -0.0)",
+    5: "heap position {pos} holds a tick outside [1, 2**32)",
 }
