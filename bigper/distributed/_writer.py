@@ -36,7 +36,9 @@ class ShardWriter:
 
     Get one with ``ShardedPrioritizedBuffer.writer()``; ``add`` and ``extend``
     take what the local buffer's take. Call ``flush()`` to send what is
-    pending and wait until every shard has stored it.
+    pending and wait until every shard has stored it. ``stored[k]`` counts
+    the transitions shard ``k`` acknowledged from this writer (a chunk whose
+    shard died before answering is counted where it was sent again).
     """
 
     def __init__(self, shards, config: dict, *, start: int = 0, chunk_size: int = 256,
@@ -64,6 +66,7 @@ class ShardWriter:
         self._in_flight: list[list] = []  # [ref, shard, data, priorities, valid, attempts, rows]
         self._placeholders = False  # this writer has sent placeholder rows (num_envs > 1)
         self.sent = 0  # steps handed to shards
+        self.stored = [0] * len(self._shards)  # transitions each shard acknowledged from this writer
 
     # -- pickling: a fresh, empty writer on the other side -------------------------
     def __getstate__(self):
@@ -251,6 +254,7 @@ class ShardWriter:
                 # A caller's calls run in order: the reply counts every earlier
                 # chunk to that shard, none of the later ones.
                 k = entry[1]
+                self.stored[k] += entry[6]
                 later = sum(x[6] for x in self._in_flight[i + 1:] if x[1] == k)
                 self._router.acked(k, fill, later)
             self._in_flight = keep
