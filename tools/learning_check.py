@@ -1,13 +1,19 @@
-"""Does prioritized replay help? Double DQN on CartPole-v1, PER against uniform replay.
+"""Does prioritized replay help? Double DQN on CartPole-v1: proportional PER, rank PER, uniform.
 
 ::
 
-    python tools/learning_check.py                 # 3 seeds x {PER, uniform}, at most ~15 min on 2 cores
+    python tools/learning_check.py                 # 3 seeds x 3 variants, at most ~15 min on 2 cores
     python tools/learning_check.py --seeds 0 1 2 3 4 --workers 4
+    python tools/learning_check.py --variants proportional uniform
 
-The same learner, hyper-parameters and seeds run twice: once with
-``alpha=0.6`` (beta annealed 0.4 -> 1.0) and once with ``alpha=0``, where
-every leaf is 1, sampling is uniform and every weight is 1. The measure is
+The same learner, hyper-parameters and seeds run once per variant:
+
+- ``proportional``: ``alpha=0.6``, beta annealed 0.4 -> 1.0 (the PER paper's
+  tuned values for the proportional variant);
+- ``rank``: ``prioritization="rank"``, ``alpha=0.7``, beta annealed 0.5 -> 1.0
+  (the paper's tuned values for the rank-based variant);
+- ``uniform``: ``alpha=0``, where every leaf is 1, sampling is uniform and
+  every weight is 1 (the same code path). The measure is
 the number of training episodes until the mean return of the last
 ``--window`` episodes reaches ``--target`` (475, CartPole-v1's solved
 threshold). A run that has not reached it after ``--max-steps`` env steps
@@ -30,6 +36,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+# variant -> (prioritization, alpha, beta start); beta ends at 1.0 for the prioritized ones.
+VARIANTS = {"proportional": ("proportional", 0.6, 0.4), "rank": ("rank", 0.7, 0.5),
+            "uniform": ("proportional", 0.0, None)}
+LABEL = {"proportional": "PER proportional", "rank": "PER rank", "uniform": "uniform"}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -38,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=60_000, help="env steps per run at most")
     p.add_argument("--budget-min", type=float, default=14.0, help="wall-clock budget for everything, minutes")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (one core each)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="which replay variants to run (all three by default)")
     return p.parse_args(argv)
 
 
@@ -51,7 +65,8 @@ def one_run(job: dict) -> dict:
     from bigper.examples._dqn import DoubleDQN, epsilon
 
     torch.set_num_threads(1)
-    seed, per = job["seed"], job["per"]
+    seed, variant = job["seed"], job["variant"]
+    kind, alpha, beta0 = VARIANTS[variant]
     torch.manual_seed(seed)
 
     def net():
@@ -60,8 +75,10 @@ def one_run(job: dict) -> dict:
     agent = DoubleDQN(net, lr=1e-3, adam_eps=1e-8, target_every=250, grad_clip=10.0)
     buf = bigper.PrioritizedReplayBuffer(
         50_000, {"obs": ((4,), np.float32), "action": ((), np.int64), "reward": ((), np.float32)},
-        n_step=3, gamma=0.99, alpha=0.6 if per else 0.0,
-        beta=bigper.LinearSchedule(0.4, 1.0, job["max_steps"]) if per else 0.0, seed=seed)
+        n_step=3, gamma=0.99, alpha=alpha, prioritization=kind,
+        # one schedule step per sample() call: one call per env step from step 1,000 on
+        beta=bigper.LinearSchedule(beta0, 1.0, max(1, job["max_steps"] - 1_000)) if beta0 is not None else 0.0,
+        seed=seed)
     env = gym.make("CartPole-v1")
     rng = np.random.default_rng(seed)
     returns, step, t0 = [], 0, time.perf_counter()
@@ -82,7 +99,7 @@ def one_run(job: dict) -> dict:
         returns.append(ret)
         if len(returns) >= job["window"] and np.mean(returns[-job["window"]:]) >= job["target"]:
             reached = len(returns)
-    return {"seed": seed, "per": per, "episodes": reached, "steps": step if reached else None,
+    return {"seed": seed, "variant": variant, "episodes": reached, "steps": step if reached else None,
             "total_steps": step, "total_episodes": len(returns), "seconds": time.perf_counter() - t0,
             "timed_out": reached is None and time.time() >= job["deadline"]}
 
@@ -90,10 +107,11 @@ def one_run(job: dict) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     deadline = time.time() + 60 * args.budget_min
-    jobs = [{"seed": s, "per": per, "max_steps": args.max_steps, "target": args.target,
-             "window": args.window, "deadline": deadline} for s in args.seeds for per in (True, False)]
-    print(f"Double DQN on CartPole-v1 (3-step returns, batch 64, MLP 128x128), PER (alpha 0.6, beta "
-          f"0.4->1) vs uniform (alpha 0); episodes until the mean return of the last {args.window} "
+    jobs = [{"seed": s, "variant": v, "max_steps": args.max_steps, "target": args.target,
+             "window": args.window, "deadline": deadline} for s in args.seeds for v in args.variants]
+    print(f"Double DQN on CartPole-v1 (3-step returns, batch 64, MLP 128x128): "
+          f"{', '.join(args.variants)} (proportional alpha 0.6, beta 0.4->1; rank alpha 0.7, beta 0.5->1; "
+          f"uniform alpha 0); episodes until the mean return of the last {args.window} "
           f"reaches {args.target:g}; at most {args.max_steps:,} env steps a run; seeds {args.seeds}", flush=True)
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(args.workers) as pool:
@@ -103,7 +121,7 @@ def main(argv=None) -> int:
             what = (f"reached in {r['episodes']} episodes ({r['steps']:,} steps)" if r["episodes"]
                     else f"not reached after {r['total_episodes']} episodes ({r['total_steps']:,} steps"
                          f"{', time budget' if r['timed_out'] else ''})")
-            print(f"  seed {r['seed']} {'PER    ' if r['per'] else 'uniform'} {what}, {r['seconds']:.0f} s",
+            print(f"  seed {r['seed']} {LABEL[r['variant']]:<16} {what}, {r['seconds']:.0f} s",
                   flush=True)
     print(format_table(results, args))
     print(f"total wall time {(time.perf_counter() - t0) / 60:.1f} min")
@@ -111,23 +129,23 @@ def main(argv=None) -> int:
 
 
 def format_table(results: list, args) -> str:
-    by = {(r["seed"], r["per"]): r for r in results}
+    by = {(r["seed"], r["variant"]): r for r in results}
 
     def cell(r):
         return f"{r['episodes']} ({r['steps']:,} steps)" if r["episodes"] else f"not reached (>{r['total_episodes']})"
 
-    lines = [f"\n| seed | PER: episodes to {args.target:g} | uniform: episodes to {args.target:g} |",
-             "|---|---|---|"]
-    for s in args.seeds:
-        lines.append(f"| {s} | {cell(by[(s, True)])} | {cell(by[(s, False)])} |")
-    def summary(per):
-        eps = [by[(s, per)]["episodes"] for s in args.seeds]
+    def summary(variant):
+        eps = [by[(s, variant)]["episodes"] for s in args.seeds]
         got = [e for e in eps if e]
         if len(got) == len(eps):
             return f"median {int(np.median(got))}"
         return f"{len(got)}/{len(eps)} reached" + (f", median of those {int(np.median(got))}" if got else "")
 
-    lines.append(f"| all | {summary(True)} | {summary(False)} |")
+    head = " | ".join(f"{LABEL[v]}: episodes to {args.target:g}" for v in args.variants)
+    lines = [f"\n| seed | {head} |", "|---" * (1 + len(args.variants)) + "|"]
+    for s in args.seeds:
+        lines.append(f"| {s} | " + " | ".join(cell(by[(s, v)]) for v in args.variants) + " |")
+    lines.append("| all | " + " | ".join(summary(v) for v in args.variants) + " |")
     return "\n".join(lines)
 
 
