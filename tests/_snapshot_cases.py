@@ -67,6 +67,8 @@ def make(kind: str, path, stream: Stream, capacity: int = 64, chunk_bytes: int =
     if kind == "memmap":
         kw.setdefault("storage_options", {"chunk_bytes": chunk_bytes})
     kw.setdefault("frame_stack", stream.k)
+    if path is not None:
+        kw.setdefault("mode", "resume")  # these tests reopen on purpose
     return bigper.PrioritizedReplayBuffer(capacity, stream.fields(), storage=kind, path=path,
                                           num_envs=stream.E, **kw)
 

@@ -94,7 +94,8 @@ def test_loading_attaches_the_snapshot_chunks(setup):
     b.close()
     assert tree_hash(snap) == before
     b = bigper.PrioritizedReplayBuffer(256, Stream(k=None, frame=(32, 32)).fields(), storage="memmap",
-                                       path=tmp / "resumed", storage_options={"chunk_bytes": 4096})
+                                       path=tmp / "resumed", storage_options={"chunk_bytes": 4096},
+                                       mode="resume")
     assert len(b) == 256  # a clean close: the resumed directory reopens like any other
     b.close()
 
