@@ -82,9 +82,12 @@ def _info_series(path: Path, args) -> int:
 
 
 def _info_storage(path: Path, args) -> int:
-    import json
+    from .storage._files import read_json
 
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_json(path / "meta.json")  # a regular file only: never hangs on a FIFO
+    if not isinstance(meta, dict):
+        print(f"bigper info: {path}/meta.json is not a bigper storage record", file=sys.stderr)
+        return 1
     if args.json:
         _print_json({k: v for k, v in meta.items() if k != "state"})
         return 0
@@ -136,11 +139,82 @@ def _info(args) -> int:
     return 0
 
 
+# Exit codes of `bigper verify` (also in its --help).
+VERIFY_OK, VERIFY_BAD, VERIFY_MISSING, VERIFY_IN_USE = 0, 1, 2, 3
+
+
+def _storage_kind(path: Path):
+    """"memmap" for a memmap storage directory, "hdf5" for a bigper HDF5
+    storage file (its lock file beside it), else None."""
+    import os
+
+    if path.is_dir() and os.path.lexists(path / "meta.json") and not (path / "manifest.json").exists():
+        return "memmap"
+    if path.is_file() and os.path.lexists(path.with_name(path.name + ".lock")):
+        return "hdf5"
+    return None
+
+
+def _verify_storage(path: Path, kind: str) -> int:
+    """Verify a live storage read-only: its layout and recorded state, and
+    (when nobody holds it) the state's invariants. A storage a live buffer
+    holds is never called corrupt: it says who holds it and exits 3."""
+    from .config import Config
+    from .errors import BigperError, StorageLockedError, UncleanStorageError
+    from .storage import open_storage
+    from .storage._files import FileLock
+    from ._statecheck import check_state
+
+    lock = path / ".lock" if kind == "memmap" else path.with_name(path.name + ".lock")
+    pid = FileLock.holder_pid(lock)
+    if pid is not None:
+        who = f"process {pid}" if pid > 0 else "another process"
+        print(f"IN USE   {path}: a live {kind} buffer holds it ({who}); its data and priorities change "
+              "while it runs, so only a snapshot can be verified: save one (buf.save or Snapshots.save) "
+              "and verify that")
+        return VERIFY_IN_USE
+    store = open_storage(kind, path, read_only=True)
+    try:
+        meta = store.open({})
+    except StorageLockedError as e:  # a writer arrived since the probe
+        print(f"IN USE   {path}: {e}")
+        return VERIFY_IN_USE
+    except UncleanStorageError as e:
+        print(f"UNCLEAN  {path}: {e}")
+        return VERIFY_BAD
+    except BigperError as e:
+        print(f"CORRUPT  {path}: {e}")
+        return VERIFY_BAD
+    try:
+        state_meta, arrays = store.saved_state()
+        if state_meta is None:
+            print(f"OK       {path}: a {kind} storage closed before anything was recorded")
+            return VERIFY_OK
+        check_state(Config.from_dict(meta["config"]), state_meta, arrays)
+    except BigperError as e:
+        print(f"INVALID  {path}: its recorded state is inconsistent: {e}")
+        return VERIFY_BAD
+    except Exception as e:  # noqa: BLE001  (a config this bigper cannot read)
+        print(f"INCOMPATIBLE  {path}: {type(e).__name__}: {e}")
+        return VERIFY_BAD
+    finally:
+        store.close()
+    print(f"OK       {path}: a {kind} storage closed cleanly; layout and recorded state consistent "
+          f"({min(int(state_meta['count']), int(meta['config']['capacity'])):,} transitions)")
+    return VERIFY_OK
+
+
 def _verify(args) -> int:
     from .errors import CorruptSnapshotError, IncompatibleSnapshotError
     from .snapshot import verify
 
     path = Path(args.path)
+    if not path.exists():
+        print(f"MISSING  {path}: no such file or directory")
+        return VERIFY_MISSING
+    kind = _storage_kind(path)
+    if kind is not None:
+        return _verify_storage(path, kind)
     if not (path / "manifest.json").exists() and path.is_dir() \
             and any(p.name.startswith("snap-") for p in path.iterdir()):
         targets = sorted(p for p in path.iterdir() if p.name.startswith("snap-"))
@@ -170,7 +244,7 @@ def _verify(args) -> int:
         else:
             print(f"OK       {t}: {rep['files']} files, {rep['bytes']:,} bytes checked; tree and "
                   "bookkeeping consistent")
-    return 1 if bad else 0
+    return VERIFY_BAD if bad else VERIFY_OK
 
 
 def _demo(args) -> int:
@@ -205,12 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_reprioritize)
     i = sub.add_parser("info", help="config, size, fill and priorities of a snapshot, a Snapshots "
                                     "root, a storage directory or a dataset")
-    i.add_argument("path")
+    i.add_argument("path", help="a snapshot directory, a Snapshots root, a memmap storage directory, "
+                                "or an HDF5 dataset / Minari dataset directory")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=_info)
     v = sub.add_parser("verify", help="check every file of a snapshot (or of each snapshot under a "
-                                      "Snapshots root) against its checksum, and the tree's invariants")
-    v.add_argument("path")
+                                      "Snapshots root) against its checksum, and the tree's invariants",
+                       description="Check a snapshot, every snapshot under a Snapshots root, or a closed "
+                                   "storage, read-only.",
+                       epilog="exit status: 0 all OK; 1 corrupt, invalid, incompatible or unclean; "
+                              "2 path missing; 3 a live buffer holds the storage (its PID is printed; "
+                              "save a snapshot and verify that)")
+    v.add_argument("path", help="a snapshot directory, a Snapshots root, a memmap storage directory or "
+                                "an HDF5 storage file")
     v.set_defaults(func=_verify)
     return p
 
