@@ -45,6 +45,8 @@ class TreeSubject:
     bulk_update: Callable[[np.ndarray], None]
     probe: Callable[[int], tuple[np.ndarray, np.ndarray]]
     notes: list[str] = field(default_factory=list)
+    law: str = "proportional"  # which distribution the sanity check expects
+    buffer: object = None      # bigper's buffer, for the extra rows (rank re-sort)
 
 
 def tree_data(capacity: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -74,7 +76,7 @@ def _td_pool(batch: int) -> list[np.ndarray]:
 # -- bigper -------------------------------------------------------------------
 
 
-def _tree_bigper(data: dict[str, np.ndarray], p0: np.ndarray) -> TreeSubject:
+def _tree_bigper(data: dict[str, np.ndarray], p0: np.ndarray, prioritization: str = "proportional") -> TreeSubject:
     bigper = import_bigper()
     cap = len(p0)
     buf = bigper.PrioritizedReplayBuffer(
@@ -82,6 +84,7 @@ def _tree_bigper(data: dict[str, np.ndarray], p0: np.ndarray) -> TreeSubject:
         fields={"obs": ((4,), np.float32), "action": ((), np.int64), "reward": ((), np.float32)},
         alpha=TREE_ALPHA,
         beta=TREE_BETA,
+        prioritization=prioritization,
         seed=0,
     )
     t0 = time.perf_counter()
@@ -106,16 +109,25 @@ def _tree_bigper(data: dict[str, np.ndarray], p0: np.ndarray) -> TreeSubject:
         b = buf.sample(batch)
         return np.array(b.indices), np.array(b.weights)
 
+    rank = prioritization == "rank"
     return TreeSubject(
-        name="bigper",
+        name="bigper-rank" if rank else "bigper",
         version=getattr(bigper, "__version__", None) or dist_version("bigper") or "checkout",
-        api="PrioritizedReplayBuffer.sample / update_priorities(batch, td)",
+        api="PrioritizedReplayBuffer.sample / update_priorities(batch, td)"
+            + (", prioritization='rank'" if rank else ""),
         fill_s=fill_s,
         length=len(buf),
         make_round=make_round,
         bulk_update=lambda p: buf.update_priorities(all_idx, p),
         probe=probe,
+        law="rank" if rank else "proportional",
+        buffer=buf,
     )
+
+
+def _tree_bigper_rank(data: dict[str, np.ndarray], p0: np.ndarray) -> TreeSubject:
+    """bigper with ``prioritization="rank"``: the same round; its full re-sort is timed apart."""
+    return _tree_bigper(data, p0, prioritization="rank")
 
 
 # -- cpprb --------------------------------------------------------------------
@@ -296,6 +308,7 @@ def _tree_torchrl(data: dict[str, np.ndarray], p0: np.ndarray) -> TreeSubject:
 
 TREE_ADAPTERS: dict[str, Callable[[dict[str, np.ndarray], np.ndarray], TreeSubject]] = {
     "bigper": _tree_bigper,
+    "bigper-rank": _tree_bigper_rank,
     "cpprb": _tree_cpprb,
     "tianshou": _tree_tianshou,
     "torchrl": _tree_torchrl,
