@@ -3,6 +3,9 @@ the README documents), checked against a naive record of every transition."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import bigper
 from tests.test_frames import naive_expectation, window_complete
 
 K, STACK, N_STEP, GAMMA = 3, 3, 3, 0.9
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_env():
@@ -26,45 +30,51 @@ def new_buffer(capacity):
         frame_stack=STACK, n_step=N_STEP, gamma=GAMMA, num_envs=K, seed=0)
 
 
-def run_next_step(buf, steps, added):
-    """NEXT_STEP: the step after an episode end only resets that env; pass
-    valid=False for it so the env's stream stays aligned."""
-    envs = gym.vector.SyncVectorEnv([make_env] * K, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
-    obs, _ = envs.reset(seed=0)
-    resetting = np.zeros(K, dtype=bool)
-    for _ in range(steps):
-        action = envs.action_space.sample()
-        nxt, reward, term, trunc, _ = envs.step(action)
-        buf.add(obs=obs, action=action, reward=reward, next_obs=nxt, terminated=term,
-                truncated=trunc, valid=~resetting)
+def readme_recipes() -> dict:
+    """The two loops of the README's "Vector envs" section, exactly as printed."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Vector envs\n"):text.index("## Storage\n")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    by_mode = {("NEXT_STEP" if "NEXT_STEP" in b else "SAME_STEP"): b for b in blocks}
+    assert len(blocks) == 2 and set(by_mode) == {"NEXT_STEP", "SAME_STEP"}, blocks
+    return by_mode
+
+
+class Tee:
+    """The real buffer, plus a plain record of every ``add`` (per env, None
+    where ``valid`` is False) for the naive expectation."""
+
+    def __init__(self, buf, added):
+        self.buf, self.added, self.rows = buf, added, []
+
+    def add(self, *, obs, action, reward, next_obs, terminated, truncated, valid=None):
+        self.buf.add(obs=obs, action=action, reward=reward, next_obs=next_obs, terminated=terminated,
+                     truncated=truncated, **({} if valid is None else {"valid": valid}))
+        self.rows.append(np.asarray(terminated) | np.asarray(truncated))
         for e in range(K):
-            added.append(None if resetting[e] else dict(
-                obs=obs[e].copy(), next_obs=nxt[e].copy(), action=action[e], reward=reward[e],
-                term=bool(term[e]), trunc=bool(trunc[e])))
-        resetting = term | trunc
-        obs = nxt
-    envs.close()
+            self.added.append(None if valid is not None and not valid[e] else dict(
+                obs=np.array(obs[e]), next_obs=np.array(next_obs[e]), action=action[e], reward=reward[e],
+                term=bool(terminated[e]), trunc=bool(truncated[e])))
+
+
+def run_recipe(mode: str, buf, steps: int, added: list) -> Tee:
+    """Run the README's loop for ``mode`` on a real SyncVectorEnv of K envs."""
+    envs = gym.vector.SyncVectorEnv([make_env] * K, autoreset_mode=getattr(gym.vector.AutoresetMode, mode))
+    tee = Tee(buf, added)
+    try:
+        exec(compile(readme_recipes()[mode], f"README.md ({mode})", "exec"),
+             {"np": np, "envs": envs, "buf": tee, "steps": steps})
+    finally:
+        envs.close()
+    return tee
+
+
+def run_next_step(buf, steps, added):
+    return run_recipe("NEXT_STEP", buf, steps, added)
 
 
 def run_same_step(buf, steps, added):
-    """SAME_STEP: an ended env returns its reset obs at once and the final
-    obs in info["final_obs"]: that final obs is the transition's next_obs."""
-    envs = gym.vector.SyncVectorEnv([make_env] * K, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    obs, _ = envs.reset(seed=0)
-    for _ in range(steps):
-        action = envs.action_space.sample()
-        nxt, reward, term, trunc, info = envs.step(action)
-        real_next = nxt.copy()
-        done = term | trunc
-        for e in np.flatnonzero(done):
-            real_next[e] = info["final_obs"][e]
-        buf.add(obs=obs, action=action, reward=reward, next_obs=real_next, terminated=term,
-                truncated=trunc)
-        for e in range(K):
-            added.append(dict(obs=obs[e].copy(), next_obs=real_next[e].copy(), action=action[e],
-                              reward=reward[e], term=bool(term[e]), trunc=bool(trunc[e])))
-        obs = nxt
-    envs.close()
+    return run_recipe("SAME_STEP", buf, steps, added)
 
 
 @pytest.mark.parametrize("runner", [run_next_step, run_same_step])
@@ -72,7 +82,14 @@ def test_vector_env_transitions_are_exact(runner):
     capacity = 200
     buf = new_buffer(capacity)
     added: list = []
-    runner(buf, 150, added)
+    tee = runner(buf, 150, added)
+    # Every recorded transition's next_obs continues its obs by one frame: a reset
+    # observation recorded in place of the episode's final one would not.
+    for a in added:
+        if a is not None:
+            np.testing.assert_array_equal(a["next_obs"][:-1], a["obs"][1:])
+    # Steps where some but not all envs ended happened (the ones whose final_obs is None).
+    assert any(r.any() and not r.all() for r in tee.rows)
     assert len(buf) == min(len(added), capacity)
     held = range(len(added) - capacity, len(added))
     real = [g for g in held if added[g] is not None]
