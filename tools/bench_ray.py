@@ -13,13 +13,22 @@ script starts (``--cpus``, default 2) and stops:
   then the sample round trip) and ``False`` (pipelined: one round trip).
 - **both at once**: the 2 writers add while the learner samples (exact mode).
 
+Then a multi-node run simulated on this machine (``ray.cluster_utils.Cluster``:
+a head and ``N - 1`` more raylet nodes of 1 CPU each, ``--nodes``, default
+2 and 4), one shard a node placed ``SPREAD``: samples/s at the learner on a
+full buffer, then a snapshot, and the time from ``cluster.remove_node`` of a
+node holding a shard to that shard answering again (restarted on another
+node from the snapshot), with the samples/s the learner kept meanwhile.
+The nodes share this machine's cores: it measures the protocol, not a
+network or more hardware.
+
 Next to it, the same work on one local ``PrioritizedReplayBuffer`` in the
 driver: ``add`` per step, and sample + update rounds. Ratios are taken in
 the same run; absolute numbers depend on the machine and its load.
 
 Usage::
 
-    python tools/bench.py ray [--quick] [--shards 1,2,4] [--cpus 2]
+    python tools/bench.py ray [--quick] [--shards 1,2,4] [--cpus 2] [--nodes 2,4]
 
 Prints a table and, last, one JSON line ``{"bench": "ray", ...}``.
 """
@@ -104,7 +113,7 @@ def run_local(bigper, cap: int, per_writer: int, secs: float) -> dict:
 def run_sharded(ray, Sharded, writers, shards: int, cap: int, per_writer: int, secs: float,
                 chunk: int) -> dict:
     out = {}
-    with Sharded(shards, cap, fields(), seed=0, num_cpus_per_shard=0.1, chunk_size=chunk) as buf:
+    with Sharded(shards, cap, fields(), seed=0, chunk_size=chunk) as buf:
         warm = chunk * shards  # untimed: each shard and writer process loads its kernels
         ray.get([w.write.remote(buf.writer(), warm) for w in writers])
         spans = ray.get([w.write.remote(buf.writer()) for w in writers])
@@ -130,7 +139,7 @@ def run_sharded(ray, Sharded, writers, shards: int, cap: int, per_writer: int, s
     return out
 
 
-def run_ray(quick: bool, shard_counts: list, cpus: int, chunk: int) -> dict:
+def run_ray(quick: bool, shard_counts: list, cpus: int, chunk: int, node_counts: list = ()) -> dict:
     bigper = _import_bigper()
     import ray
     from ray import cloudpickle
@@ -167,7 +176,70 @@ def run_ray(quick: bool, shard_counts: list, cpus: int, chunk: int) -> dict:
                                                     per_writer, secs, chunk)
     finally:
         ray.shutdown()
+    if node_counts:
+        report["nodes"] = run_nodes(node_counts, cap, secs, chunk)
     return report
+
+
+def run_nodes(node_counts: list, cap: int, secs: float, chunk: int) -> dict:
+    """Simulated multi-node runs (see the module docstring); one cluster per node count."""
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from bigper.distributed import ShardedPrioritizedBuffer
+
+    out = {}
+    node = dict(num_cpus=1, object_store_memory=128 * 2**20)
+    for n in node_counts:
+        r, t0 = {}, time.perf_counter()
+        cluster = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+        others = [cluster.add_node(**node) for _ in range(n - 1)]
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        cluster.wait_for_nodes()
+        r["start_s"] = time.perf_counter() - t0
+        try:
+            with tempfile.TemporaryDirectory(prefix="bigper-bench-nodes-") as tmp, \
+                    ShardedPrioritizedBuffer(n, cap, fields(), seed=0, placement="SPREAD", chunk_size=chunk,
+                                             shard_timeout_s=5.0, recovery_dir=tmp) as buf:
+                info = buf.shard_info()
+                r["distinct_nodes"] = len({i["node"] for i in info})
+                buf.extend(steps(cap, 3))
+                rate, rounds = _rounds(buf, secs)
+                r["rounds_per_s"], r["samples_per_s"], r["rounds"] = rate, rate * BATCH, rounds
+                t1 = time.perf_counter()
+                buf.save(os.path.join(tmp, "snap"))
+                r["save_s"] = time.perf_counter() - t1
+                on = {i["node"]: i["shard"] for i in info}
+                victim_node = next(x for x in others if x.node_id in on)
+                victim = on[victim_node.node_id]
+                rng, k, t1 = np.random.default_rng(2), 0, time.perf_counter()
+                cluster.remove_node(victim_node)
+                r["remove_node_s"] = time.perf_counter() - t1
+                back, probe, actor = None, None, buf.shard_actors[victim]
+                while time.perf_counter() - t1 < 300:
+                    buf.update_priorities(buf.sample(BATCH), rng.random(BATCH))
+                    k += 1
+                    # Ask the lost shard without waiting on it: the learner keeps sampling.
+                    probe = probe or actor.info.remote()
+                    if ray.wait([probe], timeout=0)[0]:
+                        try:
+                            i = ray.get(probe)
+                        except ray.exceptions.RayActorError:
+                            i = None
+                        probe = None
+                        if i is not None and i["epoch"]:
+                            back = time.perf_counter() - t1
+                            break
+                r["recovery_s"] = back
+                r["samples_per_s_while_down"] = k * BATCH / (time.perf_counter() - t1)
+                r["restored_len"] = None if back is None else i["len"]
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        out[str(n)] = r
+    return out
 
 
 def print_ray(report: dict) -> None:
@@ -187,6 +259,17 @@ def print_ray(report: dict) -> None:
     print_table(["", "inserts/s", "samples/s", "samples/s pipelined", "both: inserts/s", "both: samples/s",
                  "ms/round"], rows)
     print("samples/s = sample(256)+update rounds x 256; 'both': writers and learner at once (exact mode)")
+    if report.get("nodes"):
+        rows = []
+        for n, r in report["nodes"].items():
+            rec = r["recovery_s"]
+            rows.append([f"{n} nodes, {n} shards", str(r["distinct_nodes"]), _fmt(r["samples_per_s"], ",.0f"),
+                         f"{r['save_s']:.2f}", f"{r['remove_node_s']:.2f}",
+                         "never" if rec is None else f"{rec:.2f}", _fmt(r["samples_per_s_while_down"], ",.0f")])
+        print()
+        print("simulated multi-node (ray.cluster_utils.Cluster on this machine, 1 CPU a node, SPREAD):")
+        print_table(["", "nodes used", "samples/s", "save s", "remove_node s", "shard back after s",
+                     "samples/s meanwhile"], rows)
     for s, r in report["sharded"].items():
         print(f"  {s} shard(s) vs local: inserts x{r['inserts_per_s'] / loc['inserts_per_s']:.2f}, "
               f"samples x{r['samples_per_s_exact'] / loc['samples_per_s']:.3f} (exact), "
@@ -201,7 +284,8 @@ def cmd_ray(args) -> int:
         return 2
     shard_counts = [int(s) for s in args.shards.split(",") if s.strip()]
     print_header("ray")
-    report = run_ray(args.quick, shard_counts, args.cpus, args.chunk)
+    node_counts = [int(s) for s in args.nodes.split(",") if s.strip()]
+    report = run_ray(args.quick, shard_counts, args.cpus, args.chunk, node_counts)
     print_ray(report)
     print(json.dumps(report, separators=(",", ":"), default=str))
     return 0
@@ -212,6 +296,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shards", default="1,2,4", help="comma-separated shard counts (default 1,2,4)")
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray cluster (default 2)")
     p.add_argument("--chunk", type=int, default=256, help="steps per write call (default 256)")
+    p.add_argument("--nodes", default="2,4",
+                   help="simulated node counts for the multi-node rows (default 2,4; '' skips them)")
     p.set_defaults(func=cmd_ray)
 
 

@@ -32,21 +32,35 @@ What it guarantees
 * **Indices** are global slots: shard ``k`` owns ``[offsets[k], offsets[k+1])``.
   Generations carry the shard's restart epoch in their top bits, so an update
   by batch skips slots rewritten since sampling, also across a restart.
-* **Writes** go in chunks, round robin over the shards; with ``n_step > 1`` or
-  ``frame_stack``, chunks end at episode ends (an unfinished episode stays
-  with its writer). Nothing is lost or stored twice while shards live; a chunk
-  whose shard died is sent to the next one (if the shard was only
-  unreachable, that chunk may be stored twice).
+* **Writes** go in chunks; with ``n_step > 1`` or ``frame_stack``, chunks end
+  at episode ends (an unfinished episode stays with its writer). A chunk goes
+  to the shard with the most room while any has room (cut to fit where it
+  may be cut), then to the shard whose rows it would overwrite are oldest
+  (``_routing``): one writer fills exactly ``min(added, capacity)`` and
+  evicts oldest first across shards to chunk granularity; in episode mode
+  the buffer holds ``min(added, capacity)`` minus less than one chunk per
+  shard. Nothing is lost or stored twice while shards live; a chunk whose
+  shard died is sent to another one (if the shard was only unreachable, that
+  chunk may be stored twice).
+* **Placement.** ``num_cpus_per_shard=None`` (default) reserves no CPU, as
+  Ray does for actors; the placement strategy still applies (``SPREAD``: a
+  shard a node where there are enough). A reservation the cluster cannot
+  hold is refused within 5 s with what was asked and what is free.
 * **Faults.** ``save`` commits a snapshot of every shard plus a manifest
   atomically and points ``recovery_dir/latest.json`` at it. Shards run with
   ``max_restarts``; a restarted shard reloads that snapshot (what it took in
   since is lost). While a shard is down, sampling goes on over the live
   shards, ``P(i) = leaf_i / T_live``: exact over what can be drawn; ``len``
-  and ``total_priority`` count live shards only.
+  and ``total_priority`` count live shards only. A whole node lost (run with
+  ``ray.cluster_utils.Cluster`` on one machine, not on real machines yet):
+  its shards restart on the remaining nodes from ``recovery_dir``, which
+  must be storage every node reaches.
 
-The coordinator is ``bigper.distributed.ray``; the shard actor ``_shard``;
-writers ``_writer``; the arithmetic of draws and batches ``_sampling``;
-liveness and update routing ``_shardset``; sharded snapshots ``_manifest``.
+The coordinator is ``bigper.distributed.ray`` (its keywords checked in
+``_options``); the shard actor ``_shard`` and its placement ``_placement``;
+writers ``_writer`` and where their chunks go ``_routing``; one sample call
+``_draw`` and the arithmetic of draws and batches ``_sampling``; liveness and
+update routing ``_shardset``; sharded snapshots ``_manifest``.
 """
 
 try:

@@ -4,7 +4,7 @@
 
     writers (any actor)          coordinator (the learner's process)
     writer().add/extend          one np.random.Generator, the beta schedule
-        | chunks, round robin        | 1. totals of every shard   (one parallel round trip)
+        | chunks: room, then oldest  | 1. totals of every shard   (one parallel round trip)
         v                            | 2. sample_at on each shard (one parallel round trip)
     [shard 0] [shard 1] ... [shard S-1]   each a Ray actor holding a local buffer
 
@@ -213,7 +213,7 @@ class ShardedPrioritizedBuffer:
         self._writer.add(priorities=priorities, valid=valid, **step)
 
     def extend(self, data, priorities=None, valid=None) -> None:
-        """As ``PrioritizedReplayBuffer.extend``; sent in chunks, round robin."""
+        """As ``PrioritizedReplayBuffer.extend``; sent in chunks (see ``capacity`` above)."""
         self._check_open()
         self._writer.extend(data, priorities, valid)
 
