@@ -266,6 +266,8 @@ def _load_hdf5(cfg, body, snap, live, layouts):
     # (HDF5Storage has no takeover mode: between this lock and its own there is a short window.)
     trash = None
     live.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(live):  # a foreign file is refused before even a lock file is made beside it
+        _check_previous(_peek_hdf5(live), cfg, live)
     lock = FileLock(live.with_name(live.name + ".lock"), owner=live)
     try:
         for stale in live.parent.glob(f".{live.name}.trash-*"):  # of a load that was interrupted

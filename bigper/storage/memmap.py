@@ -137,6 +137,8 @@ class MemmapStorage:
                 raise PathExistsError(f"{self.path} exists and is not a directory")
             self._created = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
+        if self.takeover and not self._created:
+            self._own_previous()  # a foreign directory is refused before even a lock file is made
         self._lock = FileLock(self.path / ".lock", shared=self.read_only)
         try:
             if self.takeover:
