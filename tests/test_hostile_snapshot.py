@@ -104,14 +104,26 @@ def put_state(snap: Path, name: str, arr) -> None:
     resign(snap, lambda b: b["files"].__setitem__(member, {"size": len(raw), "xxh3_64": digest(raw)}))
 
 
+_PRISTINE: dict = {}
+
+
 def small(kind: str, tmp: Path, k=None, n_step=1, capacity=16, name="snap") -> Path:
-    stream = Stream(k=k, seed=3)
-    path = None if kind == "memory" else (tmp / "live.h5" if kind == "hdf5" else tmp / "live")
-    buf = make(kind, path, stream, capacity=capacity, n_step=n_step)
-    feed(buf, stream, capacity + 5)
-    snap = buf.save(tmp / name)
-    buf.close()
-    return snap
+    """A fresh copy of a small snapshot (each kind and shape is built once per session)."""
+    import shutil
+    import tempfile
+
+    key = (kind, k, n_step, capacity)
+    if key not in _PRISTINE:
+        where = Path(tempfile.mkdtemp(prefix="bigper-hostile-"))
+        stream = Stream(k=k, seed=3)
+        path = None if kind == "memory" else (where / "live.h5" if kind == "hdf5" else where / "live")
+        buf = make(kind, path, stream, capacity=capacity, n_step=n_step)
+        feed(buf, stream, capacity + 5)
+        _PRISTINE[key] = buf.save(where / "snap")
+        buf.close()
+    dst = tmp / name
+    shutil.copytree(_PRISTINE[key], dst)
+    return dst
 
 
 def refused(exc, snap: Path, *others, path=None):
@@ -303,7 +315,7 @@ def pristine(tmp_path_factory):
             for kind in ("memory", "memmap")}
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_any_resigned_manifest_field_loads_or_gets_bigpers_error(pristine, tmp_path_factory, data):
     import shutil
