@@ -101,6 +101,26 @@ def test_sort_runs_at_the_first_sample_after_sort_every_writes():
     assert list(r.exact_ranks()) == [1, 2, 3]
 
 
+def _age(r):
+    """Shift every tick up to just below the limit, as after ~4e9 writes."""
+    r._heap[:r.n, 1] += (RK.TICK_LIMIT - 2 - r.tick) << 31
+    r.tick = RK.TICK_LIMIT - 2
+    assert r.check((r._spos >= 0).astype(np.uint8)) == []
+
+
+def test_update_near_the_tick_limit_sorts_first():
+    r = new()
+    gid, status, pending = ring()
+    r.insert(np.arange(CAP, dtype=np.int64), np.arange(CAP, dtype=np.float64) % 5)
+    _age(r)
+    r.update(np.array([3, 4, 5], dtype=np.int64), np.array([9.0, 9.0, 0.0]), gid[3:6], True, gid,
+             status, pending)
+    assert r.tick == CAP + 1 + 3 and r.check(status) == []
+    assert r.heap_slots()[0] == 4  # equal keys: the later write first
+    r.sort()
+    assert list(r.heap_slots()[:2]) == [4, 3]
+
+
 def test_ticks_never_reach_the_limit():
     r = new()
     r.insert(np.arange(6, dtype=np.int64), np.array([1.0, 1.0, 2.0, 1.0, 0.0, 2.0]))
@@ -124,11 +144,14 @@ def test_ticks_never_reach_the_limit():
     ([0, CAP], [1.0, 1.0], InvalidIndexError),
     ([0, 5], [1.0, 1.0], InvalidIndexError),  # never written
 ])
-def test_update_refusals_change_nothing(idx, p, err):
+@pytest.mark.parametrize("near_limit", [False, True])
+def test_update_refusals_change_nothing(idx, p, err, near_limit):
     r = new()
     gid, status, pending = ring()
     status[5] = 0
     r.insert(np.flatnonzero(status == 1).astype(np.int64), np.arange(CAP - 1, dtype=np.float64))
+    if near_limit:  # an update that passed would re-sort first; a refused one must not
+        _age(r)
     before = fingerprint(r), pending.copy()
     idx = np.array(idx, dtype=np.int64)
     with pytest.raises(err):

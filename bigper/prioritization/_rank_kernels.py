@@ -159,6 +159,24 @@ def _touch(heap, spos, idx):
 
 
 @kernel
+def first_bad_row(idx, p, status):
+    """``(code, position)`` of the first row an update must refuse, ``(0, -1)``
+    if none: 1 a NaN, infinite or negative priority, 2 an index out of range,
+    3 a slot never written (status 0)."""
+    cap = status.shape[0]
+    for i in range(idx.shape[0]):
+        v = p[i]
+        if not (v >= 0.0 and v < np.inf):
+            return 1, i
+        s = idx[i]
+        if s < 0 or s >= cap:
+            return 2, i
+        if status[s] == 0:
+            return 3, i
+    return 0, -1
+
+
+@kernel
 def rank_update(heap, spos, n, tick, idx, p, stamps, use_stamps, gid, status, pending,
                 max_priority):
     """A whole priority update in one call: check, route, write.
@@ -172,17 +190,10 @@ def rank_update(heap, spos, n, tick, idx, p, stamps, use_stamps, gid, status, pe
     (``stamps`` differ from ``gid``, when ``use_stamps``) or dead -> skipped.
     Rows are applied in order, so the last of repeated indices wins.
     """
-    cap = gid.shape[0]
     m = idx.shape[0]
-    for i in range(m):
-        v = p[i]
-        if not (v >= 0.0 and v < np.inf):
-            return 1, i, 0.0, n, tick
-        s = idx[i]
-        if s < 0 or s >= cap:
-            return 2, i, 0.0, n, tick
-        if status[s] == 0:
-            return 3, i, 0.0, n, tick
+    code, pos = first_bad_row(idx, p, status)
+    if code:
+        return code, pos, 0.0, n, tick
     keys = np.minimum(p, max_priority) + 0.0
     bits = keys.view(np.int64)
     # Load every row's heap entry first: the cache misses overlap instead of

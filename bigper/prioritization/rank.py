@@ -102,17 +102,16 @@ class RankPrioritizer(Prioritization):
         self.n = n
 
     def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
-        self._room(idx.shape[0])
+        if self.tick + idx.shape[0] >= RK.TICK_LIMIT:
+            # The renumbering sort changes the state: only for an update that passes.
+            _refuse(*RK.first_bad_row(idx, p, status), idx, p, self.capacity)
+            self.sort()
         n0 = self.n
         tick0 = self.tick
         code, pos, top, n, tick = RK.rank_update(
             self._heap, self._spos, self.n, self.tick, idx, p, stamps, bool(use_stamps), gid, status,
             pending, self.max_priority)
-        if code == 1:
-            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
-        if code:
-            why = "out of range [0, capacity)" if code == 2 else "a slot never written"
-            raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity})")
+        _refuse(code, pos, idx, p, self.capacity)
         self.n = n
         self.tick = tick
         self.writes += (tick - tick0) + (n0 - n)
@@ -270,6 +269,15 @@ class RankPrioritizer(Prioritization):
         d = np.abs(np.log2(np.arange(1, self.n + 1) / self.exact_ranks()))
         out.update(median=float(np.median(d)), p90=float(np.quantile(d, 0.9)), max=float(d.max()))
         return out
+
+
+def _refuse(code, pos, idx, p, capacity) -> None:
+    """Raise the error for an update row refused with ``code`` (0: none)."""
+    if code == 1:
+        raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
+    if code:
+        why = "out of range [0, capacity)" if code == 2 else "a slot never written"
+        raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={capacity})")
 
 
 _PROBLEMS = {
