@@ -36,11 +36,15 @@ class Ingest:
 
     def _env_axis(self, step: dict) -> bool:
         """Whether a one-env step comes with a leading env axis of length 1 (as a
-        vector env of one env returns it), told by the first field given."""
+        vector env of one env returns it): every required field given has it
+        (else the shapes are checked as given, so an error names the field)."""
+        seen = False
         for name, (shape, _) in self.inputs.items():
             if name in step and name in self.required:
-                return np.shape(as_numpy(step[name])) == (1,) + shape
-        return False
+                if np.shape(as_numpy(step[name])) != (1,) + shape:
+                    return False
+                seen = True
+        return seen
 
     def steps(self, data, priorities, valid):
         if not isinstance(data, dict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ from .errors import (
 )
 from .frames import FrameStore
 from .prioritization import make as make_prioritization
+from .prefetch import Prefetcher
 from .prioritization.base import DEAD, EMPTY, LIVE, PENDING  # noqa: F401  (slot status codes)
 from .storage import open_storage
 
@@ -237,6 +239,10 @@ class PrioritizedReplayBuffer:
         self._beta_step = 0
         self._env_ended = np.ones(cfg.num_envs, dtype=bool)  # no episode in progress
         self._rng = np.random.default_rng(cfg.seed)
+        # Serializes every call that reads or changes state with the prefetching
+        # samplers' threads (re-entrant: save and sample_at call back in).
+        self._lock = threading.RLock()
+        self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
         self._closed = False
         _OPEN.add(self)
 
@@ -321,14 +327,16 @@ class PrioritizedReplayBuffer:
         """
         self._check_writable()
         rows, leaves, valid = self._ingest.step(step, priorities, valid)
-        self._write(rows, leaves, valid)
+        with self._lock:
+            self._write(rows, leaves, valid)
 
     def extend(self, data, priorities=None, valid=None) -> None:
         """Add many steps: every value has a leading time axis (then the env
         axis when ``num_envs > 1``); ``priorities`` and ``valid`` match those axes."""
         self._check_writable()
         rows, leaves, valid = self._ingest.steps(data, priorities, valid)
-        self._write(rows, leaves, valid)
+        with self._lock:
+            self._write(rows, leaves, valid)
 
     def _write(self, rows: dict, priorities, valid=None) -> None:
         # Everything that can fail runs first (checks, keys, the storage's
@@ -447,14 +455,64 @@ class PrioritizedReplayBuffer:
                 raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
         else:
             b = self._cfg_beta(self._beta_step)
-        if not self._prio.sampleable:
-            raise InvalidArgumentError(
-                f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
-                "transition becomes sampleable once its window completes or its episode ends)")
-        idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)), stratified=bool(stratified),
-                                         beta=b)
-        self._beta_step += 1
-        return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+        with self._lock:
+            self._check_open()
+            if not self._prio.sampleable:
+                raise InvalidArgumentError(
+                    f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
+                    "transition becomes sampleable once its window completes or its episode ends)")
+            idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
+                                             stratified=bool(stratified), beta=b)
+            self._beta_step += 1
+            return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+
+    def sampler(self, batch_size: int, prefetch: int = 2, device=None, **sample_kw):
+        """An endless iterator of batches, the next ones prepared in a background thread.
+
+        Parameters
+        ----------
+        batch_size : int
+            As for ``sample``.
+        prefetch : int
+            Batches kept ready ahead of the learner (0: no thread, each batch
+            drawn when asked for).
+        device : str or torch.device, optional
+            When given, items are ``Batch.to_torch(device)`` dicts (on CUDA
+            through pinned memory, non-blocking), which ``update_priorities``
+            takes; else ``Batch`` objects.
+        **sample_kw
+            ``beta`` and ``stratified``, passed to every ``sample`` call.
+
+        Every draw is an ordinary ``sample`` call made under the buffer's lock,
+        so adds, priority updates and snapshots interleave with the thread's
+        draws, never inside one. A batch drawn before a priority update was
+        applied reflects the priorities of its draw time (as a ``sample`` call
+        made then would); updating a prefetched batch later skips the slots
+        overwritten since its draw, as for any batch. ``close()`` (also on the
+        buffer's ``close``, and when the iterator is collected) stops the
+        thread and drops the batches it prepared; they were drawn, so the
+        random stream and the beta schedule are past them.
+        """
+        self._check_open()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+                or not 1 <= batch_size <= MAX_BATCH:
+            raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
+            raise InvalidArgumentError(f"prefetch must be an int in [0, 1024], got {prefetch!r}")
+        unknown = sorted(set(sample_kw) - {"beta", "stratified"})
+        if unknown:
+            raise InvalidArgumentError(f"sampler passes only beta and stratified to sample, got {unknown}")
+        size = int(batch_size)
+
+        def produce():
+            batch = self.sample(size, **sample_kw)
+            return batch if device is None else batch.to_torch(device)
+
+        if prefetch == 0:
+            return (produce() for _ in iter(int, 1))
+        it = Prefetcher(produce, int(prefetch), self._lock)
+        self._samplers.add(it)
+        return it
 
     def _gather(self, idx: np.ndarray) -> dict:
         cfg = self.config
@@ -516,15 +574,23 @@ class PrioritizedReplayBuffer:
             idx = as_index(target)
             stamps, use = idx, False
         p = as_priorities(priorities, idx.shape[0])
-        top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
-        if top > self._max_leaf:
-            self._max_leaf = top
+        with self._lock:
+            self._check_open()
+            top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
+            if top > self._max_leaf:
+                self._max_leaf = top
 
     # -- for the rooms above (snapshots, offline datasets, shards) -----------------
     def save(self, snapshot):
         """Write a crash-consistent snapshot of tree, data and state to the
-        directory ``snapshot``; returns its path."""
-        return _provided("save")(self, snapshot)
+        directory ``snapshot``; returns its path.
+
+        With a prefetching ``sampler`` running, the snapshot is taken between
+        two of its draws: the batches it prepared before were drawn before the
+        save (the saved random state is past them), so a buffer resumed from
+        it draws next what the running sampler would have drawn after them."""
+        with self._lock:
+            return _provided("save")(self, snapshot)
 
     @classmethod
     def load(cls, snapshot, *, path=None) -> "PrioritizedReplayBuffer":
@@ -642,10 +708,16 @@ class PrioritizedReplayBuffer:
     def close(self) -> None:
         """Flush, record the state and release the storage; reopening a disk
         path with ``mode="resume"`` continues. Idempotent."""
-        if not getattr(self, "_closed", True):
-            self._closed = True
-            _OPEN.discard(self)
-            self._store.close(None if self._store.read_only else self.state_dict())
+        if getattr(self, "_closed", True):
+            return
+        # Samplers first, outside the lock: their threads may be waiting for it.
+        for s in list(getattr(self, "_samplers", ())):
+            s.close()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                _OPEN.discard(self)
+                self._store.close(None if self._store.read_only else self.state_dict())
 
     def __del__(self):
         # A buffer dropped without close() (a notebook cell, an exception)

@@ -67,6 +67,7 @@ import tempfile
 import time
 from typing import Any
 
+from bench_atari_loop import print_loop
 from bench_atari_data import ALPHA, BATCH, BETA, MILLION, TARGET_ADD, TARGET_BYTES, TARGET_ROUND, real_frames
 from bench_atari_peers import MAKERS
 from bench_atari_report import print_report
@@ -140,8 +141,18 @@ def compare(ours: dict, peers: dict) -> dict:
     return out
 
 
+def spawn_loop(size: int, quick: bool, root: str | None, timeout: float = 3600) -> dict:
+    """tools/bench_atari_loop.py in a process of its own; its JSON line."""
+    cmd = [sys.executable, os.path.join(TOOLS_DIR, "bench_atari_loop.py"), "--size", str(size)]
+    cmd += ["--quick"] if quick else []
+    cmd += ["--dir", root] if root else []
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"status": "error", "error": f"exit {p.returncode}, no result line"}
+
+
 def run(quick: bool, size: int, million: bool, repeat: int, peers: tuple[str, ...],
-        root: str | None, malloc: str = "default") -> dict:
+        root: str | None, malloc: str = "default", no_loop: bool = False) -> dict:
     if quick:
         size = min(size, 20_000)
     real_frames()  # record the frame cache once, before the peers race for it
@@ -168,6 +179,9 @@ def run(quick: bool, size: int, million: bool, repeat: int, peers: tuple[str, ..
     # bytes per transition at 1M capacity: the preallocated files of a 1M memmap
     # buffer plus its in-RAM arrays (tree and bookkeeping)
     rep["bytes_1m"] = spawn("bytes-1m", MILLION, quick, root)
+    if not no_loop:  # num_envs=8 adds, buffer calls inside a learner's step, prefetch wait
+        say("[atari] learner-shaped rows (bigper memmap): num_envs=8, in the loop, prefetch ...")
+        rep["loop"] = spawn_loop(size, quick, root)
 
     if million:
         need = 8.0e9
@@ -191,8 +205,10 @@ def cmd_atari(args) -> int:
     if unknown:
         raise SystemExit(f"--peers: unknown {unknown}, expected a subset of {list(MAKERS)}")
     print_header("atari")
-    rep = run(args.quick, args.size, args.million, args.repeat, peers, args.dir, args.malloc)
+    rep = run(args.quick, args.size, args.million, args.repeat, peers, args.dir, args.malloc, args.no_loop)
     print_report(rep)
+    if "loop" in rep:
+        print_loop(rep["loop"])
     print(json.dumps(rep, separators=(",", ":")))
     bad = [n for n, r in rep["results"].items()
            if r.get("status") == "error" or (n.startswith("bigper") and not r.get("check", {}).get("ok", True))]
@@ -209,6 +225,8 @@ def add_arguments(p) -> None:
     p.add_argument("--malloc", choices=("default", "tuned"), default="default",
                    help="tuned: every library's process runs with fixed glibc malloc thresholds "
                         f"({', '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())})")
+    p.add_argument("--no-loop", action="store_true",
+                   help="skip the learner-shaped rows (num_envs=8 adds, calls inside a CNN step, prefetch)")
     p.add_argument("--dir", help="where disk buffers go (a temporary directory under it; default $TMPDIR)")
     p.set_defaults(func=cmd_atari)
 

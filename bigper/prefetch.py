@@ -1,0 +1,134 @@
+"""A background thread that prepares the next items of an endless stream.
+
+``Prefetcher(produce, depth, lock)`` calls ``produce()`` in a daemon thread,
+each call under ``lock``, and keeps up to ``depth`` results ready; iterating
+it hands them over in order. The buffer's sampler is one: ``produce`` draws a
+batch, gathers it and (with a device) converts it to tensors. Numba kernels
+release the GIL (``nogil=True``) and so do numpy's copies and torch's, so the
+thread works while the learner computes::
+
+    learner   [forward/backward ......][update]   [forward/backward ......]
+    thread       [draw+gather b2]  [draw+gather b3]     (waits: queue full)
+                                    ^ the lock serializes it with update/add/save
+
+Errors raised by ``produce`` (a closed or empty buffer) reach the consumer at
+the next ``next()``, after the items prepared before them; the thread then
+stops. ``close()`` stops the thread and drops what it prepared; it is also
+called when the object is garbage-collected, so a loop left with ``break``
+does not leave a thread behind for long.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+# How often a blocked thread or consumer looks whether it was told to stop.
+_POLL_S = 0.05
+
+
+class _Failure:
+    """An exception raised by ``produce``, carried through the queue."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _run(produce: Callable[[], Any], q: "queue.Queue", stop: threading.Event, lock) -> None:
+    # Module-level (not a method) so the thread holds no reference to the
+    # Prefetcher: dropping the last user reference lets __del__ stop it.
+    while not stop.is_set():
+        try:
+            with lock:
+                if stop.is_set():  # told to stop while waiting for the lock: draw nothing more
+                    return
+                item = produce()
+        except BaseException as exc:  # noqa: BLE001 (handed to the consumer, who re-raises it)
+            item = _Failure(exc)
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=_POLL_S)
+                break
+            except queue.Full:
+                continue
+        if isinstance(item, _Failure):
+            return
+
+
+class Prefetcher:
+    """Iterator over ``produce()`` results, ``depth`` of them prepared ahead.
+
+    Parameters
+    ----------
+    produce : callable
+        Makes one item; called only in the background thread, under ``lock``.
+    depth : int
+        Items kept ready (>= 1). Including the one being made, the thread is
+        at most ``depth + 1`` calls ahead of the consumer.
+    lock : threading.Lock or RLock
+        Held during each ``produce()`` call; whoever else takes it (the
+        buffer's writes, priority updates, snapshots) is serialized with it.
+    name : str
+        The thread's name.
+    """
+
+    def __init__(self, produce: Callable[[], Any], depth: int, lock, name: str = "bigper-prefetch"):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=_run, args=(produce, self._q, self._stop, lock),
+                                        name=name, daemon=True)
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                item = self._q.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    self._done = True
+                    raise StopIteration from None
+        if isinstance(item, _Failure):
+            self._done = True
+            self.close()
+            raise item.exc
+        return item
+
+    @property
+    def ready(self) -> int:
+        """Items prepared and waiting."""
+        return self._q.qsize()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread (it finishes the ``produce`` call in progress, if
+        any) and drop what it prepared. Idempotent."""
+        self._stop.set()
+        self._done = True
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close(wait=False)
+        except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
+            pass
