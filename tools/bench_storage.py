@@ -47,6 +47,7 @@ from bench_storage_data import (
     td_pool,
     touch_pages,
 )
+from bench_storage_cow import print_cow, run_cow
 from bench_storage_million import print_million, run_million
 from benchkit import fmt, print_header, print_table, ratio, versions
 
@@ -186,6 +187,9 @@ def run(quick: bool, million: bool, root: str | None = None) -> dict:
         if million:  # first, so the peak RssAnon is not that of the comparison's leftovers
             report["million"] = run_million(quick, top)
         report.update(run_storages(quick, top))
+        from bench_storage_data import frames
+
+        report["cow"] = run_cow(quick, top, frames(3000))
         return report
     finally:
         shutil.rmtree(top, ignore_errors=True)
@@ -208,6 +212,7 @@ def cmd_storage(args) -> int:
     print_storages(report)
     if "million" in report:
         print_million(report["million"])
+    print_cow(report["cow"])
     print(json.dumps(report, separators=(",", ":")))
     return 0
 
