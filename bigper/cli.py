@@ -155,6 +155,29 @@ def _storage_kind(path: Path):
     return None
 
 
+def _check_chunks(path: Path, meta: dict) -> None:
+    """Every chunk file a memmap storage records: a regular file of at least its size."""
+    import os
+
+    from .errors import CorruptSnapshotError
+    from .storage._chunks import _Array
+    from .storage._files import open_regular
+
+    for name, rec in meta["arrays"].items():
+        a = _Array(path, name, rec)
+        for k in range(a.n):
+            try:
+                fd = open_regular(a.path(k))
+            except FileNotFoundError:
+                raise CorruptSnapshotError(f"{a.path(k)} is missing") from None
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if size < a.sizes[k]:
+                raise CorruptSnapshotError(f"{a.path(k)} has {size} bytes, its layout needs {a.sizes[k]}")
+
+
 def _verify_storage(path: Path, kind: str) -> int:
     """Verify a live storage read-only: its layout and recorded state, and
     (when nobody holds it) the state's invariants. A storage a live buffer
@@ -186,6 +209,12 @@ def _verify_storage(path: Path, kind: str) -> int:
         print(f"CORRUPT  {path}: {e}")
         return VERIFY_BAD
     try:
+        if kind == "memmap":
+            try:
+                _check_chunks(path, meta)
+            except BigperError as e:
+                print(f"CORRUPT  {path}: {e}")
+                return VERIFY_BAD
         state_meta, arrays = store.saved_state()
         if state_meta is None:
             print(f"OK       {path}: a {kind} storage closed before anything was recorded")

@@ -1,0 +1,263 @@
+"""Hostile storage directories: crafted meta.json and state files, special
+files and symlinks in place of every name bigper reads, the safe-open helper
+itself, who holds a lock, and ``bigper verify``/``info`` on live storages.
+
+Every refusal is checked against a fingerprint of the directory taken
+before it (names, types and bytes of every entry).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import bigper
+from bigper import CorruptSnapshotError, StorageLockedError
+from bigper.cli import main
+from bigper.errors import BigperError, IncompatibleSnapshotError, PathExistsError
+from bigper.storage._files import FileLock, open_regular, read_json, read_regular, write_json
+
+from ._storage_cases import AGENT_FIELDS, DISK, AgentPool, open_buffer, where
+from .test_hostile_snapshot import deadline, fingerprint
+
+
+def _add(buf, n):
+    for i in range(n):
+        buf.add(obs=np.full(3, i, np.float32), reward=np.float32(i), next_obs=np.full(3, i + 1, np.float32))
+
+
+def _closed_memmap(tmp, n=5):
+    path = where("memmap", tmp)
+    buf = open_buffer("memmap", path, 16, AGENT_FIELDS)
+    _add(buf, n)
+    buf.close()
+    return path
+
+
+def _reopen(path):
+    return open_buffer("memmap", path, 16, AGENT_FIELDS, mode="resume")
+
+
+def refused_reopen(exc, path):
+    before = fingerprint(path)
+    with deadline():
+        with pytest.raises(exc):
+            _reopen(path)
+    assert fingerprint(path) == before
+
+
+# -- the safe-open helper -------------------------------------------------------------------
+def test_open_regular_refuses_every_special_file_at_once(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tmp_path / "sock"))
+    (tmp_path / "file").write_bytes(b"data")
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    (tmp_path / "dir").mkdir()
+    for name in ("fifo", "sock", "link", "dir"):
+        for flags in (os.O_RDONLY, os.O_RDWR, os.O_WRONLY):
+            t0 = time.monotonic()
+            with deadline():
+                with pytest.raises(CorruptSnapshotError, match=name):
+                    os.close(open_regular(tmp_path / name, flags))
+            assert time.monotonic() - t0 < 1
+    with pytest.raises(CorruptSnapshotError, match="device"):
+        open_regular("/dev/zero", follow=True)
+    with pytest.raises(PathExistsError):  # the error class is the caller's
+        open_regular(tmp_path / "fifo", error=PathExistsError)
+    fd = open_regular(tmp_path / "link", follow=True)  # a path a user gave may be a link
+    try:
+        assert not __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL) & os.O_NONBLOCK
+        assert os.read(fd, 10) == b"data"
+    finally:
+        os.close(fd)
+    dfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.close(open_regular("file", dir_fd=dfd))
+        with pytest.raises(CorruptSnapshotError):
+            open_regular("fifo", dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    s.close()
+
+
+def test_read_json_refuses_huge_deep_and_special_files(tmp_path):
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "bad.json").write_bytes(b"\xff{")
+    os.mkfifo(tmp_path / "fifo.json")
+    for name in ("deep.json", "bad.json", "fifo.json"):
+        with deadline():
+            with pytest.raises(CorruptSnapshotError):
+                read_json(tmp_path / name)
+    (tmp_path / "big.json").write_bytes(b" " * 100)
+    with pytest.raises(CorruptSnapshotError, match="more than"):
+        read_regular(tmp_path / "big.json", limit=10)
+    with pytest.raises(CorruptSnapshotError, match="grew past"):  # a size fstat does not tell
+        read_regular("/proc/self/status", limit=10, follow=True)
+    write_json(tmp_path / "ok.json", {"a": 1})
+    assert read_json(tmp_path / "ok.json") == {"a": 1}
+    os.unlink(tmp_path / "ok.json")
+    os.mkfifo(tmp_path / ".ok.json.tmp")  # a planted temporary: refused, never written through
+    with deadline():
+        with pytest.raises(CorruptSnapshotError):
+            write_json(tmp_path / "ok.json", {"a": 1})
+
+
+# -- crafted storage records ----------------------------------------------------------------
+def _meta_change(path, change):
+    meta = json.loads((path / "meta.json").read_text())
+    change(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+META_LIES = {
+    "arrays a list": lambda m: m.__setitem__("arrays", [1]),
+    "shape 2**32 x 2**32": lambda m: m["arrays"]["obs"].__setitem__("shape", [2**32, 2**32]),
+    "shape of 10**30": lambda m: m["arrays"]["obs"].__setitem__("shape", [10**30]),
+    "rows a string": lambda m: m["arrays"]["obs"].__setitem__("rows", "16"),
+    "dtype object": lambda m: m["arrays"]["obs"].__setitem__("dtype", "|O"),
+    "array name escaping": lambda m: m["arrays"].__setitem__("../../x", dict(m["arrays"]["obs"])),
+    "a list": lambda m: (m.clear(), m.update({"format": "bigper-memmap", "version": 1, "clean": True,
+                                              "arrays": {}, "config": [1]})),
+}
+# Recorded buffer state: refused by check_state at restore. (The buffer marks the
+# directory unclean when it maps it, before its restore runs; the fingerprint is
+# not compared for these until buffer.py checks the state before allocating.)
+STATE_LIES = {
+    "state count -5": lambda m: m["state"].__setitem__("count", -5),
+    "state max_leaf nan": lambda m: m["state"].__setitem__("max_leaf", float("nan")),
+    "state rng a string": lambda m: m["state"].__setitem__("rng", "x"),
+    "state a list": lambda m: m.__setitem__("state", [1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(META_LIES))
+def test_a_crafted_meta_json_gets_bigpers_error_and_changes_nothing(case, tmp_path):
+    path = _closed_memmap(tmp_path)
+    _meta_change(path, META_LIES[case])
+    refused_reopen(BigperError, path)
+
+
+@pytest.mark.parametrize("case", sorted(STATE_LIES))
+def test_a_crafted_recorded_state_is_corrupt(case, tmp_path):
+    path = _closed_memmap(tmp_path)
+    _meta_change(path, STATE_LIES[case])
+    with deadline():
+        with pytest.raises(CorruptSnapshotError):
+            _reopen(path)
+
+
+def test_a_lying_state_file_is_corrupt_on_reopen(tmp_path):
+    path = _closed_memmap(tmp_path)
+    leaves = np.load(path / "state" / "leaves.npy")
+    leaves[2] = np.nan
+    bio = io.BytesIO()
+    np.save(bio, leaves)
+    (path / "state" / "leaves.npy").write_bytes(bio.getvalue())
+    refused_reopen(CorruptSnapshotError, path)
+
+
+def test_special_files_and_symlinks_in_a_storage_directory_are_refused_at_once(tmp_path):
+    path = _closed_memmap(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    names = ["meta.json", ".lock"] + [f"data/{p.name}" for p in (path / "data").iterdir()] \
+        + [f"state/{p.name}" for p in (path / "state").iterdir()]
+    for name in names:
+        p = path / name
+        keep = p.read_bytes()
+        for plant in ("fifo", "symlink"):
+            os.unlink(p)
+            if plant == "fifo":
+                os.mkfifo(p)
+            else:
+                (outside / p.name).write_bytes(keep)
+                os.symlink(outside / p.name, p)
+            t0 = time.monotonic()
+            refused_reopen(BigperError, path)
+            assert time.monotonic() - t0 < 2, (name, plant)
+            before = fingerprint(path)
+            with deadline():
+                assert main(["verify", str(path)]) == 1
+            assert fingerprint(path) == before
+            os.unlink(p)
+            p.write_bytes(keep)
+    with _reopen(path) as buf:
+        assert len(buf) == 5
+
+
+# -- who holds a lock (item 16) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def agents():
+    pool = AgentPool()
+    yield pool
+    pool.stop()
+
+
+@pytest.mark.parametrize("kind", DISK)
+def test_storage_locked_error_names_this_process_or_the_holders_pid(kind, tmp_path, agents):
+    path = where(kind, tmp_path)
+    buf = open_buffer(kind, path, 16, AGENT_FIELDS)
+    with pytest.raises(StorageLockedError, match=f"this process \\(pid {os.getpid()}\\)"):
+        open_buffer(kind, path, 16, AGENT_FIELDS, mode="resume")
+    buf.close()
+    agent = agents.take()
+    try:
+        assert agent.ask(f"open {kind} {path} writer") == "ok"
+        with pytest.raises(StorageLockedError, match=f"process {agent.proc.pid}"):
+            open_buffer(kind, path, 16, AGENT_FIELDS, mode="resume")
+        lock = path / ".lock" if kind == "memmap" else path.with_name(path.name + ".lock")
+        assert FileLock.holder_pid(lock) == agent.proc.pid
+        # verify: in use, by which PID, a distinct exit code; never "CORRUPT"
+        out = subprocess.run([sys.executable, "-m", "bigper", "verify", str(path)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 3, out
+        assert "IN USE" in out.stdout and str(agent.proc.pid) in out.stdout
+        assert "CORRUPT" not in out.stdout
+    finally:
+        agent.kill()
+    assert FileLock.holder_pid(lock) is None
+    # its writer died: unclean, which verify says (exit 1), and it is not "in use"
+    out = subprocess.run([sys.executable, "-m", "bigper", "verify", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "UNCLEAN" in out.stdout, out
+
+
+def test_verify_a_closed_storage_is_ok(tmp_path, capsys):
+    path = _closed_memmap(tmp_path)
+    assert main(["verify", str(path)]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_help_shows_the_path_argument(command):
+    out = subprocess.run([sys.executable, "-m", "bigper", command, "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0
+    assert "path" in out.stdout and "snapshot directory" in out.stdout, out.stdout
+    if command == "verify":
+        assert "exit status" in out.stdout and "3" in out.stdout
+
+
+def test_a_lock_file_that_is_a_fifo_or_symlink_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "fifo.lock")
+    (tmp_path / "victim").write_text("x")
+    os.symlink(tmp_path / "victim", tmp_path / "link.lock")
+    for name in ("fifo.lock", "link.lock"):
+        with deadline():
+            with pytest.raises(CorruptSnapshotError):
+                FileLock(tmp_path / name)
+    assert (tmp_path / "victim").read_text() == "x"
+
+
+def test_incompatible_records_are_bigper_errors():
+    assert issubclass(IncompatibleSnapshotError, bigper.BigperError)
