@@ -55,13 +55,13 @@ def _radix_pass(src_d, src_a, dst_d, dst_a, shift, mask, count):
 
 
 @kernel
-def _sort_on(d, a, d2, a2, count):
-    """Stable LSD sort of ``d`` carrying ``a``, only on digits that vary;
-    the result ends in ``d, a``."""
+def _sort_on(d, a, d2, a2, low, count):
+    """Stable LSD sort of ``d`` carrying ``a``, on the digits from bit ``low``
+    up that vary; the result ends in ``d, a``."""
     varying = _varying_bits(d)
     mask = np.uint64((1 << RADIX_BITS) - 1)
     flipped = False
-    shift = 0
+    shift = low
     while shift < 64:
         if (varying >> np.uint64(shift)) & mask:
             if flipped:
@@ -91,8 +91,9 @@ def _sort_small(kb, tk, kb2, tk2, count):
             kb[j + 1] = k
             tk[j + 1] = t
     else:
-        _sort_on(tk, kb, tk2, kb2, count)  # least significant word first
-        _sort_on(kb, tk, kb2, tk2, count)
+        # The second word first; only its ticks order (they are unique), not the slot bits.
+        _sort_on(tk, kb, tk2, kb2, SLOT_BITS, count)
+        _sort_on(kb, tk, kb2, tk2, 0, count)
 
 
 @kernel
@@ -140,6 +141,10 @@ def heap_sort(heap, spos, n):
     count = np.zeros(1 << RADIX_BITS, dtype=np.int64)
     start = np.empty((1 << MSD_BITS) + 1, dtype=np.int64)
     inner = np.empty((1 << MSD_BITS) + 1, dtype=np.int64)
+    if _varying_bits(kb) == 0:
+        # One key for all (a buffer filling up at the largest priority): ticks decide.
+        _sort_on(tk, kb, tk2, kb2, SLOT_BITS, count)
+        return _write_out(heap, spos, n, kb, tk)
     _msd_scatter(kb, tk, kb2, tk2, start)
     # The data is in kb2, tk2 now; kb, tk serve as scratch.
     for b in range(1 << MSD_BITS):
@@ -156,11 +161,17 @@ def heap_sort(heap, spos, n):
                 _sort_small(kb[s2:e2], tk[s2:e2], kb2[s2:e2], tk2[s2:e2], count)
         kb2[s:e] = kb[s:e]
         tk2[s:e] = tk[s:e]
-    # Ascending -> descending: the largest goes to position 0.
+    return _write_out(heap, spos, n, kb2, tk2)
+
+
+@kernel
+def _write_out(heap, spos, n, kb, tk):
+    """Sorted ascending ``kb, tk`` back into the heap, largest at position 0,
+    ticks renumbered ``n - p``; returns the next free tick."""
     for i in range(n):
         p = n - 1 - i
-        slot = np.int64(tk2[i]) & SLOT_MASK
-        heap[p, 0] = np.int64(kb2[i])
+        slot = np.int64(tk[i]) & SLOT_MASK
+        heap[p, 0] = np.int64(kb[i])
         heap[p, 1] = ((n - p) << SLOT_BITS) | slot
         spos[slot] = p
     return np.int64(n + 1)
