@@ -678,3 +678,42 @@ def test_a_snapshots_root_that_is_a_file_is_refused(tmp_path):
 def test_every_refusal_is_a_bigper_error():
     for exc in (CorruptSnapshotError, IncompatibleSnapshotError, PathExistsError):
         assert issubclass(exc, bigper.BigperError)
+
+
+# -- check_state accepts every state a buffer writes ----------------------------------------------
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(envs=st.integers(1, 3), k=st.sampled_from([None, 1, 2, 4]), n_step=st.integers(1, 3),
+       capacity=st.integers(1, 12), seed=st.integers(0, 2**16), steps=st.integers(0, 50),
+       autoreset=st.booleans())
+def test_every_state_a_buffer_writes_passes_check_state(envs, k, n_step, capacity, seed, steps, autoreset):
+    """The checks are not stricter than the buffer: frame stacks that do and do
+    not continue, episode ends, next-step autoreset rows (valid=False), n-step
+    windows, wrap-around, priority updates of every magnitude."""
+    from bigper._statecheck import check_state
+
+    rng = np.random.default_rng(seed)
+    frame = (k, 2, 2) if k else (2, 2)
+    fields = {"obs": (frame, np.uint8), "reward": ((), np.float32)}
+    buf = bigper.PrioritizedReplayBuffer(capacity, fields, frame_stack=k, n_step=n_step, num_envs=envs,
+                                         seed=seed)
+    ended = np.ones(envs, dtype=bool)
+    for _ in range(steps):
+        o = rng.integers(0, 3, (envs, *frame)).astype(np.uint8)
+        o2 = rng.integers(0, 3, (envs, *frame)).astype(np.uint8)
+        if k and rng.random() < 0.8:
+            o2[:, :-1] = o[:, 1:]
+        term, trunc = rng.random(envs) < 0.15, rng.random(envs) < 0.1
+        valid = ~(ended & (rng.random(envs) < 0.5)) if autoreset else None
+        if valid is not None:
+            term, trunc = term | ~valid, trunc & valid
+        step = dict(obs=o, next_obs=o2, reward=np.ones(envs, np.float32), terminated=term, truncated=trunc)
+        if envs == 1:
+            step = {n: v[0] for n, v in step.items()}
+            valid = None if valid is None else valid[0]
+        buf.add(**step, **({} if valid is None else {"valid": valid}))
+        ended = np.atleast_1d(term | trunc)
+        if buf.total_priority > 0 and rng.random() < 0.3:
+            b = buf.sample(3)
+            buf.update_priorities(b, rng.random(3) * 10.0 ** rng.integers(-3, 4))
+        meta, arrays = buf.state_dict()
+        check_state(buf.config, json.loads(json.dumps(meta)), {n: np.array(a) for n, a in arrays.items()})
