@@ -12,6 +12,8 @@ SB3's ``VecFrameStack`` on images stacks on the last (channel) axis: an
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ..errors import InvalidArgumentError
@@ -83,6 +85,25 @@ class StackLayout:
         b = y.shape[0]
         if self.axis == "first":
             return y.reshape((b,) + self.obs_shape)
+        if self._c == 1 and y.dtype.itemsize == 1 and self.k in _WORDS and sys.byteorder == "little":
+            return _interleave(y, _WORDS[self.k]).reshape((b,) + self.obs_shape)
         if self._c == 1:
             y = y[..., None]
         return np.ascontiguousarray(np.moveaxis(y, 1, -2)).reshape((b,) + self.obs_shape)
+
+
+# k one-byte frames interleaved per pixel are one k-byte word (little-endian: frame 0 lowest).
+_WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _interleave(y: np.ndarray, word) -> np.ndarray:
+    """``(B, k, *frame)`` one-byte frames as ``(B, *frame, k)``: the k bytes of
+    a pixel built as one word with shifts, about 4x faster than numpy's
+    strided copy of a moved axis (which goes byte by byte)."""
+    k = y.shape[1]
+    out = np.empty((y.shape[0], *y.shape[2:]), dtype=word)
+    np.copyto(out, y[:, k - 1], casting="unsafe")
+    for j in range(k - 2, -1, -1):
+        out <<= 8
+        out |= y[:, j]
+    return out.view(np.uint8).reshape(*out.shape, k).view(y.dtype)
