@@ -122,3 +122,37 @@ def test_buffer_rank_sampling_matches_the_law():
     b = buf.sample(16)
     assert np.allclose(b.probabilities, law(N, 0.6)[rank_of_slot[b.indices] - 1], rtol=1e-12)
     assert np.array_equal(b["x"], b.indices.astype(np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [32, 256])
+def test_round_within_2x_of_proportional_at_a_million(batch):
+    """Sample B + update B at 2**20 slots, rank against proportional in the
+    same process, alternating, CPU time: the issue's ratio (no absolute time)."""
+    import time
+
+    from bigper.prioritization.proportional import Proportional
+
+    cap = 1 << 20
+    rng = np.random.default_rng(0)
+    gid, status, pending = np.arange(cap, dtype=np.int64), np.ones(cap, np.uint8), np.zeros(cap)
+    strategies = []
+    for cls in (RankPrioritizer, Proportional):
+        s = cls(cap, alpha=0.6, eps=1e-6, max_priority=math.inf, weight_norm="global")
+        s.insert(np.arange(cap, dtype=np.int64), s.keys(rng.lognormal(0, 2, cap)))
+        strategies.append(s)
+
+    def rounds(s, reps):
+        t = time.process_time()
+        for _ in range(reps):
+            idx, _, _ = s.sample(rng.random(batch), stratified=True, beta=0.4)
+            s.update(idx, rng.lognormal(0, 2, batch), gid[idx], True, gid, status, pending)
+        return time.process_time() - t
+
+    for s in strategies:
+        rounds(s, 50)  # compile and warm
+    # 2**20 writes and more: rank's re-sort (one per 2**20 writes) is in, amortized.
+    reps = 4 * ((cap // batch + 255) // 4)
+    got = [[rounds(s, reps // 4) for s in strategies] for _ in range(4)]
+    rank, prop = np.sum(got, axis=0)
+    assert rank < 2.0 * prop, f"rank {rank / reps * 1e6:.1f} us vs proportional {prop / reps * 1e6:.1f} us"
