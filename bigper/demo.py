@@ -9,7 +9,11 @@ updated from ``|TD|``. At the end the buffer is snapshotted with
 ``Snapshots``, restored into a fresh directory with ``load_latest``, and the
 restored buffer's next samples are checked against the original's. It prints
 what it measured and writes a plot of the priorities and of the ages of the
-sampled transitions.
+sampled transitions. ``--prioritization rank`` runs the same with rank-based
+prioritization. It says how much disk the run directory takes before it starts
+and at the end (with the command that removes it), and its peak memory, split
+into the process's own (RssAnon) and the memmap files' pages mapped into it
+(RssFile: page cache, shared and reclaimable, but counted in RSS).
 
 The run directory (``--path``)::
 
@@ -23,6 +27,8 @@ The run directory (``--path``)::
 from __future__ import annotations
 
 import json
+import resource
+import textwrap
 import shutil
 import sys
 import time
@@ -49,6 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--verify-batches", type=int, default=20,
                    help="batches compared between the original and the restored buffer (20)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1)")
+    p.add_argument("--prioritization", choices=("proportional", "rank"), default="proportional",
+                   help="P(i) from the priority itself (proportional, the default) or from its rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -70,8 +78,60 @@ def _existing(path: Path) -> Path:
 
 
 def _allocated(root: Path) -> int:
-    """Bytes the files under ``root`` take on disk (allocated blocks, not sizes)."""
-    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+    """Bytes the files under ``root`` take on disk (allocated blocks, not sizes;
+    a file hard-linked twice, as snapshots link chunk files, counted once)."""
+    seen, total = set(), 0
+    for p in root.rglob("*"):
+        st = p.lstat()
+        if p.is_file() and not p.is_symlink() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
+def learning_start(args) -> int:
+    """Env steps before the learner's first step."""
+    return min(1_000, max(args.batch_size, args.steps // 10))
+
+
+def sample_calls(args) -> int:
+    """``sample`` calls of the run: one per learner step, the beta schedule's length."""
+    start = learning_start(args)
+    first = -(-start // args.learn_every) * args.learn_every  # first step >= start that learns
+    return max(0, (args.steps - 1 - first) // args.learn_every + 1) if first < args.steps else 0
+
+
+class Memory:
+    """Resident memory, split as /proc reports it: ``anon`` is the process's
+    own memory; ``file`` is page cache of files mapped into it (the memmap
+    buffer's pages), shared with the kernel's cache and reclaimable, but
+    counted in RSS while mapped."""
+
+    def __init__(self):
+        self.peak_anon = self.peak_file = 0
+
+    @staticmethod
+    def now() -> dict:
+        out = {}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    k, _, v = line.partition(":")
+                    if k in ("RssAnon", "RssFile", "RssShmem"):
+                        out[k] = int(v.split()[0]) * 1024
+        except OSError:  # not Linux
+            pass
+        return out
+
+    def check(self) -> None:
+        m = self.now()
+        self.peak_anon = max(self.peak_anon, m.get("RssAnon", 0))
+        self.peak_file = max(self.peak_file, m.get("RssFile", 0) + m.get("RssShmem", 0))
+
+    @staticmethod
+    def peak_rss() -> int:
+        """The kernel's high-water mark of RSS (anon + file), bytes."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def check_args(args) -> str | None:
@@ -119,6 +179,7 @@ class Stopwatch:
 def run(args) -> int:
     if args.path is None:
         args.path = str(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
+    mem = Memory()
     problem = check_args(args)
     if problem:
         print(f"bigper demo: {problem}", file=sys.stderr)
@@ -137,9 +198,14 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     env = make_env(args.game, seed=args.seed)
+    need = estimate_bytes(args.capacity)
     print(f"bigper demo: ALE/{args.game}-v5 (frameskip=1, repeat_action_probability=0.0; "
           f"AtariPreprocessing + FrameStackObservation(4)), {args.steps:,} env steps into a memmap "
-          f"buffer of capacity {args.capacity:,} at {run_dir / 'replay'}", flush=True)
+          f"buffer of capacity {args.capacity:,} ({args.prioritization} prioritization) at "
+          f"{run_dir / 'replay'}\n"
+          f"  disk: it preallocates about {need / 1e9:.1f} GB under {run_dir}, and restoring the snapshot "
+          f"takes as much again ({2 * need / 1e9:.1f} GB in all; snapshots link the buffer's files, "
+          f"not copies); it stays after the run: remove it with  rm -r {run_dir}", flush=True)
     n_actions = env.action_space.n
     # A tiny conv Q-network (3-step Double DQN targets, IS-weighted Huber loss) on the CPU.
     learner = DoubleDQN(lambda: q_network(n_actions, size="tiny"), lr=1e-4, target_every=1000)
@@ -147,12 +213,14 @@ def run(args) -> int:
     clock, trace = Stopwatch(), _Trace(args.steps, args.batch_size)
     t_start = time.perf_counter()
     try:
-        _play(env, buf, learner, clock, trace, args, tqdm)
+        _play(env, buf, learner, clock, trace, args, tqdm, mem)
     finally:
         env.close()
     t_loop = time.perf_counter() - t_start
+    beta_end, calls = trace.beta, trace.calls
     _plot(buf, trace, run_dir / "demo.png", args)
     disk = _allocated(run_dir / "replay")
+    mem.check()
 
     from . import Snapshots
 
@@ -161,15 +229,19 @@ def run(args) -> int:
     t0 = time.perf_counter()
     snap = snaps.save(buf)
     t_snap = time.perf_counter() - t0
+    mem.check()
     print(f"restoring (Snapshots.load_latest) into {run_dir / 'restored'} ...", flush=True)
     t0 = time.perf_counter()
     restored = snaps.load_latest(path=run_dir / "restored")
     t_restore = time.perf_counter() - t0
+    mem.check()
     try:
         same = _verify(buf, restored, learner, args.verify_batches, args.batch_size)
+        mem.check()
     finally:
         restored.close()
         buf.close()
+    run_disk = _allocated(run_dir)
 
     results = {
         "game": args.game, "steps": args.steps, "capacity": args.capacity, "held": len(buf),
@@ -182,12 +254,19 @@ def run(args) -> int:
         "snapshot_s": t_snap, "restore_s": t_restore, "verified_batches": same,
         "verify_ok": same == args.verify_batches, "snapshot": str(snap),
         "episodes": trace.episodes, "mean_return_last10": trace.mean_return(),
+        "prioritization": args.prioritization, "sample_calls": calls, "beta_end": beta_end,
+        "run_disk_bytes": run_disk, "peak_rss_bytes": Memory.peak_rss(),
+        "peak_rss_anon_bytes": mem.peak_anon, "peak_rss_file_bytes": mem.peak_file,
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(format_table(results, args))
     print(f"\nrun directory: {run_dir}\n  plot:     {run_dir / 'demo.png'}\n  buffer:   {run_dir / 'replay'}"
           f"\n  snapshot: {run_dir / 'snaps' / Path(snap).name}\n  restored: {run_dir / 'restored'}\n  numbers:  {run_dir / 'results.json'}")
-    print(f"(it holds about {disk / 1e9:.1f} GB on disk; remove it with: rm -r {run_dir})")
+    print(f"\ndisk: {run_dir} holds {run_disk / 1e9:.2f} GB (the buffer, its snapshot, the restored copy); "
+          f"remove it with:  rm -r {run_dir}")
+    print(f"memory: peak RSS {results['peak_rss_bytes'] / 1e9:.2f} GB; of it, the process's own memory "
+          f"(RssAnon) peaked at {mem.peak_anon / 1e9:.2f} GB and the pages of the memmap files mapped into "
+          f"it (RssFile, page cache shared with the kernel and reclaimable) at {mem.peak_file / 1e9:.2f} GB")
     if not results["verify_ok"]:
         print(f"bigper demo: the restored buffer diverged from the original after {same} identical "
               "batches", file=sys.stderr)
@@ -203,6 +282,7 @@ def format_table(r: dict, args) -> str:
          f"{r['sample_update_us']:,.0f}  ({r['sample_us']:,.0f} + {r['update_us']:,.0f})"),
         ("first sample + update (kernels load), ms", f"{r['first_sample_update_ms']:,.0f}"),
         ("learner step (tiny CPU Q-net), ms", f"{r['learner_ms']:,.1f}"),
+        ("beta at the end", f"{r['beta_end']:.3f}  (0.4 -> 1.0 over the run's {r['sample_calls']:,} sample calls)"),
         ("whole loop, env steps/s", f"{r['loop_steps_per_s']:,.0f}"),
         ("bytes on disk per transition", f"{r['bytes_per_transition']:,.0f}  "
                                          f"(obs + next_obs stored naively: {NAIVE_BYTES:,})"),
@@ -213,7 +293,8 @@ def format_table(r: dict, args) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     title = (f"\nbigper demo: {r['steps']:,} steps of {r['game']}, {r['held']:,} transitions held "
-             f"(capacity {r['capacity']:,}, {r['disk_bytes'] / 1e9:.2f} GB on disk)")
+             f"(capacity {r['capacity']:,}, {r['disk_bytes'] / 1e9:.2f} GB on disk, "
+             f"{r['prioritization']} prioritization)")
     line = "-" * (w + 2 + max(len(v) for _, v in rows))
     return "\n".join([title, line, *(f"{k:<{w}}  {v}" for k, v in rows), line])
 
@@ -228,8 +309,11 @@ class _Trace:
         self.batch = batch
         self.returns: list = []
         self.episodes = 0
+        self.calls = 0  # sample calls
+        self.beta = None  # the beta of the last sample call
 
     def record(self, ages: np.ndarray, lo: int, hi: int) -> None:
+        self.calls += 1
         np.add.at(self.sampled, ages, 1)
         if hi > lo:  # uniform over the sampleable ages [lo, hi)
             self.uniform[lo] += self.batch / (hi - lo)
@@ -244,16 +328,18 @@ def _open_buffer(path: Path, args):
 
     from .examples._atari import atari_fields
 
-    n_samples = max(1, args.steps // args.learn_every)
+    # The schedule advances once per sample() call: its length is the run's
+    # number of learner steps, so beta is 1.0 at the last one.
     return bigper.PrioritizedReplayBuffer(
         args.capacity, atari_fields(), frame_stack=4, n_step=3, gamma=0.99, alpha=0.6,
-        beta=bigper.LinearSchedule(0.4, 1.0, n_samples), storage="memmap", path=path, seed=args.seed)
+        beta=bigper.LinearSchedule(0.4, 1.0, max(1, sample_calls(args) - 1)),
+        prioritization=args.prioritization, storage="memmap", path=path, seed=args.seed)
 
 
-def _play(env, buf, learner, clock, trace, args, tqdm) -> None:
+def _play(env, buf, learner, clock, trace, args, tqdm, mem) -> None:
     pc = time.perf_counter
     obs, _ = env.reset(seed=args.seed)
-    start = min(1_000, max(args.batch_size, args.steps // 10))  # env steps before learning starts
+    start = learning_start(args)
     explore = max(1, args.steps // 2)
     rng, n_actions = np.random.default_rng(args.seed), env.action_space.n
     ret, loss = 0.0, float("nan")
@@ -283,9 +369,11 @@ def _play(env, buf, learner, clock, trace, args, tqdm) -> None:
             if step >= start and step % args.learn_every == 0:
                 loss = _learn(buf, learner, clock, trace, step + 1, args)
             if step % 500 == 0 or step == args.steps - 1:
+                mem.check()
                 bar.set_postfix_str(f"env {clock.rate('env'):,.0f}/s, sample+update "
                                     f"{clock.mean_us('sample') + clock.mean_us('update'):,.0f} us, "
-                                    f"loss {loss:.4f}, episodes {trace.episodes}", refresh=False)
+                                    f"loss {loss:.4f}, beta {buf.beta:.3f}, episodes {trace.episodes}",
+                                    refresh=False)
             bar.update(1)
     finally:
         bar.close()
@@ -293,6 +381,7 @@ def _play(env, buf, learner, clock, trace, args, tqdm) -> None:
 
 def _learn(buf, learner, clock, trace, added: int, args) -> float:
     pc = time.perf_counter
+    trace.beta = buf.beta  # what this call uses
     t0 = pc()
     batch = buf.sample(args.batch_size)
     t1 = pc()
@@ -335,20 +424,25 @@ def _plot(buf, trace, png: Path, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    _, arrays = buf.state_dict()
-    leaves = np.asarray(arrays["leaves"])
-    leaves = leaves[leaves > 0]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    if leaves.size:
-        lo, hi = leaves.min(), leaves.max()
+    live = np.flatnonzero(np.asarray(buf.status) == 1)  # sampleable slots
+    keys = buf.leaves(live)
+    rank = args.prioritization == "rank"
+    entry = buf.max_leaf
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    pos = keys[keys > 0]
+    if pos.size:
+        lo, hi = pos.min(), pos.max()
         bins = np.geomspace(lo, hi * 1.0001, 60) if hi > lo * 1.01 else 20
-        ax1.hist(leaves, bins=bins, color="tab:blue")
+        ax1.hist(pos, bins=bins, color="tab:blue")
         if hi > lo * 1.01:
             ax1.set_xscale("log")
+        ax1.axvline(entry, color="tab:red", lw=1, ls="--", label=f"entry value {entry:.3g}")
+        ax1.legend(loc="upper left")
     ax1.set_yscale("log")
-    ax1.set_xlabel("leaf value (|TD| + eps) ** alpha")
-    ax1.set_ylabel("transitions")
-    ax1.set_title(f"priority distribution ({leaves.size:,} sampleable transitions)")
+    ax1.set_xlabel("stored priority |TD| (ranked: rank 1 = largest)" if rank
+                   else "leaf value (|TD| + eps) ** alpha")
+    ax1.set_ylabel("sampleable transitions")
+    ax1.set_title(f"priority distribution ({live.size:,} sampleable transitions)")
 
     n = trace.sampled.shape[0]
     uniform = np.cumsum(trace.uniform)[:n]
@@ -358,15 +452,28 @@ def _plot(buf, trace, png: Path, args) -> None:
     uni = np.add.reduceat(uniform, edges[:-1])
     width = edges[1:] - edges[:-1]
     ax2.bar(edges[:-1], per / width, width=width, align="edge", color="tab:orange", alpha=0.8,
-            label="prioritized (this run)")
+            label=f"{args.prioritization} PER (this run)")
     ax2.step(edges[:-1], uni / width, where="post", color="black", label="uniform (expected)")
-    ax2.set_xlabel("age of the sampled transition (env steps since it was added)")
-    ax2.set_ylabel("samples per transition of that age")
-    ax2.set_title("how often each age was sampled")
+    ax2.set_xlabel("age at sampling time (env steps since the transition was added)")
+    ax2.set_ylabel(f"draws at that age\n(summed over the run's {trace.calls:,} sample calls)")
+    ax2.set_title("how often a transition was drawn, by its age")
     ax2.legend()
     fig.suptitle(f"bigper demo: {args.game}, {args.steps:,} steps, capacity {args.capacity:,}, "
-                 f"batch {args.batch_size} every {args.learn_every} steps")
-    fig.tight_layout()
+                 f"{args.prioritization} prioritization, batch {args.batch_size} every "
+                 f"{args.learn_every} steps")
+    what = "priority" if rank else "leaf"
+    caption = "\n".join(textwrap.fill(t, 190) for t in (
+        f"Left: the spike near 1 (dashed line: {entry:.3g}, what a transition added now enters with) is "
+        f"the transitions not drawn since they were added. A new transition enters with the largest "
+        f"{what} seen so far (1.0 until an update exceeds it) and keeps it until it is sampled; the "
+        f"others hold {'|TD|' if rank else '(|TD| + eps) ** alpha'} from their last update.",
+        "Right: the draws of transitions of each age, summed over every sample call of the run (per age "
+        "step, averaged over the ages a bar covers). The youngest are drawn more often than uniform "
+        "sampling would: they still hold the entry value. The newest 2 ages are never drawn (their "
+        "3-step window is not complete yet).",
+    ))
+    fig.text(0.01, 0.01, caption, fontsize=8, va="bottom", ha="left")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(png, dpi=100)
     plt.close(fig)
 
