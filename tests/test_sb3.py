@@ -326,6 +326,23 @@ def test_prioritized_dqn_learns_cartpole_and_priorities_change(one_torch_thread)
     assert mean > 100, mean
 
 
+def test_plain_sb3_dqn_runs_with_priorities_at_the_max(tmp_path, one_torch_thread):
+    from stable_baselines3 import DQN
+
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=50, buffer_size=1_000, optimize_memory_usage=True,
+                replay_buffer_class=PrioritizedReplayBuffer,
+                replay_buffer_kwargs={"handle_timeout_termination": False, "snapshot_dir": tmp_path / "snaps"},
+                device="cpu", seed=0)
+    model.learn(300)
+    model.learn(200)  # SB3 cuts its optimize_memory_usage array here (dones[pos] = True)
+    rb = model.replay_buffer
+    assert rb.size() == 500
+    leaves = rb.buffer.leaves(np.arange(500))
+    assert (leaves == leaves[0]).all()  # nobody wrote priorities back: all at the max
+    model.save_replay_buffer(tmp_path / "rb.pkl")  # plain DQN: the snapshot goes to snapshot_dir
+    assert [p.name for p in (tmp_path / "snaps").iterdir() if p.name.startswith("snap-")] == ["snap-00000001"]
+
+
 def test_beta_anneals_to_one_over_learn():
     from bigper.integrations.sb3 import annealed_beta
 

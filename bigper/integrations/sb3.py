@@ -55,7 +55,7 @@ __all__ = ["PrioritizedDQN", "PrioritizedReplayBuffer", "PrioritizedReplayBuffer
 _PICKLE_FORMAT = "bigper.sb3/1"
 _MANIFEST = "manifest.json"
 # Buffer options that are not part of bigper's Config.
-_NOT_CONFIG = ("path", "read_only", "storage_options")
+_NOT_CONFIG = ("path", "mode", "read_only", "storage_options")
 
 
 class PrioritizedReplayBufferSamples(NamedTuple):
@@ -242,6 +242,14 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self._steps += 1
         self._sync_cursor()
 
+    @property
+    def dones(self) -> "_EpisodeCut":
+        """What SB3's ``_setup_learn`` writes to (``dones[pos] = True``) when a
+        model with ``optimize_memory_usage`` starts ``learn`` again: SB3 cuts
+        its single obs array there. bigper stores each ``next_obs`` (and
+        compares frames by their bytes), so there is nothing to cut."""
+        return _EpisodeCut()
+
     def reset(self) -> None:
         """Refused: a bigper buffer is not cleared in place (make a new one)."""
         raise InvalidArgumentError("reset is not supported by bigper's buffer; build a new one")
@@ -334,6 +342,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if not isinstance(state, dict) or state.get("format") != _PICKLE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise IncompatibleSnapshotError(f"not a bigper SB3 replay buffer pickle ({_PICKLE_FORMAT}), got {got!r}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise IncompatibleSnapshotError(f"bigper SB3 replay buffer pickle lacks {missing}")
         snap = Path(state["snapshot"])
         try:
             digest = _manifest_digest(snap)
@@ -362,6 +373,16 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self._live_path = state["live_path"]
         self.beta_is_schedule, self.beta0 = bool(state["beta_is_schedule"]), float(state["beta0"])
         self._wire()
+
+
+class _EpisodeCut:
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+_STATE_KEYS = ("snapshot", "manifest_sha256", "buffer_size", "n_envs", "observation_space",
+               "action_space", "device", "handle_timeout_termination", "n_steps", "gamma",
+               "frame_stack", "frame_axis", "live_path", "beta_is_schedule", "beta0", "snapshot_dir")
 
 
 def annealed_beta(beta0: float, progress_remaining: float) -> float:
