@@ -195,6 +195,10 @@ def test_a_crafted_manifest_gets_bigpers_error_and_changes_nothing(kind, case, t
             rep = verify(snap)
             if rep["problems"]:
                 raise CorruptSnapshotError(rep["problems"][0])
+        from bigper.cli import main
+
+        assert main(["verify", str(snap)]) == 1
+        assert main(["info", str(snap)]) in (0, 1)  # an answer, never a traceback
 
 
 def test_a_deeply_nested_manifest_is_corrupt_not_a_recursion_error(tmp_path):
@@ -346,6 +350,13 @@ def test_any_resigned_manifest_field_loads_or_gets_bigpers_error(pristine, tmp_p
         else:
             buf.sample(4) if buf.total_priority > 0 else None
             buf.close()
+        from contextlib import redirect_stdout
+
+        from bigper.cli import main
+
+        with redirect_stdout(io.StringIO()):
+            assert main(["info", str(snap)]) in (0, 1)  # an answer, never a traceback
+            assert main(["verify", str(snap)]) in (0, 1)
     assert fingerprint(snap) == before
 
 

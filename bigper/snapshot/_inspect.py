@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptSnapshotError
-from ._load import _state_arrays, inspect
+from ._load import _config, _state_arrays, inspect
 from ._manifest import check_files, read_manifest
 
 LIVE = 1  # the buffer's slot status of a sampleable transition (buffer.py)
@@ -87,7 +87,12 @@ def describe(snapshot) -> dict:
     """
     snap = Path(os.path.abspath(snapshot))
     body = read_manifest(snap)
+    _config(body, snap)  # a crafted config is refused here, not half-printed
     cfg, meta, summary = body["config"], body["state"]["meta"], body.get("summary", {})
+    # Only what has the type a writer gives it is shown (the rest is untrusted noise).
+    summary = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    meta = {k: v for k, v in meta.items() if k in ("count", "beta_step", "max_leaf")
+            and isinstance(v, (int, float)) and not isinstance(v, bool)}
     files = body["files"]
     shared = 0
     for name, rec in files.items():
@@ -165,7 +170,7 @@ def format_description(d: dict) -> str:
                      f"{p['min'] if p['min'] is None else format(p['min'], '.4g')}, mean "
                      f"{p['mean'] if p['mean'] is None else format(p['mean'], '.4g')}, max "
                      f"{p['max'] if p['max'] is None else format(p['max'], '.4g')} "
-                     f"(largest ever {p['max_leaf']:.4g})")
+                     f"(largest ever {'?' if p['max_leaf'] is None else format(p['max_leaf'], '.4g')})")
     user = d.get("user")
     if user:
         import json
