@@ -54,6 +54,20 @@ def test_construction_refusals(kw):
         new(**kw)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 1e-12, 1.0 - 1e-9, 1.0, 5.0, 50.0, 400.0])
+def test_extreme_alphas_sample_valid_draws(alpha):
+    r = new(5000, alpha=alpha)
+    r.insert(np.arange(5000, dtype=np.int64), np.random.default_rng(0).random(5000))
+    r.sort()
+    for u in (np.random.default_rng(1).random(64), np.full(64, 1 - 2**-53), np.zeros(64)):
+        for stratified in (True, False):
+            idx, p, w = r.sample(u, stratified=stratified, beta=1.0)
+            assert np.all((idx >= 0) & (idx < 5000))
+            assert np.all(np.isfinite(p) & (p >= 0) & (p <= 1))
+            assert np.all(np.isfinite(w) & (w >= 0) & (w <= 1))
+            assert np.array_equal(p, r.probabilities(idx))
+
+
 def test_keys_clip_and_ignore_eps():
     r = new(max_priority=2.0)
     p = np.array([0.0, 1.5, 2.0, 7.0])

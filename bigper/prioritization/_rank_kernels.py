@@ -25,7 +25,8 @@ given the largest priority seen goes to position 0 (rank 1).
 import numpy as np
 
 from .._kernels import kernel
-from ._rank_law import draw_ranks
+# Constants only: numba's cache does not notice when another file's kernel
+# changes, so no kernel here calls one from another file.
 from ._rank_sort import SLOT_BITS, SLOT_MASK
 
 TICK_LIMIT = 1 << 32  # ticks stay below it (rank.py re-sorts, renumbering, before)
@@ -217,14 +218,12 @@ def rank_update(heap, spos, n, tick, idx, p, stamps, use_stamps, gid, status, pe
 
 
 @kernel
-def rank_sample(heap, n, alpha, beta, table, uniforms, stratified, batch_norm):
-    """Draw heap positions by the rank law (``_rank_law.draw_ranks``) and
-    return their slots (int64), probabilities (float64) and weights (float32)."""
-    ranks, prob, weight = draw_ranks(n, alpha, beta, table, uniforms, stratified, batch_norm)
+def slots_at(heap, ranks):
+    """The slots (int64) at heap positions ``ranks - 1``."""
     idx = np.empty(ranks.shape[0], dtype=np.int64)
     for b in range(ranks.shape[0]):
         idx[b] = heap[ranks[b] - 1, 1] & SLOT_MASK
-    return idx, prob, weight
+    return idx
 
 
 # -- checks -------------------------------------------------------------------------

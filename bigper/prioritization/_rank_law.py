@@ -98,7 +98,8 @@ def rank_of(t, n, alpha, table):
     if e == 0.0:
         lx = table[R0 + 3] + y
     else:
-        z = e * y / table[R0 + 2]
+        # R0**(1 - alpha) is 0 for a huge alpha: no guess, the exact path decides.
+        z = e * y / table[R0 + 2] if table[R0 + 2] > 0.0 else -np.inf
         lx = table[R0 + 3] + np.log1p(z) / e if z > -1.0 else np.inf
     g = np.exp(lx) - 0.5
     lo = R0 + 1
@@ -108,7 +109,7 @@ def rank_of(t, n, alpha, table):
         r = lo
     else:
         r = int(np.ceil(g))
-        fx = np.exp(-alpha * lx)
+        fx = max(np.exp(-alpha * lx), 1e-300)  # f underflows for a huge alpha: exact path
         # x = exp(lx) carries lx's rounding times |lx|.
         tol = (alpha / (6.0 * g) + 1e-15 * (abs(t) + abs(table[R0 + 1])) / fx
                + 1e-15 * g * (abs(lx) + 2.0) + 1e-9)

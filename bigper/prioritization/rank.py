@@ -176,9 +176,10 @@ class RankPrioritizer(Prioritization):
             raise InvalidArgumentError("cannot sample: no sampleable transition")
         if self.writes >= self.sort_every:
             self.sort()
-        return RK.rank_sample(self._heap, self.n, self.alpha, float(beta), self._table,
-                              np.ascontiguousarray(uniforms, dtype=np.float64), bool(stratified),
-                              self.batch_norm)
+        ranks, prob, weights = LAW.draw_ranks(
+            self.n, self.alpha, float(beta), self._table, np.ascontiguousarray(uniforms, dtype=np.float64),
+            bool(stratified), self.batch_norm)
+        return RK.slots_at(self._heap, ranks), prob, weights
 
     # -- state -----------------------------------------------------------------
     def state(self):
