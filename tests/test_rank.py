@@ -225,7 +225,8 @@ def _corruptions():
         "negative word": word(3, -5),
         "slot twice": lambda m, a: a["rank_heap"].__setitem__(
             (4, 1), (a["rank_heap"][4, 1] >> 31 << 31) | (a["rank_heap"][2, 1] & RK.SLOT_MASK)),
-        "tick zero in heap": lambda m, a: a["rank_heap"].__setitem__((5, 1), a["rank_heap"][5, 1] & RK.SLOT_MASK),
+        "tick zero in heap": lambda m, a: a["rank_heap"].__setitem__(
+            (5, 1), a["rank_heap"][5, 1] & RK.SLOT_MASK),
         "ticks shared": lambda m, a: a["rank_heap"].__setitem__(
             (9, 1), (a["rank_heap"][1, 1] >> 31 << 31) | (a["rank_heap"][9, 1] & RK.SLOT_MASK)),
         "order broken": lambda m, a: a["rank_heap"].__setitem__(slice(None), a["rank_heap"][::-1].copy()),
