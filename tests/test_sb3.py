@@ -260,6 +260,25 @@ def test_update_priorities_takes_numpy_and_torch_and_skips_overwritten():
                for i in s.indices.tolist() if i != 0)
 
 
+@pytest.mark.skipif(not th.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_samples_and_tensor_priorities():
+    venv = make_venv("sb3_last", 2)
+    rb = PrioritizedReplayBuffer(256, venv.observation_space, venv.action_space, device="cuda", n_envs=2,
+                                 frame_stack=4, seed=0)
+    cpu = PrioritizedReplayBuffer(256, venv.observation_space, venv.action_space, device="cpu", n_envs=2,
+                                  frame_stack=4, seed=0)
+    rollout(venv, 60, [rb, cpu])
+    for _ in range(3):
+        s, c = rb.sample(32), cpu.sample(32)
+        assert all(t.device.type == "cuda" for t in (s.observations, s.weights, s.indices))
+        for name in ("observations", "next_observations", "actions", "rewards", "dones", "weights", "indices"):
+            np.testing.assert_array_equal(getattr(s, name).cpu().numpy(), getattr(c, name).numpy(), err_msg=name)
+        td = th.rand(32, device="cuda") + 0.1
+        rb.update_priorities(s.indices, td)
+        cpu.update_priorities(c.indices, td.cpu())
+    np.testing.assert_array_equal(rb.buffer.leaves(np.arange(120)), cpu.buffer.leaves(np.arange(120)))
+
+
 @pytest.mark.parametrize("storage", ["memory", "memmap"])
 def test_save_and_load_replay_buffer_continue_sampling_exactly(tmp_path, storage):
     kw = {"frame_stack": 4, "storage": storage}
@@ -326,6 +345,7 @@ def test_prioritized_dqn_learns_cartpole_and_priorities_change(one_torch_thread)
     assert mean > 100, mean
 
 
+@pytest.mark.filterwarnings("ignore:The last trajectory in the replay buffer will be truncated")
 def test_plain_sb3_dqn_runs_with_priorities_at_the_max(tmp_path, one_torch_thread):
     from stable_baselines3 import DQN
 
