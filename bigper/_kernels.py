@@ -166,6 +166,16 @@ def sample_kernel(sums, mins, offsets, uniforms, stratified, beta, batch_norm):
     idx_out = np.empty(n, dtype=np.int64)
     prob_out = np.empty(n, dtype=np.float64)
     weight_out = np.empty(n, dtype=np.float32)
+    sample_into(sums, mins, offsets, uniforms, stratified, beta, batch_norm, idx_out, prob_out, weight_out)
+    return idx_out, prob_out, weight_out
+
+
+@kernel
+def sample_into(sums, mins, offsets, uniforms, stratified, beta, batch_norm, idx_out, prob_out,
+                weight_out):
+    """``sample_kernel`` writing into the caller's arrays: arrays made inside a
+    kernel and handed back to Python cost a dtype lookup each (~1 us)."""
+    n = uniforms.shape[0]
     total = sums[0]
     targets = np.empty(n, dtype=np.float64)
     if stratified:
@@ -187,7 +197,19 @@ def sample_kernel(sums, mins, offsets, uniforms, stratified, beta, batch_norm):
         lo = mins[0]
     for b in range(n):
         weight_out[b] = is_weight(lo, sums[leaf_off + idx_out[b]], beta)
-    return idx_out, prob_out, weight_out
+
+
+@kernel
+def batch_meta(idx, ends, gid, discount1, gen_out, term_out, trunc_out, disc_out):
+    """One-step batch bookkeeping: generations and end flags of slots ``idx``,
+    and the discount (``discount1[ends]``: gamma, or 0 where terminated)."""
+    for b in range(idx.shape[0]):
+        s = idx[b]
+        e = ends[s]
+        gen_out[b] = gid[s]
+        term_out[b] = (e & 1) != 0
+        trunc_out[b] = (e & 2) != 0
+        disc_out[b] = discount1[e]
 
 
 @kernel
@@ -230,18 +252,36 @@ def first_bad_priority(p):
 @kernel
 def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
                   pending, alpha, eps, max_priority):
+    """``update_capped`` without a cap on the leaves."""
+    return update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
+                         pending, alpha, eps, max_priority, np.inf)
+
+
+@kernel
+def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
+                  pending, alpha, eps, max_priority, limit):
     """A whole priority update in one call: check, route, transform, set.
 
     Nothing is written unless every row passes. Returns ``(code, position,
     top)``: code 0 (done; ``top`` is the largest value set), 1 (a NaN,
     infinite or negative priority at ``position``), 2 (index out of range) or
-    3 (a slot never written). ``leaves`` is either empty (computed here) or
-    precomputed by the caller. Rows are routed by slot status: sampleable ->
-    tree; waiting for its n-step window -> ``pending``; overwritten since
-    sampling (``stamps`` differ, when ``use_stamps``) or dead -> skipped.
+    3 (a slot never written) or 4 (a leaf computed here is above ``limit`` or
+    NaN, when every priority is valid: reported before any index, the order in
+    which a caller that computes the leaves first would report them); rows are
+    otherwise checked in order, priority then index. ``leaves`` is
+    either empty (computed here) or precomputed (and checked) by the caller.
+    Rows are routed by slot status: sampleable -> tree; waiting for its n-step
+    window -> ``pending``; overwritten since sampling (``stamps`` differ, when
+    ``use_stamps``) or dead -> skipped.
     """
     n = gid.shape[0]
     m = idx.shape[0]
+    if leaves.shape[0] != m and first_bad_priority(p) < 0:
+        leaves = np.empty(m, dtype=np.float64)
+        to_leaves(p, alpha, eps, max_priority, leaves)
+        for i in range(m):
+            if not leaves[i] <= limit:
+                return 4, i, 0.0
     for i in range(m):
         v = p[i]
         if not (v >= 0.0 and v < np.inf):
@@ -251,9 +291,6 @@ def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
             return 2, i, 0.0
         if status[s] == 0:
             return 3, i, 0.0
-    if leaves.shape[0] != m:
-        leaves = np.empty(m, dtype=np.float64)
-        to_leaves(p, alpha, eps, max_priority, leaves)
     keep = np.empty(m, dtype=np.bool_)
     route = np.empty(m, dtype=np.uint8)
     all_tree = True

@@ -53,6 +53,15 @@ class Batch(Mapping):
         fields = ", ".join(f"{n}: {v.dtype}{list(v.shape)}" for n, v in self.data.items())
         return f"Batch(size={self.size}, {{{fields}}}, indices, weights, probabilities, generations)"
 
+    @classmethod
+    def make(cls, data, indices, weights, probabilities, generations) -> "Batch":
+        """``Batch(...)`` for the buffer's hot path: the same object, without the
+        frozen dataclass's per-field ``object.__setattr__`` calls."""
+        b = object.__new__(cls)
+        b.__dict__.update(data=data, indices=indices, weights=weights, probabilities=probabilities,
+                          generations=generations)
+        return b
+
     @property
     def size(self) -> int:
         """Number of transitions in the batch."""

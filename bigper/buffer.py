@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import nstep
+from ._kernels import batch_meta
 from ._ingest import Ingest, as_index, as_priorities
 from ._statecheck import check_state
 from .batch import Batch
@@ -453,10 +454,10 @@ class PrioritizedReplayBuffer:
                 raise InvalidTypeError(f"beta must be a number >= 0, got {beta!r}") from None
             if not (b >= 0 and b < np.inf):
                 raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
-        else:
-            b = self._cfg_beta(self._beta_step)
         with self._lock:
             self._check_open()
+            if beta is None:  # read under the lock: a sampler thread advances the schedule too
+                b = self._cfg_beta(self._beta_step)
             if not self._prio.sampleable:
                 raise InvalidArgumentError(
                     f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
@@ -464,7 +465,7 @@ class PrioritizedReplayBuffer:
             idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
                                              stratified=bool(stratified), beta=b)
             self._beta_step += 1
-            return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+            return self._batch(idx, w, prob)
 
     def sampler(self, batch_size: int, prefetch: int = 2, device=None, **sample_kw):
         """An endless iterator of batches, the next ones prepared in a background thread.
@@ -514,13 +515,32 @@ class PrioritizedReplayBuffer:
         self._samplers.add(it)
         return it
 
-    def _gather(self, idx: np.ndarray) -> dict:
+    def _batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
+        if self.config.n_step == 1:
+            # Generations, end flags and discounts in one kernel call.
+            b = idx.shape[0]
+            gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
+            disc = np.empty(b, np.float32)
+            batch_meta(idx, self._ends, self._gid, self._discount1, gen, term, trunc, disc)
+            return Batch.make(self._gather(idx, (term, trunc, disc)), idx, w, prob, gen)
+        return Batch.make(self._gather(idx), idx, w, prob, self._gid[idx])
+
+    def _gather(self, idx: np.ndarray, meta=None) -> dict:
         cfg = self.config
+        if meta is not None and self._frames is None and self._store.kind == "memory":
+            # The common small-field case: one take per field, straight from the arrays.
+            arrays = self._store.arrays
+            data = {name: arrays[name].take(idx, axis=0) for name in self._plain}
+            data["terminated"], data["truncated"], data["discount"] = meta
+            return data
         read = self._store.read
         if cfg.n_step == 1:
             last = idx
-            e = self._ends.take(idx)
-            term, trunc, disc = _TERM.take(e), _TRUNC.take(e), self._discount1.take(e)
+            if meta is None:
+                e = self._ends.take(idx)
+                term, trunc, disc = _TERM.take(e), _TRUNC.take(e), self._discount1.take(e)
+            else:
+                term, trunc, disc = meta
         else:
             slots, disc, term, trunc = nstep.nstep_view(
                 self._gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self._ends, self._gamma)

@@ -71,13 +71,19 @@ class Proportional(Prioritization):
         self.tree.set(slots, np.zeros(slots.shape[0]))
 
     def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
-        # The kernel checks priorities and indices itself; the cap on keys is this
-        # strategy's rule, so keys are computed (and checked) here first.
-        pre = self.keys(p) if K.first_bad_priority(p) < 0 else _EMPTY
+        # One kernel call checks the priorities, computes the keys, checks them
+        # against the cap, checks the indices and applies it all. Above _BULK
+        # rows the keys come from numpy's vectorized pow instead (as in keys()).
+        pre = _EMPTY
+        if p.shape[0] > _BULK and K.first_bad_priority(p) < 0:
+            pre = self.keys(p)
         t = self.tree
-        code, pos, top = K.update_kernel(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
+        code, pos, top = K.update_capped(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
                                          use_stamps, gid, status, pending, self.alpha, self.eps,
-                                         self.max_priority)
+                                         self.max_priority, self.limit)
+        if code == 4:  # a key above the cap: keys() says which, in its words
+            self.keys(p)
+            raise InvalidArgumentError(f"priorities[{pos}] = {p[pos]!r} gives a leaf above {self.limit:.6g}")
         if code == 1:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
         if code:
@@ -103,7 +109,12 @@ class Proportional(Prioritization):
         return self.tree.leaves[idx]
 
     def sample(self, uniforms, *, stratified, beta):
-        return self.tree.sample(uniforms, stratified=stratified, beta=beta, batch_norm=self.batch_norm)
+        t = self.tree
+        n = uniforms.shape[0]
+        idx, prob, w = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.float32)
+        K.sample_into(t.sums, t.mins, t.offsets, uniforms, stratified, float(beta),
+                      self.batch_norm or t.mins.shape[0] == 0, idx, prob, w)
+        return idx, prob, w
 
     def sample_at(self, targets, *, beta):
         idx = self.tree.find(targets)
