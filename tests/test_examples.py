@@ -23,21 +23,47 @@ def _run(tmp_path, *args):
     return r.stdout
 
 
+def _fails(tmp_path, *args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
 def test_dqn_atari_smoke(tmp_path):
     pytest.importorskip("ale_py")
     out = _run(tmp_path, "bigper.examples.dqn_atari", "--smoke")
-    assert "Double DQN + PER on ALE/Pong-v5" in out
+    assert "Double DQN + PER (proportional) on ALE/Pong-v5" in out
     assert "snapshot snap-00000001" in out
     assert "beta 1.000" in out  # annealed to 1 by the last learner step
     assert "done:" in out
     assert not list(tmp_path.iterdir())  # --smoke works in a temporary directory it removes
 
 
-@pytest.mark.parametrize("per", [True, False], ids=["per", "uniform"])
-def test_sac_smoke(tmp_path, per):
-    out = _run(tmp_path, "bigper.examples.sac", "--smoke", *([] if per else ["--no-per"]))
-    assert "final eval return" in out
-    assert ("prioritized replay" if per else "uniform replay") in out
+def test_dqn_atari_runs_twice_in_one_directory(tmp_path):
+    """Rank prioritization; the same --path again: refused without --resume (nothing
+    changes), continued from the latest snapshot with it."""
+    pytest.importorskip("ale_py")
+    run = tmp_path / "run"
+    args = ("bigper.examples.dqn_atari", "--smoke", "--path", str(run), "--prioritization", "rank")
+    out = _run(tmp_path, *args)
+    assert "Double DQN + PER (rank)" in out and "snapshot snap-00000001" in out and "done:" in out
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    again = _fails(tmp_path, *args)
+    assert again.returncode == 2 and "already holds a bigper buffer" in again.stderr
+    assert "--resume" in again.stderr
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+    out = _run(tmp_path, *args, "--resume")
+    assert "resumed from snap-00000001 at step 300" in out
+    assert "step       400" in out and "beta 1.000" in out and "done:" in out
+
+
+@pytest.mark.parametrize("flags, kind", [(["--prioritization", "rank"], "prioritized (rank) replay"),
+                                         (["--no-per"], "uniform replay")], ids=["rank", "uniform"])
+def test_sac_smoke(tmp_path, flags, kind):
+    out = _run(tmp_path, "bigper.examples.sac", "--smoke", *flags)
+    assert "final eval return" in out and kind in out
+    if "--no-per" not in flags:
+        assert "beta 1.000" in out  # annealed to 1 by the last sample call
 
 
 def test_resume_smoke(tmp_path):

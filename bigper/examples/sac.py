@@ -4,6 +4,7 @@
 
     python -m bigper.examples.sac                 # 20k steps, prioritized
     python -m bigper.examples.sac --no-per        # the same with uniform replay
+    python -m bigper.examples.sac --prioritization rank   # rank-based prioritized replay
     python -m bigper.examples.sac --smoke         # a short run (CI)
 
 How prioritized replay meets a twin-critic learner:
@@ -19,6 +20,12 @@ How prioritized replay meets a twin-critic learner:
   do not estimate an expectation under the replay distribution's TD targets.
 - ``--no-per`` builds the same buffer with ``alpha=0``: every leaf is 1, so
   sampling is uniform and every weight is 1, with no other code path.
+- ``--prioritization rank`` ranks transitions by that priority instead
+  (``P`` from ``rank ** -alpha``): less sensitive to a few huge TD errors,
+  which a twin critic early in training produces.
+
+The buffer lives in memory (``storage="memory"``, nothing on disk), so the
+script runs again as often as you like; each run starts fresh.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--use-per", dest="use_per", action="store_true", default=True,
                    help="prioritized replay (the default)")
     p.add_argument("--no-per", dest="use_per", action="store_false", help="uniform replay (alpha=0)")
+    p.add_argument("--prioritization", choices=("proportional", "rank"), default="proportional",
+                   help="P(i) from the priority (proportional, default) or from its rank")
     p.add_argument("--capacity", type=int, default=100_000)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--learning-starts", type=int, default=1_000)
@@ -170,14 +179,15 @@ def main(argv=None) -> int:
     obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
     scale = float(env.action_space.high[0])
     agent = SAC(obs_dim, act_dim, scale, args)
-    learner_steps = max(1, args.steps - args.learning_starts)
+    learner_steps = max(1, args.steps - args.learning_starts)  # one sample() call each
     buf = bigper.PrioritizedReplayBuffer(
         args.capacity,
         {"obs": ((obs_dim,), np.float32), "action": ((act_dim,), np.float32), "reward": ((), np.float32)},
-        gamma=args.gamma, alpha=0.6 if args.use_per else 0.0,
-        beta=bigper.LinearSchedule(0.4, 1.0, learner_steps) if args.use_per else 0.0, seed=args.seed)
-    print(f"SAC on Pendulum-v1, {'prioritized' if args.use_per else 'uniform'} replay, {args.steps:,} steps",
-          flush=True)
+        gamma=args.gamma, alpha=0.6 if args.use_per else 0.0, prioritization=args.prioritization,
+        beta=bigper.LinearSchedule(0.4, 1.0, max(1, learner_steps - 1)) if args.use_per else 0.0,
+        seed=args.seed)
+    kind = f"prioritized ({args.prioritization})" if args.use_per else "uniform"
+    print(f"SAC on Pendulum-v1, {kind} replay, {args.steps:,} steps", flush=True)
     rng = np.random.default_rng(args.seed)
     obs, _ = env.reset(seed=args.seed)
     env.action_space.seed(args.seed)
@@ -199,10 +209,10 @@ def main(argv=None) -> int:
         if step % args.eval_every == 0 or step == args.steps:
             score = evaluate(eval_env, agent, args.eval_episodes, seed=10_000 + step)
             losses = "  ".join(f"{k} {v:.3f}" for k, v in info.items())
-            print(f"step {step:>7,}  eval return {score:8.1f}  {losses}  "
+            print(f"step {step:>7,}  eval return {score:8.1f}  {losses}  beta {buf.beta:.3f}  "
                   f"{step / (time.perf_counter() - t0):,.0f} steps/s", flush=True)
     ok = info and all(np.isfinite(v) for v in info.values()) and np.isfinite(score)
-    print(f"final eval return {score:.1f} ({'prioritized' if args.use_per else 'uniform'} replay)")
+    print(f"final eval return {score:.1f} ({kind} replay)")
     return 0 if ok else 1
 
 
