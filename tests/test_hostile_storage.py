@@ -261,3 +261,35 @@ def test_a_lock_file_that_is_a_fifo_or_symlink_is_refused(tmp_path):
 
 def test_incompatible_records_are_bigper_errors():
     assert issubclass(IncompatibleSnapshotError, bigper.BigperError)
+
+
+def test_a_new_storage_never_writes_into_a_directory_of_foreign_files(tmp_path):
+    path = tmp_path / "buf"
+    (path / "data").mkdir(parents=True)
+    (path / "data" / "obs.bin").write_bytes(b"the user's own obs")  # the very name a chunk would take
+    (path / "notes.txt").write_text("x")
+    for mode in ("new", "resume"):
+        before = fingerprint(path)
+        with pytest.raises(PathExistsError, match="notes.txt"):
+            open_buffer("memmap", path, 16, AGENT_FIELDS, mode=mode)
+        assert fingerprint(path) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    open_buffer("memmap", empty, 16, AGENT_FIELDS, mode="new").close()  # an empty directory is fine
+
+
+def test_a_snapshots_root_with_a_planted_lock_or_leftover_link_is_safe(tmp_path):
+    from bigper import Snapshots
+
+    root = tmp_path / "snaps"
+    root.mkdir()
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "keep.txt").write_text("mine")
+    os.symlink(tmp_path / "victim", root / ".tmp-snap-00000001-1-abc")  # looks like a leftover
+    Snapshots(root)
+    assert (tmp_path / "victim" / "keep.txt").read_text() == "mine"
+    os.unlink(root / ".lock")
+    os.mkfifo(root / ".lock")
+    with deadline():
+        with pytest.raises(CorruptSnapshotError):
+            Snapshots(root).latest() or Snapshots(root).load_latest()

@@ -136,6 +136,14 @@ class MemmapStorage:
             if self.path.exists() and not self.path.is_dir():
                 raise PathExistsError(f"{self.path} exists and is not a directory")
             self._created = not self.path.exists()
+            if not self._created and not self.takeover and not os.path.lexists(meta_path):
+                # A new storage in an existing directory: it must hold nothing bigper
+                # would write over (a user's data/obs.bin would be preallocated in place).
+                foreign = sorted(e for e in os.listdir(self.path) if e not in (".lock", ".meta.json.tmp"))
+                if foreign:
+                    raise PathExistsError(
+                        f"{self.path} holds {foreign[:5]} but no bigper storage: a new storage needs an "
+                        "empty or new directory (nothing was changed)")
             self.path.mkdir(parents=True, exist_ok=True)
         if self.takeover and not self._created:
             self._own_previous()  # a foreign directory is refused before even a lock file is made
