@@ -728,3 +728,13 @@ def test_every_state_a_buffer_writes_passes_check_state(envs, k, n_step, capacit
             buf.update_priorities(b, rng.random(3) * 10.0 ** rng.integers(-3, 4))
         meta, arrays = buf.state_dict()
         check_state(buf.config, json.loads(json.dumps(meta)), {n: np.array(a) for n, a in arrays.items()})
+
+
+def test_load_arguments_of_the_wrong_type_are_bigpers_errors(tmp_path):
+    snap = small("memmap", tmp_path)
+    for kw in ({"snapshot": 3}, {"snapshot": snap, "path": 3}, {"snapshot": None}):
+        with pytest.raises(InvalidTypeError):
+            load(kw.pop("snapshot"), **kw)
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    with pytest.raises(BigperError):
+        load(snap, path=tmp_path / "loop" / "x")

@@ -40,6 +40,7 @@ from ..errors import (
     CorruptSnapshotError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
+    InvalidTypeError,
     PathExistsError,
 )
 from .._statecheck import check_state
@@ -146,7 +147,10 @@ def _fill(store, snap: Path, body: dict, layouts: dict) -> None:
 
 
 def _check_apart(live: Path, snap: Path) -> None:
-    lv, sn = live.resolve(), snap.resolve()
+    try:
+        lv, sn = live.resolve(), snap.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop on the way
+        raise PathExistsError(f"path={str(live)!r} cannot be resolved: {e}") from None
     if lv == sn or sn in lv.parents or lv in sn.parents:
         raise InvalidArgumentError(f"path={str(live)!r} and the snapshot {str(snap)!r} overlap; a load "
                          "never writes into a snapshot, so the live data must live elsewhere")
@@ -337,6 +341,9 @@ def load(snapshot, *, path=None):
     StorageLockedError
         A live writer holds ``path``.
     """
+    for name, v in (("snapshot", snapshot), ("path", path)):
+        if not isinstance(v, (str, os.PathLike)) and not (name == "path" and v is None):
+            raise InvalidTypeError(f"{name} must be a str or os.PathLike, got {type(v).__name__} {v!r:.80}")
     snap = Path(os.path.abspath(snapshot))
     body, cfg, layouts, state = inspect(snap)
     kind = cfg.storage
