@@ -362,7 +362,7 @@ def crafted(tmp_path, how):
             for k in ("observations", "actions", "rewards", "terminals"):
                 f.create_dataset(k, shape=(n,), dtype="f4", chunks=(1 << 16,), compression="gzip")
         elif how == "huge-row-shape":
-            del f["observations"]
+            del f["observations"], f["next_observations"]
             f.create_dataset("observations", shape=(25, 1 << 30, 1 << 20), dtype="f4",
                              chunks=(1, 1, 1 << 20), compression="gzip")
         elif how == "scalar-obs":
@@ -371,16 +371,31 @@ def crafted(tmp_path, how):
         elif how == "group-obs":
             del f["observations"]
             f.create_group("observations")
+        elif how == "minari-cycle":
+            for k in list(f):
+                del f[k]
+            g = f.create_group("episode_0")
+            g["observations/pos"] = np.zeros((4, 2))
+            g["observations/again"] = g["observations"]  # a hard link: the group holds itself
+            g["actions"] = np.zeros((3, 1))
+            g["rewards"] = np.zeros(3)
+            g["terminations"] = np.zeros(3, dtype=bool)
+            g["truncations"] = np.zeros(3, dtype=bool)
     return path
 
 
-@pytest.mark.parametrize("how", ["soft-loop", "compound-obs", "vlen-obs", "string-terminals",
-                                 "compound-terminals", "huge-rows", "huge-row-shape", "scalar-obs",
-                                 "group-obs"])
+CRAFTED = {"soft-loop": "too many links|cannot be", "compound-obs": "dtype", "vlen-obs": "dtype",
+           "string-terminals": "end flags must be", "compound-terminals": "end flags must be",
+           "huge-rows": "declares 1,125,899,906,842,624 transitions", "huge-row-shape": "declares rows of shape",
+           "scalar-obs": "no transitions", "group-obs": "needs a dataset 'observations'",
+           "minari-cycle": "reached twice"}
+
+
+@pytest.mark.parametrize("how", sorted(CRAFTED))
 def test_crafted_datasets_get_offline_dataset_error(tmp_path, how):
     path = crafted(tmp_path, how)
     before = fingerprint(tmp_path)
-    with pytest.raises(OfflineDatasetError):
+    with pytest.raises(OfflineDatasetError, match=CRAFTED[how]):
         no_hang(lambda: PRB.from_hdf5(path))
     assert fingerprint(tmp_path) == before
 

@@ -162,6 +162,51 @@ def test_chunks_out_of_row_order_are_mapped(tmp_path, chunk, runs):
         assert np.array_equal(buf._store.read("obs", idx), obs[idx])
 
 
+def test_long_runs_of_rows_in_every_run_are_read_with_pread(tmp_path):
+    """Rows of 8 KiB in chunks laid out in two runs (the second half of the rows written
+    first): a run of consecutive rows past 64 KiB is read with pread at its run's offset,
+    a short one copied from the map; both equal h5py's rows."""
+    path = tmp_path / "two-runs.hdf5"
+    write_d4rl(path, lengths=(30, 34), ends=("terminal", "timeout"), next_obs=False, extras=False)
+    n = 64
+    obs = np.random.default_rng(1).normal(size=(n, 2048)).astype(np.float32)
+    with h5py.File(path, "a") as f:
+        del f["observations"]
+        d = f.create_dataset("observations", shape=obs.shape, dtype=obs.dtype, chunks=(4, 2048))
+        d[32:] = obs[32:]
+        d[:32] = obs[:32]
+    with PRB.from_hdf5(path) as buf:
+        src = buf._store
+        col = src.columns["obs"]
+        assert col.runs is not None and len(col.runs) == 2 and col.runs_offset[1] < col.runs_offset[0]
+        calls = []
+        real = src._pread
+        src._pread = lambda off, out: (calls.append((off, out.shape[0])), real(off, out))[1]
+        for idx in (np.arange(5, 29), np.arange(36, 60), np.arange(3, 6), np.arange(33, 36)):
+            assert np.array_equal(src.read("obs", idx), obs[idx]), idx
+        assert [c[1] for c in calls] == [24, 24]  # only the long runs, one pread each
+        assert np.array_equal(src.read("obs", np.arange(20, 50)), obs[20:50])  # across both runs
+
+
+@pytest.mark.parametrize("fill", [0, 7])
+def test_unwritten_chunks_read_as_the_fill_value(tmp_path, fill):
+    """Chunks never written: the map serves zeros for fill 0, h5py the fill value otherwise."""
+    path = tmp_path / "sparse.hdf5"
+    data = write_d4rl(path, extras=False, next_obs=False)
+    with h5py.File(path, "a") as f:
+        del f["observations"]
+        d = f.create_dataset("observations", shape=(25, 3), dtype="f4", chunks=(4, 3), fillvalue=fill)
+        d[0:4] = data["observations"][0:4]  # the first and last rows written (the map's own
+        d[20:25] = data["observations"][20:25]  # check reads those), chunks between never
+        want = d[()]
+    assert (want[4:20] == fill).all() and np.array_equal(want[:4], data["observations"][:4])
+    with PRB.from_hdf5(path) as buf:
+        assert buf._store.columns["obs"].mapped_all == (fill == 0)
+        assert np.array_equal(buf._store.read("obs", np.arange(25)), want)
+        rows = np.array([0, 1, 5, 9, 13, 21, 24, 24])
+        assert np.array_equal(buf._store.read("obs", rows), want[rows])
+
+
 def test_big_endian_and_bool_datasets(tmp_path):
     path = tmp_path / "be.hdf5"
     n = 12
