@@ -193,6 +193,50 @@ def test_channel_last_with_colour_frames_round_trips():
         np.testing.assert_array_equal(s["next_observations"][b], added[t][1])
 
 
+@pytest.mark.parametrize("shape", [(4, 5, 3), (5, 3, 8)])
+def test_stacks_that_do_not_overlap_come_back_exactly(shape):
+    obs_space = spaces.Box(0, 255, shape, np.uint8)
+    rb = PrioritizedReplayBuffer(40, obs_space, spaces.Discrete(2), device="cpu", frame_stack=4, seed=2)
+    rng = np.random.default_rng(5)
+    added = []
+    for t in range(30):  # unrelated stacks: nothing to share, every frame stored
+        o, n = rng.integers(0, 256, size=(2, 1, *shape), dtype=np.uint8)
+        if t % 3 == 0:
+            n[0] = o[0]  # and some next stacks equal to their obs
+        rb.add(o, n, np.array([1]), np.array([t]), np.array([False]), [{}])
+        added.append((o[0], n[0]))
+    s = np_samples(rb.sample(128))
+    for b in range(128):
+        o, n = added[int(s["rewards"][b, 0])]
+        np.testing.assert_array_equal(s["observations"][b], o)
+        np.testing.assert_array_equal(s["next_observations"][b], n)
+
+
+def test_vecnormalize_env_is_applied_as_sb3_does():
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    venv = VecNormalize(DummyVecEnv([lambda: gym.make("CartPole-v1")]), gamma=0.99)
+    a = PrioritizedReplayBuffer(500, venv.observation_space, venv.action_space, device="cpu", seed=4)
+    b = PrioritizedReplayBuffer(500, venv.observation_space, venv.action_space, device="cpu", seed=4)
+    venv.reset()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        act = rng.integers(0, 2, size=1)
+        o = venv.get_original_obs()
+        _, _, done, infos = venv.step(act)
+        o2 = venv.get_original_obs().copy()
+        if done[0]:
+            o2[0] = venv.unnormalize_obs(infos[0]["terminal_observation"])
+        for rb in (a, b):
+            rb.add(o, o2, act, venv.get_original_reward(), done, infos)
+    raw, norm = np_samples(a.sample(16)), np_samples(b.sample(16, env=venv))
+    np.testing.assert_array_equal(norm["indices"], raw["indices"])
+    np.testing.assert_allclose(norm["observations"], venv.normalize_obs(raw["observations"]), rtol=1e-6)
+    np.testing.assert_allclose(norm["next_observations"], venv.normalize_obs(raw["next_observations"]), rtol=1e-6)
+    np.testing.assert_allclose(norm["rewards"], venv.normalize_reward(raw["rewards"]), rtol=1e-6)
+    assert not np.allclose(norm["observations"], raw["observations"])
+
+
 def test_cleanrl_style_dict_infos_and_explicit_truncations():
     obs_space = spaces.Box(-1, 1, (3,), np.float32)
     rb = PrioritizedReplayBuffer(20, obs_space, spaces.Discrete(2), "cpu", 2, True, False, n_steps=2)
