@@ -127,11 +127,15 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     frame_stack : int, optional
         Observations are stacks of this many frames; each frame is stored once.
     frame_axis : {"auto", "first", "last"}
-        Which axis holds the stack ("auto": SB3's rule, the smaller of first and last).
+        Which axis holds the stack ("auto": the one ``frame_stack`` divides; if
+        both, the smaller, as SB3 tells channel-first images).
     n_steps, gamma :
         n-step returns as SB3's ``NStepReplayBuffer`` computes them.
     snapshot_dir : str or Path, optional
         Where pickling writes its bigper snapshot (see the module docstring).
+
+    The bigper buffer is built (its storage opened) on first use, not here:
+    SB3's ``DQN.load`` builds a buffer that ``load_replay_buffer`` replaces.
     **bigper_kwargs :
         Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``, ...).
     """
