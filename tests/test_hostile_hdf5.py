@@ -26,6 +26,9 @@ SCRIPT = textwrap.dedent('''
 
     path, free, reopen, compression = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
     opts = {"storage_options": {"compression": compression}} if compression != "none" else {}
+    import inspect
+    if "mode" in inspect.signature(bigper.PrioritizedReplayBuffer.__init__).parameters:
+        opts["mode"] = "resume"  # reopening an existing path is asked for by name
     make = lambda: bigper.PrioritizedReplayBuffer(
         capacity=300, fields={"x": ((32,), np.float32)}, storage="hdf5", path=path, seed=0, **opts)
     buf = make()
