@@ -22,6 +22,8 @@ scipy_stats = pytest.importorskip("scipy.stats")
 import bigper  # noqa: E402
 from bigper.distributed import ShardedPrioritizedBuffer  # noqa: E402
 
+from ._ray_local import local_ray  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"x": ((3,), np.float32), "id": ((), np.int64)}
 SMALL = dict(num_cpus_per_shard=0.2, shard_timeout_s=20.0)
@@ -29,24 +31,8 @@ SMALL = dict(num_cpus_per_shard=0.2, shard_timeout_s=20.0)
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Workers import bigper from this checkout (they inherit the environment at init).
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, before) if p)
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,
-                 log_to_driver=False, configure_logging=False)
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    # Shared with test_ray_laptop (one start); test_ray_nodes stops it.
+    yield local_ray(__name__)
 
 
 def _data(ids, seed=0, end_every=0):
@@ -134,7 +120,7 @@ def test_uneven_shards_sample_the_global_law(cluster):
         leaves = prios ** alpha
         exact = leaves / leaves.sum()
         counts = np.zeros(3 * per)
-        for _ in range(25):
+        for _ in range(12):
             batch = buf.sample(4096)
             ids = batch["id"]
             np.add.at(counts, ids, 1)
@@ -293,3 +279,14 @@ def test_save_load_and_a_killed_shard(cluster, tmp_path):
         b = buf.sample(128)
         np.testing.assert_allclose(b.probabilities, 1.0 / snap_lens[victim], rtol=1e-9)
         np.testing.assert_allclose(b.weights, 1.0, rtol=1e-6)
+
+        # Every shard gone: sampling says so (not "nothing written"), within the timeout.
+        for bad in (0, -1.0, "soon", True):
+            with pytest.raises(ValueError, match="shard_timeout_s"):
+                buf.shard_timeout_s = bad
+        buf.shard_timeout_s = 1.0
+        ray.kill(buf.shard_actors[victim], no_restart=True)
+        t = time.monotonic()
+        with pytest.raises(bigper.ShardUnavailableError, match="none of the 2 shard"):
+            buf.sample(8)
+        assert time.monotonic() - t < 10

@@ -28,6 +28,7 @@ NODE = dict(num_cpus=1, object_store_memory=80 * 2**20)
 @pytest.fixture
 def nodes():
     """A head and two nodes; raylets inherit PYTHONPATH, so workers import this checkout."""
+    ray.shutdown()  # the local instance test_ray and test_ray_laptop share
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, before) if p)
     try:
@@ -74,7 +75,7 @@ class _Writer:
 def test_a_lost_node_restarts_its_shard_elsewhere_and_loses_only_its_new_writes(nodes, tmp_path):
     cluster, workers = nodes
     buf = ShardedPrioritizedBuffer(3, 30_000, FIELDS, alpha=1.0, eps=0.0, placement="SPREAD",
-                                   chunk_size=50, shard_timeout_s=3.0, recovery_dir=tmp_path / "rec")
+                                   chunk_size=50, recovery_dir=tmp_path / "rec")
     try:
         info = buf.shard_info()
         assert len({i["node"] for i in info}) == 3  # SPREAD: one shard a node
@@ -94,6 +95,7 @@ def test_a_lost_node_restarts_its_shard_elsewhere_and_loses_only_its_new_writes(
         rng = np.random.default_rng(0)
         for _ in range(3):
             buf.update_priorities(b := buf.sample(64), rng.uniform(0.5, 2.0, 64))
+        buf.shard_timeout_s = 1.0  # warm shards: the learner gives up on one after 1 s
         t0 = time.monotonic()
         cluster.remove_node(victim_node)
         samples_while_down, back, probe = 0, None, None
@@ -116,6 +118,7 @@ def test_a_lost_node_restarts_its_shard_elsewhere_and_loses_only_its_new_writes(
         assert i["restored_from"] == str(tmp_path / "snap" / f"shard-{victim}")
         assert i["node"] != victim_node.node_id
         assert samples_while_down > 10  # the learner was not held up by the lost shard
+        buf.shard_timeout_s = 10.0
         total = sum(ray.get(runs))
         assert total == 2 * 2100
         stored = np.array(ray.get([w.stored.remote() for w in writers])).sum(axis=0)

@@ -25,6 +25,9 @@ def draw(sh: ShardSet, rng: np.random.Generator, offsets: np.ndarray, n: int, be
     sh.reap(sh.max_in_flight)
     for _ in range(num_shards + 2):
         live = sh.live()
+        if not live:
+            raise ShardUnavailableError(f"cannot sample: none of the {num_shards} shard(s) answered "
+                                        f"within shard_timeout_s={sh.timeout:g} s")
         if len(live) == 1:
             batch = _one(sh, rng, offsets, live[0], n, beta, stratified, batch_norm)
             if batch is None:

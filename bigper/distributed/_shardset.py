@@ -103,8 +103,14 @@ class ShardSet:
         return back
 
     def live(self) -> list:
-        """Shards not known to be down."""
+        """Shards not known to be down. When every shard is down, wait up to
+        ``timeout`` for one of their probes to answer."""
         self.revive()
+        if all(self.down):
+            probes = [p for p in self._probes if p is not None]
+            if probes:
+                ray.wait(probes, num_returns=1, timeout=self.timeout)
+            self.revive()
         return [s for s in range(self.n) if not self.down[s]]
 
     def probe(self) -> dict:

@@ -75,7 +75,10 @@ class ShardedPrioritizedBuffer:
         Priority-update rows a shard may have waiting for its next call before
         they are sent on their own, and how many such calls may be unacknowledged.
     shard_timeout_s : float
-        How long ``sample`` waits for a shard before going on without it.
+        How long ``sample`` waits for a shard before going on without it. A
+        shard that Ray is restarting holds the calls made to it until it is
+        back, so after a lost node the learner waits this long once, then
+        samples the live shards; keep it well under a restart (seconds).
     max_restarts : int
         Ray restarts per shard (-1: unlimited).
     actor_options : dict, optional
@@ -102,7 +105,7 @@ class ShardedPrioritizedBuffer:
                            max_restarts=max_restarts)
         self.config, self.num_shards = cfg, o["num_shards"]
         self.fresh_totals = bool(fresh_totals)
-        self.shard_timeout_s = o["shard_timeout_s"]
+        self._timeout = o["shard_timeout_s"]
         self._caps = shard_capacities(cfg.capacity, self.num_shards)
         self._offsets = np.concatenate([[0], np.cumsum(self._caps)]).astype(np.int64)
         self._path = None if path is None else str(Path(path).absolute())
@@ -140,7 +143,7 @@ class ShardedPrioritizedBuffer:
         self._rng = np.random.default_rng(cfg.seed)
         self._schedule, self._beta_step = cfg.schedule, 0
         self._norm_batch = cfg.weight_norm == "batch"
-        self._set = ShardSet(self._shards, timeout=self.shard_timeout_s,
+        self._set = ShardSet(self._shards, timeout=self._timeout,
                              max_in_flight=o["max_updates_in_flight"],
                              max_pending=o["max_pending_updates"])
         self._writers = 1
@@ -153,6 +156,24 @@ class ShardedPrioritizedBuffer:
             self._beta_step, self._set.max_leaf = int(coord["beta_step"]), float(coord["max_leaf"])
 
     # -- sizes ---------------------------------------------------------------------
+    @property
+    def shard_timeout_s(self) -> float:
+        """How long a call waits for a shard before going on without it (settable:
+        e.g. generous while shards load their kernels, short once they run)."""
+        return self._timeout
+
+    @shard_timeout_s.setter
+    def shard_timeout_s(self, value) -> None:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            v = float("nan")
+        if isinstance(value, bool) or not v > 0:
+            raise InvalidArgumentError(f"shard_timeout_s must be > 0, got {value!r}")
+        self._timeout = v
+        if getattr(self, "_set", None) is not None:
+            self._set.timeout = v
+
     @property
     def capacity(self) -> int:
         return self.config.capacity
