@@ -535,3 +535,79 @@ def test_two_processes_open_one_dataset_at_once(tmp_path):
         if other.poll() is None:
             other.kill()
             other.wait()
+
+
+# -- bigper's own layout and Minari's metadata, crafted -------------------------------------------------
+def bigper_file(tmp_path):
+    path = tmp_path / "replay.h5"
+    buf = PRB(16, {"x": ((3,), np.float32)}, storage="hdf5", path=path)
+    for i in range(20):
+        buf.add(x=np.full(3, i, np.float32), terminated=i % 5 == 4)
+    buf.close()
+    return path
+
+
+def set_meta(path, fn):
+    with h5py.File(path, "a") as f:
+        raw = f["_bigper"].attrs["meta"]
+        meta = json.loads(raw)
+        out = fn(meta)
+        f["_bigper"].attrs["meta"] = out if out is not None else json.dumps(meta)
+
+
+BIGPER_META = {
+    "object-dtype": (lambda m: m["arrays"]["x"].update(dtype="|O"), "records array 'x'"),
+    "other-dtype": (lambda m: m["arrays"]["x"].update(dtype="<f8"), "records array 'x'"),
+    "other-shape": (lambda m: m["arrays"]["x"].update(shape=[300]), "records array 'x'"),
+    "shape-not-list": (lambda m: m["arrays"]["x"].update(shape=7), "shape 7"),
+    "path-name": (lambda m: m["arrays"].update({"../x": m["arrays"]["x"]}), "names array"),
+    "capacity-huge": (lambda m: m["config"].update(capacity=2 ** 60), "declares"),
+    "capacity-str": (lambda m: m["config"].update(capacity="16"), "capacity '16'"),
+    "arrays-list": (lambda m: m.update(arrays=[]), "no config or arrays"),
+    "not-json": (lambda m: "{not json", "cannot be read|JSON|Expecting"),
+    "deep-json": (lambda m: "[" * 100_000, "cannot be read|Recursion|JSON"),
+    "number-attr": (lambda m: np.int64(3), "not a JSON string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BIGPER_META))
+def test_crafted_bigper_layout_meta(tmp_path, case):
+    path = bigper_file(tmp_path)
+    fn, match = BIGPER_META[case]
+    set_meta(path, fn)
+    before = fingerprint(tmp_path)
+    with pytest.raises(OfflineDatasetError, match=match):
+        PRB.from_hdf5(path)
+    assert fingerprint(tmp_path) == before
+
+
+def test_a_huge_recorded_state_array_is_not_read(tmp_path):
+    path = bigper_file(tmp_path)
+    with h5py.File(path, "a") as f:
+        f["_bigper/state"].create_dataset("junk", shape=(1 << 40,), dtype="f8", chunks=(1 << 16,),
+                                          compression="gzip")
+    with pytest.raises(OfflineDatasetError, match="'junk'.*larger than any state"):
+        PRB.from_hdf5(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink-to-dev-zero", "not-json"])
+def test_minari_metadata_that_is_not_a_file_is_ignored_without_blocking(tmp_path, kind):
+    root = tmp_path / "ds"
+    (root / "data").mkdir(parents=True)
+    with h5py.File(root / "data" / "main_data.hdf5", "w") as f:
+        g = f.create_group("episode_0")
+        g["observations"] = np.arange(8.0).reshape(4, 2)
+        g["actions"] = np.zeros((3, 1))
+        g["rewards"] = np.ones(3)
+        g["terminations"] = np.array([False, False, True])
+        g["truncations"] = np.zeros(3, dtype=bool)
+    meta = root / "data" / "metadata.json"
+    if kind == "fifo":
+        os.mkfifo(meta)
+    elif kind == "symlink-to-dev-zero":
+        os.symlink("/dev/zero", meta)
+    else:
+        meta.write_text("[" * 100_000)
+    with no_hang(lambda: PRB.from_hdf5(root), [meta]) as buf:
+        assert len(buf) == 3
+        assert any("metadata.json ignored" in n for n in buf._store.notes)
