@@ -60,7 +60,8 @@ The coordinator is ``bigper.distributed.ray`` (its keywords checked in
 ``_options``); the shard actor ``_shard`` and its placement ``_placement``;
 writers ``_writer`` and where their chunks go ``_routing``; one sample call
 ``_draw`` and the arithmetic of draws and batches ``_sampling``; liveness and
-update routing ``_shardset``; sharded snapshots ``_manifest``.
+update routing ``_shardset`` (updates checked and split by shard in
+``_updates``); sharded snapshots ``_manifest``.
 """
 
 try:

@@ -23,7 +23,6 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..batch import Batch
-from .._ingest import as_index, as_priorities
 from ..config import Config
 from . import _manifest as M
 from . import _options
@@ -32,8 +31,9 @@ from ._sampling import shard_capacities
 from ._placement import start_shards, stop_shards
 from ._shard import shard_path
 from ._shardset import ShardSet
+from ._updates import split_updates
 from ._writer import ShardWriter
-from ..errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError
+from ..errors import InvalidArgumentError, InvalidTypeError
 
 
 class ShardedPrioritizedBuffer:
@@ -278,30 +278,8 @@ class ShardedPrioritizedBuffer:
         at most ``max_updates_in_flight`` such calls unacknowledged. An error a
         shard raises (a raw index never written) surfaces at a later call."""
         self._check_open()
-        if isinstance(target, Batch):
-            idx, stamps = target.indices, target.generations
-        else:
-            idx, stamps = as_index(target), None
-        p = as_priorities(priorities, idx.shape[0])
-        bad = np.flatnonzero(~((p >= 0) & (p < np.inf)))
-        if bad.shape[0]:
-            i = int(bad[0])
-            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[i]} at position {i}")
-        out = np.flatnonzero((idx < 0) | (idx >= self.capacity))
-        if out.shape[0]:
-            bad = int(out[0])
-            raise InvalidIndexError(f"indices[{bad}] = {idx[bad]} is out of range [0, capacity) "
-                             f"(capacity={self.capacity})")
-        if p.shape[0] == 0:
-            return
-        shard = np.searchsorted(self._offsets, idx, side="right") - 1
-        slots = idx - self._offsets[shard]
-        if self.num_shards == 1:
-            self._set.queue_update(0, slots, stamps, p)
-            return
-        for s in np.unique(shard):
-            sel = shard == s
-            self._set.queue_update(int(s), slots[sel], None if stamps is None else stamps[sel], p[sel])
+        for s, slots, stamps, p in split_updates(target, priorities, self._offsets, self.capacity):
+            self._set.queue_update(s, slots, stamps, p)
 
     # -- persistence ---------------------------------------------------------------------
     def save(self, snapshot) -> Path:
