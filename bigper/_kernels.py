@@ -329,3 +329,24 @@ def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
         if v > top:
             top = v
     return 0, -1, top
+
+
+@kernel
+def ring_rows(g0, capacity, terminated, truncated, slots, ends):
+    """Slots and end bits of ``m`` rows numbered from ``g0``: ``slots[r] =
+    (g0 + r) % capacity``, ``ends[r]`` bit 0 terminated, bit 1 truncated."""
+    for r in range(terminated.shape[0]):
+        slots[r] = (g0 + r) % capacity
+        ends[r] = (1 if terminated[r] else 0) | (2 if truncated[r] else 0)
+
+
+@kernel
+def commit_rows(g0, slots, ends, valid, state, gid, ends_arr, status):
+    """Record rows ``g0 ..`` at ``slots``: generation, end bits and status
+    (``state``, or 3 (dead) where ``valid`` is given and False)."""
+    use_valid = valid.shape[0] > 0
+    for r in range(slots.shape[0]):
+        s = slots[r]
+        gid[s] = g0 + r
+        ends_arr[s] = ends[r]
+        status[s] = 3 if use_valid and not valid[r] else state

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import nstep
-from ._kernels import batch_meta
+from ._kernels import batch_meta, commit_rows, ring_rows
 from ._ingest import Ingest, as_index, as_priorities
 from ._statecheck import check_state
 from .batch import Batch
@@ -41,6 +41,7 @@ _TRUNC = np.array([False, False, True, True])
 MODES = ("new", "resume", "overwrite")
 # Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
 MAX_BATCH = 1 << 24
+_NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 
 # Rooms above the buffer (snapshots, offline datasets) provide the entry points
 # that the buffer offers as methods (``save``, ``load``, ``from_hdf5``,
@@ -385,14 +386,18 @@ class PrioritizedReplayBuffer:
         c = cfg.capacity
         m = rows["terminated"].shape[0]
         g0 = self._count
-        gids = np.arange(g0, g0 + m, dtype=np.int64)
-        slots = gids % c
-        where = slots[0] if m == 1 else (slice(slots[0], slots[0] + m) if slots[0] + m <= c else slots)
-        ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
+        slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
+        ring_rows(g0, c, rows["terminated"], rows["truncated"], slots, ends)
+        s0 = int(slots[0])
+        where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
+        rw = self._writable()
         for name in self._plain:
-            self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
+            if rw is None:
+                self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
+            else:
+                rw[name][where] = rows[name][0] if m == 1 else rows[name]
         if self._frames is not None:
-            self._frames.write(rows, gids, slots, where, ends, valid)
+            self._frames.write(rows, g0, slots, where, ends, valid, rw)
         if keys is None:
             keys = np.full(m, self._max_leaf)
         else:
@@ -400,13 +405,9 @@ class PrioritizedReplayBuffer:
             counted = keys if valid is None else keys[valid]
             if counted.shape[0]:
                 self._max_leaf = max(self._max_leaf, float(counted.max()))
-        self._gid[slots] = gids
-        self._ends[slots] = ends
+        commit_rows(g0, slots, ends, _NO_VALID if valid is None else valid,
+                    LIVE if cfg.n_step == 1 else PENDING, self._gid, self._ends, self._status)
         self._count = g0 + m
-        status = LIVE if cfg.n_step == 1 else PENDING
-        if valid is not None:
-            status = np.where(valid, status, DEAD).astype(np.uint8)
-        self._status[slots] = status
         if cfg.n_step == 1:
             if valid is None:
                 self._prio.insert(slots, keys)  # replaces what the slots held
@@ -428,6 +429,17 @@ class PrioritizedReplayBuffer:
             dead = self._frames.expire(self._count, self._gid, self._status)
             if dead.shape[0]:
                 self._prio.remove(dead)
+
+    def _writable(self):
+        """The storage's writable arrays by name, where it has plain ones: the
+        memory storage's, or the memmap storage's (its copy-on-write chunks were
+        made private by ``prepare`` before any write); else None (HDF5)."""
+        store = self._store
+        if store.kind == "memory":
+            return store.arrays
+        if store.kind == "memmap":
+            return getattr(store, "_rw", None)
+        return None
 
     # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:

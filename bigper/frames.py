@@ -55,14 +55,16 @@ def _same(a, b):
 
 
 @kernel
-def _new_frame(src, dst, n_new, fw):
-    dst[n_new, :] = src
+def _new_frame(src, dst, n_new, fw, ring):
+    # ring > 0: dst is the frame ring itself (ring rows), frame fw goes to row fw % ring;
+    # else dst collects the new frames in order.
+    dst[fw % ring if ring > 0 else n_new, :] = src
     return fw + 1, n_new + 1
 
 
 @kernel
 def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
-                obs_ref, next_ref, new_frames, slots, minref):
+                obs_ref, next_ref, new_frames, slots, minref, ring=0):
     """Frame references for ``m`` transitions, in order.
 
     ``obs``, ``nxt``: (m, k, P) uint8 bytes of the stacks; ``env``: (m,) env
@@ -74,7 +76,10 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
     otherwise it is copied into ``new_frames`` and numbered from ``fw``.
     Rows with ``valid`` False (reset steps of next-step autoreset) store
     nothing and get the reference -1. ``minref[slots[r]]`` gets row r's
-    oldest reference. Returns the new frame count.
+    oldest reference. Returns the new frame count. With ``ring`` > 0,
+    ``new_frames`` is the frame ring (``ring`` rows) and each new frame is
+    written straight to its row: frames are compared with the input and with
+    ``last_frames``, never read back from the ring, so the result is the same.
     """
     m, k = obs.shape[0], obs.shape[1]
     n_new = 0
@@ -94,7 +99,7 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
                 obs_ref[r, j] = obs_ref[r, j - 1]
             else:
                 obs_ref[r, j] = fw
-                fw, n_new = _new_frame(obs[r, j], new_frames, n_new, fw)
+                fw, n_new = _new_frame(obs[r, j], new_frames, n_new, fw, ring)
         if has_next:
             for j in range(k):
                 if j < k - 1 and _same(nxt[r, j], obs[r, j + 1]):
@@ -103,7 +108,7 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
                     next_ref[r, j] = next_ref[r, j - 1]
                 else:
                     next_ref[r, j] = fw
-                    fw, n_new = _new_frame(nxt[r, j], new_frames, n_new, fw)
+                    fw, n_new = _new_frame(nxt[r, j], new_frames, n_new, fw, ring)
             last_frames[e] = nxt[r]
             last_ref[e] = next_ref[r]
         else:
@@ -116,6 +121,25 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
             if has_next:
                 lo = min(lo, next_ref[r, j])
         minref[slots[r]] = lo
+    return fw
+
+
+@kernel
+def _write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
+                  oref, nref, ring, slots, minref, F):
+    """``assign_refs`` writing new frames into the ring and the references of
+    row ``r`` into ``oref[slots[r]]``/``nref[slots[r]]``; returns the new frame count."""
+    m, k = obs.shape[0], obs.shape[1]
+    obs_ref = np.empty((m, k), dtype=np.int64)
+    next_ref = np.empty((m, k), dtype=np.int64)
+    fw = assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
+                     obs_ref, next_ref, ring, slots, minref, F)
+    for r in range(m):
+        s = slots[r]
+        for j in range(k):
+            oref[s, j] = obs_ref[r, j]
+            if has_next:
+                nref[s, j] = next_ref[r, j]
     return fw
 
 
@@ -185,13 +209,30 @@ class FrameStore:
         flat = np.ascontiguousarray(stacks).reshape(m, self.k, -1).view(np.uint8)
         return flat.view(self.word)
 
-    def write(self, rows: dict, gids, slots, where, ends: np.ndarray, valid=None) -> None:
+    def write(self, rows: dict, g0: int, slots, where, ends: np.ndarray, valid=None, rw=None) -> None:
         """Store the frames of ``rows["obs"]``/``rows["next_obs"]`` that are
-        new and the references of every row at ``where`` (slots ``slots``)."""
+        new and the references of every row at ``where`` (slots ``slots``);
+        the rows are transitions ``g0, g0 + 1, ...``.
+
+        ``rw``: the storage's writable arrays by name (memory, or memmap after
+        ``prepare``), when it has them: frames and references are then written
+        in place by the kernel, without a staging copy and the storage's calls.
+        """
         m = ends.shape[0]
         obs = self._words(rows["obs"])
         nxt = self._words(rows["next_obs"]) if self.has_next else obs
-        env = gids % self.num_envs
+        env = (np.arange(g0, g0 + m, dtype=np.int64) % self.num_envs if self.num_envs > 1
+               else np.zeros(m, np.int64))
+        if rw is not None:
+            ok = (_ALL_VALID[:m] if m <= _ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
+                if valid is None else valid
+            ring = rw["frames"].reshape(self.F, -1).view(self.word)
+            oref = rw["obs_ref"]
+            nref = rw["next_obs_ref"] if self.has_next else oref
+            # Rows go straight to their slots: refs are written row by row at slots[r].
+            self.fw = _write_direct(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
+                                    self.fw, self.has_next, oref, nref, ring, slots, self.minref, self.F)
+            return
         obs_ref = np.empty((m, self.k), dtype=np.int64)
         next_ref = np.empty((m, self.k), dtype=np.int64)
         new = np.empty((2 * m * self.k, self.row_words), dtype=self.word)
