@@ -66,9 +66,50 @@ def test_sac_smoke(tmp_path, flags, kind):
         assert "beta 1.000" in out  # annealed to 1 by the last sample call
 
 
-def test_resume_smoke(tmp_path):
-    out = _run(tmp_path, "bigper.examples.resume", "--smoke", "--path", str(tmp_path / "run"))
+@pytest.mark.parametrize("kind", ["proportional", pytest.param("rank", marks=pytest.mark.slow)])
+def test_resume_smoke(tmp_path, kind):
+    out = _run(tmp_path, "bigper.examples.resume", "--smoke", "--path", str(tmp_path / "run"),
+               "--prioritization", kind)
+    assert f"{kind} prioritization" in out
     assert "killed by SIGKILL (exit code -9)" in out
     assert "resumed at step" in out
     assert "the continuation matches the run that was never killed, bit for bit" in out
     assert list((tmp_path / "run" / "victim" / "snaps").glob("snap-*"))
+
+
+def _tree(root: Path) -> list:
+    return sorted((str(p.relative_to(root)), p.is_dir(), None if p.is_dir() else p.read_bytes())
+                  for p in root.rglob("*"))
+
+
+def test_resume_run_directory_reuse(tmp_path):
+    """What a second run with the same --path finds: its own earlier run is
+    replaced (only the entries it writes), anything else is refused untouched."""
+    from bigper.examples.resume import MARKER, _prepare
+
+    run = tmp_path / "run"
+    assert _prepare(run) is None and (run / MARKER).is_file()
+    for d in ("reference/replay", "victim/snaps/snap-00000001"):
+        (run / d).mkdir(parents=True)
+        (run / d / "f.bin").write_bytes(b"x")
+    (run / "victim.jsonl").write_text("{}\n")
+    assert _prepare(run) is None
+    assert sorted(p.name for p in run.iterdir()) == [MARKER]
+    (run / "notes.txt").write_text("mine")
+    (run / "victim").mkdir()
+    before = _tree(run)
+    assert "notes.txt" in _prepare(run) and _tree(run) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.csv").write_text("x")
+    r = _fails(tmp_path, "bigper.examples.resume", "--smoke", "--path", str(other))
+    assert r.returncode == 2 and "not written by this script" in r.stderr
+    assert _tree(other) == [("data.csv", False, b"x")]
+
+
+@pytest.mark.slow
+def test_resume_runs_twice_in_one_directory(tmp_path):
+    run = tmp_path / "run"
+    _run(tmp_path, "bigper.examples.resume", "--smoke", "--path", str(run))
+    out = _run(tmp_path, "bigper.examples.resume", "--smoke", "--path", str(run))
+    assert "replaced the previous run" in out and "bit for bit" in out

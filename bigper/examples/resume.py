@@ -4,6 +4,7 @@
 
     python -m bigper.examples.resume            # 10k steps, killed somewhere past the middle
     python -m bigper.examples.resume --smoke    # a short run (CI)
+    python -m bigper.examples.resume --prioritization rank   # the same with rank-based PER
 
 This script is the parent of three training processes (the same code, this
 file with ``--role train``), each Double DQN with prioritized replay on
@@ -28,6 +29,12 @@ the sampler's RNG and the beta schedule's position; the learner's state (both
 networks, Adam's moments, counters, the exploration RNG) is written, without
 pickle, just before each buffer snapshot; the environment is reset with a
 seed derived from the episode number, and snapshots are taken at episode ends.
+
+With ``--path``, the run directory is kept; running again with the same
+``--path`` replaces what the previous run of this script wrote there (it
+leaves a marker file, ``.bigper-resume-example``, and removes only its own
+entries) and refuses a directory it did not create. Each fresh buffer is
+created with ``mode="new"``, so it never reopens an earlier run's data.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ def parse_args(argv=None):
                                                "(default: a random step between 40%% and 80%% of --steps)")
     p.add_argument("--learning-starts", type=int, default=500)
     p.add_argument("--path", help="run directory (default: a temporary one, removed at the end)")
+    p.add_argument("--prioritization", choices=("proportional", "rank"), default="proportional",
+                   help="P(i) from the priority (proportional, default) or from its rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="a short run (CI)")
     # internal: a training process
@@ -106,7 +115,8 @@ def train(args) -> int:
         buf = bigper.PrioritizedReplayBuffer(
             args.steps, {"obs": ((4,), np.float32), "action": ((), np.int64), "reward": ((), np.float32)},
             n_step=3, gamma=0.99, alpha=0.6, beta=bigper.LinearSchedule(0.4, 1.0, args.steps),
-            storage="memmap", path=run / "replay", seed=args.seed)
+            prioritization=args.prioritization, storage="memmap", path=run / "replay", mode="new",
+            seed=args.seed)
     env = gym.make("CartPole-v1")
     next_snap = (step // args.snapshot_every + 1) * args.snapshot_every if snaps else None
     with open(args.log, "a", buffering=1) as log:
@@ -158,7 +168,7 @@ def _read(log: Path) -> list:
 def _child(args, run: Path, log: Path, *extra) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "bigper.examples.resume", "--role", "train", "--run", str(run),
            "--log", str(log), "--steps", str(args.steps), "--learning-starts", str(args.learning_starts),
-           "--seed", str(args.seed), *extra]
+           "--seed", str(args.seed), "--prioritization", args.prioritization, *extra]
     return subprocess.Popen(cmd)
 
 
@@ -173,10 +183,42 @@ def _last_step(log: Path) -> int:
         return 0
 
 
+MARKER = ".bigper-resume-example"
+OWN = ("reference", "victim", "reference.jsonl", "victim.jsonl", "resumed.jsonl")
+
+
+def _prepare(root: Path) -> str | None:
+    """An empty run directory: a new one, or one a previous run of this script
+    left (only its own entries are removed). None, or why not."""
+    if root.exists() and not root.is_dir():
+        return f"--path {root} exists and is not a directory"
+    if root.is_dir() and any(root.iterdir()):
+        if not (root / MARKER).is_file():
+            return (f"--path {root} is not empty and was not written by this script "
+                    f"(no {MARKER}); choose a new run directory")
+        others = sorted(p.name for p in root.iterdir() if p.name not in OWN + (MARKER,))
+        if others:
+            return f"--path {root} holds entries this script did not write ({', '.join(others)}); left as is"
+        for name in OWN:
+            p = root / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        print(f"replaced the previous run in {root}", flush=True)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).write_text("written by python -m bigper.examples.resume\n")
+    return None
+
+
 def parent(args) -> int:
     tmp = None if args.path else tempfile.mkdtemp(prefix="bigper-resume-")
     root = Path(args.path or tmp)
-    root.mkdir(parents=True, exist_ok=True)
+    problem = _prepare(root)
+    if problem:
+        print(f"resume: {problem}", file=sys.stderr)
+        return 2
+    print(f"{args.prioritization} prioritization, run directory {root}", flush=True)
     kill_at = args.kill_at or int(np.random.default_rng().integers(int(0.4 * args.steps), int(0.8 * args.steps)))
     try:
         t0 = time.perf_counter()
