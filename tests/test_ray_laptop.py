@@ -189,7 +189,8 @@ def test_sharded_manifest_refuses_what_is_not_its_own(tmp_path):
     (snap / "shard-0").mkdir()
     body = {"format": M.FORMAT, "version": M.VERSION, "num_shards": 1, "capacities": [10],
             "config": {"capacity": 10}, "path": None,
-            "coordinator": {"rng": {}, "beta_step": 0, "max_leaf": 1.0}, "shards": [{}]}
+            "coordinator": {"rng": np.random.default_rng(0).bit_generator.state, "beta_step": 0,
+                            "max_leaf": 1.0}, "shards": [{}]}
     (snap / "manifest.json").write_bytes(M.encode(body))
     assert M.read_manifest(snap)["num_shards"] == 1
 
@@ -204,6 +205,11 @@ def test_sharded_manifest_refuses_what_is_not_its_own(tmp_path):
         (M.encode(dict(body, num_shards=2, capacities=[5, 5])), bigper.CorruptSnapshotError, "lacks shard-1"),
         (M.encode({k: v for k, v in body.items() if k != "coordinator"}), bigper.CorruptSnapshotError,
          "lacks or mangles"),
+        (M.encode(dict(body, num_shards=10**9)), bigper.IncompatibleSnapshotError, "capacities"),
+        (M.encode(dict(body, coordinator={"rng": {"bit_generator": "MT"}, "beta_step": 0, "max_leaf": 1})),
+         bigper.CorruptSnapshotError, "mangles"),
+        (M.encode(dict(body, coordinator=dict(body["coordinator"], max_leaf=float("nan")))),
+         bigper.CorruptSnapshotError, "mangles"),
         (M.encode(body)[:-30], bigper.CorruptSnapshotError, "checksum"),
         (b"[" * 100_000, bigper.CorruptSnapshotError, "checksum"),
     ]

@@ -32,6 +32,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from ..errors import (
@@ -126,10 +127,16 @@ def read_manifest(snapshot) -> dict:
 
     try:
         n, cap, caps = int(m["num_shards"]), int(m["config"]["capacity"]), list(m["capacities"])
-        m["coordinator"]["rng"], m["coordinator"]["beta_step"], m["coordinator"]["max_leaf"]
-        ok = 1 <= n <= cap and shard_capacities(cap, n).tolist() == caps
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptSnapshotError(f"{snapshot}: manifest lacks or mangles a field ({e!r})") from None
+        coord = m["coordinator"]
+        # The coordinator's state must apply before any shard starts.
+        np.random.default_rng().bit_generator.state = coord["rng"]
+        step, leaf = coord["beta_step"], float(coord["max_leaf"])
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not 0 < leaf < np.inf:
+            raise ValueError(f"beta_step={step!r}, max_leaf={leaf!r}")
+        # caps has as many entries as the file had room for: compare its length first.
+        ok = len(caps) == n and 1 <= n <= cap and shard_capacities(cap, n).tolist() == caps
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise CorruptSnapshotError(f"{snapshot}: manifest lacks or mangles a field ({str(e)[:200]!r})") from None
     if not ok:
         raise IncompatibleSnapshotError(f"{snapshot}: shard capacities {caps} do not "
                                         f"split capacity {cap} the way this bigper does")

@@ -33,7 +33,7 @@ from ._shard import shard_path
 from ._shardset import ShardSet
 from ._updates import split_updates
 from ._writer import ShardWriter
-from ..errors import InvalidArgumentError, InvalidTypeError
+from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError, InvalidTypeError
 
 
 class ShardedPrioritizedBuffer:
@@ -311,8 +311,14 @@ class ShardedPrioritizedBuffer:
         (so ``Snapshots.load_latest`` falls back to the previous one).
         """
         m = M.read_manifest(snapshot)
-        cfg = Config.from_dict(m["config"])
-        fields = {n: (s, d) for n, (s, d) in cfg.fields.items()}
+        try:  # a crafted config is the snapshot's fault, named as such
+            cfg = Config.from_dict(m["config"])
+            fields = {n: (s, d) for n, (s, d) in cfg.fields.items()}
+        except Exception as e:
+            raise IncompatibleSnapshotError(f"{snapshot}: its config is not valid for this bigper: "
+                                            f"{str(e)[:200]}") from None
+        if path is None and m["path"] is not None and not isinstance(m["path"], str):
+            raise CorruptSnapshotError(f"{snapshot}: manifest path is {m['path']!r}, not a string")
         return cls(m["num_shards"], cfg.capacity, fields, frame_stack=cfg.frame_stack,
                    n_step=cfg.n_step, gamma=cfg.gamma, alpha=cfg.alpha, eps=cfg.eps,
                    max_priority=cfg.max_priority, beta=cfg.schedule, weight_norm=cfg.weight_norm,
