@@ -12,8 +12,6 @@ import io
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -26,7 +24,7 @@ from bigper.errors import BigperError, IncompatibleSnapshotError, PathExistsErro
 from bigper.storage._files import FileLock, open_regular, read_json, read_regular, write_json
 
 from ._storage_cases import AGENT_FIELDS, DISK, AgentPool, open_buffer, where
-from .test_hostile_snapshot import deadline, fingerprint
+from ._hostile_snapshot_cases import deadline, fingerprint
 
 
 def _add(buf, n):
@@ -203,32 +201,30 @@ def agents():
 
 
 @pytest.mark.parametrize("kind", DISK)
-def test_storage_locked_error_names_this_process_or_the_holders_pid(kind, tmp_path, agents):
+def test_storage_locked_error_names_this_process_or_the_holders_pid(kind, tmp_path, agents, capsys):
     path = where(kind, tmp_path)
     buf = open_buffer(kind, path, 16, AGENT_FIELDS)
     with pytest.raises(StorageLockedError, match=f"this process \\(pid {os.getpid()}\\)"):
         open_buffer(kind, path, 16, AGENT_FIELDS, mode="resume")
     buf.close()
     agent = agents.take()
+    lock = path / ".lock" if kind == "memmap" else path.with_name(path.name + ".lock")
     try:
         assert agent.ask(f"open {kind} {path} writer") == "ok"
         with pytest.raises(StorageLockedError, match=f"process {agent.proc.pid}"):
             open_buffer(kind, path, 16, AGENT_FIELDS, mode="resume")
-        lock = path / ".lock" if kind == "memmap" else path.with_name(path.name + ".lock")
         assert FileLock.holder_pid(lock) == agent.proc.pid
         # verify: in use, by which PID, a distinct exit code; never "CORRUPT"
-        out = subprocess.run([sys.executable, "-m", "bigper", "verify", str(path)],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 3, out
-        assert "IN USE" in out.stdout and str(agent.proc.pid) in out.stdout
-        assert "CORRUPT" not in out.stdout
+        capsys.readouterr()
+        assert main(["verify", str(path)]) == 3
+        out = capsys.readouterr().out
+        assert "IN USE" in out and str(agent.proc.pid) in out and "CORRUPT" not in out, out
     finally:
         agent.kill()
     assert FileLock.holder_pid(lock) is None
     # its writer died: unclean, which verify says (exit 1), and it is not "in use"
-    out = subprocess.run([sys.executable, "-m", "bigper", "verify", str(path)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "UNCLEAN" in out.stdout, out
+    assert main(["verify", str(path)]) == 1
+    assert "UNCLEAN" in capsys.readouterr().out
 
 
 def test_verify_a_closed_storage_is_ok(tmp_path, capsys):
@@ -239,13 +235,14 @@ def test_verify_a_closed_storage_is_ok(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["info", "verify"])
-def test_help_shows_the_path_argument(command):
-    out = subprocess.run([sys.executable, "-m", "bigper", command, "--help"], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0
-    assert "path" in out.stdout and "snapshot directory" in out.stdout, out.stdout
+def test_help_shows_the_path_argument(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "path" in out and "snapshot directory" in out, out
     if command == "verify":
-        assert "exit status" in out.stdout and "3" in out.stdout
+        assert "exit status" in out and "3 a live buffer" in out
 
 
 def test_a_lock_file_that_is_a_fifo_or_symlink_is_refused(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,48 @@ from ._files import fsync_dir, open_regular, read_regular
 
 # Names of the buffer's state arrays (``state/<name>.npy``): plain identifiers.
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,99}$")
+_ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,127}$")  # config.check_name's field names
+_BIG = 1 << 62
+
+
+def entry_kind(path: Path) -> str:
+    """"file", "dir" or "other" (a symlink, FIFO, socket, device), without following links."""
+    mode = os.lstat(path).st_mode
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+def check_arrays(arrays, where) -> dict:
+    """The ``arrays`` record of a meta.json (name -> rows, shape, dtype,
+    chunk_rows), checked so that mapping it can neither overflow nor
+    reach outside ``data/``; ``CorruptSnapshotError`` otherwise."""
+    def bad(what):
+        raise CorruptSnapshotError(f"{where}/meta.json: {what}")
+
+    if not isinstance(arrays, dict):
+        bad(f"arrays must be a dict, got {type(arrays).__name__}")
+    for name, rec in arrays.items():
+        if not isinstance(name, str) or not _ARRAY_NAME.match(name):
+            bad(f"array name {name[:80]!r} is not a plain name")
+        if not isinstance(rec, dict):
+            bad(f"arrays[{name!r}] must be a dict")
+        rec.setdefault("chunk_rows", rec.get("rows"))  # written before chunks: one each
+        ints = [rec.get("rows"), rec.get("chunk_rows")] + (rec["shape"] if isinstance(rec.get("shape"), list) else [None])
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v < _BIG for v in ints):
+            bad(f"arrays[{name!r}] needs rows, chunk_rows and shape of ints >= 1")
+        try:
+            dt = np.dtype(rec.get("dtype"))
+        except Exception:  # noqa: BLE001
+            bad(f"arrays[{name!r}] has dtype {str(rec.get('dtype'))[:40]!r}")
+        if dt.hasobject or dt.fields is not None or dt.shape or dt.kind not in "biufc":
+            bad(f"arrays[{name!r}] has dtype {dt}, not a numeric one")
+        n = rec["rows"] * dt.itemsize
+        for d in rec["shape"]:
+            n *= d
+        if n >= _BIG:
+            bad(f"arrays[{name!r}] declares {n} bytes")
+    return arrays
+
+
 
 
 def npy_from_bytes(raw, where) -> np.ndarray:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import stat
 import uuid
 from pathlib import Path
 
@@ -53,52 +52,13 @@ from ..errors import (
 )
 from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
 from ._files import FileLock, fsync_dir, open_regular, preallocate, read_json, write_json
-from ._state import STATE_NAME, check_meta, load_state_dir, save_state_dir
+from ._state import STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
 VERSION = 1  # chunk files arrived before any release; one chunk is the original layout
 # What a storage directory may hold; takeover refuses a directory with anything else.
 _OWN = {"meta.json": "file", ".meta.json.tmp": "file", ".lock": "file", "data": "dir", "state": "dir"}
 _TRASH = re.compile(r"^\.trash-[0-9a-f]{12}$")
-_BIG = 1 << 62
-_ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,127}$")  # config.check_name's field names
-
-
-def _kind(path: Path) -> str:
-    mode = os.lstat(path).st_mode
-    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
-
-
-def check_arrays(arrays, where) -> dict:
-    """The ``arrays`` record of a meta.json (name -> rows, shape, dtype,
-    chunk_rows), checked so that mapping it can neither overflow nor
-    reach outside ``data/``; ``CorruptSnapshotError`` otherwise."""
-    def bad(what):
-        raise CorruptSnapshotError(f"{where}/meta.json: {what}")
-
-    if not isinstance(arrays, dict):
-        bad(f"arrays must be a dict, got {type(arrays).__name__}")
-    for name, rec in arrays.items():
-        if not isinstance(name, str) or not _ARRAY_NAME.match(name):
-            bad(f"array name {name[:80]!r} is not a plain name")
-        if not isinstance(rec, dict):
-            bad(f"arrays[{name!r}] must be a dict")
-        rec.setdefault("chunk_rows", rec.get("rows"))  # written before chunks: one each
-        ints = [rec.get("rows"), rec.get("chunk_rows")] + (rec["shape"] if isinstance(rec.get("shape"), list) else [None])
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v < _BIG for v in ints):
-            bad(f"arrays[{name!r}] needs rows, chunk_rows and shape of ints >= 1")
-        try:
-            dt = np.dtype(rec.get("dtype"))
-        except Exception:  # noqa: BLE001
-            bad(f"arrays[{name!r}] has dtype {str(rec.get('dtype'))[:40]!r}")
-        if dt.hasobject or dt.fields is not None or dt.shape or dt.kind not in "biufc":
-            bad(f"arrays[{name!r}] has dtype {dt}, not a numeric one")
-        n = rec["rows"] * dt.itemsize
-        for d in rec["shape"]:
-            n *= d
-        if n >= _BIG:
-            bad(f"arrays[{name!r}] declares {n} bytes")
-    return arrays
 
 
 class MemmapStorage:
@@ -202,9 +162,9 @@ class MemmapStorage:
         recorded = previous.get("state_files") if previous else None
         for entry in sorted(os.listdir(self.path)):
             if entry in _OWN:
-                if _kind(self.path / entry) != _OWN[entry]:
+                if entry_kind(self.path / entry) != _OWN[entry]:
                     foreign(f"{entry!r} (not a plain {_OWN[entry]})")
-            elif not (_TRASH.match(entry) and _kind(self.path / entry) == "dir"):
+            elif not (_TRASH.match(entry) and entry_kind(self.path / entry) == "dir"):
                 foreign(repr(entry))
         for sub in ("data", "state"):
             if not (self.path / sub).is_dir():
@@ -217,7 +177,7 @@ class MemmapStorage:
                         (stem in recorded if isinstance(recorded, list) else previous is not None)
                 else:
                     ok = entry in names["data"]
-                if not ok or _kind(self.path / sub / entry) != "file":
+                if not ok or entry_kind(self.path / sub / entry) != "file":
                     foreign(f"{sub}/{entry!r}")
         return previous
 
