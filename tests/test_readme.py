@@ -37,3 +37,18 @@ def test_readme_example_runs_twice_as_written(tmp_path):
     assert "loaded snap-00000002: 2000 transitions, {'added': 2000}" in second
     snaps = sorted(p.name for p in (tmp_path / "runs/pong/snaps").glob("snap-*"))
     assert snaps == ["snap-00000001", "snap-00000002"]
+
+
+def test_readme_lists_every_error_with_its_bases():
+    import inspect
+
+    import bigper.errors as errors
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Errors\n"):]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, re.M))
+    classes = {n: c for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, Exception)
+               and c.__module__ == errors.__name__}
+    assert set(rows) == set(classes)
+    for name, cls in classes.items():
+        assert [b.strip(" `") for b in rows[name].split(",")] == [b.__name__ for b in cls.__bases__], name
