@@ -88,12 +88,17 @@ def _info_storage(path: Path, args) -> int:
     if not isinstance(meta, dict):
         print(f"bigper info: {path}/meta.json is not a bigper storage record", file=sys.stderr)
         return 1
+    from .storage._state import check_arrays
+
+    check_arrays(meta.get("arrays", {}), path)  # CorruptSnapshotError for a crafted record
     if args.json:
         _print_json({k: v for k, v in meta.items() if k != "state"})
         return 0
-    cfg, state = meta.get("config", {}), meta.get("state") or {}
-    cap = cfg.get("capacity", 0)
-    n = min(state.get("count", 0), cap)
+    cfg, state = meta.get("config"), meta.get("state")
+    cfg, state = (cfg if isinstance(cfg, dict) else {}), (state if isinstance(state, dict) else {})
+    num = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else 0  # noqa: E731
+    cap = num(cfg.get("capacity"))
+    n = min(num(state.get("count")), cap)
     size = sum(p.stat().st_size for p in (path / "data").iterdir()) if (path / "data").is_dir() else 0
     print(f"{path}: a live {meta.get('format')} storage, version {meta.get('version')}, "
           f"{'closed cleanly' if meta.get('clean') else 'OPEN or its writer died (resume from a snapshot)'}")

@@ -290,3 +290,13 @@ def test_a_snapshots_root_with_a_planted_lock_or_leftover_link_is_safe(tmp_path)
     with deadline():
         with pytest.raises(CorruptSnapshotError):
             Snapshots(root).latest() or Snapshots(root).load_latest()
+
+
+@pytest.mark.parametrize("case", sorted(META_LIES) + sorted(STATE_LIES))
+def test_info_on_a_crafted_storage_answers_without_a_traceback(case, tmp_path, capsys):
+    path = _closed_memmap(tmp_path)
+    _meta_change(path, {**META_LIES, **STATE_LIES}[case])
+    before = fingerprint(path)
+    assert main(["info", str(path)]) in (0, 1)
+    assert main(["verify", str(path)]) == 1
+    assert fingerprint(path) == before
