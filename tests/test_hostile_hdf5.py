@@ -120,3 +120,60 @@ def test_close_with_room_records_the_state(tmp_path):
     path = tmp_path / "r.h5"
     got = run(SCRIPT.replace("left = st.f_bavail * st.f_frsize - free", "left = 0"), path, 0, 1, "none")
     assert got["closed"] is True and got["reopen"] == {"len": 60, "rows_ok": True}
+
+
+# -- what is at the storage path ----------------------------------------------------------------------
+def fingerprint(root) -> dict:
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            out[p] = (stat_kind(st), open(p, "rb").read() if os.path.isfile(p) and not os.path.islink(p) else None)
+    return out
+
+
+def stat_kind(st):
+    import stat
+
+    return stat.S_IFMT(st.st_mode)
+
+
+@pytest.mark.parametrize("kind, err", [
+    ("fifo", bigper.errors.PathExistsError), ("text", bigper.errors.PathExistsError),
+    ("other-hdf5", bigper.IncompatibleSnapshotError), ("meta-not-json", bigper.CorruptSnapshotError),
+    ("meta-deep-json", bigper.CorruptSnapshotError)])
+def test_hdf5_storage_path_holding_something_else(tmp_path, kind, err):
+    """Opened by the storage itself (the buffer may look first): refused without blocking,
+    the file untouched, no lock of bigper's left beside it."""
+    import threading
+
+    from bigper.storage.hdf5 import HDF5Storage
+
+    path = tmp_path / "replay.h5"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "text":
+        path.write_text("my notes\n")
+    else:
+        with h5py.File(path, "w") as f:
+            f["data"] = np.arange(5)
+            if kind != "other-hdf5":
+                f.create_group("_bigper").attrs["meta"] = "{oops" if kind == "meta-not-json" else "[" * 100_000
+    before = fingerprint(tmp_path)
+    box = {}
+
+    def go():
+        try:
+            HDF5Storage(path).open({})
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("blocked on a FIFO at the storage path")
+    assert isinstance(box.get("e"), err), box
+    assert fingerprint(tmp_path) == before

@@ -23,9 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ._files import FileLock, fsync_dir, preallocate
+from ._files import FileLock, fsync_dir, open_regular, preallocate
 from ._state import check_meta
-from ..errors import InvalidArgumentError, PathNotFoundError
+from ..errors import (
+    CorruptSnapshotError,
+    InvalidArgumentError,
+    PathExistsError,
+    PathNotFoundError,
+    StorageLockedError,
+)
 
 FORMAT = "bigper-hdf5"
 VERSION = 1
@@ -68,12 +74,17 @@ class HDF5Storage:
         self._lock = FileLock(lock_path, shared=self.read_only, owner=self.path)
         # Looked at under the lock: a writer that created the file since must
         # not see it truncated by mode "w".
-        exists = self.path.exists()
+        exists = os.path.lexists(self.path)
         try:
             if exists:
-                self._file = h5py.File(self.path, "r" if self.read_only else "r+", rdcc_nbytes=0)
+                self._file = self._open_existing(h5py)
                 raw = self._file.get("_bigper")
-                meta = json.loads(raw.attrs["meta"]) if raw is not None and "meta" in raw.attrs else {}
+                meta = raw.attrs.get("meta") if isinstance(raw, h5py.Group) else None
+                try:
+                    meta = json.loads(meta) if isinstance(meta, (str, bytes)) else {}
+                except (ValueError, RecursionError) as e:
+                    raise CorruptSnapshotError(f"{self.path}: its /_bigper meta is not JSON ({str(e)[:200]})") \
+                        from None
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
                 return self._meta
             self._created = True
@@ -84,6 +95,20 @@ class HDF5Storage:
         except BaseException:
             self._abort()
             raise
+
+    def _open_existing(self, h5py):
+        """The file at the storage path, when it is a regular HDF5 file: a FIFO or a device
+        there is refused without blocking, anything h5py cannot open is left untouched."""
+        fd = open_regular(self.path, os.O_RDONLY, follow=True, error=PathExistsError)
+        os.close(fd)
+        try:
+            return h5py.File(self.path, "r" if self.read_only else "r+", rdcc_nbytes=0)
+        except OSError as e:
+            if "lock" in str(e).lower():
+                raise StorageLockedError(f"{self.path} is open in another process (HDF5 file lock: {e})") \
+                    from None
+            raise PathExistsError(f"{self.path} holds a file that is not a bigper HDF5 storage ({e}); "
+                                  "left untouched") from None
 
     def allocate(self, specs) -> None:
         f = self._file
@@ -136,7 +161,8 @@ class HDF5Storage:
         if self._created and self.path.exists():
             self.path.unlink()
         if self._lock:
-            if self._created and self._lock_created:  # leave nothing of a failed creation behind
+            # leave no lock of ours beside a failed creation or a file that is not ours
+            if self._lock_created and (self._created or self._meta is None):
                 self._lock.path.unlink(missing_ok=True)
             self._lock.release()
             self._lock = None
@@ -217,13 +243,16 @@ class HDF5Storage:
             failed = failed or e
         self._file = None
         try:
-            if failed is None and not self.read_only:
-                fd = os.open(self.path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
+            if not self.read_only:
+                fd = os.open(self.path, os.O_RDWR)
+                try:  # blocks reserved past the end and not used go back (size unchanged)
+                    os.ftruncate(fd, os.fstat(fd).st_size)
+                    if failed is None:
+                        os.fsync(fd)
                 finally:
                     os.close(fd)
-                fsync_dir(self.path.parent)
+                if failed is None:
+                    fsync_dir(self.path.parent)
         except OSError as e:
             failed = e
         finally:
@@ -265,13 +294,44 @@ class HDF5Storage:
 
     def _reserve(self, state) -> None:
         """Reserve, past the file's end, the space this close may need (state arrays,
-        the meta attribute, HDF5's headers); ``OSError`` when the disk cannot give it."""
+        the meta attribute, HDF5's headers); ``OSError`` when the disk cannot give it.
+        The file's size is kept (HDF5 must not see a longer file): the blocks wait
+        beyond the end for the writes that extend it."""
         arrays = state[1] if state is not None else {}
         meta = dict(self._meta, clean=True, state=state[0] if state is not None else self._meta.get("state"))
         need = sum(int(np.asarray(a).nbytes) for a in arrays.values())
         need = 2 * (need + len(json.dumps(meta))) + RESERVE_SLACK + 4096 * len(arrays)
         fd = os.open(self.path, os.O_RDWR)
         try:
-            os.posix_fallocate(fd, os.fstat(fd).st_size, need)
+            _fallocate_keep_size(fd, os.fstat(fd).st_size, need)
         finally:
             os.close(fd)
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
+    """``fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length)``: blocks reserved, size unchanged.
+    Where the call or the flag is missing nothing is reserved (a failed write at close is
+    still caught, after the fact); ENOSPC raises ``OSError``."""
+    import ctypes
+    import ctypes.util
+
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if not _LIBC:
+        return
+    if _LIBC.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        raise OSError(err, os.strerror(err))
+
+
+_LIBC = None
