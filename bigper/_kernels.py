@@ -101,6 +101,22 @@ def tree_build(sums, mins, offsets, sizes):
 
 
 @kernel
+def tree_level(sums, mins, offsets, lev, lo, hi):
+    """Recompute nodes ``lo .. hi-1`` of level ``lev`` from their children (one
+    range of a threaded O(N) rebuild: ranges of one level are independent)."""
+    for j in range(lo, hi):
+        _recompute(sums, mins, offsets, lev, j)
+
+
+@kernel
+def set_leaves(sums, offsets, idx, leaves):
+    """Write ``leaves[i]`` at leaf ``idx[i]`` (the last of duplicates wins), no ancestor."""
+    leaf_off = offsets[offsets.shape[0] - 1]
+    for i in range(idx.shape[0]):
+        sums[leaf_off + idx[i]] = leaves[i]
+
+
+@kernel
 def tree_set_many(sums, mins, offsets, sizes, idx, leaves):
     """``tree_set`` for a large share of the leaves: write them all (the last
     of duplicates wins), then rebuild every internal node in O(N)."""
@@ -254,12 +270,12 @@ def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
                   pending, alpha, eps, max_priority):
     """``update_capped`` without a cap on the leaves."""
     return update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
-                         pending, alpha, eps, max_priority, np.inf)
+                         pending, alpha, eps, max_priority, np.inf, False)
 
 
 @kernel
 def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
-                  pending, alpha, eps, max_priority, limit):
+                  pending, alpha, eps, max_priority, limit, defer_build):
     """A whole priority update in one call: check, route, transform, set.
 
     Nothing is written unless every row passes. Returns ``(code, position,
@@ -272,7 +288,9 @@ def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
     either empty (computed here) or precomputed (and checked) by the caller.
     Rows are routed by slot status: sampleable -> tree; waiting for its n-step
     window -> ``pending``; overwritten since sampling (``stamps`` differ, when
-    ``use_stamps``) or dead -> skipped.
+    ``use_stamps``) or dead -> skipped. With ``defer_build``, a bulk update
+    writes the leaves only and returns position -2: the caller then rebuilds
+    the internal nodes (``tree_level`` over every level, bottom up).
     """
     n = gid.shape[0]
     m = idx.shape[0]
@@ -309,9 +327,14 @@ def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
     if not all_tree:
         kept_idx = idx[keep]
         leaves = leaves[keep]
+    rebuild = False
     if kept_idx.shape[0] * 8 >= n and kept_idx.shape[0] > 1024:
         # Walking every ancestor of that many leaves costs more than one O(N) rebuild.
-        tree_set_many(sums, mins, offsets, sizes, kept_idx, leaves)
+        if defer_build:  # the caller rebuilds (in threads): position -2 says so
+            set_leaves(sums, offsets, kept_idx, leaves)
+            rebuild = True
+        else:
+            tree_set_many(sums, mins, offsets, sizes, kept_idx, leaves)
     else:
         tree_set(sums, mins, offsets, kept_idx, leaves)
     # Only values that became leaves (now, or when their window completes)
@@ -328,7 +351,7 @@ def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
             continue
         if v > top:
             top = v
-    return 0, -1, top
+    return 0, -2 if rebuild else -1, top
 
 
 @kernel

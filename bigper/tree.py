@@ -22,9 +22,12 @@ import mmap
 import numpy as np
 
 from . import _kernels as K
+from ._pool import for_ranges
 from .errors import InvalidArgumentError
 
 FANOUT = K.FANOUT
+# Nodes of one level per thread in a rebuild, at least (below, one thread is faster).
+_REBUILD_CHUNK = 1 << 14
 
 
 def _layout(n: int, k: int = FANOUT) -> tuple[np.ndarray, np.ndarray, int]:
@@ -105,14 +108,28 @@ class PriorityTree:
         """Set leaves ``idx`` (int64) to ``values`` (float64 >= 0); the last duplicate wins."""
         if idx.shape[0] * 8 >= self.capacity and idx.shape[0] > 1024:
             # Walking every ancestor of that many leaves costs more than one O(N) rebuild.
-            K.tree_set_many(self.sums, self.mins, self.offsets, self.sizes, idx, values)
+            K.set_leaves(self.sums, self.offsets, idx, values)
+            self.rebuild()
         else:
             K.tree_set(self.sums, self.mins, self.offsets, idx, values)
 
     def set_all(self, values: np.ndarray) -> None:
         """Replace every leaf and rebuild the tree in O(N)."""
         self.sums[self._leaf_off:self._leaf_off + self.capacity] = values
-        K.tree_build(self.sums, self.mins, self.offsets, self.sizes)
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Recompute every internal node from the leaves, O(N), level by level
+        bottom up; a large level in ranges on several threads (the same
+        nodes, the same values: ``tree_build``'s result bit for bit)."""
+        sums, mins, offsets = self.sums, self.mins, self.offsets
+        for lev in range(len(self.sizes) - 2, -1, -1):
+            size = int(self.sizes[lev])
+            if size >= 2 * _REBUILD_CHUNK:
+                for_ranges(lambda lo, hi, lev=lev: K.tree_level(sums, mins, offsets, lev, lo, hi),
+                           size, _REBUILD_CHUNK)
+            else:
+                K.tree_level(sums, mins, offsets, lev, 0, size)
 
     def find(self, targets: np.ndarray) -> np.ndarray:
         """Leaf index for each prefix-sum target in ``[0, total)``."""

@@ -8,12 +8,14 @@ import sys
 import numpy as np
 
 from .. import _kernels as K
+from .._pool import for_ranges
 from ..errors import InvalidArgumentError, InvalidIndexError
 from ..tree import PriorityTree
 from .base import Prioritization
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _BULK = 4096  # above this many rows numpy's vectorized pow beats the kernel's scalar one
+_POW_CHUNK = 1 << 16  # rows per thread at least, for the bulk keys
 
 
 def is_weights(lo: float, keys: np.ndarray, beta: float) -> np.ndarray:
@@ -47,8 +49,13 @@ class Proportional(Prioritization):
     # -- keys ------------------------------------------------------------------
     def keys(self, p: np.ndarray) -> np.ndarray:
         if p.shape[0] > _BULK:
-            with np.errstate(over="ignore", invalid="ignore"):
-                out = np.power(np.minimum(p, self.max_priority) + self.eps, self.alpha)
+            out = np.empty(p.shape[0], dtype=np.float64)
+
+            def part(lo, hi):  # element-wise, so ranges in threads give the same bits
+                with np.errstate(over="ignore", invalid="ignore"):
+                    np.power(np.minimum(p[lo:hi], self.max_priority) + self.eps, self.alpha, out=out[lo:hi])
+
+            for_ranges(part, p.shape[0], _POW_CHUNK)
         else:
             out = np.empty(p.shape[0], dtype=np.float64)
             K.to_leaves(p, self.alpha, self.eps, self.max_priority, out)
@@ -80,7 +87,9 @@ class Proportional(Prioritization):
         t = self.tree
         code, pos, top = K.update_capped(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
                                          use_stamps, gid, status, pending, self.alpha, self.eps,
-                                         self.max_priority, self.limit)
+                                         self.max_priority, self.limit, True)
+        if code == 0 and pos == -2:  # a bulk update wrote the leaves; the nodes in threads
+            t.rebuild()
         if code == 4:  # a key above the cap: keys() says which, in its words
             self.keys(p)
             raise InvalidArgumentError(f"priorities[{pos}] = {p[pos]!r} gives a leaf above {self.limit:.6g}")
