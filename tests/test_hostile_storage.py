@@ -300,3 +300,15 @@ def test_info_on_a_crafted_storage_answers_without_a_traceback(case, tmp_path, c
     assert main(["info", str(path)]) in (0, 1)
     assert main(["verify", str(path)]) == 1
     assert fingerprint(path) == before
+
+
+def test_a_symlinked_data_or_state_directory_is_refused_on_reopen(tmp_path):
+    path = _closed_memmap(tmp_path)
+    for sub in ("data", "state"):
+        os.rename(path / sub, tmp_path / sub)
+        os.symlink(tmp_path / sub, path / sub)
+        refused_reopen(CorruptSnapshotError, path)
+        os.unlink(path / sub)
+        os.rename(tmp_path / sub, path / sub)
+    with _reopen(path) as buf:
+        assert len(buf) == 5

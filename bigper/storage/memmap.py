@@ -114,6 +114,9 @@ class MemmapStorage:
             if meta_path.exists():
                 self._meta = check_meta(read_json(meta_path), FORMAT, VERSION, self.path)
                 check_arrays(self._meta.get("arrays"), self.path)
+                for sub in ("data", "state"):  # names resolve inside: no symlinked subdirectory
+                    if os.path.lexists(self.path / sub) and entry_kind(self.path / sub) != "dir":
+                        raise CorruptSnapshotError(f"{self.path / sub} is not a plain directory (a symlink?)")
                 return self._meta
         except BaseException:
             self._abort()
