@@ -106,3 +106,44 @@ def test_full_shards_take_the_chunk_whose_oldest_row_is_oldest():
     # Another writer's rows, older than anything here, as shard 1 reported them.
     r.acked(1, (4, 4, 1, r.token + 1), 0)
     assert r.choose(4)[0] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(capacity=st.integers(20, 400), shards=st.integers(1, 4), chunk=st.integers(1, 40),
+       writers=st.integers(2, 4), cuttable=st.booleans(), seed=st.integers(0, 99))
+def test_several_writers_learn_each_other_from_replies(capacity, shards, chunk, writers, cuttable, seed):
+    """Writers that see each other's rows only in the shards' replies: the buffer
+    still holds its capacity less under a chunk per shard, and evicts the older
+    half before the newer (the order itself is approximate: each writer judges
+    by what a shard last told it)."""
+    caps = shard_capacities(capacity, shards)
+    routers = [Router(caps, start=w) for w in range(writers)]
+    rings = [deque() for _ in caps]  # (id, stamp, writer)
+    rng = np.random.default_rng(seed)
+    nid, clock = 0, 0
+
+    def send(total):
+        nonlocal nid, clock
+        while nid < total:
+            r = routers[int(rng.integers(writers))]
+            m, s = min(int(rng.integers(1, chunk + 1)), total - nid), 0
+            while s < m:
+                k, take = r.choose(m - s, cuttable=cuttable)
+                clock += 1
+                r.sent(k, take, clock)
+                rings[k].extend((i, clock, r.token) for i in range(nid + s, nid + s + take))
+                while len(rings[k]) > caps[k]:
+                    rings[k].popleft()
+                front = rings[k][0]
+                r.acked(k, (len(rings[k]), int(caps[k]), front[1], front[2]), 0)
+                s += take
+            nid += m
+
+    send(capacity)
+    assert capacity - shards * chunk < sum(len(r) for r in rings) <= capacity
+    send(3 * capacity)
+    held = {i for ring in rings for i, _, _ in ring}
+    assert capacity - shards * chunk < len(held) <= capacity
+    newer = set(range(3 * capacity - capacity // 2, 3 * capacity))
+    older = set(range(2 * capacity, 3 * capacity - capacity // 2))
+    assert len(newer - held) <= len(older - held)

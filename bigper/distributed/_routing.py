@@ -18,11 +18,14 @@ model of every shard, ``(held, capacity, stamps of the rows it holds)``:
 
 Stamps are the sender's wall clock (ns), so several writers order their
 chunks against each other as far as their clocks agree. The model is exact
-for one writer; with several, each learns the others' rows from the shards'
-replies (every ``extend`` returns ``(len, capacity, oldest stamp, its
-writer)``), so the rules hold to within the chunks in flight. Without cuts (episode mode) a
-shard can overflow by less than one chunk while another has room: the buffer
-then holds ``min(added, capacity)`` minus less than one chunk per shard.
+for one writer; with several, each learns the others' rows only from the
+shards' replies (every ``extend`` returns ``(len, capacity, oldest stamp,
+its writer)``): the buffer still holds ``min(added, capacity)`` minus less
+than one chunk per shard (checked in simulation with 2-4 writers), and
+eviction order is approximate (each writer judges by what a shard last told
+it). Without cuts (episode mode) a shard can overflow by less than one chunk
+while another has room: the buffer then holds ``min(added, capacity)`` minus
+less than one chunk per shard.
 
 Pure Python, no Ray: the writer calls ``choose``, ``sent`` and ``acked``.
 """

@@ -53,8 +53,10 @@ class ShardedPrioritizedBuffer:
         first across shards, to within one chunk per shard; in episode mode
         (``n_step > 1`` or ``frame_stack``, where chunks end at episode ends)
         the buffer holds ``min(added, capacity)`` minus less than one chunk per
-        shard. With several writers the rules hold to within the chunks in
-        flight (see ``bigper.distributed._routing``).
+        shard. With several writers, each learns the others' rows from the
+        shards' replies: the buffer still holds less than a chunk per shard
+        under ``min(added, capacity)``, and eviction order is approximate
+        (see ``bigper.distributed._routing``).
     placement : {"PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"}
         Placement-group strategy for the shards' bundles.
     num_cpus_per_shard : float or None
