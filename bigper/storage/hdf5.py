@@ -313,8 +313,8 @@ _FALLOC_FL_KEEP_SIZE = 1
 
 def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
     """``fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length)``: blocks reserved, size unchanged.
-    Where the call or the flag is missing nothing is reserved (a failed write at close is
-    still caught, after the fact); ENOSPC raises ``OSError``."""
+    Where the call or the flag is missing, the free space is only looked at (``statvfs``),
+    not reserved. ENOSPC raises ``OSError``."""
     import ctypes
     import ctypes.util
 
@@ -325,13 +325,15 @@ def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
             _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         except (OSError, AttributeError):
             _LIBC = False
-    if not _LIBC:
+    if _LIBC and _LIBC.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
         return
-    if _LIBC.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        err = ctypes.get_errno()
-        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return
+    err = ctypes.get_errno() if _LIBC else errno.ENOSYS
+    if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         raise OSError(err, os.strerror(err))
+    st = os.fstatvfs(fd)
+    if st.f_bavail * st.f_frsize < length:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({st.f_bavail * st.f_frsize} bytes free, "
+                                    f"close needs up to {length})")
 
 
 _LIBC = None
