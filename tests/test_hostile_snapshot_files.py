@@ -359,3 +359,17 @@ def test_a_snapshots_root_that_is_a_file_is_refused(tmp_path):
 def test_every_refusal_is_a_bigper_error():
     for exc in (CorruptSnapshotError, IncompatibleSnapshotError, PathExistsError):
         assert issubclass(exc, bigper.BigperError)
+
+
+def test_a_snapshots_root_removes_only_its_own_leftovers(tmp_path):
+    root = tmp_path / "snaps"
+    root.mkdir()
+    for name in (".tmp-notes", ".del-mine", ".tmp-snap-00000001-12-zzzzzzzz"):
+        (root / name).mkdir()
+        (root / name / "keep.txt").write_text("mine")
+    (root / ".tmp-snap-00000001-12-0123abcd").mkdir()  # an interrupted save's name: removed
+    (root / ".del-snap-00000001-0123abcd").mkdir()  # an interrupted deletion's: removed
+    snaps = Snapshots(root)
+    assert sorted(snaps.cleaned) == [".del-snap-00000001-0123abcd", ".tmp-snap-00000001-12-0123abcd"]
+    for name in (".tmp-notes", ".del-mine", ".tmp-snap-00000001-12-zzzzzzzz"):
+        assert (root / name / "keep.txt").read_text() == "mine"

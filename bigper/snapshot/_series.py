@@ -22,6 +22,8 @@ _NAME = re.compile(r"^snap-(\d{8,})$")
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"  # a save in progress (or interrupted): <parent>/.tmp-<name>-<pid>-<rand>
 DEL_PREFIX = ".del-"  # a deletion in progress (or interrupted)
+# Exactly the names save and retention give their temporaries: nothing else is removed.
+_LEFTOVER = re.compile(r"^(\.tmp-snap-\d{8,}-\d+-[0-9a-f]{8}|\.del-snap-\d{8,}-[0-9a-f]{8})$")
 
 
 def _seq(p: Path) -> int:
@@ -156,7 +158,7 @@ class Snapshots:
             if not held:
                 return removed
             for entry in sorted(os.listdir(self.root)):
-                if entry.startswith(TMP_PREFIX) or entry.startswith(DEL_PREFIX):
+                if _LEFTOVER.match(entry):
                     if os.path.islink(self.root / entry):  # not one bigper made: left alone
                         continue
                     shutil.rmtree(self.root / entry, ignore_errors=True)
