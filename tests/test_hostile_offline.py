@@ -611,3 +611,74 @@ def test_minari_metadata_that_is_not_a_file_is_ignored_without_blocking(tmp_path
     with no_hang(lambda: PRB.from_hdf5(root), [meta]) as buf:
         assert len(buf) == 3
         assert any("metadata.json ignored" in n for n in buf._store.notes)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_bigper_layout_lock_that_is_not_a_file(tmp_path, kind):
+    path = bigper_file(tmp_path)
+    lock = tmp_path / "replay.h5.lock"
+    os.unlink(lock)
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        (tmp_path / "elsewhere").write_text("")
+        os.symlink(tmp_path / "elsewhere", lock)
+    before = fingerprint(tmp_path)
+    with pytest.raises(OfflineDatasetError, match="FIFO|symbolic link"):
+        no_hang(lambda: PRB.from_hdf5(path), [lock])
+    assert fingerprint(tmp_path) == before
+
+
+# -- meta.json fields under Hypothesis ------------------------------------------------------------------
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
+                        st.sampled_from([0, 1, 24, 25, 26, -1, 2 ** 31, 2 ** 63]),
+                        st.floats(allow_nan=True, allow_infinity=True),
+                        st.sampled_from(["", "..", "../hopper.hdf5", "/etc/passwd", "scores-0123456789ab.f64",
+                                         "leaves-0123456789ab.npy", "meta.json", "0" * 16]),
+                        st.text(max_size=8))
+    return st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=3),
+                                                        st.dictionaries(st.text(max_size=4), kids, max_size=3)),
+                        max_leaves=6)
+
+
+def test_meta_fields_under_hypothesis(tmp_path_factory):
+    """Any value in any field of any entry: bigper's error or a working buffer, and the
+    dataset, the sidecar and a victim file keep their bytes."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    root = tmp_path_factory.mktemp("hyp")
+    path = root / "hopper.hdf5"
+    write_d4rl(path)
+    with PRB.from_hdf5(path) as buf:
+        buf.reprioritize(scores_of, progress=False)
+        buf.update_priorities(np.array([1]), np.array([2.0]))
+    side = root / "hopper.hdf5.priorities"
+    victim = root / "victim.txt"
+    victim.write_text("mine")
+    good = (side / "meta.json").read_text()
+    fields = ["file", "total", "xxh64", "done", "rows_valid", "batch_size", "alpha", "eps", "max_priority"]
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(key=st.sampled_from(["scores", "partial", "leaves", "dataset"]), field=st.sampled_from(fields),
+           value=_json_values())
+    def check(key, field, value):
+        meta = json.loads(good)
+        if key == "partial":
+            meta["partial"] = partial_entry(side, 25)
+        entry = meta.get(key) if isinstance(meta.get(key), dict) else {}
+        entry[field] = value
+        meta[key] = entry
+        (side / "meta.json").write_text(json.dumps(meta))
+        before = fingerprint(path, side, victim)
+        try:
+            with PRB.from_hdf5(path) as b:
+                b.sample(4)
+        except bigper.BigperError:
+            pass
+        assert fingerprint(path, side, victim) == before
+
+    check()
