@@ -349,10 +349,16 @@ def test_snapshots_written_before_user_data_load_with_empty_info(tmp_path):
     buf.close()
 
 
-def test_a_snapshots_root_that_is_a_file_is_refused(tmp_path):
+def test_a_snapshots_root_or_snapshot_through_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
-    with pytest.raises(PathExistsError):
-        Snapshots(tmp_path / "f")
+    stream = Stream(k=None, seed=5)
+    buf = make("memory", None, stream, capacity=16)
+    feed(buf, stream, 4)
+    for where in (tmp_path / "f", tmp_path / "f" / "sub"):
+        with pytest.raises(PathExistsError):
+            Snapshots(where)
+        with pytest.raises(PathExistsError):
+            buf.save(where / "snap")
     assert (tmp_path / "f").read_text() == "x"
 
 

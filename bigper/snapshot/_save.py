@@ -169,7 +169,10 @@ def _mkdirs(path: Path) -> None:
         try:
             os.mkdir(d)
         except FileExistsError:
-            pass
+            if not d.is_dir():
+                raise PathExistsError(f"{d} exists and is not a directory") from None
+        except NotADirectoryError:
+            raise PathExistsError(f"a part of {d} exists and is not a directory") from None
         fsync_dir(d.parent)
 
 
@@ -340,6 +343,9 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
     for name in arrays:
         check_name(name, "state array name")
     _mkdirs(target.parent)
+    if not target.parent.is_dir():
+        raise PathExistsError(f"{target.parent} exists and is not a directory; the snapshot {target} "
+                              "cannot be made in it")
     store = buf._store
     user_fds = _open_user_files(files)
     tx = Transaction(target)

@@ -129,8 +129,9 @@ class Snapshots:
         self.last_loaded: SnapshotInfo | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            raise PathExistsError(f"Snapshots root {str(self.root)!r} exists and is not a directory") from None
+        except (FileExistsError, NotADirectoryError):
+            raise PathExistsError(f"Snapshots root {str(self.root)!r} (or a part of it) exists and is not "
+                                  "a directory") from None
         self.cleaned = self._clean()
 
     def __repr__(self) -> str:
