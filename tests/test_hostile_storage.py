@@ -312,3 +312,11 @@ def test_a_symlinked_data_or_state_directory_is_refused_on_reopen(tmp_path):
         os.rename(tmp_path / sub, path / sub)
     with _reopen(path) as buf:
         assert len(buf) == 5
+
+
+def test_a_storage_path_through_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    for path in (tmp_path / "f", tmp_path / "f" / "sub"):
+        with pytest.raises(PathExistsError):
+            open_buffer("memmap", path, 16, AGENT_FIELDS, mode="new")
+    assert (tmp_path / "f").read_text() == "x"

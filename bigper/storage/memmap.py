@@ -104,7 +104,10 @@ class MemmapStorage:
                     raise PathExistsError(
                         f"{self.path} holds {foreign[:5]} but no bigper storage: a new storage needs an "
                         "empty or new directory (nothing was changed)")
-            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise PathExistsError(f"a part of {self.path} exists and is not a directory") from None
         if self.takeover and not self._created:
             self._own_previous()  # a foreign directory is refused before even a lock file is made
         self._lock = FileLock(self.path / ".lock", shared=self.read_only)
