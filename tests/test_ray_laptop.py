@@ -159,8 +159,7 @@ def test_snapshots_retention_and_fallback_on_shards(cluster, tmp_path):
             assert p == root / f"snap-{k + 1:08d}" and snaps.latest() == p
     assert [p.name for p in snaps.list()] == ["snap-00000002", "snap-00000003"]  # keep=2
     # An interrupted save leaves a temporary directory that a new Snapshots removes.
-    leftover = root / f"{M.TMP_PREFIX}snap-00000004-1-abcd"
-    leftover.mkdir()
+    leftover = M.temp_dir_for(root / "snap-00000004")  # as a killed sharded save leaves it
     snaps = Snapshots(root, keep=2, loader=ShardedPrioritizedBuffer.load)
     assert not leftover.exists()
 
