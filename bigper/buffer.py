@@ -244,6 +244,9 @@ class PrioritizedReplayBuffer:
         # Serializes every call that reads or changes state with the prefetching
         # samplers' threads (re-entrant: save and sample_at call back in).
         self._lock = threading.RLock()
+        # False: every call takes the general path (staged storage writes, one
+        # numpy call a step); tests/test_fused*.py hold the fused path to it, bit for bit.
+        self._fused = True
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
         self._closed = False
         _OPEN.add(self)
@@ -386,8 +389,12 @@ class PrioritizedReplayBuffer:
         c = cfg.capacity
         m = rows["terminated"].shape[0]
         g0 = self._count
-        slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
-        ring_rows(g0, c, rows["terminated"], rows["truncated"], slots, ends)
+        if self._fused:
+            slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
+            ring_rows(g0, c, rows["terminated"], rows["truncated"], slots, ends)
+        else:  # the general path, for the tests that hold the fused one to it
+            slots = np.arange(g0, g0 + m, dtype=np.int64) % c
+            ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
         s0 = int(slots[0])
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
         rw = self._writable()
@@ -405,8 +412,14 @@ class PrioritizedReplayBuffer:
             counted = keys if valid is None else keys[valid]
             if counted.shape[0]:
                 self._max_leaf = max(self._max_leaf, float(counted.max()))
-        commit_rows(g0, slots, ends, _NO_VALID if valid is None else valid,
-                    LIVE if cfg.n_step == 1 else PENDING, self._gid, self._ends, self._status)
+        state = LIVE if cfg.n_step == 1 else PENDING
+        if self._fused:
+            commit_rows(g0, slots, ends, _NO_VALID if valid is None else valid, state,
+                        self._gid, self._ends, self._status)
+        else:
+            self._gid[slots] = np.arange(g0, g0 + m, dtype=np.int64)
+            self._ends[slots] = ends
+            self._status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
         self._count = g0 + m
         if cfg.n_step == 1:
             if valid is None:
@@ -435,6 +448,8 @@ class PrioritizedReplayBuffer:
         memory storage's, or the memmap storage's (its copy-on-write chunks were
         made private by ``prepare`` before any write); else None (HDF5)."""
         store = self._store
+        if not self._fused:
+            return None
         if store.kind == "memory":
             return store.arrays
         if store.kind == "memmap":
@@ -528,7 +543,7 @@ class PrioritizedReplayBuffer:
         return it
 
     def _batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
-        if self.config.n_step == 1:
+        if self.config.n_step == 1 and self._fused:
             # Generations, end flags and discounts in one kernel call.
             b = idx.shape[0]
             gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)

@@ -84,6 +84,9 @@ class PriorityTree:
         # The min tree has no leaf level (see _kernels): it ends where the leaves start.
         self.mins = _alloc(int(self.offsets[-1]) if track_min else 0, np.inf)
         self._leaf_off = int(self.offsets[-1])
+        # False: bulk writes rebuild in one kernel call (tree_build), for the
+        # tests that hold the threaded rebuild to it.
+        self.threaded = True
 
     # -- reading -----------------------------------------------------------
     @property
@@ -108,15 +111,21 @@ class PriorityTree:
         """Set leaves ``idx`` (int64) to ``values`` (float64 >= 0); the last duplicate wins."""
         if idx.shape[0] * 8 >= self.capacity and idx.shape[0] > 1024:
             # Walking every ancestor of that many leaves costs more than one O(N) rebuild.
-            K.set_leaves(self.sums, self.offsets, idx, values)
-            self.rebuild()
+            if self.threaded:
+                K.set_leaves(self.sums, self.offsets, idx, values)
+                self.rebuild()
+            else:
+                K.tree_set_many(self.sums, self.mins, self.offsets, self.sizes, idx, values)
         else:
             K.tree_set(self.sums, self.mins, self.offsets, idx, values)
 
     def set_all(self, values: np.ndarray) -> None:
         """Replace every leaf and rebuild the tree in O(N)."""
         self.sums[self._leaf_off:self._leaf_off + self.capacity] = values
-        self.rebuild()
+        if self.threaded:
+            self.rebuild()
+        else:
+            K.tree_build(self.sums, self.mins, self.offsets, self.sizes)
 
     def rebuild(self) -> None:
         """Recompute every internal node from the leaves, O(N), level by level

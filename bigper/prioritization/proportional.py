@@ -38,6 +38,9 @@ class Proportional(Prioritization):
     """
 
     kind = "proportional"
+    # False: the general paths (keys then update kernel, one-thread rebuilds,
+    # kernel-made sample arrays), which tests/test_fused*.py compare against.
+    fused = True
 
     def __init__(self, capacity, *, alpha, eps, max_priority, weight_norm):
         super().__init__(capacity, alpha=alpha, eps=eps, max_priority=max_priority,
@@ -81,15 +84,24 @@ class Proportional(Prioritization):
         # One kernel call checks the priorities, computes the keys, checks them
         # against the cap, checks the indices and applies it all. Above _BULK
         # rows the keys come from numpy's vectorized pow instead (as in keys()).
+        t = self.tree
+        if not self.fused:  # the general path: keys first, then the kernel
+            pre = self.keys(p) if K.first_bad_priority(p) < 0 else _EMPTY
+            code, pos, top = K.update_kernel(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
+                                             use_stamps, gid, status, pending, self.alpha, self.eps,
+                                             self.max_priority)
+            return self._raise(code, pos, idx, p) if code else top
         pre = _EMPTY
         if p.shape[0] > _BULK and K.first_bad_priority(p) < 0:
             pre = self.keys(p)
-        t = self.tree
         code, pos, top = K.update_capped(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
                                          use_stamps, gid, status, pending, self.alpha, self.eps,
                                          self.max_priority, self.limit, True)
         if code == 0 and pos == -2:  # a bulk update wrote the leaves; the nodes in threads
             t.rebuild()
+        return self._raise(code, pos, idx, p) if code else top
+
+    def _raise(self, code, pos, idx, p):
         if code == 4:  # a key above the cap: keys() says which, in its words
             self.keys(p)
             raise InvalidArgumentError(f"priorities[{pos}] = {p[pos]!r} gives a leaf above {self.limit:.6g}")
@@ -98,7 +110,6 @@ class Proportional(Prioritization):
         if code:
             why = "out of range [0, capacity)" if code == 2 else "a slot never written"
             raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity})")
-        return top
 
     # -- reads -----------------------------------------------------------------
     @property
@@ -118,6 +129,8 @@ class Proportional(Prioritization):
         return self.tree.leaves[idx]
 
     def sample(self, uniforms, *, stratified, beta):
+        if not self.fused:
+            return self.tree.sample(uniforms, stratified=stratified, beta=beta, batch_norm=self.batch_norm)
         t = self.tree
         n = uniforms.shape[0]
         idx, prob, w = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.float32)
