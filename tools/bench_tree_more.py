@@ -120,11 +120,20 @@ def plot_sweep(sweep: dict, path: str) -> str:
 
 
 _FIRST_CALL = r"""
-import json, time
+import json, time, sys
 t0 = time.perf_counter()
 import numpy as np
+tn = time.perf_counter()
+import numba
+tb = time.perf_counter()
 import bigper
 t1 = time.perf_counter()
+init = 0.0
+if "--split" in sys.argv:  # numba's own start-up (target and typing set-up) on a one-line kernel
+    from bigper._kernels import first_bad_priority
+    first_bad_priority(np.ones(1))
+    init = time.perf_counter() - t1
+    t1 = time.perf_counter()
 buf = bigper.PrioritizedReplayBuffer(256, {"obs": ((4, 84, 84), np.uint8), "action": ((), np.int64),
     "reward": ((), np.float32)}, frame_stack=4, seed=0)
 o = np.zeros((4, 84, 84), np.uint8)
@@ -134,7 +143,8 @@ b = buf.sample(32)
 t3 = time.perf_counter()
 buf.update_priorities(b, np.ones(32))
 t4 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "first_add_s": t2 - t1, "first_sample_s": t3 - t2,
+print(json.dumps({"import_s": t1 - t0 - init, "numpy_import_s": tn - t0, "numba_import_s": tb - tn,
+                  "numba_init_s": init, "first_add_s": t2 - t1, "first_sample_s": t3 - t2,
                   "first_update_s": t4 - t3, "total_s": t4 - t0}))
 """
 
@@ -143,17 +153,21 @@ def first_call(runs: int = 3) -> dict[str, Any]:
     """Import + first add + first sample + first update in fresh processes (the
     first run fills numba's cache if it is cold and is not counted)."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    got = []
-    for i in range(runs + 1):
-        p = subprocess.run([sys.executable, "-c", _FIRST_CALL], stdout=subprocess.PIPE,
+    got, split = [], []
+    for i in range(2 * runs + 1):
+        extra = ["--split"] if i % 2 == 0 and i else []
+        p = subprocess.run([sys.executable, "-c", _FIRST_CALL, *extra], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env, timeout=600)
         if p.returncode:
             return {"status": "error", "error": p.stderr[-300:]}
         if i:
-            got.append(json.loads(p.stdout.strip().splitlines()[-1]))
+            (split if extra else got).append(json.loads(p.stdout.strip().splitlines()[-1]))
     keys = got[0].keys()
-    return {"status": "ok", "runs": got, **{k: float(np.median([g[k] for g in got])) for k in keys},
-            "target_s": 1.0}
+    out = {"status": "ok", "runs": got, **{k: float(np.median([g[k] for g in got])) for k in keys},
+           "target_s": 1.0}
+    # The same with numba's start-up taken apart: what is numba's, what is bigper's kernels' loading.
+    out["split"] = {k: float(np.median([g[k] for g in split])) for k in split[0]}
+    return out
 
 
 def run_extra(quick: bool, *, sweep_max: int, libs: tuple[str, ...], plot: str | None) -> dict:
@@ -197,5 +211,11 @@ def print_extra(extra: dict) -> None:
               f"import {fc['import_s'] * 1e3:.0f} ms, first add {fc['first_add_s'] * 1e3:.0f} ms, "
               f"first sample {fc['first_sample_s'] * 1e3:.0f} ms, first update {fc['first_update_s'] * 1e3:.0f} ms; "
               f"total {fc['total_s']:.2f} s (target < {fc['target_s']:.0f} s)")
+        sp = fc["split"]
+        print(f"  of which: numpy import {sp['numpy_import_s'] * 1e3:.0f} ms, numba import "
+              f"{sp['numba_import_s'] * 1e3:.0f} ms, numba's start-up at its first kernel call "
+              f"{sp['numba_init_s'] * 1e3:.0f} ms (any cached kernel); bigper's own: import "
+              f"{(sp['import_s'] - sp['numpy_import_s'] - sp['numba_import_s']) * 1e3:.0f} ms, loading "
+              f"its kernels for add/sample/update {(sp['first_add_s'] + sp['first_sample_s'] + sp['first_update_s']) * 1e3:.0f} ms")
     else:
         print(f"first call after import: {fc.get('status')}: {fc.get('error')}")
