@@ -203,9 +203,9 @@ def run(args) -> int:
           f"AtariPreprocessing + FrameStackObservation(4)), {args.steps:,} env steps into a memmap "
           f"buffer of capacity {args.capacity:,} ({args.prioritization} prioritization) at "
           f"{run_dir / 'replay'}\n"
-          f"  disk: it preallocates about {need / 1e9:.1f} GB under {run_dir}, and restoring the snapshot "
-          f"takes as much again ({2 * need / 1e9:.1f} GB in all; snapshots link the buffer's files, "
-          f"not copies); it stays after the run: remove it with  rm -r {run_dir}", flush=True)
+          f"  disk: it preallocates about {need / 1e9:.1f} GB under {run_dir} (the snapshot and the "
+          f"restored buffer hard-link those files rather than copy them); it stays after the run: "
+          f"remove it with  rm -r {run_dir}", flush=True)
     n_actions = env.action_space.n
     # A tiny conv Q-network (3-step Double DQN targets, IS-weighted Huber loss) on the CPU.
     learner = DoubleDQN(lambda: q_network(n_actions, size="tiny"), lr=1e-4, target_every=1000)
