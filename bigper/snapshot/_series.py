@@ -171,9 +171,15 @@ class Snapshots:
     # -- listing ----------------------------------------------------------------
     def _entries(self) -> list[Path]:
         """Every ``snap-*`` directory, oldest first."""
-        out = [self.root / e for e in os.listdir(self.root) if _NAME.match(e)]
-        # lstat: a symlink named like a snapshot is not one (it could lead anywhere)
-        return sorted((p for p in out if stat.S_ISDIR(os.lstat(p).st_mode)), key=_seq)
+        out = []
+        for e in os.listdir(self.root):
+            if _NAME.match(e):
+                try:  # lstat: a symlink named like a snapshot is not one (it could lead anywhere)
+                    if stat.S_ISDIR(os.lstat(self.root / e).st_mode):
+                        out.append(self.root / e)
+                except FileNotFoundError:  # retired by a concurrent save's retention
+                    pass
+        return sorted(out, key=_seq)
 
     def list(self) -> list[Path]:
         """Complete snapshots (a manifest is present), oldest first; not verified."""
