@@ -263,6 +263,20 @@ def _peek_hdf5(live: Path) -> dict:
     return meta
 
 
+def _check_space(where: Path, need: int) -> None:
+    """``OSError(ENOSPC)`` before anything is created when ``where``'s filesystem
+    cannot hold ``need`` bytes of rows and HDF5's own metadata: HDF5 answers a
+    full disk in the middle of creating a file with errors that do not say so."""
+    import errno
+
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    want = need + max(256 << 10, need // 64)
+    if free < want:
+        raise OSError(errno.ENOSPC, f"{where} has {free:,} bytes free; loading this snapshot into an "
+                                    f"HDF5 file there needs about {want:,}", str(where))
+
+
 def _load_hdf5(cfg, body, snap, live, layouts):
     from ..storage.hdf5 import HDF5Storage
 
@@ -272,6 +286,10 @@ def _load_hdf5(cfg, body, snap, live, layouts):
     live.parent.mkdir(parents=True, exist_ok=True)
     if os.path.lexists(live):  # a foreign file is refused before even a lock file is made beside it
         _check_previous(_peek_hdf5(live), cfg, live)
+    opts = body["storage"].get("options") or {}
+    if opts.get("compression") is None:
+        _check_space(live.parent, sum(body["files"][m]["size"] for rec in body["data"].values()
+                                      for m in rec["files"]))
     lock = FileLock(live.with_name(live.name + ".lock"), owner=live)
     try:
         for stale in live.parent.glob(f".{live.name}.trash-*"):  # of a load that was interrupted
@@ -283,7 +301,6 @@ def _load_hdf5(cfg, body, snap, live, layouts):
             os.replace(live, trash)
     finally:
         lock.release()
-    opts = body["storage"].get("options") or {}
     store = HDF5Storage(live, compression=opts.get("compression"))
     if store.open(cfg.to_dict()) is not None:
         store.close()
