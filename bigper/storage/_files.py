@@ -107,7 +107,7 @@ def read_regular(path, *, limit: int = JSON_LIMIT, dir_fd: int | None = None,
 # Locks this process holds, by (device, inode) of the lock file: flock is per open
 # file, so a second open in the same process conflicts like another process would,
 # and the error can say that the holder is this very process (a buffer not closed).
-_HELD: dict[tuple[int, int], str] = {}
+_HELD: dict[tuple[int, int], tuple[str, int]] = {}
 
 
 class FileLock:
@@ -141,11 +141,12 @@ class FileLock:
                 os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
             except OSError:
                 pass
-        _HELD[self.key] = "a writer" if not shared else "a reader"
+        _HELD[self.key] = ("a writer" if not shared else "a reader", os.getpid())
 
     def _holder(self) -> str:
-        if self.key in _HELD:
-            return (f"{_HELD[self.key]} in this process (pid {os.getpid()}): a buffer on this path "
+        held = _HELD.get(self.key)
+        if held is not None and held[1] == os.getpid():  # (a forked child inherits the dict, not the lock)
+            return (f"{held[0]} in this process (pid {os.getpid()}): a buffer on this path "
                     "is still open; close() it first")
         try:
             pid = int(os.pread(self.fd, 32, 0).decode().strip() or "x")
