@@ -682,3 +682,31 @@ def test_meta_fields_under_hypothesis(tmp_path_factory):
         assert fingerprint(path, side, victim) == before
 
     check()
+
+
+WRITER = """
+import sys
+import h5py
+try:
+    h5py.File(sys.argv[1], "r+").close()
+except OSError as e:
+    print("refused", "lock" in str(e).lower())
+else:
+    print("opened")
+"""
+
+
+def test_a_writer_cannot_open_the_dataset_while_it_is_read(tmp_path):
+    """bigper holds HDF5's shared lock while the dataset is open: another process's
+    writer is refused (a writer changing mapped bytes underneath could crash the reader),
+    and is let in again after close."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "d.hdf5"
+    write_d4rl(path)
+    run = lambda: subprocess.run([sys.executable, "-c", WRITER, str(path)], capture_output=True, text=True,
+                                 timeout=120).stdout.strip()
+    with PRB.from_hdf5(path):
+        assert run() == "refused True"
+    assert run() == "opened"
