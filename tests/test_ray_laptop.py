@@ -98,27 +98,34 @@ def test_a_reservation_that_cannot_fit_fails_fast_with_the_figures(cluster):
 # -- bigper.Snapshots over sharded snapshots ------------------------------------------
 def _snapshots_class():
     """``bigper.Snapshots`` once it takes a ``loader`` (the hook issue 13 asks of
-    snapshot/_series.py); until then the same class with that hook applied:
-    ``save`` calls ``buf.save(target)`` and ``load_latest`` calls ``loader``."""
+    snapshot/_series.py); until then the same class with exactly that hook:
+    a buffer whose class names a ``snapshot_format`` saves itself
+    (``buf.save(target)``), and ``load_latest`` loads through ``loader``."""
     if "loader" in inspect.signature(bigper.Snapshots).parameters:
         return bigper.Snapshots
-    from bigper.errors import CorruptSnapshotError, PathNotFoundError
-    from bigper.snapshot._series import MANIFEST
+    from bigper.errors import CorruptSnapshotError, InvalidArgumentError, PathNotFoundError
+    from bigper.snapshot._series import MANIFEST, SnapshotInfo, _seq
 
     class Hooked(bigper.Snapshots):
-        def __init__(self, root, keep=3, loader=None):
+        def __init__(self, root, keep=3, *, loader=None):
             super().__init__(root, keep)
             self.loader = loader
 
-        def save(self, buf):
+        def save(self, buf, *, metadata=None, files=None):
+            if getattr(type(buf), "snapshot_format", None) is None:
+                return super().save(buf, metadata=metadata, files=files)
+            if metadata is not None or files:
+                raise InvalidArgumentError("metadata= and files= are for local buffers' snapshots")
             with self._locked(shared=False):
                 entries = self._entries()
-                seq = int(entries[-1].name[5:]) + 1 if entries else 1
+                seq = (_seq(entries[-1]) + 1) if entries else 1
                 path = buf.save(self.root / f"snap-{seq:08d}")
                 self._retain()
             return path
 
-        def load_latest(self, *, path=None):
+        def load_latest(self, *, path=None, with_info=False):
+            if self.loader is None:
+                return super().load_latest(path=path, with_info=with_info)
             with self._locked(shared=True):
                 entries = [p for p in reversed(self._entries()) if (p / MANIFEST).exists()]
                 if not entries:
@@ -126,12 +133,16 @@ def _snapshots_class():
                 problems = []
                 for i, p in enumerate(entries):
                     try:
-                        return self.loader(p, path=path)
+                        buf = self.loader(p, path=path)
                     except CorruptSnapshotError as e:
                         problems.append(str(e))
                         if i + 1 < len(entries):
                             warnings.warn(f"snapshot {p.name} is corrupt ({e}); falling back to "
                                           f"{entries[i + 1].name}", RuntimeWarning, stacklevel=2)
+                    else:
+                        info = SnapshotInfo(path=p, number=_seq(p), created=None, metadata=None)
+                        self.last_loaded = info
+                        return (buf, info) if with_info else buf
                 raise CorruptSnapshotError(f"no loadable snapshot in {self.root}: " + "; ".join(problems))
 
     return Hooked
@@ -167,6 +178,7 @@ def test_snapshots_retention_and_fallback_on_shards(cluster, tmp_path):
     _flip_a_byte(root / "snap-00000003")
     with pytest.warns(RuntimeWarning, match="snap-00000003 is corrupt"):
         buf = snaps.load_latest()
+    assert snaps.last_loaded.number == 2
     with buf:
         assert len(buf) == lens[1]
         np.testing.assert_array_equal(_held_ids(buf), np.arange(lens[1]))

@@ -87,6 +87,11 @@ class ShardedPrioritizedBuffer:
         More ``ray.remote`` options for the shard actors (memory, runtime_env, ...).
     """
 
+    #: The manifest format of ``save``'s snapshots. Its presence tells
+    #: ``bigper.Snapshots`` that this buffer writes its own snapshots
+    #: (``save(path) -> Path``) and loads them with ``load(path, path=None)``.
+    snapshot_format = M.FORMAT
+
     def __init__(self, num_shards, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99,
                  alpha=0.6, eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
                  storage="memory", path=None, next_of=None, num_envs=1, seed=0,
