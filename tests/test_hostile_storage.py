@@ -267,9 +267,12 @@ def test_a_new_storage_never_writes_into_a_directory_of_foreign_files(tmp_path):
     (path / "notes.txt").write_text("x")
     for mode in ("new", "resume"):
         before = fingerprint(path)
-        with pytest.raises(PathExistsError, match="notes.txt"):
+        with pytest.raises(PathExistsError, match="data"):
             open_buffer("memmap", path, 16, AGENT_FIELDS, mode=mode)
         assert fingerprint(path) == before
+    os.rename(path / "data", tmp_path / "aside")
+    open_buffer("memmap", path, 16, AGENT_FIELDS, mode="new").close()  # beside the user's notes: fine
+    assert (path / "notes.txt").read_text() == "x"
     empty = tmp_path / "empty"
     empty.mkdir()
     open_buffer("memmap", empty, 16, AGENT_FIELDS, mode="new").close()  # an empty directory is fine

@@ -97,13 +97,14 @@ class MemmapStorage:
                 raise PathExistsError(f"{self.path} exists and is not a directory")
             self._created = not self.path.exists()
             if not self._created and not self.takeover and not os.path.lexists(meta_path):
-                # A new storage in an existing directory: it must hold nothing bigper
-                # would write over (a user's data/obs.bin would be preallocated in place).
-                foreign = sorted(e for e in os.listdir(self.path) if e not in (".lock", ".meta.json.tmp"))
+                # A new storage in an existing directory is made beside what is there, but
+                # never into it: a user's data/obs.bin would be preallocated in place. (bigper
+                # names meta.json before it makes data/ or state/, so those are not its own.)
+                foreign = sorted(e for e in ("data", "state") if os.path.lexists(self.path / e))
                 if foreign:
                     raise PathExistsError(
-                        f"{self.path} holds {foreign[:5]} but no bigper storage: a new storage needs an "
-                        "empty or new directory (nothing was changed)")
+                        f"{self.path} holds {foreign} but no bigper storage (no meta.json): a new storage "
+                        "would write into them; pass an empty or new directory (nothing was changed)")
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
             except (FileExistsError, NotADirectoryError):
