@@ -381,6 +381,13 @@ def crafted(tmp_path, how):
             g["rewards"] = np.zeros(3)
             g["terminations"] = np.zeros(3, dtype=bool)
             g["truncations"] = np.zeros(3, dtype=bool)
+        elif how == "minari-huge":
+            for k in list(f):
+                del f[k]
+            for e in range(2):
+                g = f.create_group(f"episode_{e}")
+                for k in ("observations", "actions", "rewards", "terminations", "truncations"):
+                    g.create_dataset(k, shape=(1 << 49,), dtype="f4", chunks=(1 << 16,), compression="gzip")
     return path
 
 
@@ -388,7 +395,7 @@ CRAFTED = {"soft-loop": "too many links|cannot be", "compound-obs": "dtype", "vl
            "string-terminals": "end flags must be", "compound-terminals": "end flags must be",
            "huge-rows": "declares 1,125,899,906,842,624 transitions", "huge-row-shape": "declares rows of shape",
            "scalar-obs": "no transitions", "group-obs": "needs a dataset 'observations'",
-           "minari-cycle": "reached twice"}
+           "minari-cycle": "reached twice", "minari-huge": "the episodes up to episode_0 declares"}
 
 
 @pytest.mark.parametrize("how", sorted(CRAFTED))

@@ -180,14 +180,15 @@ class Layouts:
         schema = None       # name -> (shape, dtype, relative path, shift, extra rows)
         paths: dict[str, list] = {}
         seg_rows: dict[str, list] = {}
-        lengths, ends, skipped = [], [], 0
+        lengths, ends, skipped, total = [], [], 0, 0
         for _, key in keys:
             g = f[key]
             if not isinstance(g, h5py.Group):
                 raise OfflineDatasetError(f"{self.file_path}: {key} is not a group (Minari layout)")
             rewards = self._need(g, "rewards", f"{key}/")
             steps = rewards.shape[0] if rewards.ndim else 0
-            check_rows(sum(lengths) + steps, self.file_path, f"the episodes up to {key}")
+            total += steps
+            check_rows(total, self.file_path, f"the episodes up to {key}")
             if steps == 0:
                 skipped += 1
                 continue
