@@ -22,6 +22,7 @@ from .errors import (
     BufferClosedError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
+    UnknownFieldError,
     InvalidIndexError,
     InvalidTypeError,
     PathExistsError,
@@ -42,6 +43,15 @@ MODES = ("new", "resume", "overwrite")
 # Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
 MAX_BATCH = 1 << 24
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
+
+def _into(data: dict, out: dict) -> dict:
+    """Copy into the ``out`` arrays the fields not already gathered into them."""
+    for name, o in out.items():
+        if data[name] is not o:
+            np.copyto(o, data[name])
+            data[name] = o
+    return data
+
 
 # Rooms above the buffer (snapshots, offline datasets) provide the entry points
 # that the buffer offers as methods (``save``, ``load``, ``from_hdf5``,
@@ -457,7 +467,7 @@ class PrioritizedReplayBuffer:
         return None
 
     # -- sampling --------------------------------------------------------------
-    def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:
+    def sample(self, batch_size: int, *, beta=None, stratified: bool = True, out=None) -> Batch:
         """Draw ``batch_size`` transitions with replacement, ``P(i) = leaf_i / total``.
 
         Parameters
@@ -469,11 +479,18 @@ class PrioritizedReplayBuffer:
         stratified : bool
             One draw in each of ``batch_size`` equal slices of the total (default),
             or every draw over the whole total.
+        out : dict[str, np.ndarray], optional
+            Arrays to gather into, for any of the batch's fields (each of the
+            shape and dtype ``sample`` gives it, C-contiguous): frames and
+            fields are gathered straight into them (say, numpy views of pinned
+            host tensors, so ``to_torch`` needs no second copy), and the batch
+            holds them. The caller must not reuse one while a batch holds it.
         """
         self._check_open()
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
                 or not 1 <= batch_size <= MAX_BATCH:
             raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
+        out = self._check_out(out, int(batch_size))
         if beta is not None:
             try:
                 b = float(beta)
@@ -492,7 +509,7 @@ class PrioritizedReplayBuffer:
             idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
                                              stratified=bool(stratified), beta=b)
             self._beta_step += 1
-            return self._batch(idx, w, prob)
+            return self._batch(idx, w, prob, out)
 
     def sampler(self, batch_size: int, prefetch: int = 2, device=None, **sample_kw):
         """An endless iterator of batches, the next ones prepared in a background thread.
@@ -542,25 +559,40 @@ class PrioritizedReplayBuffer:
         self._samplers.add(it)
         return it
 
-    def _batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
+    def _batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out=None) -> Batch:
         if self.config.n_step == 1 and self._fused:
             # Generations, end flags and discounts in one kernel call.
             b = idx.shape[0]
             gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
             disc = np.empty(b, np.float32)
             batch_meta(idx, self._ends, self._gid, self._discount1, gen, term, trunc, disc)
-            return Batch.make(self._gather(idx, (term, trunc, disc)), idx, w, prob, gen)
-        return Batch.make(self._gather(idx), idx, w, prob, self._gid[idx])
+            return Batch.make(self._gather(idx, (term, trunc, disc), out), idx, w, prob, gen)
+        return Batch.make(self._gather(idx, None, out), idx, w, prob, self._gid[idx])
 
-    def _gather(self, idx: np.ndarray, meta=None) -> dict:
+    def _gather(self, idx: np.ndarray, meta=None, out=None) -> dict:
+        """The batch's data at slots ``idx``; ``out``: arrays (checked by
+        ``_check_out``) that large fields are gathered into directly and small
+        ones copied into."""
         cfg = self.config
+        out = out or {}
         if meta is not None and self._frames is None and self._store.kind == "memory":
             # The common small-field case: one take per field, straight from the arrays.
             arrays = self._store.arrays
-            data = {name: arrays[name].take(idx, axis=0) for name in self._plain}
+            data = {name: arrays[name].take(idx, axis=0, out=out.get(name)) for name in self._plain}
             data["terminated"], data["truncated"], data["discount"] = meta
-            return data
-        read = self._store.read
+            return _into(data, out)
+        store = self._store
+        arrays = getattr(store, "arrays", None) if self._fused else None
+
+        def read(name, rows, o=None):
+            if arrays is not None:  # take() beats fancy indexing for a batch of rows
+                return arrays[name].take(rows, axis=0, out=o)
+            v = store.read(name, rows)
+            if o is None:
+                return v
+            np.copyto(o, v)
+            return o
+
         if cfg.n_step == 1:
             last = idx
             if meta is None:
@@ -574,10 +606,13 @@ class PrioritizedReplayBuffer:
             last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
         data = {}
         for name in self._plain:
-            data[name] = read(name, last if name in self._successors else idx)
+            data[name] = read(name, last if name in self._successors else idx, out.get(name))
         if self._frames is not None:
             if "obs" not in cfg.next_of:
-                data["obs"] = self._frames.stacks("obs_ref", idx)
+                data["obs"] = self._frames.stacks("obs_ref", idx, out.get("obs"))
+            elif "obs" in out or "next_obs" in out:  # each straight into its own array
+                data["obs"] = self._frames.stacks("obs_ref", idx, out.get("obs"))
+                data["next_obs"] = self._frames.stacks("next_obs_ref", last, out.get("next_obs"))
             elif last is idx:
                 data["obs"], data["next_obs"] = self._frames.pair(idx)
             else:
@@ -589,7 +624,40 @@ class PrioritizedReplayBuffer:
             data["reward"] = nstep.discounted_sum(rewards, slots, self._gamma).astype(
                 rdt if rdt.kind == "f" else np.float32)
         data["terminated"], data["truncated"], data["discount"] = term, trunc, disc
-        return data
+        return _into(data, out)
+
+    def _check_out(self, out, b: int) -> dict:
+        """``out`` for ``sample``: a dict of arrays, each one of the batch's keys,
+        shape ``(b, ...)`` and dtype as ``sample`` returns it, C-contiguous and
+        writable, no two sharing memory."""
+        if out is None:
+            return {}
+        if not isinstance(out, Mapping):
+            raise InvalidTypeError(f"out must be a dict name -> array, got {type(out).__name__}")
+        specs = dict(self._ingest.stored)
+        if self.config.n_step > 1:
+            rdt = self.config.dtype("reward")
+            specs["reward"] = ((), rdt if rdt.kind == "f" else np.dtype(np.float32))
+        specs.update(terminated=((), np.dtype(bool)), truncated=((), np.dtype(bool)),
+                     discount=((), np.dtype(np.float32)))
+        checked = {}
+        for name, arr in out.items():
+            if name not in specs:
+                raise UnknownFieldError(f"out[{name!r}]: not a field of the batch; expected some of {sorted(specs)}")
+            shape, dtype = specs[name]
+            want = (b, *shape)
+            if not isinstance(arr, np.ndarray) or arr.shape != want or arr.dtype != dtype \
+                    or not arr.flags.c_contiguous or not arr.flags.writeable:
+                got = (f"{arr.dtype} {arr.shape}" + ("" if arr.flags.c_contiguous and arr.flags.writeable
+                                                   else " (not C-contiguous and writable)")
+                       if isinstance(arr, np.ndarray) else type(arr).__name__)
+                raise InvalidArgumentError(f"out[{name!r}] must be a C-contiguous writable numpy array of "
+                                           f"dtype {np.dtype(dtype)} and shape {want}, got {got}")
+            for other, prev in checked.items():
+                if np.shares_memory(arr, prev):
+                    raise InvalidArgumentError(f"out[{name!r}] and out[{other!r}] share memory")
+            checked[name] = arr
+        return checked
 
     # -- priorities ------------------------------------------------------------
     def update_priorities(self, target, priorities) -> None:

@@ -291,15 +291,27 @@ class FrameStore:
                    self._expired)
         return self._expired[:n].copy()
 
-    def stacks(self, name: str, slots: np.ndarray) -> np.ndarray:
-        """``(B, k, *frame)`` stacks of ``name`` ("obs_ref" or "next_obs_ref") at ``slots``."""
-        rows = (self.store.read(name, slots) % self.F).ravel()
+    def stacks(self, name: str, slots: np.ndarray, out=None) -> np.ndarray:
+        """``(B, k, *frame)`` stacks of ``name`` ("obs_ref" or "next_obs_ref") at
+        ``slots``; ``out``: a C-contiguous array of that shape to gather into."""
+        rows = (self._refs(name, slots) % self.F).ravel()
         arrays = getattr(self.store, "arrays", None)
+        dest = None if out is None else out.reshape((rows.shape[0], *self.frame_shape))
         if arrays is None:
             frames = self.store.read("frames", rows)
+            if dest is not None:
+                np.copyto(dest, frames)
+                return out
         else:
-            frames = _take_rows(arrays["frames"], rows, self._out((rows.shape[0], *self.frame_shape)))
-        return frames.reshape((slots.shape[0], self.k, *self.frame_shape))
+            frames = _take_rows(arrays["frames"], rows,
+                                self._out((rows.shape[0], *self.frame_shape)) if dest is None else dest)
+        return out if out is not None else frames.reshape((slots.shape[0], self.k, *self.frame_shape))
+
+    def _refs(self, name: str, slots: np.ndarray) -> np.ndarray:
+        arrays = getattr(self.store, "arrays", None)
+        if arrays is None:
+            return self.store.read(name, slots)
+        return arrays[name].take(slots, axis=0)  # take() beats fancy indexing for a batch
 
     def pair(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``obs`` and ``next_obs`` stacks of the transitions at ``slots``.
@@ -309,8 +321,8 @@ class FrameStore:
         ``k + 1`` frames a row: 5/8 of the bytes for k = 4. They are then not
         contiguous along the batch axis.
         """
-        ro = self.store.read("obs_ref", slots)
-        rn = self.store.read("next_obs_ref", slots)
+        ro = self._refs("obs_ref", slots)
+        rn = self._refs("next_obs_ref", slots)
         arrays = getattr(self.store, "arrays", None)
         if arrays is None or not (rn[:, :-1] == ro[:, 1:]).all():
             return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", slots)

@@ -208,3 +208,54 @@ def test_threaded_keys_and_gathers_equal_one_thread(monkeypatch):
     monkeypatch.setattr(FR, "GATHER_CHUNK", 16)
     FR._take_rows(src, rows, out)
     assert np.array_equal(out, src[rows])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cfg=configs, which=st.sets(st.sampled_from(["obs", "next_obs", "action", "reward", "terminated",
+                                                     "truncated", "discount"])), bs=st.integers(1, 9))
+def test_sample_into_out_arrays_equals_sample(tmp_path_factory, cfg, which, bs):
+    root = tmp_path_factory.mktemp("out")
+    a, b = make(cfg, root / "a"), make(cfg, root / "b")
+    rng = np.random.default_rng(cfg["seed"])
+    lead = (cfg["cap"] + 5, cfg["envs"]) if cfg["envs"] > 1 else (cfg["cap"] + 5,)
+    d = step_data(cfg, rng, lead)
+    try:
+        a.extend(d)
+        b.extend(d)
+        if not a.prioritization.sampleable:
+            return
+        ref = b.sample(bs)
+        out = {k: np.full_like(ref[k], 7) for k in which}
+        got = a.sample(bs, out=out)
+        same_batch(got, ref)
+        for k in which:
+            assert got[k] is out[k]
+        same_state(a, b)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("out", [
+    {"obs": np.zeros((4, 2, 3, 4), np.uint8)},              # wrong batch size
+    {"obs": np.zeros((3, 2, 3, 4), np.int16)},              # wrong dtype
+    {"obs": np.zeros((3, 2, 3, 8), np.uint8)[..., ::2]},    # not contiguous
+    {"bogus": np.zeros(3)},                                 # not a field
+    {"action": np.zeros(3, np.int64), "reward": np.zeros(6, np.float32)[:3]},  # fine / fine ...
+    {"action": [0, 0, 0]},                                  # not an array
+    "obs",                                                  # not a mapping
+])
+def test_bad_out_refused_and_nothing_drawn(out):
+    cfg = {"k": 2, "n": 1, "envs": 1, "cap": 20, "seed": 0, "norm": "global", "prio": "proportional",
+           "storage": "memory"}
+    buf = make(cfg)
+    buf.extend(step_data(cfg, np.random.default_rng(0), (25,)))
+    before = buf.state_dict()
+    before = (repr(before[0]), {k: np.array(v) for k, v in before[1].items()})
+    if isinstance(out, dict) and set(out) == {"action", "reward"}:
+        out = dict(out, discount=out["action"].view(np.float32)[:3])  # shares memory with action
+    with pytest.raises(BigperError):
+        buf.sample(3, out=out)
+    after = buf.state_dict()
+    assert repr(after[0]) == before[0]
+    assert all(np.array_equal(np.asarray(after[1][k]), before[1][k]) for k in before[1])
