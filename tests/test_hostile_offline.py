@@ -717,3 +717,23 @@ def test_a_writer_cannot_open_the_dataset_while_it_is_read(tmp_path):
     with PRB.from_hdf5(path):
         assert run() == "refused True"
     assert run() == "opened"
+
+
+def test_a_file_swapped_between_the_check_and_hdf5s_open_is_refused(tmp_path):
+    """The file HDF5 opens is compared with the one checked first (device and inode):
+    another file put at the path in between is refused."""
+    from bigper.storage.h5source import H5Source
+
+    a, b = tmp_path / "a.hdf5", tmp_path / "b.hdf5"
+    write_d4rl(a)
+    write_d4rl(b)
+    src = H5Source(a)
+    try:
+        checked = src.file_id
+        os.replace(b, a)  # what a swap right after the check looks like to HDF5
+        src.file_path = a
+        with pytest.raises(OfflineDatasetError, match="was replaced while it was being opened"):
+            src._open_h5(h5py, 1 << 20)
+        assert src.file_id == checked
+    finally:
+        src.close()
