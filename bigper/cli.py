@@ -188,7 +188,7 @@ def _verify_storage(path: Path, kind: str) -> int:
     (when nobody holds it) the state's invariants. A storage a live buffer
     holds is never called corrupt: it says who holds it and exits 3."""
     from .config import Config
-    from .errors import BigperError, StorageLockedError, UncleanStorageError
+    from .errors import BigperError, CorruptSnapshotError, StorageLockedError, UncleanStorageError
     from .storage import open_storage
     from .storage._files import FileLock
     from ._statecheck import check_state
@@ -200,6 +200,21 @@ def _verify_storage(path: Path, kind: str) -> int:
         print(f"IN USE   {path}: a live {kind} buffer holds it ({who}); its data and priorities change "
               "while it runs, so only a snapshot can be verified: save one (buf.save or Snapshots.save) "
               "and verify that")
+        if kind == "memmap":  # what does not change while it runs: the record of its layout
+            from .storage._files import read_json
+            from .storage._state import check_arrays
+
+            try:
+                meta = read_json(path / "meta.json")
+                if not isinstance(meta, dict) or meta.get("format") != "bigper-memmap":
+                    raise CorruptSnapshotError(f"{path}/meta.json has no bigper memmap marker")
+                check_arrays(meta.get("arrays"), path)
+                _check_chunks(path, meta)
+            except BigperError as e:
+                print(f"         its layout is not consistent: {e}")
+            else:
+                print(f"         its layout is consistent: {len(meta['arrays'])} arrays, every chunk file "
+                      "in place")
         return VERIFY_IN_USE
     store = open_storage(kind, path, read_only=True)
     try:

@@ -219,6 +219,8 @@ def test_storage_locked_error_names_this_process_or_the_holders_pid(kind, tmp_pa
         assert main(["verify", str(path)]) == 3
         out = capsys.readouterr().out
         assert "IN USE" in out and str(agent.proc.pid) in out and "CORRUPT" not in out, out
+        if kind == "memmap":
+            assert "layout is consistent" in out, out
     finally:
         agent.kill()
     assert FileLock.holder_pid(lock) is None
