@@ -177,3 +177,43 @@ def test_hdf5_storage_path_holding_something_else(tmp_path, kind, err):
         pytest.fail("blocked on a FIFO at the storage path")
     assert isinstance(box.get("e"), err), box
     assert fingerprint(tmp_path) == before
+
+
+def test_a_storage_whose_data_lives_in_another_file_is_never_opened_for_writing(tmp_path):
+    """A crafted storage file with external raw storage for an array: resuming it would
+    write rows into the victim. Refused at open; the victim keeps its bytes."""
+    from bigper.storage.hdf5 import HDF5Storage
+
+    path = tmp_path / "replay.h5"
+    buf = PRB(8, {"x": ((4,), np.float32)}, storage="hdf5", path=path)
+    buf.add(x=np.ones(4, np.float32), terminated=False)
+    buf.close()
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious" * 100)
+    with h5py.File(path, "a") as f:
+        shape, dtype = f["x"].shape, f["x"].dtype
+        del f["x"]
+        f.create_dataset("x", shape=shape, dtype=dtype, external=[(str(victim), 0, h5py.h5f.UNLIMITED)])
+    before = fingerprint(tmp_path)
+    with pytest.raises(bigper.CorruptSnapshotError, match="'x' keeps its data in external file"):
+        HDF5Storage(path).open({})
+    assert fingerprint(tmp_path) == before
+
+
+def test_a_huge_recorded_state_array_is_not_read_by_the_storage(tmp_path):
+    from bigper.storage.hdf5 import HDF5Storage
+
+    path = tmp_path / "replay.h5"
+    buf = PRB(8, {"x": ((4,), np.float32)}, storage="hdf5", path=path)
+    buf.add(x=np.ones(4, np.float32), terminated=False)
+    buf.close()
+    with h5py.File(path, "a") as f:
+        f["_bigper/state"].create_dataset("junk", shape=(1 << 40,), dtype="f8", chunks=(1 << 16,),
+                                          compression="gzip")
+    store = HDF5Storage(path, read_only=True)
+    store.open({})
+    try:
+        with pytest.raises(bigper.CorruptSnapshotError, match="'junk'.*larger than any state of a 8-slot"):
+            store.saved_state()
+    finally:
+        store.close()

@@ -24,10 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from ._files import FileLock, fsync_dir, open_regular, preallocate
+from ._h5guard import check_links
 from ._state import check_meta
 from ..errors import (
     CorruptSnapshotError,
     InvalidArgumentError,
+    OfflineDatasetError,
     PathExistsError,
     PathNotFoundError,
     StorageLockedError,
@@ -38,6 +40,8 @@ VERSION = 1
 CHUNK_BYTES = 256 * 1024
 ROW_READ_BYTES = 4096  # rows at least this large are read one by one
 COMPRESSIONS = (None, "lzf", "gzip")
+# A recorded state array holds at most this many bytes per slot (a crafted larger one is not read).
+STATE_BYTES_PER_SLOT = 64
 # Bytes reserved at close beyond the state's own (HDF5 object headers, heaps, B-trees).
 RESERVE_SLACK = 256 * 1024
 
@@ -98,17 +102,25 @@ class HDF5Storage:
 
     def _open_existing(self, h5py):
         """The file at the storage path, when it is a regular HDF5 file: a FIFO or a device
-        there is refused without blocking, anything h5py cannot open is left untouched."""
+        there is refused without blocking, anything h5py cannot open is left untouched. A file
+        whose datasets live elsewhere (external storage or links, virtual datasets of other
+        files) is refused: writing rows would write into those other files."""
         fd = open_regular(self.path, os.O_RDONLY, follow=True, error=PathExistsError)
         os.close(fd)
         try:
-            return h5py.File(self.path, "r" if self.read_only else "r+", rdcc_nbytes=0)
+            f = h5py.File(self.path, "r" if self.read_only else "r+", rdcc_nbytes=0)
         except OSError as e:
             if "lock" in str(e).lower():
                 raise StorageLockedError(f"{self.path} is open in another process (HDF5 file lock: {e})") \
                     from None
             raise PathExistsError(f"{self.path} holds a file that is not a bigper HDF5 storage ({e}); "
                                   "left untouched") from None
+        try:
+            check_links(f, self.path, allow_external=False)
+        except OfflineDatasetError as e:
+            f.close()
+            raise CorruptSnapshotError(f"not a bigper HDF5 storage: {e}") from None
+        return f
 
     def allocate(self, specs) -> None:
         f = self._file
@@ -201,8 +213,26 @@ class HDF5Storage:
 
     # -- state and close -------------------------------------------------------
     def saved_state(self):
+        """The recorded state: meta and arrays. Arrays are checked before they are read: numeric
+        datasets of this file, none larger than a state of the recorded capacity can be."""
+        h5py = _h5py()
         g = self._file.get("_bigper/state")
-        arrays = {name: g[name][()] for name in g} if g is not None else {}
+        if g is None:
+            return self._meta["state"], {}
+        if not isinstance(g, h5py.Group):
+            raise CorruptSnapshotError(f"{self.path}: /_bigper/state is not a group")
+        cap = (self._meta.get("config") or {}).get("capacity")
+        cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+        arrays = {}
+        for name in g:
+            d = g.get(name)
+            if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
+                raise CorruptSnapshotError(f"{self.path}: recorded state {name!r} is not a numeric dataset")
+            nbytes = int(np.prod(d.shape, dtype=object)) * d.dtype.itemsize
+            if nbytes > STATE_BYTES_PER_SLOT * (cap + 1024):
+                raise CorruptSnapshotError(f"{self.path}: recorded state {name!r} of shape {d.shape} is larger "
+                                           f"than any state of a {cap}-slot buffer")
+            arrays[name] = d[()]
         return self._meta["state"], arrays
 
     def close(self, state: tuple[dict, dict] | None = None) -> None:
