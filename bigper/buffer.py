@@ -385,7 +385,11 @@ class PrioritizedReplayBuffer:
             if self._frames is not None:
                 writes.update(self._frames.rows_touched(m, where))
             prepare(writes)
-        self._env_ended = np.concatenate([self._env_ended, ended])[-cfg.num_envs:]
+        k = cfg.num_envs
+        self._env_ended = ended[-k:] if m >= k else np.concatenate([self._env_ended, ended])[-k:]
+        if m <= c:
+            self._write_chunk(rows, keys, valid)
+            return
         # More rows than slots: write in chunks of at most `capacity`, so that
         # slots within one write are distinct and every frame stream stays whole.
         for lo in range(0, m, c):

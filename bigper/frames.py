@@ -30,6 +30,7 @@ from ._pool import for_ranges, workers
 
 
 _ALL_VALID = np.ones(256, dtype=np.bool_)
+_ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
 
 
 def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
@@ -213,6 +214,7 @@ class FrameStore:
         self.minref = np.zeros(cfg.capacity, dtype=np.int64)
         self._expired = np.empty(cfg.capacity, dtype=np.int64)  # scratch for expire()
         self._outs: list[np.ndarray] = []  # stacks handed out, reused once nobody holds them
+        self._ring_of = self._ring = None  # the storage's frames array, and it as (F, words)
 
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
@@ -239,12 +241,17 @@ class FrameStore:
         m = ends.shape[0]
         obs = self._words(rows["obs"])
         nxt = self._words(rows["next_obs"]) if self.has_next else obs
-        env = (np.arange(g0, g0 + m, dtype=np.int64) % self.num_envs if self.num_envs > 1
-               else np.zeros(m, np.int64))
+        if self.num_envs > 1:
+            env = np.arange(g0, g0 + m, dtype=np.int64) % self.num_envs
+        else:
+            env = _ENV0[:m] if m <= _ENV0.shape[0] else np.zeros(m, np.int64)
         if rw is not None:
             ok = (_ALL_VALID[:m] if m <= _ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
                 if valid is None else valid
-            ring = rw["frames"].reshape(self.F, -1).view(self.word)
+            src = rw["frames"]
+            if self._ring_of is not src:  # the ring as (F, words), kept while the storage keeps its array
+                self._ring_of, self._ring = src, src.reshape(self.F, -1).view(self.word)
+            ring = self._ring
             oref = rw["obs_ref"]
             nref = rw["next_obs_ref"] if self.has_next else oref
             # Rows go straight to their slots: refs are written row by row at slots[r].
