@@ -333,7 +333,9 @@ def _open_buffer(path: Path, args):
     return bigper.PrioritizedReplayBuffer(
         args.capacity, atari_fields(), frame_stack=4, n_step=3, gamma=0.99, alpha=0.6,
         beta=bigper.LinearSchedule(0.4, 1.0, max(1, sample_calls(args) - 1)),
-        prioritization=args.prioritization, storage="memmap", path=path, seed=args.seed)
+        prioritization=args.prioritization, storage="memmap", path=path,
+        mode="new",  # each demo run has its own new run directory (check_args refuses a used one)
+        seed=args.seed)
 
 
 def _play(env, buf, learner, clock, trace, args, tqdm, mem) -> None:
