@@ -387,7 +387,7 @@ class PrioritizedReplayBuffer:
             prepare(writes)
         k = cfg.num_envs
         self._env_ended = ended[-k:] if m >= k else np.concatenate([self._env_ended, ended])[-k:]
-        if m <= c:
+        if 0 < m <= c:
             self._write_chunk(rows, keys, valid)
             return
         # More rows than slots: write in chunks of at most `capacity`, so that
