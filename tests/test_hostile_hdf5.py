@@ -217,3 +217,40 @@ def test_a_huge_recorded_state_array_is_not_read_by_the_storage(tmp_path):
             store.saved_state()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("how", ["fewer-rows", "other-dtype", "group", "meta-arrays"])
+def test_a_reopened_storage_whose_arrays_differ_is_refused_before_writing(tmp_path, how):
+    """Rows must never land outside a dataset or in another one: the file's datasets and
+    records are checked against the buffer's arrays before the reopen writes anything."""
+    from bigper.storage.hdf5 import HDF5Storage
+
+    path = tmp_path / "replay.h5"
+    buf = PRB(8, {"x": ((4,), np.float32)}, storage="hdf5", path=path)
+    buf.add(x=np.ones(4, np.float32), terminated=False)
+    buf.close()
+    want = {"x": (8, (4,), np.float32)}  # what this buffer's storage is allocated with
+    ok = HDF5Storage(path, read_only=True)
+    ok.open({})
+    ok.allocate(want)  # the untouched file passes
+    ok.close()
+    with h5py.File(path, "a") as f:
+        if how == "fewer-rows":
+            del f["x"]
+            f.create_dataset("x", shape=(2, 4), dtype="f4")
+        elif how == "other-dtype":
+            del f["x"]
+            f.create_dataset("x", shape=(8, 4), dtype="f8")
+        elif how == "group":
+            del f["x"]
+            f.create_group("x")
+        else:
+            meta = json.loads(f["_bigper"].attrs["meta"])
+            meta["arrays"] = {"y": meta["arrays"]["x"]}
+            f["_bigper"].attrs["meta"] = json.dumps(meta)
+    before = fingerprint(tmp_path)
+    store = HDF5Storage(path)
+    store.open({})
+    with pytest.raises(bigper.IncompatibleSnapshotError, match="array 'x'|records arrays"):
+        store.allocate(want)
+    assert fingerprint(tmp_path) == before

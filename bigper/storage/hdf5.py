@@ -28,6 +28,7 @@ from ._h5guard import check_links
 from ._state import check_meta
 from ..errors import (
     CorruptSnapshotError,
+    IncompatibleSnapshotError,
     InvalidArgumentError,
     OfflineDatasetError,
     PathExistsError,
@@ -143,13 +144,33 @@ class HDF5Storage:
                 self._write_meta()  # the flush extends the (sparse) file over every chunk
                 if reserve:
                     preallocate(self.path, os.stat(self.path).st_size)
-            elif not self.read_only:
-                self._meta["clean"] = False
-                self._write_meta()
+            else:
+                self._check_arrays(specs)
+                if not self.read_only:
+                    self._meta["clean"] = False
+                    self._write_meta()
             self.dsets = {name: self._open_dataset(name) for name in self._meta["arrays"]}
         except BaseException:
             self._abort()
             raise
+
+    def _check_arrays(self, specs) -> None:
+        """A reopened file's recorded arrays and its datasets must be what ``specs`` asks for
+        (rows, row shape, dtype), before anything is written: a crafted or foreign record
+        must not let rows land outside a dataset or in another one."""
+        h5py = _h5py()
+        arrays = self._meta.get("arrays")
+        if not isinstance(arrays, dict) or set(arrays) != set(specs):
+            got = sorted(arrays) if isinstance(arrays, dict) else arrays
+            raise IncompatibleSnapshotError(f"{self.path} records arrays {got!r:.200}; this buffer has "
+                                            f"{sorted(specs)}")
+        for name, (rows, shape, dtype) in specs.items():
+            d = self._file.get(name)
+            want = ((int(rows), *map(int, shape)), np.dtype(dtype))
+            if not isinstance(d, h5py.Dataset) or (d.shape, d.dtype) != want:
+                have = (d.shape, d.dtype) if isinstance(d, h5py.Dataset) else type(d).__name__
+                raise IncompatibleSnapshotError(f"{self.path}: array {name!r} is {have}; this buffer needs "
+                                                f"{want}")
 
     def _open_dataset(self, name: str):
         """``name`` with a chunk cache where it is compressed. The file has none:
