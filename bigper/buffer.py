@@ -185,23 +185,29 @@ class PrioritizedReplayBuffer:
             store = open_storage(cfg.storage, path, read_only=read_only, **opts)
             recorded = store.open(cfg.to_dict())
         self.resumed = None
-        if recorded is not None:
-            old = Config.from_dict(recorded["config"])
-            diff = cfg.differences(old, ignore=(), only=LAYOUT_KEYS)
-            if diff:
-                store.close()
-                raise IncompatibleSnapshotError(
-                    f"{path} holds a buffer of another layout; differing key(s): " + "; ".join(diff)
-                    + " (the stored data depends on these; use another path or mode='overwrite')")
-            self.resumed = _held(recorded)
+        state = None
         try:
-            self._setup(cfg, store)
             if recorded is not None:
-                self._restore(*store.saved_state(), reseed=cfg.seed != old.seed)
+                old = Config.from_dict(recorded["config"])
+                diff = cfg.differences(old, ignore=(), only=LAYOUT_KEYS)
+                if diff:
+                    raise IncompatibleSnapshotError(
+                        f"{path} holds a buffer of another layout; differing key(s): " + "; ".join(diff)
+                        + " (the stored data depends on these; use another path or mode='overwrite')")
+                # Checked before the storage is attached (and marked in use), so a
+                # refused state leaves the directory as it was.
+                state = store.saved_state()
+                check_state(cfg, *state)
+                self.resumed = _held(recorded)
+            self._setup(cfg, store)
+            if state is not None:
+                self._restore(*state, reseed=cfg.seed != old.seed)
         except BaseException:
             self._closed = True
             _OPEN.discard(self)
-            store.close()
+            # Release without recording anything: a refused path stays as it was.
+            abort = getattr(store, "abort", None)
+            abort() if abort is not None else store.close()
             raise
         if recorded is not None:
             changed = cfg.differences(old, ignore=LAYOUT_KEYS)
