@@ -7,10 +7,8 @@ retention, fallback when the newest is corrupt)."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -96,58 +94,6 @@ def test_a_reservation_that_cannot_fit_fails_fast_with_the_figures(cluster):
 
 
 # -- bigper.Snapshots over sharded snapshots ------------------------------------------
-def _snapshots_class():
-    """``bigper.Snapshots`` once it takes a ``loader`` (the hook issue 13 asks of
-    snapshot/_series.py); until then the same class with exactly that hook:
-    a buffer whose class names a ``snapshot_format`` saves itself
-    (``buf.save(target)``), and ``load_latest`` loads through ``loader``."""
-    if "loader" in inspect.signature(bigper.Snapshots).parameters:
-        return bigper.Snapshots
-    from bigper.errors import CorruptSnapshotError, InvalidArgumentError, PathNotFoundError
-    from bigper.snapshot._series import MANIFEST, SnapshotInfo, _seq
-
-    class Hooked(bigper.Snapshots):
-        def __init__(self, root, keep=3, *, loader=None):
-            super().__init__(root, keep)
-            self.loader = loader
-
-        def save(self, buf, *, metadata=None, files=None):
-            if getattr(type(buf), "snapshot_format", None) is None:
-                return super().save(buf, metadata=metadata, files=files)
-            if metadata is not None or files:
-                raise InvalidArgumentError("metadata= and files= are for local buffers' snapshots")
-            with self._locked(shared=False):
-                entries = self._entries()
-                seq = (_seq(entries[-1]) + 1) if entries else 1
-                path = buf.save(self.root / f"snap-{seq:08d}")
-                self._retain()
-            return path
-
-        def load_latest(self, *, path=None, with_info=False):
-            if self.loader is None:
-                return super().load_latest(path=path, with_info=with_info)
-            with self._locked(shared=True):
-                entries = [p for p in reversed(self._entries()) if (p / MANIFEST).exists()]
-                if not entries:
-                    raise PathNotFoundError(f"no snapshot in {self.root}")
-                problems = []
-                for i, p in enumerate(entries):
-                    try:
-                        buf = self.loader(p, path=path)
-                    except CorruptSnapshotError as e:
-                        problems.append(str(e))
-                        if i + 1 < len(entries):
-                            warnings.warn(f"snapshot {p.name} is corrupt ({e}); falling back to "
-                                          f"{entries[i + 1].name}", RuntimeWarning, stacklevel=2)
-                    else:
-                        info = SnapshotInfo(path=p, number=_seq(p), created=None, metadata=None)
-                        self.last_loaded = info
-                        return (buf, info) if with_info else buf
-                raise CorruptSnapshotError(f"no loadable snapshot in {self.root}: " + "; ".join(problems))
-
-    return Hooked
-
-
 def _flip_a_byte(snap) -> str:
     data = sorted((snap / "shard-1" / "data").iterdir())[0]
     raw = bytearray(data.read_bytes())
@@ -158,7 +104,7 @@ def _flip_a_byte(snap) -> str:
 
 
 def test_snapshots_retention_and_fallback_on_shards(cluster, tmp_path):
-    Snapshots = _snapshots_class()
+    Snapshots = bigper.Snapshots
     root = tmp_path / "snaps"
     snaps = Snapshots(root, keep=2, loader=ShardedPrioritizedBuffer.load)
     lens = []

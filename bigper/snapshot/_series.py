@@ -15,7 +15,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from ..errors import CorruptSnapshotError, InvalidArgumentError, PathExistsError, PathNotFoundError
+from ..errors import (
+    CorruptSnapshotError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    PathExistsError,
+    PathNotFoundError,
+)
 from ..storage._files import fsync_dir, open_regular
 
 _NAME = re.compile(r"^snap-(\d{8,})$")
@@ -121,7 +127,10 @@ class Snapshots:
     >>> snaps.last_loaded.step, snaps.last_loaded.files["model.pt"]  # doctest: +SKIP
     """
 
-    def __init__(self, root, keep: int | None = 3):
+    def __init__(self, root, keep: int | None = 3, *, loader=None):
+        if loader is not None and not callable(loader):
+            raise InvalidTypeError(f"loader must be callable like ShardedPrioritizedBuffer.load, got {loader!r}")
+        self.loader = loader  # loader(snapshot, path=...) for buffers that snapshot themselves (shards)
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgumentError(f"keep must be an int >= 1 or None, got {keep!r}")
         self.root = Path(os.path.abspath(root))
@@ -223,10 +232,16 @@ class Snapshots:
         """
         from ._save import save
 
+        # A buffer with its own snapshot format (a sharded buffer) writes itself.
+        own = getattr(type(buf), "snapshot_format", None) is not None
+        if own and (metadata is not None or files):
+            raise InvalidArgumentError("metadata= and files= are kept for local buffers' snapshots only; "
+                                       f"{type(buf).__name__} writes its own snapshot format")
         with self._locked(shared=False):
             entries = self._entries()
             seq = (_seq(entries[-1]) + 1) if entries else 1
-            path = save(buf, self.root / f"snap-{seq:08d}", metadata=metadata, files=files)
+            target = self.root / f"snap-{seq:08d}"
+            path = buf.save(target) if own else save(buf, target, metadata=metadata, files=files)
             self._retain()
         return path
 
@@ -284,8 +299,12 @@ class Snapshots:
             problems = []
             for i, p in enumerate(entries):
                 try:
-                    info = snapshot_info(p)
-                    buf = load(p, path=path)
+                    if self.loader is not None:
+                        buf = self.loader(p, path=path)
+                        info = SnapshotInfo(path=p, number=_seq(p), created=None, metadata=None)
+                    else:
+                        info = snapshot_info(p)
+                        buf = load(p, path=path)
                 except CorruptSnapshotError as e:
                     problems.append(str(e))
                     if i + 1 < len(entries):
