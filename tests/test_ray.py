@@ -258,13 +258,18 @@ def test_save_load_and_a_killed_shard(cluster, tmp_path):
                 break
         assert info["len"] == snap_lens[victim]
         assert info["restored_from"].endswith("shard-1")
+        restored_total = info["total_priority"]
+        assert ((before.indices >= lo) & (before.indices < hi)).any()  # the update below reaches it
         buf.update_priorities(before, np.full(64, 5.0))  # rows of the dead incarnation are skipped
 
         def drawn_from_victim():
             b = buf.sample(256)
             return ((b.indices >= lo) & (b.indices < hi)).any()
 
-        _wait_for(drawn_from_victim, timeout=30)
+        _wait_for(drawn_from_victim, timeout=30)  # the update rode on these calls
+        # Rows sampled from the dead incarnation carried its epoch: the restarted
+        # shard applied none of them, even where its slots hold the same rows again.
+        assert buf.shard_info()[victim]["total_priority"] == restored_total
 
         # A shard that stays down: sampling goes on over the live one, with
         # probabilities correct over it.
