@@ -26,7 +26,8 @@ def _reprioritize(args) -> int:
 
     try:
         score_fn = offline.load_score_fn(args.score)
-        buf = offline.from_hdf5(args.dataset, priorities=args.priorities, layout=args.layout)
+        buf = offline.from_hdf5(args.dataset, priorities=args.priorities, layout=args.layout,
+                                allow_external=args.allow_external)
     except (OSError, ImportError, ValueError, TypeError, AttributeError) as e:
         print(f"bigper reprioritize: {e}", file=sys.stderr)
         return 2
@@ -325,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--layout", default="auto", choices=("auto", "d4rl", "minari", "bigper"))
     r.add_argument("--restart", action="store_true", help="start over instead of resuming an interrupted run")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--allow-external", action="store_true",
+                   help="read datasets whose data lives in other files (HDF5 external storage, external "
+                        "links, virtual datasets); refused by default: a crafted file could expose other files")
     r.set_defaults(func=_reprioritize)
     i = sub.add_parser("info", help="config, size, fill and priorities of a snapshot, a Snapshots "
                                     "root, a storage directory or a dataset")

@@ -325,3 +325,16 @@ def test_a_storage_path_through_a_file_is_refused(tmp_path):
         with pytest.raises(PathExistsError):
             open_buffer("memmap", path, 16, AGENT_FIELDS, mode="new")
     assert (tmp_path / "f").read_text() == "x"
+
+
+def test_write_durable_never_writes_through_a_planted_hard_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    os.link(victim, tmp_path / ".meta.json.tmp")  # a hard link planted under bigper's temporary name
+    with pytest.raises(CorruptSnapshotError):
+        write_json(tmp_path / "meta.json", {"a": 1})
+    assert victim.read_text() == "keep me"
+    os.unlink(tmp_path / ".meta.json.tmp")
+    (tmp_path / ".meta.json.tmp").write_text("half a write")  # an interrupted write of ours: replaced
+    write_json(tmp_path / "meta.json", {"a": 1})
+    assert read_json(tmp_path / "meta.json") == {"a": 1}

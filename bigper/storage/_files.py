@@ -197,7 +197,19 @@ def write_durable(path: Path, data: bytes) -> None:
     it into place and fsync the directory."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    # A fresh file, never one found under that name: the leftover of an
+    # interrupted write (a plain file of ours) is removed; anything else there
+    # (a FIFO, a symlink, a hard link to another file) is refused, not written through.
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise CorruptSnapshotError(f"{tmp} is not a leftover of bigper's own (a special file, a "
+                                       "symlink or a hard link): refusing to write through it")
+        os.unlink(tmp)
+    fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         view = memoryview(data)
         while view:
