@@ -181,7 +181,8 @@ def print_extra(extra: dict) -> None:
     print()
     print("tree capacity sweep: us per round (sample B + IS weights + update B), median; "
           "ratio = peer / bigper at the same size")
-    names = sorted({n for row in sweep["rows"].values() for n in row})
+    names = sorted({n for row in sweep["rows"].values() for n, r in row.items() if r.get("status") == "ok"})
+    absent = sorted({n for row in sweep["rows"].values() for n in row} - set(names))
     headers = ["capacity"]
     for b in sweep["batches"]:
         headers += [f"{n} B={b}" for n in names]
@@ -203,6 +204,8 @@ def print_extra(extra: dict) -> None:
         cells.append(fmt(row.get("bigper-rank", {}).get("sort_ms"), ".1f"))
         rows.append(cells)
     print_table(headers, rows)
+    if absent:
+        print(f"  not run: {', '.join(absent)} (not installed or not enough memory)")
     print(f"  {sweep['plot']}")
     fc = extra["first_call"]
     print()
