@@ -226,6 +226,23 @@ class PrioritizedReplayBuffer:
             buf._restore(*state)
         return buf
 
+    @classmethod
+    def storage_specs(cls, config: Config) -> dict:
+        """``name -> (rows, shape, dtype)`` of every array a buffer of ``config``
+        keeps in its storage (for snapshot loads that check sizes before
+        allocating anything)."""
+        frames = FrameStore(config, None) if config.frame_stack else None
+        framed = ("obs", "next_obs") if frames is not None else ()
+        plain = {n: v for n, v in Ingest(config).stored.items() if n not in framed}
+        return cls._specs(config, plain, frames)
+
+    @staticmethod
+    def _specs(cfg: Config, plain: dict, frames) -> dict:
+        specs = {name: (cfg.capacity, shape, dtype) for name, (shape, dtype) in plain.items()}
+        if frames is not None:
+            specs.update(frames.specs())
+        return specs
+
     # -- construction ----------------------------------------------------------
     def _setup(self, cfg: Config, store) -> None:
         self.config = cfg
@@ -242,10 +259,7 @@ class PrioritizedReplayBuffer:
         framed = ("obs", "next_obs") if self._frames is not None else ()
         self._plain = {n: v for n, v in self._ingest.stored.items() if n not in framed}
         self._successors = {f"next_{n}" for n in cfg.next_of}
-        specs = {name: (c, shape, dtype) for name, (shape, dtype) in self._plain.items()}
-        if self._frames is not None:
-            specs.update(self._frames.specs())
-        store.allocate(specs)
+        store.allocate(self._specs(cfg, self._plain, self._frames))
         self._prio = make_prioritization(cfg.prioritization, c, alpha=cfg.alpha, eps=cfg.eps,
                                          max_priority=self._maxp, weight_norm=cfg.weight_norm)
         self._gid = np.full(c, -1, dtype=np.int64)
@@ -819,6 +833,11 @@ class PrioritizedReplayBuffer:
         return self._prio.tree
 
     # -- lifecycle -------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True after ``close()``."""
+        return self._closed
+
     def _check_open(self):
         if self._closed:
             raise BufferClosedError("this buffer is closed")

@@ -92,32 +92,13 @@ def _state_arrays(body: dict, snap) -> dict:
     return out
 
 
-class _Probed(Exception):
-    pass
-
-
-class _SpecProbe:
-    """A storage that only records what a buffer asks it to allocate."""
-
-    kind = "probe"
-    specs: dict = {}
-
-    def allocate(self, specs) -> None:
-        self.specs = {n: (int(r), tuple(int(d) for d in s), np.dtype(t)) for n, (r, s, t) in specs.items()}
-        raise _Probed
-
-
 def _needed_specs(cfg: Config) -> dict:
     """name -> (rows, shape, dtype) of the arrays a buffer of ``cfg`` stores,
     found without allocating them."""
     from ..buffer import PrioritizedReplayBuffer
 
-    probe = _SpecProbe()
-    try:
-        PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)._setup(cfg, probe)
-    except _Probed:
-        return probe.specs
-    raise IncompatibleSnapshotError("this bigper's buffer allocates no storage")  # pragma: no cover
+    return {n: (int(r), tuple(int(d) for d in sh), np.dtype(t))
+            for n, (r, sh, t) in PrioritizedReplayBuffer.storage_specs(cfg).items()}
 
 
 def _check_sizes(body: dict, snap, cfg: Config, layouts: dict) -> None:
@@ -182,9 +163,7 @@ def _release(store) -> None:
 def _new_buffer(cfg: Config, store):
     from ..buffer import PrioritizedReplayBuffer
 
-    buf = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
-    buf._setup(cfg, store)
-    return buf
+    return PrioritizedReplayBuffer.from_parts(cfg, store)
 
 
 def _check_specs(store, layouts: dict, snap, cfg: Config) -> None:
@@ -388,12 +367,12 @@ def load(snapshot, *, path=None):
     else:
         buf = _load_hdf5(cfg, body, snap, live, layouts)
     try:
-        buf._restore(body["state"]["meta"], state)
+        buf.load_state(body["state"]["meta"], state)
     except BigperError:
-        _release(buf._store)
+        _release(buf.storage)
         raise
     except (KeyError, ValueError, TypeError, IndexError) as e:
-        _release(buf._store)
+        _release(buf.storage)
         raise IncompatibleSnapshotError(
             f"{snap}: its recorded state does not fit this bigper's buffer: {e!r}") from e
     return buf

@@ -41,7 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from ..config import check_name
-from ..errors import InvalidArgumentError, InvalidTypeError, PathExistsError, PathNotFoundError
+from ..errors import (
+    BufferClosedError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    PathExistsError,
+    PathNotFoundError,
+)
 from ..storage._chunks import chunk_name, chunk_rows_for
 from ..storage._files import fsync_dir, open_regular
 from ._manifest import _PART, FORMAT, MAGIC, MANIFEST, READ_BLOCK, digest, encode
@@ -323,8 +329,9 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
     """
     from .._version import __version__
 
-    buf._check_open()
-    kind = getattr(buf._store, "kind", None)
+    if buf.closed:
+        raise BufferClosedError("cannot save a closed buffer")
+    kind = getattr(buf.storage, "kind", None)
     if kind not in ("memory", "memmap", "hdf5"):
         raise InvalidArgumentError(
             f"snapshots hold buffers on memory, memmap or hdf5 storage; this buffer's storage is "
@@ -346,7 +353,7 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
     if not target.parent.is_dir():
         raise PathExistsError(f"{target.parent} exists and is not a directory; the snapshot {target} "
                               "cannot be made in it")
-    store = buf._store
+    store = buf.storage
     user_fds = _open_user_files(files)
     tx = Transaction(target)
     try:
