@@ -764,6 +764,29 @@ class PrioritizedReplayBuffer:
         v.flags.writeable = False
         return v
 
+    @property
+    def generations(self) -> np.ndarray:
+        """How many transitions had been added when each slot was last written
+        (int64, -1 for never), read-only view; ``Batch.generations`` are these."""
+        v = self._gid.view()
+        v.flags.writeable = False
+        return v
+
+    def assign_priorities(self, priorities) -> None:
+        """Set the priority of every slot at once in O(N) (a dataset's scores):
+        ``priorities`` has shape ``(capacity,)``; rows of slots that are not
+        sampleable are ignored. All or nothing, like ``update_priorities``."""
+        self._check_writable("priorities")
+        p = as_priorities(priorities, self.capacity)
+        live = self._status == LIVE
+        bad = np.flatnonzero(live & ~((p >= 0) & (p < np.inf)))
+        if bad.size:
+            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad[0]]} at position {bad[0]}")
+        keys = self._prio.keys(np.where(live, p, 0.0))
+        self._prio.assign(keys, live)
+        if live.any():
+            self._max_leaf = max(self._max_leaf, float(keys[live].max()))
+
     def gather(self, indices) -> dict:
         """The data of the transitions at ``indices`` as ``sample`` returns it
         (no draw, no weights); every index must be sampleable."""

@@ -38,16 +38,16 @@ def _reprioritize(args) -> int:
                                  restart=args.restart)
         except (ValueError, TypeError, KeyboardInterrupt) as e:
             why = "interrupted" if isinstance(e, KeyboardInterrupt) else str(e)
-            part = (buf._store.sidecar.meta or {}).get("partial")
+            part = (buf.storage.sidecar.meta or {}).get("partial")
             if part:
-                why += (f"\n{part['done']:,} transitions scored so far are kept in {buf._store.sidecar.path}: "
+                why += (f"\n{part['done']:,} transitions scored so far are kept in {buf.storage.sidecar.path}: "
                         "the same command resumes after them (--restart starts over)")
             print(f"bigper reprioritize: {why}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
         dt = time.perf_counter() - t0
-        n = int((buf._status == 1).sum())
+        n = int((buf.status == 1).sum())
         print(f"scored {n:,} transitions of {args.dataset} in {dt:.1f} s ({n / max(dt, 1e-9):,.0f}/s); "
-              f"priorities in {buf._store.sidecar.path}")
+              f"priorities in {buf.storage.sidecar.path}")
     return 0
 
 

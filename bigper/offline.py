@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import time
 import warnings
+import weakref
 from functools import partial
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from .batch import Batch
 from .config import Config
 from .schedules import schedule_from_dict
 from .storage.h5source import LIVE, H5Source, OfflineDatasetError
-from .errors import InvalidArgumentError, InvalidTypeError, PathNotFoundError
+from .errors import BufferClosedError, InvalidArgumentError, InvalidTypeError, PathNotFoundError
 
 __all__ = ["from_hdf5", "reprioritize", "describe", "load_score_fn", "OfflineDatasetError",
            "SidecarMismatchError"]
@@ -80,15 +81,10 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps
         where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
         sidecar = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
         sidecar.load()
-        buf = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
-        buf._setup(cfg, src)
-        _init_state(buf, src)
-        leaves = _initial_leaves(buf, sidecar)
-        buf._tree.set_all(leaves)
-        buf._max_leaf = max(1.0, float(leaves.max()))
+        buf = PrioritizedReplayBuffer.from_parts(cfg, src, state=_initial_state(cfg, src, sidecar))
         src.sidecar = sidecar
-        src.leaves_digest = _xxh(buf._tree.leaves)
-        src.on_close = partial(_save_changed_leaves, buf._tree, cfg, src)
+        src.leaves_digest = _xxh(_all_leaves(buf))
+        src.on_close = partial(_save_changed_leaves, weakref.ref(buf), cfg, src)
     except BaseException:
         src.close()
         raise
@@ -109,19 +105,30 @@ def _config(src: H5Source, *, alpha, eps, beta, max_priority, weight_norm, gamma
     return Config.build(**base)
 
 
-def _init_state(buf, src: H5Source) -> None:
+def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, dict]:
+    """The buffer state a dataset starts from (checked by the buffer like any
+    recorded state): its transitions, ends and, for bigper's own layout, what
+    its writer recorded (frame ring included), with a fresh RNG and beta
+    schedule and the priorities of the sidecar."""
     n = src.n
-    buf._status[:] = src.status
-    buf._ends[:] = src.ends
+    fresh = np.random.default_rng(cfg.seed).bit_generator.state
     if src.recorded is None:
-        buf._gid[:] = np.arange(n, dtype=np.int64)
-        buf._count = n
-        return
-    # bigper's layout: everything its writer recorded (frame ring included), but a fresh
-    # RNG and beta schedule; the priorities are set by from_hdf5 afterwards.
-    buf._restore(src.recorded[1], src.recorded[2])
-    buf._rng = np.random.default_rng(buf.config.seed)
-    buf._beta_step = 0
+        meta = {"count": n, "max_leaf": 1.0, "beta_step": 0, "rng": fresh,
+                "env_ended": [True] * cfg.num_envs}
+        arrays = {"gid": np.arange(n, dtype=np.int64), "status": np.asarray(src.status, dtype=np.uint8),
+                  "ends": np.asarray(src.ends, dtype=np.uint8),
+                  "pending": np.zeros(n if cfg.n_step > 1 else 0, dtype=np.float64)}
+    else:
+        meta = dict(src.recorded[1], rng=fresh, beta_step=0)
+        arrays = dict(src.recorded[2])
+    leaves = _initial_leaves(cfg, np.asarray(arrays["status"]) == LIVE, sidecar)
+    arrays["leaves"] = leaves
+    meta["max_leaf"] = max(1.0, float(leaves.max(initial=0.0)))
+    return meta, arrays
+
+
+def _all_leaves(buf) -> np.ndarray:
+    return buf.leaves(np.arange(buf.capacity, dtype=np.int64))
 
 
 def _leaves_of(scores: np.ndarray, live: np.ndarray, cfg: Config) -> np.ndarray:
@@ -135,9 +142,7 @@ def _leaves_of(scores: np.ndarray, live: np.ndarray, cfg: Config) -> np.ndarray:
     return out
 
 
-def _initial_leaves(buf, sidecar: Sidecar) -> np.ndarray:
-    cfg = buf.config
-    live = buf._status == LIVE
+def _initial_leaves(cfg: Config, live: np.ndarray, sidecar: Sidecar) -> np.ndarray:
     saved = sidecar.leaves(cfg.alpha, cfg.eps, cfg.max_priority)
     if saved is not None:
         return np.where(live, saved, 0.0)
@@ -152,9 +157,12 @@ def _initial_leaves(buf, sidecar: Sidecar) -> np.ndarray:
     return live.astype(np.float64)
 
 
-def _save_changed_leaves(tree, cfg: Config, src: H5Source) -> None:
+def _save_changed_leaves(buf_ref, cfg: Config, src: H5Source) -> None:
     """At close: priorities changed by update_priorities go to the sidecar."""
-    leaves = tree.leaves
+    buf = buf_ref()
+    if buf is None:
+        return
+    leaves = _all_leaves(buf)
     if _xxh(leaves) == src.leaves_digest:
         return
     sc = src.sidecar
@@ -196,11 +204,12 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
     the buffer's priorities are unchanged. A bad score (NaN, inf, negative, wrong
     length) raises before anything of its chunk is written.
     """
-    src = buf._store
+    src = buf.storage
     if not isinstance(src, H5Source):
         raise InvalidTypeError("reprioritize works on buffers opened with PrioritizedReplayBuffer.from_hdf5; "
                         f"this one has storage {buf.config.storage!r}")
-    buf._check_open()
+    if buf.closed:
+        raise BufferClosedError("this buffer is closed")
     if not callable(score_fn):
         raise InvalidTypeError(f"score_fn must be callable, got {score_fn!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -208,7 +217,7 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
     batch_size = int(batch_size)
     sc = src.sidecar
     sc.load()
-    live = np.flatnonzero(buf._status == LIVE)
+    live = np.flatnonzero(buf.status == LIVE)
     total = live.shape[0]
     entry, done, scores = None, 0, np.zeros(src.n, dtype=np.float64)
     if not restart and (resumed := sc.partial()) is not None and resumed[1]["total"] == total:
@@ -222,9 +231,9 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
             idx = live[done:done + batch_size]
             lo, hi = int(idx[0]), int(idx[-1]) + 1
             at = slice(lo, hi) if hi - lo == idx.shape[0] else idx  # a run of slots: slices, no gathers
-            probs = buf._tree.leaves[at] / max(buf._tree.total, 1e-300)
-            batch = Batch(buf._gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs,
-                          buf._gid[at].copy())
+            probs = buf.leaves(idx) / max(buf.total_priority, 1e-300)
+            batch = Batch(buf.gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs,
+                          buf.generations[at].copy())
             s = _check_scores(score_fn(batch), idx, done, src.path)
             if not sc.locked:  # the first good chunk: only now is anything written
                 sc.lock()
@@ -251,9 +260,8 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
         sc.unlock()
     if entry is None:
         return  # nothing sampleable
-    buf._tree.set_all(_leaves_of(scores, buf._status == LIVE, buf.config))
-    buf._max_leaf = max(buf._max_leaf, float(buf._tree.leaves.max()))
-    src.leaves_digest = _xxh(buf._tree.leaves)
+    buf.assign_priorities(scores)
+    src.leaves_digest = _xxh(_all_leaves(buf))
 
 
 def _bar(total: int, initial: int, progress: bool, name: str):

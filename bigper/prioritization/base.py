@@ -73,6 +73,14 @@ class Prioritization(ABC):
     def remove(self, slots: np.ndarray) -> None:
         """Make ``slots`` (int64) not sampleable."""
 
+    def assign(self, keys: np.ndarray, live: np.ndarray) -> None:
+        """Replace every slot's key at once: slots where ``live`` (bool,
+        ``(capacity,)``) get ``keys`` (float64, ``(capacity,)``), the others
+        become not sampleable."""
+        self.remove(np.arange(self.capacity, dtype=np.int64))
+        slots = np.flatnonzero(live).astype(np.int64)
+        self.insert(slots, np.ascontiguousarray(keys[slots]))
+
     @abstractmethod
     def update(self, idx: np.ndarray, p: np.ndarray, stamps: np.ndarray, use_stamps: bool,
                gid: np.ndarray, status: np.ndarray, pending: np.ndarray) -> float:

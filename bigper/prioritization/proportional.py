@@ -80,6 +80,9 @@ class Proportional(Prioritization):
     def remove(self, slots) -> None:
         self.tree.set(slots, np.zeros(slots.shape[0]))
 
+    def assign(self, keys, live) -> None:
+        self.tree.set_all(np.where(live, keys, 0.0))  # one O(N) rebuild
+
     def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
         # One kernel call checks the priorities, computes the keys, checks them
         # against the cap, checks the indices and applies it all. Above _BULK
