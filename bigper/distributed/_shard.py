@@ -141,10 +141,10 @@ class Shard:
                 slots, stamps, priorities = slots[keep], stamps[keep], priorities[keep]
             if slots.shape[0]:
                 b.update_priorities(Batch({}, slots, None, None, stamps & GID_MASK), priorities)
-        if max_leaf_hint > b._max_leaf:
+        if max_leaf_hint > b.max_leaf:
             # New transitions get the largest leaf seen on any shard.
-            b._max_leaf = float(max_leaf_hint)
-        return (b.total_priority, b.min_leaf, len(b), b._max_leaf, self.epoch)
+            b.raise_max_leaf(max_leaf_hint)
+        return (b.total_priority, b.min_leaf, len(b), b.max_leaf, self.epoch)
 
     def stats(self, updates=None, max_leaf_hint: float = 0.0):
         return None, self._apply(updates, max_leaf_hint)
