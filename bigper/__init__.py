@@ -23,6 +23,7 @@ from .errors import (
 )
 from .schedules import ConstantSchedule, LinearSchedule
 from .snapshot import Snapshots
+from .snapshot._series import SnapshotInfo
 from .snapshot import load as _load
 from .snapshot import save as _save
 
@@ -63,6 +64,7 @@ __all__ = [
     "ReadOnlyBufferError",
     "ShardUnavailableError",
     "SidecarMismatchError",
+    "SnapshotInfo",
     "Snapshots",
     "StorageLockedError",
     "UncleanStorageError",
