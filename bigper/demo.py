@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import resource
 import textwrap
+import threading
 import shutil
 import sys
 import time
@@ -107,8 +108,23 @@ class Memory:
     buffer's pages), shared with the kernel's cache and reclaimable, but
     counted in RSS while mapped."""
 
-    def __init__(self):
+    def __init__(self, every_s: float = 0.1):
         self.peak_anon = self.peak_file = 0
+        # A sampling thread catches short peaks (a snapshot's checksum pass)
+        # that checks between phases would miss.
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(every_s,), daemon=True,
+                                        name="bigper-demo-memory")
+        self._thread.start()
+
+    def _watch(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.check()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.check()
 
     @staticmethod
     def now() -> dict:
@@ -179,11 +195,11 @@ class Stopwatch:
 def run(args) -> int:
     if args.path is None:
         args.path = str(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
-    mem = Memory()
     problem = check_args(args)
     if problem:
         print(f"bigper demo: {problem}", file=sys.stderr)
         return 2
+    mem = Memory()
     try:
         import torch
         from tqdm import tqdm
@@ -242,6 +258,7 @@ def run(args) -> int:
         restored.close()
         buf.close()
     run_disk = _allocated(run_dir)
+    mem.stop()
 
     results = {
         "game": args.game, "steps": args.steps, "capacity": args.capacity, "held": len(buf),
