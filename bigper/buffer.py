@@ -602,7 +602,8 @@ class PrioritizedReplayBuffer:
         if meta is not None and self._frames is None and self._store.kind == "memory":
             # The common small-field case: one take per field, straight from the arrays.
             arrays = self._store.arrays
-            data = {name: arrays[name].take(idx, axis=0, out=out.get(name)) for name in self._plain}
+            # mode="clip": slots are in range, and "raise" would gather into a temporary first
+            data = {name: arrays[name].take(idx, axis=0, out=out.get(name), mode="clip") for name in self._plain}
             data["terminated"], data["truncated"], data["discount"] = meta
             return _into(data, out)
         store = self._store
@@ -610,7 +611,7 @@ class PrioritizedReplayBuffer:
 
         def read(name, rows, o=None):
             if arrays is not None:  # take() beats fancy indexing for a batch of rows
-                return arrays[name].take(rows, axis=0, out=o)
+                return arrays[name].take(rows, axis=0, out=o, mode="clip")
             v = store.read(name, rows)
             if o is None:
                 return v

@@ -180,9 +180,13 @@ def _take_rows(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray
     """``src.take(rows, axis=0, out=out)``, in row ranges on several threads
     when there are many rows (numpy's take releases the GIL; each range
     copies the same bytes to the same place)."""
+    # mode="clip": the rows are ring positions, always in range; with the default
+    # mode="raise" numpy gathers into a temporary and copies it to `out` (measured:
+    # 172 us instead of 100 for 160 Atari frames).
     if rows.shape[0] < 2 * GATHER_CHUNK or workers() < GATHER_MIN_THREADS:
-        return src.take(rows, axis=0, out=out)
-    for_ranges(lambda lo, hi: src.take(rows[lo:hi], axis=0, out=out[lo:hi]), rows.shape[0], GATHER_CHUNK)
+        return src.take(rows, axis=0, out=out, mode="clip")
+    for_ranges(lambda lo, hi: src.take(rows[lo:hi], axis=0, out=out[lo:hi], mode="clip"),
+               rows.shape[0], GATHER_CHUNK)
     return out
 
 
