@@ -2,7 +2,7 @@
 
 ::
 
-    python tools/learning_check.py                 # 3 seeds x 3 variants, at most ~15 min on 2 cores
+    python tools/learning_check.py                 # 3 seeds x 3 variants, ~10-35 min on 2 cores (--budget-min)
     python tools/learning_check.py --seeds 0 1 2 3 4 --workers 4
     python tools/learning_check.py --variants proportional uniform
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--target", type=float, default=475.0)
     p.add_argument("--window", type=int, default=10, help="episodes averaged (10)")
     p.add_argument("--max-steps", type=int, default=60_000, help="env steps per run at most")
-    p.add_argument("--budget-min", type=float, default=14.0, help="wall-clock budget for everything, minutes")
+    p.add_argument("--budget-min", type=float, default=40.0, help="wall-clock budget for everything, minutes")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (one core each)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                    help="which replay variants to run (all three by default)")
