@@ -73,6 +73,9 @@ class Ingest:
             if type(v) is np.ndarray and v.dtype == dtype and v.shape == lead + shape:
                 rows[name] = v  # the common case, checked without conversions
                 continue
+            if not lead and not shape and (type(v) is dtype.type or (type(v) is bool and dtype.kind == "b")):
+                rows[name] = np.asarray(v)  # a scalar of the field's exact type: no cast to check
+                continue
             label = f"{arg}[{name!r}]" if arg else name
             v = np.asarray(as_numpy(v))
             if v.shape != lead + shape:

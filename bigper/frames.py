@@ -245,6 +245,8 @@ class FrameStore:
 
     def _words(self, stacks: np.ndarray) -> np.ndarray:
         m = stacks.shape[0]
+        if stacks.flags.c_contiguous:  # the usual case: two views, no copy
+            return stacks.reshape(m, self.k, self.row_bytes // self.dtype.itemsize).view(self.word)
         flat = np.ascontiguousarray(stacks).reshape(m, self.k, -1).view(np.uint8)
         return flat.view(self.word)
 
