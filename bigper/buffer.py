@@ -440,7 +440,7 @@ class PrioritizedReplayBuffer:
         if self._frames is not None:
             self._frames.write(rows, g0, slots, where, ends, valid, rw)
         if keys is None:
-            keys = np.full(m, self._max_leaf)
+            keys = np.array((self._max_leaf,)) if m == 1 else np.full(m, self._max_leaf)
         else:
             # Only values that become keys count toward the largest one.
             counted = keys if valid is None else keys[valid]
