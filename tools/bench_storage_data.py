@@ -81,6 +81,7 @@ def open_buffer(kind: str, capacity: int, root: Path, **kw):
         kw["storage_options"] = {"compression": "lzf"}
     if kind != "memory":
         kw["path"] = root / (kind + (".h5" if kind.startswith("hdf5") else ""))
+        kw.setdefault("mode", "resume")  # the bench reopens its buffers (fresh when nothing is there)
     return bigper.PrioritizedReplayBuffer(capacity, FIELDS, storage=kind.split("-")[0], alpha=0.6,
                                           beta=0.4, seed=0, **kw)
 
