@@ -156,7 +156,8 @@ def run_snapshot(capacity: int, where: Path) -> dict:
     shutil.rmtree(s)
     buf.close()  # no snapshot holds the chunks now: the next save hashes every byte again
     os.sync()
-    buf = bigper.PrioritizedReplayBuffer(capacity, FIELDS, next_of=(), storage="memmap", path=live, seed=0)
+    buf = bigper.PrioritizedReplayBuffer(capacity, FIELDS, next_of=(), storage="memmap", path=live, seed=0,
+                                         mode="resume")
     # -- first snapshot, data on disk (the usual case) ------------------------------
     t0 = time.perf_counter()
     s1 = snaps.save(buf)
