@@ -144,6 +144,10 @@ def test_several_writers_learn_each_other_from_replies(capacity, shards, chunk, 
     send(3 * capacity)
     held = {i for ring in rings for i, _, _ in ring}
     assert capacity - shards * chunk < len(held) <= capacity
-    newer = set(range(3 * capacity - capacity // 2, 3 * capacity))
-    older = set(range(2 * capacity, 3 * capacity - capacity // 2))
-    assert len(newer - held) <= len(older - held)
+    if 4 * shards * chunk <= capacity:
+        # Order is judged chunk by chunk from the shards' last replies, and the
+        # buffer may hold up to a chunk per shard less than its capacity: the
+        # halves can only be told apart where that slack is small against them.
+        newer = set(range(3 * capacity - capacity // 2, 3 * capacity))
+        older = set(range(2 * capacity, 3 * capacity - capacity // 2))
+        assert len(newer - held) <= len(older - held)
