@@ -15,10 +15,55 @@ from ._manifest import check_files, read_manifest
 LIVE = 1  # the buffer's slot status of a sampleable transition (buffer.py)
 
 
+def kind_of(cfg: dict) -> str:
+    """The snapshot's prioritization (``"proportional"`` for snapshots that predate the key)."""
+    kind = cfg.get("prioritization", "proportional")
+    return kind if isinstance(kind, str) else "proportional"
+
+
+def _gid_problems(cap: int, meta: dict, state: dict) -> list[str]:
+    out = []
+    gid = state.get("gid")
+    count = meta.get("count")
+    if gid is not None and gid.shape == (cap,):
+        slots = np.flatnonzero(gid >= 0)
+        if (gid[slots] % cap != slots).any():
+            out.append("gid: a slot holds a transition number that does not map to it")
+        if isinstance(count, int) and slots.size and gid[slots].max() >= count:
+            out.append(f"gid: a transition number is >= count ({count})")
+    return out
+
+
+def _rank(cfg: dict):
+    from ..prioritization import make
+
+    mp = cfg.get("max_priority")
+    return make("rank", cfg["capacity"], alpha=cfg["alpha"], eps=cfg["eps"],
+                max_priority=np.inf if mp is None else mp, weight_norm=cfg.get("weight_norm", "global"))
+
+
+def _rank_invariants(body: dict, state: dict) -> list[str]:
+    """The rank heap's own checks: recorded state (restore validates every
+    field), heap order, slot positions, ticks; and the slot numbering."""
+    cfg, meta = body["config"], body["state"]["meta"]
+    cap = cfg["capacity"]
+    status = state.get("status")
+    if status is None or status.shape != (cap,):
+        return [f"status: expected shape ({cap},), got {None if status is None else status.shape}"]
+    strat = _rank(cfg)
+    try:
+        strat.restore(meta.get("prioritization", {}), state, status)
+    except CorruptSnapshotError as e:
+        return [str(e)]
+    return [f"rank heap: {p}" for p in strat.check(status)] + _gid_problems(cap, meta, state)
+
+
 def _invariants(body: dict, state: dict) -> list[str]:
     """Problems of the recorded bookkeeping (empty when healthy)."""
     from ..tree import PriorityTree
 
+    if kind_of(body["config"]) == "rank":
+        return _rank_invariants(body, state)
     cap = body["config"]["capacity"]
     meta = body["state"]["meta"]
     out = []
@@ -34,14 +79,7 @@ def _invariants(body: dict, state: dict) -> list[str]:
         bad = np.flatnonzero((leaves > 0) & (status != LIVE))
         if bad.size:
             out.append(f"leaves: slot {bad[0]} has a priority but is not sampleable (status {status[bad[0]]})")
-    gid = state.get("gid")
-    count = meta.get("count")
-    if gid is not None and gid.shape == (cap,):
-        slots = np.flatnonzero(gid >= 0)
-        if (gid[slots] % cap != slots).any():
-            out.append("gid: a slot holds a transition number that does not map to it")
-        if isinstance(count, int) and slots.size and gid[slots].max() >= count:
-            out.append(f"gid: a transition number is >= count ({count})")
+    out += _gid_problems(cap, meta, state)
     top = meta.get("max_leaf")
     if isinstance(top, (int, float)) and leaves.size and leaves.max() > top:
         out.append(f"max_leaf {top} is below the largest leaf {leaves.max()}")
@@ -76,7 +114,7 @@ def verify(snapshot) -> dict:
         problems = _invariants(body, state)
     return {"snapshot": str(snap), "files": len(body["files"]),
             "bytes": sum(r["size"] for r in body["files"].values()),
-            "problems": problems}
+            "prioritization": kind_of(body["config"]), "problems": problems}
 
 
 def describe(snapshot) -> dict:
@@ -104,7 +142,8 @@ def describe(snapshot) -> dict:
     out = {
         "snapshot": str(snap), "format": body["format"], "bigper_version": body.get("bigper_version"),
         "created": body.get("created"), "storage": body["storage"],
-        "config": cfg, "len": summary.get("len"), "capacity": cfg.get("capacity"),
+        "config": cfg, "prioritization": kind_of(cfg), "len": summary.get("len"),
+        "capacity": cfg.get("capacity"),
         "count": meta.get("count"), "beta_step": meta.get("beta_step"),
         "files": len(files), "bytes": sum(r["size"] for r in files.values()), "bytes_shared": shared,
         "arrays": {n: {"rows": r["rows"], "shape": r["shape"], "dtype": r["dtype"], "files": len(r["files"])}
@@ -113,6 +152,9 @@ def describe(snapshot) -> dict:
     if body.get("user"):
         out["user"] = {"metadata": body["user"].get("metadata"),
                        "files": {n: str(snap / m) for n, m in body["user"].get("files", {}).items()}}
+    if out["prioritization"] == "rank":
+        out["priorities"] = _rank_summary(body, snap, files)
+        return out
     member = body["state"]["arrays"].get("leaves")
     if member is not None:
         try:
@@ -126,6 +168,32 @@ def describe(snapshot) -> dict:
                 "min": float(nz.min()) if nz.size else None, "mean": float(nz.mean()) if nz.size else None,
                 "max": float(nz.max()) if nz.size else None, "max_leaf": meta.get("max_leaf")}
     return out
+
+
+def _rank_summary(body: dict, snap: Path, files: dict) -> dict:
+    """Sampleable count, the priorities' spread and the re-sort clock of a rank
+    snapshot, read from its heap (checked against its recorded counters)."""
+    pm = body["state"]["meta"].get("prioritization")
+    member = body["state"]["arrays"].get("rank_heap")
+    if not isinstance(pm, dict) or member is None:
+        return {"error": "no rank heap recorded"}
+    counters = {k: pm.get(k) for k in ("n", "writes", "sort_every")}
+    cap = body["config"].get("capacity")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in counters.values()) \
+            or not isinstance(cap, int) or counters["n"] > cap:
+        return {"error": f"rank counters not valid: {counters}"}
+    try:
+        heap = _state_arrays({"state": {"arrays": {"rank_heap": member}}, "files": files}, snap)["rank_heap"]
+    except CorruptSnapshotError as e:
+        return {"error": str(e)}
+    if heap.dtype != np.int64 or heap.ndim != 2 or heap.shape[0] < counters["n"] or heap.shape[1] != 2:
+        return {"error": f"rank heap of dtype {heap.dtype} and shape {heap.shape}"}
+    keys = np.ascontiguousarray(heap[:counters["n"], 0]).view(np.float64)
+    ok = keys[np.isfinite(keys)]
+    return {"kind": "rank", "sampleable": counters["n"], "writes": counters["writes"],
+            "sort_every": counters["sort_every"],
+            "min": float(ok.min()) if ok.size else None, "mean": float(ok.mean()) if ok.size else None,
+            "max": float(ok.max()) if ok.size else None}
 
 
 def _bytes(n) -> str:
@@ -152,7 +220,8 @@ def format_description(d: dict) -> str:
     lines = [
         f"snapshot  {d['snapshot']}  (format {d['format']}, bigper {d['bigper_version']}, {d['created']})",
         f"storage   {st['kind']}{where}" + (f" ({opts})" if opts else ""),
-        f"config    capacity {cap:,}; fields {fields}; frame_stack {cfg.get('frame_stack')}, "
+        f"config    capacity {cap:,}; {d.get('prioritization', 'proportional')} prioritization; "
+        f"fields {fields}; frame_stack {cfg.get('frame_stack')}, "
         f"n_step {cfg.get('n_step')}, gamma {cfg.get('gamma')}, alpha {cfg.get('alpha')}, "
         f"eps {cfg.get('eps')}, beta {_beta(cfg.get('beta', {}))}, weight_norm {cfg.get('weight_norm')}, "
         f"num_envs {cfg.get('num_envs')}, seed {cfg.get('seed')}",
@@ -165,6 +234,13 @@ def format_description(d: dict) -> str:
     p = d.get("priorities")
     if p and "error" in p:
         lines.append(f"priority  unreadable: {p['error']}")
+    elif p and p.get("kind") == "rank":
+        def g(v):
+            return "-" if v is None else format(v, ".4g")
+
+        lines.append(f"priority  rank: {p['sampleable']:,} sampleable, ranked by priority (min {g(p['min'])}, "
+                     f"mean {g(p['mean'])}, max {g(p['max'])}); {p['writes']:,} writes since the last "
+                     f"full sort (re-sorted every {p['sort_every']:,})")
     elif p:
         lines.append(f"priority  total {p['total']:.6g}; {p['sampleable']:,} sampleable; leaf min "
                      f"{p['min'] if p['min'] is None else format(p['min'], '.4g')}, mean "
