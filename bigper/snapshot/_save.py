@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from ..config import check_name
 from ..errors import (
@@ -201,15 +202,37 @@ def _rows(store, name: str, start: int, stop: int) -> np.ndarray:
     return arrays[name][start:stop]
 
 
+def _file_digest(path, size: int) -> str:
+    """``digest`` of the first ``size`` bytes of the chunk file ``path``, read in blocks."""
+    h = xxhash.xxh3_64()
+    buf = bytearray(min(READ_BLOCK, max(size, 1)))
+    view = memoryview(buf)
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[:min(len(buf), size - done)]], done)
+            if n <= 0:
+                raise OSError(f"{path}: ended at {done} of {size} bytes while hashing")
+            h.update(view[:n])
+            done += n
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
 def _link_chunks(tx: Transaction, store) -> tuple[dict, list]:
     """Link every chunk file; returns the data entries and the chunks to mark
     shared once the snapshot is committed (a failed save marks nothing)."""
     out, linkable, share = {}, True, []
     table = store.chunk_table()
-    todo = [(name, k) for name, (_, chunks) in table.items() for k, c in enumerate(chunks) if c[3] is None]
-    # Hashing releases the GIL (and so do the page faults of a fresh mapping): a few threads.
+    todo = [(name, k, c[0], c[1]) for name, (_, chunks) in table.items() for k, c in enumerate(chunks)
+            if c[3] is None]
+    # Hashing reads the files (the page cache the mapping writes through), not the
+    # mapping: mapping a whole 7 GB buffer in would count every page in this
+    # process's RSS. Reading and hashing release the GIL: a few threads.
     with ThreadPoolExecutor(4, thread_name_prefix="bigper-hash") as ex:
-        fresh = dict(zip(todo, ex.map(lambda nk: digest(store.chunk_view(*nk)), todo)))
+        fresh = dict(zip([(n, k) for n, k, _, _ in todo], ex.map(lambda t: _file_digest(t[2], t[3]), todo)))
     for name, (rec, chunks) in table.items():
         files = []
         for k, (path, size, shared, xxh) in enumerate(chunks):
