@@ -398,7 +398,7 @@ class PrioritizedReplayBuffer:
             first if m == 1 else (slice(first, first + m) if first + m <= c else
                                   (np.arange(first, first + m) % c)))
         prepare = getattr(self._store, "prepare", None)
-        if prepare is not None:
+        if prepare is not None and getattr(self._store, "shared_chunks", 1):
             # Copy-on-write storages make every row this write touches writable
             # first: running out of space then fails before anything changed.
             writes = {name: where for name in self._plain}

@@ -305,7 +305,10 @@ class FrameStore:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array
         (frame rows as an upper bound: every frame of both stacks new)."""
         most = min(2 * m * self.k, self.F)
-        out = {"obs_ref": where, "frames": np.arange(self.fw, self.fw + most) % self.F}
+        first = self.fw % self.F
+        frames = slice(first, first + most) if first + most <= self.F else \
+            np.arange(self.fw, self.fw + most) % self.F
+        out = {"obs_ref": where, "frames": frames}
         if self.has_next:
             out["next_obs_ref"] = where
         return out

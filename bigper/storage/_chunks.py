@@ -45,6 +45,7 @@ class _Array:
         self.sizes = [min(self.chunk_rows, self.rows - k * self.chunk_rows) * self.row_bytes
                       for k in range(self.n)]
         self.shared = np.zeros(self.n, dtype=bool)
+        self.nshared = 0  # shared.sum(), kept as it changes: writes ask it every time
         self.digests: list = [None] * self.n  # xxh3 of a shared chunk (files that never change)
         self.inodes = [0] * self.n
         self.region = None
@@ -79,6 +80,7 @@ class _Array:
             self.region.map_file(self.offset(k), self.sizes[k], fd, writable=writable and not shared)
         finally:
             os.close(fd)
+        self.nshared += int(shared) - int(self.shared[k])
         self.shared[k] = shared
         self.inodes[k] = st.st_ino
         self.digests[k] = known[1] if shared and known and known[0] == st.st_ino else None
@@ -113,9 +115,35 @@ class _Array:
             self.inodes[k] = os.fstat(fd).st_ino
         finally:
             os.close(fd)
+        # The chunk is written next, row by row: fault all its pages in for writing
+        # now, once, instead of one write fault per page on later adds.
+        self.region.populate_write(self.offset(k), self.sizes[k])
+        self.nshared -= int(self.shared[k])
         self.shared[k] = False
         self.digests[k] = None
         return copied
+
+    def shared_chunks_of(self, rows):
+        """The chunks ``rows`` touch that a snapshot still shares (distinct,
+        ascending), cheaply: an add touches one row of each small array and a
+        few frame rows, and after a snapshot this runs on every add until the
+        ring has passed every chunk."""
+        cr = self.chunk_rows
+        if isinstance(rows, (int, np.integer)):
+            k = int(rows) % self.rows // cr
+            return (k,) if self.shared[k] else ()
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(self.rows)
+            if step != 1:
+                ks = self.chunks_of(rows)
+                return ks[self.shared[ks]]
+            if stop <= start:
+                return ()
+            return [k for k in range(start // cr, (stop - 1) // cr + 1) if self.shared[k]]
+        r = np.asarray(rows).reshape(-1)
+        ks = np.where(r < 0, r + self.rows, r) // cr
+        hit = ks[self.shared[ks]]
+        return np.unique(hit) if hit.size else ()
 
     def chunks_of(self, rows) -> np.ndarray:
         cr = self.chunk_rows

@@ -317,10 +317,17 @@ class MemmapStorage:
             if a.rows == nrows:
                 self._thaw(a, rows)
 
+    @property
+    def shared_chunks(self) -> int:
+        """Chunks a snapshot still shares (0: writes need no ``prepare``)."""
+        return self._nshared
+
     def _thaw(self, a: _Array, rows) -> None:
-        if not a.shared.any():
+        # Only the chunks still shared: after a snapshot this runs on every write
+        # until each chunk has had its first write, so it must cost next to nothing.
+        if not a.nshared:
             return
-        for k in a.chunks_of(rows):
+        for k in a.shared_chunks_of(rows):
             if a.shared[k]:
                 if self.read_only:
                     raise InvalidArgumentError(f"{self.path} is open read_only")
@@ -358,6 +365,7 @@ class MemmapStorage:
             a.digests[k] = digest
             return
         a.shared[k] = True  # first: whatever happens next, a write copies the chunk
+        a.nshared += 1
         a.digests[k] = digest
         self._nshared += 1
         fd = open_regular(a.path(k), os.O_RDONLY)
