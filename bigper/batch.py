@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import UnknownFieldError
+
 
 @dataclass(frozen=True, eq=False)
 class Batch(Mapping):
@@ -41,7 +43,10 @@ class Batch(Mapping):
     generations: np.ndarray
 
     def __getitem__(self, key: str) -> np.ndarray:
-        return self.data[key]
+        try:
+            return self.data[key]
+        except KeyError:
+            raise UnknownFieldError(f"batch has no field {key!r}; it has {sorted(self.data)}") from None
 
     def __iter__(self):
         return iter(self.data)

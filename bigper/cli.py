@@ -103,7 +103,9 @@ def _info_storage(path: Path, args) -> int:
     size = sum(p.stat().st_size for p in (path / "data").iterdir()) if (path / "data").is_dir() else 0
     print(f"{path}: a live {meta.get('format')} storage, version {meta.get('version')}, "
           f"{'closed cleanly' if meta.get('clean') else 'OPEN or its writer died (resume from a snapshot)'}")
-    print(f"  capacity {cap:,}; {n:,} transitions at the last close; {size / 1e6:,.1f} MB of data")
+    prio = cfg.get("prioritization", "proportional")
+    print(f"  capacity {cap:,}; {n:,} transitions at the last close; {size / 1e6:,.1f} MB of data; "
+          f"{prio if isinstance(prio, str) else '?'} prioritization")
     for name, a in meta.get("arrays", {}).items():
         print(f"  {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']}")
     return 0
@@ -292,7 +294,8 @@ def _verify(args) -> int:
             for p in rep["problems"]:
                 print(f"  - {p}")
         else:
-            print(f"OK       {t}: {rep['files']} files, {rep['bytes']:,} bytes checked; tree and "
+            what = "rank heap" if rep.get("prioritization") == "rank" else "tree"
+            print(f"OK       {t}: {rep['files']} files, {rep['bytes']:,} bytes checked; {what} and "
                   "bookkeeping consistent")
     return VERIFY_BAD if bad else VERIFY_OK
 
