@@ -209,7 +209,7 @@ def run(args) -> int:
     except ImportError as e:
         print(f"bigper demo: {e} (pip install 'bigper[torch,atari]')", file=sys.stderr)
         return 2
-    run_dir = Path(args.path)
+    run_dir = Path(args.path).absolute()  # printed paths (and the rm -r line) work from any directory
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
