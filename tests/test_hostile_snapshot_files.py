@@ -20,7 +20,7 @@ import pytest
 
 import bigper
 from bigper import CorruptSnapshotError, IncompatibleSnapshotError, PathExistsError, Snapshots
-from bigper.errors import BigperError, InvalidArgumentError, InvalidTypeError, PathNotFoundError
+from bigper.errors import InvalidArgumentError, InvalidTypeError, PathNotFoundError
 from bigper.snapshot import load, verify
 from bigper.snapshot._manifest import MANIFEST, decode
 

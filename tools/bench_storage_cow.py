@@ -16,7 +16,6 @@ The target: the median after the snapshot within 10% of the one before it
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
