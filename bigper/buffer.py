@@ -7,18 +7,17 @@ import logging
 import threading
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 
 from . import nstep
 from ._kernels import batch_meta, commit_rows, ring_rows
 from ._ingest import Ingest, as_index, as_priorities
+from ._opening import MODES, held, overwrite, probe
 from ._statecheck import check_state
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .errors import (
-    BigperError,
     BufferClosedError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
@@ -31,7 +30,7 @@ from .errors import (
 from .frames import FrameStore
 from .prioritization import make as make_prioritization
 from .prefetch import Prefetcher
-from .prioritization.base import DEAD, EMPTY, LIVE, PENDING  # noqa: F401  (slot status codes)
+from .prioritization.base import DEAD, LIVE, PENDING
 from .storage import open_storage
 
 log = logging.getLogger("bigper")
@@ -39,10 +38,15 @@ log = logging.getLogger("bigper")
 # Lookup by the ends bits (1 terminated, 2 truncated): a take() beats a kernel call for a batch.
 _TERM = np.array([False, True, False, True])
 _TRUNC = np.array([False, False, True, True])
-MODES = ("new", "resume", "overwrite")
 # Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
 MAX_BATCH = 1 << 24
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
+
+def _check_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+            or not 1 <= batch_size <= MAX_BATCH:
+        raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
+
 
 def _into(data: dict, out: dict) -> dict:
     """Copy into the ``out`` arrays the fields not already gathered into them."""
@@ -70,43 +74,6 @@ def _provided(name: str):
     if fn is None:  # only reachable when bigper's package __init__ did not run
         raise InvalidArgumentError(f"{name} needs the bigper package imported (import bigper)")
     return fn
-
-
-def _held(recorded: dict) -> int:
-    """Transitions a recorded storage holds (for messages)."""
-    try:
-        cfg, state = recorded["config"], recorded["state"]
-        return int(min(int(state["count"]), int(cfg["capacity"])))
-    except (KeyError, TypeError, ValueError):
-        return 0
-
-
-def _probe(cfg: Config, path, opts: dict):
-    """The recorded meta of a bigper storage at ``path``, looked at read-only
-    (nothing on disk changes), or None when there is none to read."""
-    if not Path(path).exists():
-        return None
-    probe = open_storage(cfg.storage, path, read_only=True, **opts)
-    try:
-        return probe.open(cfg.to_dict())
-    except BigperError:
-        return None  # not a readable bigper storage: the writer's open decides
-    finally:
-        probe.close()
-
-
-def _overwrite(cfg: Config, path, opts: dict):
-    """A fresh storage at ``path``, which ``open`` just recognized as a bigper
-    storage (so its files are bigper's to replace)."""
-    if cfg.storage == "memmap":
-        store = open_storage("memmap", path, takeover=True, **opts)
-    else:
-        from pathlib import Path
-
-        Path(path).unlink()
-        store = open_storage(cfg.storage, path, **opts)
-    store.open(cfg.to_dict())
-    return store
 
 
 # Buffers still open at interpreter exit are closed cleanly (state recorded),
@@ -173,13 +140,13 @@ class PrioritizedReplayBuffer:
         if read_only and mode != "resume":
             mode = "resume"  # a reader only ever looks at what is there
         opts = dict(storage_options or {})
-        existing = None if mode == "resume" or cfg.storage == "memory" else _probe(cfg, path, opts)
+        existing = None if mode == "resume" or cfg.storage == "memory" else probe(cfg, path, opts)
         if existing is not None and mode == "new":
             raise PathExistsError(
-                f"path={str(path)!r} already holds a bigper buffer ({_held(existing)} transitions); "
+                f"path={str(path)!r} already holds a bigper buffer ({held(existing)} transitions); "
                 "pass mode='resume' to continue it or mode='overwrite' to replace it")
         if existing is not None:  # overwrite what open just proved to be a bigper storage
-            store = _overwrite(cfg, path, opts)
+            store = overwrite(cfg, path, opts)
             recorded = None
         else:
             store = open_storage(cfg.storage, path, read_only=read_only, **opts)
@@ -198,7 +165,7 @@ class PrioritizedReplayBuffer:
                 # refused state leaves the directory as it was.
                 state = store.saved_state()
                 check_state(cfg, *state)
-                self.resumed = _held(recorded)
+                self.resumed = held(recorded)
             self._setup(cfg, store)
             if state is not None:
                 self._restore(*state, reseed=cfg.seed != old.seed)
@@ -478,17 +445,8 @@ class PrioritizedReplayBuffer:
                 self._prio.remove(dead)
 
     def _writable(self):
-        """The storage's writable arrays by name, where it has plain ones: the
-        memory storage's, or the memmap storage's (its copy-on-write chunks were
-        made private by ``prepare`` before any write); else None (HDF5)."""
-        store = self._store
-        if not self._fused:
-            return None
-        if store.kind == "memory":
-            return store.arrays
-        if store.kind == "memmap":
-            return getattr(store, "_rw", None)
-        return None
+        """The storage's arrays to write rows into directly, or None (``write`` then)."""
+        return getattr(self._store, "writable_arrays", None) if self._fused else None
 
     # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, *, beta=None, stratified: bool = True, out=None) -> Batch:
@@ -511,9 +469,7 @@ class PrioritizedReplayBuffer:
             holds them. The caller must not reuse one while a batch holds it.
         """
         self._check_open()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-                or not 1 <= batch_size <= MAX_BATCH:
-            raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
+        _check_batch_size(batch_size)
         out = self._check_out(out, int(batch_size))
         if beta is not None:
             try:
@@ -563,9 +519,7 @@ class PrioritizedReplayBuffer:
         random stream and the beta schedule are past them.
         """
         self._check_open()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-                or not 1 <= batch_size <= MAX_BATCH:
-            raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
+        _check_batch_size(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
             raise InvalidArgumentError(f"prefetch must be an int in [0, 1024], got {prefetch!r}")
         unknown = sorted(set(sample_kw) - {"beta", "stratified"})

@@ -31,6 +31,9 @@ class Storage(Protocol):
     def write(self, name: str, rows, values: np.ndarray) -> None:
         """Write ``values`` at ``rows`` (an int, a slice or an int64 array)."""
 
+    # Optional: ``writable_arrays`` (name -> numpy array written in place, after
+    # ``prepare`` where the storage has it); storages without it (HDF5) get ``write``.
+
     def flush(self) -> None:
         """Make written rows durable (a no-op in memory)."""
 

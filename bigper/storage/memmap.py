@@ -288,6 +288,12 @@ class MemmapStorage:
         if self._created:
             shutil.rmtree(self.path, ignore_errors=True)
 
+    @property
+    def writable_arrays(self) -> dict:
+        """Writable views by name (empty when read-only). A row inside a chunk a
+        snapshot links is written only after ``prepare`` made that chunk private."""
+        return self._rw
+
     def _drop(self) -> None:
         # The mappings go when the last array view does (a sampled row may still be held).
         self.arrays.clear()

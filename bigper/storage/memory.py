@@ -23,6 +23,11 @@ class MemoryStorage:
             a.fill(0)
             self.arrays[name] = a
 
+    @property
+    def writable_arrays(self) -> dict:
+        """Arrays a buffer may write rows into directly (all of them, in memory)."""
+        return self.arrays
+
     def read(self, name, rows):
         # take() is several times faster than fancy indexing for a small batch of rows.
         return self.arrays[name].take(rows, axis=0)
