@@ -11,9 +11,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import nstep
-from ._kernels import batch_meta, commit_rows, ring_rows
+from ._kernels import commit_rows, ring_rows
 from ._ingest import Ingest, as_index, as_priorities
 from ._opening import MODES, held, overwrite, probe
+from ._reader import Reader
 from ._statecheck import check_state
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
@@ -21,7 +22,6 @@ from .errors import (
     BufferClosedError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
-    UnknownFieldError,
     InvalidIndexError,
     InvalidTypeError,
     PathExistsError,
@@ -35,9 +35,6 @@ from .storage import open_storage
 
 log = logging.getLogger("bigper")
 
-# Lookup by the ends bits (1 terminated, 2 truncated): a take() beats a kernel call for a batch.
-_TERM = np.array([False, True, False, True])
-_TRUNC = np.array([False, False, True, True])
 # Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
 MAX_BATCH = 1 << 24
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
@@ -46,15 +43,6 @@ def _check_batch_size(batch_size) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
             or not 1 <= batch_size <= MAX_BATCH:
         raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
-
-
-def _into(data: dict, out: dict) -> dict:
-    """Copy into the ``out`` arrays the fields not already gathered into them."""
-    for name, o in out.items():
-        if data[name] is not o:
-            np.copyto(o, data[name])
-            data[name] = o
-    return data
 
 
 # Rooms above the buffer (snapshots, offline datasets) provide the entry points
@@ -216,8 +204,6 @@ class PrioritizedReplayBuffer:
         self._closed = True  # until the storage is allocated
         self._cfg_beta = cfg.schedule
         self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
-        self._gamma = cfg.gamma
-        self._discount1 = np.array([cfg.gamma, 0.0, cfg.gamma, 0.0], dtype=np.float32)
         c = cfg.capacity
         self._ingest = Ingest(cfg)
         self._store = store
@@ -225,7 +211,6 @@ class PrioritizedReplayBuffer:
         # Fields stored row by row; with frame stacks, obs and next_obs go to the frame ring.
         framed = ("obs", "next_obs") if self._frames is not None else ()
         self._plain = {n: v for n, v in self._ingest.stored.items() if n not in framed}
-        self._successors = {f"next_{n}" for n in cfg.next_of}
         store.allocate(self._specs(cfg, self._plain, self._frames))
         self._prio = make_prioritization(cfg.prioritization, c, alpha=cfg.alpha, eps=cfg.eps,
                                          max_priority=self._maxp, weight_norm=cfg.weight_norm)
@@ -233,6 +218,7 @@ class PrioritizedReplayBuffer:
         self._status = np.zeros(c, dtype=np.uint8)
         self._ends = np.zeros(c, dtype=np.uint8)
         self._pending = np.zeros(c if cfg.n_step > 1 else 0, dtype=np.float64)
+        self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, self._ends, self._gid)
         self._count = 0
         self._max_leaf = 1.0
         self._beta_step = 0
@@ -538,105 +524,13 @@ class PrioritizedReplayBuffer:
         return it
 
     def _batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out=None) -> Batch:
-        if self.config.n_step == 1 and self._fused:
-            # Generations, end flags and discounts in one kernel call.
-            b = idx.shape[0]
-            gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
-            disc = np.empty(b, np.float32)
-            batch_meta(idx, self._ends, self._gid, self._discount1, gen, term, trunc, disc)
-            return Batch.make(self._gather(idx, (term, trunc, disc), out), idx, w, prob, gen)
-        return Batch.make(self._gather(idx, None, out), idx, w, prob, self._gid[idx])
+        return self._reader.batch(idx, w, prob, out, self._fused)
 
-    def _gather(self, idx: np.ndarray, meta=None, out=None) -> dict:
-        """The batch's data at slots ``idx``; ``out``: arrays (checked by
-        ``_check_out``) that large fields are gathered into directly and small
-        ones copied into."""
-        cfg = self.config
-        out = out or {}
-        if meta is not None and self._frames is None and self._store.kind == "memory":
-            # The common small-field case: one take per field, straight from the arrays.
-            arrays = self._store.arrays
-            # mode="clip": slots are in range, and "raise" would gather into a temporary first
-            data = {name: arrays[name].take(idx, axis=0, out=out.get(name), mode="clip") for name in self._plain}
-            data["terminated"], data["truncated"], data["discount"] = meta
-            return _into(data, out)
-        store = self._store
-        arrays = getattr(store, "arrays", None) if self._fused else None
-
-        def read(name, rows, o=None):
-            if arrays is not None:  # take() beats fancy indexing for a batch of rows
-                return arrays[name].take(rows, axis=0, out=o, mode="clip")
-            v = store.read(name, rows)
-            if o is None:
-                return v
-            np.copyto(o, v)
-            return o
-
-        if cfg.n_step == 1:
-            last = idx
-            if meta is None:
-                e = self._ends.take(idx)
-                term, trunc, disc = _TERM.take(e), _TRUNC.take(e), self._discount1.take(e)
-            else:
-                term, trunc, disc = meta
-        else:
-            slots, disc, term, trunc = nstep.nstep_view(
-                self._gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self._ends, self._gamma)
-            last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
-        data = {}
-        for name in self._plain:
-            data[name] = read(name, last if name in self._successors else idx, out.get(name))
-        if self._frames is not None:
-            if "obs" not in cfg.next_of:
-                data["obs"] = self._frames.stacks("obs_ref", idx, out.get("obs"))
-            elif "obs" in out or "next_obs" in out:  # each straight into its own array
-                data["obs"] = self._frames.stacks("obs_ref", idx, out.get("obs"))
-                data["next_obs"] = self._frames.stacks("next_obs_ref", last, out.get("next_obs"))
-            elif last is idx:
-                data["obs"], data["next_obs"] = self._frames.pair(idx)
-            else:
-                data["obs"] = self._frames.stacks("obs_ref", idx)
-                data["next_obs"] = self._frames.stacks("next_obs_ref", last)
-        if cfg.n_step > 1:
-            rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
-            rdt = cfg.dtype("reward")
-            data["reward"] = nstep.discounted_sum(rewards, slots, self._gamma).astype(
-                rdt if rdt.kind == "f" else np.float32)
-        data["terminated"], data["truncated"], data["discount"] = term, trunc, disc
-        return _into(data, out)
+    def _gather(self, idx: np.ndarray) -> dict:
+        return self._reader.gather(idx, None, None, self._fused)
 
     def _check_out(self, out, b: int) -> dict:
-        """``out`` for ``sample``: a dict of arrays, each one of the batch's keys,
-        shape ``(b, ...)`` and dtype as ``sample`` returns it, C-contiguous and
-        writable, no two sharing memory."""
-        if out is None:
-            return {}
-        if not isinstance(out, Mapping):
-            raise InvalidTypeError(f"out must be a dict name -> array, got {type(out).__name__}")
-        specs = dict(self._ingest.stored)
-        if self.config.n_step > 1:
-            rdt = self.config.dtype("reward")
-            specs["reward"] = ((), rdt if rdt.kind == "f" else np.dtype(np.float32))
-        specs.update(terminated=((), np.dtype(bool)), truncated=((), np.dtype(bool)),
-                     discount=((), np.dtype(np.float32)))
-        checked = {}
-        for name, arr in out.items():
-            if name not in specs:
-                raise UnknownFieldError(f"out[{name!r}]: not a field of the batch; expected some of {sorted(specs)}")
-            shape, dtype = specs[name]
-            want = (b, *shape)
-            if not isinstance(arr, np.ndarray) or arr.shape != want or arr.dtype != dtype \
-                    or not arr.flags.c_contiguous or not arr.flags.writeable:
-                got = (f"{arr.dtype} {arr.shape}" + ("" if arr.flags.c_contiguous and arr.flags.writeable
-                                                   else " (not C-contiguous and writable)")
-                       if isinstance(arr, np.ndarray) else type(arr).__name__)
-                raise InvalidArgumentError(f"out[{name!r}] must be a C-contiguous writable numpy array of "
-                                           f"dtype {np.dtype(dtype)} and shape {want}, got {got}")
-            for other, prev in checked.items():
-                if np.shares_memory(arr, prev):
-                    raise InvalidArgumentError(f"out[{name!r}] and out[{other!r}] share memory")
-            checked[name] = arr
-        return checked
+        return self._reader.check_out(out, b)
 
     # -- priorities ------------------------------------------------------------
     def update_priorities(self, target, priorities) -> None:

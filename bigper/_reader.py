@@ -1,0 +1,143 @@
+"""The read path: a sampled batch's data gathered from the storage and the
+frame ring (obs and next_obs stacks, n-step returns, end flags, discounts),
+optionally straight into the caller's arrays (``sample(out=...)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import nstep
+from ._kernels import batch_meta
+from .batch import Batch
+from .errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
+
+# Lookup by the ends bits (1 terminated, 2 truncated): a take() beats a kernel call for a batch.
+_TERM = np.array([False, True, False, True])
+_TRUNC = np.array([False, False, True, True])
+
+
+def _into(data: dict, out: dict) -> dict:
+    """Copy into the ``out`` arrays the fields not already gathered into them."""
+    for name, o in out.items():
+        if data[name] is not o:
+            np.copyto(o, data[name])
+            data[name] = o
+    return data
+
+
+class Reader:
+    """Reads batches of a buffer: its config, storage, frame ring (or None),
+    the fields stored row by row, every stored field's (shape, dtype), and its
+    ``ends`` and ``gid`` arrays (the buffer changes them in place; the reader
+    only reads them). ``fused``: the kernel paths, else the general ones that
+    tests hold them to."""
+
+    def __init__(self, cfg, store, frames, plain: dict, stored: dict, ends: np.ndarray, gid: np.ndarray):
+        self.cfg, self.store, self.frames, self.plain, self.stored = cfg, store, frames, plain, stored
+        self.ends, self.gid = ends, gid
+        self.gamma = cfg.gamma
+        self.discount1 = np.array([cfg.gamma, 0.0, cfg.gamma, 0.0], dtype=np.float32)
+        self.successors = {f"next_{n}" for n in cfg.next_of}
+
+    def batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out, fused: bool) -> Batch:
+        if self.cfg.n_step == 1 and fused:
+            # Generations, end flags and discounts in one kernel call.
+            b = idx.shape[0]
+            gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
+            disc = np.empty(b, np.float32)
+            batch_meta(idx, self.ends, self.gid, self.discount1, gen, term, trunc, disc)
+            return Batch.make(self.gather(idx, (term, trunc, disc), out, fused), idx, w, prob, gen)
+        return Batch.make(self.gather(idx, None, out, fused), idx, w, prob, self.gid[idx])
+
+    def gather(self, idx: np.ndarray, meta, out, fused: bool) -> dict:
+        """The batch's data at slots ``idx``; ``out``: arrays (checked by
+        ``check_out``) that large fields are gathered into directly and small
+        ones copied into."""
+        cfg = self.cfg
+        out = out or {}
+        if meta is not None and self.frames is None and self.store.kind == "memory":
+            # The common small-field case: one take per field, straight from the arrays.
+            arrays = self.store.arrays
+            # mode="clip": slots are in range, and "raise" would gather into a temporary first
+            data = {name: arrays[name].take(idx, axis=0, out=out.get(name), mode="clip") for name in self.plain}
+            data["terminated"], data["truncated"], data["discount"] = meta
+            return _into(data, out)
+        store = self.store
+        arrays = getattr(store, "arrays", None) if fused else None
+
+        def read(name, rows, o=None):
+            if arrays is not None:  # take() beats fancy indexing for a batch of rows
+                return arrays[name].take(rows, axis=0, out=o, mode="clip")
+            v = store.read(name, rows)
+            if o is None:
+                return v
+            np.copyto(o, v)
+            return o
+
+        if cfg.n_step == 1:
+            last = idx
+            if meta is None:
+                e = self.ends.take(idx)
+                term, trunc, disc = _TERM.take(e), _TRUNC.take(e), self.discount1.take(e)
+            else:
+                term, trunc, disc = meta
+        else:
+            slots, disc, term, trunc = nstep.nstep_view(
+                self.gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self.ends, self.gamma)
+            last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
+        data = {}
+        for name in self.plain:
+            data[name] = read(name, last if name in self.successors else idx, out.get(name))
+        if self.frames is not None:
+            if "obs" not in cfg.next_of:
+                data["obs"] = self.frames.stacks("obs_ref", idx, out.get("obs"))
+            elif "obs" in out or "next_obs" in out:  # each straight into its own array
+                data["obs"] = self.frames.stacks("obs_ref", idx, out.get("obs"))
+                data["next_obs"] = self.frames.stacks("next_obs_ref", last, out.get("next_obs"))
+            elif last is idx:
+                data["obs"], data["next_obs"] = self.frames.pair(idx)
+            else:
+                data["obs"] = self.frames.stacks("obs_ref", idx)
+                data["next_obs"] = self.frames.stacks("next_obs_ref", last)
+        if cfg.n_step > 1:
+            rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
+            rdt = cfg.dtype("reward")
+            data["reward"] = nstep.discounted_sum(rewards, slots, self.gamma).astype(
+                rdt if rdt.kind == "f" else np.float32)
+        data["terminated"], data["truncated"], data["discount"] = term, trunc, disc
+        return _into(data, out)
+
+    def check_out(self, out, b: int) -> dict:
+        """``out`` for ``sample``: a dict of arrays, each one of the batch's keys,
+        shape ``(b, ...)`` and dtype as ``sample`` returns it, C-contiguous and
+        writable, no two sharing memory."""
+        if out is None:
+            return {}
+        if not isinstance(out, Mapping):
+            raise InvalidTypeError(f"out must be a dict name -> array, got {type(out).__name__}")
+        specs = dict(self.stored)
+        if self.cfg.n_step > 1:
+            rdt = self.cfg.dtype("reward")
+            specs["reward"] = ((), rdt if rdt.kind == "f" else np.dtype(np.float32))
+        specs.update(terminated=((), np.dtype(bool)), truncated=((), np.dtype(bool)),
+                     discount=((), np.dtype(np.float32)))
+        checked = {}
+        for name, arr in out.items():
+            if name not in specs:
+                raise UnknownFieldError(f"out[{name!r}]: not a field of the batch; expected some of {sorted(specs)}")
+            shape, dtype = specs[name]
+            want = (b, *shape)
+            if not isinstance(arr, np.ndarray) or arr.shape != want or arr.dtype != dtype \
+                    or not arr.flags.c_contiguous or not arr.flags.writeable:
+                got = (f"{arr.dtype} {arr.shape}" + ("" if arr.flags.c_contiguous and arr.flags.writeable
+                                                   else " (not C-contiguous and writable)")
+                       if isinstance(arr, np.ndarray) else type(arr).__name__)
+                raise InvalidArgumentError(f"out[{name!r}] must be a C-contiguous writable numpy array of "
+                                           f"dtype {np.dtype(dtype)} and shape {want}, got {got}")
+            for other, prev in checked.items():
+                if np.shares_memory(arr, prev):
+                    raise InvalidArgumentError(f"out[{name!r}] and out[{other!r}] share memory")
+            checked[name] = arr
+        return checked
