@@ -291,6 +291,7 @@ def test_save_load_and_a_killed_shard(cluster, tmp_path):
                 buf.shard_timeout_s = bad
         buf.shard_timeout_s = 1.0
         ray.kill(buf.shard_actors[victim], no_restart=True)
+        _wait_for(lambda: buf.shard_info()[victim] is None, timeout=30)  # ray.kill is asynchronous
         t = time.monotonic()
         with pytest.raises(bigper.ShardUnavailableError, match="none of the 2 shard"):
             buf.sample(8)
