@@ -7,16 +7,17 @@
       scores-<run>.f64       raw float64 scores, one per slot: of the last complete
                              reprioritize ("scores"), or of the run in progress, valid
                              up to the slot meta names ("partial"; resumable)
-      leaves-<run>.npy       leaf values saved at close after update_priorities (allow_pickle=False)
+      leaves-<run>.npy       the strategy's keys saved at close after update_priorities
+                             (allow_pickle=False): proportional leaves, or rank's clipped priorities
       .lock                  flock of the one writer
 
 ``meta.json`` is replaced atomically and names every file it relies on, with
 an xxh64 checksum of the bytes it vouches for; a file of bigper's own naming
 that it does not name is left over from an interrupted write and is removed by
 the next writer. Scores are kept raw, so reopening with another ``alpha`` or
-``eps`` transforms them anew; leaves saved at close record the ``alpha``,
-``eps`` and ``max_priority`` they were made with and are used only when those
-match.
+``eps`` transforms them anew; keys saved at close record the prioritization
+and the parameters they were made with (proportional: ``alpha``, ``eps``,
+``max_priority``; rank: ``max_priority``) and are used only when those match.
 
 Everything in the directory is untrusted (a sidecar can come in a tarball
 beside the dataset): ``meta.json`` is checked field by field, the file names it
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CorruptSnapshotError, PathExistsError, SidecarMismatchError, StorageLockedError
+from .prioritization import KINDS
 from .storage._files import fsync_dir, open_regular, read_json, write_durable, write_json
 
 FORMAT = "bigper-priorities"
@@ -65,6 +67,13 @@ def _is_int(v) -> bool:
 
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def key_params(kind: str, alpha: float, eps: float, max_priority) -> dict:
+    """What the keys of a strategy of ``kind`` depend on (rank keys are clipped priorities)."""
+    if kind == "rank":
+        return {"prioritization": kind, "max_priority": max_priority}
+    return {"prioritization": kind, "alpha": alpha, "eps": eps, "max_priority": max_priority}
 
 
 class Sidecar:
@@ -158,6 +167,8 @@ class Sidecar:
                 bad(f"has rows_valid {e['rows_valid']} and batch_size {e['batch_size']}; expected "
                     f"0 <= rows_valid <= {n} and batch_size >= 1")
         else:
+            if e.get("prioritization", "proportional") not in KINDS:
+                bad(f"has prioritization {e.get('prioritization')!r:.80}; expected one of {KINDS}")
             for k in ("alpha", "eps"):
                 if not _is_num(e.get(k)):
                     bad(f"has {k} {e.get(k)!r:.80}; expected a finite number")
@@ -220,10 +231,19 @@ class Sidecar:
         out[:e["rows_valid"]] = self._read_f64(e, e["rows_valid"])
         return out, e
 
-    def leaves(self, alpha: float, eps: float, max_priority) -> np.ndarray | None:
-        """Leaves saved at close, when they were made with these parameters."""
+    def saved_with(self) -> dict | None:
+        """The parameters of the keys saved at close, or None."""
         e = (self.meta or {}).get("leaves")
-        if e is None or [e["alpha"], e["eps"], e["max_priority"]] != [alpha, eps, max_priority]:
+        if not e:
+            return None
+        kind = e.get("prioritization", "proportional")  # written before rank existed
+        return key_params(kind, e["alpha"], e["eps"], e["max_priority"])
+
+    def leaves(self, kind: str, alpha: float, eps: float, max_priority) -> np.ndarray | None:
+        """Keys saved at close, when they were made with these parameters
+        (by a strategy of ``kind``)."""
+        e = (self.meta or {}).get("leaves")
+        if e is None or self.saved_with() != key_params(kind, alpha, eps, max_priority):
             return None
         p = self.path / e["file"]
         fd = self._open(e["file"])
@@ -254,8 +274,9 @@ class Sidecar:
             e = self.meta["partial"]
             parts.append(f"a reprioritize in progress: {e['done']:,} of {e['total']:,} scored (resumable)")
         if self.meta.get("leaves"):
-            e = self.meta["leaves"]
-            parts.append(f"leaves saved at close (alpha={e['alpha']}, eps={e['eps']})")
+            w = self.saved_with()
+            parts.append(f"{w.pop('prioritization')} keys saved at close ("
+                         + ", ".join(f"{k}={v}" for k, v in w.items()) + ")")
         return f"priorities: {self.path}: " + ("; ".join(parts) or "empty")
 
     # -- writing (under the writer's lock) -------------------------------------------
@@ -375,14 +396,14 @@ class Sidecar:
         meta["partial"] = meta["leaves"] = None
         self._commit(meta)
 
-    def save_leaves(self, leaves: np.ndarray, alpha: float, eps: float, max_priority) -> None:
+    def save_leaves(self, leaves: np.ndarray, kind: str, alpha: float, eps: float, max_priority) -> None:
         name = f"leaves-{uuid.uuid4().hex[:12]}.npy"
         buf = io.BytesIO()
         np.save(buf, np.ascontiguousarray(leaves, dtype=np.float64), allow_pickle=False)
         (self.path / f".{name}.tmp").unlink(missing_ok=True)
         write_durable(self.path / name, buf.getvalue())
         meta = self._base()
-        meta["leaves"] = {"file": name, "alpha": alpha, "eps": eps, "max_priority": max_priority,
-                          "xxh64": _xxh(leaves)}
+        meta["leaves"] = {"file": name, "prioritization": kind, "alpha": alpha, "eps": eps,
+                          "max_priority": max_priority, "xxh64": _xxh(leaves)}
         self._commit(meta)
         fsync_dir(self.path)

@@ -34,6 +34,8 @@ EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3  # buffer.py's slot status values
 _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
 _BASE = ("leaves", "gid", "status", "ends", "pending")
 _FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr", "frames_minref")
+# The buffer's own arrays whatever the prioritization (its strategy adds its own).
+RING_ARRAYS = tuple(n for n in _BASE if n != "leaves") + _FRAMES
 
 
 def _bad(what: str):

@@ -27,11 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from ._kernels import first_bad_priority
-from ._sidecar import Sidecar, SidecarMismatchError, _xxh
+from ._sidecar import Sidecar, SidecarMismatchError, _xxh, key_params
 from ._torch import as_numpy
 from .batch import Batch
 from .config import Config
+from .prioritization import make as make_prioritization
 from .schedules import schedule_from_dict
+from ._statecheck import RING_ARRAYS
 from .storage.h5source import LIVE, H5Source, OfflineDatasetError
 from .errors import BufferClosedError, InvalidArgumentError, InvalidTypeError, PathNotFoundError
 
@@ -39,9 +41,9 @@ __all__ = ["from_hdf5", "reprioritize", "describe", "load_score_fn", "OfflineDat
            "SidecarMismatchError"]
 
 
-def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps=None, beta=None,
-              max_priority=None, weight_norm=None, gamma=None, seed=0, cache_bytes: int = 64 << 20,
-              allow_external: bool = False):
+def from_hdf5(dataset, *, layout: str = "auto", priorities=None, prioritization=None, alpha=None,
+              eps=None, beta=None, max_priority=None, weight_norm=None, gamma=None, seed=0,
+              cache_bytes: int = 64 << 20, allow_external: bool = False):
     """Open an HDF5 dataset in place as a read-only prioritized buffer.
 
     Parameters
@@ -52,6 +54,10 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps
     priorities : str or Path, optional
         The sidecar directory (default ``<dataset>.priorities``). Its priorities are
         resumed; one made for another dataset raises ``SidecarMismatchError``.
+    prioritization : {"proportional", "rank"}, optional
+        How priorities become probabilities, as for ``PrioritizedReplayBuffer``;
+        unset means "proportional", or for bigper's layout what the file recorded.
+        Scores and saved priorities serve either: rank ranks the dataset by them.
     alpha, eps, beta, max_priority, weight_norm, gamma : optional
         As for ``PrioritizedReplayBuffer``; unset means the defaults (0.6, 1e-6, 0.4,
         None, "global", 0.99), or for bigper's layout the values the file recorded.
@@ -69,14 +75,15 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps
     -------
     PrioritizedReplayBuffer
         ``capacity`` and ``len`` are the number of transitions (slots for bigper's
-        layout). Priorities: saved leaves, else the scores of the last complete
-        ``reprioritize``, else 1.0 for every sampleable transition.
+        layout). Priorities: the keys saved at close by a buffer of the same
+        prioritization and parameters, else the scores of the last complete
+        ``reprioritize``, else the key 1.0 for every sampleable transition.
     """
     from .buffer import PrioritizedReplayBuffer
 
     src = H5Source(dataset, layout=layout, cache_bytes=cache_bytes, allow_external=allow_external)
     try:
-        cfg = _config(src, alpha=alpha, eps=eps, beta=beta, max_priority=max_priority,
+        cfg = _config(src, prioritization=prioritization, alpha=alpha, eps=eps, beta=beta, max_priority=max_priority,
                       weight_norm=weight_norm, gamma=gamma, seed=seed)
         where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
         sidecar = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
@@ -91,14 +98,15 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, alpha=None, eps
     return buf
 
 
-def _config(src: H5Source, *, alpha, eps, beta, max_priority, weight_norm, gamma, seed) -> Config:
+def _config(src: H5Source, *, prioritization, alpha, eps, beta, max_priority, weight_norm, gamma,
+            seed) -> Config:
     if src.recorded is not None:  # bigper's layout: its recorded config, with these overrides
         rec = Config.from_dict(src.recorded[0])
         base = {k: getattr(rec, k) for k in inspect.signature(Config.build).parameters if hasattr(rec, k)}
         base["beta"] = schedule_from_dict(rec.beta)
     else:
         base = {"capacity": src.n, "fields": src.fields(), "next_of": src.next_of}
-    given = {"alpha": alpha, "eps": eps, "beta": beta, "max_priority": max_priority,
+    given = {"prioritization": prioritization, "alpha": alpha, "eps": eps, "beta": beta, "max_priority": max_priority,
              "weight_norm": weight_norm, "gamma": gamma}
     base.update({k: v for k, v in given.items() if v is not None})
     base.update(seed=seed, storage="hdf5")
@@ -108,8 +116,9 @@ def _config(src: H5Source, *, alpha, eps, beta, max_priority, weight_norm, gamma
 def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, dict]:
     """The buffer state a dataset starts from (checked by the buffer like any
     recorded state): its transitions, ends and, for bigper's own layout, what
-    its writer recorded (frame ring included), with a fresh RNG and beta
-    schedule and the priorities of the sidecar."""
+    its writer recorded (frame ring included, its priorities not), with a
+    fresh RNG and beta schedule and the priorities of the sidecar, given to
+    a strategy of ``cfg.prioritization``."""
     n = src.n
     fresh = np.random.default_rng(cfg.seed).bit_generator.state
     if src.recorded is None:
@@ -120,45 +129,56 @@ def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, 
                   "pending": np.zeros(n if cfg.n_step > 1 else 0, dtype=np.float64)}
     else:
         meta = dict(src.recorded[1], rng=fresh, beta_step=0)
-        arrays = dict(src.recorded[2])
-    leaves = _initial_leaves(cfg, np.asarray(arrays["status"]) == LIVE, sidecar)
-    arrays["leaves"] = leaves
-    meta["max_leaf"] = max(1.0, float(leaves.max(initial=0.0)))
+        arrays = {k: v for k, v in src.recorded[2].items() if k in RING_ARRAYS}
+    live = np.asarray(arrays["status"]) == LIVE
+    prio = _strategy(cfg)
+    keys = _initial_keys(cfg, prio, live, sidecar)
+    prio.assign(keys, live)
+    pmeta, parrays = prio.state()
+    meta.pop("prioritization", None)
+    if pmeta:
+        meta["prioritization"] = pmeta
+    arrays.update(parrays)
+    meta["max_leaf"] = max(1.0, float(keys[live].max(initial=0.0)))
     return meta, arrays
+
+
+def _strategy(cfg: Config):
+    return make_prioritization(cfg.prioritization, cfg.capacity, alpha=cfg.alpha, eps=cfg.eps,
+                               max_priority=np.inf if cfg.max_priority is None else cfg.max_priority,
+                               weight_norm=cfg.weight_norm)
 
 
 def _all_leaves(buf) -> np.ndarray:
     return buf.leaves(np.arange(buf.capacity, dtype=np.int64))
 
 
-def _leaves_of(scores: np.ndarray, live: np.ndarray, cfg: Config) -> np.ndarray:
-    from ._ingest import to_leaves
-
-    maxp = np.inf if cfg.max_priority is None else cfg.max_priority
-    if live.all():
-        return to_leaves(np.ascontiguousarray(scores, dtype=np.float64), cfg.alpha, cfg.eps, maxp)
+def _initial_keys(cfg: Config, prio, live: np.ndarray, sidecar: Sidecar) -> np.ndarray:
+    """Keys, ``(capacity,)``: saved ones if they fit ``cfg``, else the scores'
+    (the last complete reprioritize), else 1.0; 0.0 where not ``live``."""
+    saved = sidecar.leaves(cfg.prioritization, cfg.alpha, cfg.eps, cfg.max_priority)
+    if saved is not None:
+        return np.where(live, saved, 0.0)
+    if (was := sidecar.saved_with()) is not None:
+        now = key_params(cfg.prioritization, cfg.alpha, cfg.eps, cfg.max_priority)
+        diff = [k for k in now if was.get(k, now[k]) != now[k]] or [k for k in was if k not in now]
+        warnings.warn(f"{sidecar.path}: priorities saved at close with {_params(was, diff)} are not "
+                      f"used with {_params(now, diff)}; the buffer starts from the scores or 1.0",
+                      stacklevel=4)
+    scores = sidecar.scores()
+    if scores is None:
+        return live.astype(np.float64)
     out = np.zeros(live.shape[0], dtype=np.float64)
-    out[live] = to_leaves(np.ascontiguousarray(scores[live], dtype=np.float64), cfg.alpha, cfg.eps, maxp)
+    out[live] = prio.keys(np.ascontiguousarray(scores[live], dtype=np.float64))
     return out
 
 
-def _initial_leaves(cfg: Config, live: np.ndarray, sidecar: Sidecar) -> np.ndarray:
-    saved = sidecar.leaves(cfg.alpha, cfg.eps, cfg.max_priority)
-    if saved is not None:
-        return np.where(live, saved, 0.0)
-    if (sidecar.meta or {}).get("leaves"):
-        e = sidecar.meta["leaves"]
-        warnings.warn(f"{sidecar.path}: priorities saved with alpha={e['alpha']}, eps={e['eps']}, "
-                      f"max_priority={e['max_priority']} are not used with alpha={cfg.alpha}, eps={cfg.eps}, "
-                      f"max_priority={cfg.max_priority}", stacklevel=3)
-    scores = sidecar.scores()
-    if scores is not None:
-        return _leaves_of(scores, live, cfg)
-    return live.astype(np.float64)
+def _params(d: dict, keys) -> str:
+    return ", ".join(f"{k}={d[k]!r}" for k in keys if k in d)
 
 
 def _save_changed_leaves(buf_ref, cfg: Config, src: H5Source) -> None:
-    """At close: priorities changed by update_priorities go to the sidecar."""
+    """At close: priorities changed by update_priorities go to the sidecar (as the strategy's keys)."""
     buf = buf_ref()
     if buf is None:
         return
@@ -169,7 +189,7 @@ def _save_changed_leaves(buf_ref, cfg: Config, src: H5Source) -> None:
     try:
         sc.lock()
         try:
-            sc.save_leaves(leaves, cfg.alpha, cfg.eps, cfg.max_priority)
+            sc.save_leaves(leaves, cfg.prioritization, cfg.alpha, cfg.eps, cfg.max_priority)
         finally:
             sc.unlock()
     except Exception as e:  # closing must not fail; the data is untouched either way
@@ -199,9 +219,10 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
         Scores are made durable in the sidecar at most this many seconds apart, and
         whenever ``score_fn`` raises: a new call resumes after the last scored chunk.
 
-    Scores are kept raw in the sidecar; at the end every leaf is set to
-    ``(min(score, max_priority) + eps) ** alpha`` with one O(N) rebuild. Until then
-    the buffer's priorities are unchanged. A bad score (NaN, inf, negative, wrong
+    Scores are kept raw in the sidecar; at the end every transition's priority
+    becomes its score in one pass (proportional: leaves ``(min(score,
+    max_priority) + eps) ** alpha`` and one O(N) rebuild; rank: one full sort by
+    ``min(score, max_priority)``). Until then the buffer's priorities are unchanged. A bad score (NaN, inf, negative, wrong
     length) raises before anything of its chunk is written.
     """
     src = buf.storage
@@ -231,7 +252,7 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
             idx = live[done:done + batch_size]
             lo, hi = int(idx[0]), int(idx[-1]) + 1
             at = slice(lo, hi) if hi - lo == idx.shape[0] else idx  # a run of slots: slices, no gathers
-            probs = buf.leaves(idx) / max(buf.total_priority, 1e-300)
+            probs = buf.prioritization.probabilities(idx)
             batch = Batch(buf.gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs,
                           buf.generations[at].copy())
             s = _check_scores(score_fn(batch), idx, done, src.path)

@@ -245,6 +245,12 @@ BAD_META = {
                                                    "eps": 1e-6, "max_priority": None, "xxh64": "0" * 16}),
     "leaves-maxp-list": lambda m: m.update(leaves={"file": "leaves-0123456789ab.npy", "alpha": 0.6,
                                                    "eps": 1e-6, "max_priority": [1], "xxh64": "0" * 16}),
+    "leaves-kind-unknown": lambda m: m.update(leaves={"file": "leaves-0123456789ab.npy", "alpha": 0.6,
+                                                      "eps": 1e-6, "max_priority": None, "xxh64": "0" * 16,
+                                                      "prioritization": "uniform"}),
+    "leaves-kind-list": lambda m: m.update(leaves={"file": "leaves-0123456789ab.npy", "alpha": 0.6,
+                                                   "eps": 1e-6, "max_priority": None, "xxh64": "0" * 16,
+                                                   "prioritization": ["rank"]}),
 }
 
 
@@ -668,12 +674,14 @@ def test_meta_fields_under_hypothesis(tmp_path_factory):
     victim = root / "victim.txt"
     victim.write_text("mine")
     good = (side / "meta.json").read_text()
-    fields = ["file", "total", "xxh64", "done", "rows_valid", "batch_size", "alpha", "eps", "max_priority"]
+    fields = ["file", "total", "xxh64", "done", "rows_valid", "batch_size", "alpha", "eps", "max_priority",
+              "prioritization"]
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
     @given(key=st.sampled_from(["scores", "partial", "leaves", "dataset"]), field=st.sampled_from(fields),
-           value=_json_values())
-    def check(key, field, value):
+           value=st.one_of(_json_values(), st.sampled_from(["rank", "proportional"])),
+           kind=st.sampled_from(["proportional", "rank"]))
+    def check(key, field, value, kind):
         meta = json.loads(good)
         if key == "partial":
             meta["partial"] = partial_entry(side, 25)
@@ -685,7 +693,7 @@ def test_meta_fields_under_hypothesis(tmp_path_factory):
         try:
             with warnings.catch_warnings():  # saved leaves of another alpha are announced, then unused
                 warnings.simplefilter("ignore", UserWarning)
-                with PRB.from_hdf5(path) as b:
+                with PRB.from_hdf5(path, prioritization=kind) as b:
                     b.sample(4)
         except bigper.BigperError:
             pass

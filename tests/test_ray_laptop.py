@@ -183,3 +183,11 @@ def test_sharded_manifest_refuses_what_is_not_its_own(tmp_path):
     with pytest.raises(bigper.PathNotFoundError):
         M.read_manifest(tmp_path / "missing")
 
+
+
+@pytest.mark.parametrize("kind", ["rank", "uniform"])
+def test_rank_is_refused_with_a_clear_error_before_any_shard_starts(kind):
+    was_up = ray.is_initialized()
+    with pytest.raises(bigper.InvalidArgumentError, match=f"prioritization='{kind}'.*proportional only"):
+        ShardedPrioritizedBuffer(2, 100, {"obs": ((3,), np.float32)}, prioritization=kind)
+    assert ray.is_initialized() == was_up  # refused before Ray was touched

@@ -57,6 +57,8 @@ class ShardedPrioritizedBuffer:
         shards' replies: the buffer still holds less than a chunk per shard
         under ``min(added, capacity)``, and eviction order is approximate
         (see ``bigper.distributed._routing``).
+    prioritization : {"proportional"}
+        Only proportional; ``"rank"`` raises ``InvalidArgumentError``.
     placement : {"PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"}
         Placement-group strategy for the shards' bundles.
     num_cpus_per_shard : float or None
@@ -95,11 +97,16 @@ class ShardedPrioritizedBuffer:
     def __init__(self, num_shards, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99,
                  alpha=0.6, eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
                  storage="memory", path=None, next_of=None, num_envs=1, seed=0,
-                 storage_options=None, placement="PACK", num_cpus_per_shard=None,
+                 prioritization="proportional", storage_options=None, placement="PACK", num_cpus_per_shard=None,
                  recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
                  max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0,
                  max_restarts=-1, actor_options=None, _restore=None):
         self._closed = True
+        if prioritization != "proportional":
+            raise InvalidArgumentError(
+                f"prioritization={prioritization!r}: sharded buffers are proportional only (the "
+                "coordinator draws prefix sums of one total over all shards; rank has no such total). "
+                "Use a single PrioritizedReplayBuffer for rank-based prioritization")
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack, n_step=n_step,
                            gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority, beta=beta,
                            weight_norm=weight_norm, next_of=next_of, num_envs=num_envs, seed=seed,

@@ -111,6 +111,10 @@ class Prioritization(ABC):
     def key_at(self, idx: np.ndarray) -> np.ndarray:
         """Stored keys at ``idx`` (0.0 where a slot is not sampleable)."""
 
+    def probabilities(self, idx: np.ndarray) -> np.ndarray:
+        """``P`` the sampler gives slots ``idx`` now (0 where not sampleable)."""
+        return self.key_at(idx) / self.total if self.sampleable else np.zeros(idx.shape[0])
+
     @abstractmethod
     def sample(self, uniforms: np.ndarray, *, stratified: bool, beta: float):
         """``(indices int64, probabilities float64, weights float32)`` for

@@ -107,6 +107,20 @@ class RankPrioritizer(Prioritization):
         self.writes += self.n - n
         self.n = n
 
+    def assign(self, keys, live) -> None:
+        """Every slot at once, then one full sort: O(N) radix passes, not N
+        heap inserts. Equal keys rank by slot, the later slot first (as if
+        written in slot order)."""
+        slots = np.flatnonzero(live).astype(np.int64)
+        n = slots.shape[0]
+        kept = np.ascontiguousarray(keys[slots], dtype=np.float64) + 0.0  # -0.0 becomes +0.0
+        self._spos[:] = -1
+        self._heap[n:] = 0
+        self._heap[:n, 0] = kept.view(np.int64)
+        self._heap[:n, 1] = (np.arange(1, n + 1, dtype=np.int64) << 31) | slots
+        self.n = n
+        self.sort()
+
     def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
         if self.tick + idx.shape[0] >= RK.TICK_LIMIT:
             # The renumbering sort changes the state: only for an update that passes.
@@ -165,7 +179,6 @@ class RankPrioritizer(Prioritization):
         return self._spos[idx].astype(np.int64)
 
     def probabilities(self, idx) -> np.ndarray:
-        """``P`` the sampler gives slots ``idx`` now (0 where not sampleable)."""
         pos = self.positions(idx)
         out = LAW.rank_probabilities(np.maximum(pos, 0) + 1, max(self.n, 1), self.alpha, self._table)
         out[pos < 0] = 0.0
