@@ -11,6 +11,7 @@ from .config import BUILTIN, Config
 from .errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
 
 _OPTIONAL = set(BUILTIN)
+_MISSING = object()
 
 
 class Ingest:
@@ -23,9 +24,15 @@ class Ingest:
         # buffer's own `ends` array instead (they steer n-step windows).
         self.stored = {n: v for n, v in self.inputs.items() if n not in BUILTIN}
         self.required = set(self.inputs) - _OPTIONAL
+        # For _exact_one: name, shape, dtype and the Python scalar type taken as is (None: none).
+        py = {"b": bool, "f": float}
+        self._fast = [(n, shape, dt, (int if dt == np.int64 else py.get(dt.kind, dt.type)) if not shape else None)
+                      for n, (shape, dt) in self.inputs.items()]
 
     def step(self, step: dict, priorities, valid):
         k = self.cfg.num_envs
+        if k == 1 and (rows := self._exact_one(step)) is not None:
+            return rows, self._priorities(priorities, (), 1), self._valid(valid, (), 1)
         lead = () if k == 1 else (k,)
         if k == 1 and self._env_axis(step):
             lead = (1,)  # a one-env vector env's step: keep its env axis as the row axis
@@ -33,6 +40,31 @@ class Ingest:
         if not lead:  # one env: give every value its leading row axis
             rows = {n: v[None] for n, v in rows.items()}
         return rows, self._priorities(priorities, lead, k), self._valid(valid, lead, k)
+
+    def _exact_one(self, step: dict):
+        """One env's step when every value is exactly its field's type (an array
+        of its dtype and shape, or a scalar of its type; a Python float for a
+        float field, a Python int for an int64 one): its rows, each with a
+        row axis of 1, checked without conversions. Anything else: None (the
+        full checks then name what is wrong)."""
+        rows = {}
+        for name, shape, dtype, scalar in self._fast:
+            v = step.get(name, _MISSING)
+            t = type(v)
+            if t is np.ndarray:
+                if v.dtype != dtype or v.shape != shape:
+                    return None
+                rows[name] = v[None]
+            elif scalar is not None and (t is dtype.type or t is scalar):
+                if t is int and not -2**63 <= v < 2**63:
+                    return None
+                rows[name] = np.array((v,), dtype)
+            elif v is _MISSING and name not in self.required:
+                rows[name] = np.zeros(1, dtype=bool)
+            else:
+                return None
+        # An unknown name (counted) goes to the full checks, which name it.
+        return rows if len(step) == len(rows) - sum(n not in step for n in _OPTIONAL) else None
 
     def _env_axis(self, step: dict) -> bool:
         """Whether a one-env step comes with a leading env axis of length 1 (as a

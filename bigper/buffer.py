@@ -10,12 +10,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import nstep
-from ._kernels import commit_rows, ring_rows
 from ._ingest import Ingest, as_index, as_priorities
 from ._opening import MODES, held, overwrite, probe
 from ._reader import Reader
 from ._statecheck import check_state
+from ._writer import Writer
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .errors import (
@@ -30,14 +29,13 @@ from .errors import (
 from .frames import FrameStore
 from .prioritization import make as make_prioritization
 from .prefetch import Prefetcher
-from .prioritization.base import DEAD, LIVE, PENDING
+from .prioritization.base import LIVE
 from .storage import open_storage
 
 log = logging.getLogger("bigper")
 
 # Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
 MAX_BATCH = 1 << 24
-_NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 
 def _check_batch_size(batch_size) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
@@ -219,20 +217,34 @@ class PrioritizedReplayBuffer:
         self._ends = np.zeros(c, dtype=np.uint8)
         self._pending = np.zeros(c if cfg.n_step > 1 else 0, dtype=np.float64)
         self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, self._ends, self._gid)
-        self._count = 0
-        self._max_leaf = 1.0
+        # The writer keeps the ring's counters: transitions added, largest key, envs whose episode ended.
+        self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, self._gid, self._status,
+                              self._ends, self._pending)
         self._beta_step = 0
-        self._env_ended = np.ones(cfg.num_envs, dtype=bool)  # no episode in progress
         self._rng = np.random.default_rng(cfg.seed)
         # Serializes every call that reads or changes state with the prefetching
         # samplers' threads (re-entrant: save and sample_at call back in).
         self._lock = threading.RLock()
-        # False: every call takes the general path (staged storage writes, one
-        # numpy call a step); tests/test_fused*.py hold the fused path to it, bit for bit.
-        self._fused = True
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
         self._closed = False
         _OPEN.add(self)
+
+    # The ring's counters live in the writer (the write path's room).
+    _count = property(lambda self: self._writer.count, lambda self, v: setattr(self._writer, "count", v))
+    _max_leaf = property(lambda self: self._writer.max_leaf,
+                         lambda self, v: setattr(self._writer, "max_leaf", v))
+    _env_ended = property(lambda self: self._writer.env_ended,
+                          lambda self, v: setattr(self._writer, "env_ended", v))
+
+    @property
+    def _fused(self) -> bool:
+        """False: every call takes the general path (staged storage writes, one
+        numpy call a step); tests/test_fused.py hold the fused paths to it, bit for bit."""
+        return self._writer.fused
+
+    @_fused.setter
+    def _fused(self, on: bool) -> None:
+        self._writer.fused = bool(on)
 
     # -- state (close/reopen and snapshots) --------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
@@ -316,7 +328,7 @@ class PrioritizedReplayBuffer:
         self._check_writable()
         rows, leaves, valid = self._ingest.step(step, priorities, valid)
         with self._lock:
-            self._write(rows, leaves, valid)
+            self._writer.write(rows, leaves, valid)
 
     def extend(self, data, priorities=None, valid=None) -> None:
         """Add many steps: every value has a leading time axis (then the env
@@ -324,115 +336,7 @@ class PrioritizedReplayBuffer:
         self._check_writable()
         rows, leaves, valid = self._ingest.steps(data, priorities, valid)
         with self._lock:
-            self._write(rows, leaves, valid)
-
-    def _write(self, rows: dict, priorities, valid=None) -> None:
-        # Everything that can fail runs first (checks, keys, the storage's
-        # copy-on-write preparation); only then does any state change.
-        cfg = self.config
-        m = rows["terminated"].shape[0]
-        if valid is not None:
-            # A placeholder row may only follow an episode end of its env.
-            ended = (rows["terminated"] | rows["truncated"]) | ~valid
-            before = np.concatenate([self._env_ended, ended])[:m]
-            bad = np.flatnonzero(~valid & ~before)
-            if bad.size:
-                r = int(bad[0])
-                raise InvalidArgumentError(
-                    f"valid is False for env {(self._count + r) % cfg.num_envs} at row {r}, "
-                    "but that env's previous step did not end an episode; valid=False is for the "
-                    "reset step of next-step autoreset")
-        else:
-            ended = rows["terminated"] | rows["truncated"]
-        keys = None if priorities is None else self._prio.keys(priorities)
-        c = cfg.capacity
-        first = self._count % c
-        where = slice(0, c) if m >= c else (
-            first if m == 1 else (slice(first, first + m) if first + m <= c else
-                                  (np.arange(first, first + m) % c)))
-        prepare = getattr(self._store, "prepare", None)
-        if prepare is not None and getattr(self._store, "shared_chunks", 1):
-            # Copy-on-write storages make every row this write touches writable
-            # first: running out of space then fails before anything changed.
-            writes = {name: where for name in self._plain}
-            if self._frames is not None:
-                writes.update(self._frames.rows_touched(m, where))
-            prepare(writes)
-        k = cfg.num_envs
-        self._env_ended = ended[-k:] if m >= k else np.concatenate([self._env_ended, ended])[-k:]
-        if 0 < m <= c:
-            self._write_chunk(rows, keys, valid)
-            return
-        # More rows than slots: write in chunks of at most `capacity`, so that
-        # slots within one write are distinct and every frame stream stays whole.
-        for lo in range(0, m, c):
-            hi = min(lo + c, m)
-            self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
-                              None if keys is None else keys[lo:hi],
-                              None if valid is None else valid[lo:hi])
-
-    def _write_chunk(self, rows: dict, keys, valid) -> None:
-        cfg = self.config
-        c = cfg.capacity
-        m = rows["terminated"].shape[0]
-        g0 = self._count
-        if self._fused:
-            slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
-            ring_rows(g0, c, rows["terminated"], rows["truncated"], slots, ends)
-        else:  # the general path, for the tests that hold the fused one to it
-            slots = np.arange(g0, g0 + m, dtype=np.int64) % c
-            ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
-        s0 = int(slots[0])
-        where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
-        rw = self._writable()
-        for name in self._plain:
-            if rw is None:
-                self._store.write(name, where, rows[name][0] if m == 1 else rows[name])
-            else:
-                rw[name][where] = rows[name][0] if m == 1 else rows[name]
-        if self._frames is not None:
-            self._frames.write(rows, g0, slots, where, ends, valid, rw)
-        if keys is None:
-            keys = np.array((self._max_leaf,)) if m == 1 else np.full(m, self._max_leaf)
-        else:
-            # Only values that become keys count toward the largest one.
-            counted = keys if valid is None else keys[valid]
-            if counted.shape[0]:
-                self._max_leaf = max(self._max_leaf, float(counted.max()))
-        state = LIVE if cfg.n_step == 1 else PENDING
-        if self._fused:
-            commit_rows(g0, slots, ends, _NO_VALID if valid is None else valid, state,
-                        self._gid, self._ends, self._status)
-        else:
-            self._gid[slots] = np.arange(g0, g0 + m, dtype=np.int64)
-            self._ends[slots] = ends
-            self._status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
-        self._count = g0 + m
-        if cfg.n_step == 1:
-            if valid is None:
-                self._prio.insert(slots, keys)  # replaces what the slots held
-            else:
-                self._prio.remove(slots[~valid])
-                self._prio.insert(slots[valid], keys[valid])
-        else:
-            self._prio.remove(slots)  # waiting for their windows now
-            self._pending[slots] = keys
-            first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
-            ready = np.empty(self._count - first, dtype=np.int64)
-            r = nstep.complete(first, self._count, c, cfg.num_envs, cfg.n_step, self._ends,
-                               self._gid, self._status, ready)
-            if r:
-                ready = ready[:r]
-                self._status[ready] = LIVE
-                self._prio.insert(ready, self._pending[ready])
-        if self._frames is not None:
-            dead = self._frames.expire(self._count, self._gid, self._status)
-            if dead.shape[0]:
-                self._prio.remove(dead)
-
-    def _writable(self):
-        """The storage's arrays to write rows into directly, or None (``write`` then)."""
-        return getattr(self._store, "writable_arrays", None) if self._fused else None
+            self._writer.write(rows, leaves, valid)
 
     # -- sampling --------------------------------------------------------------
     def sample(self, batch_size: int, *, beta=None, stratified: bool = True, out=None) -> Batch:

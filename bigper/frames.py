@@ -29,7 +29,7 @@ from ._kernels import kernel
 from ._pool import for_ranges, workers
 
 
-_ALL_VALID = np.ones(256, dtype=np.bool_)
+ALL_VALID = np.ones(256, dtype=np.bool_)
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
 
 
@@ -142,7 +142,7 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
 
 
 @kernel
-def _write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
+def write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
                   oref, nref, ring, slots, minref, F):
     """``assign_refs`` writing new frames into the ring and the references of
     row ``r`` into ``oref[slots[r]]``/``nref[slots[r]]``; returns the new frame count."""
@@ -260,30 +260,20 @@ class FrameStore:
         in place by the kernel, without a staging copy and the storage's calls.
         """
         m = ends.shape[0]
-        obs = self._words(rows["obs"])
-        nxt = self._words(rows["next_obs"]) if self.has_next else obs
-        if self.num_envs > 1:
-            env = np.arange(g0, g0 + m, dtype=np.int64) % self.num_envs
-        else:
-            env = _ENV0[:m] if m <= _ENV0.shape[0] else np.zeros(m, np.int64)
+        obs, nxt, env = self._inputs(rows, g0, m)
         if rw is not None:
-            ok = (_ALL_VALID[:m] if m <= _ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
+            ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
                 if valid is None else valid
-            src = rw["frames"]
-            if self._ring_of is not src:  # the ring as (F, words), kept while the storage keeps its array
-                self._ring_of, self._ring = src, src.reshape(self.F, -1).view(self.word)
-            ring = self._ring
-            oref = rw["obs_ref"]
-            nref = rw["next_obs_ref"] if self.has_next else oref
+            ring, oref, nref = self._in_place(rw)
             # Rows go straight to their slots: refs are written row by row at slots[r].
-            self.fw = _write_direct(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
+            self.fw = write_direct(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
                                     self.fw, self.has_next, oref, nref, ring, slots, self.minref, self.F)
             return
         obs_ref = np.empty((m, self.k), dtype=np.int64)
         next_ref = np.empty((m, self.k), dtype=np.int64)
         new = np.empty((2 * m * self.k, self.row_words), dtype=self.word)
         fw0 = self.fw
-        ok = (_ALL_VALID[:m] if m <= _ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
+        ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
         fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
                          fw0, self.has_next, obs_ref, next_ref, new, slots, self.minref)
@@ -300,6 +290,32 @@ class FrameStore:
         self.store.write("obs_ref", where, obs_ref[0] if one else obs_ref)
         if self.has_next:
             self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
+
+    def _inputs(self, rows: dict, g0: int, m: int):
+        """The rows' obs and next_obs stacks as words, and each row's env."""
+        obs = self._words(rows["obs"])
+        nxt = self._words(rows["next_obs"]) if self.has_next else obs
+        if self.num_envs > 1:
+            env = np.arange(g0, g0 + m, dtype=np.int64) % self.num_envs
+        else:
+            env = _ENV0[:m] if m <= _ENV0.shape[0] else np.zeros(m, np.int64)
+        return obs, nxt, env
+
+    def _in_place(self, rw: dict):
+        """The storage's ring (as ``(F, words)``) and reference arrays, to write in place."""
+        src = rw["frames"]
+        if self._ring_of is not src:  # the ring as (F, words), kept while the storage keeps its array
+            self._ring_of, self._ring = src, src.reshape(self.F, -1).view(self.word)
+        oref = rw["obs_ref"]
+        return self._ring, oref, rw["next_obs_ref"] if self.has_next else oref
+
+    def kernel_args(self, rows: dict, g0: int, m: int, rw: dict) -> tuple:
+        """The frame arguments of ``_writer.write_rows`` for rows ``g0 ..``
+        written in place into ``rw`` (the caller stores the returned frame count in ``fw``)."""
+        obs, nxt, env = self._inputs(rows, g0, m)
+        ring, oref, nref = self._in_place(rw)
+        return (True, obs, nxt, env, self.last_frames, self.last_ref, self.has_last, self.fw, self.has_next,
+                oref, nref, ring, self.minref, self.F, self.ptr, self.num_envs, self._expired)
 
     def rows_touched(self, m: int, where) -> dict:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array

@@ -1,0 +1,234 @@
+"""The write path: checked rows (``_ingest``) become transitions in the ring.
+
+Everything that can fail runs first: the ``valid`` rule, the priority keys,
+and the storage's copy-on-write ``prepare`` over every row the write touches
+(a full disk fails there, with nothing changed). Then, for the common case
+(proportional prioritization, ``n_step=1``, a storage with writable arrays,
+a write small against the capacity), the small fields are stored with one
+numpy assignment each and everything else is **one compiled call**,
+``write_rows``: ring slots and end bits, frame dedup with references and new
+frames written into the ring, generations and status, the leaves with their
+tree ancestors, and the expiry of transitions whose frames were overwritten.
+Any other write takes the general path (a few kernel and numpy calls a
+chunk); ``tests/test_fused.py`` holds the two equal, bit for bit.
+
+The writer owns the ring's counters (``count``, ``max_leaf``, ``env_ended``);
+the buffer owns the arrays and hands them over at construction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import nstep
+from ._kernels import commit_rows, kernel, ring_rows, tree_set
+from .errors import InvalidArgumentError
+from .frames import ALL_VALID, expire, write_direct
+from .prioritization.base import DEAD, LIVE, PENDING
+
+_NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
+_NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
+
+# Frame arguments of write_rows for a buffer without frame stacks (never read).
+_NO_FRAMES = (False, np.zeros((0, 1, 1), np.uint8), np.zeros((0, 1, 1), np.uint8), np.zeros(0, np.int64),
+              np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), 0, False,
+              np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.uint8),
+              np.zeros(1, np.int64), 1, np.zeros(1, np.int64), 1, np.zeros(1, np.int64))
+
+
+@kernel
+def write_rows(g0, capacity, term, trunc, valid, keys, max_leaf, gid, ends_arr, status, sums, mins,
+               offsets, framed, obs, nxt, env, last_frames, last_ref, has_last, fw, has_next, oref, nref,
+               ring, minref, F, ptr, k_envs, expired):
+    """Record ``m`` rows numbered from ``g0`` (distinct slots, ``m <= capacity``)
+    as sampleable transitions: the bookkeeping of a whole write in one call.
+
+    Rows with ``valid`` False are recorded dead (leaf 0). Leaves are ``keys``
+    (or ``max_leaf`` for every row when ``keys`` is empty). With ``framed``,
+    frames and references go straight into the ring (``frames.write_direct``)
+    and transitions whose oldest frame the ring has overwritten are expired
+    (leaf 0). Returns ``(frames written, largest key of a valid row)``.
+    """
+    m = term.shape[0]
+    slots = np.empty(m, dtype=np.int64)
+    ends = np.empty(m, dtype=np.uint8)
+    ring_rows(g0, capacity, term, trunc, slots, ends)
+    if framed:
+        fw = write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
+                           oref, nref, ring, slots, minref, F)
+    commit_rows(g0, slots, ends, valid, 1, gid, ends_arr, status)
+    leaves = np.empty(m, dtype=np.float64)
+    given = keys.shape[0] > 0
+    top = 0.0
+    for r in range(m):
+        if not valid[r]:
+            leaves[r] = 0.0
+        elif given:
+            leaves[r] = keys[r]
+            if keys[r] > top:
+                top = keys[r]
+        else:
+            leaves[r] = max_leaf
+    tree_set(sums, mins, offsets, slots, leaves)
+    if framed and fw - F > 0:
+        n = expire(ptr, g0 + m, capacity, k_envs, fw - F, minref, gid, status, expired)
+        if n > 0:
+            tree_set(sums, mins, offsets, expired[:n], np.zeros(n, dtype=np.float64))
+    return fw, top
+
+
+class Writer:
+    """Writes rows into one buffer's ring.
+
+    Parameters
+    ----------
+    cfg : Config
+    store : storage
+    frames : FrameStore or None
+    plain : dict
+        The fields stored row by row (name -> (shape, dtype)).
+    prio : Prioritization
+    gid, status, ends, pending : np.ndarray
+        The buffer's ring arrays (changed in place).
+    """
+
+    def __init__(self, cfg, store, frames, plain: dict, prio, gid, status, ends, pending):
+        self.cfg, self.store, self.frames, self.plain, self.prio = cfg, store, frames, plain, prio
+        self.gid, self.status, self.ends, self.pending = gid, status, ends, pending
+        self.count = 0
+        self.max_leaf = 1.0
+        self.env_ended = np.ones(cfg.num_envs, dtype=bool)  # no episode in progress
+        # False: the general path (staged storage writes, one numpy call a step).
+        self.fused = True
+        tree = getattr(prio, "tree", None)
+        self._tree = tree if cfg.n_step == 1 and getattr(prio, "kind", "") == "proportional" else None
+
+    def write(self, rows: dict, priorities, valid=None) -> None:
+        """Write checked ``rows`` (``name -> (m, ...)``) with their priorities
+        (``(m,)`` float64 or None: the largest key so far) and ``valid``."""
+        cfg = self.cfg
+        m = rows["terminated"].shape[0]
+        if valid is not None:
+            # A placeholder row may only follow an episode end of its env.
+            ended = (rows["terminated"] | rows["truncated"]) | ~valid
+            before = np.concatenate([self.env_ended, ended])[:m]
+            bad = np.flatnonzero(~valid & ~before)
+            if bad.size:
+                r = int(bad[0])
+                raise InvalidArgumentError(
+                    f"valid is False for env {(self.count + r) % cfg.num_envs} at row {r}, "
+                    "but that env's previous step did not end an episode; valid=False is for the "
+                    "reset step of next-step autoreset")
+        else:
+            ended = rows["terminated"] | rows["truncated"]
+        keys = None if priorities is None else self.prio.keys(priorities)
+        c = cfg.capacity
+        first = self.count % c
+        where = slice(0, c) if m >= c else (
+            first if m == 1 else (slice(first, first + m) if first + m <= c else
+                                  (np.arange(first, first + m) % c)))
+        prepare = getattr(self.store, "prepare", None)
+        if prepare is not None and getattr(self.store, "shared_chunks", 1):
+            # Copy-on-write storages make every row this write touches writable
+            # first: running out of space then fails before anything changed.
+            writes = {name: where for name in self.plain}
+            if self.frames is not None:
+                writes.update(self.frames.rows_touched(m, where))
+            prepare(writes)
+        k = cfg.num_envs
+        self.env_ended = ended[-k:] if m >= k else np.concatenate([self.env_ended, ended])[-k:]
+        if 0 < m <= c:
+            rw = getattr(self.store, "writable_arrays", None) if self.fused else None
+            if rw and self._tree is not None and (m <= 1024 or m * 8 < c):
+                self._write_one_call(rows, keys, valid, rw)
+            else:
+                self._write_chunk(rows, keys, valid)
+            return
+        # More rows than slots: write in chunks of at most `capacity`, so that
+        # slots within one write are distinct and every frame stream stays whole.
+        for lo in range(0, m, c):
+            hi = min(lo + c, m)
+            self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
+                              None if keys is None else keys[lo:hi],
+                              None if valid is None else valid[lo:hi])
+
+    def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
+        m = rows["terminated"].shape[0]
+        g0 = self.count
+        c = self.cfg.capacity
+        s0 = g0 % c
+        where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else np.arange(g0, g0 + m) % c)
+        for name in self.plain:
+            rw[name][where] = rows[name][0] if m == 1 else rows[name]
+        ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
+            if valid is None else valid
+        fr = _NO_FRAMES if self.frames is None else self.frames.kernel_args(rows, g0, m, rw)
+        t = self._tree
+        fw, top = write_rows(g0, c, rows["terminated"], rows["truncated"], ok,
+                             _NO_KEYS if keys is None else keys, self.max_leaf, self.gid, self.ends,
+                             self.status, t.sums, t.mins, t.offsets, *fr)
+        self.count = g0 + m
+        if self.frames is not None:
+            self.frames.fw = fw
+        if top > self.max_leaf:
+            self.max_leaf = top
+
+    def _write_chunk(self, rows: dict, keys, valid) -> None:
+        cfg = self.cfg
+        c = cfg.capacity
+        m = rows["terminated"].shape[0]
+        g0 = self.count
+        if self.fused:
+            slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
+            ring_rows(g0, c, rows["terminated"], rows["truncated"], slots, ends)
+        else:  # the general path, for the tests that hold the fused one to it
+            slots = np.arange(g0, g0 + m, dtype=np.int64) % c
+            ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
+        s0 = int(slots[0])
+        where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
+        rw = getattr(self.store, "writable_arrays", None) if self.fused else None
+        for name in self.plain:
+            if rw is None:
+                self.store.write(name, where, rows[name][0] if m == 1 else rows[name])
+            else:
+                rw[name][where] = rows[name][0] if m == 1 else rows[name]
+        if self.frames is not None:
+            self.frames.write(rows, g0, slots, where, ends, valid, rw)
+        if keys is None:
+            keys = np.array((self.max_leaf,)) if m == 1 else np.full(m, self.max_leaf)
+        else:
+            # Only values that become keys count toward the largest one.
+            counted = keys if valid is None else keys[valid]
+            if counted.shape[0]:
+                self.max_leaf = max(self.max_leaf, float(counted.max()))
+        state = LIVE if cfg.n_step == 1 else PENDING
+        if self.fused:
+            commit_rows(g0, slots, ends, _NO_VALID if valid is None else valid, state,
+                        self.gid, self.ends, self.status)
+        else:
+            self.gid[slots] = np.arange(g0, g0 + m, dtype=np.int64)
+            self.ends[slots] = ends
+            self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
+        self.count = g0 + m
+        prio = self.prio
+        if cfg.n_step == 1:
+            if valid is None:
+                prio.insert(slots, keys)  # replaces what the slots held
+            else:
+                prio.remove(slots[~valid])
+                prio.insert(slots[valid], keys[valid])
+        else:
+            prio.remove(slots)  # waiting for their windows now
+            self.pending[slots] = keys
+            first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
+            ready = np.empty(self.count - first, dtype=np.int64)
+            r = nstep.complete(first, self.count, c, cfg.num_envs, cfg.n_step, self.ends,
+                               self.gid, self.status, ready)
+            if r:
+                ready = ready[:r]
+                self.status[ready] = LIVE
+                prio.insert(ready, self.pending[ready])
+        if self.frames is not None:
+            dead = self.frames.expire(self.count, self.gid, self.status)
+            if dead.shape[0]:
+                prio.remove(dead)
