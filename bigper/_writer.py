@@ -3,12 +3,13 @@
 Everything that can fail runs first: the ``valid`` rule, the priority keys,
 and the storage's copy-on-write ``prepare`` over every row the write touches
 (a full disk fails there, with nothing changed). Then, for the common case
-(proportional prioritization, ``n_step=1``, a storage with writable arrays,
+(proportional prioritization, a storage with writable arrays,
 a write small against the capacity), the small fields are stored with one
 numpy assignment each and everything else is **one compiled call**,
 ``write_rows``: ring slots and end bits, frame dedup with references and new
 frames written into the ring, generations and status, the leaves with their
-tree ancestors, and the expiry of transitions whose frames were overwritten.
+tree ancestors (or, with n-step, the pending keys and the windows this write
+completes), and the expiry of transitions whose frames were overwritten.
 Any other write takes the general path (a few kernel and numpy calls a
 chunk); ``tests/test_fused.py`` holds the two equal, bit for bit.
 
@@ -24,6 +25,7 @@ from . import nstep
 from ._kernels import commit_rows, kernel, ring_rows, tree_set
 from .errors import InvalidArgumentError
 from .frames import ALL_VALID, expire, write_direct
+from .nstep import complete
 from .prioritization.base import DEAD, LIVE, PENDING
 
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
@@ -38,15 +40,18 @@ _NO_FRAMES = (False, np.zeros((0, 1, 1), np.uint8), np.zeros((0, 1, 1), np.uint8
 
 @kernel
 def write_rows(g0, capacity, term, trunc, valid, keys, max_leaf, gid, ends_arr, status, sums, mins,
-               offsets, framed, obs, nxt, env, last_frames, last_ref, has_last, fw, has_next, oref, nref,
-               ring, minref, F, ptr, k_envs, expired):
-    """Record ``m`` rows numbered from ``g0`` (distinct slots, ``m <= capacity``)
-    as sampleable transitions: the bookkeeping of a whole write in one call.
+               offsets, n_step, num_envs, pending, framed, obs, nxt, env, last_frames, last_ref, has_last,
+               fw, has_next, oref, nref, ring, minref, F, ptr, k_envs, expired):
+    """Record ``m`` rows numbered from ``g0`` (distinct slots, ``m <= capacity``):
+    the bookkeeping of a whole write in one call.
 
-    Rows with ``valid`` False are recorded dead (leaf 0). Leaves are ``keys``
-    (or ``max_leaf`` for every row when ``keys`` is empty). With ``framed``,
-    frames and references go straight into the ring (``frames.write_direct``)
-    and transitions whose oldest frame the ring has overwritten are expired
+    Rows with ``valid`` False are recorded dead (leaf 0). Keys are ``keys``
+    (or ``max_leaf`` for every row when ``keys`` is empty). With ``n_step`` 1
+    they become the rows' leaves; else they wait in ``pending`` (leaf 0) and
+    every transition whose window this write completes (``nstep.complete``)
+    becomes sampleable with its pending key. With ``framed``, frames and
+    references go straight into the ring (``frames.write_direct``) and
+    transitions whose oldest frame the ring has overwritten are expired
     (leaf 0). Returns ``(frames written, largest key of a valid row)``.
     """
     m = term.shape[0]
@@ -56,20 +61,29 @@ def write_rows(g0, capacity, term, trunc, valid, keys, max_leaf, gid, ends_arr, 
     if framed:
         fw = write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
                            oref, nref, ring, slots, minref, F)
-    commit_rows(g0, slots, ends, valid, 1, gid, ends_arr, status)
-    leaves = np.empty(m, dtype=np.float64)
+    commit_rows(g0, slots, ends, valid, 1 if n_step == 1 else 2, gid, ends_arr, status)
+    leaves = np.zeros(m, dtype=np.float64)
     given = keys.shape[0] > 0
     top = 0.0
     for r in range(m):
-        if not valid[r]:
-            leaves[r] = 0.0
-        elif given:
-            leaves[r] = keys[r]
-            if keys[r] > top:
-                top = keys[r]
-        else:
-            leaves[r] = max_leaf
+        key = keys[r] if given else max_leaf
+        if given and valid[r] and key > top:
+            top = key
+        if n_step > 1:
+            pending[slots[r]] = key  # the leaf stays 0 until the window completes
+        elif valid[r]:
+            leaves[r] = key
     tree_set(sums, mins, offsets, slots, leaves)
+    if n_step > 1:
+        first = max(0, g0 - (n_step - 1) * num_envs)
+        ready = np.empty(g0 + m - first, dtype=np.int64)
+        nr = complete(first, g0 + m, capacity, num_envs, n_step, ends_arr, gid, status, ready)
+        if nr > 0:
+            vals = np.empty(nr, dtype=np.float64)
+            for i in range(nr):
+                status[ready[i]] = 1
+                vals[i] = pending[ready[i]]
+            tree_set(sums, mins, offsets, ready[:nr], vals)
     if framed and fw - F > 0:
         n = expire(ptr, g0 + m, capacity, k_envs, fw - F, minref, gid, status, expired)
         if n > 0:
@@ -101,7 +115,7 @@ class Writer:
         # False: the general path (staged storage writes, one numpy call a step).
         self.fused = True
         tree = getattr(prio, "tree", None)
-        self._tree = tree if cfg.n_step == 1 and getattr(prio, "kind", "") == "proportional" else None
+        self._tree = tree if getattr(prio, "kind", "") == "proportional" else None
 
     def write(self, rows: dict, priorities, valid=None) -> None:
         """Write checked ``rows`` (``name -> (m, ...)``) with their priorities
@@ -166,7 +180,8 @@ class Writer:
         t = self._tree
         fw, top = write_rows(g0, c, rows["terminated"], rows["truncated"], ok,
                              _NO_KEYS if keys is None else keys, self.max_leaf, self.gid, self.ends,
-                             self.status, t.sums, t.mins, t.offsets, *fr)
+                             self.status, t.sums, t.mins, t.offsets, self.cfg.n_step, self.cfg.num_envs,
+                             self.pending, *fr)
         self.count = g0 + m
         if self.frames is not None:
             self.frames.fw = fw
