@@ -24,9 +24,10 @@ class Ingest:
         # buffer's own `ends` array instead (they steer n-step windows).
         self.stored = {n: v for n, v in self.inputs.items() if n not in BUILTIN}
         self.required = set(self.inputs) - _OPTIONAL
-        # For _exact_one: name, shape, dtype and the Python scalar type taken as is (None: none).
+        # For _exact_one: name, shape, dtype and the scalar types taken as they are (none for arrays).
         py = {"b": bool, "f": float}
-        self._fast = [(n, shape, dt, (int if dt == np.int64 else py.get(dt.kind, dt.type)) if not shape else None)
+        self._fast = [(n, shape, dt, () if shape else
+                       (dt.type, int if dt == np.int64 else py.get(dt.kind, dt.type)))
                       for n, (shape, dt) in self.inputs.items()]
 
     def step(self, step: dict, priorities, valid):
@@ -48,23 +49,28 @@ class Ingest:
         row axis of 1, checked without conversions. Anything else: None (the
         full checks then name what is wrong)."""
         rows = {}
-        for name, shape, dtype, scalar in self._fast:
-            v = step.get(name, _MISSING)
+        get = step.get
+        missing = 0
+        for name, shape, dtype, types in self._fast:
+            v = get(name, _MISSING)
             t = type(v)
             if t is np.ndarray:
-                if v.dtype != dtype or v.shape != shape:
+                if v.shape != shape or (v.dtype is not dtype and v.dtype != dtype):
                     return None
                 rows[name] = v[None]
-            elif scalar is not None and (t is dtype.type or t is scalar):
+            elif t in types:
                 if t is int and not -2**63 <= v < 2**63:
                     return None
-                rows[name] = np.array((v,), dtype)
-            elif v is _MISSING and name not in self.required:
+                a = np.empty(1, dtype)
+                a[0] = v
+                rows[name] = a
+            elif v is _MISSING and name in _OPTIONAL:
                 rows[name] = np.zeros(1, dtype=bool)
+                missing += 1
             else:
                 return None
         # An unknown name (counted) goes to the full checks, which name it.
-        return rows if len(step) == len(rows) - sum(n not in step for n in _OPTIONAL) else None
+        return rows if len(step) == len(rows) - missing else None
 
     def _env_axis(self, step: dict) -> bool:
         """Whether a one-env step comes with a leading env axis of length 1 (as a

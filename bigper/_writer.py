@@ -31,17 +31,18 @@ from .prioritization.base import DEAD, LIVE, PENDING
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
 
-# Frame arguments of write_rows for a buffer without frame stacks (never read).
-_NO_FRAMES = (False, np.zeros((0, 1, 1), np.uint8), np.zeros((0, 1, 1), np.uint8), np.zeros(0, np.int64),
-              np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), 0, False,
-              np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.uint8),
-              np.zeros(1, np.int64), 1, np.zeros(1, np.int64), 1, np.zeros(1, np.int64))
+# For a buffer without frame stacks (never read): the rows' frame arguments of
+# write_rows, and the ring's (FrameStore.kernel_args gives both otherwise).
+_NO_STACKS = (np.zeros((0, 1, 1), np.uint8), np.zeros((0, 1, 1), np.uint8), np.zeros(0, np.int64))
+_NO_RING = (False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), False,
+            np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.uint8),
+            np.zeros(1, np.int64), 1, np.zeros(1, np.int64), np.zeros(1, np.int64))
 
 
 @kernel
-def write_rows(g0, capacity, term, trunc, valid, keys, max_leaf, gid, ends_arr, status, sums, mins,
-               offsets, n_step, num_envs, pending, framed, obs, nxt, env, last_frames, last_ref, has_last,
-               fw, has_next, oref, nref, ring, minref, F, ptr, k_envs, expired):
+def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt, env,
+               capacity, gid, ends_arr, status, sums, mins, offsets, n_step, num_envs, pending,
+               framed, last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, F, ptr, expired):
     """Record ``m`` rows numbered from ``g0`` (distinct slots, ``m <= capacity``):
     the bookkeeping of a whole write in one call.
 
@@ -52,7 +53,9 @@ def write_rows(g0, capacity, term, trunc, valid, keys, max_leaf, gid, ends_arr, 
     becomes sampleable with its pending key. With ``framed``, frames and
     references go straight into the ring (``frames.write_direct``) and
     transitions whose oldest frame the ring has overwritten are expired
-    (leaf 0). Returns ``(frames written, largest key of a valid row)``.
+    (leaf 0). ``env_ended[e]`` becomes whether env ``e``'s last row ended its
+    episode (or was not valid). Returns ``(frames written, largest key of a
+    valid row)``. Arguments from ``capacity`` on are the same every call.
     """
     m = term.shape[0]
     slots = np.empty(m, dtype=np.int64)
@@ -62,6 +65,8 @@ def write_rows(g0, capacity, term, trunc, valid, keys, max_leaf, gid, ends_arr, 
         fw = write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
                            oref, nref, ring, slots, minref, F)
     commit_rows(g0, slots, ends, valid, 1 if n_step == 1 else 2, gid, ends_arr, status)
+    for r in range(m):
+        env_ended[(g0 + r) % num_envs] = ends[r] != 0 or not valid[r]
     leaves = np.zeros(m, dtype=np.float64)
     given = keys.shape[0] > 0
     top = 0.0
@@ -85,7 +90,7 @@ def write_rows(g0, capacity, term, trunc, valid, keys, max_leaf, gid, ends_arr, 
                 vals[i] = pending[ready[i]]
             tree_set(sums, mins, offsets, ready[:nr], vals)
     if framed and fw - F > 0:
-        n = expire(ptr, g0 + m, capacity, k_envs, fw - F, minref, gid, status, expired)
+        n = expire(ptr, g0 + m, capacity, num_envs, fw - F, minref, gid, status, expired)
         if n > 0:
             tree_set(sums, mins, offsets, expired[:n], np.zeros(n, dtype=np.float64))
     return fw, top
@@ -114,8 +119,10 @@ class Writer:
         self.env_ended = np.ones(cfg.num_envs, dtype=bool)  # no episode in progress
         # False: the general path (staged storage writes, one numpy call a step).
         self.fused = True
+        self._prepare = getattr(store, "prepare", None)  # copy-on-write storages
         tree = getattr(prio, "tree", None)
         self._tree = tree if getattr(prio, "kind", "") == "proportional" else None
+        self._args = self._args_of = None  # write_rows' fixed arguments, and the ring arrays they hold
 
     def write(self, rows: dict, priorities, valid=None) -> None:
         """Write checked ``rows`` (``name -> (m, ...)``) with their priorities
@@ -133,30 +140,31 @@ class Writer:
                     f"valid is False for env {(self.count + r) % cfg.num_envs} at row {r}, "
                     "but that env's previous step did not end an episode; valid=False is for the "
                     "reset step of next-step autoreset")
-        else:
-            ended = rows["terminated"] | rows["truncated"]
         keys = None if priorities is None else self.prio.keys(priorities)
         c = cfg.capacity
-        first = self.count % c
-        where = slice(0, c) if m >= c else (
-            first if m == 1 else (slice(first, first + m) if first + m <= c else
-                                  (np.arange(first, first + m) % c)))
-        prepare = getattr(self.store, "prepare", None)
-        if prepare is not None and getattr(self.store, "shared_chunks", 1):
+        if self._prepare is not None and self.store.shared_chunks:
             # Copy-on-write storages make every row this write touches writable
             # first: running out of space then fails before anything changed.
+            first = self.count % c
+            where = slice(0, c) if m >= c else (
+                first if m == 1 else (slice(first, first + m) if first + m <= c else
+                                      (np.arange(first, first + m) % c)))
             writes = {name: where for name in self.plain}
             if self.frames is not None:
                 writes.update(self.frames.rows_touched(m, where))
-            prepare(writes)
-        k = cfg.num_envs
-        self.env_ended = ended[-k:] if m >= k else np.concatenate([self.env_ended, ended])[-k:]
-        if 0 < m <= c:
-            rw = getattr(self.store, "writable_arrays", None) if self.fused else None
-            if rw and self._tree is not None and (m <= 1024 or m * 8 < c):
+            self._prepare(writes)
+        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c):
+            rw = getattr(self.store, "writable_arrays", None)
+            if rw:
                 self._write_one_call(rows, keys, valid, rw)
-            else:
-                self._write_chunk(rows, keys, valid)
+                return
+        ended = rows["terminated"] | rows["truncated"]
+        if valid is not None:
+            ended |= ~valid
+        k = cfg.num_envs
+        self.env_ended[:] = ended[-k:] if m >= k else np.concatenate([self.env_ended, ended])[-k:]
+        if 0 < m <= c:
+            self._write_chunk(rows, keys, valid)
             return
         # More rows than slots: write in chunks of at most `capacity`, so that
         # slots within one write are distinct and every frame stream stays whole.
@@ -176,15 +184,22 @@ class Writer:
             rw[name][where] = rows[name][0] if m == 1 else rows[name]
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
-        fr = _NO_FRAMES if self.frames is None else self.frames.kernel_args(rows, g0, m, rw)
-        t = self._tree
-        fw, top = write_rows(g0, c, rows["terminated"], rows["truncated"], ok,
-                             _NO_KEYS if keys is None else keys, self.max_leaf, self.gid, self.ends,
-                             self.status, t.sums, t.mins, t.offsets, self.cfg.n_step, self.cfg.num_envs,
-                             self.pending, *fr)
+        frames = self.frames
+        if frames is None:
+            stacks, ring, fw = _NO_STACKS, _NO_RING, 0
+        else:
+            stacks, ring = frames.kernel_args(rows, g0, m, rw)
+            fw = frames.fw
+        if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
+            t, cfg = self._tree, self.cfg
+            self._args = (c, self.gid, self.ends, self.status, t.sums, t.mins, t.offsets, cfg.n_step,
+                          cfg.num_envs, self.pending) + ring
+            self._args_of = ring
+        fw, top = write_rows(g0, rows["terminated"], rows["truncated"], ok, _NO_KEYS if keys is None else keys,
+                             self.max_leaf, self.env_ended, fw, *stacks, *self._args)
         self.count = g0 + m
-        if self.frames is not None:
-            self.frames.fw = fw
+        if frames is not None:
+            frames.fw = fw
         if top > self.max_leaf:
             self.max_leaf = top
 

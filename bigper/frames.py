@@ -234,6 +234,7 @@ class FrameStore:
         self._expired = np.empty(cfg.capacity, dtype=np.int64)  # scratch for expire()
         self._outs: list[np.ndarray] = []  # stacks handed out, reused once nobody holds them
         self._ring_of = self._ring = None  # the storage's frames array, and it as (F, words)
+        self._args = None  # kernel_args' ring part
 
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
@@ -311,11 +312,15 @@ class FrameStore:
 
     def kernel_args(self, rows: dict, g0: int, m: int, rw: dict) -> tuple:
         """The frame arguments of ``_writer.write_rows`` for rows ``g0 ..``
-        written in place into ``rw`` (the caller stores the returned frame count in ``fw``)."""
-        obs, nxt, env = self._inputs(rows, g0, m)
+        written in place into ``rw``: ``(obs, next_obs, env)`` of the rows,
+        and the ring's (the same tuple while the storage keeps its arrays).
+        The caller stores the returned frame count in ``fw``."""
         ring, oref, nref = self._in_place(rw)
-        return (True, obs, nxt, env, self.last_frames, self.last_ref, self.has_last, self.fw, self.has_next,
-                oref, nref, ring, self.minref, self.F, self.ptr, self.num_envs, self._expired)
+        if self._args is None or self._args[7] is not ring or self._args[5] is not oref \
+                or self._args[6] is not nref:
+            self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, oref, nref,
+                          ring, self.minref, self.F, self.ptr, self._expired)
+        return self._inputs(rows, g0, m), self._args
 
     def rows_touched(self, m: int, where) -> dict:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array
