@@ -1,6 +1,6 @@
 """bigper: prioritized experience replay for millions of transitions on disk."""
 
-from . import buffer as _buffer
+from . import _protocol
 from .batch import Batch
 from .buffer import PrioritizedReplayBuffer
 from .errors import (
@@ -44,7 +44,7 @@ def _reprioritize(buf, score_fn, **kwargs):
 
 # The buffer's save/load/from_hdf5/reprioritize methods are implemented by the
 # rooms above it; plugging them in here keeps every import pointing down.
-_buffer.provide(save=_save, load=_load, from_hdf5=_from_hdf5, reprioritize=_reprioritize)
+_protocol.provide(save=_save, load=_load, from_hdf5=_from_hdf5, reprioritize=_reprioritize)
 
 __all__ = [
     "Batch",

@@ -1,13 +1,13 @@
-"""Reusing a storage path (``mode="new" | "resume" | "overwrite"``): what a
-path holds, looked at without changing it, and a fresh storage in place of
-one bigper proved its own."""
+"""Opening a buffer's storage path (``mode="new" | "resume" | "overwrite"``):
+what a path holds, looked at without changing it, and a fresh storage in
+place of one bigper proved its own."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from .config import Config
-from .errors import BigperError
+from .errors import BigperError, InvalidArgumentError, PathExistsError
 from .storage import open_storage
 
 MODES = ("new", "resume", "overwrite")
@@ -46,3 +46,22 @@ def overwrite(cfg: Config, path, opts: dict):
         store = open_storage(cfg.storage, path, **opts)
     store.open(cfg.to_dict())
     return store
+
+
+def open_path(cfg: Config, path, mode: str, read_only: bool, storage_options):
+    """The storage of a new buffer of ``cfg`` at ``path``, opened as ``mode``
+    says, and what it recorded (None when it starts empty)."""
+    if mode not in MODES:
+        raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+    if read_only and mode != "resume":
+        mode = "resume"  # a reader only ever looks at what is there
+    opts = dict(storage_options or {})
+    existing = None if mode == "resume" or cfg.storage == "memory" else probe(cfg, path, opts)
+    if existing is not None and mode == "new":
+        raise PathExistsError(
+            f"path={str(path)!r} already holds a bigper buffer ({held(existing)} transitions); "
+            "pass mode='resume' to continue it or mode='overwrite' to replace it")
+    if existing is not None:  # overwrite what open just proved to be a bigper storage
+        return overwrite(cfg, path, opts), None
+    store = open_storage(cfg.storage, path, read_only=read_only, **opts)
+    return store, store.open(cfg.to_dict())
