@@ -108,14 +108,14 @@ def test_full_shards_take_the_chunk_whose_oldest_row_is_oldest():
     assert r.choose(4)[0] == 1
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(capacity=st.integers(20, 400), shards=st.integers(1, 4), chunk=st.integers(1, 40),
        writers=st.integers(2, 4), cuttable=st.booleans(), seed=st.integers(0, 99))
 def test_several_writers_learn_each_other_from_replies(capacity, shards, chunk, writers, cuttable, seed):
     """Writers that see each other's rows only in the shards' replies: the buffer
-    still holds its capacity less under a chunk per shard, and evicts the older
-    half before the newer (the order itself is approximate: each writer judges
-    by what a shard last told it)."""
+    still holds its capacity less under a chunk per shard, and keeps the newer
+    half of the last capacity whole (the order within the older half is
+    approximate: each writer judges by what a shard last told it)."""
     caps = shard_capacities(capacity, shards)
     routers = [Router(caps, start=w) for w in range(writers)]
     rings = [deque() for _ in caps]  # (id, stamp, writer)
@@ -146,8 +146,9 @@ def test_several_writers_learn_each_other_from_replies(capacity, shards, chunk, 
     assert capacity - shards * chunk < len(held) <= capacity
     if 4 * shards * chunk <= capacity:
         # Order is judged chunk by chunk from the shards' last replies, and the
-        # buffer may hold up to a chunk per shard less than its capacity: the
-        # halves can only be told apart where that slack is small against them.
+        # buffer may hold up to a chunk per shard less than its capacity: where
+        # that slack is small against the halves, the newer half is held whole
+        # (a writer drops its own rows that a shard's reply shows evicted, so
+        # rows it sent long ago never make a shard look older than it is).
         newer = set(range(3 * capacity - capacity // 2, 3 * capacity))
-        older = set(range(2 * capacity, 3 * capacity - capacity // 2))
-        assert len(newer - held) <= len(older - held)
+        assert not newer - held, sorted(newer - held)[:10]

@@ -23,7 +23,11 @@ shards' replies (every ``extend`` returns ``(len, capacity, oldest stamp,
 its writer)``): the buffer still holds ``min(added, capacity)`` minus less
 than one chunk per shard (checked in simulation with 2-4 writers), and
 eviction order is approximate (each writer judges by what a shard last told
-it). Without cuts (episode mode) a shard can overflow by less than one chunk
+it). A reply's oldest stamp also tells a writer which of its own rows that
+shard has evicted (those older than it); dropping them keeps rows it sent
+long ago from making a shard look older than it is, which had made eviction
+close to random with small chunks: in simulation the newer half of the last
+``capacity`` rows is now held whole (``tests/test_ray_routing.py``). Without cuts (episode mode) a shard can overflow by less than one chunk
 while another has room: the buffer then holds ``min(added, capacity)`` minus
 less than one chunk per shard.
 
@@ -104,6 +108,10 @@ class Router:
         self.held[k] = min(int(held) + in_flight, self.caps[k])
         self.oldest[k] = oldest
         self.mixed[k] = oldest is not None and writer != self.token
+        own = self.own[k]
+        # Rows of this writer older than the shard's oldest are gone (others' rows evicted them).
+        while own and oldest is not None and own[0][0] < oldest:
+            self.mine[k] -= own.popleft()[1]
         self._trim(k)
 
     def _trim(self, k: int) -> None:
