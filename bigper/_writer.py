@@ -50,7 +50,8 @@ def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt, 
     (or ``max_leaf`` for every row when ``keys`` is empty). With ``n_step`` 1
     they become the rows' leaves; else they wait in ``pending`` (leaf 0) and
     every transition whose window this write completes (``nstep.complete``)
-    becomes sampleable with its pending key. With ``framed``, frames and
+    becomes sampleable with its pending key. With ``framed``, frames (the
+    C-contiguous stacks ``obs`` and ``nxt``, ``(m, k, *frame)``) and
     references go straight into the ring (``frames.write_direct``) and
     transitions whose oldest frame the ring has overwritten are expired
     (leaf 0). ``env_ended[e]`` becomes whether env ``e``'s last row ended its
@@ -61,9 +62,12 @@ def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt, 
     slots = np.empty(m, dtype=np.int64)
     ends = np.empty(m, dtype=np.uint8)
     ring_rows(g0, capacity, term, trunc, slots, ends)
-    if framed:
-        fw = write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
-                           oref, nref, ring, slots, minref, F)
+    if framed:  # the stacks as (m, k, words) of the ring's word type
+        k = last_frames.shape[1]
+        ow = obs.reshape((m, k, -1)).view(ring.dtype)
+        nw = nxt.reshape((m, k, -1)).view(ring.dtype)
+        fw = write_direct(ow, nw, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
+                          oref, nref, ring, slots, minref, F)
     commit_rows(g0, slots, ends, valid, 1 if n_step == 1 else 2, gid, ends_arr, status)
     for r in range(m):
         env_ended[(g0 + r) % num_envs] = ends[r] != 0 or not valid[r]

@@ -296,11 +296,13 @@ class FrameStore:
         """The rows' obs and next_obs stacks as words, and each row's env."""
         obs = self._words(rows["obs"])
         nxt = self._words(rows["next_obs"]) if self.has_next else obs
+        return obs, nxt, self._envs(g0, m)
+
+    def _envs(self, g0: int, m: int) -> np.ndarray:
+        """The env of each of rows ``g0 .. g0 + m - 1``."""
         if self.num_envs > 1:
-            env = np.arange(g0, g0 + m, dtype=np.int64) % self.num_envs
-        else:
-            env = _ENV0[:m] if m <= _ENV0.shape[0] else np.zeros(m, np.int64)
-        return obs, nxt, env
+            return np.arange(g0, g0 + m, dtype=np.int64) % self.num_envs
+        return _ENV0[:m] if m <= _ENV0.shape[0] else np.zeros(m, np.int64)
 
     def _in_place(self, rw: dict):
         """The storage's ring (as ``(F, words)``) and reference arrays, to write in place."""
@@ -312,15 +314,25 @@ class FrameStore:
 
     def kernel_args(self, rows: dict, g0: int, m: int, rw: dict) -> tuple:
         """The frame arguments of ``_writer.write_rows`` for rows ``g0 ..``
-        written in place into ``rw``: ``(obs, next_obs, env)`` of the rows,
-        and the ring's (the same tuple while the storage keeps its arrays).
-        The caller stores the returned frame count in ``fw``."""
+        written in place into ``rw``: ``(obs, next_obs, env)`` of the rows
+        (C-contiguous stacks, viewed as words by the kernel), and the ring's
+        (the same tuple while the storage keeps its arrays). The caller
+        stores the returned frame count in ``fw``."""
+        obs = rows["obs"]
+        if not obs.flags.c_contiguous:
+            obs = np.ascontiguousarray(obs)
+        nxt = obs
+        if self.has_next:
+            nxt = rows["next_obs"]
+            if not nxt.flags.c_contiguous:
+                nxt = np.ascontiguousarray(nxt)
+        env = self._envs(g0, m)
         ring, oref, nref = self._in_place(rw)
         if self._args is None or self._args[7] is not ring or self._args[5] is not oref \
                 or self._args[6] is not nref:
             self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, oref, nref,
                           ring, self.minref, self.F, self.ptr, self._expired)
-        return self._inputs(rows, g0, m), self._args
+        return (obs, nxt, env), self._args
 
     def rows_touched(self, m: int, where) -> dict:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array

@@ -37,7 +37,7 @@ def general(buf):
 
 
 def make(cfg, path=None):
-    fields = {"obs": ((cfg["k"], *FRAME) if cfg["k"] else FRAME, np.uint8), "action": ((), np.int64),
+    fields = {"obs": ((cfg["k"], *FRAME) if cfg["k"] else FRAME, cfg.get("fdt", np.uint8)), "action": ((), np.int64),
               "reward": ((), np.float32)}
     kw = dict(frame_stack=cfg["k"] or None, n_step=cfg["n"], num_envs=cfg["envs"], seed=cfg["seed"],
               alpha=0.7, beta=0.5, weight_norm=cfg["norm"], prioritization=cfg["prio"])
@@ -50,10 +50,13 @@ def step_data(cfg, rng, lead):
     k = cfg["k"]
     shape = (k, *FRAME) if k else FRAME
     # Few distinct frame values, so stacks continue and repeat (dedup is exercised).
-    base = rng.integers(0, 3, (*lead, *shape)).astype(np.uint8)
-    nxt = np.roll(base, -1, axis=len(lead)) if k else rng.integers(0, 3, (*lead, *shape)).astype(np.uint8)
+    fdt = cfg.get("fdt", np.uint8)  # float32 frames: 48 bytes, compared as 8-byte words; uint8: 12, bytes
+    base = rng.integers(0, 3, (*lead, *shape)).astype(fdt)
+    nxt = np.roll(base, -1, axis=len(lead)) if k else rng.integers(0, 3, (*lead, *shape)).astype(fdt)
     if k and rng.random() < 0.7:
         nxt[..., -1, :, :] = rng.integers(0, 3, (*lead, *FRAME))
+    if rng.random() < 0.2:  # a strided view (a slice of a wider array), not C-contiguous
+        base = np.repeat(base, 2, axis=-1)[..., ::2]
     return {"obs": base, "next_obs": nxt, "action": rng.integers(0, 5, lead).astype(np.int64),
             "reward": rng.standard_normal(lead).astype(np.float32),
             "terminated": rng.random(lead) < 0.15, "truncated": rng.random(lead) < 0.05}
@@ -106,6 +109,7 @@ configs = st.fixed_dictionaries({
     "norm": st.sampled_from(["global", "batch"]),
     "prio": st.sampled_from(["proportional", "proportional", "rank"]),
     "storage": st.sampled_from(["memory", "memory", "memmap"]),
+    "fdt": st.sampled_from([np.uint8, np.uint8, np.float32]),
 })
 
 
