@@ -33,16 +33,16 @@ _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
 
 # For a buffer without frame stacks (never read): the rows' frame arguments of
 # write_rows, and the ring's (FrameStore.kernel_args gives both otherwise).
-_NO_STACKS = (np.zeros((0, 1, 1), np.uint8), np.zeros((0, 1, 1), np.uint8), np.zeros(0, np.int64))
+_NO_STACKS = (np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1, 1), np.uint8))
 _NO_RING = (False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), False,
             np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.uint8),
-            np.zeros(1, np.int64), 1, np.zeros(1, np.int64), np.zeros(1, np.int64))
+            np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
 
 
 @kernel
-def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt, env,
-               capacity, gid, ends_arr, status, sums, mins, offsets, n_step, num_envs, pending,
-               framed, last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, F, ptr, expired):
+def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt,
+               gid, ends_arr, status, sums, mins, offsets, n_step, num_envs, pending,
+               framed, last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, ptr, expired):
     """Record ``m`` rows numbered from ``g0`` (distinct slots, ``m <= capacity``):
     the bookkeeping of a whole write in one call.
 
@@ -59,6 +59,8 @@ def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt, 
     valid row)``. Arguments from ``capacity`` on are the same every call.
     """
     m = term.shape[0]
+    capacity = gid.shape[0]
+    F = ring.shape[0]
     slots = np.empty(m, dtype=np.int64)
     ends = np.empty(m, dtype=np.uint8)
     ring_rows(g0, capacity, term, trunc, slots, ends)
@@ -66,6 +68,9 @@ def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt, 
         k = last_frames.shape[1]
         ow = obs.reshape((m, k, -1)).view(ring.dtype)
         nw = nxt.reshape((m, k, -1)).view(ring.dtype)
+        env = np.empty(m, dtype=np.int64)
+        for r in range(m):
+            env[r] = (g0 + r) % num_envs
         fw = write_direct(ow, nw, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
                           oref, nref, ring, slots, minref, F)
     commit_rows(g0, slots, ends, valid, 1 if n_step == 1 else 2, gid, ends_arr, status)
@@ -192,11 +197,11 @@ class Writer:
         if frames is None:
             stacks, ring, fw = _NO_STACKS, _NO_RING, 0
         else:
-            stacks, ring = frames.kernel_args(rows, g0, m, rw)
+            stacks, ring = frames.kernel_args(rows, rw)
             fw = frames.fw
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
-            self._args = (c, self.gid, self.ends, self.status, t.sums, t.mins, t.offsets, cfg.n_step,
+            self._args = (self.gid, self.ends, self.status, t.sums, t.mins, t.offsets, cfg.n_step,
                           cfg.num_envs, self.pending) + ring
             self._args_of = ring
         fw, top = write_rows(g0, rows["terminated"], rows["truncated"], ok, _NO_KEYS if keys is None else keys,

@@ -312,9 +312,9 @@ class FrameStore:
         oref = rw["obs_ref"]
         return self._ring, oref, rw["next_obs_ref"] if self.has_next else oref
 
-    def kernel_args(self, rows: dict, g0: int, m: int, rw: dict) -> tuple:
-        """The frame arguments of ``_writer.write_rows`` for rows ``g0 ..``
-        written in place into ``rw``: ``(obs, next_obs, env)`` of the rows
+    def kernel_args(self, rows: dict, rw: dict) -> tuple:
+        """The frame arguments of ``_writer.write_rows`` for ``rows``
+        written in place into ``rw``: ``(obs, next_obs)`` of the rows
         (C-contiguous stacks, viewed as words by the kernel), and the ring's
         (the same tuple while the storage keeps its arrays). The caller
         stores the returned frame count in ``fw``."""
@@ -326,13 +326,12 @@ class FrameStore:
             nxt = rows["next_obs"]
             if not nxt.flags.c_contiguous:
                 nxt = np.ascontiguousarray(nxt)
-        env = self._envs(g0, m)
         ring, oref, nref = self._in_place(rw)
         if self._args is None or self._args[7] is not ring or self._args[5] is not oref \
                 or self._args[6] is not nref:
             self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, oref, nref,
-                          ring, self.minref, self.F, self.ptr, self._expired)
-        return (obs, nxt, env), self._args
+                          ring, self.minref, self.ptr, self._expired)
+        return (obs, nxt), self._args
 
     def rows_touched(self, m: int, where) -> dict:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array
