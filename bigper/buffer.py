@@ -55,7 +55,7 @@ def _close_all_at_exit() -> None:
 
 
 class PrioritizedReplayBuffer(BufferProtocol):
-    """A prioritized replay buffer (proportional PER) over any storage.
+    """A prioritized replay buffer (proportional or rank-based PER) over any storage.
 
     Parameters
     ----------
@@ -69,14 +69,25 @@ class PrioritizedReplayBuffer(BufferProtocol):
     n_step, gamma : int, float
         n-step returns computed at sample time.
     alpha, eps, max_priority : float
-        A leaf holds ``(min(p, max_priority) + eps) ** alpha``.
+        A leaf holds ``(min(p, max_priority) + eps) ** alpha`` (proportional);
+        rank ranks by ``min(p, max_priority)`` and draws rank ``r`` in
+        proportion to ``r ** -alpha``.
     beta : float or schedule
         IS exponent; a schedule is advanced once per ``sample`` call.
     weight_norm : {"global", "batch"}
         Divide weights by the largest possible weight, or by the batch's largest.
+    prioritization : {"proportional", "rank"}
+        How priorities become probabilities (``bigper.prioritization``).
     storage : {"memory", "memmap", "hdf5"}
     path : str or Path, optional
-        Where disk storages live; reopening the same path resumes.
+        Where disk storages live.
+    mode : {"new", "resume", "overwrite"}
+        For a ``path`` that already holds a buffer: refuse (``PathExistsError``),
+        continue it, or replace it (only what bigper proves it created).
+    read_only : bool
+        Open an existing disk buffer to sample from it without writing.
+    storage_options : dict, optional
+        Passed to the storage (e.g. HDF5 compression).
     next_of : tuple[str], optional
         Fields that get a successor ``next_<name>``; default ``("obs",)`` where there is one.
     num_envs : int
