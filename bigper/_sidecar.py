@@ -215,6 +215,10 @@ class Sidecar:
             os.close(fd)
         if _xxh(a) != entry["xxh64"]:
             raise CorruptSnapshotError(f"{p} does not match its checksum in {self.path / 'meta.json'}")
+        bad = np.flatnonzero(~(np.isfinite(a) & (a >= 0)))
+        if bad.size:  # reprioritize writes only checked scores: a re-signed file was crafted
+            raise CorruptSnapshotError(f"{p} holds the score {a[bad[0]]!r} at slot {bad[0]}; "
+                                       "scores are finite and >= 0")
         return a
 
     def scores(self) -> np.ndarray | None:

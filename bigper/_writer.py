@@ -151,7 +151,7 @@ class Writer:
                     "reset step of next-step autoreset")
         keys = None if priorities is None else self.prio.keys(priorities)
         c = cfg.capacity
-        if self._prepare is not None and self.store.shared_chunks:
+        if self._prepare is not None and getattr(self.store, "shared_chunks", 1):
             # Copy-on-write storages make every row this write touches writable
             # first: running out of space then fails before anything changed.
             first = self.count % c

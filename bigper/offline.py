@@ -35,7 +35,8 @@ from .prioritization import make as make_prioritization
 from .schedules import schedule_from_dict
 from ._statecheck import RING_ARRAYS
 from .storage.h5source import LIVE, H5Source, OfflineDatasetError
-from .errors import BufferClosedError, InvalidArgumentError, InvalidTypeError, PathNotFoundError
+from .errors import (BufferClosedError, CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
+                     PathNotFoundError)
 
 __all__ = ["from_hdf5", "reprioritize", "describe", "load_score_fn", "OfflineDatasetError",
            "SidecarMismatchError"]
@@ -158,7 +159,15 @@ def _initial_keys(cfg: Config, prio, live: np.ndarray, sidecar: Sidecar) -> np.n
     (the last complete reprioritize), else 1.0; 0.0 where not ``live``."""
     saved = sidecar.leaves(cfg.prioritization, cfg.alpha, cfg.eps, cfg.max_priority)
     if saved is not None:
-        return np.where(live, saved, 0.0)
+        saved = np.where(live, saved, 0.0)
+        if cfg.max_priority is not None:  # no key above what max_priority gives was ever saved
+            top = float(prio.keys(np.array([float(cfg.max_priority)]))[0])
+            i = int(np.argmax(saved))
+            if saved[i] > top * (1 + 1e-12):
+                raise CorruptSnapshotError(
+                    f"{sidecar.path}: the saved key {saved[i]!r} of slot {i} is above {top!r}, the "
+                    f"largest key max_priority={cfg.max_priority} gives")
+        return saved
     if (was := sidecar.saved_with()) is not None:
         now = key_params(cfg.prioritization, cfg.alpha, cfg.eps, cfg.max_priority)
         diff = [k for k in now if was.get(k, now[k]) != now[k]] or [k for k in was if k not in now]

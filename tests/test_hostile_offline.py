@@ -275,6 +275,63 @@ def test_a_scores_file_of_the_wrong_size_is_refused(scored):
     assert fingerprint(path, side, victim) == before
 
 
+@pytest.mark.parametrize("kind", ["proportional", "rank"])
+@pytest.mark.parametrize("bad", [-1.0, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("entry", ["scores", "partial"])
+def test_resigned_scores_that_reprioritize_could_not_have_written_are_refused(scored, kind, bad, entry):
+    """A scores file with a negative or non-finite score under a valid checksum: the
+    file's error, naming it, never a leaf or a heap entry made of it."""
+    from bigper._sidecar import _xxh
+
+    path, side, victim = scored
+    meta = json.loads((side / "meta.json").read_text())
+    f = side / meta["scores"]["file"]
+    scores = np.fromfile(f, "<f8")
+    scores[5] = bad
+    scores.tofile(f)
+    if entry == "scores":
+        meta["scores"]["xxh64"] = _xxh(scores)
+    else:  # the same file as an interrupted run, valid up to slot 10
+        meta["partial"] = partial_entry(side, 25, file=meta.pop("scores")["file"], done=10, rows_valid=10,
+                                        xxh64=_xxh(scores[:10]))
+    (side / "meta.json").write_text(json.dumps(meta))
+    before = fingerprint(path, side, victim)
+    with pytest.raises(bigper.CorruptSnapshotError, match=rf"{f.name} holds the score .* at slot 5"):
+        if entry == "scores":
+            PRB.from_hdf5(path, prioritization=kind)
+        else:
+            with PRB.from_hdf5(path, prioritization=kind) as buf:
+                buf.reprioritize(scores_of, progress=False)  # resumes: reads the partial file
+    assert fingerprint(path, side, victim) == before
+
+
+@pytest.mark.parametrize("kind", ["proportional", "rank"])
+def test_saved_keys_above_what_max_priority_gives_are_refused(tmp_path, kind):
+    import io
+
+    from bigper._sidecar import _xxh
+
+    path = tmp_path / "hopper.hdf5"
+    write_d4rl(path)
+    with PRB.from_hdf5(path, prioritization=kind, max_priority=2.0) as buf:
+        buf.update_priorities(np.array([0, 1]), np.array([1.0, 5.0]))  # 5.0 is clipped to 2.0
+        top = float(buf.leaves(np.array([1]))[0])
+    side = tmp_path / "hopper.hdf5.priorities"
+    meta = json.loads((side / "meta.json").read_text())
+    f = side / meta["leaves"]["file"]
+    keys = np.load(f)
+    keys[3] = top * 1.5
+    raw = io.BytesIO()
+    np.save(raw, keys, allow_pickle=False)
+    f.write_bytes(raw.getvalue())
+    meta["leaves"]["xxh64"] = _xxh(keys)
+    (side / "meta.json").write_text(json.dumps(meta))
+    before = fingerprint(path, side)
+    with pytest.raises(bigper.CorruptSnapshotError, match="saved key .* of slot 3 is above"):
+        PRB.from_hdf5(path, prioritization=kind, max_priority=2.0)
+    assert fingerprint(path, side) == before
+
+
 @pytest.mark.parametrize("text", ["[" * 100_000, "{" * 10, "\xff\xfe", "null"])
 def test_meta_json_that_is_not_an_object(scored, text):
     path, side, victim = scored
