@@ -14,7 +14,7 @@ from ..tree import PriorityTree
 from .base import Prioritization
 
 _EMPTY = np.zeros(0, dtype=np.float64)
-_BULK = 4096  # above this many rows numpy's vectorized pow beats the kernel's scalar one
+_BULK = 4096  # above this many rows the keys are computed in threads first
 _POW_CHUNK = 1 << 16  # rows per thread at least, for the bulk keys
 
 
@@ -52,18 +52,30 @@ class Proportional(Prioritization):
     # -- keys ------------------------------------------------------------------
     def keys(self, p: np.ndarray) -> np.ndarray:
         if p.shape[0] > _BULK:
-            out = np.empty(p.shape[0], dtype=np.float64)
-
-            def part(lo, hi):  # element-wise, so ranges in threads give the same bits
-                with np.errstate(over="ignore", invalid="ignore"):
-                    np.power(np.minimum(p[lo:hi], self.max_priority) + self.eps, self.alpha, out=out[lo:hi])
-
-            for_ranges(part, p.shape[0], _POW_CHUNK)
-        else:
-            out = np.empty(p.shape[0], dtype=np.float64)
-            K.to_leaves(p, self.alpha, self.eps, self.max_priority, out)
+            out, bad, top = self._bulk_keys(p)
+            if bad >= 0:  # callers pass checked priorities; never a key made of garbage
+                raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
+            if not top <= self.limit:
+                self._check_keys(p, out)
+            return out
+        out = np.empty(p.shape[0], dtype=np.float64)
+        K.to_leaves(p, self.alpha, self.eps, self.max_priority, out)
         self._check_keys(p, out)
         return out
+
+    def _bulk_keys(self, p: np.ndarray):
+        """Keys of many priorities in one checked pass, in ranges on the thread
+        pool (element-wise, so any split gives the same bits): ``(keys, the
+        first bad priority's position or -1, the largest key)``."""
+        out = np.empty(p.shape[0], dtype=np.float64)
+        found = []
+
+        def part(lo, hi):
+            found.append(K.keys_range(p, self.alpha, self.eps, self.max_priority, out, lo, hi))
+
+        for_ranges(part, p.shape[0], _POW_CHUNK)
+        bad = [i for i, _ in found if i >= 0]
+        return out, (min(bad) if bad else -1), max(t for _, t in found)
 
     def _check_keys(self, p, keys) -> None:
         if keys.shape[0] and not keys.max() <= self.limit:  # also catches NaN
@@ -95,8 +107,12 @@ class Proportional(Prioritization):
                                              self.max_priority)
             return self._raise(code, pos, idx, p) if code else top
         pre = _EMPTY
-        if p.shape[0] > _BULK and K.first_bad_priority(p) < 0:
-            pre = self.keys(p)
+        if p.shape[0] > _BULK:  # keys and their checks in one threaded pass
+            keys, bad, top = self._bulk_keys(p)
+            if bad < 0:
+                if not top <= self.limit:
+                    self._check_keys(p, keys)  # raises, naming the first
+                pre = keys
         code, pos, top = K.update_capped(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
                                          use_stamps, gid, status, pending, self.alpha, self.eps,
                                          self.max_priority, self.limit, True)
