@@ -68,7 +68,9 @@ def check_find(tree, model, rng):
     # strictly inside a (not vanishingly thin) leaf's interval: exactly that leaf
     wide = np.flatnonzero(model > 1e-6 * total)
     inside = before[wide] + model[wide] * rng.uniform(0.01, 0.99, wide.shape[0])
-    np.testing.assert_array_equal(tree.find(inside), wide)
+    # (with subnormal leaves, model * u can round onto the interval's edge: not inside)
+    ok = (inside > before[wide]) & (inside < cum[wide])
+    np.testing.assert_array_equal(tree.find(inside[ok]), wide[ok])
     # anywhere, and at the floating-point edge near the total
     edge = np.array([0.0, total, np.nextafter(total, 0), total * (1 - 2.0 ** -53),
                      total * (1 - 2.0 ** -52), total * (1 - 1e-14), total * (1 - 1e-10)])

@@ -55,9 +55,9 @@ class ShardedPrioritizedBuffer:
         the buffer holds ``min(added, capacity)`` minus less than one chunk per
         shard. With several writers, each learns the others' rows from the
         shards' replies: the buffer still holds less than a chunk per shard
-        under ``min(added, capacity)``, and eviction order is approximate (the
-        newer half of the last ``capacity`` rows is held whole in simulation;
-        see ``bigper.distributed._routing``).
+        under ``min(added, capacity)``, and eviction order is approximate (in
+        simulation the newer half of the last ``capacity`` rows loses under
+        1/20 of what the older half loses; see ``bigper.distributed._routing``).
     prioritization : {"proportional"}
         Only proportional; ``"rank"`` raises ``InvalidArgumentError``.
     placement : {"PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"}
