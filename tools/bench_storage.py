@@ -7,6 +7,10 @@ RAM), and sample(32) + update_priorities rounds with a warm page cache and,
 where the page cache can be dropped (root), a cold one. Ratios are taken in
 the same run: memmap / memory (target <= 1.25 warm) and hdf5 / memmap.
 
+The memmap capacity sweep (bench_storage_sweep.py): sample(32) + update
+from 2^14 to ``--sweep-max`` (default 2^18) transitions, page cache warm and
+cold, beside a bare numpy gather, as a table and a PNG (``--plot``).
+
 ``--million``: a 1M-capacity memmap buffer of 84x84 uint8 frames
 (``next_of=()``, about 7 GB): seconds to create it, then fill it through
 ``extend`` while a thread samples RssAnon (/proc/self/status); the target is
@@ -14,7 +18,7 @@ a peak under 300 MB (the data is on disk, not in RAM).
 
 Usage::
 
-    python tools/bench.py storage [--quick] [--million] [--dir DIR]
+    python tools/bench.py storage [--quick] [--million] [--sweep-max LOG2] [--dir DIR]
 
 Prints a table and, last, one JSON line ``{"bench": "storage", ...}``.
 
@@ -49,7 +53,8 @@ from bench_storage_data import (
 )
 from bench_storage_cow import print_cow, run_cow
 from bench_storage_million import print_million, run_million
-from benchkit import fmt, print_header, print_table, ratio, versions
+from bench_storage_sweep import plot_sweep, print_sweep, run_sweep
+from benchkit import REPO_ROOT, fmt, print_header, print_table, ratio, versions
 
 
 # -- the comparison -------------------------------------------------------------------
@@ -179,7 +184,8 @@ def print_storages(rep: dict) -> None:
 # -- command -------------------------------------------------------------------------------
 
 
-def run(quick: bool, million: bool, root: str | None = None) -> dict:
+def run(quick: bool, million: bool, root: str | None = None, sweep_max: int = 18,
+        plot: str | None = None) -> dict:
     top = Path(tempfile.mkdtemp(prefix="bigper-bench-storage-", dir=root))
     try:
         report = {"bench": "storage", "quick": quick, "dir": str(top),
@@ -190,6 +196,10 @@ def run(quick: bool, million: bool, root: str | None = None) -> dict:
         from bench_storage_data import frames
 
         report["cow"] = run_cow(quick, top, frames(3000))
+        if sweep_max:
+            report["sweep"] = run_sweep(quick, sweep_max, top)
+            if plot:
+                report["sweep"]["plot"] = plot_sweep(report["sweep"], plot)
         return report
     finally:
         shutil.rmtree(top, ignore_errors=True)
@@ -206,13 +216,17 @@ def _filesystem(path: Path) -> str:
 def cmd_storage(args) -> int:
     import json
 
+    if args.sweep_max and not 14 <= args.sweep_max <= 24:
+        raise SystemExit(f"--sweep-max must be 0 or in [14, 24], got {args.sweep_max}")
     print_header("storage")
-    report = run(args.quick, args.million, args.dir)
+    report = run(args.quick, args.million, args.dir, args.sweep_max, args.plot)
     print(f"dir: {report['dir']} ({report['filesystem']})")
     print_storages(report)
     if "million" in report:
         print_million(report["million"])
     print_cow(report["cow"])
+    if "sweep" in report:
+        print_sweep(report["sweep"])
     print(json.dumps(report, separators=(",", ":")))
     return 0
 
@@ -221,6 +235,11 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="10k transitions, fewer rounds (a smoke run)")
     p.add_argument("--million", action="store_true",
                    help="also create and fill a 1M-capacity memmap buffer (~7 GB on disk; deleted after)")
+    p.add_argument("--sweep-max", type=int, default=18, metavar="LOG2",
+                   help="largest capacity of the memmap sweep, a power of two (14..24; default 18, "
+                        "1.9 GB; 22 is 30 GB; 0: no sweep)")
+    p.add_argument("--plot", default=os.path.join(REPO_ROOT, "tools", "results", "bench-memmap-sweep.png"),
+                   help="where the sweep's PNG goes (default tools/results/bench-memmap-sweep.png)")
     p.add_argument("--dir", help="where the buffers go (in a temporary directory under it; default: $TMPDIR)")
     p.set_defaults(func=cmd_storage)
 
