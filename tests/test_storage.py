@@ -292,3 +292,55 @@ def test_a_storage_with_prepare_and_no_shared_chunks_is_prepared_before_every_wr
     buf.extend({"obs": np.zeros((3, 3), np.float32), "next_obs": np.ones((3, 3), np.float32)})
     assert len(buf) == 4 and calls == [["next_obs", "obs"], ["next_obs", "obs"]]
     assert np.array_equal(buf.gather(np.arange(4))["next_obs"], np.ones((4, 3), np.float32))
+
+
+def _vm_flags(lo: int, hi: int) -> list[set]:
+    """The VmFlags of each mapping of this process overlapping ``[lo, hi)`` (/proc/self/smaps)."""
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                cur = a < hi and b > lo
+            elif head == "VmFlags:" and cur:
+                out.append(set(line.split()[1:]))
+    return out
+
+
+def test_memmap_reads_rows_without_read_ahead_through_a_second_mapping(tmp_path):
+    """Sampled rows are read through mappings advised random ("rr" in smaps: a
+    cold row costs its own pages, not the read-ahead around it); writes and
+    chunk copies go through mappings with the default read-ahead. Both map the
+    same files: after a snapshot's copy-on-write remaps a chunk, each still
+    sees exactly the bytes written."""
+    cap = 1500  # 84x84 frames: three 4 MB chunk files per array
+    fields = {"obs": ((84, 84), np.uint8), "reward": ((), np.float32)}
+    stream = Stream(fields, next_of=("obs",), seed=5)
+    with open_buffer("memmap", tmp_path / "buf", cap, fields) as buf:
+        store = buf.storage
+        stream.extend([buf], cap)
+
+        def spans(arrays):
+            return {n: (a.ctypes.data, a.ctypes.data + a.nbytes) for n, a in arrays.items()}
+
+        readers, writers = spans(store.arrays), spans(store.writable_arrays)
+
+        def check_flags():
+            for name in ("obs", "next_obs", "reward"):
+                r, w = _vm_flags(*readers[name]), _vm_flags(*writers[name])
+                assert r and all("rr" in f for f in r), (name, r)
+                assert w and not any("rr" in f for f in w), (name, w)
+
+        check_flags()
+        assert len(_vm_flags(*readers["obs"])) >= 3  # a mapping per chunk file
+        buf.save(tmp_path / "snap")
+        assert store.shared_chunks > 0
+        stream.extend([buf], 700)  # overwrites the first chunks: each copied, then remapped
+        assert store.shared_chunks < 9
+        check_flags()
+        for name in ("obs", "next_obs", "reward"):
+            np.testing.assert_array_equal(store.arrays[name], store.writable_arrays[name], err_msg=name)
+        check_sample(buf, stream, cap, batch_size=256)
+        np.testing.assert_array_equal(buf.gather(np.arange(cap))["obs"],
+                                      stream.expected(np.arange(cap), cap)["obs"])

@@ -47,6 +47,7 @@ _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+MADV_RANDOM = 1
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -92,6 +93,13 @@ class Region:
         if not sys.platform.startswith("linux") or length < 1:
             return False
         return _libc.madvise(self.addr + offset, round_up(length), MADV_POPULATE_WRITE) == 0
+
+    def advise_random(self, offset: int, length: int) -> bool:
+        """``MADV_RANDOM`` over the range: a page fault reads that page only,
+        no read-ahead around it. Best effort, as ``populate_write``."""
+        if length < 1:
+            return False
+        return _libc.madvise(self.addr + offset, round_up(length), MADV_RANDOM) == 0
 
     def sync(self, offset: int, length: int) -> None:
         """msync(MS_SYNC): written pages of the range reach their files."""
