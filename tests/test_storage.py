@@ -6,6 +6,8 @@ runs in seconds. Locks and killed writers are in ``test_storage_lock.py``, a
 full disk in ``test_storage_disk.py``.
 """
 
+import os
+
 import h5py
 import numpy as np
 import pytest
@@ -308,23 +310,19 @@ def _vm_flags(lo: int, hi: int) -> list[set]:
     return out
 
 
-def test_memmap_reads_rows_without_read_ahead_through_a_second_mapping(tmp_path):
-    """Sampled rows are read through mappings advised random ("rr" in smaps: a
-    cold row costs its own pages, not the read-ahead around it); writes and
-    chunk copies go through mappings with the default read-ahead. Both map the
-    same files: after a snapshot's copy-on-write remaps a chunk, each still
-    sees exactly the bytes written."""
+def test_memmap_random_reads_map_the_files_twice_and_both_see_every_write(tmp_path):
+    """With ``random_reads``, sampled rows are read through mappings advised
+    random ("rr" in smaps: a cold row costs its own pages, not the read-ahead
+    around it); writes and chunk copies go through mappings with the default
+    read-ahead. Both map the same files: after a snapshot's copy-on-write
+    remaps a chunk, each still sees exactly the bytes written."""
     cap = 1500  # 84x84 frames: three 4 MB chunk files per array
     fields = {"obs": ((84, 84), np.uint8), "reward": ((), np.float32)}
     stream = Stream(fields, next_of=("obs",), seed=5)
-    with open_buffer("memmap", tmp_path / "buf", cap, fields) as buf:
+    with open_buffer("memmap", tmp_path / "buf", cap, fields, storage_options={"random_reads": True}) as buf:
         store = buf.storage
         stream.extend([buf], cap)
-
-        def spans(arrays):
-            return {n: (a.ctypes.data, a.ctypes.data + a.nbytes) for n, a in arrays.items()}
-
-        readers, writers = spans(store.arrays), spans(store.writable_arrays)
+        readers, writers = _spans(store.arrays), _spans(store.writable_arrays)
 
         def check_flags():
             for name in ("obs", "next_obs", "reward"):
@@ -344,3 +342,32 @@ def test_memmap_reads_rows_without_read_ahead_through_a_second_mapping(tmp_path)
         check_sample(buf, stream, cap, batch_size=256)
         np.testing.assert_array_equal(buf.gather(np.arange(cap))["obs"],
                                       stream.expected(np.arange(cap), cap)["obs"])
+
+
+@pytest.mark.parametrize("option", [False, None])
+def test_memmap_reads_with_read_ahead_when_the_data_fits_in_memory(option, tmp_path):
+    """``random_reads=False``, and the default for data under half the machine's
+    memory: one mapping, read-ahead kept (a reopened buffer's page cache fills sooner)."""
+    from bigper.storage.memmap import random_reads_pay
+
+    fields = {"obs": ((84, 84), np.uint8)}
+    opts = {} if option is None else {"storage_options": {"random_reads": option}}
+    with open_buffer("memmap", tmp_path / "buf", 800, fields, **opts) as buf:
+        Stream(fields, next_of=("obs",), seed=1).extend([buf], 800)
+        r, w = _spans(buf.storage.arrays), _spans(buf.storage.writable_arrays)
+        assert r == w  # the same mapping
+        assert not any("rr" in f for f in _vm_flags(*r["obs"]))
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert not random_reads_pay(ram // 2) and random_reads_pay(ram // 2 + 1)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", 0.5])
+def test_memmap_random_reads_must_be_a_bool_or_none(bad, tmp_path):
+    with pytest.raises(bigper.InvalidArgumentError, match="random_reads"):
+        open_buffer("memmap", tmp_path / "buf", 8, {"obs": ((2,), np.float32)},
+                    storage_options={"random_reads": bad})
+    assert not (tmp_path / "buf").exists()
+
+
+def _spans(arrays: dict) -> dict:
+    return {n: (a.ctypes.data, a.ctypes.data + a.nbytes) for n, a in arrays.items()}

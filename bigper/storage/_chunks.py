@@ -57,28 +57,31 @@ class _Array:
     def offset(self, k: int) -> int:
         return k * self.chunk_bytes
 
-    def map(self, writable: bool, known: dict) -> None:
-        """Map every chunk twice: ``rw`` (and ``view``) through ``region``, with
-        the kernel's default read-ahead, which sequential writes and chunk
-        copies want; ``ro`` through ``reader``, advised random: a sampled row
-        read from disk then costs its own pages, not the 128 KB read-ahead
-        around each (measured, 2^20 Atari rows with a cold page cache: a
-        sample(32) + update round 42 ms -> 10 ms). Both map the same files,
-        so they share the page cache and see each other's writes at once."""
+    def map(self, writable: bool, known: dict, random_reads: bool = False) -> None:
+        """Map every chunk into one address range: ``rw`` (and ``view``) through
+        ``region``, with the kernel's default read-ahead, which sequential writes
+        and chunk copies want. With ``random_reads``, ``ro`` (what sampling
+        reads) maps the same files a second time through ``reader``, advised
+        random: a row read from disk then costs its own pages, not the 128 KB
+        read-ahead around each. Both share the page cache and see each other's
+        writes at once."""
         size = self.offset(self.n - 1) + round_up(self.sizes[-1])
-        self.region, self.reader = Region(size), Region(size)
+        self.region = Region(size)
+        self.reader = Region(size) if random_reads else None
         for k in range(self.n):
             self._map_chunk(k, writable, known.get(str(k)))
         self.flat = self.region.array(self.region.size)
         shape = (self.rows, *self.shape)
         self.rw = self.flat[:self.rows * self.row_bytes].view(self.dtype).reshape(shape)
-        self.ro = self.reader.array(self.reader.size)[:self.rows * self.row_bytes].view(self.dtype).reshape(shape)
+        reads = self.flat if self.reader is None else self.reader.array(self.reader.size)
+        self.ro = reads[:self.rows * self.row_bytes].view(self.dtype).reshape(shape)
         self.ro.flags.writeable = False
 
     def _map(self, k: int, fd: int, writable: bool) -> None:
         self.region.map_file(self.offset(k), self.sizes[k], fd, writable=writable)
-        self.reader.map_file(self.offset(k), self.sizes[k], fd, writable=False)
-        self.reader.advise_random(self.offset(k), self.sizes[k])
+        if self.reader is not None:
+            self.reader.map_file(self.offset(k), self.sizes[k], fd, writable=False)
+            self.reader.advise_random(self.offset(k), self.sizes[k])
 
     def _map_chunk(self, k: int, writable: bool, known=None) -> None:
         p = self.path(k)
