@@ -147,15 +147,6 @@ class Ingest:
         return p
 
 
-def to_leaves(p: np.ndarray, alpha: float, eps: float, maxp: float) -> np.ndarray:
-    """Leaf values ``(min(p, maxp) + eps) ** alpha`` for validated priorities."""
-    if p.shape[0] > 4096:  # numpy's pow is vectorized; the kernel's is a scalar call
-        return np.power(np.minimum(p, maxp) + eps, alpha)
-    out = np.empty(p.shape[0], dtype=np.float64)
-    K.to_leaves(p, alpha, eps, maxp, out)
-    return out
-
-
 def as_index(x) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
         return x

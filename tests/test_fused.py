@@ -14,6 +14,8 @@ must be identical, and a call that fails must fail the same way in both.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -204,7 +206,9 @@ def test_threaded_keys_and_gathers_equal_one_thread(monkeypatch):
     monkeypatch.setenv("BIGPER_THREADS", "5")
     many = Proportional(10, alpha=0.6, eps=1e-6, max_priority=50.0, weight_norm="global").keys(p)
     assert np.array_equal(one, many)
-    assert np.array_equal(one, np.power(np.minimum(p, 50.0) + 1e-6, 0.6))
+    # The definition, one libm pow a value (numpy's SIMD power may differ in the last bit on
+    # AVX-512 machines; every key bigper makes comes from the one scalar pow, whatever the size).
+    assert np.array_equal(one, [math.pow(min(x, 50.0) + 1e-6, 0.6) for x in p])
     src = rng.integers(0, 256, (1000, 7, 9), dtype=np.uint8)
     rows = rng.integers(0, 1000, 700)
     out = np.empty((700, 7, 9), np.uint8)

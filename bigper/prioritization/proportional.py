@@ -98,7 +98,7 @@ class Proportional(Prioritization):
     def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
         # One kernel call checks the priorities, computes the keys, checks them
         # against the cap, checks the indices and applies it all. Above _BULK
-        # rows the keys come from numpy's vectorized pow instead (as in keys()).
+        # rows the keys come first, from the same scalar pow in threads (as in keys()).
         t = self.tree
         if not self.fused:  # the general path: keys first, then the kernel
             pre = self.keys(p) if K.first_bad_priority(p) < 0 else _EMPTY
