@@ -91,7 +91,8 @@ def _measure(bigper, cap: int, opts: dict, pool, quick: bool) -> dict:
     cache, so each cold figure comes from a fresh open after the drop."""
     out = {}
     with bigper.PrioritizedReplayBuffer(cap, FIELDS, mode="resume", **opts) as buf:
-        touch_pages(buf)
+        if disk_bytes(opts["path"]) < _ram() // 2:  # else the page cache cannot hold it: warm-up rounds only
+            touch_pages(buf)
         warm = interleaved_wall_cpu({"round": make_round(buf, pool), "floor": _floor(buf)},
                                     2000, 3 if quick else 7, 200)
     out["round_us"], out["floor_us"] = (statistics.median(warm[k][0]) for k in ("round", "floor"))

@@ -66,8 +66,9 @@ def random_reads_pay(data_bytes: int) -> bool:
     than half this machine's memory, the page cache cannot keep it, and
     read-ahead fetches 128 KB around every sampled row (measured, 2^20 and
     2^22 Atari rows with a cold page cache: a sample(32) + update round 3-5x
-    faster without, and 8.7x at 2^22 in steady state). A buffer that fits keeps
-    read-ahead: its page cache fills much sooner after a reopen with it."""
+    faster without; at 2^22 in steady state 3-9x over several runs). A buffer
+    that fits keeps read-ahead: its page cache fills much sooner after a
+    reopen with it."""
     try:
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
