@@ -8,6 +8,13 @@
   are timed there; the same calls repeated back to back are the reference
   ("isolated"). The ratio shows what caches and threads left by the network
   cost a buffer call.
+* **Gather threads**: ``sample(B)`` of large batches (256, 1024) with the
+  frame gather on one thread and split over two (``BIGPER_THREADS``; the
+  split is forced here, bigper itself splits only with 4 or more cores), and
+  the projection to 16 cores by Amdahl's law from the two timings (the
+  share of the call that ran in parallel, f, from ``t2 = t1 (1 - f/2)``).
+  A projection, not a measurement: past a few cores the memory bus, not the
+  core count, bounds a copy, so it is an upper bound on the gain.
 * **Prefetch**: the learner-visible wait for the next batch (``next()`` on
   the iterator, ``to_torch`` included) with ``buf.sampler(32, prefetch=2,
   device="cpu")`` against ``prefetch=0`` (each batch drawn when asked for),
@@ -154,6 +161,45 @@ def in_loop(bigper, stream: Stream, cap: int, root: Path, iters: int) -> dict:
     return out
 
 
+def gather_threads(bigper, stream: Stream, cap: int, root: Path, iters: int) -> dict:
+    """sample(B) for large B with the frame gather on 1 and on 2 threads, and Amdahl's projection to 16."""
+    import os
+
+    from bigper import frames as FR
+
+    buf = _buffer(bigper, cap, root / "gather", 1)
+    for g in range(cap):
+        o, n, a, r, t = stream.step(g)
+        buf.add(obs=o, action=a, reward=r, next_obs=n, terminated=t)
+    saved = FR.GATHER_MIN_THREADS, os.environ.get("BIGPER_THREADS")
+    FR.GATHER_MIN_THREADS = 1
+    out = {}
+    try:
+        for b in (256, 1024):
+            times = {1: [], 2: []}
+            for rep in range(2 * iters):  # interleaved: 1, 2, 1, 2, ...
+                threads = 1 + rep % 2
+                os.environ["BIGPER_THREADS"] = str(threads)
+                buf.sample(b)  # warm
+                t0 = time.perf_counter()
+                buf.sample(b)
+                times[threads].append(time.perf_counter() - t0)
+            t1, t2 = (statistics.median(times[k]) * 1e6 for k in (1, 2))
+            f = min(max(2 * (1 - t2 / t1), 0.0), 1.0)
+            t16 = t1 * ((1 - f) + f / 16)
+            out[f"B{b}"] = {"t1_us": t1, "t2_us": t2, "speedup2": t1 / t2, "parallel_share": f,
+                            "t16_projected_us": t16, "speedup16_projected": t1 / t16,
+                            "frame_bytes": b * (K + 1) * H * W}
+    finally:
+        FR.GATHER_MIN_THREADS = saved[0]
+        if saved[1] is None:
+            os.environ.pop("BIGPER_THREADS", None)
+        else:
+            os.environ["BIGPER_THREADS"] = saved[1]
+        buf.close()
+    return out
+
+
 def prefetch_wait(bigper, stream: Stream, cap: int, root: Path, iters: int) -> dict:
     """Median wait for the next batch (as tensors on the CPU) with and without prefetch."""
     import torch
@@ -209,6 +255,7 @@ def run(size: int, quick: bool, root: Path) -> dict:
     res = {"status": "ok", "capacity": cap, "frames": source}
     for name, fn, arg in (("vector_adds", vector_adds, 4000 if quick else 16000),
                           ("in_loop", in_loop, 20 if quick else 40),
+                          ("gather_threads", gather_threads, 10 if quick else 40),
                           ("prefetch", prefetch_wait, 10 if quick else 25)):
         try:
             res[name] = fn(bigper, stream, min(cap, 20_000) if name != "vector_adds" else cap, root, arg)
@@ -240,6 +287,16 @@ def print_loop(res: dict) -> None:
               f"{loop['torch_threads']} threads): {cells}")
     else:
         print(f"in the loop: {loop}")
+    gt = res.get("gather_threads", {})
+    for b in ("B256", "B1024"):
+        r = gt.get(b)
+        if r:
+            print(f"sample({b[1:]}) with the frame gather on 1 / 2 threads: {r['t1_us']:.0f} / {r['t2_us']:.0f} us "
+                  f"({r['speedup2']:.2f}x; {r['parallel_share']:.0%} of the call in parallel); projected "
+                  f"for 16 cores (Amdahl, an upper bound): {r['t16_projected_us']:.0f} us "
+                  f"({r['speedup16_projected']:.1f}x)")
+    if not any(b in gt for b in ("B256", "B1024")):
+        print(f"gather threads: {gt}")
     p = res.get("prefetch", {})
     labels = {"cpu_cnn": "CNN step on the CPU", "off_cpu_10ms": "10 ms step off the CPU (as on a GPU)"}
     for learner, label in labels.items():
