@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -207,6 +209,83 @@ def test_pool_evicts_old_keys():
         key = ("dev", f"f{i}", (2,), "<f4")
         pool.release(key, pool.acquire(key, (2,), torch.float32), None)
     assert len(pool._free) == 2
+
+
+def _pair_buffer():
+    """n_step=1 frame stacks: sample returns obs and next_obs as views of one
+    gather (not C-contiguous), so to_torch copies them on the CPU."""
+    buf = bigper.PrioritizedReplayBuffer(64, {"obs": ((4, 6, 5), np.uint8), "action": ((), np.int64)},
+                                         frame_stack=4, seed=2)
+    frames = np.random.default_rng(1).integers(0, 255, (120, 6, 5), dtype=np.uint8)
+    for t in range(110):
+        buf.add(obs=frames[t:t + 4], action=t, next_obs=frames[t + 1:t + 5], terminated=t % 29 == 28)
+    return buf
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["drop", "tensor", "view", "numpy", "float"]),
+                          st.integers(0, 7)), min_size=1, max_size=25))
+def test_cpu_copies_never_reuse_memory_a_tensor_still_holds(ops):
+    buf = _pair_buffer()
+    assert not buf.sample(4)["obs"].flags.c_contiguous  # the case under test: a copy is made
+    held = []  # (what the caller kept, the values it must still show)
+    for kind, drop in ops:
+        b = buf.sample(8)
+        want = {k: b[k].copy() for k in ("obs", "next_obs")}
+        t = b.to_torch()
+        del b
+        for k in ("obs", "next_obs"):
+            np.testing.assert_array_equal(t[k].numpy(), want[k])
+            kept = {"tensor": t[k], "view": t[k][2:5], "numpy": t[k].numpy(), "float": t[k].float()}.get(kind)
+            if kept is not None:
+                held.append((kept, want[k][2:5] if kind == "view" else want[k]))
+        del t
+        if held and drop < len(held):
+            held.pop(drop)
+        for kept, values in held:
+            got = kept.numpy() if isinstance(kept, torch.Tensor) else kept
+            np.testing.assert_array_equal(got, values)
+
+
+def test_cpu_copies_from_threads_stay_intact():
+    import threading
+
+    buf = _pair_buffer()
+    lock, errors = threading.Lock(), []
+
+    def work():
+        for _ in range(200):
+            with lock:  # sample under our lock; convert outside it, concurrently
+                b = buf.sample(8)
+                want = b["obs"].copy()
+            t = b.to_torch()
+            del b
+            for _ in range(3):
+                if not np.array_equal(t["obs"].numpy(), want):
+                    errors.append("a live tensor's memory was handed out again")
+                    return
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+def test_host_arrays_reuse_only_what_nobody_holds():
+    pool = T.HostArrays(depth=2, max_keys=2)
+    a = pool.take((3,), np.dtype(np.uint8))
+    b = pool.take((3,), np.dtype(np.uint8))
+    assert b is not a  # a is still held here
+    t = torch.from_numpy(b)
+    del a
+    c = pool.take((3,), np.dtype(np.uint8))
+    assert c is not b  # held through the tensor
+    del t, b, c
+    for i in range(4):
+        pool.take((i + 5,), np.dtype(np.float32))
+    assert len(pool._arrays) == 2
 
 
 # -- CUDA ------------------------------------------------------------------------------
