@@ -287,8 +287,10 @@ class PrioritizedReplayBuffer(BufferProtocol):
             holds them. The caller must not reuse one while a batch holds it.
         """
         self._check_open()
-        _check_batch_size(batch_size)
-        out = self._check_out(out, int(batch_size))
+        if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
+            _check_batch_size(batch_size)  # raises, or passes a numpy integer
+        if out is not None:
+            out = self._reader.check_out(out, int(batch_size))
         if beta is not None:
             try:
                 b = float(beta)
@@ -307,7 +309,7 @@ class PrioritizedReplayBuffer(BufferProtocol):
             idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
                                              stratified=bool(stratified), beta=b)
             self._beta_step += 1
-            return self._batch(idx, w, prob, out)
+            return self._reader.batch(idx, w, prob, out, self._writer.fused)
 
     def sampler(self, batch_size: int, prefetch: int = 2, device=None, **sample_kw):
         """An endless iterator of batches, the next ones prepared in a background thread.
@@ -355,14 +357,8 @@ class PrioritizedReplayBuffer(BufferProtocol):
         self._samplers.add(it)
         return it
 
-    def _batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out=None) -> Batch:
-        return self._reader.batch(idx, w, prob, out, self._fused)
-
     def _gather(self, idx: np.ndarray) -> dict:
         return self._reader.gather(idx, None, None, self._fused)
-
-    def _check_out(self, out, b: int) -> dict:
-        return self._reader.check_out(out, b)
 
     # -- priorities ------------------------------------------------------------
     def update_priorities(self, target, priorities) -> None:
