@@ -9,7 +9,11 @@ call (best and median of 7 repeats of 20,000 calls) of:
   the uniforms, the two sampling kernels (draw + descent, generations + end
   flags), one numpy ``take`` a field, the ``Batch``, and the update kernel;
 - the parts of that floor, each on fresh random rows (``descent``, ``meta``,
-  ``takes``, ``update kernel``).
+  ``takes``, ``update kernel``);
+- the bulk path, ``update_priorities`` of all 2^20 rows (ms, median of 15),
+  and its parts: the keys (one libm ``pow`` a priority, checked, in threads;
+  and on one thread), the update kernel given those keys, the O(N) rebuild,
+  and numpy's vectorized ``power`` of the same priorities for comparison.
 
 The gap between ``round`` and ``floor round`` is bigper's Python (checks,
 lock, schedule, dispatch); the floor is what any Python-called buffer built
@@ -42,6 +46,43 @@ def _time(fn, calls: int = 20_000, repeats: int = 7) -> tuple[float, float]:
             fn(i)
         per.append((time.perf_counter() - t0) / calls * 1e6)
     return min(per), statistics.median(per)
+
+
+def _ms(fn, repeats: int = 15) -> float:
+    fn()
+    t = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+    return statistics.median(t) * 1e3
+
+
+def _bulk(buf, K, rng) -> dict:
+    """``update_priorities`` of every row, and its parts, in ms."""
+    import os
+
+    cap = buf.capacity
+    idx, p = np.arange(cap), np.abs(rng.standard_normal(cap)) + 0.01
+    prio, tree = buf._prio, buf._prio.tree
+    keys, _, _ = prio._bulk_keys(p)
+    res = {"update_priorities(all)": _ms(lambda: buf.update_priorities(idx, p)),
+           "keys (libm pow, threads)": _ms(lambda: prio._bulk_keys(p))}
+    saved = os.environ.get("BIGPER_THREADS")
+    os.environ["BIGPER_THREADS"] = "1"
+    try:
+        res["keys (libm pow, one thread)"] = _ms(lambda: prio._bulk_keys(p))
+    finally:
+        if saved is None:
+            os.environ.pop("BIGPER_THREADS")
+        else:
+            os.environ["BIGPER_THREADS"] = saved
+    res["update kernel, keys given"] = _ms(lambda: K.update_capped(
+        tree.sums, tree.mins, tree.offsets, tree.sizes, idx, p, keys, idx, False, buf._gid, buf._status,
+        buf._pending, 0.6, 1e-6, np.inf, prio.limit, True))
+    res["O(N) rebuild"] = _ms(tree.rebuild)
+    res["numpy power (vectorized), one thread"] = _ms(lambda: np.power(p + 1e-6, 0.6))
+    return res
 
 
 def main() -> int:
@@ -112,6 +153,11 @@ def main() -> int:
         best, med = _time(fn)
         out[name] = {"best_us": best, "median_us": med}
         print(f"  {name:18s} {best:8.2f} {med:8.2f}")
+    bulk = _bulk(buf, K, rng)
+    out["bulk_ms"] = bulk
+    print("set all priorities at once: ms, median of 15")
+    for name, ms in bulk.items():
+        print(f"  {name:34s} {ms:8.2f}")
     gap = out["round"]["median_us"] - out["floor round"]["median_us"]
     print(f"  bigper's Python over the floor: {gap:.2f} µs a round "
           f"({gap / out['round']['median_us']:.0%} of it)")
