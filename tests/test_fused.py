@@ -195,6 +195,61 @@ def test_bulk_updates_and_threaded_rebuilds_match(monkeypatch, prio):
     same_state(a, b)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), cap=st.integers(8, 300), n_step=st.sampled_from([1, 3]),
+       alpha=st.sampled_from([0.7, 1.6]), fill=st.floats(0.3, 2.5), rounds=st.integers(1, 6))
+def test_bulk_updates_equal_the_in_order_kernel(monkeypatch, seed, cap, n_step, alpha, fill, rounds):
+    """The bulk path (one threaded scan, then the writes last row first and a
+    rebuild; prioritization/_bulk.py) against the general path, made to run at
+    small sizes: duplicates, stale batches, n-step pending slots, dead and
+    never-written slots, out-of-range indices, bad priorities and keys above
+    the cap. Same state after every call, same error for every refusal."""
+    from bigper.prioritization import proportional as PR
+
+    monkeypatch.setenv("BIGPER_THREADS", "4")
+    monkeypatch.setattr(PR, "_BULK", 4)
+    monkeypatch.setattr(PR, "_POW_CHUNK", 8)
+    monkeypatch.setattr(PR, "_REBUILD_MIN", 0)
+    fields = {"obs": ((2,), np.float32), "reward": ((), np.float32)}
+
+    def new():
+        return bigper.PrioritizedReplayBuffer(cap, fields, n_step=n_step, alpha=alpha, seed=3)
+
+    a, b = new(), general(new())
+    rng = np.random.default_rng(seed)
+    m = max(1, int(cap * fill))
+    term = rng.random(m) < 0.1
+    valid = np.ones(m, bool)
+    valid[1:] = ~(term[:-1] & (rng.random(m - 1) < 0.5))  # a few dead rows, each after an episode end
+    d = {"obs": rng.standard_normal((m, 2)).astype(np.float32), "next_obs": np.zeros((m, 2), np.float32),
+         "reward": rng.standard_normal(m).astype(np.float32), "terminated": term}
+    both(lambda: a.extend(d, valid=valid), lambda: b.extend(d, valid=valid))
+    for r in range(rounds):
+        kind = rng.integers(0, 3)
+        if kind == 0 and a.prioritization.sampleable:  # by the batch, stale after more adds
+            size = int(rng.integers(5, 3 * cap))
+            x, y = a.sample(size), b.sample(size)
+            same_batch(x, y)
+            k = int(rng.integers(0, cap))
+            e = {"obs": np.ones((k, 2), np.float32), "next_obs": np.ones((k, 2), np.float32),
+                 "reward": np.ones(k, np.float32)}
+            if k:
+                both(lambda: a.extend(e), lambda: b.extend(e))
+            td = rng.random(x.size) * 3
+            both(lambda: a.update_priorities(x, td), lambda: b.update_priorities(y, td))
+        else:  # by raw indices: duplicates, sometimes bad ones
+            n = int(rng.integers(5, 3 * cap))
+            hi = cap + (2 if rng.random() < 0.2 else 0)
+            idx = rng.integers(-1 if rng.random() < 0.1 else 0, hi, n)
+            p = rng.random(n) * 10
+            if rng.random() < 0.2:
+                p[rng.integers(0, n)] = rng.choice([np.nan, np.inf, -1.0])
+            if rng.random() < 0.2:
+                p[rng.integers(0, n)] = 1e300  # with alpha 1.6 a key above the cap
+            both(lambda: a.update_priorities(idx, p), lambda: b.update_priorities(idx, p))
+        same_state(a, b)
+
+
 def test_threaded_keys_and_gathers_equal_one_thread(monkeypatch):
     from bigper.prioritization.proportional import Proportional
 

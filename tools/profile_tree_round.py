@@ -11,9 +11,10 @@ call (best and median of 7 repeats of 20,000 calls) of:
 - the parts of that floor, each on fresh random rows (``descent``, ``meta``,
   ``takes``, ``update kernel``);
 - the bulk path, ``update_priorities`` of all 2^20 rows (ms, median of 15),
-  and its parts: the keys (one libm ``pow`` a priority, checked, in threads;
-  and on one thread), the update kernel given those keys, the O(N) rebuild,
-  and numpy's vectorized ``power`` of the same priorities for comparison.
+  and its parts (``prioritization/_bulk.py``): the scan (checks, keys with one
+  libm ``pow`` a priority, routing counts; in threads, and on one thread),
+  the writes, last row first, the O(N) rebuild, and numpy's vectorized
+  ``power`` of the same priorities for comparison.
 
 The gap between ``round`` and ``floor round`` is bigper's Python (checks,
 lock, schedule, dispatch); the floor is what any Python-called buffer built
@@ -58,28 +59,31 @@ def _ms(fn, repeats: int = 15) -> float:
     return statistics.median(t) * 1e3
 
 
-def _bulk(buf, K, rng) -> dict:
+def _bulk(buf, rng) -> dict:
     """``update_priorities`` of every row, and its parts, in ms."""
     import os
+
+    from bigper.prioritization import _bulk as B
 
     cap = buf.capacity
     idx, p = np.arange(cap), np.abs(rng.standard_normal(cap)) + 0.01
     prio, tree = buf._prio, buf._prio.tree
-    keys, _, _ = prio._bulk_keys(p)
+    args = (p, idx, idx, False, buf._gid, buf._status, prio.alpha, prio.eps, prio.max_priority, 1 << 16)
+    keys = B.scan(*args)[0]
     res = {"update_priorities(all)": _ms(lambda: buf.update_priorities(idx, p)),
-           "keys (libm pow, threads)": _ms(lambda: prio._bulk_keys(p))}
+           "scan: checks + keys (threads)": _ms(lambda: B.scan(*args))}
     saved = os.environ.get("BIGPER_THREADS")
     os.environ["BIGPER_THREADS"] = "1"
     try:
-        res["keys (libm pow, one thread)"] = _ms(lambda: prio._bulk_keys(p))
+        res["scan: checks + keys (one thread)"] = _ms(lambda: B.scan(*args))
     finally:
         if saved is None:
             os.environ.pop("BIGPER_THREADS")
         else:
             os.environ["BIGPER_THREADS"] = saved
-    res["update kernel, keys given"] = _ms(lambda: K.update_capped(
-        tree.sums, tree.mins, tree.offsets, tree.sizes, idx, p, keys, idx, False, buf._gid, buf._status,
-        buf._pending, 0.6, 1e-6, np.inf, prio.limit, True))
+    res["writes, last row first"] = _ms(lambda: B.write_last_first(
+        tree.sums, int(tree.offsets[-1]), idx, keys, idx, False, buf._gid, buf._status, buf._pending,
+        np.zeros(cap, dtype=np.bool_)))
     res["O(N) rebuild"] = _ms(tree.rebuild)
     res["numpy power (vectorized), one thread"] = _ms(lambda: np.power(p + 1e-6, 0.6))
     return res
@@ -153,7 +157,7 @@ def main() -> int:
         best, med = _time(fn)
         out[name] = {"best_us": best, "median_us": med}
         print(f"  {name:18s} {best:8.2f} {med:8.2f}")
-    bulk = _bulk(buf, K, rng)
+    bulk = _bulk(buf, rng)
     out["bulk_ms"] = bulk
     print("set all priorities at once: ms, median of 15")
     for name, ms in bulk.items():

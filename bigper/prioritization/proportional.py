@@ -11,11 +11,15 @@ from .. import _kernels as K
 from .._pool import for_ranges
 from ..errors import InvalidArgumentError, InvalidIndexError
 from ..tree import PriorityTree
+from . import _bulk
 from .base import Prioritization
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _BULK = 4096  # above this many rows the keys are computed in threads first
 _POW_CHUNK = 1 << 16  # rows per thread at least, for the bulk keys
+# Above this many rows bound for the tree (and an eighth of the slots), an
+# update writes the leaves and rebuilds the tree in O(N) (as update_capped does).
+_REBUILD_MIN = 1024
 
 
 def is_weights(lo: float, keys: np.ndarray, beta: float) -> np.ndarray:
@@ -98,7 +102,9 @@ class Proportional(Prioritization):
     def update(self, idx, p, stamps, use_stamps, gid, status, pending) -> float:
         # One kernel call checks the priorities, computes the keys, checks them
         # against the cap, checks the indices and applies it all. Above _BULK
-        # rows the keys come first, from the same scalar pow in threads (as in keys()).
+        # rows one threaded pass first checks everything and computes the keys
+        # (the same scalar pow); when most leaves change they are then written
+        # in one pass and the tree rebuilt (_bulk.py), else the kernel applies them.
         t = self.tree
         if not self.fused:  # the general path: keys first, then the kernel
             pre = self.keys(p) if K.first_bad_priority(p) < 0 else _EMPTY
@@ -107,11 +113,20 @@ class Proportional(Prioritization):
                                              self.max_priority)
             return self._raise(code, pos, idx, p) if code else top
         pre = _EMPTY
-        if p.shape[0] > _BULK:  # keys and their checks in one threaded pass
-            keys, bad, top = self._bulk_keys(p)
+        if p.shape[0] > _BULK:  # checks, keys and routing counts in one threaded pass
+            keys, bad, top, bad_row, code, kept = _bulk.scan(
+                p, idx, stamps, use_stamps, gid, status, self.alpha, self.eps, self.max_priority, _POW_CHUNK)
             if bad < 0:
                 if not top <= self.limit:
                     self._check_keys(p, keys)  # raises, naming the first
+                if bad_row >= 0:
+                    return self._raise(code, bad_row, idx, p)
+                if kept * 8 >= gid.shape[0] and kept > _REBUILD_MIN:
+                    # Most leaves change: write them last row first, then one O(N) rebuild.
+                    top = _bulk.write_last_first(t.sums, int(t.offsets[-1]), idx, keys, stamps, use_stamps,
+                                                 gid, status, pending, np.zeros(gid.shape[0], dtype=np.bool_))
+                    t.rebuild()
+                    return top
                 pre = keys
         code, pos, top = K.update_capped(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
                                          use_stamps, gid, status, pending, self.alpha, self.eps,
