@@ -297,25 +297,6 @@ def to_leaves(p, alpha, eps, max_priority, out):
 
 
 @kernel
-def keys_range(p, alpha, eps, max_priority, out, lo, hi):
-    """``to_leaves`` over rows ``lo .. hi-1`` (one range of a threaded bulk
-    update), checking each priority as it goes. Returns ``(position of the
-    first NaN, infinite or negative priority, or -1; the largest leaf)``."""
-    top = 0.0
-    for i in range(lo, hi):
-        v = p[i]
-        if not (v >= 0.0 and v < np.inf):
-            return i, top
-        if v > max_priority:
-            v = max_priority
-        v = (v + eps) ** alpha
-        out[i] = v
-        if v > top:
-            top = v
-    return -1, top
-
-
-@kernel
 def first_bad_priority(p):
     """Position of the first NaN, infinite or negative value, or -1."""
     for i in range(p.shape[0]):

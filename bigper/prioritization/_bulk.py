@@ -20,8 +20,9 @@ result is the in-order kernel's, bit for bit (``tests/test_fused.py``).
 Anything else (a bad priority, few rows bound for the tree) goes to the
 in-order kernel, which reports errors in its row order.
 
-Kernels here call no kernel of another file: numba's on-disk cache does not
-notice when another file's kernel changes.
+``keys_range`` (the threaded keys of ``Proportional.keys``) lives here too, so
+both share ``_key``. Kernels here call no kernel of another file: numba's
+on-disk cache does not notice when another file's kernel changes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,31 @@ import numpy as np
 
 from .._kernels import kernel
 from .._pool import for_ranges
+
+
+@kernel
+def _key(v, alpha, eps, max_priority):
+    """``(min(v, max_priority) + eps) ** alpha``: ``_kernels.to_leaves``'s formula, bit for bit."""
+    if v > max_priority:
+        v = max_priority
+    return (v + eps) ** alpha
+
+
+@kernel
+def keys_range(p, alpha, eps, max_priority, out, lo, hi):
+    """Keys of rows ``lo .. hi-1`` (one range of a threaded ``keys``), checking
+    each priority as it goes. Returns ``(position of the first NaN, infinite or
+    negative priority, or -1; the largest key)``."""
+    top = 0.0
+    for i in range(lo, hi):
+        v = p[i]
+        if not (v >= 0.0 and v < np.inf):
+            return i, top
+        v = _key(v, alpha, eps, max_priority)
+        out[i] = v
+        if v > top:
+            top = v
+    return -1, top
 
 
 @kernel
@@ -48,9 +74,7 @@ def scan_range(p, idx, stamps, use_stamps, gid, status, alpha, eps, max_priority
         v = p[i]
         if not (v >= 0.0 and v < np.inf):
             return i, top, bad_row, code, kept
-        if v > max_priority:
-            v = max_priority
-        v = (v + eps) ** alpha
+        v = _key(v, alpha, eps, max_priority)
         keys[i] = v
         if v > top:
             top = v

@@ -75,7 +75,7 @@ class Proportional(Prioritization):
         found = []
 
         def part(lo, hi):
-            found.append(K.keys_range(p, self.alpha, self.eps, self.max_priority, out, lo, hi))
+            found.append(_bulk.keys_range(p, self.alpha, self.eps, self.max_priority, out, lo, hi))
 
         for_ranges(part, p.shape[0], _POW_CHUNK)
         bad = [i for i, _ in found if i >= 0]
