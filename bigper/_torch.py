@@ -6,8 +6,7 @@ learner hands back (a tensor on any device, with or without grad) into numpy.
 CPU: a field whose array is C-contiguous, writable and in native byte order
 is shared with ``torch.from_numpy`` (no copy); any other array is copied once,
 into a host array reused from earlier calls once no tensor holds it any more
-(``HostArrays``): a fresh megabyte-sized array for each batch's frame stacks
-costs a page fault per 4 KB page, ten times the copy itself.
+(``_reuse.ReusedArrays``).
 
 CUDA: each field is copied once into a pinned host buffer, and from there to
 the device with ``non_blocking``. Pinned buffers are kept between calls (pinning
@@ -27,6 +26,8 @@ import threading
 from collections import OrderedDict, deque
 
 import numpy as np
+
+from ._reuse import ReusedArrays
 from .errors import InvalidTypeError
 
 # Pinned buffers a field keeps at most; beyond it the oldest one's event is waited on.
@@ -118,40 +119,8 @@ class PinnedPool:
 _POOL = PinnedPool()
 
 
-class HostArrays:
-    """Host arrays for the CPU copies, reused between calls; thread-safe.
-
-    An array is handed out again only when nothing but the pool refers to it:
-    ``torch.from_numpy`` keeps a reference to its array for as long as the
-    tensor, or any view of its storage, lives. At most ``depth`` arrays are
-    kept per (shape, dtype), for the ``max_keys`` most recent ones.
-    """
-
-    def __init__(self, depth: int = POOL_DEPTH + 1, max_keys: int = MAX_KEYS):
-        self.depth, self.max_keys = depth, max_keys
-        self._lock = threading.Lock()
-        self._arrays: OrderedDict = OrderedDict()  # (shape, dtype) -> list, most recent first
-
-    def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        key = (shape, dtype.str)
-        with self._lock:
-            arrays = self._arrays.get(key)
-            if arrays is None:
-                arrays = self._arrays[key] = []
-                while len(self._arrays) > self.max_keys:
-                    self._arrays.popitem(last=False)
-            self._arrays.move_to_end(key)
-            for a in arrays:
-                # The list, the loop variable and getrefcount's argument: nobody else.
-                if sys.getrefcount(a) == 3:
-                    return a
-            a = np.empty(shape, dtype=dtype)
-            arrays.insert(0, a)
-            del arrays[self.depth:]
-            return a
-
-
-_HOST = HostArrays()
+# The CPU copies' arrays (a batch's fields, a few batches held at once).
+_HOST = ReusedArrays(depth=POOL_DEPTH + 1, max_keys=MAX_KEYS)
 
 
 def _host_array(arr: np.ndarray) -> np.ndarray:

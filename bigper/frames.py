@@ -21,12 +21,11 @@ they are marked dead (leaf 0) and never sampled again.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from ._kernels import kernel
 from ._pool import for_ranges, workers
+from ._reuse import ReusedArrays
 
 
 ALL_VALID = np.ones(256, dtype=np.bool_)
@@ -232,7 +231,7 @@ class FrameStore:
         self.ptr = np.arange(self.num_envs, dtype=np.int64)
         self.minref = np.zeros(cfg.capacity, dtype=np.int64)
         self._expired = np.empty(cfg.capacity, dtype=np.int64)  # scratch for expire()
-        self._outs: list[np.ndarray] = []  # stacks handed out, reused once nobody holds them
+        self._outs = ReusedArrays(depth=4, max_keys=2)  # gathers' outputs (pair's and stacks' shapes)
         self._ring_of = self._ring = None  # the storage's frames array, and it as (F, words)
         self._args = None  # kernel_args' ring part
 
@@ -396,18 +395,8 @@ class FrameStore:
         return out[:, :k], out[:, 1:]
 
     def _out(self, shape: tuple) -> np.ndarray:
-        """An output array for a gather: one handed out before if nothing else
-        refers to it any more, else a new one. A batch's stacks are about a
-        megabyte; fresh ones cost hundreds of page faults each time the
-        allocator gives their pages back to the system."""
-        for a in self._outs:
-            # References: the list, the loop variable and getrefcount's argument.
-            # (Views of it, such as the stacks pair() returns, count through their .base.)
-            if a.shape == shape and sys.getrefcount(a) == 3:
-                return a
-        a = np.empty(shape, dtype=self.dtype)
-        self._outs = [a] + self._outs[:3]
-        return a
+        """An output array for a gather (``_reuse``: no page faults for a fresh one)."""
+        return self._outs.take(shape, self.dtype)
 
     # -- state ---------------------------------------------------------------
     def state(self) -> tuple[dict, dict]:

@@ -273,8 +273,10 @@ def test_cpu_copies_from_threads_stay_intact():
     assert not errors
 
 
-def test_host_arrays_reuse_only_what_nobody_holds():
-    pool = T.HostArrays(depth=2, max_keys=2)
+def test_reused_arrays_hand_out_only_what_nobody_holds():
+    from bigper._reuse import ReusedArrays
+
+    pool = ReusedArrays(depth=2, max_keys=2)
     a = pool.take((3,), np.dtype(np.uint8))
     b = pool.take((3,), np.dtype(np.uint8))
     assert b is not a  # a is still held here
