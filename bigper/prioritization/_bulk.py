@@ -20,8 +20,8 @@ result is the in-order kernel's, bit for bit (``tests/test_fused.py``).
 Anything else (a bad priority, few rows bound for the tree) goes to the
 in-order kernel, which reports errors in its row order.
 
-``keys_range`` (the threaded keys of ``Proportional.keys``) lives here too, so
-both share ``_key``. Kernels here call no kernel of another file: numba's
+``keys`` (the threaded keys of ``Proportional.keys`` for many rows) lives here
+too; both compute a key with ``_key``. Kernels here call no kernel of another file: numba's
 on-disk cache does not notice when another file's kernel changes.
 """
 
@@ -112,6 +112,21 @@ def write_last_first(sums, leaf_off, idx, keys, stamps, use_stamps, gid, status,
         if v > top:
             top = v
     return top
+
+
+def keys(p, alpha, eps, max_priority, chunk: int):
+    """Keys of many priorities in one checked pass, in ranges on the thread
+    pool (element-wise, so any split gives the same bits): ``(keys, the first
+    bad priority's position or -1, the largest key)``."""
+    out = np.empty(p.shape[0], dtype=np.float64)
+    found = []
+
+    def part(lo, hi):
+        found.append(keys_range(p, alpha, eps, max_priority, out, lo, hi))
+
+    for_ranges(part, p.shape[0], chunk)
+    bad = [i for i, _ in found if i >= 0]
+    return out, (min(bad) if bad else -1), max(t for _, t in found)
 
 
 def scan(p, idx, stamps, use_stamps, gid, status, alpha, eps, max_priority, chunk: int):

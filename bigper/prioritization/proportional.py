@@ -8,7 +8,6 @@ import sys
 import numpy as np
 
 from .. import _kernels as K
-from .._pool import for_ranges
 from ..errors import InvalidArgumentError, InvalidIndexError
 from ..tree import PriorityTree
 from . import _bulk
@@ -56,7 +55,7 @@ class Proportional(Prioritization):
     # -- keys ------------------------------------------------------------------
     def keys(self, p: np.ndarray) -> np.ndarray:
         if p.shape[0] > _BULK:
-            out, bad, top = self._bulk_keys(p)
+            out, bad, top = _bulk.keys(p, self.alpha, self.eps, self.max_priority, _POW_CHUNK)
             if bad >= 0:  # callers pass checked priorities; never a key made of garbage
                 raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
             if not top <= self.limit:
@@ -66,20 +65,6 @@ class Proportional(Prioritization):
         K.to_leaves(p, self.alpha, self.eps, self.max_priority, out)
         self._check_keys(p, out)
         return out
-
-    def _bulk_keys(self, p: np.ndarray):
-        """Keys of many priorities in one checked pass, in ranges on the thread
-        pool (element-wise, so any split gives the same bits): ``(keys, the
-        first bad priority's position or -1, the largest key)``."""
-        out = np.empty(p.shape[0], dtype=np.float64)
-        found = []
-
-        def part(lo, hi):
-            found.append(_bulk.keys_range(p, self.alpha, self.eps, self.max_priority, out, lo, hi))
-
-        for_ranges(part, p.shape[0], _POW_CHUNK)
-        bad = [i for i, _ in found if i >= 0]
-        return out, (min(bad) if bad else -1), max(t for _, t in found)
 
     def _check_keys(self, p, keys) -> None:
         if keys.shape[0] and not keys.max() <= self.limit:  # also catches NaN
