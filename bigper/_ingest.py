@@ -147,6 +147,16 @@ class Ingest:
         return p
 
 
+# Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
+MAX_BATCH = 1 << 24
+
+
+def check_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+            or not 1 <= batch_size <= MAX_BATCH:
+        raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
+
+
 def as_index(x) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
         return x

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._ingest import Ingest, as_index, as_priorities
+from ._ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
 from ._opening import held, open_path
 from ._protocol import BufferProtocol
 from ._reader import Reader
@@ -30,15 +30,6 @@ from .prioritization import make as make_prioritization
 from .prefetch import Prefetcher
 
 log = logging.getLogger("bigper")
-
-# Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
-MAX_BATCH = 1 << 24
-
-def _check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-            or not 1 <= batch_size <= MAX_BATCH:
-        raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
-
 
 # Buffers still open at interpreter exit are closed cleanly (state recorded),
 # so a script that ends without close() leaves a folder that resumes.
@@ -288,7 +279,7 @@ class PrioritizedReplayBuffer(BufferProtocol):
         """
         self._check_open()
         if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
-            _check_batch_size(batch_size)  # raises, or passes a numpy integer
+            check_batch_size(batch_size)  # raises, or passes a numpy integer
         if out is not None:
             out = self._reader.check_out(out, int(batch_size))
         if beta is not None:
@@ -339,7 +330,7 @@ class PrioritizedReplayBuffer(BufferProtocol):
         random stream and the beta schedule are past them.
         """
         self._check_open()
-        _check_batch_size(batch_size)
+        check_batch_size(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
             raise InvalidArgumentError(f"prefetch must be an int in [0, 1024], got {prefetch!r}")
         unknown = sorted(set(sample_kw) - {"beta", "stratified"})
