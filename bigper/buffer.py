@@ -1,8 +1,17 @@
-"""PrioritizedReplayBuffer: the ring, add/extend/sample/update."""
+"""PrioritizedReplayBuffer: the ring, add/extend/sample/update, and its entry
+points to snapshots and offline datasets.
+
+Every public method is an *entry point*: it runs under the buffer's one
+re-entrant lock and, unless it is marked otherwise below, refuses a closed
+buffer inside it (``_entry``). Nothing reads or changes the buffer's state
+outside that lock, so two threads calling any two methods are serialized,
+and a write never lands on a buffer another thread closed.
+"""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import weakref
@@ -10,24 +19,28 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from . import snapshot as _snapshot
 from ._ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
+from ._layout import plain_fields, storage_specs
 from ._opening import held, open_path
-from ._protocol import BufferProtocol
 from ._reader import Reader
 from ._statecheck import check_state
 from ._writer import Writer
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .errors import (
+    BigperError,
     BufferClosedError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
+    InvalidIndexError,
     InvalidTypeError,
     ReadOnlyBufferError,
 )
 from .frames import FrameStore
-from .prioritization import make as make_prioritization
 from .prefetch import Prefetcher
+from .prioritization import make as make_prioritization
+from .prioritization.base import LIVE
 
 log = logging.getLogger("bigper")
 
@@ -36,7 +49,6 @@ log = logging.getLogger("bigper")
 _OPEN: "weakref.WeakSet[PrioritizedReplayBuffer]" = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all_at_exit() -> None:
     for buf in list(_OPEN):
         try:
@@ -45,7 +57,51 @@ def _close_all_at_exit() -> None:
             log.warning("bigper: could not close %r at exit: %s", buf, e)
 
 
-class PrioritizedReplayBuffer(BufferProtocol):
+def _run_first_at_exit() -> None:
+    """(Re-)register the exit handler so that it runs before every handler
+    registered so far: atexit runs last-registered first, and h5py tears its
+    objects down in its own handler, registered when h5py is first imported
+    (after bigper's). An HDF5 storage's state must be recorded before that."""
+    atexit.unregister(_close_all_at_exit)
+    atexit.register(_close_all_at_exit)
+
+
+atexit.register(_close_all_at_exit)
+
+
+def _entry(method):
+    """A public method: runs under the buffer's lock, on an open buffer."""
+    @functools.wraps(method)
+    def entry(self, *args, **kwargs):
+        with self._lock:
+            if self._closed:
+                raise BufferClosedError(f"this buffer is closed ({method.__name__} needs an open one)")
+            return method(self, *args, **kwargs)
+    return entry
+
+
+def _read(method):
+    """A public reader that also answers on a closed buffer (its last values), under the lock."""
+    @functools.wraps(method)
+    def entry(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return entry
+
+
+def _sample_in(ref, size: int, device, sample_kw: dict):
+    """One batch of the buffer behind the weak reference ``ref`` (a sampler
+    thread holds no strong reference between draws, so dropping the buffer
+    closes it at once)."""
+    buf = ref()
+    if buf is None:
+        raise BufferClosedError("the buffer of this sampler was dropped")
+    batch = buf.sample(size, **sample_kw)
+    del buf
+    return batch if device is None else batch.to_torch(device)
+
+
+class PrioritizedReplayBuffer:
     """A prioritized replay buffer (proportional or rank-based PER) over any storage.
 
     Parameters
@@ -71,26 +127,36 @@ class PrioritizedReplayBuffer(BufferProtocol):
         How priorities become probabilities (``bigper.prioritization``).
     storage : {"memory", "memmap", "hdf5"}
     path : str or Path, optional
-        Where disk storages live.
+        Where disk storages live; resolved to an absolute path once, here.
     mode : {"new", "resume", "overwrite"}
         For a ``path`` that already holds a buffer: refuse (``PathExistsError``),
         continue it, or replace it (only what bigper proves it created).
     read_only : bool
         Open an existing disk buffer to sample from it without writing.
     storage_options : dict, optional
-        Passed to the storage (e.g. HDF5 compression).
+        The chosen storage's documented options (memmap: ``random_reads``;
+        hdf5: ``compression``); any other name is refused.
     next_of : tuple[str], optional
         Fields that get a successor ``next_<name>``; default ``("obs",)`` where there is one.
     num_envs : int
         With more than one, ``add`` takes a leading env axis and each env is its own stream.
     seed : int, optional
         Seed of the one ``numpy.random.Generator`` that draws every uniform.
+
+    Notes
+    -----
+    Thread safety: every public method takes the buffer's one lock, so any
+    two may be called from two threads; a method called on a closed buffer
+    raises ``BufferClosedError`` (``len``, ``closed``, ``capacity``,
+    ``total_priority`` and ``close`` answer on a closed buffer too).
     """
 
     def __init__(self, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
                  eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
                  prioritization="proportional", storage="memory", path=None, mode="new",
                  next_of=None, num_envs=1, seed=0, read_only=False, storage_options=None):
+        self._lock = threading.RLock()
+        self._closed = True  # until the storage is allocated
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
@@ -117,12 +183,13 @@ class PrioritizedReplayBuffer(BufferProtocol):
                 state = store.saved_state()
                 check_state(cfg, *state)
                 self.resumed = held(recorded)
-            self._setup(cfg, store)
+            frames = FrameStore(cfg, store) if cfg.frame_stack else None
+            store.allocate(storage_specs(cfg, frames))
+            self._setup(cfg, store, frames)
             if state is not None:
                 self._restore(*state, reseed=cfg.seed != old.seed)
         except BaseException:
-            self._closed = True
-            _OPEN.discard(self)
+            self._forget()
             # Release without recording anything: a refused path stays as it was.
             abort = getattr(store, "abort", None)
             abort() if abort is not None else store.close()
@@ -134,47 +201,39 @@ class PrioritizedReplayBuffer(BufferProtocol):
 
     @classmethod
     def from_parts(cls, config: Config, store, state=None) -> "PrioritizedReplayBuffer":
-        """A buffer over an opened, allocated-on-demand ``store`` (for snapshot
-        loads and offline datasets); ``state``: ``(meta, arrays)`` as
-        ``state_dict`` gives them, checked before use."""
+        """A buffer over ``store``, whose arrays are allocated already (as
+        ``storage_specs(config)`` names them), for snapshot loads and offline
+        datasets; ``state``: ``(meta, arrays)`` as ``state_dict`` gives them,
+        checked before use. On a refusal the store is left to the caller."""
         buf = cls.__new__(cls)
+        buf._lock = threading.RLock()
+        buf._closed = True
         buf.resumed = None
-        buf._setup(config, store)
-        if state is not None:
-            buf._restore(*state)
+        try:
+            buf._setup(config, store, FrameStore(config, store) if config.frame_stack else None)
+            if state is not None:
+                buf._restore(*state)
+        except BaseException:
+            buf._forget()
+            raise
         return buf
 
     @classmethod
     def storage_specs(cls, config: Config) -> dict:
         """``name -> (rows, shape, dtype)`` of every array a buffer of ``config``
-        keeps in its storage (for snapshot loads that check sizes before
-        allocating anything)."""
-        frames = FrameStore(config, None) if config.frame_stack else None
-        framed = ("obs", "next_obs") if frames is not None else ()
-        plain = {n: v for n, v in Ingest(config).stored.items() if n not in framed}
-        return cls._specs(config, plain, frames)
-
-    @staticmethod
-    def _specs(cfg: Config, plain: dict, frames) -> dict:
-        specs = {name: (cfg.capacity, shape, dtype) for name, (shape, dtype) in plain.items()}
-        if frames is not None:
-            specs.update(frames.specs())
-        return specs
+        keeps in its storage."""
+        return storage_specs(config)
 
     # -- construction ----------------------------------------------------------
-    def _setup(self, cfg: Config, store) -> None:
+    def _setup(self, cfg: Config, store, frames) -> None:
         self.config = cfg
-        self._closed = True  # until the storage is allocated
         self._cfg_beta = cfg.schedule
         self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
         c = cfg.capacity
         self._ingest = Ingest(cfg)
         self._store = store
-        self._frames = FrameStore(cfg, store) if cfg.frame_stack else None
-        # Fields stored row by row; with frame stacks, obs and next_obs go to the frame ring.
-        framed = ("obs", "next_obs") if self._frames is not None else ()
-        self._plain = {n: v for n, v in self._ingest.stored.items() if n not in framed}
-        store.allocate(self._specs(cfg, self._plain, self._frames))
+        self._frames = frames
+        self._plain = plain_fields(cfg)
         self._prio = make_prioritization(cfg.prioritization, c, alpha=cfg.alpha, eps=cfg.eps,
                                          max_priority=self._maxp, weight_norm=cfg.weight_norm)
         self._gid = np.full(c, -1, dtype=np.int64)
@@ -187,12 +246,17 @@ class PrioritizedReplayBuffer(BufferProtocol):
                               self._ends, self._pending)
         self._beta_step = 0
         self._rng = np.random.default_rng(cfg.seed)
-        # Serializes every call that reads or changes state with the prefetching
-        # samplers' threads (re-entrant: save and sample_at call back in).
-        self._lock = threading.RLock()
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
         self._closed = False
         _OPEN.add(self)
+        if store.kind == "hdf5":
+            _run_first_at_exit()
+
+    def _forget(self) -> None:
+        """Mark a buffer whose construction failed closed, so that nothing
+        (its finalizer, the exit handler) records state into its storage."""
+        self._closed = True
+        _OPEN.discard(self)
 
     # The ring's counters live in the writer (the write path's room).
     _count = property(lambda self: self._writer.count, lambda self, v: setattr(self._writer, "count", v))
@@ -211,32 +275,38 @@ class PrioritizedReplayBuffer(BufferProtocol):
     def _fused(self, on: bool) -> None:
         self._writer.fused = bool(on)
 
-    # -- sizes -----------------------------------------------------------------
+    # -- sizes (these answer on a closed buffer too) -----------------------------
     @property
     def capacity(self) -> int:
+        """Transitions held at most, across all envs."""
         return self.config.capacity
 
+    @_read
     def __len__(self) -> int:
         """Transitions held (sampleable or waiting for their n-step window)."""
         return min(self._count, self.config.capacity)
 
     @property
+    @_read
     def total_priority(self) -> float:
         """Sum of all leaves: ``P(i) = leaf_i / total_priority``."""
         return self._prio.total
 
     @property
+    @_read
     def beta(self) -> float:
         """The beta the next ``sample`` call will use."""
         return self._cfg_beta(self._beta_step)
 
     # -- writing ---------------------------------------------------------------
+    @_entry
     def add(self, *, priorities=None, valid=None, **step) -> None:
         """Add one env step (with ``num_envs > 1``: one step of every env).
 
         Takes every field, ``next_<name>`` for the fields in ``next_of``, and
         optionally ``terminated`` and ``truncated`` (default False). Values
-        have the field's shape, with a leading env axis when ``num_envs > 1``.
+        have the field's shape, with a leading env axis when ``num_envs > 1``,
+        and are stored exactly or refused (``InvalidArgumentError``).
 
         ``valid`` (bool per env) marks envs whose step is not a transition:
         with Gymnasium's next-step autoreset, the step right after an episode
@@ -246,18 +316,18 @@ class PrioritizedReplayBuffer(BufferProtocol):
         """
         self._check_writable()
         rows, leaves, valid = self._ingest.step(step, priorities, valid)
-        with self._lock:
-            self._writer.write(rows, leaves, valid)
+        self._writer.write(rows, leaves, valid)
 
+    @_entry
     def extend(self, data, priorities=None, valid=None) -> None:
         """Add many steps: every value has a leading time axis (then the env
         axis when ``num_envs > 1``); ``priorities`` and ``valid`` match those axes."""
         self._check_writable()
         rows, leaves, valid = self._ingest.steps(data, priorities, valid)
-        with self._lock:
-            self._writer.write(rows, leaves, valid)
+        self._writer.write(rows, leaves, valid)
 
     # -- sampling --------------------------------------------------------------
+    @_entry
     def sample(self, batch_size: int, *, beta=None, stratified: bool = True, out=None) -> Batch:
         """Draw ``batch_size`` transitions with replacement, ``P(i) = leaf_i / total``.
 
@@ -272,36 +342,50 @@ class PrioritizedReplayBuffer(BufferProtocol):
             or every draw over the whole total.
         out : dict[str, np.ndarray], optional
             Arrays to gather into, for any of the batch's fields (each of the
-            shape and dtype ``sample`` gives it, C-contiguous): frames and
-            fields are gathered straight into them (say, numpy views of pinned
-            host tensors, so ``to_torch`` needs no second copy), and the batch
+            shape and dtype ``sample`` gives it, C-contiguous, sharing no
+            memory with each other or with the buffer): frames and fields are
+            gathered straight into them (say, numpy views of pinned host
+            tensors, so ``to_torch`` needs no second copy), and the batch
             holds them. The caller must not reuse one while a batch holds it.
         """
-        self._check_open()
         if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
             check_batch_size(batch_size)  # raises, or passes a numpy integer
         if out is not None:
             out = self._reader.check_out(out, int(batch_size))
-        if beta is not None:
+            self._check_not_mine(out)
+        if beta is None:
+            b = self._cfg_beta(self._beta_step)
+        else:
             try:
                 b = float(beta)
             except (TypeError, ValueError):
                 raise InvalidTypeError(f"beta must be a number >= 0, got {beta!r}") from None
             if not (b >= 0 and b < np.inf):
                 raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
-        with self._lock:
-            self._check_open()
-            if beta is None:  # read under the lock: a sampler thread advances the schedule too
-                b = self._cfg_beta(self._beta_step)
-            if not self._prio.sampleable:
-                raise InvalidArgumentError(
-                    f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
-                    "transition becomes sampleable once its window completes or its episode ends)")
-            idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
-                                             stratified=bool(stratified), beta=b)
-            self._beta_step += 1
-            return self._reader.batch(idx, w, prob, out, self._writer.fused)
+        if not self._prio.sampleable:
+            raise InvalidArgumentError(
+                f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
+                "transition becomes sampleable once its window completes or its episode ends)")
+        idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
+                                         stratified=bool(stratified), beta=b)
+        self._beta_step += 1
+        return self._reader.batch(idx, w, prob, out, self._writer.fused)
 
+    def _check_not_mine(self, out: dict) -> None:
+        """Refuse ``out`` arrays that share memory with anything the buffer
+        owns (its storage's arrays, its state, its tree): gathering into one
+        would overwrite stored data."""
+        owned = [a for a in self.state_dict()[1].values() if isinstance(a, np.ndarray)]
+        for holder in (self._prio, getattr(self._prio, "tree", None), self._writer, self._reader):
+            owned += [v for v in vars(holder).values() if isinstance(v, np.ndarray)] if holder is not None else []
+        for arrays in (getattr(self._store, "arrays", None), getattr(self._store, "writable_arrays", None)):
+            owned += [v for v in (arrays or {}).values() if isinstance(v, np.ndarray)]
+        for name, arr in out.items():
+            if any(np.may_share_memory(arr, a) for a in owned):
+                raise InvalidArgumentError(f"out[{name!r}] shares memory with the buffer's own arrays "
+                                           "(its storage, state or tree); pass arrays of your own")
+
+    @_entry
     def sampler(self, batch_size: int, prefetch: int = 2, device=None, **sample_kw):
         """An endless iterator of batches, the next ones prepared in a background thread.
 
@@ -327,31 +411,25 @@ class PrioritizedReplayBuffer(BufferProtocol):
         overwritten since its draw, as for any batch. ``close()`` (also on the
         buffer's ``close``, and when the iterator is collected) stops the
         thread and drops the batches it prepared; they were drawn, so the
-        random stream and the beta schedule are past them.
+        random stream and the beta schedule are past them. The thread holds
+        the buffer only during a draw: a buffer dropped with its sampler
+        is closed (its lock released) when the last of them is collected.
         """
-        self._check_open()
         check_batch_size(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
             raise InvalidArgumentError(f"prefetch must be an int in [0, 1024], got {prefetch!r}")
         unknown = sorted(set(sample_kw) - {"beta", "stratified"})
         if unknown:
             raise InvalidArgumentError(f"sampler passes only beta and stratified to sample, got {unknown}")
-        size = int(batch_size)
-
-        def produce():
-            batch = self.sample(size, **sample_kw)
-            return batch if device is None else batch.to_torch(device)
-
+        produce = functools.partial(_sample_in, weakref.ref(self), int(batch_size), device, dict(sample_kw))
         if prefetch == 0:
             return (produce() for _ in iter(int, 1))
         it = Prefetcher(produce, int(prefetch), self._lock)
         self._samplers.add(it)
         return it
 
-    def _gather(self, idx: np.ndarray) -> dict:
-        return self._reader.gather(idx, None, None, self._fused)
-
     # -- priorities ------------------------------------------------------------
+    @_entry
     def update_priorities(self, target, priorities) -> None:
         """Set the priorities of sampled transitions.
 
@@ -381,11 +459,270 @@ class PrioritizedReplayBuffer(BufferProtocol):
             idx = as_index(target)
             stamps, use = idx, False
         p = as_priorities(priorities, idx.shape[0])
+        top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
+        if top > self._max_leaf:
+            self._max_leaf = top
+
+    @_entry
+    def assign_priorities(self, priorities) -> None:
+        """Set the priority of every slot at once in O(N) (a dataset's scores):
+        ``priorities`` has shape ``(capacity,)``; rows of slots that are not
+        sampleable are ignored. All or nothing, like ``update_priorities``."""
+        self._check_writable("priorities")
+        self._assign(as_priorities(priorities, self.capacity))
+
+    def _assign(self, p: np.ndarray) -> None:
+        live = self._status == LIVE
+        bad = np.flatnonzero(live & ~((p >= 0) & (p < np.inf)))
+        if bad.size:
+            raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad[0]]} at position {bad[0]}")
+        keys = self._prio.keys(np.where(live, p, 0.0))
+        self._prio.assign(keys, live)
+        if live.any():
+            self._max_leaf = max(self._max_leaf, float(keys[live].max()))
+
+    # -- state (close/reopen and snapshots) --------------------------------------
+    @_read
+    def state_dict(self) -> tuple[dict, dict]:
+        """``(meta, arrays)``: JSON-able counters and RNG state, and the
+        bookkeeping arrays (views of the live ones: copy before changing);
+        with the storage's data, everything to resume. Answers on a closed
+        buffer too (what it recorded at close)."""
+        meta = {"count": self._count, "max_leaf": self._max_leaf, "beta_step": self._beta_step,
+                "rng": self._rng.bit_generator.state, "env_ended": self._env_ended.tolist()}
+        pmeta, arrays = self._prio.state()
+        if pmeta:
+            meta["prioritization"] = pmeta
+        arrays = dict(arrays)
+        arrays.update({"gid": self._gid, "status": self._status, "ends": self._ends,
+                       "pending": self._pending})
+        if self._frames is not None:
+            fmeta, farrays = self._frames.state()
+            meta["frames"] = fmeta
+            arrays.update(farrays)
+        return meta, arrays
+
+    @_entry
+    def load_state(self, meta: dict, arrays: dict) -> None:
+        """Replace the bookkeeping with a recorded ``state_dict`` (checked first;
+        ``CorruptSnapshotError`` on anything a buffer could not have written)."""
+        self._restore(meta, arrays)
+
+    def _restore(self, meta: dict, arrays: dict, reseed: bool = False) -> None:
+        check_state(self.config, meta, arrays)
+        c = self.config.capacity
+        for name, want in (("gid", (c,)), ("status", (c,)), ("ends", (c,))):
+            got = arrays.get(name)
+            if got is None or got.shape != want:
+                raise IncompatibleSnapshotError(
+                    f"recorded state array {name!r} has shape {None if got is None else got.shape}, "
+                    f"expected {want}")
+        self._prio.restore(meta.get("prioritization", {}), arrays, arrays["status"])
+        self._gid[:] = arrays["gid"]
+        self._status[:] = arrays["status"]
+        self._ends[:] = arrays["ends"]
+        self._pending[:] = arrays.get("pending", self._pending)
+        self._count = int(meta["count"])
+        self._max_leaf = float(meta["max_leaf"])
+        self._beta_step = int(meta["beta_step"])
+        self._env_ended[:] = meta["env_ended"]
+        if not reseed:  # a new seed on resume starts a new random stream
+            self._rng.bit_generator.state = meta["rng"]
+        if self._frames is not None:
+            self._frames.restore(meta["frames"], arrays)
+
+    # -- snapshots -------------------------------------------------------------
+    @_entry
+    def save(self, snapshot, *, metadata=None, files=None):
+        """Write a crash-consistent snapshot of tree, data and state to the
+        new directory ``snapshot``; returns its absolute path.
+
+        ``metadata`` (JSON-able) and ``files`` (``name -> path`` of the
+        caller's files, e.g. a model checkpoint) are kept in it, checksummed
+        (see ``bigper.Snapshots.save``). With a prefetching ``sampler``
+        running, the snapshot is taken between two of its draws: the batches
+        it prepared before were drawn before the save (the saved random state
+        is past them), so a buffer resumed from it draws next what the
+        running sampler would have drawn after them."""
+        summary = {"len": len(self), "capacity": self.capacity, "total_priority": self.total_priority}
+        return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
+                              summary=summary, metadata=metadata, files=files)
+
+    @classmethod
+    def load(cls, snapshot, *, path=None) -> "PrioritizedReplayBuffer":
+        """Resume the buffer saved in ``snapshot``; ``path``: where a disk storage keeps
+        its live data (default: the path recorded in the snapshot).
+
+        Raises
+        ------
+        CorruptSnapshotError
+            A file is missing, truncated or does not match its checksum.
+        IncompatibleSnapshotError
+            Another format version, a config this bigper cannot build, or
+            ``path`` holds a buffer of another config.
+        StorageLockedError
+            A live writer holds ``path``.
+        """
+        parts = _snapshot.load(snapshot, path=path)
+        try:
+            return cls.from_parts(parts.config, parts.storage, (parts.meta, parts.arrays))
+        except BigperError:
+            parts.release()
+            raise
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            parts.release()
+            raise IncompatibleSnapshotError(
+                f"{parts.snapshot}: its recorded state does not fit this bigper's buffer: {e!r}") from e
+
+    # -- offline datasets --------------------------------------------------------
+    @classmethod
+    def from_hdf5(cls, dataset, **kwargs) -> "PrioritizedReplayBuffer":
+        """Open a D4RL, Minari or bigper HDF5 dataset in place, read-only (its
+        priorities writable, kept in a sidecar); keyword arguments as
+        ``bigper.offline.open_dataset`` takes them."""
+        from .offline import open_dataset, watch_priorities  # h5py-heavy: loaded on first use
+
+        cfg, src, state = open_dataset(dataset, **kwargs)
+        try:
+            buf = cls.from_parts(cfg, src, state)
+            watch_priorities(src, cfg, weakref.WeakMethod(buf._all_leaves))
+        except BaseException:
+            src.close()
+            raise
+        return buf
+
+    @_entry
+    def reprioritize(self, score_fn, batch_size: int = 4096, progress: bool = True, *,
+                     restart: bool = False, commit_seconds: float = 2.0) -> None:
+        """Score every sampleable transition in order with ``score_fn(batch) -> |TD|``
+        and make the scores its priorities (a buffer from ``from_hdf5``).
+
+        Scores are made durable in the dataset's sidecar as they come (at
+        most ``commit_seconds`` apart); an interrupted run resumes where it
+        stopped unless ``restart``. The buffer's priorities change only at
+        the end, all at once. The buffer's lock is held throughout, so other
+        threads' calls wait until it finishes.
+        """
+        from .offline import finish_priorities, score_all
+
+        src = self._store
+        scores = score_all(src, np.flatnonzero(self._status == LIVE), self._scored_batch, score_fn,
+                           batch_size=batch_size, progress=progress, restart=restart,
+                           commit_seconds=commit_seconds)
+        if scores is not None:
+            self._assign(scores)
+            finish_priorities(src, self._all_leaves())
+
+    def _scored_batch(self, idx: np.ndarray, at) -> Batch:
+        return Batch(self._gather(idx), idx,
+                     np.ones(idx.shape[0], dtype=np.float32), self._prio.probabilities(idx),
+                     self._gid[at].copy())
+
+    def _all_leaves(self) -> np.ndarray:
         with self._lock:
-            self._check_open()
-            top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
-            if top > self._max_leaf:
-                self._max_leaf = top
+            return self._prio.key_at(np.arange(self.capacity, dtype=np.int64))
+
+    # -- for the rooms above (shards, integrations) ------------------------------
+    @property
+    @_read
+    def storage(self):
+        """The storage object (``kind``, ``path``, ``read``/``write``)."""
+        return self._store
+
+    @property
+    @_read
+    def prioritization(self):
+        """The prioritization strategy (``bigper.prioritization``)."""
+        return self._prio
+
+    @property
+    @_entry
+    def status(self) -> np.ndarray:
+        """Slot status, a read-only copy (uint8: 0 empty, 1 sampleable, 2 waiting
+        for its n-step window, 3 dead)."""
+        return _frozen(self._status)
+
+    @property
+    @_entry
+    def generations(self) -> np.ndarray:
+        """How many transitions had been added when each slot was last written
+        (int64, -1 for never), a read-only copy; ``Batch.generations`` are these."""
+        return _frozen(self._gid)
+
+    @_entry
+    def gather(self, indices) -> dict:
+        """The data of the transitions at ``indices`` as ``sample`` returns it
+        (no draw, no weights); every index must be sampleable."""
+        idx = self._check_indices(indices)
+        bad = np.flatnonzero(self._status[idx] != LIVE)
+        if bad.size:
+            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable transition")
+        return self._gather(idx)
+
+    def _gather(self, idx: np.ndarray) -> dict:
+        return self._reader.gather(idx, None, None, self._fused)
+
+    def _check_indices(self, indices) -> np.ndarray:
+        idx = as_index(indices)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
+            raise InvalidIndexError(f"indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
+        return idx
+
+    @_entry
+    def leaves(self, indices) -> np.ndarray:
+        """Stored priority keys (float64) at ``indices``: 0 for slots not sampleable."""
+        return self._prio.key_at(self._check_indices(indices))
+
+    @property
+    @_entry
+    def max_leaf(self) -> float:
+        """The largest key so far: what a new transition enters with."""
+        return self._max_leaf
+
+    @_entry
+    def raise_max_leaf(self, value: float) -> None:
+        """Let new transitions enter at ``value`` if it is larger (for shards
+        that share the largest key any of them has seen)."""
+        try:
+            v = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidTypeError(f"value must be a number, got {value!r}") from None
+        if not (v > 0 and v <= getattr(self._prio, "limit", np.inf) and v < np.inf):
+            raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r}")
+        self._max_leaf = max(self._max_leaf, v)
+
+    @property
+    @_entry
+    def min_leaf(self) -> float:
+        """Smallest non-zero key (``inf`` when nothing is sampleable)."""
+        return self._prio.min_key
+
+    @_entry
+    def sample_at(self, targets, *, beta: float) -> Batch:
+        """Sample the leaves at the given prefix-sum ``targets`` in ``[0, total_priority)``.
+
+        For coordinators that draw the uniforms themselves (the Ray shards):
+        the RNG and the beta schedule are not touched; probabilities and
+        weights are local to this buffer (weights normalized by the batch max).
+        Proportional prioritization only.
+        """
+        t = np.ascontiguousarray(targets, dtype=np.float64)
+        if t.ndim != 1 or t.shape[0] < 1:
+            raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
+        total = self._prio.total
+        if not self._prio.sampleable:
+            raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={len(self)})")
+        ok = np.isfinite(t) & (t >= 0) & (t < total)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
+        idx, prob, w = self._prio.sample_at(t, beta=float(beta))
+        return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+
+    @property
+    def _tree(self):
+        # Transitional: the proportional strategy's tree, for rooms not yet on the public protocol.
+        return self._prio.tree
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -393,12 +730,7 @@ class PrioritizedReplayBuffer(BufferProtocol):
         """True after ``close()``."""
         return self._closed
 
-    def _check_open(self):
-        if self._closed:
-            raise BufferClosedError("this buffer is closed")
-
     def _check_writable(self, what: str = "data"):
-        self._check_open()
         store = self._store
         if store.read_only and not (what == "priorities" and getattr(store, "priorities_writable", False)):
             where = getattr(store, "path", None) or getattr(store, "file_path", "")
@@ -414,9 +746,10 @@ class PrioritizedReplayBuffer(BufferProtocol):
             s.close()
         with self._lock:
             if not self._closed:
+                state = None if self._store.read_only else self.state_dict()
                 self._closed = True
                 _OPEN.discard(self)
-                self._store.close(None if self._store.read_only else self.state_dict())
+                self._store.close(state)
 
     def __del__(self):
         # A buffer dropped without close() (a notebook cell, an exception)
@@ -433,5 +766,12 @@ class PrioritizedReplayBuffer(BufferProtocol):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"PrioritizedReplayBuffer(len={len(self)}, capacity={self.capacity}, "
+        state = "closed" if self._closed else f"len={len(self)}"
+        return (f"PrioritizedReplayBuffer({state}, capacity={self.capacity}, "
                 f"storage={self.config.storage!r}, total_priority={self.total_priority:.6g})")
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out.flags.writeable = False
+    return out

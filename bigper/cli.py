@@ -23,19 +23,20 @@ def _reprioritize(args) -> int:
     import time
 
     from . import offline
+    from .buffer import PrioritizedReplayBuffer
 
     try:
         score_fn = offline.load_score_fn(args.score)
-        buf = offline.from_hdf5(args.dataset, priorities=args.priorities, layout=args.layout,
-                                allow_external=args.allow_external)
+        buf = PrioritizedReplayBuffer.from_hdf5(args.dataset, priorities=args.priorities, layout=args.layout,
+                                                allow_external=args.allow_external)
     except (OSError, ImportError, ValueError, TypeError, AttributeError) as e:
         print(f"bigper reprioritize: {e}", file=sys.stderr)
         return 2
     with buf:
         t0 = time.perf_counter()
         try:
-            offline.reprioritize(buf, score_fn, batch_size=args.batch_size, progress=not args.no_progress,
-                                 restart=args.restart)
+            buf.reprioritize(score_fn, batch_size=args.batch_size, progress=not args.no_progress,
+                             restart=args.restart)
         except (ValueError, TypeError, KeyboardInterrupt) as e:
             why = "interrupted" if isinstance(e, KeyboardInterrupt) else str(e)
             part = (buf.storage.sidecar.meta or {}).get("partial")
@@ -67,7 +68,7 @@ def _info_snapshot(path: Path, args) -> int:
 
 
 def _info_series(path: Path, args) -> int:
-    from .snapshot import Snapshots
+    from .snapshots import Snapshots
 
     snaps = Snapshots.__new__(Snapshots)  # look only: no cleanup, no directory created
     snaps.root, snaps.keep = path.resolve(), None

@@ -20,7 +20,6 @@ import importlib.util
 import inspect
 import time
 import warnings
-import weakref
 from functools import partial
 from pathlib import Path
 
@@ -29,23 +28,24 @@ import numpy as np
 from ._kernels import first_bad_priority
 from ._sidecar import Sidecar, SidecarMismatchError, _xxh, key_params
 from ._torch import as_numpy
-from .batch import Batch
 from .config import Config
 from .prioritization import make as make_prioritization
 from .schedules import schedule_from_dict
+from ._layout import storage_specs
 from ._statecheck import RING_ARRAYS
 from .storage.h5source import LIVE, H5Source, OfflineDatasetError
-from .errors import (BufferClosedError, CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
+from .errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
                      PathNotFoundError)
 
-__all__ = ["from_hdf5", "reprioritize", "describe", "load_score_fn", "OfflineDatasetError",
+__all__ = ["open_dataset", "score_all", "watch_priorities", "finish_priorities", "describe", "load_score_fn", "OfflineDatasetError",
            "SidecarMismatchError"]
 
 
-def from_hdf5(dataset, *, layout: str = "auto", priorities=None, prioritization=None, alpha=None,
+def open_dataset(dataset, *, layout: str = "auto", priorities=None, prioritization=None, alpha=None,
               eps=None, beta=None, max_priority=None, weight_norm=None, gamma=None, seed=0,
               cache_bytes: int = 64 << 20, allow_external: bool = False):
-    """Open an HDF5 dataset in place as a read-only prioritized buffer.
+    """Open an HDF5 dataset in place: what ``PrioritizedReplayBuffer.from_hdf5``
+    builds a read-only prioritized buffer of.
 
     Parameters
     ----------
@@ -74,14 +74,14 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, prioritization=
 
     Returns
     -------
-    PrioritizedReplayBuffer
-        ``capacity`` and ``len`` are the number of transitions (slots for bigper's
-        layout). Priorities: the keys saved at close by a buffer of the same
-        prioritization and parameters, else the scores of the last complete
-        ``reprioritize``, else the key 1.0 for every sampleable transition.
+    (Config, H5Source, (meta, arrays))
+        The buffer's config (``capacity`` is the number of transitions, or
+        slots for bigper's layout), the dataset as an allocated storage, and
+        the state the buffer starts from. Priorities: the keys saved at close
+        by a buffer of the same prioritization and parameters, else the
+        scores of the last complete ``reprioritize``, else the key 1.0 for
+        every sampleable transition.
     """
-    from .buffer import PrioritizedReplayBuffer
-
     src = H5Source(dataset, layout=layout, cache_bytes=cache_bytes, allow_external=allow_external)
     try:
         cfg = _config(src, prioritization=prioritization, alpha=alpha, eps=eps, beta=beta, max_priority=max_priority,
@@ -89,14 +89,27 @@ def from_hdf5(dataset, *, layout: str = "auto", priorities=None, prioritization=
         where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
         sidecar = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
         sidecar.load()
-        buf = PrioritizedReplayBuffer.from_parts(cfg, src, state=_initial_state(cfg, src, sidecar))
+        src.allocate(storage_specs(cfg))
+        state = _initial_state(cfg, src, sidecar)
         src.sidecar = sidecar
-        src.leaves_digest = _xxh(_all_leaves(buf))
-        src.on_close = partial(_save_changed_leaves, weakref.ref(buf), cfg, src)
     except BaseException:
         src.close()
         raise
-    return buf
+    return cfg, src, state
+
+
+def watch_priorities(src: H5Source, cfg: Config, leaves) -> None:
+    """Keep the priorities a buffer over ``src`` changes: at close, keys that
+    differ from the ones it opened with go to the sidecar. ``leaves``: a
+    callable (a weak method of the buffer) giving every slot's key, or None
+    once the buffer is gone."""
+    src.leaves_digest = _xxh(leaves()())
+    src.on_close = partial(_save_changed_leaves, leaves, cfg, src)
+
+
+def finish_priorities(src: H5Source, leaves: np.ndarray) -> None:
+    """The buffer's keys after ``score_all``'s scores were assigned: not "changed" at close."""
+    src.leaves_digest = _xxh(leaves)
 
 
 def _config(src: H5Source, *, prioritization, alpha, eps, beta, max_priority, weight_norm, gamma,
@@ -150,10 +163,6 @@ def _strategy(cfg: Config):
                                weight_norm=cfg.weight_norm)
 
 
-def _all_leaves(buf) -> np.ndarray:
-    return buf.leaves(np.arange(buf.capacity, dtype=np.int64))
-
-
 def _initial_keys(cfg: Config, prio, live: np.ndarray, sidecar: Sidecar) -> np.ndarray:
     """Keys, ``(capacity,)``: saved ones if they fit ``cfg``, else the scores'
     (the last complete reprioritize), else 1.0; 0.0 where not ``live``."""
@@ -186,12 +195,12 @@ def _params(d: dict, keys) -> str:
     return ", ".join(f"{k}={d[k]!r}" for k in keys if k in d)
 
 
-def _save_changed_leaves(buf_ref, cfg: Config, src: H5Source) -> None:
+def _save_changed_leaves(leaves_ref, cfg: Config, src: H5Source) -> None:
     """At close: priorities changed by update_priorities go to the sidecar (as the strategy's keys)."""
-    buf = buf_ref()
-    if buf is None:
+    all_leaves = leaves_ref()
+    if all_leaves is None:
         return
-    leaves = _all_leaves(buf)
+    leaves = all_leaves()
     if _xxh(leaves) == src.leaves_digest:
         return
     sc = src.sidecar
@@ -206,18 +215,22 @@ def _save_changed_leaves(buf_ref, cfg: Config, src: H5Source) -> None:
 
 
 # -- reprioritize ---------------------------------------------------------------------
-def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *,
-                 restart: bool = False, commit_seconds: float = 2.0) -> None:
-    """Score every sampleable transition in order and make the scores its priorities.
+def score_all(src, live: np.ndarray, read_batch, score_fn, *, batch_size: int = 4096,
+              progress: bool = True, restart: bool = False, commit_seconds: float = 2.0):
+    """Score every sampleable transition of a dataset in order, durably.
 
     Parameters
     ----------
-    buf : PrioritizedReplayBuffer
-        Opened with ``from_hdf5``.
+    src : H5Source
+        The dataset (opened by ``open_dataset``).
+    live : np.ndarray of int64
+        Its sampleable slots, ascending.
+    read_batch : callable
+        ``read_batch(idx, at) -> Batch`` of the slots ``idx`` (``at``: the same
+        slots as a slice where they are a run).
     score_fn : callable
         ``score_fn(batch) -> (B,)`` non-negative finite scores (numpy or torch), e.g.
-        ``|TD error|``. ``batch`` is a ``Batch`` of consecutive transitions;
-        ``batch.indices`` are their slots.
+        ``|TD error|``. ``batch.indices`` are the slots.
     batch_size : int
         Transitions per call.
     progress : bool
@@ -228,18 +241,18 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
         Scores are made durable in the sidecar at most this many seconds apart, and
         whenever ``score_fn`` raises: a new call resumes after the last scored chunk.
 
-    Scores are kept raw in the sidecar; at the end every transition's priority
-    becomes its score in one pass (proportional: leaves ``(min(score,
-    max_priority) + eps) ** alpha`` and one O(N) rebuild; rank: one full sort by
-    ``min(score, max_priority)``). Until then the buffer's priorities are unchanged. A bad score (NaN, inf, negative, wrong
-    length) raises before anything of its chunk is written.
+    Returns
+    -------
+    np.ndarray of float64 (n,) or None
+        Every slot's score (0 where not sampleable), kept raw in the sidecar;
+        None when nothing is sampleable. The caller makes them the priorities
+        (proportional: leaves ``(min(score, max_priority) + eps) ** alpha``
+        and one O(N) rebuild; rank: one full sort). A bad score (NaN, inf,
+        negative, wrong length) raises before anything of its chunk is written.
     """
-    src = buf.storage
     if not isinstance(src, H5Source):
         raise InvalidTypeError("reprioritize works on buffers opened with PrioritizedReplayBuffer.from_hdf5; "
-                        f"this one has storage {buf.config.storage!r}")
-    if buf.closed:
-        raise BufferClosedError("this buffer is closed")
+                               f"this one has storage {getattr(src, 'kind', type(src).__name__)!r}")
     if not callable(score_fn):
         raise InvalidTypeError(f"score_fn must be callable, got {score_fn!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -247,7 +260,6 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
     batch_size = int(batch_size)
     sc = src.sidecar
     sc.load()
-    live = np.flatnonzero(buf.status == LIVE)
     total = live.shape[0]
     entry, done, scores = None, 0, np.zeros(src.n, dtype=np.float64)
     if not restart and (resumed := sc.partial()) is not None and resumed[1]["total"] == total:
@@ -261,10 +273,7 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
             idx = live[done:done + batch_size]
             lo, hi = int(idx[0]), int(idx[-1]) + 1
             at = slice(lo, hi) if hi - lo == idx.shape[0] else idx  # a run of slots: slices, no gathers
-            probs = buf.prioritization.probabilities(idx)
-            batch = Batch(buf.gather(idx), idx, np.ones(idx.shape[0], dtype=np.float32), probs,
-                          buf.generations[at].copy())
-            s = _check_scores(score_fn(batch), idx, done, src.path)
+            s = _check_scores(score_fn(read_batch(idx, at)), idx, done, src.path)
             if not sc.locked:  # the first good chunk: only now is anything written
                 sc.lock()
             if entry is None:
@@ -288,10 +297,7 @@ def reprioritize(buf, score_fn, batch_size: int = 4096, progress: bool = True, *
     finally:
         bar.close()
         sc.unlock()
-    if entry is None:
-        return  # nothing sampleable
-    buf.assign_priorities(scores)
-    src.leaves_digest = _xxh(_all_leaves(buf))
+    return None if entry is None else scores
 
 
 def _bar(total: int, initial: int, progress: bool, name: str):

@@ -41,13 +41,18 @@ def _run(produce: Callable[[], Any], q: "queue.Queue", stop: threading.Event, lo
     # Module-level (not a method) so the thread holds no reference to the
     # Prefetcher: dropping the last user reference lets __del__ stop it.
     while not stop.is_set():
+        # The lock is polled, not waited for: a thread told to stop while another
+        # holds the lock (say, for a long snapshot) ends within a poll.
+        if not lock.acquire(timeout=_POLL_S):
+            continue
         try:
-            with lock:
-                if stop.is_set():  # told to stop while waiting for the lock: draw nothing more
-                    return
-                item = produce()
+            if stop.is_set():  # told to stop while waiting for the lock: draw nothing more
+                return
+            item = produce()
         except BaseException as exc:  # noqa: BLE001 (handed to the consumer, who re-raises it)
             item = _Failure(exc)
+        finally:
+            lock.release()
         while not stop.is_set():
             try:
                 q.put(item, timeout=_POLL_S)
@@ -108,13 +113,14 @@ class Prefetcher:
         """Items prepared and waiting."""
         return self._q.qsize()
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, timeout: float | None = None) -> None:
         """Stop the thread (it finishes the ``produce`` call in progress, if
-        any) and drop what it prepared. Idempotent."""
+        any) and drop what it prepared; ``wait``: until the thread has ended
+        (at most ``timeout`` seconds). Idempotent."""
         self._stop.set()
         self._done = True
         if wait and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
         while True:
             try:
                 self._q.get_nowait()
@@ -128,7 +134,10 @@ class Prefetcher:
         self.close()
 
     def __del__(self):
+        # Collected: wait (briefly) for the thread, so that whatever it held
+        # during its last call (a buffer, and with it a storage lock) is let go
+        # before the collection that dropped this iterator returns.
         try:
-            self.close(wait=False)
+            self.close(wait=True, timeout=2.0)
         except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
             pass

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bigper.snapshot import load
+import bigper
+
+load = bigper.PrioritizedReplayBuffer.load
 from bigper.snapshot._manifest import MANIFEST, decode, digest, encode
 
 from ._snapshot_cases import Stream, feed, make

@@ -176,7 +176,7 @@ def test_symlinks_in_the_sidecar_are_refused(scored, what):
     before = fingerprint(path, side, victim)
     with pytest.raises(bigper.BigperError, match="symbolic link|regular file"):
         with PRB.from_hdf5(path) as buf:  # .lock is only opened by a writer
-            bigper.offline.reprioritize(buf, scores_of, progress=False, restart=True)
+            buf.reprioritize(scores_of, progress=False, restart=True)
     assert fingerprint(path, side, victim) == before
 
 
@@ -190,7 +190,7 @@ def test_fifos_in_the_sidecar_are_refused_without_blocking(scored, what):
 
     def go():
         with PRB.from_hdf5(path) as buf:
-            bigper.offline.reprioritize(buf, scores_of, progress=False, restart=True)
+            buf.reprioritize(scores_of, progress=False, restart=True)
 
     with pytest.raises(bigper.CorruptSnapshotError, match="FIFO|regular file"):
         no_hang(go, [side / name])
@@ -204,7 +204,7 @@ def test_a_planted_temporary_name_is_not_written_through(scored):
     os.link(victim, side / ".meta.json.tmp")
     before = fingerprint(victim)
     with PRB.from_hdf5(path) as buf:
-        bigper.offline.reprioritize(buf, scores_of, progress=False, restart=True)
+        buf.reprioritize(scores_of, progress=False, restart=True)
     assert fingerprint(victim) == before
 
 
@@ -214,7 +214,7 @@ def test_only_bigpers_own_names_are_ever_deleted(scored, tmp_path):
     (side / "scores-run.f64").write_text("not bigper's name either")
     keep = fingerprint(side / "notes.txt", side / "scores-run.f64")
     with PRB.from_hdf5(path) as buf:
-        bigper.offline.reprioritize(buf, scores_of, progress=False, restart=True)
+        buf.reprioritize(scores_of, progress=False, restart=True)
         buf.update_priorities(np.array([0]), np.array([9.0]))
     assert fingerprint(side / "notes.txt", side / "scores-run.f64") == keep
     # a priorities= directory that is someone's (no meta.json) is refused, untouched

@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 import bigper
 from bigper import CorruptSnapshotError, IncompatibleSnapshotError
 from bigper.errors import BigperError, InvalidTypeError
-from bigper.snapshot import load, verify
+from bigper.snapshot import verify
+
+load = bigper.PrioritizedReplayBuffer.load
 from bigper.snapshot._manifest import MANIFEST, decode, digest, encode
 
 from ._snapshot_cases import Stream, feed, make

@@ -21,7 +21,9 @@ import pytest
 import bigper
 from bigper import CorruptSnapshotError, IncompatibleSnapshotError, PathExistsError, Snapshots
 from bigper.errors import InvalidArgumentError, InvalidTypeError, PathNotFoundError
-from bigper.snapshot import load, verify
+from bigper.snapshot import verify
+
+load = bigper.PrioritizedReplayBuffer.load
 from bigper.snapshot._manifest import MANIFEST, decode
 
 from ._snapshot_cases import Stream, feed, make

@@ -354,7 +354,7 @@ def test_interrupted_reprioritize_resumes(tmp_path):
     # restart=True starts over
     with PRB.from_hdf5(path) as buf:
         seen.clear()
-        bigper.offline.reprioritize(buf, lambda b: seen.append(1) or scores_of(b), batch_size=50,
+        buf.reprioritize(lambda b: seen.append(1) or scores_of(b), batch_size=50,
                                     progress=False, restart=True)
         assert len(seen) == 2
 

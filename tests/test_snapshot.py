@@ -16,7 +16,9 @@ import pytest
 
 import bigper
 from bigper import CorruptSnapshotError, IncompatibleSnapshotError, Snapshots, StorageLockedError
-from bigper.snapshot import load, verify
+from bigper.snapshot import verify
+
+load = bigper.PrioritizedReplayBuffer.load
 from bigper.snapshot._manifest import MANIFEST, decode, encode
 
 from ._snapshot_cases import (KINDS, Stream, assert_same_runs, assert_same_state, feed, learn, make,

@@ -15,8 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import bigper
 from bigper import CorruptSnapshotError, Snapshots
-from bigper.snapshot import load, verify
+from bigper.snapshot import verify
+
+load = bigper.PrioritizedReplayBuffer.load
 
 from ._snapshot_cases import Stream, assert_same_runs, assert_same_state, feed, learn, make, tree_hash
 

@@ -12,7 +12,9 @@ import pytest
 
 import bigper
 from bigper import Snapshots
-from bigper.snapshot import _save, load, verify
+from bigper.snapshot import _save, verify
+
+load = bigper.PrioritizedReplayBuffer.load
 
 from ._snapshot_cases import Stream, assert_same_runs, feed, learn, make, tree_hash
 

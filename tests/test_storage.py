@@ -289,7 +289,9 @@ def test_a_storage_with_prepare_and_no_shared_chunks_is_prepared_before_every_wr
             calls.append(sorted(writes))
 
     cfg = Config.build(capacity=8, fields={"obs": ((3,), np.float32)})
-    buf = bigper.PrioritizedReplayBuffer.from_parts(cfg, Prepared())
+    store = Prepared()
+    store.allocate(bigper.PrioritizedReplayBuffer.storage_specs(cfg))  # from_parts takes an allocated store
+    buf = bigper.PrioritizedReplayBuffer.from_parts(cfg, store)
     buf.add(obs=np.zeros(3, np.float32), next_obs=np.ones(3, np.float32))
     buf.extend({"obs": np.zeros((3, 3), np.float32), "next_obs": np.ones((3, 3), np.float32)})
     assert len(buf) == 4 and calls == [["next_obs", "obs"], ["next_obs", "obs"]]

@@ -135,7 +135,7 @@ class _CowClock:
 
 def run_snapshot(capacity: int, where: Path) -> dict:
     bigper = import_bigper()
-    from bigper.snapshot import load
+    load = bigper.PrioritizedReplayBuffer.load
 
     rng = np.random.default_rng(0)
     pool = _frames(4096, 1)

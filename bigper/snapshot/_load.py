@@ -30,19 +30,20 @@ import math
 import os
 import stat
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..config import Config
 from ..errors import (
-    BigperError,
     CorruptSnapshotError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
     InvalidTypeError,
     PathExistsError,
 )
+from .._layout import storage_specs
 from .._statecheck import check_state
 from ..storage._files import FileLock, open_regular
 from ..storage._state import npy_from_bytes
@@ -95,10 +96,8 @@ def _state_arrays(body: dict, snap) -> dict:
 def _needed_specs(cfg: Config) -> dict:
     """name -> (rows, shape, dtype) of the arrays a buffer of ``cfg`` stores,
     found without allocating them."""
-    from ..buffer import PrioritizedReplayBuffer
-
     return {n: (int(r), tuple(int(d) for d in sh), np.dtype(t))
-            for n, (r, sh, t) in PrioritizedReplayBuffer.storage_specs(cfg).items()}
+            for n, (r, sh, t) in storage_specs(cfg).items()}
 
 
 def _check_sizes(body: dict, snap, cfg: Config, layouts: dict) -> None:
@@ -160,10 +159,8 @@ def _release(store) -> None:
         release()
 
 
-def _new_buffer(cfg: Config, store):
-    from ..buffer import PrioritizedReplayBuffer
-
-    return PrioritizedReplayBuffer.from_parts(cfg, store)
+def _allocate(cfg: Config, store) -> None:
+    store.allocate(storage_specs(cfg))
 
 
 def _check_specs(store, layouts: dict, snap, cfg: Config) -> None:
@@ -193,15 +190,15 @@ def _load_memmap(cfg, body, snap, live, layouts):
             store.adopt({n: {**native[n], "files": [(snap / m, body["files"][m]["xxh3_64"])
                                                     for m in body["data"][n]["files"]]}
                          for n in layouts})
-            buf = _new_buffer(cfg, store)
+            _allocate(cfg, store)
         else:  # written with another chunking (another page size): copy the rows
-            buf = _new_buffer(cfg, store)
+            _allocate(cfg, store)
             _check_specs(store, layouts, snap, cfg)
             _fill(store, snap, body, layouts)
     except BaseException:
         store.abort()
         raise
-    return buf
+    return store
 
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -285,7 +282,7 @@ def _load_hdf5(cfg, body, snap, live, layouts):
         store.close()
         raise PathExistsError(f"{live} was created by another writer during the load")
     try:
-        buf = _new_buffer(cfg, store)
+        _allocate(cfg, store)
         _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
     except BaseException:
@@ -293,7 +290,7 @@ def _load_hdf5(cfg, body, snap, live, layouts):
         raise
     if trash is not None:
         trash.unlink(missing_ok=True)
-    return buf
+    return store
 
 
 def inspect(snap: Path, problems: list | None = None):
@@ -316,8 +313,10 @@ def inspect(snap: Path, problems: list | None = None):
     return body, cfg, layouts, state
 
 
-def load(snapshot, *, path=None):
-    """Resume the buffer saved in ``snapshot``.
+def load(snapshot, *, path=None) -> "Restored":
+    """The parts of the buffer saved in ``snapshot``, every byte checked:
+    its config, its storage (allocated and filled, at ``path`` for disk
+    storages) and its recorded state, for ``PrioritizedReplayBuffer.load``.
 
     Parameters
     ----------
@@ -359,20 +358,26 @@ def load(snapshot, *, path=None):
         from ..storage import MemoryStorage
 
         store = MemoryStorage()
-        buf = _new_buffer(cfg, store)
+        _allocate(cfg, store)
         _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
     elif kind == "memmap":
-        buf = _load_memmap(cfg, body, snap, live, layouts)
+        store = _load_memmap(cfg, body, snap, live, layouts)
     else:
-        buf = _load_hdf5(cfg, body, snap, live, layouts)
-    try:
-        buf.load_state(body["state"]["meta"], state)
-    except BigperError:
-        _release(buf.storage)
-        raise
-    except (KeyError, ValueError, TypeError, IndexError) as e:
-        _release(buf.storage)
-        raise IncompatibleSnapshotError(
-            f"{snap}: its recorded state does not fit this bigper's buffer: {e!r}") from e
-    return buf
+        store = _load_hdf5(cfg, body, snap, live, layouts)
+    return Restored(snap, cfg, store, body["state"]["meta"], state)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A loaded snapshot's parts: a buffer is built of them, or they are released."""
+
+    snapshot: Path
+    config: Config
+    storage: object
+    meta: dict
+    arrays: dict
+
+    def release(self) -> None:
+        """Let go of the storage, recording nothing (the buffer was refused)."""
+        _release(self.storage)

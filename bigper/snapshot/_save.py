@@ -43,7 +43,6 @@ import xxhash
 
 from ..config import check_name
 from ..errors import (
-    BufferClosedError,
     InvalidArgumentError,
     InvalidTypeError,
     PathExistsError,
@@ -318,16 +317,22 @@ def _open_user_files(files) -> dict:
     return fds
 
 
-def save(buf, snapshot, *, metadata=None, files=None) -> Path:
-    """Write a crash-consistent snapshot of ``buf`` to the new directory ``snapshot``.
+def save(snapshot, *, config, state, storage, summary, metadata=None, files=None) -> Path:
+    """Write a crash-consistent snapshot of a buffer's parts to the new directory ``snapshot``.
 
     Parameters
     ----------
-    buf : PrioritizedReplayBuffer
-        Open; it may go on being used afterwards (memmap storage copies a
-        chunk the snapshot shares before its first write into it).
     snapshot : str or Path
         A directory that must not exist yet; missing parents are created.
+    config : Config
+        The buffer's config.
+    state : (dict, dict)
+        The buffer's ``state_dict()``: JSON-able meta and named arrays.
+    storage : Storage
+        The buffer's open storage; it may go on being used afterwards (memmap
+        storage copies a chunk the snapshot shares before its first write into it).
+    summary : dict
+        ``len``, ``capacity``, ``total_priority`` (for ``bigper info``).
     metadata : JSON-able, optional
         The caller's own record (a step, an episode count, a run id), kept
         in the manifest, covered by its checksum; bigper never interprets it.
@@ -352,9 +357,8 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
     """
     from .._version import __version__
 
-    if buf.closed:
-        raise BufferClosedError("cannot save a closed buffer")
-    kind = getattr(buf.storage, "kind", None)
+    store = storage
+    kind = getattr(store, "kind", None)
     if kind not in ("memory", "memmap", "hdf5"):
         raise InvalidArgumentError(
             f"snapshots hold buffers on memory, memmap or hdf5 storage; this buffer's storage is "
@@ -365,7 +369,7 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
         raise PathExistsError(f"snapshot {target} exists; snapshots are never overwritten "
                               "(pick a new name, or let bigper.Snapshots number them)")
     metadata = _user_metadata(metadata)
-    meta, arrays = buf.state_dict()
+    meta, arrays = state
     try:
         meta = json.loads(json.dumps(meta))
     except (TypeError, ValueError) as e:
@@ -376,7 +380,6 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
     if not target.parent.is_dir():
         raise PathExistsError(f"{target.parent} exists and is not a directory; the snapshot {target} "
                               "cannot be made in it")
-    store = buf.storage
     user_fds = _open_user_files(files)
     tx = Transaction(target)
     try:
@@ -391,11 +394,11 @@ def save(buf, snapshot, *, metadata=None, files=None) -> Path:
         body = {
             "magic": MAGIC, "format": FORMAT, "bigper_version": __version__,
             "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-            "config": buf.config.to_dict(),
+            "config": config.to_dict(),
             "storage": _storage_record(store),
             "state": {"meta": meta, "arrays": state},
             "data": data,
-            "summary": {"len": len(buf), "capacity": buf.capacity, "total_priority": buf.total_priority},
+            "summary": dict(summary),
         }
         if metadata is not None or user:
             body["user"] = {"metadata": metadata, "files": user}
