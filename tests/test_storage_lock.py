@@ -120,3 +120,67 @@ def test_refused_open_releases_the_lock(kind, tmp_path):
     for read_only in (False, True, False):
         with pytest.raises(UncleanStorageError):
             opener(kind, copy)(read_only=read_only)
+
+
+MODES = ("new", "resume", "overwrite")
+
+
+@pytest.mark.parametrize("kind", DISK)
+@pytest.mark.parametrize("holder", ["writer", "reader"])
+@pytest.mark.parametrize("place", ["this process", "another process"])
+def test_every_mode_against_a_live_holder_is_refused_before_any_change(kind, holder, place, tmp_path,
+                                                                       agents):
+    """The lock comes before anything at the path is read, moved or deleted
+    (promise 11): ``mode="overwrite"`` against a live reader used to delete the
+    HDF5 file and only then find the lock held. Each mode, against a writer or
+    a reader in this process or in another, is ``StorageLockedError`` with the
+    files exactly as they were, and the holder reads on undisturbed."""
+    from ._hostile_snapshot_cases import fingerprint
+
+    path = where(kind, tmp_path)
+    with opener(kind, path)() as buf:
+        add(buf, 7)
+    agent = None
+    if place == "this process":
+        held = opener(kind, path)(read_only=holder == "reader")
+    else:
+        agent = agents.take()
+        assert agent.ask(f"open {kind} {path} {holder}") == "ok"
+    try:
+        before = fingerprint(tmp_path)
+        for mode in MODES:
+            with pytest.raises(StorageLockedError, match="in use by"):
+                open_buffer(kind, path, 16, AGENT_FIELDS, mode=mode)
+            assert fingerprint(tmp_path) == before, mode
+        if holder == "writer":
+            with pytest.raises(StorageLockedError):
+                open_buffer(kind, path, 16, AGENT_FIELDS, read_only=True)
+            assert fingerprint(tmp_path) == before
+        if place == "this process":
+            assert len(held) == 7
+            held.sample(4)
+    finally:
+        if agent is None:
+            held.close()
+        else:
+            assert agent.ask("close") == "ok"
+            agent.stop()
+    with opener(kind, path)() as buf:  # the holder gone, the buffer is all there
+        assert len(buf) == 7
+
+
+@pytest.mark.parametrize("kind", DISK)
+def test_overwrite_replaces_under_one_lock(kind, tmp_path):
+    """``mode="overwrite"`` of a closed buffer: a new, empty one, and a second
+    writer that comes meanwhile is refused (the lock is held from the look at
+    the old buffer to the new one's close)."""
+    path = where(kind, tmp_path)
+    with opener(kind, path)() as buf:
+        add(buf, 5)
+    with open_buffer(kind, path, 16, AGENT_FIELDS, mode="overwrite") as buf:
+        assert len(buf) == 0 and buf.resumed is None
+        with pytest.raises(StorageLockedError):
+            opener(kind, path)()
+        add(buf, 2)
+    with opener(kind, path)() as buf:
+        assert len(buf) == 2

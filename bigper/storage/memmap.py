@@ -88,7 +88,7 @@ class MemmapStorage:
         if random_reads is not None and not isinstance(random_reads, bool):
             raise InvalidArgumentError(f"random_reads must be True, False or None (auto), got {random_reads!r}")
         self.random_reads = random_reads
-        self.path = Path(path)
+        self.path = Path(os.path.abspath(path))  # resolved once: a later chdir redirects nothing
         self.read_only = read_only
         self.takeover = takeover
         self.chunk_bytes = chunk_bytes
@@ -149,6 +149,16 @@ class MemmapStorage:
     def _new_meta(self, config):
         return {"format": FORMAT, "version": VERSION, "config": config, "arrays": {},
                 "clean": False, "state": None, "chunk_bytes": self.chunk_bytes, "shared_digests": {}}
+
+    def replace(self, config: dict) -> None:
+        """``mode="overwrite"``: the buffer ``open`` just found here (under the lock
+        it still holds) is to be replaced by a new, empty one of ``config``. Every
+        entry is proved bigper's first (``PathExistsError`` otherwise); the old
+        files go at ``allocate``, so a caller may still ``abort`` with nothing changed."""
+        if self._lock is None or self.read_only or self._arr:
+            raise RuntimeError("replace() is for a writer that open() just locked")
+        self.takeover = True
+        self._take_over(config)
 
     def _take_over(self, config) -> None:
         """Lock only: nothing changes on disk until ``adopt`` or ``allocate``,
