@@ -184,3 +184,46 @@ def test_overwrite_replaces_under_one_lock(kind, tmp_path):
         add(buf, 2)
     with opener(kind, path)() as buf:
         assert len(buf) == 2
+
+
+@pytest.mark.parametrize("kind", DISK)
+@pytest.mark.parametrize("holder", ["writer", "reader"])
+@pytest.mark.parametrize("place", ["this process", "another process"])
+def test_a_snapshot_load_onto_a_held_path_names_the_holder(kind, holder, place, tmp_path, agents):
+    """``load(snap, path=P)`` where a live writer or reader holds ``P``:
+    ``StorageLockedError`` naming who holds it (for HDF5 it used to be a
+    ``PathExistsError`` "cannot be read as a bigper storage ([Errno 11] unable
+    to lock file)"), with the path and the snapshot exactly as they were."""
+    from ._hostile_snapshot_cases import fingerprint
+
+    src, live = where(kind, tmp_path, "src"), where(kind, tmp_path, "live")
+    with opener(kind, src)() as buf:
+        add(buf, 6)
+        buf.save(tmp_path / "snap")
+    with opener(kind, live)() as buf:
+        add(buf, 3)
+    agent = None
+    if place == "this process":
+        held = opener(kind, live)(read_only=holder == "reader")
+    else:
+        agent = agents.take()
+        assert agent.ask(f"open {kind} {live} {holder}") == "ok"
+    try:
+        before = fingerprint(tmp_path)
+        with pytest.raises(StorageLockedError) as e:
+            bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=live)
+        assert fingerprint(tmp_path) == before
+        # (A reader records no PID: the lock file still names the last writer, here this
+        # process; FileLock's wording of that case is not this test's subject.)
+        who = {"this process": "this process", "another process": f"process {agent and agent.proc.pid}"}
+        assert str(live) in str(e.value) and "in use by" in str(e.value), str(e.value)
+        if holder == "writer":
+            assert who[place] in str(e.value), str(e.value)
+    finally:
+        if agent is None:
+            held.close()
+        else:
+            assert agent.ask("close") == "ok"
+            agent.stop()
+    with bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=live) as back:  # now it takes over
+        assert len(back) == 6

@@ -139,6 +139,8 @@ class MemmapStorage:
                 for sub in ("data", "state"):  # names resolve inside: no symlinked subdirectory
                     if os.path.lexists(self.path / sub) and entry_kind(self.path / sub) != "dir":
                         raise CorruptSnapshotError(f"{self.path / sub} is not a plain directory (a symlink?)")
+                if not self.read_only:
+                    self._leftovers()  # refused here, before allocate changes anything
                 return self._meta
         except BaseException:
             self._abort()
@@ -297,14 +299,31 @@ class MemmapStorage:
                 self._arr[name], self._rw[name], self.arrays[name] = a, a.rw, a.ro
             self._nshared = sum(int(a.shared.sum()) for a in self._arr.values())
             if not fresh and not self.read_only:
-                for stale in self.path.glob("data/*.cow"):
-                    stale.unlink()
+                for stale in self._leftovers():
+                    os.unlink(self.path / "data" / stale)
                 self._meta["clean"] = False
                 if not self._marked:
                     write_json(self.path / "meta.json", self._meta)
         except BaseException:
             self._abort()
             raise
+
+    def _leftovers(self) -> list[str]:
+        """The copies an interrupted copy-on-write left in ``data/``: only names
+        bigper gives them (``<chunk file>.cow`` of a recorded chunk), so a user's
+        ``my-notes.cow`` is never touched; such a name that is not a plain file
+        (a directory, FIFO, symlink) is not bigper's: ``PathExistsError``."""
+        out = []
+        for name, rec in (self._meta.get("arrays") or {}).items():
+            for k in range(-(-rec["rows"] // rec["chunk_rows"])):
+                cow = chunk_name(name, k) + ".cow"
+                if os.path.lexists(self.path / "data" / cow):
+                    if entry_kind(self.path / "data" / cow) != "file":
+                        raise PathExistsError(
+                            f"{self.path / 'data' / cow} is not a plain file, so not a leftover copy of "
+                            "bigper's: refusing to open over it (nothing was changed)")
+                    out.append(cow)
+        return out
 
     def abort(self) -> None:
         """Release without recording anything; a directory this storage created is removed."""
