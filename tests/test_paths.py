@@ -95,3 +95,30 @@ def test_the_recorded_path_of_a_snapshot_is_the_one_opened(kind, tmp_path, monke
 
     recorded = read_manifest(tmp_path / "snap")["storage"]["path"]
     assert recorded == str(tmp_path / "run1" / _name(kind))
+
+
+@pytest.mark.parametrize("kind", ("memmap", "hdf5"))
+def test_a_folder_renamed_under_an_open_buffer_keeps_its_writes(kind, tmp_path):
+    """The folder is held by a descriptor from open: when a launcher moves the
+    run away and makes a new run under the old name (with a buffer of its
+    own there), adds, a snapshot and close still go to the folder that was
+    opened, and the newcomer's files stay byte for byte as they were."""
+    run, moved = tmp_path / "run", tmp_path / "run-moved"
+    run.mkdir()
+    buf = _open(kind, run / _name(kind))
+    _add(buf, 10, 0)
+    os.rename(run, moved)
+    run.mkdir()
+    with _open(kind, run / _name(kind)) as other:
+        _add(other, 40, 1000)
+    before = fingerprint(run)
+    _add(buf, 5, 10)
+    buf.save(tmp_path / "snap")
+    buf.close()
+    assert fingerprint(run) == before
+    want = np.arange(15, dtype=np.float32)
+    with _open(kind, moved / _name(kind), mode="resume") as again:
+        assert again.resumed == 15
+        np.testing.assert_array_equal(_rewards(again), want)
+    with bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "back" / _name(kind)) as back:
+        np.testing.assert_array_equal(_rewards(back), want)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._files import FileLock, fsync_dir, open_regular, preallocate
+from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from ._state import check_meta
 from ..errors import (
@@ -77,6 +77,8 @@ class HDF5Storage:
         self._meta: dict | None = None
         self._pending = False  # the file at path is to be replaced by a new one at allocate
         self._trash: Path | None = None  # the replaced file, until the new one is complete
+        self._dir: HeldDir | None = None  # the folder, held from open (see open)
+        self._fp = self.path  # the path file operations go through
 
     def open(self, config: dict) -> dict | None:
         """Lock the path (``<file>.lock``), then look at the file: its recorded
@@ -90,16 +92,23 @@ class HDF5Storage:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise PathExistsError(f"a part of {self.path.parent} exists and is not a directory") from None
-        lock_path = self.path.with_name(self.path.name + ".lock")
+        # The folder is held from now on: every file operation goes through its descriptor.
+        self._dir = HeldDir(self.path.parent)
+        self._fp = self._dir.root / self.path.name
+        lock_path = self._dir.root / (self.path.name + ".lock")
         self._lock_created = not os.path.lexists(lock_path)
-        self._lock = FileLock(lock_path, shared=self.read_only, owner=self.path)
+        try:
+            self._lock = FileLock(lock_path, shared=self.read_only, owner=self.path)
+        except BaseException:
+            self._let_go()
+            raise
         # Looked at under the lock: a writer that created the file since must
         # not see it truncated by mode "w".
-        exists = os.path.lexists(self.path)
+        exists = os.path.lexists(self._fp)
         try:
             if exists and self.takeover:
                 self._clear_trash()
-                self.previous = peek_meta(self.path)
+                self.previous = peek_meta(self._fp, where=self.path)
                 self._meta = self._new_meta(config)
                 self._pending = True
                 return None
@@ -115,7 +124,7 @@ class HDF5Storage:
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
                 return self._meta
             self._created = True
-            self._file = h5py.File(self.path, "w-", rdcc_nbytes=0)
+            self._file = h5py.File(self._fp, "w-", rdcc_nbytes=0)
             self._meta = self._new_meta(config)
             return None
         except BaseException:
@@ -143,19 +152,19 @@ class HDF5Storage:
         """Remove what an interrupted replace left beside the file: plain files named
         as bigper names the file it moves aside (``.<name>.trash-<12 hex>``)."""
         pat = re.compile(r"^\." + re.escape(self.path.name) + r"\.trash-[0-9a-f]{12}$")
-        for entry in os.listdir(self.path.parent):
+        for entry in os.listdir(self._dir.root):
             if pat.match(entry):
-                p = self.path.parent / entry
+                p = self._dir.root / entry
                 if stat.S_ISREG(os.lstat(p).st_mode):
                     p.unlink(missing_ok=True)
 
     def _swap(self) -> None:
         """The old file aside, a new empty one in its place (under the lock)."""
-        trash = self.path.with_name(f".{self.path.name}.trash-{uuid.uuid4().hex[:12]}")
-        os.replace(self.path, trash)
+        trash = self._dir.root / f".{self.path.name}.trash-{uuid.uuid4().hex[:12]}"
+        os.replace(self._fp, trash)
         self._trash = trash
         self._created = True
-        self._file = _h5py().File(self.path, "w-", rdcc_nbytes=0)
+        self._file = _h5py().File(self._fp, "w-", rdcc_nbytes=0)
         self._pending = False
 
     def _open_existing(self, h5py):
@@ -163,10 +172,10 @@ class HDF5Storage:
         there is refused without blocking, anything h5py cannot open is left untouched. A file
         whose datasets live elsewhere (external storage or links, virtual datasets of other
         files) is refused: writing rows would write into those other files."""
-        fd = open_regular(self.path, os.O_RDONLY, follow=True, error=PathExistsError)
+        fd = open_regular(self._fp, os.O_RDONLY, follow=True, error=PathExistsError)
         os.close(fd)
         try:
-            f = h5py.File(self.path, "r" if self.read_only else "r+", rdcc_nbytes=0)
+            f = h5py.File(self._fp, "r" if self.read_only else "r+", rdcc_nbytes=0)
         except OSError as e:
             if "unable to lock" in str(e).lower():
                 raise StorageLockedError(f"{self.path} is open in another process (HDF5 file lock: {e})") \
@@ -202,7 +211,7 @@ class HDF5Storage:
                                                   "dtype": np.dtype(dtype).str, "chunk_rows": chunk_rows}
                 self._write_meta()  # the flush extends the (sparse) file over every chunk
                 if reserve:
-                    preallocate(self.path, os.stat(self.path).st_size)
+                    preallocate(self._fp, os.stat(self._fp).st_size)
             else:
                 self._check_arrays(specs)
                 if not self.read_only:
@@ -215,7 +224,7 @@ class HDF5Storage:
         if self._trash is not None:  # the new file is complete: the replaced one goes
             self._trash.unlink(missing_ok=True)
             self._trash = None
-            fsync_dir(self.path.parent)
+            fsync_dir(self._dir.root)
 
     def _check_arrays(self, specs) -> None:
         """A reopened file's recorded arrays and its datasets must be what ``specs`` asks for
@@ -259,10 +268,10 @@ class HDF5Storage:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._created and os.path.lexists(self.path):
-            self.path.unlink()
+        if self._created and os.path.lexists(self._fp):
+            os.unlink(self._fp)
         if self._trash is not None:
-            os.replace(self._trash, self.path)
+            os.replace(self._trash, self._fp)
             self._trash = None
             self._created = False
         if self._lock:
@@ -271,6 +280,13 @@ class HDF5Storage:
                 self._lock.path.unlink(missing_ok=True)
             self._lock.release()
             self._lock = None
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+        self._fp = self.path
 
     # -- rows ----------------------------------------------------------------
     def read(self, name, rows):
@@ -367,7 +383,7 @@ class HDF5Storage:
         self._file = None
         try:
             if not self.read_only:
-                fd = os.open(self.path, os.O_RDWR)
+                fd = os.open(self._fp, os.O_RDWR)
                 try:  # blocks reserved past the end and not used go back (size unchanged)
                     os.ftruncate(fd, os.fstat(fd).st_size)
                     if failed is None:
@@ -375,12 +391,13 @@ class HDF5Storage:
                 finally:
                     os.close(fd)
                 if failed is None:
-                    fsync_dir(self.path.parent)
+                    fsync_dir(self._dir.root)
         except OSError as e:
             failed = e
         finally:
             self._lock.release()
             self._lock = None
+            self._let_go()
         if failed is not None:
             raise OSError(getattr(failed, "errno", None) or errno.EIO,
                           f"{self.path}: close could not record the buffer's state ({failed}); the file is "
@@ -424,7 +441,7 @@ class HDF5Storage:
         meta = dict(self._meta, clean=True, state=state[0] if state is not None else self._meta.get("state"))
         need = sum(int(np.asarray(a).nbytes) for a in arrays.values())
         need = 2 * (need + len(json.dumps(meta))) + RESERVE_SLACK + 4096 * len(arrays)
-        fd = os.open(self.path, os.O_RDWR)
+        fd = os.open(self._fp, os.O_RDWR)
         try:
             _fallocate_keep_size(fd, os.fstat(fd).st_size, need)
         finally:
@@ -465,16 +482,17 @@ _LIBC = None
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
-def peek_meta(path: Path) -> dict:
+def peek_meta(path: Path, where=None) -> dict:
     """The meta of the bigper HDF5 storage at ``path``, read without changing
     it; ``PathExistsError`` for anything else (a symlink, a special file, a file
     that is not HDF5, an HDF5 file without bigper's marker, one h5py cannot
     read): bigper replaces only what carries its own marker. The caller holds
     the storage's lock (a live writer is ``StorageLockedError`` before this)."""
     h5py = _h5py()
+    path, where = Path(path), where or path
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise PathExistsError(f"{path} exists and is not a regular file (a symlink, directory or "
+        raise PathExistsError(f"{where} exists and is not a regular file (a symlink, directory or "
                               "special file): refusing to replace it")
     fd = open_regular(path, error=PathExistsError)  # no FIFO reaches h5py
     try:
@@ -482,7 +500,7 @@ def peek_meta(path: Path) -> dict:
     finally:
         os.close(fd)
     if head != _HDF5_SIGNATURE:
-        raise PathExistsError(f"{path} exists and is not a bigper HDF5 storage (not an HDF5 file): "
+        raise PathExistsError(f"{where} exists and is not a bigper HDF5 storage (not an HDF5 file): "
                               "refusing to replace it")
     try:
         with h5py.File(path, "r") as f:
@@ -491,10 +509,10 @@ def peek_meta(path: Path) -> dict:
             meta = json.loads(raw) if isinstance(raw, (str, bytes)) else None
     except Exception as e:  # noqa: BLE001  (h5py and json refuse in many ways; each means "not provably ours")
         if "unable to lock" in str(e).lower():
-            raise StorageLockedError(f"{path} is open in another process (HDF5 file lock: {e})") from None
-        raise PathExistsError(f"{path} is an HDF5 file that cannot be read as a bigper storage "
+            raise StorageLockedError(f"{where} is open in another process (HDF5 file lock: {e})") from None
+        raise PathExistsError(f"{where} is an HDF5 file that cannot be read as a bigper storage "
                               f"({str(e)[:120]}): refusing to replace it; remove it yourself if it is "
                               "a dead writer's") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise PathExistsError(f"{path} is an HDF5 file but not a bigper storage: refusing to replace it")
+        raise PathExistsError(f"{where} is an HDF5 file but not a bigper storage: refusing to replace it")
     return meta
