@@ -227,3 +227,23 @@ def test_a_snapshot_load_onto_a_held_path_names_the_holder(kind, holder, place, 
             agent.stop()
     with bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=live) as back:  # now it takes over
         assert len(back) == 6
+
+
+def test_an_hdf5_overwrite_that_fails_puts_the_old_buffer_back(tmp_path):
+    """``mode="overwrite"`` whose new HDF5 file cannot be made (here: it needs
+    terabytes the disk does not have) fails with ``OSError`` and leaves the old
+    buffer exactly as it was: it is removed only once its successor exists.
+    (The memmap storage still clears the old folder first; see the report.)"""
+    kind = "hdf5"
+    from ._hostile_snapshot_cases import fingerprint
+
+    path = where(kind, tmp_path)
+    with opener(kind, path)() as buf:
+        add(buf, 5)
+    before = fingerprint(tmp_path)
+    huge = {"obs": ((1 << 20,), np.uint8), "reward": ((), np.float32)}  # 1 MiB a row, 2 TiB in all
+    with pytest.raises(OSError):
+        open_buffer(kind, path, 1 << 20, huge, mode="overwrite")
+    assert fingerprint(tmp_path) == before
+    with opener(kind, path)() as buf:
+        assert len(buf) == 5
