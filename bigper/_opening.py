@@ -1,16 +1,26 @@
-"""Opening a buffer's storage path (``mode="new" | "resume" | "overwrite"``):
-what a path holds, looked at without changing it, and a fresh storage in
-place of one bigper proved its own."""
+"""Opening a buffer's storage path (``mode="new" | "resume" | "overwrite"``).
+
+The order is the point (promise 11): the path is made absolute first (a
+later ``os.chdir`` never redirects a write), the storage's lock is taken
+next, and only under that lock is anything at the path read, and, for
+``"overwrite"``, replaced; a live writer or reader is ``StorageLockedError``
+with nothing read, moved or deleted. ``storage_options`` are checked against
+the options the chosen storage documents before anything is opened.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .config import Config
-from .errors import BigperError, InvalidArgumentError, PathExistsError
+from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
 from .storage import open_storage
 
 MODES = ("new", "resume", "overwrite")
+# The options each storage documents (README, "Storages"); anything else is refused by name,
+# so that an internal switch (``takeover``, ``read_only``) cannot be reached through them.
+OPTIONS = {"memory": (), "memmap": ("random_reads", "chunk_bytes"), "hdf5": ("compression",)}
 
 
 def held(recorded: dict) -> int:
@@ -22,46 +32,48 @@ def held(recorded: dict) -> int:
         return 0
 
 
-def probe(cfg: Config, path, opts: dict):
-    """The recorded meta of a bigper storage at ``path``, looked at read-only
-    (nothing on disk changes), or None when there is none to read."""
-    if not Path(path).exists():
-        return None
-    store = open_storage(cfg.storage, path, read_only=True, **opts)
-    try:
-        return store.open(cfg.to_dict())
-    except BigperError:
-        return None  # not a readable bigper storage: the writer's open decides
-    finally:
-        store.close()
+def storage_options(kind: str, options) -> dict:
+    """``options`` as a dict of the documented options of storage ``kind``;
+    ``InvalidArgumentError`` naming any other."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InvalidTypeError(f"storage_options must be a dict or None, got {type(options).__name__} "
+                               f"{options!r:.80}")
+    allowed = OPTIONS.get(kind, ())
+    unknown = sorted(str(k) for k in options if k not in allowed)
+    if unknown:
+        raise InvalidArgumentError(
+            f"storage_options has {unknown!r:.200}, which storage={kind!r} does not take; its options "
+            f"are {list(allowed)} (nothing was opened or changed)")
+    return dict(options)
 
 
-def overwrite(cfg: Config, path, opts: dict):
-    """A fresh storage at ``path``, which ``open`` just recognized as a bigper
-    storage (so its files are bigper's to replace)."""
-    if cfg.storage == "memmap":
-        store = open_storage("memmap", path, takeover=True, **opts)
-    else:
-        Path(path).unlink()
-        store = open_storage(cfg.storage, path, **opts)
-    store.open(cfg.to_dict())
-    return store
-
-
-def open_path(cfg: Config, path, mode: str, read_only: bool, storage_options):
+def open_path(cfg: Config, path, mode: str, read_only: bool, storage_options_):
     """The storage of a new buffer of ``cfg`` at ``path``, opened as ``mode``
     says, and what it recorded (None when it starts empty)."""
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+    opts = storage_options(cfg.storage, storage_options_)
     if read_only and mode != "resume":
         mode = "resume"  # a reader only ever looks at what is there
-    opts = dict(storage_options or {})
-    existing = None if mode == "resume" or cfg.storage == "memory" else probe(cfg, path, opts)
-    if existing is not None and mode == "new":
-        raise PathExistsError(
-            f"path={str(path)!r} already holds a bigper buffer ({held(existing)} transitions); "
-            "pass mode='resume' to continue it or mode='overwrite' to replace it")
-    if existing is not None:  # overwrite what open just proved to be a bigper storage
-        return overwrite(cfg, path, opts), None
-    store = open_storage(cfg.storage, path, read_only=read_only, **opts)
-    return store, store.open(cfg.to_dict())
+    if cfg.storage != "memory":
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidTypeError(f"path must be a str or os.PathLike for storage={cfg.storage!r}, "
+                                   f"got {type(path).__name__} {path!r:.80}")
+        path = Path(os.path.abspath(path))  # resolved once: a later chdir changes nothing
+    store = open_storage(cfg.storage, path, read_only=read_only, **opts) if cfg.storage != "memory" \
+        else open_storage("memory")
+    recorded = store.open(cfg.to_dict())  # the lock first; then what the path holds is read
+    if recorded is None or mode == "resume":
+        return store, recorded
+    try:
+        if mode == "new":
+            raise PathExistsError(
+                f"path={str(path)!r} already holds a bigper buffer ({held(recorded)} transitions); "
+                "pass mode='resume' to continue it or mode='overwrite' to replace it")
+        store.replace(cfg.to_dict())  # under the lock open took: no second writer comes between
+    except BaseException:
+        store.abort()
+        raise
+    return store, None

@@ -338,3 +338,73 @@ def test_write_durable_never_writes_through_a_planted_hard_link(tmp_path):
     (tmp_path / ".meta.json.tmp").write_text("half a write")  # an interrupted write of ours: replaced
     write_json(tmp_path / "meta.json", {"a": 1})
     assert read_json(tmp_path / "meta.json") == {"a": 1}
+
+
+# -- only what bigper created (promise 7) ----------------------------------------------------------
+def test_resume_removes_only_its_own_copy_on_write_leftovers(tmp_path):
+    """Resume clears the ``.cow`` copies an interrupted copy-on-write left, and
+    nothing else: a user's ``data/my-notes.cow`` used to be deleted, and a
+    directory ``data/x.cow/`` made resume fail with a raw IsADirectoryError."""
+    path = _closed_memmap(tmp_path)
+    (path / "data" / "my-notes.cow").write_text("mine")
+    (path / "data" / "x.cow").mkdir()
+    (path / "data" / "x.cow" / "inside").write_text("also mine")
+    (path / "data" / "obs.bin.cow").write_bytes(b"half a copy")  # bigper's own leftover, by name
+    with _reopen(path) as buf:
+        assert len(buf) == 5
+    assert (path / "data" / "my-notes.cow").read_text() == "mine"
+    assert (path / "data" / "x.cow" / "inside").read_text() == "also mine"
+    assert not os.path.lexists(path / "data" / "obs.bin.cow")
+
+
+@pytest.mark.parametrize("plant", ["dir", "fifo", "symlink"])
+def test_a_leftover_name_that_is_not_a_plain_file_is_refused_untouched(plant, tmp_path):
+    """A name bigper gives its copies (``obs.bin.cow``) holding a directory, a
+    FIFO or a symlink is not bigper's leftover: refused by name, nothing changed."""
+    path = _closed_memmap(tmp_path)
+    p = path / "data" / "obs.bin.cow"
+    (tmp_path / "victim").write_text("keep")
+    if plant == "dir":
+        p.mkdir()
+        (p / "inside").write_text("keep")
+    elif plant == "fifo":
+        os.mkfifo(p)
+    else:
+        os.symlink(tmp_path / "victim", p)
+    before = fingerprint(tmp_path)
+    with deadline():
+        with pytest.raises(PathExistsError, match="obs.bin.cow"):
+            _reopen(path)
+    assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", DISK)
+@pytest.mark.parametrize("options", [{"takeover": True}, {"read_only": True}, {"compression": "lzf"},
+                                     {"random_reads": True}, {"chunk_bytes": 4096}, {"bogus": 1}])
+def test_only_the_documented_storage_options_are_taken(kind, options, tmp_path):
+    """``storage_options`` used to reach the storage's constructor unfiltered:
+    ``{"takeover": True}`` with mode="resume" wiped a 40-transition buffer, and
+    ``{"compression": "lzf"}`` on memmap was a raw TypeError. Each storage takes
+    its documented options only; any other is named, with nothing changed."""
+    path = where(kind, tmp_path)
+    with open_buffer(kind, path, 64, AGENT_FIELDS) as buf:
+        _add(buf, 40)
+    documented = {"memmap": {"random_reads", "chunk_bytes"}, "hdf5": {"compression"}}[kind]
+    before = fingerprint(tmp_path)
+    if set(options) <= documented:
+        with open_buffer(kind, path, 64, AGENT_FIELDS, storage_options=options) as buf:
+            assert len(buf) == 40
+        return
+    with pytest.raises(bigper.InvalidArgumentError, match=f"{next(iter(options))}.*{kind}"):
+        open_buffer(kind, path, 64, AGENT_FIELDS, storage_options=options)
+    assert fingerprint(tmp_path) == before
+    with open_buffer(kind, path, 64, AGENT_FIELDS) as buf:
+        assert len(buf) == 40
+
+
+def test_memory_storage_takes_no_options_and_options_must_be_a_dict(tmp_path):
+    with pytest.raises(bigper.InvalidArgumentError, match="random_reads.*memory"):
+        bigper.PrioritizedReplayBuffer(8, AGENT_FIELDS, storage_options={"random_reads": True})
+    with pytest.raises(bigper.InvalidArgumentError, match="storage_options must be a dict"):
+        open_buffer("memmap", where("memmap", tmp_path), 8, AGENT_FIELDS, storage_options=["random_reads"])
+    assert not os.path.lexists(where("memmap", tmp_path))

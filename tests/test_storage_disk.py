@@ -51,3 +51,26 @@ def test_full_disk_is_an_oserror_at_creation_and_leaves_nothing(kind, tmp_path):
             want = stream.expected(batch.indices, 30)
             for name in want:
                 np.testing.assert_array_equal(batch[name], want[name])
+
+
+def test_no_import_circle_among_the_storage_modules():
+    """The modules of ``bigper/storage`` import one way: no circle, counting
+    imports inside functions (``_h5layouts`` <-> ``_h5map`` was one)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "bigper" / "storage"
+    mods = {p.stem for p in root.glob("*.py")}
+    edges = {}
+    for p in root.glob("*.py"):
+        out = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                out |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        edges[p.stem] = out & mods
+
+    def reaches(a, b, seen=()):
+        return any(n == b or (n not in seen and reaches(n, b, seen + (n,))) for n in edges[a])
+
+    circles = sorted(m for m in mods if reaches(m, m))
+    assert circles == [], f"storage modules on an import circle: {circles}"

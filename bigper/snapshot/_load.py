@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +43,6 @@ from ..errors import (
 )
 from .._layout import storage_specs
 from .._statecheck import check_state
-from ..storage._files import FileLock, open_regular
 from ..storage._state import npy_from_bytes
 from ._manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of
@@ -206,37 +203,11 @@ _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 def _peek_hdf5(live: Path) -> dict:
     """The meta of the bigper HDF5 storage at ``live``; ``PathExistsError``
-    for anything else (a symlink, a special file, a file that is not HDF5, an
-    HDF5 file without bigper's marker, one h5py cannot read): bigper replaces
-    only what carries its own marker."""
-    import json
+    for anything else (see ``storage.hdf5.peek_meta``, which the storage runs
+    under its lock when it takes a path over)."""
+    from ..storage.hdf5 import peek_meta
 
-    import h5py
-
-    st = os.lstat(live)
-    if not stat.S_ISREG(st.st_mode):
-        raise PathExistsError(f"{live} exists and is not a regular file (a symlink, directory or "
-                              "special file): refusing to replace it")
-    fd = open_regular(live, error=PathExistsError)  # no FIFO reaches h5py
-    try:
-        head = os.pread(fd, len(_HDF5_SIGNATURE), 0)
-    finally:
-        os.close(fd)
-    if head != _HDF5_SIGNATURE:
-        raise PathExistsError(f"{live} exists and is not a bigper HDF5 storage (not an HDF5 file): "
-                              "refusing to replace it")
-    try:
-        with h5py.File(live, "r") as f:
-            g = f.get("_bigper")
-            raw = g.attrs.get("meta") if isinstance(g, h5py.Group) else None
-            meta = json.loads(raw) if isinstance(raw, (str, bytes)) else None
-    except Exception as e:  # noqa: BLE001  (h5py and json refuse in many ways; each means "not provably ours")
-        raise PathExistsError(f"{live} is an HDF5 file that cannot be read as a bigper storage "
-                              f"({str(e)[:120]}): refusing to replace it; remove it yourself if it is "
-                              "a dead writer's") from None
-    if not isinstance(meta, dict) or meta.get("format") != "bigper-hdf5":
-        raise PathExistsError(f"{live} is an HDF5 file but not a bigper storage: refusing to replace it")
-    return meta
+    return peek_meta(live)
 
 
 def _check_space(where: Path, need: int) -> None:
@@ -256,40 +227,24 @@ def _check_space(where: Path, need: int) -> None:
 def _load_hdf5(cfg, body, snap, live, layouts):
     from ..storage.hdf5 import HDF5Storage
 
-    # Move the dead writer's file aside under its lock; the new storage then creates a fresh one.
-    # (HDF5Storage has no takeover mode: between this lock and its own there is a short window.)
-    trash = None
-    live.parent.mkdir(parents=True, exist_ok=True)
-    if os.path.lexists(live):  # a foreign file is refused before even a lock file is made beside it
-        _check_previous(_peek_hdf5(live), cfg, live)
+    # The storage takes the lock first, then looks at what is there (a live writer is
+    # StorageLockedError naming it; anything but a bigper file is PathExistsError, with
+    # no lock file left beside it); the dead writer's file is moved aside only when the
+    # new one is created, under the same lock, and put back if the load fails before that.
     opts = body["storage"].get("options") or {}
-    if opts.get("compression") is None:
-        _check_space(live.parent, sum(body["files"][m]["size"] for rec in body["data"].values()
-                                      for m in rec["files"]))
-    lock = FileLock(live.with_name(live.name + ".lock"), owner=live)
+    store = HDF5Storage(live, compression=opts.get("compression"), takeover=True)
+    store.open(cfg.to_dict())
     try:
-        for stale in live.parent.glob(f".{live.name}.trash-*"):  # of a load that was interrupted
-            if stale.is_file() and not stale.is_symlink() and len(stale.name) == len(live.name) + 20:
-                stale.unlink(missing_ok=True)
-        if os.path.lexists(live):
-            _check_previous(_peek_hdf5(live), cfg, live)
-            trash = live.with_name(f".{live.name}.trash-{uuid.uuid4().hex[:12]}")
-            os.replace(live, trash)
-    finally:
-        lock.release()
-    store = HDF5Storage(live, compression=opts.get("compression"))
-    if store.open(cfg.to_dict()) is not None:
-        store.close()
-        raise PathExistsError(f"{live} was created by another writer during the load")
-    try:
+        _check_previous(store.previous, cfg, live)
+        if opts.get("compression") is None:
+            _check_space(live.parent, sum(body["files"][m]["size"] for rec in body["data"].values()
+                                          for m in rec["files"]))
         _allocate(cfg, store)
         _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
     except BaseException:
         _release(store)
         raise
-    if trash is not None:
-        trash.unlink(missing_ok=True)
     return store
 
 

@@ -245,3 +245,37 @@ def preallocate(path: Path, nbytes: int, *, follow: bool = False) -> None:
             os.posix_fallocate(fd, 0, nbytes)
     finally:
         os.close(fd)
+
+
+class HeldDir:
+    """A directory held by an ``O_DIRECTORY`` descriptor from the moment a
+    storage opens it (promise 11), and ``root``, a path that resolves through
+    that descriptor (``/proc/self/fd/N`` on Linux): every file operation made
+    under ``root`` lands in the directory that was opened, even after a
+    ``chdir``, or after the directory is renamed and another one made under its
+    old name. Where ``/proc`` is missing, ``root`` is the absolute path.
+    ``path`` (the absolute path given) is for messages and records."""
+
+    def __init__(self, path):
+        self.path = Path(os.path.abspath(path))
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        proc = Path(f"/proc/self/fd/{self.fd}")
+        try:
+            same = os.path.samestat(os.stat(proc), os.fstat(self.fd))
+        except OSError:
+            same = False
+        self.root = proc if same else self.path
+
+    def close(self) -> None:
+        """Let go of the descriptor; ``root`` is the plain path from now on (a
+        closed descriptor's number may be reused by another file)."""
+        if self.fd >= 0:
+            self.root = self.path
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._kernels import kernel
+from ..errors import OfflineDatasetError
 from ._h5guard import check_row_bytes
 
 # Rows of a contiguous dataset read as one h5py block when read through h5py.
@@ -158,8 +159,6 @@ def _dataset_map(d, row_bytes: int, size: int):
 
 
 def _outside(d, off: int, nbytes: int, size: int):
-    from ._h5layouts import OfflineDatasetError
-
     return OfflineDatasetError(f"{d.file.filename}: dataset {d.name!r} declares {nbytes:,} bytes of data at "
                                f"byte {off:,}, past the end of the file ({size:,} bytes); a truncated or "
                                "crafted file")

@@ -263,7 +263,8 @@ class H5Source(Layouts):
         pass
 
     def nbytes(self) -> int:
-        return os.path.getsize(self.file_path)
+        # The file opened, by its descriptor: the name may lead elsewhere by now.
+        return os.fstat(self._fd).st_size if self._fd >= 0 else os.path.getsize(self.file_path)
 
     def close(self, state=None) -> None:
         try:

@@ -19,11 +19,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import stat
+import uuid
 from pathlib import Path
 
 import numpy as np
 
-from ._files import FileLock, fsync_dir, open_regular, preallocate
+from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from ._state import check_meta
 from ..errors import (
@@ -56,31 +59,59 @@ def _h5py():
 class HDF5Storage:
     kind = "hdf5"
 
-    def __init__(self, path, *, read_only: bool = False, compression=None):
+    def __init__(self, path, *, read_only: bool = False, compression=None, takeover: bool = False):
         if compression not in COMPRESSIONS:
             raise InvalidArgumentError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-        self.path = Path(path)
+        if takeover and read_only:
+            raise InvalidArgumentError("takeover=True needs a writer; read_only must be False")
+        self.path = Path(os.path.abspath(path))  # resolved once: a later chdir redirects nothing
         self.read_only = read_only
         self.compression = compression
+        self.takeover = takeover
+        self.previous: dict | None = None  # with takeover or replace: the meta of the file replaced
         self.dsets: dict = {}
         self._file = None
         self._lock = None
         self._created = False
         self._lock_created = False
         self._meta: dict | None = None
+        self._pending = False  # the file at path is to be replaced by a new one at allocate
+        self._trash: Path | None = None  # the replaced file, until the new one is complete
+        self._dir: HeldDir | None = None  # the folder, held from open (see open)
+        self._fp = self.path  # the path file operations go through
 
     def open(self, config: dict) -> dict | None:
+        """Lock the path (``<file>.lock``), then look at the file: its recorded
+        meta when it holds a buffer. With ``takeover`` (a snapshot load): None,
+        after proving that the file there, if any, is a bigper storage (its meta
+        in ``previous``); nothing changes before ``allocate``."""
         h5py = _h5py()
-        if not self.path.exists() and self.read_only:
+        if not os.path.lexists(self.path) and self.read_only:
             raise PathNotFoundError(f"no bigper HDF5 storage at {self.path}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        self._lock_created = not lock_path.exists()
-        self._lock = FileLock(lock_path, shared=self.read_only, owner=self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise PathExistsError(f"a part of {self.path.parent} exists and is not a directory") from None
+        # The folder is held from now on: every file operation goes through its descriptor.
+        self._dir = HeldDir(self.path.parent)
+        self._fp = self._dir.root / self.path.name
+        lock_path = self._dir.root / (self.path.name + ".lock")
+        self._lock_created = not os.path.lexists(lock_path)
+        try:
+            self._lock = FileLock(lock_path, shared=self.read_only, owner=self.path)
+        except BaseException:
+            self._let_go()
+            raise
         # Looked at under the lock: a writer that created the file since must
         # not see it truncated by mode "w".
-        exists = os.path.lexists(self.path)
+        exists = os.path.lexists(self._fp)
         try:
+            if exists and self.takeover:
+                self._clear_trash()
+                self.previous = peek_meta(self._fp, where=self.path)
+                self._meta = self._new_meta(config)
+                self._pending = True
+                return None
             if exists:
                 self._file = self._open_existing(h5py)
                 raw = self._file.get("_bigper")
@@ -93,25 +124,60 @@ class HDF5Storage:
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
                 return self._meta
             self._created = True
-            self._file = h5py.File(self.path, "w-", rdcc_nbytes=0)
-            self._meta = {"format": FORMAT, "version": VERSION, "config": config, "arrays": {},
-                          "clean": False, "state": None, "compression": self.compression}
+            self._file = h5py.File(self._fp, "w-", rdcc_nbytes=0)
+            self._meta = self._new_meta(config)
             return None
         except BaseException:
             self._abort()
             raise
+
+    def _new_meta(self, config) -> dict:
+        return {"format": FORMAT, "version": VERSION, "config": config, "arrays": {},
+                "clean": False, "state": None, "compression": self.compression}
+
+    def replace(self, config: dict) -> None:
+        """``mode="overwrite"``: the buffer ``open`` just found here (under the lock
+        it still holds) is to be replaced by a new, empty one of ``config``. The
+        old file is moved aside at ``allocate`` and removed once the new one is
+        complete; ``abort`` before that puts it back."""
+        if self._lock is None or self.read_only or self._file is None or self.dsets:
+            raise RuntimeError("replace() is for a writer that open() just locked")
+        self.previous = self._meta
+        self._file.close()
+        self._file = None
+        self._meta = self._new_meta(config)
+        self._pending = True
+
+    def _clear_trash(self) -> None:
+        """Remove what an interrupted replace left beside the file: plain files named
+        as bigper names the file it moves aside (``.<name>.trash-<12 hex>``)."""
+        pat = re.compile(r"^\." + re.escape(self.path.name) + r"\.trash-[0-9a-f]{12}$")
+        for entry in os.listdir(self._dir.root):
+            if pat.match(entry):
+                p = self._dir.root / entry
+                if stat.S_ISREG(os.lstat(p).st_mode):
+                    p.unlink(missing_ok=True)
+
+    def _swap(self) -> None:
+        """The old file aside, a new empty one in its place (under the lock)."""
+        trash = self._dir.root / f".{self.path.name}.trash-{uuid.uuid4().hex[:12]}"
+        os.replace(self._fp, trash)
+        self._trash = trash
+        self._created = True
+        self._file = _h5py().File(self._fp, "w-", rdcc_nbytes=0)
+        self._pending = False
 
     def _open_existing(self, h5py):
         """The file at the storage path, when it is a regular HDF5 file: a FIFO or a device
         there is refused without blocking, anything h5py cannot open is left untouched. A file
         whose datasets live elsewhere (external storage or links, virtual datasets of other
         files) is refused: writing rows would write into those other files."""
-        fd = open_regular(self.path, os.O_RDONLY, follow=True, error=PathExistsError)
+        fd = open_regular(self._fp, os.O_RDONLY, follow=True, error=PathExistsError)
         os.close(fd)
         try:
-            f = h5py.File(self.path, "r" if self.read_only else "r+", rdcc_nbytes=0)
+            f = h5py.File(self._fp, "r" if self.read_only else "r+", rdcc_nbytes=0)
         except OSError as e:
-            if "lock" in str(e).lower():
+            if "unable to lock" in str(e).lower():
                 raise StorageLockedError(f"{self.path} is open in another process (HDF5 file lock: {e})") \
                     from None
             raise PathExistsError(f"{self.path} holds a file that is not a bigper HDF5 storage ({e}); "
@@ -124,8 +190,10 @@ class HDF5Storage:
         return f
 
     def allocate(self, specs) -> None:
-        f = self._file
         try:
+            if self._pending:
+                self._swap()
+            f = self._file
             if not self._meta["arrays"]:
                 h5py, reserve = _h5py(), self.compression is None
                 for name, (rows, shape, dtype) in specs.items():
@@ -143,7 +211,7 @@ class HDF5Storage:
                                                   "dtype": np.dtype(dtype).str, "chunk_rows": chunk_rows}
                 self._write_meta()  # the flush extends the (sparse) file over every chunk
                 if reserve:
-                    preallocate(self.path, os.stat(self.path).st_size)
+                    preallocate(self._fp, os.stat(self._fp).st_size)
             else:
                 self._check_arrays(specs)
                 if not self.read_only:
@@ -153,6 +221,10 @@ class HDF5Storage:
         except BaseException:
             self._abort()
             raise
+        if self._trash is not None:  # the new file is complete: the replaced one goes
+            self._trash.unlink(missing_ok=True)
+            self._trash = None
+            fsync_dir(self._dir.root)
 
     def _check_arrays(self, specs) -> None:
         """A reopened file's recorded arrays and its datasets must be what ``specs`` asks for
@@ -187,18 +259,34 @@ class HDF5Storage:
         g.attrs["meta"] = json.dumps(self._meta)
         self._file.flush()
 
+    def abort(self) -> None:
+        """Release without recording anything; a file this storage created is
+        removed, and a file it was replacing is put back."""
+        self._abort()
+
     def _abort(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._created and self.path.exists():
-            self.path.unlink()
+        if self._created and os.path.lexists(self._fp):
+            os.unlink(self._fp)
+        if self._trash is not None:
+            os.replace(self._trash, self._fp)
+            self._trash = None
+            self._created = False
         if self._lock:
             # leave no lock of ours beside a failed creation or a file that is not ours
             if self._lock_created and (self._created or self._meta is None):
                 self._lock.path.unlink(missing_ok=True)
             self._lock.release()
             self._lock = None
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+        self._fp = self.path
 
     # -- rows ----------------------------------------------------------------
     def read(self, name, rows):
@@ -295,7 +383,7 @@ class HDF5Storage:
         self._file = None
         try:
             if not self.read_only:
-                fd = os.open(self.path, os.O_RDWR)
+                fd = os.open(self._fp, os.O_RDWR)
                 try:  # blocks reserved past the end and not used go back (size unchanged)
                     os.ftruncate(fd, os.fstat(fd).st_size)
                     if failed is None:
@@ -303,12 +391,13 @@ class HDF5Storage:
                 finally:
                     os.close(fd)
                 if failed is None:
-                    fsync_dir(self.path.parent)
+                    fsync_dir(self._dir.root)
         except OSError as e:
             failed = e
         finally:
             self._lock.release()
             self._lock = None
+            self._let_go()
         if failed is not None:
             raise OSError(getattr(failed, "errno", None) or errno.EIO,
                           f"{self.path}: close could not record the buffer's state ({failed}); the file is "
@@ -352,7 +441,7 @@ class HDF5Storage:
         meta = dict(self._meta, clean=True, state=state[0] if state is not None else self._meta.get("state"))
         need = sum(int(np.asarray(a).nbytes) for a in arrays.values())
         need = 2 * (need + len(json.dumps(meta))) + RESERVE_SLACK + 4096 * len(arrays)
-        fd = os.open(self.path, os.O_RDWR)
+        fd = os.open(self._fp, os.O_RDWR)
         try:
             _fallocate_keep_size(fd, os.fstat(fd).st_size, need)
         finally:
@@ -388,3 +477,42 @@ def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
 
 
 _LIBC = None
+
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def peek_meta(path: Path, where=None) -> dict:
+    """The meta of the bigper HDF5 storage at ``path``, read without changing
+    it; ``PathExistsError`` for anything else (a symlink, a special file, a file
+    that is not HDF5, an HDF5 file without bigper's marker, one h5py cannot
+    read): bigper replaces only what carries its own marker. The caller holds
+    the storage's lock (a live writer is ``StorageLockedError`` before this)."""
+    h5py = _h5py()
+    path, where = Path(path), where or path
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise PathExistsError(f"{where} exists and is not a regular file (a symlink, directory or "
+                              "special file): refusing to replace it")
+    fd = open_regular(path, error=PathExistsError)  # no FIFO reaches h5py
+    try:
+        head = os.pread(fd, len(_HDF5_SIGNATURE), 0)
+    finally:
+        os.close(fd)
+    if head != _HDF5_SIGNATURE:
+        raise PathExistsError(f"{where} exists and is not a bigper HDF5 storage (not an HDF5 file): "
+                              "refusing to replace it")
+    try:
+        with h5py.File(path, "r") as f:
+            g = f.get("_bigper")
+            raw = g.attrs.get("meta") if isinstance(g, h5py.Group) else None
+            meta = json.loads(raw) if isinstance(raw, (str, bytes)) else None
+    except Exception as e:  # noqa: BLE001  (h5py and json refuse in many ways; each means "not provably ours")
+        if "unable to lock" in str(e).lower():
+            raise StorageLockedError(f"{where} is open in another process (HDF5 file lock: {e})") from None
+        raise PathExistsError(f"{where} is an HDF5 file that cannot be read as a bigper storage "
+                              f"({str(e)[:120]}): refusing to replace it; remove it yourself if it is "
+                              "a dead writer's") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PathExistsError(f"{where} is an HDF5 file but not a bigper storage: refusing to replace it")
+    return meta

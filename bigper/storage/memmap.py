@@ -51,7 +51,7 @@ from ..errors import (
     PathNotFoundError,
 )
 from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
-from ._files import FileLock, fsync_dir, open_regular, preallocate, read_json, write_json
+from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
 from ._state import STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
@@ -88,7 +88,7 @@ class MemmapStorage:
         if random_reads is not None and not isinstance(random_reads, bool):
             raise InvalidArgumentError(f"random_reads must be True, False or None (auto), got {random_reads!r}")
         self.random_reads = random_reads
-        self.path = Path(path)
+        self.path = Path(os.path.abspath(path))  # resolved once: a later chdir redirects nothing
         self.read_only = read_only
         self.takeover = takeover
         self.chunk_bytes = chunk_bytes
@@ -102,6 +102,8 @@ class MemmapStorage:
         self._created = False
         self._meta: dict | None = None
         self.previous: dict | None = None  # with takeover: the meta found there, if readable
+        self._dir: HeldDir | None = None
+        self._root = self.path  # the path file operations go through (see open)
 
     # -- open / create -------------------------------------------------------
     def open(self, config: dict) -> dict | None:
@@ -127,18 +129,34 @@ class MemmapStorage:
                 self.path.mkdir(parents=True, exist_ok=True)
             except (FileExistsError, NotADirectoryError):
                 raise PathExistsError(f"a part of {self.path} exists and is not a directory") from None
-        if self.takeover and not self._created:
-            self._own_previous()  # a foreign directory is refused before even a lock file is made
-        self._lock = FileLock(self.path / ".lock", shared=self.read_only)
+        # Held from now on: every file operation goes through this descriptor.
+        self._dir = HeldDir(self.path)
+        self._root = self._dir.root
+        meta_path = self._root / "meta.json"
+        # The lock before anything in the directory is read (a live writer is refused
+        # with nothing looked at); a lock file made here beside foreign files goes again.
+        made_lock = not os.path.lexists(self._root / ".lock")
+        try:
+            self._lock = FileLock(self._root / ".lock", shared=self.read_only, owner=self.path)
+        except BaseException:
+            self._let_go()
+            raise
         try:
             if self.takeover:
-                return self._take_over(config)
+                try:
+                    return self._take_over(config)
+                except PathExistsError:
+                    if made_lock:
+                        os.unlink(self._root / ".lock")
+                    raise
             if meta_path.exists():
                 self._meta = check_meta(read_json(meta_path), FORMAT, VERSION, self.path)
                 check_arrays(self._meta.get("arrays"), self.path)
                 for sub in ("data", "state"):  # names resolve inside: no symlinked subdirectory
-                    if os.path.lexists(self.path / sub) and entry_kind(self.path / sub) != "dir":
+                    if os.path.lexists(self._root / sub) and entry_kind(self._root / sub) != "dir":
                         raise CorruptSnapshotError(f"{self.path / sub} is not a plain directory (a symlink?)")
+                if not self.read_only:
+                    self._leftovers()  # refused here, before allocate changes anything
                 return self._meta
         except BaseException:
             self._abort()
@@ -149,6 +167,16 @@ class MemmapStorage:
     def _new_meta(self, config):
         return {"format": FORMAT, "version": VERSION, "config": config, "arrays": {},
                 "clean": False, "state": None, "chunk_bytes": self.chunk_bytes, "shared_digests": {}}
+
+    def replace(self, config: dict) -> None:
+        """``mode="overwrite"``: the buffer ``open`` just found here (under the lock
+        it still holds) is to be replaced by a new, empty one of ``config``. Every
+        entry is proved bigper's first (``PathExistsError`` otherwise); the old
+        files go at ``allocate``, so a caller may still ``abort`` with nothing changed."""
+        if self._lock is None or self.read_only or self._arr:
+            raise RuntimeError("replace() is for a writer that open() just locked")
+        self.takeover = True
+        self._take_over(config)
 
     def _take_over(self, config) -> None:
         """Lock only: nothing changes on disk until ``adopt`` or ``allocate``,
@@ -167,9 +195,9 @@ class MemmapStorage:
                 "take it over (pass an empty or bigper directory as path); nothing was changed")
 
         previous = None
-        if os.path.lexists(self.path / "meta.json"):
+        if os.path.lexists(self._root / "meta.json"):
             try:
-                previous = read_json(self.path / "meta.json", error=PathExistsError)
+                previous = read_json(self._root / "meta.json", error=PathExistsError)
             except PathExistsError:
                 foreign("a meta.json that is not a regular file or not JSON")
             if not isinstance(previous, dict) or previous.get("format") != FORMAT:
@@ -185,16 +213,16 @@ class MemmapStorage:
             except CorruptSnapshotError:
                 pass  # a damaged record proves nothing: only an empty data/ is taken over
         recorded = previous.get("state_files") if previous else None
-        for entry in sorted(os.listdir(self.path)):
+        for entry in sorted(os.listdir(self._root)):
             if entry in _OWN:
-                if entry_kind(self.path / entry) != _OWN[entry]:
+                if entry_kind(self._root / entry) != _OWN[entry]:
                     foreign(f"{entry!r} (not a plain {_OWN[entry]})")
-            elif not (_TRASH.match(entry) and entry_kind(self.path / entry) == "dir"):
+            elif not (_TRASH.match(entry) and entry_kind(self._root / entry) == "dir"):
                 foreign(repr(entry))
         for sub in ("data", "state"):
-            if not (self.path / sub).is_dir():
+            if not (self._root / sub).is_dir():
                 continue
-            for entry in sorted(os.listdir(self.path / sub)):
+            for entry in sorted(os.listdir(self._root / sub)):
                 if sub == "state":
                     stem = entry[1:-8] if entry.startswith(".") and entry.endswith(".npy.tmp") else \
                         entry[:-4] if entry.endswith(".npy") else None
@@ -202,7 +230,7 @@ class MemmapStorage:
                         (stem in recorded if isinstance(recorded, list) else previous is not None)
                 else:
                     ok = entry in names["data"]
-                if not ok or entry_kind(self.path / sub / entry) != "file":
+                if not ok or entry_kind(self._root / sub / entry) != "file":
                     foreign(f"{sub}/{entry!r}")
         return previous
 
@@ -210,11 +238,11 @@ class MemmapStorage:
         """Takeover: mark the directory unclean, then clear what the last writer left."""
         if isinstance(self.previous, dict) and self.previous.get("clean"):
             # Unclean from now on, still naming its arrays: what is left stays provably bigper's.
-            write_json(self.path / "meta.json", {**self.previous, "clean": False})
+            write_json(self._root / "meta.json", {**self.previous, "clean": False})
         for sub in ("data", "state"):
-            if (self.path / sub).exists():
-                os.replace(self.path / sub, self.path / f".trash-{uuid.uuid4().hex[:12]}")
-        for trash in self.path.iterdir():
+            if (self._root / sub).exists():
+                os.replace(self._root / sub, self._root / f".trash-{uuid.uuid4().hex[:12]}")
+        for trash in self._root.iterdir():
             if _TRASH.match(trash.name):
                 shutil.rmtree(trash, ignore_errors=True)
         self.takeover = False
@@ -229,8 +257,8 @@ class MemmapStorage:
         self._wipe()
         for name, rec in arrays.items():  # named before any file exists (see _own_previous)
             self._meta["arrays"][name] = {k: rec[k] for k in ("rows", "shape", "dtype", "chunk_rows")}
-        write_json(self.path / "meta.json", self._meta)
-        data = self.path / "data"
+        write_json(self._root / "meta.json", self._meta)
+        data = self._root / "data"
         data.mkdir()
         for name, rec in arrays.items():
             digests = {}
@@ -243,7 +271,7 @@ class MemmapStorage:
                     shutil.copyfile(src, dst)
             self._meta["arrays"][name] = {k: rec[k] for k in ("rows", "shape", "dtype", "chunk_rows")}
             self._meta["shared_digests"][name] = digests
-        write_json(self.path / "meta.json", self._meta)
+        write_json(self._root / "meta.json", self._meta)
         self._marked = True
 
     def layout(self, specs) -> dict:
@@ -263,11 +291,11 @@ class MemmapStorage:
             if fresh:
                 layout = self.layout(specs)
                 self._meta["arrays"].update(layout)
-                write_json(self.path / "meta.json", self._meta)  # names every file before it exists
-                data = self.path / "data"
+                write_json(self._root / "meta.json", self._meta)  # names every file before it exists
+                data = self._root / "data"
                 data.mkdir(exist_ok=True)
                 for name, rec in layout.items():
-                    a = _Array(self.path, name, rec)
+                    a = _Array(self._root, name, rec)
                     for k in range(a.n):
                         preallocate(a.path(k), a.sizes[k])
                 fsync_dir(data)
@@ -278,7 +306,7 @@ class MemmapStorage:
                     raise IncompatibleSnapshotError(
                         f"{self.path} holds arrays {have}, but the buffer needs {want}")
             known = self._meta.get("shared_digests") or {}
-            arrays = {name: _Array(self.path, name, rec) for name, rec in self._meta["arrays"].items()}
+            arrays = {name: _Array(self._root, name, rec) for name, rec in self._meta["arrays"].items()}
             random = self.random_reads
             if random is None:
                 random = random_reads_pay(sum(sum(a.sizes) for a in arrays.values()))
@@ -287,14 +315,31 @@ class MemmapStorage:
                 self._arr[name], self._rw[name], self.arrays[name] = a, a.rw, a.ro
             self._nshared = sum(int(a.shared.sum()) for a in self._arr.values())
             if not fresh and not self.read_only:
-                for stale in self.path.glob("data/*.cow"):
-                    stale.unlink()
+                for stale in self._leftovers():
+                    os.unlink(self._root / "data" / stale)
                 self._meta["clean"] = False
                 if not self._marked:
-                    write_json(self.path / "meta.json", self._meta)
+                    write_json(self._root / "meta.json", self._meta)
         except BaseException:
             self._abort()
             raise
+
+    def _leftovers(self) -> list[str]:
+        """The copies an interrupted copy-on-write left in ``data/``: only names
+        bigper gives them (``<chunk file>.cow`` of a recorded chunk), so a user's
+        ``my-notes.cow`` is never touched; such a name that is not a plain file
+        (a directory, FIFO, symlink) is not bigper's: ``PathExistsError``."""
+        out = []
+        for name, rec in (self._meta.get("arrays") or {}).items():
+            for k in range(-(-rec["rows"] // rec["chunk_rows"])):
+                cow = chunk_name(name, k) + ".cow"
+                if os.path.lexists(self._root / "data" / cow):
+                    if entry_kind(self._root / "data" / cow) != "file":
+                        raise PathExistsError(
+                            f"{self.path / 'data' / cow} is not a plain file, so not a leftover copy of "
+                            "bigper's: refusing to open over it (nothing was changed)")
+                    out.append(cow)
+        return out
 
     def abort(self) -> None:
         """Release without recording anything; a directory this storage created is removed."""
@@ -306,8 +351,15 @@ class MemmapStorage:
         if self._lock:
             self._lock.release()
             self._lock = None
+        self._let_go()
         if self._created:
             shutil.rmtree(self.path, ignore_errors=True)
+
+    def _let_go(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+        self._root = self.path
 
     @property
     def writable_arrays(self) -> dict:
@@ -366,7 +418,7 @@ class MemmapStorage:
             for a in self._arr.values():
                 a.region.sync(0, a.region.size)
             if self._renamed:  # copies that replaced shared chunk files
-                fsync_dir(self.path / "data")
+                fsync_dir(self._root / "data")
                 self._renamed = False
 
     def nbytes(self) -> int:
@@ -405,7 +457,7 @@ class MemmapStorage:
     def saved_state(self):
         """``(meta, arrays)`` the last writer recorded at close."""
         names = self._meta.get("state_files")
-        return self._meta["state"], load_state_dir(self.path / "state", names if isinstance(names, list) else None)
+        return self._meta["state"], load_state_dir(self._root / "state", names if isinstance(names, list) else None)
 
     def close(self, state: tuple[dict, dict] | None = None) -> None:
         """Flush data, record ``state`` (``(meta, arrays)``) and mark the directory clean."""
@@ -414,7 +466,7 @@ class MemmapStorage:
         if not self.read_only:
             self.flush()
             if state is not None:
-                save_state_dir(self.path / "state", state[1])
+                save_state_dir(self._root / "state", state[1])
                 self._meta["state"] = state[0]
                 self._meta["state_files"] = sorted(state[1])
             if self._arr:
@@ -422,7 +474,8 @@ class MemmapStorage:
                     name: {str(k): [a.inodes[k], a.digests[k]] for k in range(a.n) if a.digests[k]}
                     for name, a in self._arr.items()}
             self._meta["clean"] = True
-            write_json(self.path / "meta.json", self._meta)
+            write_json(self._root / "meta.json", self._meta)
         self._drop()
         self._lock.release()
         self._lock = None
+        self._let_go()
