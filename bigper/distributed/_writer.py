@@ -238,6 +238,18 @@ class ShardWriter:
             refs = [x[0] for x in self._in_flight]
             ready, _ = ray.wait(refs, num_returns=len(refs) - most)
             done = set(ready)
+            # A shard's reply counts every earlier chunk of this writer to it, so
+            # replies must be taken in send order: ray.wait may name a later
+            # chunk ready and not an earlier one to the same shard, and that
+            # earlier reply, taken after, would make the shard look emptier by
+            # the later chunk (the router then overfills it: 2976 of 3000 held).
+            # Every earlier chunk to a shard with a reply is done too (a shard
+            # runs one caller's calls in order): take it now, before.
+            last = {}
+            for i, entry in enumerate(self._in_flight):
+                if entry[0] in done:
+                    last[entry[1]] = i
+            done.update(e[0] for i, e in enumerate(self._in_flight) if i < last.get(e[1], -1))
             keep, retry = [], []
             for i, entry in enumerate(self._in_flight):
                 if entry[0] not in done:
