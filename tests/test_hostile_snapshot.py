@@ -197,6 +197,45 @@ def test_frame_state_lies_are_corrupt(tmp_path):
     load(snap).close()
 
 
+@pytest.mark.parametrize("value", [-5.0, -1e-300, np.nan, np.inf])
+@pytest.mark.parametrize("where", ["pending", "live"])
+def test_a_pending_leaf_that_is_negative_or_not_finite_is_corrupt(value, where, tmp_path):
+    """n-step loads keep ``pending`` for the slots that wait for their window; a
+    crafted one would become a leaf of -5 (or NaN) once the window closes."""
+    snap = small("memory", tmp_path, n_step=3)
+    status = np.load(snap / "state" / "status.npy")
+    pending = np.load(snap / "state" / "pending.npy")
+    slot = int(np.flatnonzero(status == (2 if where == "pending" else 1))[0])
+    pending[slot] = value
+    put_state(snap, "pending", pending)
+    e = refused(CorruptSnapshotError, snap)
+    assert f"pending[{slot}]" in str(e)
+    assert verify(snap)["problems"], "verify reports it too"
+
+
+def test_a_live_transition_on_frames_the_ring_overwrote_is_corrupt(tmp_path):
+    """``frames_minref`` of a live transition below ``fw - frame ring size`` names
+    frames already overwritten: refused, like one beyond the frames written."""
+    from bigper.frames import frame_capacity
+
+    snap = small("memory", tmp_path, k=2)
+    fw = decode((snap / MANIFEST).read_bytes(), snap)["state"]["meta"]["frames"]["fw"]
+    lo = fw - frame_capacity(16, 2, 1)
+    assert lo > 0, "the pristine snapshot's frame ring has wrapped"
+    good = np.load(snap / "state" / "frames_minref.npy")
+    slot = int(np.argmin(good))
+    for bad in (lo - 1, 0, -1):
+        minref = good.copy()
+        minref[slot] = bad
+        put_state(snap, "frames_minref", minref)
+        e = refused(CorruptSnapshotError, snap)
+        assert "frames_minref" in str(e)
+    minref = good.copy()
+    minref[slot] = lo  # the oldest frame still in the ring is fine
+    put_state(snap, "frames_minref", minref)
+    load(snap).close()
+
+
 # -- Hypothesis over manifest fields ------------------------------------------------------------
 def _paths(obj, prefix=()):
     """Every (key path) in a JSON body, depth first."""

@@ -115,6 +115,29 @@ def test_sort_runs_at_the_first_sample_after_sort_every_writes():
     assert list(r.exact_ranks()) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("every", [1, 2, 5, 16])
+def test_the_sort_runs_at_exactly_sort_every_writes_and_not_one_before(every):
+    """The boundary itself: ``sort_every - 1`` writes leave the heap as it is,
+    exactly ``sort_every`` writes sort it at the next sample."""
+    r = new(CAP, sort_every=every)
+    keys = np.random.default_rng(every).permutation(CAP).astype(np.float64) + 1.0
+    r.insert(np.arange(CAP, dtype=np.int64), keys)  # CAP writes: sorts at the first sample
+    r.sample(np.array([0.5]), stratified=True, beta=0.4)
+    assert r.writes == 0
+    gid, status, pending = ring()
+    for w in range(1, every + 1):
+        slot = np.array([w % CAP], dtype=np.int64)
+        r.update(slot, np.array([100.0 + w]), gid[slot], True, gid, status, pending)
+        assert r.writes == w
+        before = fingerprint(r)
+        r.sample(np.array([0.5]), stratified=True, beta=0.4)
+        if w < every:
+            assert fingerprint(r) == before, f"sorted after {w} of {every} writes"
+        else:
+            assert r.writes == 0, f"no sort after exactly sort_every={every} writes"
+            assert np.array_equal(r.exact_ranks(), np.arange(1, CAP + 1))  # positions are ranks
+
+
 def _age(r):
     """Shift every tick up to just below the limit, as after ~4e9 writes."""
     r._heap[:r.n, 1] += (RK.TICK_LIMIT - 2 - r.tick) << 31

@@ -100,6 +100,51 @@ def test_heap_ops_match_model(ops, sort_at):
         assert_heap(heap, spos, n, model)
 
 
+def _run_tied(ops, cap):
+    """Apply ``ops`` one at a time, the heap checked against the model after each."""
+    heap, spos = new_heap(cap)
+    n, tick, model = 0, 1, {}
+    for op in ops:
+        if op[0] == "set":
+            n, tick2 = RK.heap_set(heap, spos, n, np.array([op[1]], dtype=np.int64),
+                                   np.array([op[2]], dtype=np.float64), tick)
+        else:
+            n, tick2 = RK.heap_remove(heap, spos, n, np.array([op[1]], dtype=np.int64)), tick
+        apply_model(model, tick, [op])
+        tick = tick2
+        assert n == len(model)
+        assert_heap(heap, spos, n, model)
+
+
+tied_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), st.integers(0, 15), st.sampled_from([1.0, 2.0])),
+        st.tuples(st.just("remove"), st.integers(0, 15)),
+    ),
+    max_size=80,
+)
+
+
+@SETTINGS
+@given(ops=tied_ops)
+def test_heap_with_tied_keys_after_every_remove(ops):
+    """Keys in {1, 2}: nearly every comparison is a tie that the tick decides,
+    also where a removal moves the last entry into the hole."""
+    _run_tied(ops, 16)
+
+
+def test_heap_with_tied_keys_after_every_remove_seeded_sweep():
+    """The same, 600 random sequences without shrinking: a sift that ignores the
+    tick on equal keys breaks the heap in a good share of them."""
+    rng = np.random.default_rng(23)
+    for _ in range(600):
+        ops = []
+        for _ in range(60):
+            slot = int(rng.integers(0, 16))
+            ops.append(("set", slot, float(rng.integers(1, 3))) if rng.random() < 0.6 else ("remove", slot))
+        _run_tied(ops, 16)
+
+
 @SETTINGS
 @given(slots=st.lists(st.integers(0, 15), max_size=40), data=st.data())
 def test_heap_set_batch_last_duplicate_wins(slots, data):

@@ -64,6 +64,51 @@ def test_defaults_hold_exactly_capacity_and_evict_oldest_first(cluster):
         assert np.isin(np.arange(9000 - 3000 + 3 * buf.chunk_size, 9000), ids).all()
 
 
+def _newest_ready_first(real_wait):
+    """``ray.wait`` that answers as Ray may: ``num_returns`` refs that are ready,
+    here the last ones in the list (the chunks sent last) where more are ready."""
+    def wait(refs, *, num_returns=1, timeout=None, **kw):
+        real_wait(refs, num_returns=num_returns, timeout=timeout, **kw)  # at least that many ready
+        ready, _ = real_wait(refs, num_returns=len(refs), timeout=0.5, **kw)  # most often all
+        ready = set(ready)
+        chosen = [r for r in refs if r in ready][-num_returns:]
+        return chosen, [r for r in refs if r not in set(chosen)]
+    return wait
+
+
+@pytest.mark.parametrize("chunk", [256, 40])
+def test_replies_are_taken_in_send_order_even_when_ray_wait_names_the_newest(cluster, monkeypatch, chunk):
+    """A writer keeps several chunks in flight, often two to one shard. Where
+    ``ray.wait`` names the later one ready first, the earlier reply (which does
+    not count the later chunk) must not be taken after it: the writer would see
+    that shard emptier than it is and overfill it (with 3 shards of 1000 and
+    chunks of 256: 2976 held instead of 3000). Every reply the router takes
+    from a shard counts at least what the one before it counted."""
+    from bigper.distributed._routing import Router
+
+    monkeypatch.setattr(ray, "wait", _newest_ready_first(ray.wait))
+    replies = []
+    real_acked = Router.acked
+
+    def acked(self, k, fill, in_flight):
+        replies.append((id(self), k, int(fill[0])))
+        return real_acked(self, k, fill, in_flight)
+
+    monkeypatch.setattr(Router, "acked", acked)
+    with ShardedPrioritizedBuffer(3, 3000, FIELDS, chunk_size=chunk) as buf:
+        buf.extend(_data(range(3000)))
+        buf.flush()
+        assert [i["len"] for i in buf.shard_info()] == [1000, 1000, 1000]
+        assert len(buf) == 3000
+        np.testing.assert_array_equal(_held_ids(buf), np.arange(3000))
+    most, stale = {}, []
+    for w, k, held in replies:  # per router (writer) and shard, in the order taken
+        if held < most.get((w, k), 0):
+            stale.append((k, held, most[(w, k)]))
+        most[(w, k)] = max(held, most.get((w, k), 0))
+    assert len(replies) > 3000 // chunk and not stale, f"replies taken after newer ones: {stale}"
+
+
 def test_episode_mode_holds_capacity_less_under_a_chunk_per_shard(cluster):
     fields = dict(FIELDS, reward=((), np.float32))
 
@@ -82,7 +127,12 @@ def test_episode_mode_holds_capacity_less_under_a_chunk_per_shard(cluster):
 
 def test_a_reservation_that_cannot_fit_fails_fast_with_the_figures(cluster):
     t = time.monotonic()
-    with pytest.raises(bigper.ShardUnavailableError, match=r"3 shard\(s\) x 1 CPU = 3 CPU.*2 CPU free"):
+    # The figures that do not move: what was asked and the cluster's total. The
+    # free figure is whatever the cluster reports at that moment (test_ray's
+    # shards share this cluster and Ray frees their CPU asynchronously): it is
+    # named, but its value is not this test's to fix.
+    with pytest.raises(bigper.ShardUnavailableError,
+                       match=r"3 shard\(s\) x 1 CPU = 3 CPU .*has [0-9.]+ CPU free of 2 on 1 node"):
         ShardedPrioritizedBuffer(3, 3000, FIELDS, num_cpus_per_shard=1.0)
     with pytest.raises(bigper.ShardUnavailableError, match="STRICT_SPREAD.*1 alive node"):
         ShardedPrioritizedBuffer(3, 3000, FIELDS, placement="STRICT_SPREAD")

@@ -28,14 +28,18 @@ def _fill(capacity, shards, chunk, added, cuttable, seed=0, ragged=False):
             k, take = router.choose(m - s, cuttable=cuttable)
             assert 1 <= take <= m - s
             assert take == m - s or cuttable
-            router.sent(k, take, nid + s)  # stamps: arrival order
-            rings[k].extend(range(nid + s, nid + s + take))
+            router.sent(k, take, nid + s)  # stamps: arrival order; every row keeps its chunk's
+            rings[k].extend((i, nid + s) for i in range(nid + s, nid + s + take))
             while len(rings[k]) > caps[k]:
                 rings[k].popleft()
-            router.acked(k, (len(rings[k]), int(caps[k]), rings[k][0] if rings[k] else None, router.token), 0)
+            # The reply names the stamp of the shard's oldest row, as a shard does.
+            router.acked(k, (len(rings[k]), int(caps[k]), rings[k][0][1], router.token), 0)
+            # One writer's model is exact: it knows every row it still holds there,
+            # also when its oldest chunk there is the shard's oldest, partly evicted.
+            assert router.mine[k] == len(rings[k]) == sum(r for _, r in router.own[k])
             s += take
         nid += m
-    return rings
+    return [deque(i for i, _ in ring) for ring in rings]
 
 
 def _check(rings, capacity, shards, chunk, added, cuttable):
@@ -108,6 +112,21 @@ def test_full_shards_take_the_chunk_whose_oldest_row_is_oldest():
     assert r.choose(4)[0] == 1
 
 
+def test_a_writer_keeps_its_chunk_that_is_still_the_shards_oldest():
+    """A reply whose oldest stamp is this writer's own oldest chunk means that
+    chunk is (partly) still there: only chunks older than it are gone."""
+    r = Router([4, 4], start=0)
+    r.sent(0, 4, 5)
+    r.acked(0, (4, 4, 5, r.token), 0)
+    assert r.mine[0] == 4 and [list(c) for c in r.own[0]] == [[5, 4]]
+    r.sent(0, 2, 6)  # the ring overwrites two rows of chunk 5; its other two stay oldest
+    r.acked(0, (4, 4, 5, r.token), 0)
+    assert r.mine[0] == 4 and [list(c) for c in r.own[0]] == [[5, 2], [6, 2]]
+    r.sent(0, 3, 7)  # chunk 5 is gone now, one row of chunk 6 too
+    r.acked(0, (4, 4, 6, r.token), 0)
+    assert r.mine[0] == 4 and [list(c) for c in r.own[0]] == [[6, 1], [7, 3]]
+
+
 def _several_writers(capacity, shards, chunk, writers, cuttable, seed):
     """Send ids 0..capacity-1, check the fill, then ids up to 3 * capacity from
     ``writers`` routers chosen at random, each learning the others' rows only
@@ -132,6 +151,11 @@ def _several_writers(capacity, shards, chunk, writers, cuttable, seed):
                     rings[k].popleft()
                 front = rings[k][0]
                 r.acked(k, (len(rings[k]), int(caps[k]), front[1], front[2]), 0)
+                # Right after a reply a writer still counts every row of its own
+                # that the shard holds (its oldest chunk may be partly evicted).
+                mine = sum(1 for e in rings[k] if e[2] == r.token)
+                assert r.mine[k] >= mine, (r.mine[k], mine)
+                assert r.mine[k] - mine < chunk
                 s += take
             nid += m
 

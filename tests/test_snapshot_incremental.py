@@ -154,3 +154,60 @@ def test_prepare_copies_every_shared_chunk_a_step_will_write_before_any_write(se
         assert np.array_equal(st.read(n, np.arange(256)), data[n])
     feed(buf, stream, 5)
     assert tree_hash(tmp / "s1") == snap_bytes
+
+
+_WRAP_CHILD = r'''
+import sys
+import numpy as np
+import bigper
+
+path, snap, k = sys.argv[1], sys.argv[2], int(sys.argv[3]) or None
+cap = 64
+fields = {"obs": (((k,) if k else ()) + (16, 16), np.uint8), "reward": ((), np.float32)}
+
+
+def chunk(m, g0):
+    shape = (m,) + fields["obs"][0]
+    obs = (np.arange(g0, g0 + m) % 251).astype(np.uint8)[:, None, None] * np.ones(shape[-2:], np.uint8)
+    if k:
+        obs = np.repeat(obs[:, None], k, axis=1)
+    return {"obs": obs, "next_obs": obs.copy(), "reward": np.arange(g0, g0 + m, dtype=np.float32),
+            "terminated": np.zeros(m, bool), "truncated": np.zeros(m, bool)}
+
+
+# 256-byte frames, 4 KiB chunks: 16 rows a chunk, 4 chunks for the ring.
+buf = bigper.PrioritizedReplayBuffer(cap, fields, frame_stack=k, storage="memmap", path=path,
+                                     storage_options={"chunk_bytes": 4096}, seed=0)
+buf.extend(chunk(60, 0))
+buf.save(snap)  # every chunk is now shared with the snapshot
+buf.extend(chunk(20, 60))  # slots 60..63, then past the end onto 0..15
+got = buf._store.read("reward", np.arange(cap))
+want = np.arange(16, 80, dtype=np.float32)[(np.arange(cap) - 16) % cap]
+assert np.array_equal(got, want), (got, want)
+b = buf.sample(32)
+assert np.all(b["obs"].reshape(32, -1).max(axis=1) == (np.asarray(b["reward"]) % 251)), "obs follows reward"
+buf.close()
+old = bigper.PrioritizedReplayBuffer.load(snap)
+assert np.array_equal(old._store.read("reward", np.arange(60)), np.arange(60, dtype=np.float32))
+old.close()
+print("ok")
+'''
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "frame-stack-2"])
+def test_an_extend_that_wraps_past_the_ring_end_after_a_snapshot_copies_the_wrapped_chunks(k, tmp_path):
+    """The write of an ``extend`` that wraps touches the chunks at the ring's
+    end and at its start; both must be copied before the write. Run in a child
+    so that a write into a shared (read-only) mapping is a failed test with its
+    signal, not a crashed pytest; the snapshot's files stay byte for byte."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    snap = tmp_path / "snap"
+    r = subprocess.run([sys.executable, "-c", _WRAP_CHILD, str(tmp_path / "live"), str(snap), str(k)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+    assert verify(snap)["problems"] == []

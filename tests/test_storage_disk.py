@@ -74,3 +74,89 @@ def test_no_import_circle_among_the_storage_modules():
 
     circles = sorted(m for m in mods if reaches(m, m))
     assert circles == [], f"storage modules on an import circle: {circles}"
+
+
+# -- durability order: bytes on disk before the name points at them ---------------------------
+def _spy_durability(monkeypatch) -> list:
+    """Wrap the real ``os.fsync``/``os.replace``/``os.rename`` and record, in order,
+    ``("fsync", path)`` and ``("rename", src, dst)`` (real paths: an fd is named by
+    /proc/self/fd, a path relative to a directory fd is joined to it)."""
+    events = []
+    real = {"fsync": os.fsync, "replace": os.replace, "rename": os.rename}
+
+    def name_of(fd) -> str:
+        return os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def full(p, dir_fd) -> str:
+        p = os.fsdecode(p)
+        return os.path.realpath(os.path.join(name_of(dir_fd), p) if dir_fd is not None else p)
+
+    def fsync(fd):
+        fd = fd if isinstance(fd, int) else fd.fileno()
+        events.append(("fsync", name_of(fd)))
+        return real["fsync"](fd)
+
+    def moving(kind):
+        def move(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+            s, d = full(src, src_dir_fd), full(dst, dst_dir_fd)
+            real[kind](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+            events.append(("rename", s, d))
+        return move
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", moving("replace"))
+    monkeypatch.setattr(os, "rename", moving("rename"))
+    return events
+
+
+def _assert_durable(events, dst) -> int:
+    """Every rename onto ``dst`` came after an fsync of its source (since that
+    source was last renamed away) and before an fsync of ``dst``'s directory.
+    Returns how many renames onto ``dst`` there were."""
+    dst = os.path.realpath(dst)
+    seen = 0
+    for i, e in enumerate(events):
+        if e[0] != "rename" or e[2] != dst:
+            continue
+        seen += 1
+        src = e[1]
+        start = max((j for j in range(i) if events[j][0] == "rename" and events[j][1] == src), default=-1)
+        assert ("fsync", src) in events[start + 1:i], f"{src} renamed onto {dst} before its bytes were fsynced"
+        assert ("fsync", os.path.dirname(dst)) in events[i + 1:], f"{dst}'s directory not fsynced after the rename"
+    return seen
+
+
+def test_write_durable_fsyncs_the_bytes_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    from bigper.storage._files import write_durable
+
+    events = _spy_durability(monkeypatch)
+    write_durable(tmp_path / "x.json", b"first")
+    write_durable(tmp_path / "x.json", b"second")  # the same temporary name again
+    assert _assert_durable(events, tmp_path / "x.json") == 2
+    assert (tmp_path / "x.json").read_bytes() == b"second"
+
+
+def test_memmap_meta_json_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    fields = {"obs": ((3,), np.float32), "reward": ((), np.float32)}
+    stream = Stream(fields, next_of=("obs",), seed=5)
+    buf = open_buffer("memmap", where("memmap", tmp_path), 16, fields, seed=0)
+    events = _spy_durability(monkeypatch)
+    stream.add([buf], 5)
+    buf.save(tmp_path / "snap")
+    buf.close()
+    assert _assert_durable(events, where("memmap", tmp_path) / "meta.json") >= 1
+    assert _assert_durable(events, tmp_path / "snap") == 1  # the snapshot's commit too
+
+
+def test_the_sharded_manifest_is_on_disk_before_the_snapshot_is_renamed_into_place(tmp_path, monkeypatch):
+    from bigper.distributed._manifest import commit, temp_dir_for
+
+    snap = tmp_path / "sharded"
+    tmp = temp_dir_for(snap)
+    (tmp / "shard-0").mkdir()
+    events = _spy_durability(monkeypatch)
+    commit(tmp, snap, {"format": "x", "shards": []})
+    assert _assert_durable(events, tmp / "manifest.json") == 1
+    i = events.index(("rename", os.path.realpath(tmp), os.path.realpath(snap)))
+    assert ("fsync", os.path.realpath(tmp)) in events[:i], "the snapshot directory was not fsynced before its rename"
+    assert _assert_durable(events, snap) == 1

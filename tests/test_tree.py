@@ -205,3 +205,36 @@ def test_fresh_tree_is_empty():
     assert tree.total == 0.0 and tree.min == math.inf
     np.testing.assert_array_equal(tree.leaves, np.zeros(17))
     assert tree.check() == []
+
+
+# -- the tree after a bulk update (leaves written, nodes rebuilt by the caller) -----------------
+@pytest.mark.parametrize("m,cap", [(1025, 4096), (2048, 2048), (4096, 8192), (4096, 32768), (4097, 4097),
+                                   (6000, 8192), (1024, 4096)])
+def test_a_bulk_update_leaves_every_node_the_sum_of_its_children(m, cap):
+    """Updates of more than 1,024 rows and an eighth of the slots write the
+    leaves and rebuild the nodes once; sums, total and min tree must then be
+    those of the new leaves (a skipped rebuild leaves stale sums behind)."""
+    from bigper.prioritization.proportional import Proportional
+
+    rng = np.random.default_rng(m + cap)
+    prio = Proportional(cap, alpha=0.7, eps=1e-6, max_priority=math.inf, weight_norm="global")
+    gid = np.arange(cap, dtype=np.int64)
+    status = np.ones(cap, dtype=np.uint8)
+    pending = np.zeros(cap)
+    first = rng.random(cap) * 3
+    prio.insert(gid, prio.keys(first))
+    idx = rng.integers(0, cap, size=m)  # duplicates included: the last one wins
+    p = rng.random(m) * 10
+    prio.update(idx, p, gid[idx], False, gid, status, pending)
+    want = first.copy()
+    want[idx] = p  # numpy's fancy assignment keeps the last of duplicates
+    keys = prio.keys(want)
+    t = prio.tree
+    np.testing.assert_array_equal(t.leaves, keys)
+    assert t.check() == []
+    assert t.total == pytest.approx(math.fsum(keys), rel=1e-12)
+    assert t.min == keys.min()
+    # Draws follow the new leaves: the slot holding each target.
+    targets = np.sort(rng.random(64)) * t.total
+    cum = np.cumsum(keys)
+    np.testing.assert_array_equal(t.find(targets), np.minimum(np.searchsorted(cum, targets, side="right"), cap - 1))

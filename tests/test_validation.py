@@ -43,7 +43,9 @@ def make(weight_norm="global", fill=11):
 def fingerprint(buf):
     """Everything that makes up the buffer's state, copied."""
     fp = {}
-    for owner, prefix in ((buf, ""), (buf._tree, "tree."), (buf._store, "store.")):
+    prio = buf._prio  # rank keeps its heap on the prioritizer, proportional on a tree
+    for owner, prefix in ((buf, ""), (prio, "prio."), (getattr(prio, "tree", prio), "tree."),
+                          (buf._store, "store.")):
         for k, v in vars(owner).items():
             if isinstance(v, np.ndarray):
                 fp[prefix + k] = v.copy()
@@ -234,6 +236,34 @@ def test_add_rejects(call, exc, names):
 ])
 def test_extend_rejects(call, exc, names):
     check_rejected(make(), call, exc, *names)
+
+
+@pytest.mark.parametrize("kind", [{"alpha": 1.0}, {"alpha": 0.6}, {"prioritization": "rank"}],
+                         ids=["proportional-alpha1", "proportional", "rank"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1.0, -1e-300])
+@pytest.mark.parametrize("how", ["add", "add-2-envs", "extend-1", "extend-3"])
+def test_a_bad_priority_in_row_0_is_refused_by_the_priority_check(kind, bad, how):
+    """Row 0 is every single-env add: the check must look at it too. Rank has
+    no leaf cap that would refuse it later, proportional with alpha=1 keeps -1
+    as a negative leaf; the message is the priority check's own, not a later one's."""
+    envs = 2 if how == "add-2-envs" else 1
+    buf = bigper.PrioritizedReplayBuffer(CAP, FIELDS, num_envs=envs, seed=4, **kind)
+    if how == "add":
+        call = lambda b: b.add(**step(3), priorities=bad)
+    elif how == "add-2-envs":
+        both = {k: np.stack([v, v]) for k, v in step(3).items()}
+        call = lambda b: b.add(**both, priorities=np.array([bad, 1.0]))
+    else:
+        m = int(how[-1])
+        call = lambda b: b.extend(steps(m), priorities=np.r_[bad, np.ones(m - 1)])
+    for filled in (False, True):  # into an empty buffer, then into a used one
+        msg = check_rejected(buf, call, bigper.InvalidArgumentError, "priorities", "finite and >= 0",
+                             "position 0")
+        assert str(bad) in msg
+        if not filled:
+            fill = {k: np.stack([v] * envs, axis=1) for k, v in steps(2).items()} if envs > 1 else steps(4)
+            buf.extend(fill, priorities=np.arange(4.0).reshape(fill["action"].shape))
+    assert len(buf) == 4 and np.isfinite(buf.total_priority) and buf.total_priority > 0
 
 
 def test_rejected_add_into_an_empty_buffer_leaves_it_empty():

@@ -16,6 +16,9 @@ stay with the writer until the episode ends.
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import numpy as np
 
 from .._ingest import Ingest
@@ -29,6 +32,16 @@ def _ray():
     import ray
 
     return ray
+
+
+def _locked(method):
+    """A public entry point of a writer: one call at a time (its pieces, chunks
+    in flight and routing model change together)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class ShardWriter:
@@ -56,6 +69,7 @@ class ShardWriter:
         self._setup()
 
     def _setup(self) -> None:
+        self._lock = threading.RLock()  # every public entry point holds it; never pickled
         cfg = Config.from_dict(self._config)
         self._ingest = Ingest(cfg)
         self._envs = cfg.num_envs
@@ -69,6 +83,7 @@ class ShardWriter:
         self.stored = [0] * len(self._shards)  # transitions each shard acknowledged from this writer
 
     # -- pickling: a fresh, empty writer on the other side -------------------------
+    @_locked
     def __getstate__(self):
         if self._pending or self._in_flight:
             raise ShardUnavailableError("flush() this ShardWriter before passing it to another process: "
@@ -82,17 +97,20 @@ class ShardWriter:
         self._setup()
 
     # -- writing -------------------------------------------------------------------
+    @_locked
     def add(self, *, priorities=None, valid=None, **step) -> None:
         """One env step (with ``num_envs > 1``, one step of every env); see
         ``PrioritizedReplayBuffer.add``."""
         rows, p, v = self._ingest.step(step, priorities, valid)
         self._push(rows, p, v)
 
+    @_locked
     def extend(self, data, priorities=None, valid=None) -> None:
         """Many steps; see ``PrioritizedReplayBuffer.extend``."""
         rows, p, v = self._ingest.steps(data, priorities, valid)
         self._push(rows, p, v)
 
+    @_locked
     def flush(self) -> None:
         """Send every pending step (in episode mode: up to the last episode end)
         and wait until the shards have stored all of it."""
@@ -100,6 +118,7 @@ class ShardWriter:
         self._wait(0)
 
     @property
+    @_locked
     def pending(self) -> int:
         """Steps collected here and not yet sent."""
         return self._pending
@@ -238,6 +257,18 @@ class ShardWriter:
             refs = [x[0] for x in self._in_flight]
             ready, _ = ray.wait(refs, num_returns=len(refs) - most)
             done = set(ready)
+            # A shard's reply counts every earlier chunk of this writer to it, so
+            # replies must be taken in send order: ray.wait may name a later
+            # chunk ready and not an earlier one to the same shard, and that
+            # earlier reply, taken after, would make the shard look emptier by
+            # the later chunk (the router then overfills it: 2976 of 3000 held).
+            # Every earlier chunk to a shard with a reply is done too (a shard
+            # runs one caller's calls in order): take it now, before.
+            last = {}
+            for i, entry in enumerate(self._in_flight):
+                if entry[0] in done:
+                    last[entry[1]] = i
+            done.update(e[0] for i, e in enumerate(self._in_flight) if i < last.get(e[1], -1))
             keep, retry = [], []
             for i, entry in enumerate(self._in_flight):
                 if entry[0] not in done:

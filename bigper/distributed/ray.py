@@ -13,8 +13,10 @@ What it guarantees, and what it costs: see ``bigper.distributed``.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,20 @@ from ._shard import shard_path
 from ._shardset import ShardSet
 from ._updates import split_updates
 from ._writer import ShardWriter
-from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError, InvalidTypeError
+from ..errors import (BufferClosedError, CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError,
+                      InvalidTypeError)
+
+
+def _entry(method):
+    """A public entry point: it runs under the buffer's one (re-entrant) lock,
+    and checks that the buffer is open inside it, so no call can run half on
+    a buffer another thread closes, or interleave with another call."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            self._check_open()
+            return method(self, *args, **kwargs)
+    return run
 
 
 class ShardedPrioritizedBuffer:
@@ -102,6 +117,7 @@ class ShardedPrioritizedBuffer:
                  recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
                  max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0,
                  max_restarts=-1, actor_options=None, _restore=None):
+        self._lock = threading.RLock()  # every public entry point holds it
         self._closed = True
         if prioritization != "proportional":
             raise InvalidArgumentError(
@@ -145,7 +161,7 @@ class ShardedPrioritizedBuffer:
                  for k in range(self.num_shards)]
         # An explicit reservation that cannot fit fails fast (the figures are
         # known); with none, placement only waits on the cluster's own start-up.
-        wait = 5.0 if o["cpus"] is not None else max(60.0, self.shard_timeout_s)
+        wait = 5.0 if o["cpus"] is not None else max(60.0, self._timeout)
         try:
             self._pg, self._shards = start_shards(
                 specs, placement=placement, cpus=o["cpus"], max_restarts=o["max_restarts"],
@@ -172,12 +188,14 @@ class ShardedPrioritizedBuffer:
 
     # -- sizes ---------------------------------------------------------------------
     @property
+    @_entry
     def shard_timeout_s(self) -> float:
         """How long a call waits for a shard before going on without it (settable:
         e.g. generous while shards load their kernels, short once they run)."""
         return self._timeout
 
     @shard_timeout_s.setter
+    @_entry
     def shard_timeout_s(self, value) -> None:
         try:
             v = float(value)
@@ -189,11 +207,14 @@ class ShardedPrioritizedBuffer:
         if getattr(self, "_set", None) is not None:
             self._set.timeout = v
 
+    # capacity and shard_offsets are fixed at construction: read without the
+    # lock, and still after close (as a local buffer's capacity).
     @property
     def capacity(self) -> int:
         return self.config.capacity
 
     @property
+    @_entry
     def beta(self) -> float:
         """The beta the next ``sample`` call will use."""
         return self._schedule(self._beta_step)
@@ -204,27 +225,31 @@ class ShardedPrioritizedBuffer:
         return self._offsets.copy()
 
     @property
+    @_entry
     def shard_actors(self) -> list:
         """The shard actors' handles (shard ``k`` at position ``k``)."""
         return list(self._shards)
 
+    @_entry
     def __len__(self) -> int:
         """Transitions held by the live shards (after flushing this process's writes)."""
         self._sync()
         return int(sum(st[2] for st in self._set.probe().values()))
 
     @property
+    @_entry
     def total_priority(self) -> float:
         """Sum of the leaves of the live shards."""
         self._sync()
         return float(sum(st[0] for st in self._set.probe().values()))
 
+    @_entry
     def shard_info(self) -> list:
         """Per shard: a dict (len, capacity, total_priority, epoch, restored_from, pid), or
         None for a shard that did not answer within ``shard_timeout_s``."""
         self._check_open()
         refs = [s.info.remote() for s in self._shards]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.shard_timeout_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._timeout)
         out = []
         for ref in refs:
             try:
@@ -234,6 +259,7 @@ class ShardedPrioritizedBuffer:
         return out
 
     # -- writing ---------------------------------------------------------------------
+    @_entry
     def writer(self, *, chunk_size=None, max_in_flight=None) -> ShardWriter:
         """A handle for writing from another process (pass it to a Ray actor)."""
         self._check_open()
@@ -243,16 +269,19 @@ class ShardedPrioritizedBuffer:
         self._writers += 1
         return w
 
+    @_entry
     def add(self, *, priorities=None, valid=None, **step) -> None:
         """As ``PrioritizedReplayBuffer.add``; collected into chunks (see ``flush``)."""
         self._check_open()
         self._writer.add(priorities=priorities, valid=valid, **step)
 
+    @_entry
     def extend(self, data, priorities=None, valid=None) -> None:
         """As ``PrioritizedReplayBuffer.extend``; sent in chunks (see ``capacity`` above)."""
         self._check_open()
         self._writer.extend(data, priorities, valid)
 
+    @_entry
     def flush(self) -> None:
         """Send this process's pending steps and wait until the shards stored them
         and applied every priority update sent so far."""
@@ -265,6 +294,7 @@ class ShardedPrioritizedBuffer:
         self._writer.flush()
 
     # -- sampling --------------------------------------------------------------------
+    @_entry
     def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:
         """Draw ``batch_size`` transitions over all live shards, ``P(i) = leaf_i / T``.
 
@@ -286,6 +316,7 @@ class ShardedPrioritizedBuffer:
         return batch
 
     # -- priorities --------------------------------------------------------------------
+    @_entry
     def update_priorities(self, target, priorities) -> None:
         """As ``PrioritizedReplayBuffer.update_priorities``, grouped by shard and
         asynchronous: a shard's updates ride on the next call to it (the next
@@ -293,10 +324,11 @@ class ShardedPrioritizedBuffer:
         at most ``max_updates_in_flight`` such calls unacknowledged. An error a
         shard raises (a raw index never written) surfaces at a later call."""
         self._check_open()
-        for s, slots, stamps, p in split_updates(target, priorities, self._offsets, self.capacity):
+        for s, slots, stamps, p in split_updates(target, priorities, self._offsets, self.config.capacity):
             self._set.queue_update(s, slots, stamps, p)
 
     # -- persistence ---------------------------------------------------------------------
+    @_entry
     def save(self, snapshot) -> Path:
         """Snapshot every shard and the coordinator into the new directory ``snapshot``;
         returns its absolute path.
@@ -344,17 +376,20 @@ class ShardedPrioritizedBuffer:
     # -- lifecycle -------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidArgumentError("this sharded buffer is closed")
+            raise BufferClosedError("this sharded buffer is closed")
 
     def close(self) -> None:
         """Flush, close every shard's storage (disk storages resume on reopen),
         stop the actors and free the placement group."""
-        if self._closed:
-            return
+        with self._lock:
+            if not self._closed:
+                self._close()
+
+    def _close(self) -> None:
         try:
             self.flush()
             refs = [s.close.remote() for s in self._shards]
-            ray.wait(refs, num_returns=len(refs), timeout=max(self.shard_timeout_s, 60.0))
+            ray.wait(refs, num_returns=len(refs), timeout=max(self._timeout, 60.0))
             for ref in refs:
                 try:
                     ray.get(ref, timeout=0)
@@ -380,5 +415,6 @@ class ShardedPrioritizedBuffer:
                         "pass buf.writer() to other actors")
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"capacity={self.capacity}"
+        with self._lock:
+            state = "closed" if self._closed else f"capacity={self.config.capacity}"
         return f"ShardedPrioritizedBuffer(num_shards={self.num_shards}, {state})"
