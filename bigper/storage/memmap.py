@@ -35,6 +35,7 @@ last close. Anything else anywhere in the directory (a user's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -104,6 +105,7 @@ class MemmapStorage:
         self.previous: dict | None = None  # with takeover: the meta found there, if readable
         self._dir: HeldDir | None = None
         self._root = self.path  # the path file operations go through (see open)
+        self._aside: dict | None = None  # takeover: the old buffer's data/state, moved aside
 
     # -- open / create -------------------------------------------------------
     def open(self, config: dict) -> dict | None:
@@ -235,17 +237,43 @@ class MemmapStorage:
         return previous
 
     def _wipe(self) -> None:
-        """Takeover: mark the directory unclean, then clear what the last writer left."""
+        """Takeover: mark the directory unclean, then move what the last writer
+        left aside (kept until the new buffer is allocated: ``abort`` puts it back)."""
+        for trash in self._root.iterdir():  # of an earlier takeover that was interrupted
+            if _TRASH.match(trash.name):
+                shutil.rmtree(trash, ignore_errors=True)
         if isinstance(self.previous, dict) and self.previous.get("clean"):
             # Unclean from now on, still naming its arrays: what is left stays provably bigper's.
             write_json(self._root / "meta.json", {**self.previous, "clean": False})
+        self._aside = {}
         for sub in ("data", "state"):
             if (self._root / sub).exists():
-                os.replace(self._root / sub, self._root / f".trash-{uuid.uuid4().hex[:12]}")
-        for trash in self._root.iterdir():
-            if _TRASH.match(trash.name):
-                shutil.rmtree(trash, ignore_errors=True)
+                name = f".trash-{uuid.uuid4().hex[:12]}"
+                os.replace(self._root / sub, self._root / name)
+                self._aside[sub] = name
         self.takeover = False
+
+    def _settle(self) -> None:
+        """The new buffer is in place: the old one's files go."""
+        for name in self._aside.values():
+            shutil.rmtree(self._root / name, ignore_errors=True)
+        self._aside = None
+
+    def _put_back(self) -> None:
+        """A takeover that failed: the old buffer's files and record return as they were."""
+        if self._aside is None:
+            return
+        for sub in ("data", "state"):
+            if (self._root / sub).exists():
+                shutil.rmtree(self._root / sub, ignore_errors=True)
+        for sub, name in self._aside.items():
+            os.replace(self._root / name, self._root / sub)
+        if isinstance(self.previous, dict):
+            write_json(self._root / "meta.json", self.previous)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._root / "meta.json")
+        self._aside = None
 
     def adopt(self, arrays: dict) -> None:
         """Attach a snapshot's chunk files (takeover only): hard-link each (copy
@@ -320,6 +348,8 @@ class MemmapStorage:
                 self._meta["clean"] = False
                 if not self._marked:
                     write_json(self._root / "meta.json", self._meta)
+            if self._aside is not None:
+                self._settle()
         except BaseException:
             self._abort()
             raise
@@ -346,8 +376,11 @@ class MemmapStorage:
         self._abort()
 
     def _abort(self) -> None:
-        """Undo a failed creation: nothing half-made stays behind."""
+        """Undo a failed creation: nothing half-made stays behind (a buffer
+        being replaced comes back as it was)."""
         self._drop()
+        if self._aside is not None and self._lock:
+            self._put_back()
         if self._lock:
             self._lock.release()
             self._lock = None
