@@ -1,7 +1,17 @@
 """Validation of what ``add`` and ``extend`` take: every check happens before
-anything is written, so bad input leaves the buffer exactly as it was."""
+anything is written, so bad input leaves the buffer exactly as it was.
+
+Values are stored losslessly or refused (DESIGN promise 12, ``cast_exact``):
+into an integer field only integers (and integral floats) in its range, into
+a bool field only 0 and 1, into a float field any value whose cast is finite
+(or that was already inf or NaN). Complex values go into complex fields only.
+A value already of the field's dtype is taken as it is: casting it first
+(``x.astype(np.uint8)``) is how a user asks for a truncation.
+"""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -24,10 +34,11 @@ class Ingest:
         # buffer's own `ends` array instead (they steer n-step windows).
         self.stored = {n: v for n, v in self.inputs.items() if n not in BUILTIN}
         self.required = set(self.inputs) - _OPTIONAL
-        # For _exact_one: name, shape, dtype and the scalar types taken as they are (none for arrays).
+        # For _exact_one: name, shape, dtype, the scalar types taken as they are
+        # (none for arrays), and the magnitude from which a Python float becomes inf.
         py = {"b": bool, "f": float}
         self._fast = [(n, shape, dt, () if shape else
-                       (dt.type, int if dt == np.int64 else py.get(dt.kind, dt.type)))
+                       (dt.type, int if dt == np.int64 else py.get(dt.kind, dt.type)), _overflows_at(dt))
                       for n, (shape, dt) in self.inputs.items()]
 
     def step(self, step: dict, priorities, valid):
@@ -51,7 +62,7 @@ class Ingest:
         rows = {}
         get = step.get
         missing = 0
-        for name, shape, dtype, types in self._fast:
+        for name, shape, dtype, types, big in self._fast:
             v = get(name, _MISSING)
             t = type(v)
             if t is np.ndarray:
@@ -61,6 +72,8 @@ class Ingest:
             elif t in types:
                 if t is int and not -2**63 <= v < 2**63:
                     return None
+                if t is float and big <= abs(v) < _INF:
+                    return None  # a finite float that becomes inf: the full checks refuse it
                 a = np.empty(1, dtype)
                 a[0] = v
                 rows[name] = a
@@ -115,13 +128,16 @@ class Ingest:
                 rows[name] = np.asarray(v)  # a scalar of the field's exact type: no cast to check
                 continue
             label = f"{arg}[{name!r}]" if arg else name
-            v = np.asarray(as_numpy(v))
+            v = as_numpy(v)
+            python = not isinstance(v, (np.ndarray, np.generic))
+            v = np.asarray(v)
             if v.shape != lead + shape:
                 raise InvalidArgumentError(f"{fn}: {label} must have shape {lead + shape}, got {v.shape}")
-            if v.dtype != dtype and not np.can_cast(v.dtype, dtype, "same_kind"):
-                raise InvalidTypeError(f"{fn}: {label} has dtype {v.dtype}, which cannot be cast safely "
-                                f"(same_kind) to the field's {dtype}")
-            rows[name] = v.astype(dtype, copy=False)
+            if python and v.dtype.kind == "f" and dtype.kind in "biu":
+                # numpy made a float array of Python numbers (ints past int64
+                # among them lose digits so): check the numbers themselves.
+                v = np.array(given[name], dtype=object)
+            rows[name] = cast_exact(v, dtype, f"{fn}: {label}")
         return rows
 
     def _valid(self, valid, lead: tuple, m: int):
@@ -145,6 +161,123 @@ class Ingest:
         if bad >= 0:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
         return p
+
+
+_INF = float("inf")
+
+
+def _overflows_at(dt: np.dtype) -> float:
+    """The smallest magnitude of a Python float that float field ``dt`` rounds to inf."""
+    if dt.kind != "f" or dt.itemsize >= 8:
+        return _INF
+    top = np.finfo(dt).max
+    # halfway to the next power of two above the largest value: rounds to inf (ties to even)
+    return float(top) + (float(top) - float(np.nextafter(top, dt.type(0)))) / 2
+
+
+def cast_exact(v: np.ndarray, dtype: np.dtype, label: str) -> np.ndarray:
+    """``v`` as ``dtype`` when every value survives the cast, else
+    ``InvalidArgumentError`` naming ``label``, the first value that does not,
+    its position and the dtype (see the module's docstring for the rule).
+
+    A value of the field's dtype costs nothing; a widening that always fits
+    (``np.can_cast(..., "safe")``) one cast; any other a cast and one or two
+    whole-array reductions beside it. Finding which value to name runs only
+    on the way to the error.
+    """
+    src = v.dtype
+    if src == dtype:
+        return v
+    given = v
+    if src.kind == "O":
+        v = _numbers(v, dtype, label)
+        src = v.dtype
+        if src == dtype:
+            return v
+    if not (np.can_cast(src, dtype, "same_kind") or (src.kind in "biuf" and dtype.kind in "biu")):
+        note = " (complex values go into complex fields only; take .real yourself)" if src.kind == "c" else ""
+        raise InvalidTypeError(f"{label} has dtype {src}, which is not cast to the field's {dtype}{note}")
+    if np.can_cast(src, dtype, "safe"):
+        return v.astype(dtype)
+    with np.errstate(all="ignore"):  # what overflows is found below, by value
+        out = v.astype(dtype)
+    if v.size == 0 or _fits(v, out, dtype):
+        return out
+    bad = np.flatnonzero(_misfits(v, out, dtype))
+    raise _refusal(given, out, int(bad[0]), dtype, label)
+
+
+def _fits(v: np.ndarray, out: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether ``out`` (``v`` cast to ``dtype``) holds every value of ``v`` as promised."""
+    if dtype.kind == "b":
+        return bool((out == v).all())  # 0 and 1 only: 2, 0.5 and NaN all become True
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        lo, hi = v.min(), v.max()
+        if v.dtype.kind in "biu":
+            return info.min <= int(lo) and int(hi) <= info.max
+        # Python compares an int with a float exactly; NaN fails both.
+        return info.min <= float(lo) and float(hi) <= info.max and bool((out == v).all())
+    return bool(np.isfinite(out).all()) or not _misfits(v, out, dtype).any()
+
+
+def _misfits(v: np.ndarray, out: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Which values of ``v`` its cast ``out`` does not hold (bool, shaped like ``v``)."""
+    if dtype.kind == "b":
+        return (v != 0) & (v != 1)
+    if dtype.kind in "iu":
+        if v.dtype.kind in "biu":  # back to the given type, and the same sign
+            return (out.astype(v.dtype) != v) | ((out < 0) != (v < 0))
+        info = np.iinfo(dtype)
+        w = v.astype(np.float64) if v.dtype.itemsize < 8 else v  # exact
+        # both bounds are 0 or powers of two, exact as floats
+        return ~((w >= float(info.min)) & (w < float(info.max + 1)) & (np.trunc(w) == w))
+    return ~np.isfinite(out) & np.isfinite(v)
+
+
+def _numbers(v: np.ndarray, dtype: np.dtype, label: str) -> np.ndarray:
+    """An object array of Python or numpy numbers (as numpy makes of ints past
+    int64) as an array of ``dtype`` (integer or bool fields: each number
+    checked exactly) or float64 (float fields: checked after by ``cast_exact``)."""
+    flat = v.ravel()
+    real = (bool, int, float, np.bool_, np.integer, np.floating)
+    if not all(isinstance(x, real) for x in flat):
+        kinds = sorted({type(x).__name__ for x in flat if not isinstance(x, real)})
+        raise InvalidTypeError(f"{label} holds {', '.join(kinds)} values (dtype object); the field's "
+                               f"{dtype} takes numbers")
+    if dtype.kind not in "biu":
+        floats = []
+        for i, x in enumerate(flat):
+            try:
+                floats.append(float(x))
+            except OverflowError:  # an int past float64's range
+                raise _refusal(v, None, i, dtype, label) from None
+        return np.array(floats, dtype=np.float64).reshape(v.shape)
+    lo, hi = (0, 1) if dtype.kind == "b" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+    ints = []
+    for i, x in enumerate(flat):
+        x = x.item() if isinstance(x, np.generic) else x
+        if isinstance(x, float) and not (math.isfinite(x) and x == math.floor(x)) or not lo <= x <= hi:
+            raise _refusal(v, None, i, dtype, label)
+        ints.append(int(x))
+    return np.array(ints, dtype=dtype).reshape(v.shape)
+
+
+def _refusal(given: np.ndarray, out, i: int, dtype: np.dtype, label: str) -> InvalidArgumentError:
+    """The error for value ``i`` (flat) of ``given``, which ``dtype`` cannot hold."""
+    x = given.reshape(-1)[i]
+    x = x.item() if isinstance(x, np.generic) else x
+    where = f" at position {tuple(int(j) for j in np.unravel_index(i, given.shape))}" if given.ndim else ""
+    if dtype.kind in "biu":
+        what = "does not fit the field's dtype {} exactly".format(dtype)
+        intended = "the truncation"
+    else:
+        became = "inf" if out is None else out.reshape(-1)[i].item()
+        what = f"becomes {became} in the field's dtype {dtype}"
+        intended = "that"
+    kind = type(x).__name__ if given.dtype == object else given.dtype
+    return InvalidArgumentError(f"{label} = {x!r} ({kind}){where} {what}; cast it yourself with "
+                                f".astype(np.{dtype}) if {intended} is intended")
 
 
 # Largest batch: far beyond any learner, small enough that the draws' arrays are sane.
