@@ -367,3 +367,35 @@ def test_every_route_refuses_a_lossy_value_with_nothing_changed(route, where, ca
         assert files_fingerprint(tmp_path) == disk
     buf.add(**steps[2])
     buf.close()
+
+
+# -- every dtype pair at its edges, directly ----------------------------------------
+
+def _edges_of(d: np.dtype):
+    return [y for y in (exact_in(x, d) for x in EDGE_INTS + EDGE_FLOATS) if y is not None]
+
+
+@pytest.mark.parametrize("src", DTYPES, ids=str)
+@pytest.mark.parametrize("dst", DTYPES, ids=str)
+def test_every_dtype_pair_at_its_edges(src, dst):
+    """Each edge value of ``src`` alone (0-d), inside a 1-d array and inside a
+    strided 2-d view, cast by ``cast_exact`` into ``dst``: stored as the oracle
+    says or refused naming it and its position."""
+    from bigper._ingest import cast_exact
+    for y in _edges_of(src):
+        x = y.item()
+        for shape, pos in (((), ()), ((5,), (3,)), ((3, 4), (2, 1))):
+            base = np.zeros((shape[0], 2 * shape[1]) if len(shape) == 2 else shape, src)
+            v = base[:, ::2] if len(shape) == 2 else base  # not C-contiguous in 2-d
+            v[pos] = y
+            try:
+                out = cast_exact(v, dst, "f")
+            except InvalidArgumentError as e:
+                assert not accepts(x, dst), f"{x!r} ({src}) into {dst} refused: {e}"
+                assert repr(x) in str(e) and str(dst) in str(e)
+                assert not shape or f"position {pos}" in str(e)
+                continue
+            assert accepts(x, dst), f"{x!r} ({src}) into {dst} stored as {out[pos]!r}"
+            assert out.dtype == dst and out.shape == shape
+            check_stored(out[pos], x, dst)
+            assert not np.delete(out.ravel(), np.ravel_multi_index(pos, shape) if shape else 0).any()
