@@ -399,3 +399,24 @@ def test_every_dtype_pair_at_its_edges(src, dst):
             assert out.dtype == dst and out.shape == shape
             check_stored(out[pos], x, dst)
             assert not np.delete(out.ravel(), np.ravel_multi_index(pos, shape) if shape else 0).any()
+
+
+@pytest.mark.parametrize("d, values", [
+    (np.uint64, [0, 2**64 - 1]),  # numpy makes float64 of these (2**64: out of range)
+    (np.uint64, [1, 2**63 + 1]),  # float64 would round it to 2**63
+    (np.uint64, [[0, 2**63 + 3], [5, 2**64 - 2]]),
+    (np.int64, [True, 2**62 + 1]),
+])
+def test_lists_of_python_ints_keep_every_digit(d, values):
+    shape = np.shape(np.array(values, dtype=object))
+    buf = new(np.dtype(d), shape)
+    buf.add(x=values, y=0.5)
+    s = stored_x(buf, 2)
+    assert s.tolist() == np.array(values, dtype=object).tolist()  # Python ints, compared exactly
+
+
+@pytest.mark.parametrize("values, pos", [([0, 2**64], (1,)), ([-1, 2**63], (0,)), ([[1, 2], [3, 2.5]], (1, 1))])
+def test_lists_that_do_not_fit_are_refused_naming_the_value(values, pos):
+    buf = new(np.dtype(np.uint64), np.shape(np.array(values, dtype=object)))
+    err = attempt(buf, lambda b: b.add(x=values, y=0.5))
+    assert err is not None and f"position {pos}" in str(err) and "uint64" in str(err)
