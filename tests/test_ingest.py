@@ -107,6 +107,7 @@ def test_python_scalars_are_stored_as_the_fields_types():
     (1e300, False), (-3.5e38, False), (3.4028235677973366e38, False),  # the first float32 rounds to inf
     (3.4028235677973362e38, True), (float(np.finfo(np.float32).max), True),
     (float("nan"), True), (float("inf"), True), (-0.0, True), (1e-300, True),
+    (np.float64(1e300), False), (np.float64(-0.1), True),  # np.float64 (np.sign(reward)) takes the shortcut too
 ])
 def test_the_shortcut_steps_aside_for_a_float_that_becomes_inf(reward, taken):
     ing = bigper.PrioritizedReplayBuffer(8, FIELDS)._ingest
