@@ -1,7 +1,17 @@
 """Validation of what ``add`` and ``extend`` take: every check happens before
-anything is written, so bad input leaves the buffer exactly as it was."""
+anything is written, so bad input leaves the buffer exactly as it was.
+
+Values are stored losslessly or refused (DESIGN promise 12, ``cast_exact``):
+into an integer field only integers (and integral floats) in its range, into
+a bool field only 0 and 1, into a float field any value whose cast is finite
+(or that was already inf or NaN). Complex values go into complex fields only.
+A value already of the field's dtype is taken as it is: casting it first
+(``x.astype(np.uint8)``) is how a user asks for a truncation.
+"""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -24,10 +34,11 @@ class Ingest:
         # buffer's own `ends` array instead (they steer n-step windows).
         self.stored = {n: v for n, v in self.inputs.items() if n not in BUILTIN}
         self.required = set(self.inputs) - _OPTIONAL
-        # For _exact_one: name, shape, dtype and the scalar types taken as they are (none for arrays).
-        py = {"b": bool, "f": float}
+        # For _exact_one: name, shape, dtype, the scalar types taken as they are
+        # (none for arrays), and the magnitude from which a float becomes inf there.
+        py = {"b": (bool,), "f": (float, np.float64)}  # np.float64: what np.sign(reward) gives
         self._fast = [(n, shape, dt, () if shape else
-                       (dt.type, int if dt == np.int64 else py.get(dt.kind, dt.type)))
+                       (dt.type, *((int,) if dt == np.int64 else py.get(dt.kind, ()))), _overflows_at(dt))
                       for n, (shape, dt) in self.inputs.items()]
 
     def step(self, step: dict, priorities, valid):
@@ -44,14 +55,15 @@ class Ingest:
 
     def _exact_one(self, step: dict):
         """One env's step when every value is exactly its field's type (an array
-        of its dtype and shape, or a scalar of its type; a Python float for a
-        float field, a Python int for an int64 one): its rows, each with a
-        row axis of 1, checked without conversions. Anything else: None (the
-        full checks then name what is wrong)."""
+        of its dtype and shape, or a scalar of its type; a Python float or
+        np.float64 for a float field, a Python int for an int64 one): its
+        rows, each with a row axis of 1. Anything else, or a value the field
+        would not hold exactly (an int past int64, a float that becomes inf):
+        None (the full checks then store it or name what is wrong)."""
         rows = {}
         get = step.get
         missing = 0
-        for name, shape, dtype, types in self._fast:
+        for name, shape, dtype, types, big in self._fast:
             v = get(name, _MISSING)
             t = type(v)
             if t is np.ndarray:
@@ -59,8 +71,11 @@ class Ingest:
                     return None
                 rows[name] = v[None]
             elif t in types:
-                if t is int and not -2**63 <= v < 2**63:
-                    return None
+                if t is not dtype.type:
+                    if t is int and not -2**63 <= v < 2**63:
+                        return None
+                    if big <= abs(v) < _INF:
+                        return None  # a finite float that becomes inf: the full checks refuse it
                 a = np.empty(1, dtype)
                 a[0] = v
                 rows[name] = a
@@ -115,13 +130,16 @@ class Ingest:
                 rows[name] = np.asarray(v)  # a scalar of the field's exact type: no cast to check
                 continue
             label = f"{arg}[{name!r}]" if arg else name
-            v = np.asarray(as_numpy(v))
+            v = as_numpy(v)
+            python = not isinstance(v, (np.ndarray, np.generic))
+            v = np.asarray(v)
             if v.shape != lead + shape:
                 raise InvalidArgumentError(f"{fn}: {label} must have shape {lead + shape}, got {v.shape}")
-            if v.dtype != dtype and not np.can_cast(v.dtype, dtype, "same_kind"):
-                raise InvalidTypeError(f"{fn}: {label} has dtype {v.dtype}, which cannot be cast safely "
-                                f"(same_kind) to the field's {dtype}")
-            rows[name] = v.astype(dtype, copy=False)
+            if python and v.dtype.kind == "f" and dtype.kind in "biu":
+                # numpy made a float array of Python numbers (ints past int64
+                # among them lose digits so): check the numbers themselves.
+                v = np.array(given[name], dtype=object)
+            rows[name] = cast_exact(v, dtype, f"{fn}: {label}")
         return rows
 
     def _valid(self, valid, lead: tuple, m: int):
@@ -145,6 +163,183 @@ class Ingest:
         if bad >= 0:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
         return p
+
+
+_INF = float("inf")
+_SAFE = "safe"  # a cast that always fits
+_PLANS: dict = {}  # (given dtype, field dtype) -> _SAFE, or (kernel or None, field bounds, kernel's bounds)
+
+
+def _overflows_at(dt: np.dtype) -> float:
+    """The smallest magnitude that float field ``dt`` rounds to inf (inf for
+    float64 and wider: no float64 or integer value overflows them)."""
+    if dt.kind != "f" or dt.itemsize >= 8:
+        return _INF
+    top = np.finfo(dt).max
+    # halfway from the largest value to the next power of two: rounds to inf (ties to even)
+    return float(top) + (float(top) - float(np.nextafter(top, dt.type(0)))) / 2
+
+
+def _bounds(dt: np.dtype):
+    """What a field of ``dt`` holds, as Python numbers: ints ``lo <= x <= hi``,
+    floats ``-big < x < big`` (the ``big`` of ``_overflows_at``)."""
+    if dt.kind == "b":
+        return 0, 1
+    if dt.kind in "iu":
+        return int(np.iinfo(dt).min), int(np.iinfo(dt).max)
+    big = _overflows_at(dt) if dt.kind == "f" else _INF
+    return -big, big
+
+
+def _plan(src: np.dtype, dtype: np.dtype, label: str):
+    """How ``cast_exact`` casts ``src`` into ``dtype`` (kept in ``_PLANS``)."""
+    if not (np.can_cast(src, dtype, "same_kind") or (src.kind in "biuf" and dtype.kind in "biu")):
+        note = " (complex values go into complex fields only; take .real yourself)" if src.kind == "c" else ""
+        raise InvalidTypeError(f"{label} has dtype {src}, which is not cast to the field's {dtype}{note}")
+    if np.can_cast(src, dtype, "safe"):
+        plan = _SAFE
+    else:
+        lo, hi = _bounds(dtype)
+        # the compiled kernels take what numba does: ints, float32, float64
+        compiled = (src.kind in "iu" or (src.kind == "f" and src.itemsize in (4, 8))) and \
+            (dtype.kind in "biu" or (dtype.kind == "f" and dtype.itemsize in (4, 8)))
+        if not compiled:
+            plan = (None, lo, hi, ())
+        elif dtype.kind == "f":
+            plan = (K.cast_finite, lo, hi, ())
+        elif src.kind == "f":  # the field's bounds as the floats inside them (0 or powers of two, exact)
+            top = float(hi) if float(hi) <= hi else float(np.nextafter(float(hi), 0.0))
+            plan = (K.cast_in_range, lo, hi, (np.array([float(lo), top]), True))
+        else:  # the field's bounds within the given type, as that type: compared exactly
+            info = np.iinfo(src)
+            plan = (K.cast_in_range, lo, hi, (np.array([max(lo, info.min), min(hi, info.max)], src), False))
+    _PLANS[(src, dtype)] = plan
+    return plan
+
+
+def cast_exact(v: np.ndarray, dtype: np.dtype, label: str) -> np.ndarray:
+    """``v`` as ``dtype`` when every value survives the cast, else
+    ``InvalidArgumentError`` naming ``label``, the first value that does not,
+    its position and the dtype (see the module's docstring for the rule).
+
+    A value of the field's dtype costs nothing; a widening that always fits
+    (``np.can_cast(..., "safe")``) one cast. Any other cast checks as it
+    goes: an array in one compiled pass (``cast_in_range``, ``cast_finite``),
+    a 0-d value as a Python number, float16 and other types numba lacks by
+    their ``min`` and ``max`` before the cast. Only a value that may not fit
+    (or a NaN) takes the slow way, which finds the one to name.
+    """
+    src = v.dtype
+    if src == dtype:
+        return v
+    given = v
+    if src.kind == "O":
+        v = _numbers(v, dtype, label)
+        src = v.dtype
+        if src == dtype:
+            return v
+    plan = _PLANS.get((src, dtype)) or _plan(src, dtype, label)
+    if plan is _SAFE or v.size == 0:
+        return v.astype(dtype)
+    run, lo, hi, bounds = plan
+    if run is None or v.ndim == 0:
+        out = _cast_in_range(v, dtype, lo, hi)
+    else:
+        out = np.empty(v.shape, dtype)
+        i = run(v.reshape(-1), out.reshape(-1), *bounds)
+        if i >= 0:
+            raise _refusal(given, i, dtype, label)
+    if out is not None:
+        return out
+    with np.errstate(all="ignore"):  # some value may not fit: find it
+        out = v.astype(dtype)
+    bad = np.flatnonzero(_misfits(v, out, dtype))
+    if bad.size == 0:
+        return out  # a NaN or inf given into a float field
+    raise _refusal(given, int(bad[0]), dtype, label)
+
+
+def _cast_in_range(v: np.ndarray, dtype: np.dtype, lo, hi):
+    """``v`` cast to ``dtype`` when a quick look proves every value fits in
+    its bounds (``_bounds``), else None."""
+    k, s = dtype.kind, v.dtype.kind
+    if k == "c" or (s == "f" and v.dtype.itemsize > 8):
+        return None  # rare: the slow way decides
+    if v.ndim == 0:
+        x = v.item()
+        if k == "f":
+            fits = not hi <= abs(x) < _INF
+        else:  # NaN fails every comparison, and is_integer
+            fits = lo <= x <= hi and (s != "f" or x.is_integer())
+        return v.astype(dtype) if fits else None
+    if k == "b":
+        out = v.astype(dtype)  # never overflows
+        return out if (out == v).all() else None  # 2, 0.5 and NaN become True, != themselves
+    mn, mx = v.min(), v.max()
+    if k == "f":
+        return v.astype(dtype) if lo < float(mn) and float(mx) < hi else None
+    if s == "f":  # Python compares an int with a float exactly; NaN fails
+        if not (lo <= float(mn) and float(mx) <= hi):
+            return None
+        out = v.astype(dtype)  # in range: truncates, never overflows
+        return out if (out == v).all() else None  # integral: trunc(v) == v
+    return v.astype(dtype) if lo <= int(mn) and int(mx) <= hi else None
+
+
+def _misfits(v: np.ndarray, out: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Which values of ``v`` its cast ``out`` does not hold (bool, shaped like ``v``)."""
+    if dtype.kind == "b":
+        return (v != 0) & (v != 1)
+    if dtype.kind in "iu":
+        if v.dtype.kind in "biu":  # back to the given type, and the same sign
+            return (out.astype(v.dtype) != v) | ((out < 0) != (v < 0))
+        info = np.iinfo(dtype)
+        w = v.astype(np.float64) if v.dtype.itemsize < 8 else v  # exact
+        # both bounds are 0 or powers of two, exact as floats
+        return ~((w >= float(info.min)) & (w < float(info.max + 1)) & (np.trunc(w) == w))
+    return ~np.isfinite(out) & np.isfinite(v)
+
+
+def _numbers(v: np.ndarray, dtype: np.dtype, label: str) -> np.ndarray:
+    """An object array of Python or numpy numbers (numpy makes one of ints past
+    int64) as an array of ``dtype`` (integer or bool fields: each number
+    checked exactly) or float64 (other fields: ``cast_exact`` checks on)."""
+    flat = v.ravel()
+    real = (bool, int, float, np.bool_, np.integer, np.floating)
+    if not all(isinstance(x, real) for x in flat):
+        kinds = sorted({type(x).__name__ for x in flat if not isinstance(x, real)})
+        raise InvalidTypeError(f"{label} holds {', '.join(kinds)} values (dtype object); the field's "
+                               f"{dtype} takes numbers")
+    if dtype.kind not in "biu":
+        floats = []
+        for i, x in enumerate(flat):
+            try:
+                floats.append(float(x))
+            except OverflowError:  # an int past float64's range
+                raise _refusal(v, i, dtype, label) from None
+        return np.array(floats, dtype=np.float64).reshape(v.shape)
+    lo, hi = _bounds(dtype)
+    ints = []
+    for i, x in enumerate(flat):
+        x = x.item() if isinstance(x, np.generic) else x
+        if isinstance(x, float) and not x.is_integer() or not lo <= x <= hi:
+            raise _refusal(v, i, dtype, label)
+        ints.append(int(x))
+    return np.array(ints, dtype=dtype).reshape(v.shape)
+
+
+def _refusal(given: np.ndarray, i: int, dtype: np.dtype, label: str) -> InvalidArgumentError:
+    """The error for value ``i`` (flat) of ``given``, which ``dtype`` cannot hold."""
+    x = given.reshape(-1)[i]
+    x = x.item() if isinstance(x, np.generic) else x
+    kind = type(x).__name__ if given.dtype == object else given.dtype
+    where = f" at position {tuple(int(j) for j in np.unravel_index(i, given.shape))}" if given.ndim else ""
+    if dtype.kind in "biu":
+        what, intended = f"does not fit the field's dtype {dtype} exactly", "the truncation"
+    else:  # only an overflow is refused
+        what, intended = f"becomes {'-inf' if x < 0 else 'inf'} in the field's dtype {dtype}", "that"
+    return InvalidArgumentError(f"{label} = {x!r} ({kind}){where} {what}; cast it yourself with "
+                                f".astype(np.{dtype}) if {intended} is intended")
 
 
 # Largest batch: far beyond any learner, small enough that the draws' arrays are sane.

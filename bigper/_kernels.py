@@ -307,6 +307,54 @@ def first_bad_priority(p):
 
 
 @kernel
+def cast_in_range(src, out, bounds, whole):
+    """Copy ``src`` into ``out`` (flat; the assignment casts) when every value
+    lies in ``[lo, hi] = bounds`` (of ``src``'s type, or float64 for a float
+    ``src``) and, with ``whole``, is integral. Position of the first value that
+    does not (NaN never does; ``out`` then holds garbage), or -1."""
+    n = src.shape[0]
+    lo, hi = bounds[0], bounds[1]
+    ok = True
+    if whole:  # no early exit, no branch: the loops vectorize
+        for i in range(n):
+            x = src[i]
+            good = (x >= lo) & (x <= hi) & (np.floor(x) == x)
+            ok &= good
+            out[i] = x if good else lo
+    else:
+        for i in range(n):
+            x = src[i]
+            good = (x >= lo) & (x <= hi)
+            ok &= good
+            out[i] = x if good else lo
+    if ok:
+        return -1
+    for i in range(n):
+        x = src[i]
+        if not (x >= lo and x <= hi) or (whole and np.floor(x) != x):
+            return i
+    return -1
+
+
+@kernel
+def cast_finite(src, out):
+    """Copy ``src`` into ``out`` (flat, float; the assignment casts). Position
+    of the first finite value that became inf, or -1 when none did."""
+    n = src.shape[0]
+    ok = True
+    for i in range(n):  # no early exit: the loop vectorizes
+        x = src[i]
+        out[i] = x
+        ok &= ~(np.isinf(out[i]) & np.isfinite(x))
+    if ok:
+        return -1
+    for i in range(n):
+        if np.isinf(out[i]) and np.isfinite(src[i]):
+            return i
+    return -1
+
+
+@kernel
 def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
                   pending, alpha, eps, max_priority):
     """``update_capped`` without a cap on the leaves."""

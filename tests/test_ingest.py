@@ -82,7 +82,7 @@ def test_the_shortcut_takes_the_common_steps():
      bigper.InvalidArgumentError),
     ({"obs": np.zeros(3, np.float32), "action": 1.5, "reward": 0.5, "flag": True, "small": np.int16(1),
       "next_obs": np.zeros(3, np.float32)},
-     bigper.InvalidTypeError),
+     bigper.InvalidArgumentError),  # not integral: refused by value (3.0 would be stored)
 ])
 def test_what_the_shortcut_leaves_to_the_full_checks(step, err):
     buf = bigper.PrioritizedReplayBuffer(8, FIELDS)
@@ -101,3 +101,18 @@ def test_python_scalars_are_stored_as_the_fields_types():
     assert b["action"].dtype == np.int64 and b["action"][0] == 5
     assert b["reward"].dtype == np.float32 and b["reward"][0] == np.float32(0.1)
     assert b["flag"][0] and b["small"][0] == -4 and b["terminated"][0] and not b["truncated"][0]
+
+
+@pytest.mark.parametrize("reward, taken", [
+    (1e300, False), (-3.5e38, False), (3.4028235677973366e38, False),  # the first float32 rounds to inf
+    (3.4028235677973362e38, True), (float(np.finfo(np.float32).max), True),
+    (float("nan"), True), (float("inf"), True), (-0.0, True), (1e-300, True),
+    (np.float64(1e300), False), (np.float64(-0.1), True),  # np.float64 (np.sign(reward)) takes the shortcut too
+])
+def test_the_shortcut_steps_aside_for_a_float_that_becomes_inf(reward, taken):
+    ing = bigper.PrioritizedReplayBuffer(8, FIELDS)._ingest
+    step = dict(_base(), reward=reward)
+    rows = ing._exact_one(step)
+    assert (rows is not None) == taken
+    if rows is not None:
+        assert np.array_equal(rows["reward"], np.array([reward], np.float32), equal_nan=True)
