@@ -50,6 +50,8 @@ nitpick_ignore_regex = [
     ("py:class", r"(Path|PathLike|Mapping|Iterator|Iterable|Callable|Sequence|Any|NamedTuple|"
                  r"ArrayLike|DTypeLike|Self|Literal|Optional|Union)"),
     ("py:class", r"(ReplayBuffer|DQN|ReplayBufferSamples|VecNormalize|GymEnv)"),
+    # Internal types in public signatures (not public names themselves): shown as text.
+    ("py:class", r"bigper\.(config|storage|prioritization)\..*|bigper\.integrations\.sb3\._\w+"),
     ("py:class", r"(optional|default|array-like|array_like|callable|schedule|.*\(.*)"),
 ]
 
@@ -62,10 +64,10 @@ numpydoc_show_class_members = False
 numpydoc_xref_param_type = False
 numpydoc_attributes_as_param_list = True
 numpydoc_validation_checks = {"GL08", "PR01", "PR02"}
-numpydoc_validation_exclude = [
+numpydoc_validation_exclude = {
     r"\.__\w+__$",          # dunder methods: documented by the class
     r"^bigper\.distributed\.",        # checked by apicheck: docstring present
     r"^bigper\.integrations\.sb3\.",  # (their modules are edited elsewhere)
-]
+}
 
 os.environ.setdefault("BIGPER_THREADS", "1")

@@ -191,6 +191,7 @@ class ShardedPrioritizedBuffer:
 
     @property
     def capacity(self) -> int:
+        """Transitions held at most, over all shards."""
         return self.config.capacity
 
     @property

@@ -9,6 +9,7 @@ validation (``conf.py``) then checks the parameters of the core's names.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 
@@ -30,8 +31,9 @@ def public_names() -> dict[str, object]:
             obj = getattr(mod, name)
             names[f"{modname}.{name}"] = obj
             if inspect.isclass(obj) and not issubclass(obj, BaseException):
+                fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
                 for member, value in vars(obj).items():
-                    if member.startswith("_"):
+                    if member.startswith("_") or member in fields:  # fields: the class's Parameters
                         continue
                     names[f"{modname}.{name}.{member}"] = value
     return names
