@@ -3,6 +3,8 @@
 #   ./run.sh demo [ARGS]   the main job (bigper demo)
 #   ./run.sh test [ARGS]   the test suite (pytest)
 #   ./run.sh bigper ARGS   any bigper command (bench, info, verify, ...)
+#   ./run.sh docs          the documentation site into docs/_build/html (warnings are errors),
+#                          its local links checked, and the public API's types (pyright --verifytypes)
 # It creates or reuses .venv beside this file and installs what the command needs.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,5 +39,10 @@ case "$cmd" in
   demo)   install "torch,atari";         exec "$venv/bin/bigper" demo "$@" ;;
   test)   install "torch,atari,ray,dev";  cd "$here"; exec "$venv/bin/python" -m pytest "$@" ;;
   bigper) install "torch,atari,dev";      exec "$venv/bin/bigper" "$@" ;;
-  *) echo "usage: ./run.sh demo|test|bigper [ARGS...]" >&2; exit 2 ;;
+  docs)   install "torch,atari,ray,sb3,docs"; cd "$here"
+          rm -rf docs/_build
+          "$venv/bin/python" -m sphinx -E -W --keep-going -n -b html docs docs/_build/html "$@"
+          "$venv/bin/python" tools/check_site.py docs/_build/html
+          exec "$venv/bin/python" tools/verify_types.py ;;
+  *) echo "usage: ./run.sh demo|test|bigper|docs [ARGS...]" >&2; exit 2 ;;
 esac

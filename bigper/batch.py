@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -11,13 +12,16 @@ from .errors import UnknownFieldError
 
 
 @dataclass(frozen=True, eq=False)
-class Batch(Mapping):
+class Batch(Mapping[str, np.ndarray]):
     """A sampled batch: data by field name, plus the sampling bookkeeping.
+
+    Each parameter is also an attribute of the same name. ``sample`` makes
+    batches; a user rarely builds one.
 
     Data is reached by mapping access (``batch["obs"]``), so no data field can
     collide with ``indices`` or ``weights``.
 
-    Attributes
+    Parameters
     ----------
     data : dict[str, np.ndarray]
         Every field with a leading batch axis, plus ``next_<name>`` for the
@@ -36,7 +40,7 @@ class Batch(Mapping):
         ``update_priorities`` skip slots overwritten since.
     """
 
-    data: dict
+    data: dict[str, np.ndarray]
     indices: np.ndarray
     weights: np.ndarray
     probabilities: np.ndarray
@@ -48,7 +52,7 @@ class Batch(Mapping):
         except KeyError:
             raise UnknownFieldError(f"batch has no field {key!r}; it has {sorted(self.data)}") from None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.data)
 
     def __len__(self) -> int:
@@ -59,9 +63,20 @@ class Batch(Mapping):
         return f"Batch(size={self.size}, {{{fields}}}, indices, weights, probabilities, generations)"
 
     @classmethod
-    def make(cls, data, indices, weights, probabilities, generations) -> "Batch":
+    def make(cls, data: dict[str, np.ndarray], indices: np.ndarray, weights: np.ndarray,
+             probabilities: np.ndarray, generations: np.ndarray) -> "Batch":
         """``Batch(...)`` for the buffer's hot path: the same object, without the
-        frozen dataclass's per-field ``object.__setattr__`` calls."""
+        frozen dataclass's per-field ``object.__setattr__`` calls.
+
+        Parameters
+        ----------
+        data, indices, weights, probabilities, generations
+            As for ``Batch``.
+
+        Returns
+        -------
+        Batch
+        """
         b = object.__new__(cls)
         b.__dict__.update(data=data, indices=indices, weights=weights, probabilities=probabilities,
                           generations=generations)
@@ -72,13 +87,22 @@ class Batch(Mapping):
         """Number of transitions in the batch."""
         return int(self.indices.shape[0])
 
-    def to_torch(self, device=None, non_blocking: bool = True) -> dict:
+    def to_torch(self, device: Any = None, non_blocking: bool = True) -> dict[str, Any]:
         """Tensors keyed like the batch, plus ``weights`` (float32), ``indices`` and
         ``generations`` (int64); ``update_priorities`` takes this dict as a target.
 
-        On the CPU each field costs at most one copy (none where numpy's memory
-        can be shared); with a CUDA device the copy goes through pinned host
-        memory and is non-blocking.
+        Parameters
+        ----------
+        device : str or torch.device, optional
+            Where the tensors go (default: the CPU). On the CPU each field costs
+            at most one copy (none where numpy's memory can be shared); with a
+            CUDA device the copy goes through pinned host memory.
+        non_blocking : bool
+            With a CUDA device, copy without waiting for the host.
+
+        Returns
+        -------
+        dict[str, torch.Tensor]
         """
         from ._torch import batch_to_torch
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from . import snapshot as _snapshot
 from ._ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
@@ -40,9 +44,11 @@ from .errors import (
 from .frames import FrameStore
 from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
-from .prioritization.base import LIVE
+from .prioritization.base import LIVE, Prioritization
+from .schedules import ConstantSchedule, LinearSchedule
+from .storage.base import Storage
 
-log = logging.getLogger("bigper")
+log: logging.Logger = logging.getLogger("bigper")
 
 # Buffers still open at interpreter exit are closed cleanly (state recorded),
 # so a script that ends without close() leaves a folder that resumes.
@@ -126,6 +132,7 @@ class PrioritizedReplayBuffer:
     prioritization : {"proportional", "rank"}
         How priorities become probabilities (``bigper.prioritization``).
     storage : {"memory", "memmap", "hdf5"}
+        Where the data lives: numpy arrays, preallocated files in a directory, or one HDF5 file.
     path : str or Path, optional
         Where disk storages live; resolved to an absolute path once, here.
     mode : {"new", "resume", "overwrite"}
@@ -151,10 +158,16 @@ class PrioritizedReplayBuffer:
     ``total_priority`` and ``close`` answer on a closed buffer too).
     """
 
-    def __init__(self, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
-                 eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
-                 prioritization="proportional", storage="memory", path=None, mode="new",
-                 next_of=None, num_envs=1, seed=0, read_only=False, storage_options=None):
+    def __init__(self, capacity: int, fields: Mapping[str, tuple[int | tuple[int, ...], npt.DTypeLike]], *,
+                 frame_stack: int | None = None, n_step: int = 1, gamma: float = 0.99,
+                 alpha: float = 0.6, eps: float = 1e-6, max_priority: float | None = None,
+                 beta: float | LinearSchedule | ConstantSchedule = 0.4,
+                 weight_norm: Literal["global", "batch"] = "global",
+                 prioritization: Literal["proportional", "rank"] = "proportional",
+                 storage: Literal["memory", "memmap", "hdf5"] = "memory",
+                 path: str | os.PathLike[str] | None = None, mode: Literal["new", "resume", "overwrite"] = "new",
+                 next_of: Sequence[str] | None = None, num_envs: int = 1, seed: int | None = 0,
+                 read_only: bool = False, storage_options: Mapping[str, Any] | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = True  # until the storage is allocated
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
@@ -168,7 +181,7 @@ class PrioritizedReplayBuffer:
         if cfg.storage == "memory" and (path is not None or read_only):
             raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
         store, recorded = open_path(cfg, path, mode, read_only, storage_options)
-        self.resumed = None
+        self.resumed: int | None = None
         state = None
         try:
             if recorded is not None:
@@ -200,11 +213,25 @@ class PrioritizedReplayBuffer:
                      "; new values for " + "; ".join(changed) if changed else "")
 
     @classmethod
-    def from_parts(cls, config: Config, store, state=None) -> "PrioritizedReplayBuffer":
-        """A buffer over ``store``, whose arrays are allocated already (as
-        ``storage_specs(config)`` names them), for snapshot loads and offline
-        datasets; ``state``: ``(meta, arrays)`` as ``state_dict`` gives them,
-        checked before use. On a refusal the store is left to the caller."""
+    def from_parts(cls, config: Config, store: Storage,
+                   state: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> "PrioritizedReplayBuffer":
+        """A buffer over ``store``, whose arrays are allocated already, for
+        snapshot loads and offline datasets. On a refusal the store is left
+        to the caller.
+
+        Parameters
+        ----------
+        config : Config
+            The buffer's layout and sampling parameters.
+        store : Storage
+            An open storage holding the arrays ``storage_specs(config)`` names.
+        state : tuple, optional
+            ``(meta, arrays)`` as ``state_dict`` gives them, checked before use.
+
+        Returns
+        -------
+        PrioritizedReplayBuffer
+        """
         buf = cls.__new__(cls)
         buf._lock = threading.RLock()
         buf._closed = True
@@ -219,9 +246,19 @@ class PrioritizedReplayBuffer:
         return buf
 
     @classmethod
-    def storage_specs(cls, config: Config) -> dict:
+    def storage_specs(cls, config: Config) -> dict[str, Any]:
         """``name -> (rows, shape, dtype)`` of every array a buffer of ``config``
-        keeps in its storage."""
+        keeps in its storage.
+
+        Parameters
+        ----------
+        config : Config
+            The buffer's layout.
+
+        Returns
+        -------
+        dict
+        """
         return storage_specs(config)
 
     # -- construction ----------------------------------------------------------
@@ -300,7 +337,8 @@ class PrioritizedReplayBuffer:
 
     # -- writing ---------------------------------------------------------------
     @_entry
-    def add(self, *, priorities=None, valid=None, **step) -> None:
+    def add(self, *, priorities: npt.ArrayLike | None = None, valid: npt.ArrayLike | None = None,
+            **step: npt.ArrayLike) -> None:
         """Add one env step (with ``num_envs > 1``: one step of every env).
 
         Takes every field, ``next_<name>`` for the fields in ``next_of``, and
@@ -308,27 +346,47 @@ class PrioritizedReplayBuffer:
         have the field's shape, with a leading env axis when ``num_envs > 1``,
         and are stored exactly or refused (``InvalidArgumentError``).
 
-        ``valid`` (bool per env) marks envs whose step is not a transition:
-        with Gymnasium's next-step autoreset, the step right after an episode
-        end only resets the env. Such a row keeps its env's stream aligned
-        but is never sampled; it is accepted only right after an episode end
-        of that env (or before its first step).
+        Parameters
+        ----------
+        priorities : float or array-like (num_envs,), optional
+            Priorities of the new transitions; default: the largest leaf so far.
+        valid : bool or array-like of bool (num_envs,), optional
+            Marks envs whose step is not a transition: with Gymnasium's
+            next-step autoreset, the step right after an episode end only
+            resets the env. Such a row keeps its env's stream aligned but is
+            never sampled; it is accepted only right after an episode end of
+            that env (or before its first step).
+        **step
+            The step's values by name: every field, ``next_<name>``,
+            ``terminated`` and ``truncated``.
         """
         self._check_writable()
         rows, leaves, valid = self._ingest.step(step, priorities, valid)
         self._writer.write(rows, leaves, valid)
 
     @_entry
-    def extend(self, data, priorities=None, valid=None) -> None:
-        """Add many steps: every value has a leading time axis (then the env
-        axis when ``num_envs > 1``); ``priorities`` and ``valid`` match those axes."""
+    def extend(self, data: Mapping[str, npt.ArrayLike], priorities: npt.ArrayLike | None = None,
+               valid: npt.ArrayLike | None = None) -> None:
+        """Add many steps at once, as many ``add`` calls would.
+
+        Parameters
+        ----------
+        data : mapping of str to array-like
+            The values ``add`` takes, each with a leading time axis (then the
+            env axis when ``num_envs > 1``).
+        priorities : array-like, optional
+            Matches those axes; default: the largest leaf so far.
+        valid : array-like of bool, optional
+            Matches those axes; see ``add``.
+        """
         self._check_writable()
         rows, leaves, valid = self._ingest.steps(data, priorities, valid)
         self._writer.write(rows, leaves, valid)
 
     # -- sampling --------------------------------------------------------------
     @_entry
-    def sample(self, batch_size: int, *, beta=None, stratified: bool = True, out=None) -> Batch:
+    def sample(self, batch_size: int, *, beta: float | None = None, stratified: bool = True,
+               out: Mapping[str, np.ndarray] | None = None) -> Batch:
         """Draw ``batch_size`` transitions with replacement, ``P(i) = leaf_i / total``.
 
         Parameters
@@ -347,6 +405,10 @@ class PrioritizedReplayBuffer:
             gathered straight into them (say, numpy views of pinned host
             tensors, so ``to_torch`` needs no second copy), and the batch
             holds them. The caller must not reuse one while a batch holds it.
+
+        Returns
+        -------
+        Batch
         """
         if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
             check_batch_size(batch_size)  # raises, or passes a numpy integer
@@ -386,7 +448,8 @@ class PrioritizedReplayBuffer:
                                            "(its storage, state or tree); pass arrays of your own")
 
     @_entry
-    def sampler(self, batch_size: int, prefetch: int = 2, device=None, **sample_kw):
+    def sampler(self, batch_size: int, prefetch: int = 2, device: Any = None,
+                **sample_kw: Any) -> Iterator[Any]:
         """An endless iterator of batches, the next ones prepared in a background thread.
 
         Parameters
@@ -403,6 +466,13 @@ class PrioritizedReplayBuffer:
         **sample_kw
             ``beta`` and ``stratified``, passed to every ``sample`` call.
 
+        Returns
+        -------
+        iterator
+            Of ``Batch`` objects, or of ``to_torch`` dicts when ``device`` is given.
+
+        Notes
+        -----
         Every draw is an ordinary ``sample`` call made under the buffer's lock,
         so adds, priority updates and snapshots interleave with the thread's
         draws, never inside one. A batch drawn before a priority update was
@@ -430,7 +500,8 @@ class PrioritizedReplayBuffer:
 
     # -- priorities ------------------------------------------------------------
     @_entry
-    def update_priorities(self, target, priorities) -> None:
+    def update_priorities(self, target: Batch | Mapping[str, Any] | npt.ArrayLike,
+                          priorities: npt.ArrayLike) -> None:
         """Set the priorities of sampled transitions.
 
         Parameters
@@ -464,10 +535,17 @@ class PrioritizedReplayBuffer:
             self._max_leaf = top
 
     @_entry
-    def assign_priorities(self, priorities) -> None:
-        """Set the priority of every slot at once in O(N) (a dataset's scores):
-        ``priorities`` has shape ``(capacity,)``; rows of slots that are not
-        sampleable are ignored. All or nothing, like ``update_priorities``."""
+    def assign_priorities(self, priorities: npt.ArrayLike) -> None:
+        """Set the priority of every slot at once in O(N) (a dataset's scores).
+
+        All or nothing, like ``update_priorities``.
+
+        Parameters
+        ----------
+        priorities : array-like (capacity,)
+            Non-negative finite magnitudes; rows of slots that are not
+            sampleable are ignored.
+        """
         self._check_writable("priorities")
         self._assign(as_priorities(priorities, self.capacity))
 
@@ -483,7 +561,7 @@ class PrioritizedReplayBuffer:
 
     # -- state (close/reopen and snapshots) --------------------------------------
     @_read
-    def state_dict(self) -> tuple[dict, dict]:
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """``(meta, arrays)``: JSON-able counters and RNG state, and the
         bookkeeping arrays (views of the live ones: copy before changing);
         with the storage's data, everything to resume. Answers on a closed
@@ -503,9 +581,17 @@ class PrioritizedReplayBuffer:
         return meta, arrays
 
     @_entry
-    def load_state(self, meta: dict, arrays: dict) -> None:
+    def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Replace the bookkeeping with a recorded ``state_dict`` (checked first;
-        ``CorruptSnapshotError`` on anything a buffer could not have written)."""
+        ``CorruptSnapshotError`` on anything a buffer could not have written).
+
+        Parameters
+        ----------
+        meta : dict
+            The JSON-able part of ``state_dict()``.
+        arrays : dict of str to numpy.ndarray
+            Its arrays.
+        """
         self._restore(meta, arrays)
 
     def _restore(self, meta: dict, arrays: dict, reseed: bool = False) -> None:
@@ -533,7 +619,8 @@ class PrioritizedReplayBuffer:
 
     # -- snapshots -------------------------------------------------------------
     @_entry
-    def save(self, snapshot, *, metadata=None, files=None):
+    def save(self, snapshot: str | os.PathLike[str], *, metadata: Any = None,
+             files: Mapping[str, str | os.PathLike[str]] | None = None) -> Path:
         """Write a crash-consistent snapshot of tree, data and state to the
         new directory ``snapshot``; returns its absolute path.
 
@@ -543,15 +630,42 @@ class PrioritizedReplayBuffer:
         running, the snapshot is taken between two of its draws: the batches
         it prepared before were drawn before the save (the saved random state
         is past them), so a buffer resumed from it draws next what the
-        running sampler would have drawn after them."""
+        running sampler would have drawn after them.
+
+        Parameters
+        ----------
+        snapshot : str or Path
+            A directory that does not exist yet.
+        metadata : JSON-able, optional
+            The caller's record (a step, a run id), kept in the manifest.
+        files : mapping of str to path, optional
+            ``name -> path`` of the caller's files to copy into the snapshot.
+
+        Returns
+        -------
+        Path
+            The snapshot's absolute path.
+        """
         summary = {"len": len(self), "capacity": self.capacity, "total_priority": self.total_priority}
         return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
                               summary=summary, metadata=metadata, files=files)
 
     @classmethod
-    def load(cls, snapshot, *, path=None) -> "PrioritizedReplayBuffer":
-        """Resume the buffer saved in ``snapshot``; ``path``: where a disk storage keeps
-        its live data (default: the path recorded in the snapshot).
+    def load(cls, snapshot: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None) -> "PrioritizedReplayBuffer":
+        """Resume the buffer saved in ``snapshot``.
+
+        Parameters
+        ----------
+        snapshot : str or Path
+            A snapshot directory (``save``, ``Snapshots.save``).
+        path : str or Path, optional
+            Where a disk storage keeps its live data (default: the path
+            recorded in the snapshot). A buffer bigper closed there is
+            replaced; anything else there is refused and left as it was.
+
+        Returns
+        -------
+        PrioritizedReplayBuffer
 
         Raises
         ------
@@ -576,10 +690,23 @@ class PrioritizedReplayBuffer:
 
     # -- offline datasets --------------------------------------------------------
     @classmethod
-    def from_hdf5(cls, dataset, **kwargs) -> "PrioritizedReplayBuffer":
+    def from_hdf5(cls, dataset: str | os.PathLike[str], **kwargs: Any) -> "PrioritizedReplayBuffer":
         """Open a D4RL, Minari or bigper HDF5 dataset in place, read-only (its
-        priorities writable, kept in a sidecar); keyword arguments as
-        ``bigper.offline.open_dataset`` takes them."""
+        priorities writable, kept in a sidecar).
+
+        Parameters
+        ----------
+        dataset : str or Path
+            The HDF5 file.
+        **kwargs
+            As ``bigper.offline.open_dataset`` takes them: ``alpha``, ``eps``,
+            ``max_priority``, ``beta``, ``prioritization``, ``seed``,
+            ``priorities`` (the sidecar's path), ``allow_external``, ...
+
+        Returns
+        -------
+        PrioritizedReplayBuffer
+        """
         from .offline import open_dataset, watch_priorities  # h5py-heavy: loaded on first use
 
         cfg, src, state = open_dataset(dataset, **kwargs)
@@ -592,7 +719,8 @@ class PrioritizedReplayBuffer:
         return buf
 
     @_entry
-    def reprioritize(self, score_fn, batch_size: int = 4096, progress: bool = True, *,
+    def reprioritize(self, score_fn: Callable[[Batch], npt.ArrayLike], batch_size: int = 4096,
+                     progress: bool = True, *,
                      restart: bool = False, commit_seconds: float = 2.0) -> None:
         """Score every sampleable transition in order with ``score_fn(batch) -> |TD|``
         and make the scores its priorities (a buffer from ``from_hdf5``).
@@ -602,6 +730,20 @@ class PrioritizedReplayBuffer:
         stopped unless ``restart``. The buffer's priorities change only at
         the end, all at once. The buffer's lock is held throughout, so other
         threads' calls wait until it finishes.
+
+        Parameters
+        ----------
+        score_fn : callable
+            ``score_fn(batch) -> |TD|``: one non-negative finite score per
+            transition of the ``Batch`` it is given.
+        batch_size : int
+            Transitions per ``score_fn`` call.
+        progress : bool
+            Show a progress bar.
+        restart : bool
+            Score from the start, ignoring an interrupted run's scores.
+        commit_seconds : float
+            Longest time between two durable commits of scores.
         """
         from .offline import finish_priorities, score_all
 
@@ -625,13 +767,13 @@ class PrioritizedReplayBuffer:
     # -- for the rooms above (shards, integrations) ------------------------------
     @property
     @_read
-    def storage(self):
+    def storage(self) -> Storage:
         """The storage object (``kind``, ``path``, ``read``/``write``)."""
         return self._store
 
     @property
     @_read
-    def prioritization(self):
+    def prioritization(self) -> Prioritization:
         """The prioritization strategy (``bigper.prioritization``)."""
         return self._prio
 
@@ -650,9 +792,19 @@ class PrioritizedReplayBuffer:
         return _frozen(self._gid)
 
     @_entry
-    def gather(self, indices) -> dict:
+    def gather(self, indices: npt.ArrayLike) -> dict[str, np.ndarray]:
         """The data of the transitions at ``indices`` as ``sample`` returns it
-        (no draw, no weights); every index must be sampleable."""
+        (no draw, no weights).
+
+        Parameters
+        ----------
+        indices : array-like of int
+            Slots; every one must be sampleable.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+        """
         idx = self._check_indices(indices)
         bad = np.flatnonzero(self._status[idx] != LIVE)
         if bad.size:
@@ -669,8 +821,18 @@ class PrioritizedReplayBuffer:
         return idx
 
     @_entry
-    def leaves(self, indices) -> np.ndarray:
-        """Stored priority keys (float64) at ``indices``: 0 for slots not sampleable."""
+    def leaves(self, indices: npt.ArrayLike) -> np.ndarray:
+        """Stored priority keys (float64) at ``indices``: 0 for slots not sampleable.
+
+        Parameters
+        ----------
+        indices : array-like of int
+            Slots in ``[0, capacity)``.
+
+        Returns
+        -------
+        numpy.ndarray
+        """
         return self._prio.key_at(self._check_indices(indices))
 
     @property
@@ -682,7 +844,13 @@ class PrioritizedReplayBuffer:
     @_entry
     def raise_max_leaf(self, value: float) -> None:
         """Let new transitions enter at ``value`` if it is larger (for shards
-        that share the largest key any of them has seen)."""
+        that share the largest key any of them has seen).
+
+        Parameters
+        ----------
+        value : float
+            A key: finite, > 0.
+        """
         try:
             v = float(value)
         except (TypeError, ValueError, OverflowError):
@@ -698,13 +866,24 @@ class PrioritizedReplayBuffer:
         return self._prio.min_key
 
     @_entry
-    def sample_at(self, targets, *, beta: float) -> Batch:
+    def sample_at(self, targets: npt.ArrayLike, *, beta: float) -> Batch:
         """Sample the leaves at the given prefix-sum ``targets`` in ``[0, total_priority)``.
 
         For coordinators that draw the uniforms themselves (the Ray shards):
         the RNG and the beta schedule are not touched; probabilities and
         weights are local to this buffer (weights normalized by the batch max).
         Proportional prioritization only.
+
+        Parameters
+        ----------
+        targets : array-like of float
+            Prefix sums, each in ``[0, total_priority)``.
+        beta : float
+            The IS exponent.
+
+        Returns
+        -------
+        Batch
         """
         t = np.ascontiguousarray(targets, dtype=np.float64)
         if t.ndim != 1 or t.shape[0] < 1:
@@ -751,7 +930,7 @@ class PrioritizedReplayBuffer:
                 _OPEN.discard(self)
                 self._store.close(state)
 
-    def __del__(self):
+    def __del__(self) -> None:
         # A buffer dropped without close() (a notebook cell, an exception)
         # records its state and releases its lock when it is collected.
         try:
@@ -759,10 +938,12 @@ class PrioritizedReplayBuffer:
         except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
             pass
 
-    def __enter__(self):
+    def __enter__(self) -> "PrioritizedReplayBuffer":
+        """The buffer itself; the ``with`` block's end closes it."""
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
+        """``close()``."""
         self.close()
 
     def __repr__(self) -> str:

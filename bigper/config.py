@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
+from typing import Any
 
 import numpy as np
 
@@ -75,16 +76,16 @@ class Config:
     """Everything that defines a buffer's layout and sampling; see ``PrioritizedReplayBuffer``."""
 
     capacity: int
-    fields: dict  # name -> (shape tuple, dtype str)
+    fields: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape tuple, dtype str)
     frame_stack: int | None = None
     n_step: int = 1
     gamma: float = 0.99
     alpha: float = 0.6
     eps: float = 1e-6
     max_priority: float | None = None
-    beta: dict = field(default_factory=lambda: {"kind": "constant", "value": 0.4})
+    beta: dict[str, Any] = field(default_factory=lambda: {"kind": "constant", "value": 0.4})
     weight_norm: str = "global"
-    next_of: tuple = ()
+    next_of: tuple[str, ...] = ()
     num_envs: int = 1
     seed: int | None = 0
     storage: str = "memory"

@@ -23,7 +23,7 @@ class InvalidIndexError(InvalidArgumentError, IndexError):
 class UnknownFieldError(InvalidArgumentError, KeyError):
     """A field name that the buffer or batch does not have."""
 
-    def __str__(self):  # KeyError quotes its message; keep it readable
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from .errors import InvalidArgumentError, InvalidTypeError
 
 
@@ -22,7 +24,7 @@ class LinearSchedule:
     end: float
     steps: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("start", "end"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
@@ -32,32 +34,42 @@ class LinearSchedule:
             raise InvalidArgumentError(f"LinearSchedule steps must be an int >= 1, got {self.steps!r}")
 
     def __call__(self, step: int) -> float:
+        """The value at ``step`` (the number of ``sample`` calls made before)."""
         frac = min(max(step, 0) / self.steps, 1.0)
         return self.start + (self.end - self.start) * frac
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule as JSON (what a snapshot and a storage record)."""
         return {"kind": "linear", "start": self.start, "end": self.end, "steps": self.steps}
 
 
 @dataclass(frozen=True)
 class ConstantSchedule:
-    """The same value at every step."""
+    """The same value at every step.
+
+    Parameters
+    ----------
+    value : float
+        The value (a beta: finite, >= 0).
+    """
 
     value: float
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         v = self.value
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
             raise InvalidArgumentError(f"ConstantSchedule value must be a finite number >= 0 (a beta), got {v!r}")
 
     def __call__(self, step: int) -> float:
+        """The value at ``step`` (the number of ``sample`` calls made before)."""
         return self.value
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule as JSON (what a snapshot and a storage record)."""
         return {"kind": "constant", "value": self.value}
 
 
-def as_schedule(beta) -> LinearSchedule | ConstantSchedule:
+def as_schedule(beta: float | LinearSchedule | ConstantSchedule) -> LinearSchedule | ConstantSchedule:
     """A schedule from a float or a schedule; raises for anything else."""
     if isinstance(beta, (LinearSchedule, ConstantSchedule)):
         return beta
@@ -69,7 +81,7 @@ def as_schedule(beta) -> LinearSchedule | ConstantSchedule:
     raise InvalidTypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
 
 
-def schedule_from_dict(d: dict):
+def schedule_from_dict(d: Mapping[str, Any]) -> LinearSchedule | ConstantSchedule:
     """Inverse of ``to_dict`` (for reopening and snapshots); raises
     ``InvalidArgumentError`` for anything ``to_dict`` could not have written."""
     kind = d.get("kind") if isinstance(d, dict) else None

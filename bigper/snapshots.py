@@ -8,8 +8,10 @@ import shutil
 import stat
 import uuid
 import warnings
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .buffer import PrioritizedReplayBuffer
 from .errors import (
@@ -44,6 +46,10 @@ class Snapshots:
         Complete snapshots to keep (>= 1), or None to keep all. Retention runs
         after each successful ``save`` and never deletes the newest complete
         snapshot.
+    loader : callable, optional
+        ``loader(snapshot, path=...)`` loads a buffer that writes its own
+        snapshot format (``ShardedPrioritizedBuffer.load``); default
+        ``PrioritizedReplayBuffer.load``.
 
     Attributes
     ----------
@@ -60,13 +66,14 @@ class Snapshots:
     >>> snaps.last_loaded.step, snaps.last_loaded.files["model.pt"]  # doctest: +SKIP
     """
 
-    def __init__(self, root, keep: int | None = 3, *, loader=None):
+    def __init__(self, root: str | os.PathLike[str], keep: int | None = 3, *,
+                 loader: Callable[..., Any] | None = None) -> None:
         if loader is not None and not callable(loader):
             raise InvalidTypeError(f"loader must be callable like ShardedPrioritizedBuffer.load, got {loader!r}")
         self.loader = loader  # loader(snapshot, path=...) for buffers that snapshot themselves (shards)
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgumentError(f"keep must be an int >= 1 or None, got {keep!r}")
-        self.root = Path(os.path.abspath(root))
+        self.root: Path = Path(os.path.abspath(root))
         self.keep = keep
         self.last_loaded: SnapshotInfo | None = None
         try:
@@ -74,7 +81,7 @@ class Snapshots:
         except (FileExistsError, NotADirectoryError):
             raise PathExistsError(f"Snapshots root {str(self.root)!r} (or a part of it) exists and is not "
                                   "a directory") from None
-        self.cleaned = self._clean()
+        self.cleaned: list[str] = self._clean()
 
     def __repr__(self) -> str:
         return f"Snapshots({str(self.root)!r}, keep={self.keep})"
@@ -146,12 +153,15 @@ class Snapshots:
         return None
 
     # -- saving -------------------------------------------------------------------
-    def save(self, buf, *, metadata=None, files=None) -> Path:
+    def save(self, buf: PrioritizedReplayBuffer | Any, *, metadata: Any = None,
+             files: Mapping[str, str | os.PathLike[str]] | None = None) -> Path:
         """Snapshot ``buf`` as the next number, then apply retention; returns its path.
 
         Parameters
         ----------
         buf : PrioritizedReplayBuffer
+            The buffer (or, with a ``loader``, a buffer that writes its own
+            snapshot format, such as ``ShardedPrioritizedBuffer``).
         metadata : JSON-able, optional
             The caller's record to keep with it (a step, an episode count);
             ``last_loaded.metadata`` after ``load_latest``.
@@ -204,7 +214,8 @@ class Snapshots:
         shutil.rmtree(dst, ignore_errors=True)
 
     # -- loading ------------------------------------------------------------------
-    def load_latest(self, *, path=None, with_info: bool = False):
+    def load_latest(self, *, path: str | os.PathLike[str] | None = None,
+                    with_info: bool = False) -> Any:
         """Load the newest snapshot that verifies; an older one, with a warning,
         when a newer one is corrupt. ``last_loaded`` then tells which.
 
@@ -214,6 +225,12 @@ class Snapshots:
             Where a disk storage keeps its live data (see ``PrioritizedReplayBuffer.load``).
         with_info : bool
             Return ``(buffer, SnapshotInfo)`` instead of the buffer alone.
+
+        Returns
+        -------
+        PrioritizedReplayBuffer or tuple
+            The buffer (what ``loader`` returns, with one), or
+            ``(buffer, SnapshotInfo)`` with ``with_info=True``.
 
         Raises
         ------

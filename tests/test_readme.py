@@ -1,4 +1,5 @@
-"""The README's example runs as written (it is the front door), and runs again."""
+"""The README is the front door: its example runs as written (and runs again),
+it stays short, and every link in it reaches a page (and heading) of docs/."""
 
 import re
 import subprocess
@@ -8,11 +9,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
 def _example() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Example\n"):text.index("## Semantics\n")]
+    text = README.read_text()
+    start = text.index("## Example\n")
+    section = text[start:text.index("\n## ", start)]
     return re.findall(r"```python\n(.*?)```", section, re.S)[0]
 
 
@@ -39,16 +42,50 @@ def test_readme_example_runs_twice_as_written(tmp_path):
     assert snaps == ["snap-00000001", "snap-00000002"]
 
 
-def test_readme_lists_every_error_with_its_bases():
-    import inspect
+def test_readme_is_the_front_door_only():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    assert "bigper demo" in text and "./run.sh demo" in text and "./run.sh test" in text
+    header = next(line for line in text.split("## Against other replay buffers")[1].splitlines()
+                  if line.startswith("| |"))
+    for peer in ("bigper", "cpprb", "TorchRL", "Tianshou", "Reverb", "flashbax", "SB3"):
+        assert f"| {peer} |" in header + "|", peer
 
-    import bigper.errors as errors
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Errors\n"):]
-    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, re.M))
-    classes = {n: c for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, Exception)
-               and c.__module__ == errors.__name__}
-    assert set(rows) == set(classes)
-    for name, cls in classes.items():
-        assert [b.strip(" `") for b in rows[name].split(",")] == [b.__name__ for b in cls.__bases__], name
+def slug(heading: str) -> str:
+    """The anchor MyST (myst_heading_anchors) gives a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.strip().lower().replace("`", ""))
+    return re.sub(r"\s+", "-", text)
+
+
+def _headings(page: Path) -> set:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def broken_markdown_links(page: Path) -> list:
+    """Local links of a Markdown page whose file or heading does not exist."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.is_file():
+            bad.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in _headings(dest):
+            bad.append(f"{target} (no such heading)")
+    return bad
+
+
+def test_every_readme_link_reaches_a_docs_page_and_heading():
+    links = re.findall(r"\]\((docs/[^)\s]+)\)", README.read_text())
+    assert len(links) >= 10
+    assert broken_markdown_links(README) == []
+
+
+def test_the_link_check_catches_a_missing_page_and_heading(tmp_path):
+    (tmp_path / "a.md").write_text("# A page\n\n## Resume after a crash\n\n[x](b.md) [y](a.md#resume-after-a-crash)"
+                                   " [z](a.md#nowhere) [w](https://example.org)\n")
+    assert broken_markdown_links(tmp_path / "a.md") == ["b.md (no such file)", "a.md#nowhere (no such heading)"]

@@ -1,5 +1,5 @@
 """Feeding a real Gymnasium vector env in both autoreset modes (the recipe
-the README documents), checked against a naive record of every transition."""
+docs/guide/atari.md documents), checked against a naive record of every transition."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def new_buffer(capacity):
 
 
 def readme_recipes() -> dict:
-    """The two loops of the README's "Vector envs" section, exactly as printed."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Vector envs\n"):text.index("## Storage\n")]
+    """The two loops of the "Vector envs" section of docs/guide/atari.md, exactly as printed."""
+    text = (ROOT / "docs/guide/atari.md").read_text()
+    section = text[text.index("## Vector envs\n"):]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     by_mode = {("NEXT_STEP" if "NEXT_STEP" in b else "SAME_STEP"): b for b in blocks}
     assert len(blocks) == 2 and set(by_mode) == {"NEXT_STEP", "SAME_STEP"}, blocks
@@ -59,7 +59,7 @@ class Tee:
 
 
 def run_recipe(mode: str, buf, steps: int, added: list) -> Tee:
-    """Run the README's loop for ``mode`` on a real SyncVectorEnv of K envs."""
+    """Run the documented loop for ``mode`` on a real SyncVectorEnv of K envs."""
     envs = gym.vector.SyncVectorEnv([make_env] * K, autoreset_mode=getattr(gym.vector.AutoresetMode, mode))
     # The recipe seeds the envs (reset(seed=0)) but draws its actions from the
     # action space, whose generator is seeded apart: unseeded, the episodes
@@ -68,7 +68,7 @@ def run_recipe(mode: str, buf, steps: int, added: list) -> Tee:
     envs.action_space.seed(ACTION_SEED)
     tee = Tee(buf, added)
     try:
-        exec(compile(readme_recipes()[mode], f"README.md ({mode})", "exec"),
+        exec(compile(readme_recipes()[mode], f"docs/guide/atari.md ({mode})", "exec"),
              {"np": np, "envs": envs, "buf": tee, "steps": steps})
     finally:
         envs.close()

@@ -211,6 +211,7 @@ class ShardedPrioritizedBuffer:
     # lock, and still after close (as a local buffer's capacity).
     @property
     def capacity(self) -> int:
+        """Transitions held at most, over all shards."""
         return self.config.capacity
 
     @property

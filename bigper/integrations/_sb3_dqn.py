@@ -51,6 +51,7 @@ class PrioritizedDQN(DQN):
         super()._setup_model()
 
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        """SB3's DQN step, with each Huber loss weighted by its IS weight and ``|TD|`` written back."""
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         rb = self.replay_buffer

@@ -28,9 +28,10 @@ def seq_of(p: Path) -> int:
 @dataclass(frozen=True)
 class SnapshotInfo:
     """What a snapshot holds besides the buffer (``Snapshots.last_loaded``,
-    ``snapshot_info``).
+    ``snapshot_info``). Each parameter is also an attribute of the same
+    name; ``load_latest`` and ``snapshot_info`` make them.
 
-    Attributes
+    Parameters
     ----------
     path : Path
         The snapshot directory.
@@ -56,12 +57,12 @@ class SnapshotInfo:
     len: int | None = None
 
     @property
-    def step(self):
+    def step(self) -> Any:
         """``metadata["step"]`` when the caller recorded one, else None."""
         return self.metadata.get("step") if isinstance(self.metadata, dict) else None
 
 
-def snapshot_info(snapshot) -> SnapshotInfo:
+def snapshot_info(snapshot: str | os.PathLike[str]) -> SnapshotInfo:
     """The ``SnapshotInfo`` of one snapshot directory (its manifest checked;
     the files it names are not read)."""
     p = Path(os.path.abspath(snapshot))
