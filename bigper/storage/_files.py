@@ -104,6 +104,60 @@ def read_regular(path, *, limit: int = JSON_LIMIT, dir_fd: int | None = None,
         os.close(fd)
 
 
+# A file may be short of allocated blocks by this much (and by half its size)
+# before it is measured for holes; below it, reading holes costs well under a second.
+HOLE_SLACK = 64 << 20
+_EXTENTS = 1 << 16  # data extents walked at most (2 lseeks each) before a file counts as holes
+
+
+def _hole_bytes(fd: int, size: int) -> int | None:
+    """Bytes of holes in the first ``size`` bytes of ``fd`` (SEEK_DATA/SEEK_HOLE),
+    or None when they cannot be counted in bounded time."""
+    pos = holes = 0
+    for _ in range(_EXTENTS):
+        if pos >= size:
+            return holes
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            return holes + size - pos if e.errno == errno.ENXIO else None  # ENXIO: only holes after pos
+        holes += min(data, size) - pos
+        pos = os.lseek(fd, data, os.SEEK_HOLE)
+    return None
+
+
+def check_dense(fd: int, where, *, error=CorruptSnapshotError) -> None:
+    """Refuse the open file ``fd`` when it is mostly holes.
+
+    A sparse file claims any size for a few kilobytes of disk (``truncate -s
+    1T``): a size check against ``st_size`` passes, and hashing or copying
+    it then reads a terabyte of zeros. bigper never writes one: live memmap
+    chunks are fallocated, snapshot files are written in full or hard-linked
+    to those chunks (the same inodes). So a file whose holes exceed half its
+    size and ``HOLE_SLACK`` is refused, naming its size and allocated bytes.
+
+    The allocated blocks (``st_blocks * 512``) are only the quick test: a
+    filesystem that compresses (ZFS, btrfs) reports fewer blocks than the
+    size for a legitimate file, so a file short of blocks is measured again
+    with ``SEEK_DATA``/``SEEK_HOLE``, which counts compressed data as data.
+    What is left is the trade-off: a compressing filesystem that stores
+    all-zero blocks as holes (ZFS with compression on) makes a snapshot of a
+    mostly empty buffer of more than ``2 * HOLE_SLACK`` bytes look sparse,
+    and it is refused; a filesystem without hole reporting counts every
+    byte as data, and its sparse files are read (in time linear in their size).
+    """
+    st = os.fstat(fd)
+    size, allocated = st.st_size, st.st_blocks * 512
+    allowed = max(size // 2, HOLE_SLACK)
+    if size - allocated <= allowed:
+        return
+    holes = _hole_bytes(fd, size)
+    if holes is None or holes > allowed:
+        raise error(f"{where} is a sparse file: {size} bytes, of which {allocated} allocated on disk "
+                    f"({'unmeasured' if holes is None else holes} bytes of holes); bigper never writes "
+                    "files with holes, so it is refused unread")
+
+
 # Locks this process holds, by (device, inode) of the lock file: flock is per open
 # file, so a second open in the same process conflicts like another process would,
 # and the error can say that the holder is this very process (a buffer not closed).

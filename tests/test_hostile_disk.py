@@ -1,0 +1,162 @@
+"""Hostile files on disk (issue 23, section 5): sparse data files that claim a
+terabyte, storages on a read-only filesystem, numbers of the wrong type or
+range in a recorded state. Each refusal is bigper's error, in bounded time,
+with the files on disk exactly as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bigper
+from bigper.config import Config
+from bigper.errors import CorruptSnapshotError
+from bigper.snapshot import load, verify
+from bigper.snapshot._manifest import digest
+
+from ._hostile_snapshot_cases import deadline, fingerprint as _fingerprint, refused, resign, small
+from ._snapshot_cases import Stream, feed, make
+
+ROOT = Path(__file__).resolve().parent.parent
+TIB = 1 << 40
+
+
+def run_bigper(*args, timeout: float = 60, code: str | None = None):
+    """``python -m bigper ARGS`` (or ``python -c CODE``) in a real subprocess
+    with this checkout first on the path; a hang past ``timeout`` fails the test."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", "bigper", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(map(str, args)) or code} still ran after {timeout} s")
+
+
+def fingerprint(*roots) -> dict:
+    """``_hostile_snapshot_cases.fingerprint``, except that a regular file of
+    more than 64 MiB (a terabyte of holes cannot be read) is its size,
+    allocated blocks, inode and mtime."""
+    out = {}
+    for root in map(str, roots):
+        if not os.path.lexists(root) or not os.path.isdir(root) or os.path.islink(root):
+            out.update(_fingerprint(root))
+            continue
+        for dirpath, dirs, names in os.walk(root):
+            out[dirpath] = ("dir", None)
+            for n in dirs + names:
+                p = os.path.join(dirpath, n)
+                st = os.lstat(p)
+                if stat.S_ISREG(st.st_mode) and st.st_size > (64 << 20):
+                    out[p] = ("big", st.st_size, st.st_blocks, st.st_ino, st.st_mtime_ns)
+                elif not stat.S_ISDIR(st.st_mode):
+                    out[p] = _fingerprint(p)[p]
+    return out
+
+
+# -- 1. sparse data files ------------------------------------------------------------------
+def inflate(snap: Path, field: str, shape: list) -> dict:
+    """Re-sign ``snap`` as an attacker would: ``field`` gets ``shape`` in the
+    config, and every data file is rewritten with the size the new config
+    needs, as a sparse file (holes) where it is large. Sizes and layout are
+    consistent with the config; small files get their true checksum."""
+    from bigper.buffer import PrioritizedReplayBuffer
+
+    sizes = {}
+
+    def change(body):
+        body["config"]["fields"][field][0] = shape
+        specs = PrioritizedReplayBuffer.storage_specs(Config.from_dict(body["config"]))
+        for name, rec in body["data"].items():
+            rows, shp, dt = specs[name]
+            for m in rec["files"]:
+                del body["files"][m]
+                os.unlink(snap / m)
+            member = f"data/{name}.bin"
+            size = int(rows) * int(np.prod(shp, dtype=object)) * np.dtype(dt).itemsize
+            with open(snap / member, "wb") as f:
+                f.truncate(size)
+            sizes[member] = size
+            ck = digest(b"\0" * size) if size < (1 << 20) else "0" * 16
+            body["files"][member] = {"size": size, "xxh3_64": ck}
+            body["data"][name] = {"rows": int(rows), "shape": [int(d) for d in shp],
+                                  "dtype": np.dtype(dt).str, "chunk_rows": int(rows), "files": [member]}
+
+    resign(snap, change)
+    return sizes
+
+
+@pytest.fixture
+def terabyte(tmp_path):
+    """A snapshot of a few kilobytes whose obs and next_obs files are 1 TiB of holes each."""
+    snap = small("memmap", tmp_path)
+    sizes = inflate(snap, "obs", [1 << 18, 1 << 18])  # 16 rows of 64 GiB
+    assert sizes["data/obs.bin"] == TIB and os.stat(snap / "data/obs.bin").st_blocks == 0
+    return snap
+
+
+def test_verify_refuses_terabyte_sparse_files_at_once(terabyte):
+    before = fingerprint(terabyte)
+    r = run_bigper("verify", str(terabyte), timeout=30)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    line = r.stdout.strip()
+    assert line.startswith("CORRUPT"), line
+    assert "data/next_obs.bin" in line or "data/obs.bin" in line, line
+    assert f"{TIB}" in line and "allocated" in line, line
+    assert fingerprint(terabyte) == before
+
+
+def test_memmap_load_refuses_terabyte_sparse_files_at_once(terabyte, tmp_path):
+    before = fingerprint(terabyte)
+    code = ("import bigper, sys\n"
+            "try:\n"
+            f"    bigper.PrioritizedReplayBuffer.load({str(terabyte)!r}, path={str(tmp_path / 'live')!r})\n"
+            "except bigper.errors.CorruptSnapshotError as e:\n"
+            "    print('REFUSED', e); sys.exit(0)\n"
+            "print('LOADED'); sys.exit(1)\n")
+    r = run_bigper(code=code, timeout=30)
+    assert r.returncode == 0 and r.stdout.startswith("REFUSED"), r.stdout + r.stderr
+    assert "bin" in r.stdout and f"{TIB}" in r.stdout
+    assert fingerprint(terabyte) == before
+    assert not os.path.lexists(tmp_path / "live" / "data")
+
+
+def test_a_sparse_state_file_is_refused_in_process(tmp_path):
+    """The same check on the in-process path, for a file below the terabyte: a
+    state array of 256 MiB of holes is refused by size checks before any read."""
+    snap = small("memory", tmp_path)
+    member = "state/pending.npy"
+    with open(snap / member, "wb") as f:
+        f.truncate(256 << 20)
+    resign(snap, lambda b: (b["files"].__setitem__(member, {"size": 256 << 20, "xxh3_64": "0" * 16}),
+                            b["state"]["arrays"].__setitem__("pending", member)))
+    with deadline(20):
+        e = refused(CorruptSnapshotError, snap)
+        with pytest.raises(CorruptSnapshotError, match="allocated"):
+            verify(snap)
+    assert "pending.npy" in str(e) and str(256 << 20) in str(e)
+
+
+@pytest.mark.parametrize("kind", ["memory", "memmap"])
+def test_dense_snapshots_and_their_hard_links_still_load(kind, tmp_path):
+    """bigper's own files are never sparse: a fresh snapshot (memmap chunks
+    hard-linked from fallocated live files), larger than the slack, loads."""
+    stream = Stream(k=None, seed=5, frame=(64, 64))
+    path = None if kind == "memory" else tmp_path / "live"
+    buf = make(kind, path, stream, capacity=40_000, chunk_bytes=1 << 26)
+    feed(buf, stream, 50)  # 50 of 40,000 rows written: the rest of every file is zeros
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    assert sum(p.stat().st_size for p in (snap / "data").iterdir()) > (256 << 20)
+    assert verify(snap)["problems"] == []
+    back = load(snap, path=None if kind == "memory" else tmp_path / "again")
+    assert len(back) == 50
+    back.close()
