@@ -153,13 +153,28 @@ VERIFY_OK, VERIFY_BAD, VERIFY_MISSING, VERIFY_IN_USE = 0, 1, 2, 3
 
 def _storage_kind(path: Path):
     """"memmap" for a memmap storage directory, "hdf5" for a bigper HDF5
-    storage file (its lock file beside it), else None."""
+    storage file (its lock file beside it, or an HDF5 signature), else None."""
     import os
+
+    from .errors import BigperError
 
     if path.is_dir() and os.path.lexists(path / "meta.json") and not (path / "manifest.json").exists():
         return "memmap"
     if path.is_file() and os.path.lexists(path.with_name(path.name + ".lock")):
         return "hdf5"
+    if path.is_file():  # an HDF5 file without its lock file (a copy, a read-only filesystem)
+        from .storage._files import open_regular
+
+        try:
+            fd = open_regular(path, follow=True)
+        except (OSError, BigperError):
+            return None
+        try:
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
+        if head == b"\x89HDF\r\n\x1a\n":
+            return "hdf5"
     return None
 
 

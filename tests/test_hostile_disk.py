@@ -160,3 +160,92 @@ def test_dense_snapshots_and_their_hard_links_still_load(kind, tmp_path):
     back = load(snap, path=None if kind == "memory" else tmp_path / "again")
     assert len(back) == 50
     back.close()
+
+
+# -- 2. a read-only filesystem ---------------------------------------------------------------
+def _mount(cmd: list) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise OSError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+@pytest.fixture
+def readonly_fs(tmp_path):
+    """A real tmpfs at ``tmp_path/fs`` holding a closed memmap storage
+    (``mm``), the same without its lock file (``mm-nolock``), and an HDF5
+    storage (``h5.h5``, with and without lock), remounted read-only."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    try:
+        _mount(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(fs)])
+    except OSError as e:  # not root, or no mount in this sandbox: nothing to test on
+        pytest.skip(f"a read-only filesystem needs mount (root): {e}")
+    try:
+        for kind, name in (("memmap", "mm"), ("memmap", "mm-nolock"), ("hdf5", "h5.h5"), ("hdf5", "h5n.h5")):
+            stream = Stream(k=None, seed=7)
+            buf = make(kind, fs / name, stream, capacity=16)
+            feed(buf, stream, 20)
+            buf.close()
+        os.unlink(fs / "mm-nolock" / ".lock")
+        os.unlink(fs / "h5n.h5.lock")
+        _mount(["mount", "-o", "remount,ro", str(fs)])
+        yield fs
+    finally:
+        if subprocess.run(["umount", str(fs)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+
+
+@pytest.mark.parametrize("name", ["mm", "mm-nolock", "h5.h5", "h5n.h5"])
+def test_a_reader_opens_a_storage_on_a_read_only_filesystem(readonly_fs, name):
+    path = readonly_fs / name
+    with pytest.raises(OSError):  # the filesystem really is read-only
+        open(readonly_fs / "probe", "w")
+    before = fingerprint(readonly_fs)
+    kind = "hdf5" if name.endswith(".h5") else "memmap"
+    stream = Stream(k=None, seed=7)
+    buf = bigper.PrioritizedReplayBuffer(16, stream.fields(), storage=kind, path=path, read_only=True)
+    try:
+        assert len(buf) == 16
+        batch = buf.sample(8)
+        assert batch["obs"].shape == (8, 8, 8)
+        # a second reader shares it; the lock (where there is one) is held read-only
+        other = bigper.PrioritizedReplayBuffer(16, stream.fields(), storage=kind, path=path, read_only=True)
+        other.close()
+    finally:
+        buf.close()
+    assert fingerprint(readonly_fs) == before
+
+
+@pytest.mark.parametrize("name", ["mm", "mm-nolock", "h5.h5", "h5n.h5"])
+def test_verify_a_storage_on_a_read_only_filesystem(readonly_fs, name):
+    before = fingerprint(readonly_fs)
+    r = run_bigper("verify", str(readonly_fs / name))
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
+    assert fingerprint(readonly_fs) == before
+
+
+def test_a_reader_holds_its_lock_file_read_only(tmp_path):
+    """A reader's lock fd is opened O_RDONLY (flock works on it): it cannot
+    write the file a writer records its PID in."""
+    stream = Stream(k=None, seed=7)
+    buf = make("memmap", tmp_path / "mm", stream, capacity=16)
+    feed(buf, stream, 3)
+    buf.close()
+    reader = bigper.PrioritizedReplayBuffer(16, stream.fields(), storage="memmap", path=tmp_path / "mm",
+                                            read_only=True)
+    try:
+        lock = os.stat(tmp_path / "mm" / ".lock")
+        fds = [int(f) for f in os.listdir("/proc/self/fd")]
+        mine = []
+        for fd in fds:
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (lock.st_dev, lock.st_ino):
+                flags = int(Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+                mine.append(flags & os.O_ACCMODE)
+        assert mine == [os.O_RDONLY]
+    finally:
+        reader.close()

@@ -168,12 +168,31 @@ class FileLock:
     """An flock on ``path``: released by the kernel when the process dies, so
     a killed writer never blocks the next one. Exclusive for writers, shared
     for readers. A writer records its PID in the lock file, so the error of a
-    second one can say who holds it."""
+    second one can say who holds it.
+
+    A reader opens the file read-only (flock needs no write access), so it
+    can read a storage on a read-only filesystem or in a directory it may
+    not write. Where the lock file is missing and cannot be created because
+    the filesystem is read-only, no writer can exist either: the reader goes
+    on without a lock (``fd`` is -1)."""
 
     def __init__(self, path: Path, *, shared: bool = False, owner=None):
         self.path = Path(path)
         owner = owner if owner is not None else self.path.parent
-        self.fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+        self.fd = -1
+        if shared:
+            try:
+                self.fd = open_regular(self.path, os.O_RDONLY)
+            except FileNotFoundError:
+                try:
+                    self.fd = open_regular(self.path, os.O_RDONLY | os.O_CREAT)
+                except OSError as e:
+                    if e.errno != errno.EROFS:
+                        raise
+                    self.key = None
+                    return
+        else:
+            self.fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         st = os.fstat(self.fd)
         self.key = (st.st_dev, st.st_ino)
         try:
