@@ -249,3 +249,111 @@ def test_a_reader_holds_its_lock_file_read_only(tmp_path):
         assert mine == [os.O_RDONLY]
     finally:
         reader.close()
+
+
+# -- 3. numbers read from disk: type and range -------------------------------------------------
+HUGE = 2**70
+STATE_META = [  # (key, value) written into state.meta of a snapshot or meta.json's state
+    ("max_leaf", HUGE), ("max_leaf", 2**1100), ("max_leaf", True), ("max_leaf", "1.5"),
+    ("max_leaf", [1.5]), ("max_leaf", {"v": 1.5}), ("max_leaf", float("nan")), ("max_leaf", -1.0),
+    ("max_leaf", None), ("count", HUGE), ("count", 20.0), ("count", True), ("count", -1),
+    ("count", {"n": 20}), ("count", float("inf")), ("beta_step", 2**64), ("beta_step", 1.5),
+    ("beta_step", False), ("env_ended", [1]), ("env_ended", [[True]]), ("env_ended", "x"),
+    ("prioritization", []), ("prioritization", 3),
+    ("rng", {"bit_generator": "PCG64", "state": {"state": 2**300, "inc": 1}, "has_uint32": 0, "uinteger": 0}),
+    ("rng", {"bit_generator": "PCG64", "state": {"state": 1.5, "inc": 1}, "has_uint32": 0, "uinteger": 0}),
+]
+FRAMES_META = [{"fw": HUGE}, {"fw": 3.0}, {"fw": True}, {"fw": -1}, {"fw": [3]}, [3], None]
+
+
+def _set(key, value):
+    return lambda b: b["state"]["meta"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("key,value", STATE_META + [("frames", v) for v in FRAMES_META],
+                         ids=lambda v: str(v)[:24])
+def test_a_snapshot_with_a_number_of_the_wrong_type_or_range(tmp_path, key, value):
+    snap = small("memmap", tmp_path, k=4 if key == "frames" else None)
+    resign(snap, _set(key, value))
+    e = refused(CorruptSnapshotError, snap, tmp_path / "live", path=tmp_path / "live")
+    assert key in str(e)
+    before = fingerprint(snap)
+    try:
+        rep = verify(snap)
+    except CorruptSnapshotError:
+        pass
+    else:
+        assert rep["problems"] and any(key in p for p in rep["problems"]), rep
+    assert fingerprint(snap) == before
+
+
+def _storage(tmp_path, k=None) -> Path:
+    stream = Stream(k=k, seed=11)
+    path = tmp_path / "mm"
+    buf = make("memmap", path, stream, capacity=16)
+    feed(buf, stream, 20)
+    buf.close()
+    return path
+
+
+def _resume(path, k=None):
+    return make("memmap", path, Stream(k=k, seed=11), capacity=16)
+
+
+@pytest.mark.parametrize("key,value", STATE_META + [("frames", v) for v in FRAMES_META],
+                         ids=lambda v: str(v)[:24])
+def test_a_memmap_meta_json_with_a_number_of_the_wrong_type_or_range(tmp_path, key, value):
+    k = 4 if key == "frames" else None
+    path = _storage(tmp_path, k)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["state"][key] = value
+    (path / "meta.json").write_text(json.dumps(meta))
+    before = fingerprint(path)
+    with deadline(20), pytest.raises(bigper.BigperError) as e:
+        _resume(path, k)
+    assert key in str(e.value)
+    assert fingerprint(path) == before
+
+
+RECORD = [  # (key, value) of meta.json itself
+    ("clean", "yes"), ("clean", 1), ("state", []), ("state", "x"), ("state_files", [1]),
+    ("state_files", "gid"), ("shared_digests", []), ("shared_digests", {"obs": {"0": 5}}),
+    ("shared_digests", {"obs": {"0": [HUGE, "ab"]}}), ("shared_digests", {"obs": {"0": ["x", 3]}}),
+    ("shared_digests", {"obs": 7}), ("chunk_bytes", "4096"), ("chunk_bytes", 2**70), ("chunk_bytes", True),
+]
+
+
+@pytest.mark.parametrize("key,value", RECORD, ids=lambda v: str(v)[:24])
+def test_a_memmap_record_with_a_field_of_the_wrong_type(tmp_path, key, value):
+    path = _storage(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta[key] = value
+    (path / "meta.json").write_text(json.dumps(meta))
+    before = fingerprint(path)
+    with deadline(20), pytest.raises(bigper.BigperError) as e:
+        _resume(path)
+    assert key in str(e.value)
+    assert fingerprint(path) == before
+    r = run_bigper("verify", str(path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and key in r.stdout, r.stdout + r.stderr
+    assert fingerprint(path) == before
+
+
+def test_verify_and_info_on_a_huge_max_leaf(tmp_path):
+    """The issue's cases through the CLI: verify reports, info prints what it can, no traceback."""
+    snap = small("memory", tmp_path)
+    resign(snap, lambda b: (b["state"]["meta"].__setitem__("max_leaf", HUGE),
+                            b["summary"].__setitem__("total_priority", 2**2000),
+                            b["summary"].__setitem__("len", 2**2000)))
+    path = _storage(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["state"]["max_leaf"] = HUGE
+    (path / "meta.json").write_text(json.dumps(meta))
+    before = fingerprint(snap, path)
+    for where in (snap, path):
+        r = run_bigper("verify", str(where))
+        assert r.returncode == 1 and "Traceback" not in r.stderr and "max_leaf" in r.stdout, r.stdout + r.stderr
+    r = run_bigper("info", str(snap))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert str(2**2000) not in r.stdout  # a number no buffer records is not shown as the fill
+    assert fingerprint(snap, path) == before
