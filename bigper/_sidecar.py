@@ -34,6 +34,7 @@ import io
 import math
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -53,6 +54,20 @@ _OURS = re.compile(r"(scores-[0-9a-f]{12}\.f64|leaves-[0-9a-f]{12}\.npy|\.meta\.
                    r"|\.leaves-[0-9a-f]{12}\.npy\.tmp|\.lock|meta\.json)")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _NPY_HEADER = 4096  # more than np.save ever writes before the data of a 1-D float64 array
+
+
+def _kind(path: Path) -> str:
+    """What ``path`` is, for an error (links not followed)."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        try:
+            os.stat(path)
+        except OSError as e:
+            return f"a symbolic link that leads nowhere ({e.strerror})"
+        return "a symbolic link to a file"
+    return ("a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a directory")
 
 
 def _xxh(data) -> str:
@@ -110,7 +125,8 @@ class Sidecar:
     def load(self) -> dict | None:
         """Read and check ``meta.json``; None when there is no sidecar yet."""
         if os.path.lexists(self.path) and not self.path.is_dir():
-            raise SidecarMismatchError(f"priorities path {self.path} is a file, not a sidecar directory")
+            raise SidecarMismatchError(f"priorities path {self.path} is {_kind(self.path)}, not a sidecar "
+                                       "directory")
         mp = self.path / "meta.json"
         try:
             meta = read_json(mp)
@@ -288,7 +304,8 @@ class Sidecar:
         if self._lock_fd >= 0:
             return
         if os.path.lexists(self.path) and not self.path.is_dir():
-            raise SidecarMismatchError(f"priorities path {self.path} is a file, not a sidecar directory")
+            raise SidecarMismatchError(f"priorities path {self.path} is {_kind(self.path)}, not a sidecar "
+                                       "directory")
         self.path.mkdir(parents=True, exist_ok=True)
         # A directory without meta.json is taken only when all it holds is bigper's own
         # names (an interrupted first run); anything else is someone's, untouched.
