@@ -65,7 +65,7 @@ def _kind(path: Path) -> str:
         except OSError as e:
             return f"a symbolic link that leads nowhere ({e.strerror})"
         return "a symbolic link to a file"
-    return ("a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+    return ("a file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
             else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
             else "not a directory")
 
