@@ -145,6 +145,54 @@ def test_a_sparse_state_file_is_refused_in_process(tmp_path):
     assert "pending.npy" in str(e) and str(256 << 20) in str(e)
 
 
+def test_size_check_and_checksum_check_each_refuse_a_sparse_member(terabyte):
+    """Both readers of a member check it: the size check that runs before any
+    allocation, and the checksum read (a file swapped in between is caught)."""
+    from bigper.snapshot._manifest import check_file, member_sizes, read_manifest
+
+    body = read_manifest(terabyte)
+    item = ("data/obs.bin", body["files"]["data/obs.bin"])
+    with deadline(10):
+        with pytest.raises(CorruptSnapshotError, match=f"{TIB} bytes, of which 0 allocated"):
+            member_sizes(terabyte, [item])
+        with pytest.raises(CorruptSnapshotError, match=f"{TIB} bytes, of which 0 allocated"):
+            check_file(terabyte, *item)
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("size_mib,hole_mib,refused_", [
+    (60, 60, False),    # all holes, but below the slack: reads in well under a second
+    (256, 100, False),  # holes under half the size
+    (256, 200, True),   # mostly holes
+    (300, 150 + 65, True),
+])
+def test_check_dense_on_real_files(tmp_path, size_mib, hole_mib, refused_):
+    """The threshold: holes beyond both half the size and HOLE_SLACK are refused,
+    whatever st_size claims; written bytes count as data."""
+    from bigper.storage._files import HOLE_SLACK, check_dense
+
+    assert HOLE_SLACK == 64 * MIB
+    p = tmp_path / "f"
+    with open(p, "wb") as f:
+        f.seek(hole_mib * MIB)
+        block = b"\x01" * MIB
+        for _ in range(size_mib - hole_mib):
+            f.write(block)
+        f.truncate(size_mib * MIB)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        if refused_:
+            with pytest.raises(CorruptSnapshotError, match=f"{size_mib * MIB} bytes"):
+                check_dense(fd, p)
+        else:
+            check_dense(fd, p)
+    finally:
+        os.close(fd)
+        os.unlink(p)
+
+
 @pytest.mark.parametrize("kind", ["memory", "memmap"])
 def test_dense_snapshots_and_their_hard_links_still_load(kind, tmp_path):
     """bigper's own files are never sparse: a fresh snapshot (memmap chunks
