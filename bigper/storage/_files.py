@@ -91,6 +91,7 @@ def read_regular(path, *, limit: int = JSON_LIMIT, dir_fd: int | None = None,
         size = os.fstat(fd).st_size
         if size > limit:
             raise error(f"{path} has {size} bytes, more than the {limit} bigper ever writes there")
+        check_dense(fd, path, error=error)  # read in time bounded by the bytes really on disk
         out = bytearray()
         while len(out) <= limit:
             chunk = os.read(fd, max(1, min(limit + 1 - len(out), 8 << 20)))
