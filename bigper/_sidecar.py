@@ -81,7 +81,11 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite JSON number as a writer records one: a float, or an int a float
+    holds exactly (2**1100 would overflow math.isfinite; a bool is no number)."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v) and -(1 << 53) <= v <= 1 << 53
 
 
 def key_params(kind: str, alpha: float, eps: float, max_priority) -> dict:

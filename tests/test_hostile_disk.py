@@ -421,3 +421,28 @@ def test_a_sparse_state_file_in_a_memmap_storage_is_refused_unread(tmp_path):
     r = run_bigper("verify", str(path))
     assert r.returncode == 1 and "sparse" in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert fingerprint(path) == before
+
+
+@pytest.mark.parametrize("value", [2**1100, -(2**1100), 2**70, True, "0.6", [0.6], float("inf")])
+def test_a_sidecar_meta_with_a_number_no_writer_records(tmp_path, value):
+    """An offline dataset's priorities sidecar: alpha of its saved keys is
+    checked for type and range (2**1100 overflowed math.isfinite)."""
+    import h5py
+
+    ds = tmp_path / "ds.h5"
+    with h5py.File(ds, "w") as f:
+        f["observations"] = np.zeros((10, 3), np.float32)
+        f["actions"] = np.zeros((10, 1), np.float32)
+        f["rewards"] = np.zeros(10, np.float32)
+        f["terminals"] = np.zeros(10, bool)
+        f["timeouts"] = np.zeros(10, bool)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(ds) as buf:
+        buf.update_priorities(np.array([0, 1]), np.array([5.0, 7.0]))
+    side = tmp_path / "ds.h5.priorities"
+    meta = json.loads((side / "meta.json").read_text())
+    meta["leaves"]["alpha"] = value
+    (side / "meta.json").write_text(json.dumps(meta))
+    before = fingerprint(tmp_path)
+    with deadline(20), pytest.raises(CorruptSnapshotError, match="alpha"):
+        bigper.PrioritizedReplayBuffer.from_hdf5(ds)
+    assert fingerprint(tmp_path) == before
