@@ -187,3 +187,55 @@ def test_reprioritize_with_a_score_file_that_is_not_python(world, tmp_path, cont
     assert r.returncode == 2, r.stdout + r.stderr
     one_line(r, tmp_path / "bad.py")
     assert fingerprint(world, tmp_path) == before
+
+
+@pytest.fixture
+def unreadable(world):
+    """Copies of a snapshot, a storage and a dataset whose key file is mode 000,
+    in a directory another user can enter; root reads any file, so the CLI runs
+    as the user nobody (setpriv) when the tests run as root."""
+    import tempfile
+
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: no way to be refused a read")
+    d = Path(tempfile.mkdtemp(prefix="bigper-unreadable-"))
+    try:
+        os.chmod(d, 0o755)
+        shutil.copytree(world / "snap", d / "snap")
+        shutil.copytree(world / "mm", d / "mm")
+        shutil.copy(world / "ds.h5", d / "ds.h5")
+        shutil.copy(world / "score.py", d / "score.py")
+        (d / "numba").mkdir(mode=0o777)
+        os.chmod(d / "numba", 0o777)
+        for f in ("snap/manifest.json", "mm/meta.json", "ds.h5"):
+            os.chmod(d / f, 0)
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def cli_unprivileged(d: Path, *args):
+    cmd = [sys.executable, "-m", "bigper", *map(str, args)]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(d / "numba")}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=d)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"bigper {' '.join(map(str, args))} still ran after 60 s")
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "reprioritize"])
+@pytest.mark.parametrize("target", ["snap", "mm", "ds.h5"])
+def test_an_unreadable_file(unreadable, command, target):
+    before = fingerprint(unreadable / target)
+    extra = ["--score", f"{unreadable / 'score.py'}:score", "--no-progress"] if command == "reprioritize" else []
+    r = cli_unprivileged(unreadable, command, unreadable / target, *extra)
+    assert r.returncode in (1, 2), r.stdout + r.stderr
+    said = (r.stdout + r.stderr).strip()
+    assert str(unreadable / target) in said, said
+    if r.returncode == 2:
+        one_line(r)
+    assert fingerprint(unreadable / target) == before
