@@ -113,7 +113,11 @@ _EXTENTS = 1 << 16  # data extents walked at most (2 lseeks each) before a file 
 
 def _hole_bytes(fd: int, size: int) -> int | None:
     """Bytes of holes in the first ``size`` bytes of ``fd`` (SEEK_DATA/SEEK_HOLE),
-    or None when they cannot be counted in bounded time."""
+    or None when they cannot be counted in bounded time (a file of more than
+    ``_EXTENTS`` fragments). Where the system or filesystem cannot tell holes
+    from data, every byte counts as data (0)."""
+    if not hasattr(os, "SEEK_DATA"):
+        return 0
     pos = holes = 0
     for _ in range(_EXTENTS):
         if pos >= size:
@@ -121,7 +125,9 @@ def _hole_bytes(fd: int, size: int) -> int | None:
         try:
             data = os.lseek(fd, pos, os.SEEK_DATA)
         except OSError as e:
-            return holes + size - pos if e.errno == errno.ENXIO else None  # ENXIO: only holes after pos
+            if e.errno == errno.ENXIO:  # no data after pos: the rest is one hole
+                return holes + size - pos
+            return 0 if pos == 0 else None  # no hole reporting here (EINVAL): all data
         holes += min(data, size) - pos
         pos = os.lseek(fd, data, os.SEEK_HOLE)
     return None
