@@ -422,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check a snapshot, every snapshot under a Snapshots root, or a closed "
                                    "storage, read-only.",
                        epilog="exit status: 0 all OK; 1 corrupt, invalid, incompatible or unclean; "
-                              "2 path missing, or not a snapshot or storage; 3 a live buffer holds the storage (its PID is printed; "
-                              "save a snapshot and verify that)")
+                              "2 path missing, or not a snapshot or storage; 3 a live buffer holds the "
+                              "storage (its PID is printed; save a snapshot and verify that)")
     v.add_argument("path", help="a snapshot directory, a Snapshots root, a memmap storage directory or "
                                 "an HDF5 storage file")
     v.set_defaults(func=_verify)
