@@ -114,18 +114,31 @@ def test_verify_refuses_terabyte_sparse_files_at_once(terabyte):
 
 
 def test_memmap_load_refuses_terabyte_sparse_files_at_once(terabyte, tmp_path):
-    before = fingerprint(terabyte)
+    _load_refused_at_once(terabyte, tmp_path / "live")
+
+
+@pytest.mark.parametrize("kind", ["memory", "hdf5"])
+def test_every_load_path_refuses_terabyte_sparse_files_at_once(kind, tmp_path):
+    snap = small(kind, tmp_path)
+    inflate(snap, "obs", [1 << 18, 1 << 18])
+    _load_refused_at_once(snap, None if kind == "memory" else tmp_path / "live.h5")
+
+
+def _load_refused_at_once(snap: Path, live):
+    """``load`` in a subprocess (a regression would read a terabyte in threads)."""
+    before = fingerprint(snap)
     code = ("import bigper, sys\n"
             "try:\n"
-            f"    bigper.PrioritizedReplayBuffer.load({str(terabyte)!r}, path={str(tmp_path / 'live')!r})\n"
+            f"    bigper.PrioritizedReplayBuffer.load({str(snap)!r}, path={None if live is None else str(live)!r})\n"
             "except bigper.errors.CorruptSnapshotError as e:\n"
             "    print('REFUSED', e); sys.exit(0)\n"
             "print('LOADED'); sys.exit(1)\n")
     r = run_bigper(code=code, timeout=30)
     assert r.returncode == 0 and r.stdout.startswith("REFUSED"), r.stdout + r.stderr
-    assert "bin" in r.stdout and f"{TIB}" in r.stdout
-    assert fingerprint(terabyte) == before
-    assert not os.path.lexists(tmp_path / "live" / "data")
+    assert "obs.bin" in r.stdout and f"{TIB}" in r.stdout
+    assert fingerprint(snap) == before
+    if live is not None:
+        assert not os.path.lexists(live / "data") and not os.path.lexists(live)
 
 
 def test_a_sparse_state_file_is_refused_in_process(tmp_path):
