@@ -47,7 +47,6 @@ def _reprioritize(args) -> int:
     import time
 
     from . import offline
-
     from .errors import BigperError
 
     try:
@@ -206,7 +205,6 @@ VERIFY_OK, VERIFY_BAD, VERIFY_MISSING, VERIFY_IN_USE = 0, 1, 2, 3
 def _storage_kind(path: Path):
     """"memmap" for a memmap storage directory, "hdf5" for a bigper HDF5
     storage file (its lock file beside it, or an HDF5 signature), else None."""
-
     from .errors import BigperError
 
     if path.is_dir() and os.path.lexists(path / "meta.json") and not (path / "manifest.json").exists():
