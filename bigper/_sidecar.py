@@ -34,6 +34,7 @@ import io
 import math
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -55,6 +56,20 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 _NPY_HEADER = 4096  # more than np.save ever writes before the data of a 1-D float64 array
 
 
+def _kind(path: Path) -> str:
+    """What ``path`` is, for an error (links not followed)."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        try:
+            os.stat(path)
+        except OSError as e:
+            return f"a symbolic link that leads nowhere ({e.strerror})"
+        return "a symbolic link to a file"
+    return ("a file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a directory")
+
+
 def _xxh(data) -> str:
     import xxhash
 
@@ -66,7 +81,11 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite JSON number as a writer records one: a float, or an int a float
+    holds exactly (2**1100 would overflow math.isfinite; a bool is no number)."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v) and -(1 << 53) <= v <= 1 << 53
 
 
 def key_params(kind: str, alpha: float, eps: float, max_priority) -> dict:
@@ -110,7 +129,8 @@ class Sidecar:
     def load(self) -> dict | None:
         """Read and check ``meta.json``; None when there is no sidecar yet."""
         if os.path.lexists(self.path) and not self.path.is_dir():
-            raise SidecarMismatchError(f"priorities path {self.path} is a file, not a sidecar directory")
+            raise SidecarMismatchError(f"priorities path {self.path} is {_kind(self.path)}, not a sidecar "
+                                       "directory")
         mp = self.path / "meta.json"
         try:
             meta = read_json(mp)
@@ -288,7 +308,8 @@ class Sidecar:
         if self._lock_fd >= 0:
             return
         if os.path.lexists(self.path) and not self.path.is_dir():
-            raise SidecarMismatchError(f"priorities path {self.path} is a file, not a sidecar directory")
+            raise SidecarMismatchError(f"priorities path {self.path} is {_kind(self.path)}, not a sidecar "
+                                       "directory")
         self.path.mkdir(parents=True, exist_ok=True)
         # A directory without meta.json is taken only when all it holds is bigper's own
         # names (an interrupted first run); anything else is someone's, untouched.

@@ -25,6 +25,8 @@ from a recorded size before the recorded arrays are known to have it.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .errors import CorruptSnapshotError
@@ -32,6 +34,7 @@ from .frames import frame_capacity
 
 EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3  # buffer.py's slot status values
 _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
+_EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")
 _FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr", "frames_minref")
 # The buffer's own arrays whatever the prioritization (its strategy adds its own).
@@ -42,11 +45,27 @@ def _bad(what: str):
     raise CorruptSnapshotError(f"recorded buffer state: {what}")
 
 
-def _int(meta: dict, key: str, lo: int = 0, hi: int = _BIG) -> int:
+def _is_int(v, lo: int, hi: int) -> bool:
+    """``v`` is an int (a JSON integer: not a bool, not a float) in ``[lo, hi)``."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+
+def _int(meta: dict, key: str, lo: int = 0, hi: int = _BIG, where: str = "") -> int:
     v = meta.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
-        _bad(f"{key} must be an int in [{lo}, {hi}), got {v!r:.80}")
+    if not _is_int(v, lo, hi):
+        _bad(f"{where}{key} must be an int in [{lo}, {hi}), got {v!r:.80}")
     return v
+
+
+def _positive(meta: dict, key: str) -> float:
+    """A finite number > 0. The writer records a float; an int is taken only
+    where a float holds it exactly (JSON has no other way to tell 2**70 from
+    a float, and float(2**1100) overflows)."""
+    v = meta.get(key)
+    ok = isinstance(v, float) or _is_int(v, -_EXACT, _EXACT + 1)
+    if not ok or not math.isfinite(v) or v <= 0:
+        _bad(f"{key} must be a finite number > 0, got {v!r:.80}")
+    return float(v)
 
 
 def _array(arrays: dict, name: str, dtype, shape: tuple) -> np.ndarray:
@@ -61,6 +80,12 @@ def _array(arrays: dict, name: str, dtype, shape: tuple) -> np.ndarray:
 def _rng(state) -> None:
     if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
         _bad(f"rng must be a PCG64 state, got {str(state)[:80]!r}")
+    # numpy casts what it is given (a float state 1.5 becomes 1): the types are checked first
+    inner = state.get("state")
+    if not isinstance(inner, dict) or not all(_is_int(inner.get(k), 0, 1 << 128) for k in ("state", "inc")) \
+            or not _is_int(state.get("has_uint32"), 0, 2) or not _is_int(state.get("uinteger"), 0, 1 << 32):
+        _bad(f"rng state needs ints state, inc in [0, 2**128), has_uint32 0 or 1 and uinteger in "
+             f"[0, 2**32), got {str(state)[:160]}")
     try:
         np.random.PCG64().state = state  # numpy's own check of every field
     except Exception as e:  # noqa: BLE001  (any refusal by numpy is a corrupt state)
@@ -112,9 +137,7 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
 
     count = _int(meta, "count")
     _int(meta, "beta_step")
-    top = meta.get("max_leaf")
-    if isinstance(top, bool) or not isinstance(top, (int, float)) or not np.isfinite(top) or top <= 0:
-        _bad(f"max_leaf must be a finite number > 0, got {top!r:.80}")
+    top = _positive(meta, "max_leaf")
     ended = meta.get("env_ended")
     if not isinstance(ended, list) or len(ended) != envs or not all(isinstance(e, bool) for e in ended):
         _bad(f"env_ended must be a list of {envs} bools, got {str(ended)[:80]}")
@@ -173,7 +196,7 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
     if not isinstance(fm, dict):
         _bad(f"frames must be a dict with frame stacks, got {str(fm)[:80]}")
     # Each transition writes at most the 2k frames of its two stacks.
-    fw = _int(fm, "fw", 0, 2 * k * count + 1)
+    fw = _int(fm, "fw", 0, 2 * k * count + 1, where="frames.")
     shape = cfg.shape("obs")
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * cfg.dtype("obs").itemsize
     _array(arrays, "frames_last", np.uint8, (envs, k, row_bytes))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import runpy
+import stat
 import sys
 from pathlib import Path
 
@@ -19,18 +22,40 @@ def _bench(args) -> int:
     return 0
 
 
+def _line(e: BaseException) -> str:
+    """An error as one line (its message names the path)."""
+    return " ".join(str(e).split("\n")) or type(e).__name__
+
+
+def _score_fn(spec: str):
+    """``offline.load_score_fn``, with a path that is no Python file said so
+    (``random.bin:f`` would otherwise be imported as the module ``random``)."""
+    from . import offline
+    from .errors import InvalidArgumentError
+
+    mod = str(spec).partition(":")[0]
+    if "/" in mod and not mod.endswith(".py"):
+        raise InvalidArgumentError(f"--score {mod}: a file must be a .py file (package.module:function "
+                                   "or path/to/file.py:function)")
+    try:
+        return offline.load_score_fn(spec)
+    except SyntaxError as e:  # a file of random bytes is not Python; say which
+        raise InvalidArgumentError(f"--score {mod} is not a Python file ({e.msg}, line {e.lineno})") from None
+
+
 def _reprioritize(args) -> int:
     import time
 
     from . import offline
     from .buffer import PrioritizedReplayBuffer
+    from .errors import BigperError
 
     try:
-        score_fn = offline.load_score_fn(args.score)
+        score_fn = _score_fn(args.score)
         buf = PrioritizedReplayBuffer.from_hdf5(args.dataset, priorities=args.priorities, layout=args.layout,
                                                 allow_external=args.allow_external)
-    except (OSError, ImportError, ValueError, TypeError, AttributeError) as e:
-        print(f"bigper reprioritize: {e}", file=sys.stderr)
+    except (OSError, ImportError, ValueError, TypeError, AttributeError, BigperError) as e:
+        print(f"bigper reprioritize: {_line(e)}", file=sys.stderr)
         return 2
     with buf:
         t0 = time.perf_counter()
@@ -101,7 +126,15 @@ def _info_storage(path: Path, args) -> int:
     num = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else 0  # noqa: E731
     cap = num(cfg.get("capacity"))
     n = min(num(state.get("count")), cap)
-    size = sum(p.stat().st_size for p in (path / "data").iterdir()) if (path / "data").is_dir() else 0
+    # Only regular files count: a dangling symlink or a FIFO in data/ is named, never followed.
+    size, stray = 0, []
+    if (path / "data").is_dir() and not (path / "data").is_symlink():
+        for p in sorted((path / "data").iterdir()):
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode):
+                size += st.st_size
+            else:
+                stray.append(p.name)
     print(f"{path}: a live {meta.get('format')} storage, version {meta.get('version')}, "
           f"{'closed cleanly' if meta.get('clean') else 'OPEN or its writer died (resume from a snapshot)'}")
     prio = cfg.get("prioritization", "proportional")
@@ -109,6 +142,9 @@ def _info_storage(path: Path, args) -> int:
           f"{prio if isinstance(prio, str) else '?'} prioritization")
     for name, a in meta.get("arrays", {}).items():
         print(f"  {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']}")
+    if stray:
+        print(f"  data/ also holds {len(stray)} entr{'y' if len(stray) == 1 else 'ies'} that bigper does not "
+              f"read (not regular files): {', '.join(stray[:5])}")
     return 0
 
 
@@ -119,7 +155,7 @@ def _info(args) -> int:
 
     path = Path(args.path)
     if not path.exists():
-        print(f"bigper info: {path} does not exist", file=sys.stderr)
+        print(f"bigper info: {_missing(path)}", file=sys.stderr)
         return 2
     try:
         if (path / "manifest.json").is_file():
@@ -148,26 +184,52 @@ def _info(args) -> int:
     return 0
 
 
+def _missing(path: Path) -> str:
+    """Why ``path.exists()`` is False, in words."""
+    if not os.path.lexists(path):
+        return f"{path} does not exist"
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{path} is a symbolic link loop"
+        if e.errno == errno.ENOENT:
+            return f"{path} is a dangling symbolic link (to {os.readlink(path)})"
+        return f"{path} cannot be read ({e.strerror})"
+    return f"{path} cannot be read"
+
+
 # Exit codes of `bigper verify` (also in its --help).
 VERIFY_OK, VERIFY_BAD, VERIFY_MISSING, VERIFY_IN_USE = 0, 1, 2, 3
 
 
 def _storage_kind(path: Path):
     """"memmap" for a memmap storage directory, "hdf5" for a bigper HDF5
-    storage file (its lock file beside it), else None."""
-    import os
+    storage file (its lock file beside it, or an HDF5 signature), else None."""
+    from .errors import BigperError
 
     if path.is_dir() and os.path.lexists(path / "meta.json") and not (path / "manifest.json").exists():
         return "memmap"
     if path.is_file() and os.path.lexists(path.with_name(path.name + ".lock")):
         return "hdf5"
+    if path.is_file():  # an HDF5 file without its lock file (a copy, a read-only filesystem)
+        from .storage._files import open_regular
+
+        try:
+            fd = open_regular(path, follow=True)
+        except (OSError, BigperError):
+            return None
+        try:
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
+        if head == b"\x89HDF\r\n\x1a\n":
+            return "hdf5"
     return None
 
 
 def _check_chunks(path: Path, meta: dict) -> None:
     """Every chunk file a memmap storage records: a regular file of at least its size."""
-    import os
-
     from .errors import CorruptSnapshotError
     from .storage._chunks import _Array
     from .storage._files import open_regular
@@ -192,7 +254,13 @@ def _verify_storage(path: Path, kind: str) -> int:
     (when nobody holds it) the state's invariants. A storage a live buffer
     holds is never called corrupt: it says who holds it and exits 3."""
     from .config import Config
-    from .errors import BigperError, CorruptSnapshotError, StorageLockedError, UncleanStorageError
+    from .errors import (
+        BigperError,
+        CorruptSnapshotError,
+        IncompatibleSnapshotError,
+        StorageLockedError,
+        UncleanStorageError,
+    )
     from .storage import open_storage
     from .storage._files import FileLock
     from ._statecheck import check_state
@@ -229,6 +297,9 @@ def _verify_storage(path: Path, kind: str) -> int:
     except UncleanStorageError as e:
         print(f"UNCLEAN  {path}: {e}")
         return VERIFY_BAD
+    except IncompatibleSnapshotError as e:  # another format (an HDF5 dataset that is no bigper storage)
+        print(f"INCOMPATIBLE  {path}: {e}")
+        return VERIFY_BAD
     except BigperError as e:
         print(f"CORRUPT  {path}: {e}")
         return VERIFY_BAD
@@ -263,11 +334,16 @@ def _verify(args) -> int:
 
     path = Path(args.path)
     if not path.exists():
-        print(f"MISSING  {path}: no such file or directory")
+        print(f"MISSING  {path}: {_missing(path)}")
         return VERIFY_MISSING
     kind = _storage_kind(path)
     if kind is not None:
         return _verify_storage(path, kind)
+    if not path.is_dir():  # a FIFO, a device, a file that is no bigper storage: nothing to verify
+        what = "a regular file" if path.is_file() else "not a regular file or directory"
+        print(f"bigper verify: {path} is {what}, not a snapshot directory, a Snapshots root or a bigper "
+              "storage", file=sys.stderr)
+        return VERIFY_MISSING
     if not (path / "manifest.json").exists() and path.is_dir() \
             and any(p.name.startswith("snap-") for p in path.iterdir()):
         targets = sorted(p for p in path.iterdir() if p.name.startswith("snap-"))
@@ -345,8 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check a snapshot, every snapshot under a Snapshots root, or a closed "
                                    "storage, read-only.",
                        epilog="exit status: 0 all OK; 1 corrupt, invalid, incompatible or unclean; "
-                              "2 path missing; 3 a live buffer holds the storage (its PID is printed; "
-                              "save a snapshot and verify that)")
+                              "2 path missing, or not a snapshot or storage; 3 a live buffer holds the "
+                              "storage (its PID is printed; save a snapshot and verify that)")
     v.add_argument("path", help="a snapshot directory, a Snapshots root, a memmap storage directory or "
                                 "an HDF5 storage file")
     v.set_defaults(func=_verify)
@@ -354,5 +430,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run a subcommand. A bad path or a bad file is never a traceback: an
+    error bigper raises on purpose, or the OSError of a path (a FIFO, a
+    symlink loop, a file where a directory belongs), is one line on stderr
+    naming it, and exit status 2."""
+    from .errors import BigperError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (BigperError, OSError) as e:
+        print(f"bigper {args.command}: {_line(e)}", file=sys.stderr)
+        return 2

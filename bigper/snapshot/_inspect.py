@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -117,6 +118,14 @@ def verify(snapshot) -> dict:
             "prioritization": kind_of(body["config"]), "problems": problems}
 
 
+def _shown(v) -> bool:
+    """A recorded number fit to print: an int (not a bool) a counter can reach,
+    or a finite float (a 2**2000 would overflow a percentage or a format)."""
+    if isinstance(v, bool):
+        return False
+    return (isinstance(v, int) and -(1 << 62) < v < (1 << 62)) or (isinstance(v, float) and math.isfinite(v))
+
+
 def describe(snapshot) -> dict:
     """A summary of ``snapshot`` for people: config, size, fill, priorities.
 
@@ -127,10 +136,9 @@ def describe(snapshot) -> dict:
     body = read_manifest(snap)
     _config(body, snap)  # a crafted config is refused here, not half-printed
     cfg, meta, summary = body["config"], body["state"]["meta"], body.get("summary", {})
-    # Only what has the type a writer gives it is shown (the rest is untrusted noise).
-    summary = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    meta = {k: v for k, v in meta.items() if k in ("count", "beta_step", "max_leaf")
-            and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # Only what has the type and range a writer gives it is shown (the rest is untrusted noise).
+    summary = {k: v for k, v in summary.items() if _shown(v)}
+    meta = {k: v for k, v in meta.items() if k in ("count", "beta_step", "max_leaf") and _shown(v)}
     files = body["files"]
     shared = 0
     for name, rec in files.items():

@@ -47,7 +47,7 @@ from ..errors import (
     InvalidArgumentError,
     PathNotFoundError,
 )
-from ..storage._files import open_regular
+from ..storage._files import check_dense, open_regular
 
 MAGIC = "bigper-snapshot"
 FORMAT = 1
@@ -224,11 +224,12 @@ def member_sizes(snap: Path, names) -> None:
         fd = open_member(snap, name)
         try:
             size = os.fstat(fd).st_size
+            if size != rec["size"]:
+                raise CorruptSnapshotError(
+                    f"{snap}: {name} has {size} bytes, the manifest records {rec['size']} (truncated?)")
+            check_dense(fd, f"{snap}: {name}")  # a terabyte of holes is no terabyte of data
         finally:
             os.close(fd)
-        if size != rec["size"]:
-            raise CorruptSnapshotError(
-                f"{snap}: {name} has {size} bytes, the manifest records {rec['size']} (truncated?)")
 
 
 def check_file(snap: Path, name: str, rec: dict, buf: bytearray | None = None, keep: bool = False):
@@ -242,6 +243,7 @@ def check_file(snap: Path, name: str, rec: dict, buf: bytearray | None = None, k
         if size != rec["size"]:
             raise CorruptSnapshotError(
                 f"{snap}: {name} has {size} bytes, the manifest records {rec['size']} (truncated?)")
+        check_dense(fd, f"{snap}: {name}")  # read in time bounded by the bytes really on disk
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         h = xxhash.xxh3_64()

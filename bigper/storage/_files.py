@@ -91,6 +91,7 @@ def read_regular(path, *, limit: int = JSON_LIMIT, dir_fd: int | None = None,
         size = os.fstat(fd).st_size
         if size > limit:
             raise error(f"{path} has {size} bytes, more than the {limit} bigper ever writes there")
+        check_dense(fd, path, error=error)  # read in time bounded by the bytes really on disk
         out = bytearray()
         while len(out) <= limit:
             chunk = os.read(fd, max(1, min(limit + 1 - len(out), 8 << 20)))
@@ -104,6 +105,66 @@ def read_regular(path, *, limit: int = JSON_LIMIT, dir_fd: int | None = None,
         os.close(fd)
 
 
+# A file may be short of allocated blocks by this much (and by half its size)
+# before it is measured for holes; below it, reading holes costs well under a second.
+HOLE_SLACK = 64 << 20
+_EXTENTS = 1 << 16  # data extents walked at most (2 lseeks each) before a file counts as holes
+
+
+def _hole_bytes(fd: int, size: int) -> int | None:
+    """Bytes of holes in the first ``size`` bytes of ``fd`` (SEEK_DATA/SEEK_HOLE),
+    or None when they cannot be counted in bounded time (a file of more than
+    ``_EXTENTS`` fragments). Where the system or filesystem cannot tell holes
+    from data, every byte counts as data (0)."""
+    if not hasattr(os, "SEEK_DATA"):
+        return 0
+    pos = holes = 0
+    for _ in range(_EXTENTS):
+        if pos >= size:
+            return holes
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # no data after pos: the rest is one hole
+                return holes + size - pos
+            return 0 if pos == 0 else None  # no hole reporting here (EINVAL): all data
+        holes += min(data, size) - pos
+        pos = os.lseek(fd, data, os.SEEK_HOLE)
+    return None
+
+
+def check_dense(fd: int, where, *, error=CorruptSnapshotError) -> None:
+    """Refuse the open file ``fd`` when it is mostly holes.
+
+    A sparse file claims any size for a few kilobytes of disk (``truncate -s
+    1T``): a size check against ``st_size`` passes, and hashing or copying
+    it then reads a terabyte of zeros. bigper never writes one: live memmap
+    chunks are fallocated, snapshot files are written in full or hard-linked
+    to those chunks (the same inodes). So a file whose holes exceed half its
+    size and ``HOLE_SLACK`` is refused, naming its size and allocated bytes.
+
+    The allocated blocks (``st_blocks * 512``) are only the quick test: a
+    filesystem that compresses (ZFS, btrfs) reports fewer blocks than the
+    size for a legitimate file, so a file short of blocks is measured again
+    with ``SEEK_DATA``/``SEEK_HOLE``, which counts compressed data as data.
+    What is left is the trade-off: a compressing filesystem that stores
+    all-zero blocks as holes (ZFS with compression on) makes a snapshot of a
+    mostly empty buffer of more than ``2 * HOLE_SLACK`` bytes look sparse,
+    and it is refused; a filesystem without hole reporting counts every
+    byte as data, and its sparse files are read (in time linear in their size).
+    """
+    st = os.fstat(fd)
+    size, allocated = st.st_size, st.st_blocks * 512
+    allowed = max(size // 2, HOLE_SLACK)
+    if size - allocated <= allowed:
+        return
+    holes = _hole_bytes(fd, size)
+    if holes is None or holes > allowed:
+        raise error(f"{where} is a sparse file: {size} bytes, of which {allocated} allocated on disk "
+                    f"({'unmeasured' if holes is None else holes} bytes of holes); bigper never writes "
+                    "files with holes, so it is refused unread")
+
+
 # Locks this process holds, by (device, inode) of the lock file: flock is per open
 # file, so a second open in the same process conflicts like another process would,
 # and the error can say that the holder is this very process (a buffer not closed).
@@ -114,12 +175,31 @@ class FileLock:
     """An flock on ``path``: released by the kernel when the process dies, so
     a killed writer never blocks the next one. Exclusive for writers, shared
     for readers. A writer records its PID in the lock file, so the error of a
-    second one can say who holds it."""
+    second one can say who holds it.
+
+    A reader opens the file read-only (flock needs no write access), so it
+    can read a storage on a read-only filesystem or in a directory it may
+    not write. Where the lock file is missing and cannot be created because
+    the filesystem is read-only, no writer can exist either: the reader goes
+    on without a lock (``fd`` is -1)."""
 
     def __init__(self, path: Path, *, shared: bool = False, owner=None):
         self.path = Path(path)
         owner = owner if owner is not None else self.path.parent
-        self.fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+        self.fd = -1
+        if shared:
+            try:
+                self.fd = open_regular(self.path, os.O_RDONLY)
+            except FileNotFoundError:
+                try:
+                    self.fd = open_regular(self.path, os.O_RDONLY | os.O_CREAT)
+                except OSError as e:
+                    if e.errno != errno.EROFS:
+                        raise
+                    self.key = None
+                    return
+        else:
+            self.fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         st = os.fstat(self.fd)
         self.key = (st.st_dev, st.st_ino)
         try:

@@ -90,6 +90,51 @@ def npy_from_bytes(raw, where) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype, count=count, offset=start).reshape(shape).copy()
 
 
+def _int(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{16}$")
+
+
+def check_record(meta: dict, where) -> None:
+    """Types and ranges of the fields a storage's record keeps beside its
+    arrays (``check_arrays``) and its state (``_statecheck``), each as bigper
+    writes it; ``CorruptSnapshotError`` naming the field otherwise. A JSON
+    number is not a bool, a bool is not a number, an int is not a float."""
+    def bad(key, what):
+        raise CorruptSnapshotError(f"{where}/meta.json: {key} must be {what}, got {str(meta.get(key))[:80]}")
+
+    if not isinstance(meta.get("clean"), bool):
+        bad("clean", "true or false")
+    state = meta.get("state")
+    if state is not None and not isinstance(state, dict):
+        bad("state", "an object or null")
+    for key in ("count", "beta_step"):  # read for messages before the state is checked in full
+        if isinstance(state, dict) and key in state and not _int(state[key], 0, _BIG):
+            raise CorruptSnapshotError(f"{where}/meta.json: state {key} must be an int in [0, 2**62), "
+                                       f"got {str(state[key])[:80]}")
+    files = meta.get("state_files")
+    if files is not None and not (isinstance(files, list)
+                                  and all(isinstance(f, str) and STATE_NAME.match(f) for f in files)):
+        bad("state_files", "a list of plain array names")
+    if "chunk_bytes" in meta and not _int(meta["chunk_bytes"], 1, _BIG):
+        bad("chunk_bytes", "an int >= 1")
+    if meta.get("compression") not in (None, "lzf", "gzip"):
+        bad("compression", "null, 'lzf' or 'gzip'")
+    shared = meta.get("shared_digests")
+    if shared is None:
+        return
+    ok = isinstance(shared, dict) and all(
+        isinstance(per, dict) and all(
+            isinstance(k, str) and k.isdigit() and isinstance(rec, list) and len(rec) == 2
+            and _int(rec[0], 0, 1 << 64) and isinstance(rec[1], str) and _DIGEST.match(rec[1])
+            for k, rec in per.items())
+        for per in shared.values())
+    if not ok:
+        bad("shared_digests", "{array: {chunk: [inode, xxh3 hex]}}")
+
+
 def check_meta(meta: dict, fmt: str, version: int, where) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
@@ -97,6 +142,7 @@ def check_meta(meta: dict, fmt: str, version: int, where) -> dict:
     if meta.get("version") != version:
         raise IncompatibleSnapshotError(
             f"{where} has {fmt} format version {meta.get('version')!r}; this bigper reads version {version}")
+    check_record(meta, where)
     if not meta.get("clean"):
         raise UncleanStorageError(
             f"{where} was not closed: its writer died while the buffer was open, so its data "

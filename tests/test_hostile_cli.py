@@ -1,0 +1,241 @@
+"""The command line against bad paths and bad files (issue 23, section 5):
+every subcommand, run in a real subprocess with a timeout, answers a path
+that is missing, a FIFO, a symlink loop, a dangling symlink, a directory
+where a file belongs, a file of random bytes, a truncated snapshot, a file
+it cannot read, with one line on stderr naming it and an exit status (2 for
+a path it cannot use; 1 where ``info``/``verify`` document "corrupt"),
+never a traceback or a hang, and with every file left as it was."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from ._hostile_snapshot_cases import fingerprint
+from ._snapshot_cases import Stream, feed, make
+
+ROOT = Path(__file__).resolve().parent.parent
+SCORE = "import numpy as np\ndef score(batch):\n    return np.ones(len(batch.indices))\n"
+
+
+def cli(*args, timeout: float = 60, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        r = subprocess.run([sys.executable, "-m", "bigper", *map(str, args)], capture_output=True,
+                           text=True, timeout=timeout, env=env, cwd=cwd or ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"bigper {' '.join(map(str, args))} still ran after {timeout} s (a hang)")
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    return r
+
+
+def one_line(r, *names) -> str:
+    """The single stderr line of a refusal; it names each of ``names``."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    for n in names:
+        assert str(n) in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """One of each hostile path, plus a good snapshot, storage and dataset."""
+    t = tmp_path_factory.mktemp("cli")
+    os.mkfifo(t / "fifo")
+    os.symlink(t / "loop2", t / "loop1")
+    os.symlink(t / "loop1", t / "loop2")
+    os.symlink(t / "nowhere", t / "dangling")
+    (t / "emptydir").mkdir()
+    (t / "random.bin").write_bytes(np.random.default_rng(0).bytes(5000))
+    (t / "userdir").mkdir()
+    (t / "userdir" / "notes.txt").write_text("mine")
+    stream = Stream(k=None, seed=1)
+    buf = make("memmap", t / "mm", stream, capacity=16)
+    feed(buf, stream, 5)
+    buf.save(t / "snap")
+    buf.close()
+    shutil.copytree(t / "snap", t / "truncated")
+    raw = (t / "truncated" / "manifest.json").read_bytes()
+    (t / "truncated" / "manifest.json").write_bytes(raw[:len(raw) // 2])
+    shutil.copytree(t / "mm", t / "mm-dangling")
+    os.symlink(t / "nowhere", t / "mm-dangling" / "data" / "zz.bin")
+    with h5py.File(t / "ds.h5", "w") as f:
+        f["observations"] = np.zeros((10, 3), np.float32)
+        f["actions"] = np.zeros((10, 1), np.float32)
+        f["rewards"] = np.zeros(10, np.float32)
+        f["terminals"] = np.zeros(10, bool)
+        f["timeouts"] = np.zeros(10, bool)
+    (t / "score.py").write_text(SCORE)
+    return t
+
+
+BAD = ["missing", "fifo", "loop1", "dangling", "emptydir", "random.bin"]
+
+
+def test_info_on_a_storage_with_a_dangling_symlink_in_data(world):
+    before = fingerprint(world)
+    r = cli("info", world / "mm-dangling")
+    assert r.returncode == 0, r.stderr
+    assert "capacity 16" in r.stdout and "zz.bin" in r.stdout  # the stray entry is named, not followed
+    assert fingerprint(world) == before
+
+
+@pytest.mark.parametrize("bad", ["userdir", "ds.h5", "fifo", "loop1", "dangling", "random.bin"])
+def test_reprioritize_priorities_that_are_no_sidecar(world, bad):
+    before = fingerprint(world)
+    r = cli("reprioritize", world / "ds.h5", "--score", f"{world / 'score.py'}:score",
+            "--priorities", world / bad, "--no-progress")
+    assert r.returncode == 2, r.stdout + r.stderr
+    one_line(r, world / bad)
+    assert fingerprint(world) == before
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_info_on_a_bad_path(world, bad):
+    before = fingerprint(world)
+    r = cli("info", world / bad)
+    assert r.returncode == 2, r.stdout + r.stderr
+    one_line(r, world / bad)
+    assert fingerprint(world) == before
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_verify_on_a_bad_path(world, bad):
+    before = fingerprint(world)
+    r = cli("verify", world / bad)
+    if bad == "emptydir":  # a directory is an incomplete snapshot: verify's documented "corrupt"
+        assert r.returncode == 1 and r.stdout.startswith("CORRUPT"), r.stdout + r.stderr
+    else:
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert str(world / bad) in r.stdout + r.stderr
+    assert fingerprint(world) == before
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_a_truncated_snapshot_is_corrupt(world, command):
+    before = fingerprint(world)
+    r = cli(command, world / "truncated")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "manifest.json" in r.stdout + r.stderr
+    assert fingerprint(world) == before
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("where", ["dataset", "score"])
+def test_reprioritize_on_a_bad_path(world, bad, where):
+    before = fingerprint(world)
+    dataset = world / bad if where == "dataset" else world / "ds.h5"
+    score = f"{world / 'score.py'}:score" if where == "dataset" else f"{world / bad}:score"
+    r = cli("reprioritize", dataset, "--score", score, "--no-progress")
+    assert r.returncode == 2, r.stdout + r.stderr
+    one_line(r, world / bad)
+    assert fingerprint(world) == before
+
+
+@pytest.mark.parametrize("bad", ["fifo", "loop1", "dangling", "random.bin", "random.bin/sub", "userdir"])
+def test_demo_on_a_bad_run_directory(world, bad):
+    before = fingerprint(world)
+    r = cli("demo", "--path", world / bad, "--steps", "10", "--capacity", "1000", "--no-progress",
+            timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    one_line(r, world / bad)
+    assert fingerprint(world) == before
+
+
+@pytest.mark.parametrize("bad", ["fifo", "loop1", "dangling", "random.bin"])
+def test_bench_on_a_bad_directory(world, bad):
+    before = fingerprint(world)
+    r = cli("bench", "snapshot", "--dir", world / bad, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    one_line(r, world / bad)
+    assert fingerprint(world) == before
+
+
+def test_a_snapshot_member_that_cannot_be_read(world, tmp_path):
+    """chmod 000 means nothing to root: the real 'cannot open' is a member that
+    is a FIFO (open would block) or a directory where a file belongs."""
+    snap = tmp_path / "snap"
+    shutil.copytree(world / "snap", snap)
+    os.unlink(snap / "data" / "obs.bin")
+    os.mkfifo(snap / "data" / "obs.bin")
+    shutil.copytree(world / "snap", tmp_path / "snap2")
+    os.unlink(tmp_path / "snap2" / "data" / "obs.bin")
+    (tmp_path / "snap2" / "data" / "obs.bin").mkdir()
+    before = fingerprint(tmp_path)
+    for s in (snap, tmp_path / "snap2"):
+        for command in ("verify", "info"):
+            r = cli(command, s)
+            assert r.returncode in ((1,) if command == "verify" else (0, 1)), r.stdout + r.stderr
+            if command == "verify":
+                assert "obs.bin" in r.stdout
+    assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("content", [b"def score(:\n", b"\x00\xff" * 100, b"\xff\xfe\x00garbage"])
+def test_reprioritize_with_a_score_file_that_is_not_python(world, tmp_path, content):
+    (tmp_path / "bad.py").write_bytes(content)
+    before = fingerprint(world, tmp_path)
+    r = cli("reprioritize", world / "ds.h5", "--score", f"{tmp_path / 'bad.py'}:score", "--no-progress")
+    assert r.returncode == 2, r.stdout + r.stderr
+    one_line(r, tmp_path / "bad.py")
+    assert fingerprint(world, tmp_path) == before
+
+
+@pytest.fixture
+def unreadable(world):
+    """Copies of a snapshot, a storage and a dataset whose key file is mode 000,
+    in a directory another user can enter; root reads any file, so the CLI runs
+    as the user nobody (setpriv) when the tests run as root."""
+    import tempfile
+
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: no way to be refused a read")
+    d = Path(tempfile.mkdtemp(prefix="bigper-unreadable-"))
+    try:
+        os.chmod(d, 0o755)
+        shutil.copytree(world / "snap", d / "snap")
+        shutil.copytree(world / "mm", d / "mm")
+        shutil.copy(world / "ds.h5", d / "ds.h5")
+        shutil.copy(world / "score.py", d / "score.py")
+        (d / "numba").mkdir(mode=0o777)
+        os.chmod(d / "numba", 0o777)
+        for f in ("snap/manifest.json", "mm/meta.json", "ds.h5"):
+            os.chmod(d / f, 0)
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def cli_unprivileged(d: Path, *args):
+    cmd = [sys.executable, "-m", "bigper", *map(str, args)]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(d / "numba")}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=d)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"bigper {' '.join(map(str, args))} still ran after 60 s")
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "reprioritize"])
+@pytest.mark.parametrize("target", ["snap", "mm", "ds.h5"])
+def test_an_unreadable_file(unreadable, command, target):
+    before = fingerprint(unreadable / target)
+    extra = ["--score", f"{unreadable / 'score.py'}:score", "--no-progress"] if command == "reprioritize" else []
+    r = cli_unprivileged(unreadable, command, unreadable / target, *extra)
+    assert r.returncode in (1, 2), r.stdout + r.stderr
+    said = (r.stdout + r.stderr).strip()
+    assert str(unreadable / target) in said, said
+    if r.returncode == 2:
+        one_line(r)
+    assert fingerprint(unreadable / target) == before
