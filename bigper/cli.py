@@ -46,7 +46,6 @@ def _score_fn(spec: str):
 def _reprioritize(args) -> int:
     import time
 
-    from . import offline
     from .buffer import PrioritizedReplayBuffer
     from .errors import BigperError
 

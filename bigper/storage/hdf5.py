@@ -276,7 +276,8 @@ class HDF5Storage:
             self._created = False
         if self._lock:
             # leave no lock of ours beside a failed creation or a file that is not ours
-            if self._lock_created and (self._created or self._meta is None):
+            # (a reader on a read-only filesystem holds no lock file: fd -1, nothing to remove)
+            if self._lock_created and self._lock.fd >= 0 and (self._created or self._meta is None):
                 self._lock.path.unlink(missing_ok=True)
             self._lock.release()
             self._lock = None
