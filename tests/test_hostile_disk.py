@@ -248,6 +248,10 @@ def readonly_fs(tmp_path):
             buf.close()
         os.unlink(fs / "mm-nolock" / ".lock")
         os.unlink(fs / "h5n.h5.lock")
+        import h5py
+
+        with h5py.File(fs / "foreign.h5", "w") as f:  # an HDF5 file bigper did not write
+            f["x"] = np.arange(4)
         _mount(["mount", "-o", "remount,ro", str(fs)])
         yield fs
     finally:
@@ -273,6 +277,17 @@ def test_a_reader_opens_a_storage_on_a_read_only_filesystem(readonly_fs, name):
         other.close()
     finally:
         buf.close()
+    assert fingerprint(readonly_fs) == before
+
+
+def test_a_reader_refuses_a_foreign_hdf5_file_on_a_read_only_filesystem(readonly_fs):
+    """With no lock file to take (none can be made there), the refusal is
+    bigper's error naming the file, not the filesystem's EROFS from removing one."""
+    before = fingerprint(readonly_fs)
+    stream = Stream(k=None, seed=7)
+    with pytest.raises(bigper.BigperError, match="foreign.h5"):
+        bigper.PrioritizedReplayBuffer(16, stream.fields(), storage="hdf5", path=readonly_fs / "foreign.h5",
+                                       read_only=True)
     assert fingerprint(readonly_fs) == before
 
 
