@@ -1,0 +1,240 @@
+"""libzstd, called from numba kernels with the GIL released.
+
+The library is the system's ``libzstd`` where there is one, else the copy
+that the ``blosc2`` wheel carries (``pip install 'bigper[compression]'``
+installs it; its ``libblosc2`` exports the whole zstd API). Nothing is loaded
+at import: :func:`lib` loads it on the first use of compression, and the
+kernels link to its functions by name (numba's ``ExternalFunction``), so they
+compile to the same cache entries in every process.
+
+Every frame is one zstd frame with a content checksum: a flipped bit in a
+stored frame fails its decompression instead of returning other bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+
+import numpy as np
+from numba import types
+
+from ._kernels import kernel
+from .errors import BigperError
+
+EXTRA = "pip install 'bigper[compression]'"
+_LOCK = threading.Lock()
+_LIB = None
+_C_LEVEL, _C_CHECKSUM = 100, 201  # ZSTD_c_compressionLevel, ZSTD_c_checksumFlag
+
+
+class CompressionUnavailableError(BigperError, ImportError):
+    """compression= was asked for and no libzstd could be loaded."""
+
+
+def _candidates() -> list[str]:
+    out = []
+    env = os.environ.get("BIGPER_LIBZSTD")
+    if env:
+        out.append(env)
+    found = ctypes.util.find_library("zstd")
+    if found:
+        out.append(found)
+    out.append("libzstd.so.1")
+    try:
+        import blosc2  # noqa: F401  (only its shared library is used)
+
+        d = os.path.join(os.path.dirname(blosc2.__file__), "lib")
+        out += [os.path.join(d, n) for n in sorted(os.listdir(d)) if n.startswith("libblosc2")]
+    except (ImportError, OSError):
+        pass
+    return out
+
+
+def lib():
+    """The loaded library (ctypes), with its symbols visible to numba's linker."""
+    global _LIB
+    with _LOCK:
+        if _LIB is not None:
+            return _LIB
+        import llvmlite.binding as llvm
+
+        errors = []
+        for name in _candidates():
+            try:
+                cdll = ctypes.CDLL(name)
+                cdll.ZSTD_compress2, cdll.ZSTD_decompress_usingDDict, cdll.ZDICT_trainFromBuffer  # noqa: B018
+                if cdll.ZSTD_versionNumber() < 10400:
+                    raise OSError(f"zstd {cdll.ZSTD_versionNumber()} is older than 1.4")
+                path = getattr(cdll, "_name", name)
+                llvm.load_library_permanently(path if os.path.sep in path else name)
+            except (OSError, AttributeError, RuntimeError) as e:
+                errors.append(f"{name}: {e}")
+                continue
+            _declare(cdll)
+            _LIB = cdll
+            return cdll
+        raise CompressionUnavailableError(
+            f"compression='zstd' needs libzstd (>= 1.4): none could be loaded ({'; '.join(errors) or 'none found'}); "
+            f"install the extra: {EXTRA}")
+
+
+def _declare(c) -> None:
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for fn, res, args in (
+        ("ZSTD_createCCtx", vp, []), ("ZSTD_freeCCtx", sz, [vp]),
+        ("ZSTD_createDCtx", vp, []), ("ZSTD_freeDCtx", sz, [vp]),
+        ("ZSTD_CCtx_setParameter", sz, [vp, ctypes.c_int, ctypes.c_int]),
+        ("ZSTD_CCtx_refCDict", sz, [vp, vp]),
+        ("ZSTD_createCDict", vp, [vp, sz, ctypes.c_int]), ("ZSTD_freeCDict", sz, [vp]),
+        ("ZSTD_createDDict", vp, [vp, sz]), ("ZSTD_freeDDict", sz, [vp]),
+        ("ZSTD_isError", ctypes.c_uint, [sz]), ("ZSTD_getErrorName", ctypes.c_char_p, [sz]),
+        ("ZDICT_trainFromBuffer", sz, [vp, sz, vp, vp, ctypes.c_uint]),
+        ("ZDICT_isError", ctypes.c_uint, [sz]),
+    ):
+        f = getattr(c, fn)
+        f.restype, f.argtypes = res, args
+
+
+# The kernels' view of the library: pointers are passed as integers (uintp).
+_u = types.uintp
+_compress2 = types.ExternalFunction("ZSTD_compress2", _u(_u, _u, _u, _u, _u))
+_decompress = types.ExternalFunction("ZSTD_decompress_usingDDict", _u(_u, _u, _u, _u, _u, _u))
+_is_error = types.ExternalFunction("ZSTD_isError", types.uint32(_u))
+
+
+@kernel
+def compress_rows(cctx, src, dst, lengths):
+    """Compress each row of ``src`` (m, n) uint8 into ``dst`` (at least
+    ``m * n`` bytes) one after another; ``lengths[r]`` gets row r's size. A
+    row that does not shrink is stored raw, its length ``n`` (a zstd frame is
+    always shorter). Returns the bytes used."""
+    m, n = src.shape
+    pos = 0
+    cap = dst.shape[0]
+    for r in range(m):
+        res = _compress2(cctx, dst.ctypes.data + pos, min(cap - pos, n - 1), src[r].ctypes.data, n)
+        got = n if _is_error(res) != 0 or res >= n else np.int64(res)
+        if got == n:
+            for w in range(n):
+                dst[pos + w] = src[r, w]
+            got = n
+        lengths[r] = got
+        pos += got
+    return pos
+
+
+@kernel
+def decompress_rows(dctx, ddicts, log, offsets, lengths, dict_ids, out, lo, hi):
+    """Rows ``lo .. hi-1`` of ``out`` (m, n) uint8 from ``log[offsets[r]:offsets[r]
+    + lengths[r]]`` (a zstd frame, or the row's raw bytes where the length is ``n``),
+    with dictionary ``ddicts[dict_ids[r]]`` (0: none). Returns the first row
+    that failed (a wrong size or a zstd error), or -1."""
+    n = out.shape[1]
+    for r in range(lo, hi):
+        o, ln = offsets[r], lengths[r]
+        if ln == n:
+            for w in range(n):
+                out[r, w] = log[o + w]
+            continue
+        res = _decompress(dctx, out[r].ctypes.data, n, log.ctypes.data + o, ln, ddicts[dict_ids[r]])
+        if _is_error(res) != 0 or res != n:
+            return r
+    return -1
+
+
+class Codec:
+    """Compression contexts for one dictionary set: a compressor per
+    dictionary (level, checksum) and decompressors, one per thread."""
+
+    def __init__(self, level: int = 3):
+        self.c = lib()
+        self.level = level
+        self.cdicts: list[int] = [0]  # index 0: no dictionary
+        self.ddicts = np.zeros(1, dtype=np.uintp)
+        self.cctx: list[int] = [self._cctx(0)]
+        self._dctx: dict[int, int] = {}
+        self._dlock = threading.Lock()
+
+    def _cctx(self, cdict: int) -> int:
+        c = self.c
+        cctx = c.ZSTD_createCCtx()
+        if not cctx:
+            raise MemoryError("ZSTD_createCCtx failed")
+        for p, v in ((_C_LEVEL, self.level), (_C_CHECKSUM, 1)):
+            self._check(c.ZSTD_CCtx_setParameter(cctx, p, v))
+        if cdict:
+            self._check(c.ZSTD_CCtx_refCDict(cctx, cdict))
+        return cctx
+
+    def _check(self, code: int) -> None:
+        if self.c.ZSTD_isError(code):
+            raise RuntimeError(self.c.ZSTD_getErrorName(code).decode())
+
+    def add_dictionary(self, content: np.ndarray) -> int:
+        """Register a dictionary (its bytes); returns its id (1, 2, ...)."""
+        buf = np.ascontiguousarray(content, dtype=np.uint8)
+        cd = self.c.ZSTD_createCDict(buf.ctypes.data, buf.nbytes, self.level)
+        dd = self.c.ZSTD_createDDict(buf.ctypes.data, buf.nbytes)  # both copy the bytes
+        if not cd or not dd:
+            raise MemoryError("ZSTD_createCDict/createDDict failed")
+        self.cdicts.append(cd)
+        self.ddicts = np.append(self.ddicts, np.uintp(dd))
+        self.cctx.append(self._cctx(cd))
+        return len(self.cdicts) - 1
+
+    def dctx(self) -> int:
+        """This thread's decompression context."""
+        t = threading.get_ident()
+        d = self._dctx.get(t)
+        if d is None:
+            with self._dlock:
+                d = self.c.ZSTD_createDCtx()
+                if not d:
+                    raise MemoryError("ZSTD_createDCtx failed")
+                self._dctx[t] = d
+        return d
+
+    def compress(self, rows: np.ndarray, dict_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(bytes, lengths)``: rows (m, n) uint8 compressed one by one, one
+        after another; a row of length ``n`` is stored raw (it did not shrink)."""
+        m, n = rows.shape
+        dst = np.empty(m * n, dtype=np.uint8)
+        lengths = np.empty(m, dtype=np.int64)
+        used = compress_rows(self.cctx[dict_id], rows, dst, lengths)
+        return dst[:used], lengths
+
+    def close(self) -> None:
+        c = self.c
+        for x in self.cctx:
+            c.ZSTD_freeCCtx(x)
+        for x in self.cdicts[1:]:
+            c.ZSTD_freeCDict(x)
+        for x in self.ddicts[1:]:
+            c.ZSTD_freeDDict(int(x))
+        for x in self._dctx.values():
+            c.ZSTD_freeDCtx(x)
+        self.cctx, self.cdicts, self._dctx = [], [0], {}
+        self.ddicts = np.zeros(1, dtype=np.uintp)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+
+def train(samples: np.ndarray, size: int = 16384) -> np.ndarray | None:
+    """A zstd dictionary of at most ``size`` bytes trained on ``samples``
+    (m, n) uint8 rows; None when training fails (too few or too uniform samples)."""
+    c = lib()
+    samples = np.ascontiguousarray(samples, dtype=np.uint8)
+    m, n = samples.shape
+    sizes = np.full(m, n, dtype=np.uintp)
+    out = np.empty(size, dtype=np.uint8)
+    got = c.ZDICT_trainFromBuffer(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m)
+    if c.ZDICT_isError(got):
+        return None
+    return out[:got].copy()
