@@ -37,7 +37,7 @@ install() {  # $1: the extras; skipped when they were installed already from thi
 
 case "$cmd" in
   demo)   install "torch,atari";         exec "$venv/bin/bigper" demo "$@" ;;
-  test)   install "torch,atari,ray,dev";  cd "$here"; exec "$venv/bin/python" -m pytest "$@" ;;
+  test)   install "torch,atari,ray,dev,compression";  cd "$here"; exec "$venv/bin/python" -m pytest "$@" ;;
   bigper) install "torch,atari,dev";      exec "$venv/bin/bigper" "$@" ;;
   docs)   install "torch,atari,ray,sb3,docs"; cd "$here"
           rm -rf docs/_build

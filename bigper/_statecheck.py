@@ -37,8 +37,9 @@ _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
 _EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")
 _FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr", "frames_minref")
+_SEGMENTS = ("frames_seg_first", "frames_dict")  # with compression (segments.py)
 # The buffer's own arrays whatever the prioritization (its strategy adds its own).
-RING_ARRAYS = tuple(n for n in _BASE if n != "leaves") + _FRAMES
+RING_ARRAYS = tuple(n for n in _BASE if n != "leaves") + _FRAMES + _SEGMENTS
 
 
 def _bad(what: str):
@@ -119,7 +120,8 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
         _bad(f"meta and arrays must be a dict, got {type(meta).__name__} and {type(arrays).__name__}")
     c, envs = cfg.capacity, cfg.num_envs
     kind = getattr(cfg, "prioritization", "proportional")
-    want = set(_BASE) | (set(_FRAMES) if cfg.frame_stack else set())
+    want = set(_BASE) | (set(_FRAMES) if cfg.frame_stack else set()) \
+        | (set(_SEGMENTS) if getattr(cfg, "compression", None) else set())
     have = set(arrays)
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
@@ -214,6 +216,30 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
     used = (status == LIVE) | (status == PENDING)
     refs = minref[used]
     lo = fw - frame_capacity(c, k, envs)
+    if getattr(cfg, "compression", None):
+        lo = max(lo, _check_segments(cfg, fm, arrays, fw, row_bytes))
     if refs.size and (refs.min() < max(lo, 0) or refs.max() >= fw):
         _bad(f"frames_minref: a sampleable transition references frames outside the ring "
              f"[{max(lo, 0)}, {fw})")
+
+
+def _check_segments(cfg, fm: dict, arrays: dict, fw: int, row_bytes: int) -> int:
+    """The segment log's state (``segments.py`` ``SegmentLog.state``); returns
+    the oldest frame still in the log."""
+    from .segments import DICT_BYTES, geometry
+
+    F = frame_capacity(cfg.capacity, cfg.frame_stack, cfg.num_envs)
+    _block, seg, S = geometry(F, row_bytes, cfg.compression_budget)
+    g = _int(fm, "seg", 0, fw + 1, where="frames.")  # a segment opens only for a frame
+    _int(fm, "pos", 0, seg + 1, where="frames.")
+    first = _array(arrays, "frames_seg_first", np.int64, (S,))
+    d = arrays.get("frames_dict")
+    if not isinstance(d, np.ndarray) or d.dtype != np.uint8 or d.ndim != 1 or d.size > DICT_BYTES:
+        _bad(f"frames_dict must be uint8 of at most {DICT_BYTES} bytes, got "
+             f"{getattr(d, 'dtype', type(d).__name__)} {getattr(d, 'shape', '')}")
+    rows = [(g - a) % S for a in range(min(S, g + 1))]
+    seq = first[rows[::-1]]
+    if seq.size and ((seq < 0).any() or (seq > fw).any() or (np.diff(seq) < 0).any()):
+        _bad(f"frames_seg_first: the live segments' first frames {seq[:8].tolist()} are not "
+             f"increasing within [0, {fw}]")
+    return int(seq[0]) if g >= S - 1 and seq.size else 0

@@ -162,7 +162,8 @@ class Writer:
             if self.frames is not None:
                 writes.update(self.frames.rows_touched(m, where))
             self._prepare(writes)
-        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c):
+        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c) \
+                and (self.frames is None or self.frames.in_place):
             rw = getattr(self.store, "writable_arrays", None)
             if rw:
                 self._write_one_call(rows, keys, valid, rw)

@@ -41,7 +41,7 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyBufferError,
 )
-from .frames import FrameStore
+from .frames import FrameStore, require_compression
 from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
@@ -149,6 +149,14 @@ class PrioritizedReplayBuffer:
         With more than one, ``add`` takes a leading env axis and each env is its own stream.
     seed : int, optional
         Seed of the one ``numpy.random.Generator`` that draws every uniform.
+    compression : {None, "zstd"}
+        With ``frame_stack``: store each frame compressed (zstd, a dictionary
+        trained on the first frames) in a ring of segments, decompressed at
+        sample time (``bigper.segments``); needs ``pip install 'bigper[compression]'``.
+    compression_budget : int, optional
+        Bytes of log a frame (default a sixteenth of a frame): the log is
+        preallocated at ``budget`` times the frame ring's size, and when
+        frames compress worse the oldest segment goes sooner.
 
     Notes
     -----
@@ -167,14 +175,18 @@ class PrioritizedReplayBuffer:
                  storage: Literal["memory", "memmap", "hdf5"] = "memory",
                  path: str | os.PathLike[str] | None = None, mode: Literal["new", "resume", "overwrite"] = "new",
                  next_of: Sequence[str] | None = None, num_envs: int = 1, seed: int | None = 0,
-                 read_only: bool = False, storage_options: Mapping[str, Any] | None = None) -> None:
+                 read_only: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 compression: Literal["zstd"] | None = None, compression_budget: int | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = True  # until the storage is allocated
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
                            next_of=next_of, num_envs=num_envs, seed=seed, storage=storage,
-                           prioritization=prioritization)
+                           prioritization=prioritization, compression=compression,
+                           compression_budget=compression_budget)
+        if cfg.compression is not None:
+            require_compression()  # before anything at the path: the extra's error, nothing made
         if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
             raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
                                        f"got fields {sorted(cfg.fields)}")

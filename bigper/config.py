@@ -19,11 +19,12 @@ RESERVED = BUILTIN + ("discount", "priorities")
 STORAGES = ("memory", "memmap", "hdf5")
 WEIGHT_NORMS = ("global", "batch")
 PRIORITIZATIONS = ("proportional", "rank")
+COMPRESSIONS = (None, "zstd")
 # What the stored data, leaves and bookkeeping depend on: reopening a path with
 # other values is refused. The other keys (beta schedule, seed, gamma,
 # max_priority, weight_norm) steer only what comes next and take new values.
 LAYOUT_KEYS = ("capacity", "fields", "frame_stack", "n_step", "alpha", "eps", "next_of",
-               "num_envs", "storage", "prioritization")
+               "num_envs", "storage", "prioritization", "compression", "compression_budget")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
@@ -65,6 +66,28 @@ def _number(value, name, *, lo=None, lo_open=False, hi=None, none_ok=False):
     return v
 
 
+def _compression(compression, budget, frame_stack, specs) -> tuple:
+    """``compression`` and its log budget (bytes a frame), checked; the
+    budget defaults to a sixteenth of a frame."""
+    if compression not in COMPRESSIONS:
+        raise InvalidArgumentError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if compression is None:
+        if budget is not None:
+            raise InvalidArgumentError(f"compression_budget={budget!r} needs compression='zstd'")
+        return None, None
+    if not frame_stack:
+        raise InvalidArgumentError(
+            f"compression={compression!r} compresses the frames of frame stacks: it needs frame_stack")
+    shape, dt = specs["obs"]
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dt).itemsize
+    if budget is None:
+        return compression, max(64, row_bytes // 16)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= row_bytes:
+        raise InvalidArgumentError(
+            f"compression_budget must be an int of bytes a frame in 1..{row_bytes} (a frame's bytes), got {budget!r}")
+    return compression, int(budget)
+
+
 def _int(value, name, lo):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
@@ -90,11 +113,14 @@ class Config:
     seed: int | None = 0
     storage: str = "memory"
     prioritization: str = "proportional"
+    compression: str | None = None  # frame stacks: None (raw frame ring) or "zstd" (segments.py)
+    compression_budget: int | None = None  # log bytes a frame (compressed), set with compression
 
     @classmethod
     def build(cls, *, capacity, fields, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
               eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", next_of=None,
-              num_envs=1, seed=0, storage="memory", prioritization="proportional") -> "Config":
+              num_envs=1, seed=0, storage="memory", prioritization="proportional",
+              compression=None, compression_budget=None) -> "Config":
         capacity = _int(capacity, "capacity", 1)
         if not isinstance(fields, dict) or not fields:
             raise InvalidTypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
@@ -148,10 +174,12 @@ class Config:
         if prioritization not in PRIORITIZATIONS:
             raise InvalidArgumentError(
                 f"prioritization must be one of {PRIORITIZATIONS}, got {prioritization!r}")
+        compression, compression_budget = _compression(compression, compression_budget, frame_stack, specs)
         return cls(capacity=capacity, fields=specs, frame_stack=frame_stack, n_step=n_step,
                    gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority,
                    beta=as_schedule(beta).to_dict(), weight_norm=weight_norm, next_of=next_of,
-                   num_envs=num_envs, seed=seed, storage=storage, prioritization=prioritization)
+                   num_envs=num_envs, seed=seed, storage=storage, prioritization=prioritization,
+                   compression=compression, compression_budget=compression_budget)
 
     # -- derived -------------------------------------------------------------
     @property
@@ -180,6 +208,8 @@ class Config:
         d["next_of"] = list(self.next_of)
         if self.prioritization == "proportional":
             del d["prioritization"]  # the default: configs stay as format 1 wrote them
+        if self.compression is None:
+            del d["compression"], d["compression_budget"]
         return d
 
     @classmethod

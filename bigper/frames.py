@@ -23,9 +23,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _zstd
 from ._kernels import kernel
 from ._pool import for_ranges, workers
 from ._reuse import ReusedArrays
+from .segments import SegmentLog
+
+
+def require_compression() -> None:
+    """Load libzstd now: ``CompressionUnavailableError`` naming the extra when it is missing."""
+    _zstd.lib()
 
 
 ALL_VALID = np.ones(256, dtype=np.bool_)
@@ -223,6 +230,10 @@ class FrameStore:
         self.capacity = cfg.capacity
         self.F = frame_capacity(cfg.capacity, self.k, cfg.num_envs)
         self.store = store
+        # compression="zstd": frames live compressed in a segment log (segments.py), not in a ring.
+        self.log = SegmentLog(self.F, self.row_bytes, cfg.compression_budget, store) \
+            if cfg.compression else None
+        self.in_place = self.log is None  # whether writes may go straight into the ring (_writer)
         # Mutable state: frames written, per-env stream continuity, expiry pointers.
         self.fw = 0
         self.last_frames = np.zeros((self.num_envs, self.k, self.row_words), dtype=self.word)
@@ -237,8 +248,8 @@ class FrameStore:
 
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
-        out = {"frames": (self.F, self.frame_shape, self.dtype),
-               "obs_ref": (self.capacity, (self.k,), np.dtype(np.int64))}
+        out = {"frames": (self.F, self.frame_shape, self.dtype)} if self.log is None else self.log.specs()
+        out["obs_ref"] = (self.capacity, (self.k,), np.dtype(np.int64))
         if self.has_next:
             out["next_obs_ref"] = (self.capacity, (self.k,), np.dtype(np.int64))
         return out
@@ -261,7 +272,7 @@ class FrameStore:
         """
         m = ends.shape[0]
         obs, nxt, env = self._inputs(rows, g0, m)
-        if rw is not None:
+        if rw is not None and self.log is None:
             ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
                 if valid is None else valid
             ring, oref, nref = self._in_place(rw)
@@ -278,7 +289,11 @@ class FrameStore:
         fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
                          fw0, self.has_next, obs_ref, next_ref, new, slots, self.minref)
         n_new = fw - fw0
-        if n_new:
+        if n_new and self.log is not None:
+            self.log.append(fw0, new[:n_new].view(np.uint8).reshape(n_new, self.row_bytes), rw)
+            if n_new > self.F:
+                self.fw = fw  # (only the newest F frames are indexed; older are expired below)
+        elif n_new:
             frames = new[:n_new].view(self.dtype).reshape((n_new, *self.frame_shape))
             first = fw0 % self.F
             dest = slice(first, first + n_new) if first + n_new <= self.F else np.arange(fw0, fw) % self.F
@@ -287,9 +302,16 @@ class FrameStore:
             self.store.write("frames", dest, frames)
         self.fw = fw
         one = m == 1
-        self.store.write("obs_ref", where, obs_ref[0] if one else obs_ref)
-        if self.has_next:
-            self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
+        if rw is not None:
+            rw["obs_ref"][where] = obs_ref[0] if one else obs_ref
+            if self.has_next:
+                rw["next_obs_ref"][where] = next_ref[0] if one else next_ref
+        else:
+            self.store.write("obs_ref", where, obs_ref[0] if one else obs_ref)
+            if self.has_next:
+                self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
+        if self.log is not None:
+            self.log.maybe_train(fw)
 
     def _inputs(self, rows: dict, g0: int, m: int):
         """The rows' obs and next_obs stacks as words, and each row's env."""
@@ -339,7 +361,10 @@ class FrameStore:
         first = self.fw % self.F
         frames = slice(first, first + most) if first + most <= self.F else \
             np.arange(self.fw, self.fw + most) % self.F
-        out = {"obs_ref": where, "frames": frames}
+        if self.log is not None:
+            out = {"obs_ref": where, "frame_index": frames, "frame_log": self.log.touched(2 * m * self.k)}
+        else:
+            out = {"obs_ref": where, "frames": frames}
         if self.has_next:
             out["next_obs_ref"] = where
         return out
@@ -347,6 +372,8 @@ class FrameStore:
     def expire(self, count: int, gid, status) -> np.ndarray:
         """Slots of transitions whose frames are gone; they are marked dead."""
         oldest = self.fw - self.F
+        if self.log is not None:
+            oldest = max(oldest, self.log.oldest())
         if oldest <= 0:
             return np.zeros(0, dtype=np.int64)
         n = expire(self.ptr, count, self.capacity, self.num_envs, oldest, self.minref, gid, status,
@@ -356,6 +383,11 @@ class FrameStore:
     def stacks(self, name: str, slots: np.ndarray, out=None) -> np.ndarray:
         """``(B, k, *frame)`` stacks of ``name`` ("obs_ref" or "next_obs_ref") at
         ``slots``; ``out``: a C-contiguous array of that shape to gather into."""
+        if self.log is not None:
+            ids = self._refs(name, slots).ravel()
+            dest = self._out((ids.shape[0], *self.frame_shape)) if out is None else out
+            self.log.decode(ids, dest.reshape(ids.shape[0], -1).view(np.uint8))
+            return dest.reshape((slots.shape[0], self.k, *self.frame_shape))
         rows = (self._refs(name, slots) % self.F).ravel()
         arrays = getattr(self.store, "arrays", None)
         dest = None if out is None else out.reshape((rows.shape[0], *self.frame_shape))
@@ -386,11 +418,15 @@ class FrameStore:
         ro = self._refs("obs_ref", slots)
         rn = self._refs("next_obs_ref", slots)
         arrays = getattr(self.store, "arrays", None)
-        if arrays is None or not (rn[:, :-1] == ro[:, 1:]).all():
+        if (arrays is None and self.log is None) or not (rn[:, :-1] == ro[:, 1:]).all():
             return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", slots)
         b, k = slots.shape[0], self.k
-        rows = (np.concatenate([ro, rn[:, -1:]], axis=1) % self.F).ravel()
-        out = _take_rows(arrays["frames"], rows, self._out((rows.shape[0], *self.frame_shape)))
+        ids = np.concatenate([ro, rn[:, -1:]], axis=1).ravel()
+        if self.log is not None:
+            out = self._out((ids.shape[0], *self.frame_shape))
+            self.log.decode(ids, out.reshape(ids.shape[0], -1).view(np.uint8))
+        else:
+            out = _take_rows(arrays["frames"], ids % self.F, self._out((ids.shape[0], *self.frame_shape)))
         out = out.reshape((b, k + 1, *self.frame_shape))
         return out[:, :k], out[:, 1:]
 
@@ -401,9 +437,14 @@ class FrameStore:
     # -- state ---------------------------------------------------------------
     def state(self) -> tuple[dict, dict]:
         last = self.last_frames.view(np.uint8).reshape(self.num_envs, self.k, self.row_bytes)
-        return ({"fw": self.fw},
-                {"frames_last": last, "frames_last_ref": self.last_ref,
-                 "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref})
+        meta = {"fw": self.fw}
+        arrays = {"frames_last": last, "frames_last_ref": self.last_ref,
+                  "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref}
+        if self.log is not None:
+            lmeta, larrays = self.log.state()
+            meta.update(lmeta)
+            arrays.update(larrays)
+        return meta, arrays
 
     def restore(self, meta: dict, arrays: dict) -> None:
         self.fw = int(meta["fw"])
@@ -413,3 +454,5 @@ class FrameStore:
         self.has_last[:] = arrays["frames_has_last"]
         self.ptr[:] = arrays["frames_ptr"]
         self.minref[:] = arrays["frames_minref"]
+        if self.log is not None:
+            self.log.restore(meta, arrays)

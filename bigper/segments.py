@@ -1,0 +1,270 @@
+"""Compressed frames in a ring of segments, with random access by frame id.
+
+With ``compression="zstd"`` the frame ring holds no raw frames. Each new frame
+is compressed on its own (zstd, level 3, a content checksum, a dictionary
+once one is trained) and appended to a log of ``S`` segments of ``SEG`` bytes,
+written in order; a frame never straddles two segments. Frame ``f``'s index
+row ``f % F`` says where it is::
+
+    frame_log    (S * SEG / BLOCK, BLOCK) uint8   the segments, BLOCK bytes a row
+    frame_index  (F, 2) int64                     [byte offset in the log, length | dict id << 32]
+
+    segment:  g-S+1   g-S+2  ...  g (open)
+              [sealed][sealed]... [f f f f ....free....]
+
+When a frame does not fit in the open segment ``g``, segment ``g + 1`` opens
+in row ``(g + 1) % S`` and the segment that lived there (``g + 1 - S``) is
+released whole: its frames are gone, and the frame ring's expiry
+(``frames.expire``) makes the transitions that referenced them unsampleable.
+Sealed segments never change, so a snapshot of a memmap storage hard-links
+their chunk files, and copy-on-write touches only the open segment's chunk.
+
+The log is preallocated at the storage's creation (``budget`` bytes a frame),
+so a full disk is an ``OSError`` when the buffer is made, never later. A
+frame that does not shrink is stored raw (length = the frame's bytes).
+
+Everything read back from the index is checked before the log is touched:
+an offset or a length outside the log fails the read with
+``CorruptSnapshotError``, as does a frame that does not decompress to exactly
+its bytes (or whose checksum fails).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _zstd
+from ._kernels import kernel
+from ._pool import for_ranges
+from .errors import CorruptSnapshotError
+
+DICT_BYTES = 16384
+TRAIN_FRAMES = 1000  # a dictionary is trained once this many frames were written
+MAX_SEG = 1 << 20
+LEN_MASK = (1 << 32) - 1
+DECODE_CHUNK = 32  # frames per thread at least in a decode
+
+
+def geometry(F: int, row_bytes: int, budget: int) -> tuple[int, int, int]:
+    """``(BLOCK, SEG, S)``: block and segment bytes and segments for ``F``
+    frames of ``row_bytes`` at ``budget`` bytes a frame."""
+    block = min(4096, 1 << max(6, (row_bytes - 1).bit_length()))
+    total = max(F * budget, 1)
+    per = max(math.ceil(row_bytes / block), min(MAX_SEG // block, total // 16 // block))
+    seg = per * block
+    return block, seg, max(3, math.ceil(total / seg))
+
+
+def default_budget(row_bytes: int) -> int:
+    """Log bytes a frame by default: a sixteenth of the frame (real Atari
+    frames compress 15-75x with a dictionary)."""
+    return max(64, row_bytes // 16)
+
+
+@kernel
+def place(lengths, pos, g, seg, S, seg_first, f0, offsets):
+    """Offsets in the log of frames ``f0, f0 + 1, ...`` of ``lengths``,
+    appended from ``pos`` in segment ``g``; opening a segment records its first
+    frame in ``seg_first``. Returns the new ``(pos, g)``."""
+    for i in range(lengths.shape[0]):
+        ln = lengths[i]
+        if pos + ln > seg:
+            g += 1
+            pos = 0
+            seg_first[g % S] = f0 + i
+        offsets[i] = (g % S) * seg + pos
+        pos += ln
+    return pos, g
+
+
+@kernel
+def gather_index(index, rows, log_bytes, row_bytes, ndicts, offsets, lengths, dicts):
+    """Index entries ``index[rows]``, checked; returns the first position whose
+    entry is out of bounds, or -1."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        o = index[r, 0]
+        v = index[r, 1]
+        ln = v & 0xFFFFFFFF
+        d = v >> 32
+        if o < 0 or ln < 1 or ln > row_bytes or o + ln > log_bytes or d < 0 or d >= ndicts:
+            return i
+        offsets[i] = o
+        lengths[i] = ln
+        dicts[i] = d
+    return -1
+
+
+class SegmentLog:
+    """The compressed frames of one buffer (see the module docstring)."""
+
+    def __init__(self, F: int, row_bytes: int, budget: int, store):
+        self.F, self.row_bytes, self.store = F, row_bytes, store
+        self.block, self.seg, self.S = geometry(F, row_bytes, budget)
+        self.log_bytes = self.S * self.seg
+        self.g = 0  # the open segment
+        self.pos = 0  # bytes used in it
+        self.seg_first = np.zeros(self.S, dtype=np.int64)  # first frame of each segment row
+        self.dict_bytes = np.zeros(0, dtype=np.uint8)
+        self._codec = None
+
+    def specs(self) -> dict:
+        return {"frame_log": (self.log_bytes // self.block, (self.block,), np.dtype(np.uint8)),
+                "frame_index": (self.F, (2,), np.dtype(np.int64))}
+
+    @property
+    def codec(self) -> _zstd.Codec:
+        if self._codec is None:
+            codec = _zstd.Codec(level=3)
+            if self.dict_bytes.size > 1:
+                codec.add_dictionary(self.dict_bytes)
+            self._codec = codec
+        return self._codec
+
+    @property
+    def ndicts(self) -> int:
+        return 1 + (1 if self.dict_bytes.size > 1 else 0)
+
+    def oldest(self) -> int:
+        """The first frame still in the log (the first of the oldest live segment)."""
+        first = self.g - self.S + 1
+        return 0 if first <= 0 else int(self.seg_first[first % self.S])
+
+    # -- writing ---------------------------------------------------------------
+    def touched(self, n_frames: int) -> np.ndarray:
+        """Log rows that appending ``n_frames`` frames may write (an upper bound)."""
+        per_seg = self.seg // self.block
+        fit = max(1, self.seg - self.row_bytes + 1)  # bytes a sealed segment holds at least
+        segs = 1 + min(n_frames, math.ceil(n_frames * self.row_bytes / fit))
+        segs = min(self.S, segs)
+        first = (self.g % self.S) * per_seg + self.pos // self.block
+        last = (self.g + segs - 1) % self.S * per_seg + per_seg  # exclusive, in its segment
+        if segs == self.S:
+            return np.arange(self.log_bytes // self.block, dtype=np.int64)
+        span = (last - first) % (self.log_bytes // self.block) or self.log_bytes // self.block
+        return (first + np.arange(span, dtype=np.int64)) % (self.log_bytes // self.block)
+
+    def append(self, f0: int, frames: np.ndarray, rw: dict | None) -> None:
+        """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8)."""
+        m = frames.shape[0]
+        if m == 0:
+            return
+        did = self.ndicts - 1
+        data, lengths = self.codec.compress(frames, did)
+        offsets = np.empty(m, dtype=np.int64)
+        self.pos, self.g = place(lengths, self.pos, self.g, self.seg, self.S, self.seg_first, f0, offsets)
+        # Runs of frames that are contiguous in the log: one write each.
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
+        bounds = np.concatenate([[0], breaks, [m]])
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            lo = int(starts[a])
+            self._write_bytes(int(offsets[a]), data[lo:lo + int(lengths[a:b].sum())], rw)
+        entries = np.empty((m, 2), dtype=np.int64)
+        entries[:, 0] = offsets
+        entries[:, 1] = lengths | (did << 32)
+        rows = np.arange(f0, f0 + m, dtype=np.int64) % self.F
+        if m > self.F:
+            rows, entries = rows[-self.F:], entries[-self.F:]
+        if rw is not None:
+            rw["frame_index"][rows] = entries
+        else:
+            self.store.write("frame_index", rows, entries)
+
+    def _write_bytes(self, start: int, data: np.ndarray, rw: dict | None) -> None:
+        if rw is not None:
+            rw["frame_log"].reshape(-1)[start:start + data.shape[0]] = data
+            return
+        b0, b1 = start // self.block, (start + data.shape[0] - 1) // self.block + 1
+        buf = np.zeros((b1 - b0) * self.block, dtype=np.uint8)
+        if start % self.block:  # keep the bytes before ours in the first block
+            buf[:self.block] = self.store.read("frame_log", np.array([b0], dtype=np.int64))[0]
+        buf[start - b0 * self.block:start - b0 * self.block + data.shape[0]] = data
+        self.store.write("frame_log", slice(b0, b1), buf.reshape(b1 - b0, self.block))
+
+    def maybe_train(self, fw: int) -> None:
+        """Train the dictionary once ``TRAIN_FRAMES`` frames were written, on
+        the last of them (the frames after it use it; earlier ones keep theirs)."""
+        if self.dict_bytes.size or fw < TRAIN_FRAMES:
+            return
+        lo = max(fw - TRAIN_FRAMES, self.oldest(), fw - self.F)
+        if fw - lo < TRAIN_FRAMES // 2:
+            return
+        samples = self.decode(np.arange(lo, fw, dtype=np.int64))
+        d = _zstd.train(samples, DICT_BYTES)
+        if d is None or d.size < 256:
+            self.dict_bytes = np.zeros(1, dtype=np.uint8)  # tried: none (a 1-byte marker, never used)
+            return
+        self.dict_bytes = d
+        self.codec.add_dictionary(d)
+
+    # -- reading ---------------------------------------------------------------
+    def decode(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Frames ``ids`` ((n,) int64, live) as (n, row_bytes) uint8 rows of ``out``."""
+        n = ids.shape[0]
+        if out is None:
+            out = np.empty((n, self.row_bytes), dtype=np.uint8)
+        offsets = np.empty(n, dtype=np.int64)
+        lengths = np.empty(n, dtype=np.int64)
+        dicts = np.empty(n, dtype=np.int64)
+        arrays = getattr(self.store, "arrays", None)
+        if arrays is not None:
+            index, rows = arrays["frame_index"], ids % self.F
+        else:
+            index, rows = self.store.read("frame_index", ids % self.F), np.arange(n, dtype=np.int64)
+        bad = gather_index(index, rows, self.log_bytes, self.row_bytes, self.ndicts, offsets, lengths, dicts)
+        if bad >= 0:
+            raise CorruptSnapshotError(
+                f"frame {int(ids[bad])}'s index entry {index[rows[bad]].tolist()} points outside the log "
+                f"of {self.log_bytes} bytes, has a length outside 1..{self.row_bytes} or names no dictionary")
+        if arrays is not None:
+            log = arrays["frame_log"].reshape(-1)
+        else:
+            log, offsets = self._read_spans(offsets, lengths)
+        codec = self.codec
+        ddicts = codec.ddicts
+        failed = []
+
+        def run(lo: int, hi: int) -> None:
+            r = _zstd.decompress_rows(codec.dctx(), ddicts, log, offsets, lengths, dicts, out, lo, hi)
+            if r >= 0:
+                failed.append(r)
+        for_ranges(run, n, DECODE_CHUNK)
+        if failed:
+            r = min(failed)
+            raise CorruptSnapshotError(
+                f"frame {int(ids[r])} (log bytes {int(offsets[r])}..+{int(lengths[r])}) does not decompress "
+                f"to its {self.row_bytes} bytes: the log or its index is damaged")
+        return out
+
+    def _read_spans(self, offsets: np.ndarray, lengths: np.ndarray):
+        """The log blocks the frames need (storages without arrays), with the
+        frames' offsets in them."""
+        b0 = offsets // self.block
+        b1 = (offsets + lengths - 1) // self.block + 1
+        rows = np.concatenate([np.arange(a, b) for a, b in zip(b0, b1)]).astype(np.int64)
+        base = np.concatenate([[0], np.cumsum(b1 - b0)[:-1]]) * self.block
+        data = self.store.read("frame_log", rows).reshape(-1)
+        return np.ascontiguousarray(data), base + offsets % self.block
+
+    # -- state ---------------------------------------------------------------
+    def state(self) -> tuple[dict, dict]:
+        return ({"seg": self.g, "pos": self.pos},
+                {"frames_seg_first": self.seg_first, "frames_dict": self.dict_bytes})
+
+    def restore(self, meta: dict, arrays: dict) -> None:
+        self.g, self.pos = int(meta["seg"]), int(meta["pos"])
+        self.seg_first[:] = arrays["frames_seg_first"]
+        d = np.asarray(arrays["frames_dict"], dtype=np.uint8).copy()
+        if d.size != self.dict_bytes.size or not np.array_equal(d, self.dict_bytes):
+            self.dict_bytes = d
+            if self._codec is not None:
+                self._codec.close()
+            self._codec = None
+
+    def close(self) -> None:
+        if self._codec is not None:
+            self._codec.close()
+            self._codec = None
