@@ -434,6 +434,23 @@ class FrameStore:
         """An output array for a gather (``_reuse``: no page faults for a fresh one)."""
         return self._outs.take(shape, self.dtype)
 
+    def check_live(self, status: np.ndarray, chunk: int = 4096) -> int:
+        """Decompress every frame a live or pending transition references and
+        check it (bounds, size, checksum): ``CorruptSnapshotError`` on the
+        first that fails. Returns how many frames were checked."""
+        if self.log is None:
+            return 0
+        slots = np.flatnonzero((status == 1) | (status == 2))
+        ids = [self._refs("obs_ref", slots)]
+        if self.has_next:
+            ids.append(self._refs("next_obs_ref", slots))
+        ids = np.unique(np.concatenate([i.ravel() for i in ids])) if slots.size else np.zeros(0, np.int64)
+        out = np.empty((min(chunk, max(ids.shape[0], 1)), self.row_bytes), dtype=np.uint8)
+        for lo in range(0, ids.shape[0], chunk):
+            part = ids[lo:lo + chunk]
+            self.log.decode(part, out[:part.shape[0]])
+        return int(ids.shape[0])
+
     # -- state ---------------------------------------------------------------
     def state(self) -> tuple[dict, dict]:
         last = self.last_frames.view(np.uint8).reshape(self.num_envs, self.k, self.row_bytes)

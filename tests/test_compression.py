@@ -318,3 +318,26 @@ def test_decode_on_threads_matches_one_thread(tmp_path):
         else:
             os.environ["BIGPER_THREADS"] = env_before
     np.testing.assert_array_equal(one, three)
+
+
+def test_cli_info_shows_the_ratio_and_verify_decompresses_every_live_frame(tmp_path):
+    frames = np.load(ATARI)["Breakout"]
+    buf = make("memmap", tmp_path, (84, 84), k=4, capacity=100)
+    Feed(frames, 4).run(buf, 120)
+    live = np.flatnonzero(buf._status == 1)
+    victim = int(buf._frames._refs("obs_ref", live[-1:])[0, 0])
+    off, ln = buf._frames.store.arrays["frame_index"][victim % buf._frames.F]
+    buf.close()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "bigper", *a, str(tmp_path / "buf")],  # noqa: E731
+                                    capture_output=True, text=True,
+                                    env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    info = run("info")
+    assert info.returncode == 0 and "compression zstd" in info.stdout and "compress " in info.stdout
+    ok = run("verify")
+    assert ok.returncode == 0 and "compressed frames decompressed and checked" in ok.stdout, ok.stdout
+    log = np.memmap(tmp_path / "buf" / "data" / "frame_log.bin", mode="r+", dtype=np.uint8)
+    log[int(off) + (int(ln) & 0xFFFFFFFF) // 2] ^= 0x04
+    log.flush()
+    del log
+    bad = run("verify")
+    assert bad.returncode != 0 and f"frame {victim}" in bad.stdout, bad.stdout
