@@ -699,6 +699,9 @@ class PrioritizedReplayBuffer:
         Path
             The snapshot's absolute path.
         """
+        check_present = getattr(self._store, "check_present", None)
+        if check_present is not None:  # its folder deleted while open: say so, not a raw ENOENT
+            check_present(f"save({str(snapshot)!r}) cannot link its data into a snapshot")
         summary = {"len": len(self), "capacity": self.capacity, "total_priority": self.total_priority}
         return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
                               summary=summary, metadata=metadata, files=files)
