@@ -346,6 +346,10 @@ class HeldDir:
             same = False
         self.root = proc if same else self.path
 
+    def gone(self) -> bool:
+        """Whether the directory held was deleted (its last name removed)."""
+        return self.fd >= 0 and os.fstat(self.fd).st_nlink == 0
+
     def close(self) -> None:
         """Let go of the descriptor; ``root`` is the plain path from now on (a
         closed descriptor's number may be reused by another file)."""
