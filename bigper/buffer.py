@@ -45,6 +45,7 @@ from .frames import FrameStore
 from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
+from .storage._files import real_names
 from .schedules import ConstantSchedule, LinearSchedule
 from .storage.base import Storage
 
@@ -130,6 +131,8 @@ def _entry(method):
             self._in_call = name if outer is None else outer
             try:
                 return method(self, *args, **kwargs)
+            except (OSError, BigperError) as e:
+                raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
             finally:
                 self._in_call = outer
     return entry
@@ -231,7 +234,10 @@ class PrioritizedReplayBuffer:
                                        f"got fields {sorted(cfg.fields)}")
         if cfg.storage == "memory" and (path is not None or read_only):
             raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
-        store, recorded = open_path(cfg, path, mode, read_only, storage_options)
+        try:
+            store, recorded = open_path(cfg, path, mode, read_only, storage_options)
+        except (OSError, BigperError) as e:
+            raise real_names(e)
         self.resumed: int | None = None
         state = None
         try:
@@ -252,7 +258,8 @@ class PrioritizedReplayBuffer:
             self._setup(cfg, store, frames)
             if state is not None:
                 self._restore(*state, reseed=cfg.seed != old.seed)
-        except BaseException:
+        except BaseException as e:
+            real_names(e)
             self._forget()
             # Release without recording anything: a refused path stays as it was.
             abort = getattr(store, "abort", None)
@@ -534,9 +541,11 @@ class PrioritizedReplayBuffer:
         overwritten since its draw, as for any batch. ``close()`` (also on the
         buffer's ``close``, and when the iterator is collected) stops the
         thread and drops the batches it prepared; they were drawn, so the
-        random stream and the beta schedule are past them. The thread holds
-        the buffer only during a draw: a buffer dropped with its sampler
-        is closed (its lock released) when the last of them is collected.
+        random stream and the beta schedule are past them. Iterating on
+        after the buffer's ``close`` (another thread's, say) raises
+        ``BufferClosedError``, not a silent ``StopIteration``. The thread
+        holds the buffer only during a draw: a buffer dropped with its
+        sampler is closed (its lock released) when the last of them is collected.
         """
         check_batch_size(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
@@ -733,7 +742,10 @@ class PrioritizedReplayBuffer:
         StorageLockedError
             A live writer holds ``path``.
         """
-        parts = _snapshot.load(snapshot, path=path)
+        try:
+            parts = _snapshot.load(snapshot, path=path)
+        except (OSError, BigperError) as e:
+            raise real_names(e)
         try:
             return cls.from_parts(parts.config, parts.storage, (parts.meta, parts.arrays))
         except BigperError:
@@ -979,8 +991,9 @@ class PrioritizedReplayBuffer:
         with self._lock:  # another thread's call ends first; this thread's own is refused
             self._refuse_inside("close")
         # Samplers first, outside the lock: their threads may be waiting for it.
+        # A consumer still iterating one is told why it ends (not a silent StopIteration).
         for s in list(getattr(self, "_samplers", ())):
-            s.close()
+            s.close(why=BufferClosedError("the buffer of this sampler was closed"))
         with self._lock:
             self._refuse_inside("close")
             if not self._closed:

@@ -370,3 +370,24 @@ def test_a_forked_child_samples_a_memory_buffer_even_when_a_thread_held_its_lock
             t.join()
     assert len(buf) == 10
     buf.close()
+
+
+def test_a_sampler_loop_learns_that_its_buffer_was_closed(tmp_path):
+    """A learner iterating a sampler while another thread closes the buffer gets
+    BufferClosedError, never a silent end of its loop (StopIteration); the
+    iterator's own close() still ends it quietly."""
+    buf = make(tmp_path, "memory", "proportional")
+    it = buf.sampler(4, prefetch=2)
+    next(it)
+    closer = threading.Timer(0.05, buf.close)
+    closer.start()
+    with pytest.raises(BufferClosedError):
+        for _ in it:
+            pass
+    closer.join()
+    other = make(tmp_path, "memory", "rank")
+    quiet = other.sampler(4, prefetch=2)
+    next(quiet)
+    quiet.close()
+    assert list(quiet) == []
+    other.close()
