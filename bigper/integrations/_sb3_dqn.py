@@ -10,15 +10,15 @@ gradient clipping, logging.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch as th
 from stable_baselines3 import DQN
 from torch.nn import functional as F
 
 from ..errors import InvalidArgumentError
-from .sb3 import PrioritizedReplayBuffer, annealed_beta
+from ._sb3_buffer import PrioritizedReplayBuffer
+from ._sb3_per import annealed_beta
+from ._sb3_pickle import save_pickle
 
 
 class PrioritizedDQN(DQN):
@@ -83,15 +83,12 @@ class PrioritizedDQN(DQN):
 
     def save_replay_buffer(self, path) -> None:
         """Pickle the buffer as SB3 does, with its bigper snapshot in ``<path>.bigper/``
-        (unless the buffer has a ``snapshot_dir``)."""
+        (unless the buffer has a ``snapshot_dir``); the pickle is written atomically,
+        and a closed buffer is refused before any file is opened."""
         rb = self.replay_buffer
         if rb is None:
             raise InvalidArgumentError("save_replay_buffer: this model has no replay buffer yet")
-        rb._snapshot_target = f"{os.fspath(path)}.bigper" if isinstance(path, (str, os.PathLike)) else None
-        try:
-            super().save_replay_buffer(path)
-        finally:
-            rb._snapshot_target = None
+        save_pickle(rb, path)
 
     def load_replay_buffer(self, path, truncate_last_traj: bool = True) -> None:
         """Replace the replay buffer by the pickled one; the current one is closed
@@ -99,3 +96,6 @@ class PrioritizedDQN(DQN):
         if isinstance(self.replay_buffer, PrioritizedReplayBuffer):
             self.replay_buffer.close()
         super().load_replay_buffer(path, truncate_last_traj)
+
+
+PrioritizedDQN.__module__ = "bigper.integrations.sb3"  # its public home (pickles, reprs)
