@@ -4,6 +4,7 @@ prioritized ``bigper.PrioritizedReplayBuffer`` (see ``bigper.integrations.sb3``)
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,6 +26,8 @@ __all__ = ["PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples"]
 # The public home of these classes: pickles name them there, wherever they are defined.
 _HOME = "bigper.integrations.sb3"
 _PICKLE_FORMAT = "bigper.sb3/1"
+# Samples with no update_priorities call before the buffer says that sampling is uniform.
+_PLAIN_SAMPLES_WARN = 100
 # Buffer options that are not part of bigper's Config.
 _NOT_CONFIG = ("path", "mode", "read_only", "storage_options")
 
@@ -86,8 +89,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     alpha : float
         Priority exponent (0.6).
     beta : float or schedule
-        IS exponent. A float is where ``PrioritizedDQN`` starts the annealing
-        to 1.0; a ``bigper.LinearSchedule`` is advanced once per ``sample``.
+        IS exponent. A float is where the annealing to 1.0 starts (over
+        ``learn`` in the ``Prioritized*`` algorithms, over ``beta_steps`` adds
+        when given); a ``bigper.LinearSchedule`` is advanced once per ``sample``.
+    beta_steps : int, optional
+        Anneal beta from ``beta`` to 1.0 over this many ``add`` calls (env steps
+        of a vector env, CleanRL's ``total_timesteps``), then keep 1.0: no
+        sample counting by hand, and it resumes with the buffer.
     storage, path, seed :
         The bigper buffer's storage ("memory", "memmap", "hdf5"), its path and seed.
     frame_stack : int, optional
@@ -99,11 +107,17 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         n-step returns as SB3's ``NStepReplayBuffer`` computes them.
     snapshot_dir : str or Path, optional
         Where pickling writes its bigper snapshot (see the module docstring).
-
-    The bigper buffer is built (its storage opened) on first use, not here:
-    SB3's ``DQN.load`` builds a buffer that ``load_replay_buffer`` replaces.
     **bigper_kwargs :
-        Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``, ...).
+        Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``,
+        ``mode="resume"`` to continue the buffer at ``path``, ...).
+
+    The storage is created here (the first ``add`` costs what the others do),
+    except where ``path`` already holds something and ``mode`` is "new": SB3's
+    ``DQN.load`` builds a buffer with the saved ``path`` that
+    ``load_replay_buffer`` replaces at once, so that one opens on first use
+    (and a rerun over a used path gets its ``PathExistsError`` there).
+    ``size()`` and ``pos`` count what the bigper buffer holds, also after
+    ``mode="resume"``.
     """
 
     def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
@@ -111,14 +125,19 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                  handle_timeout_termination: bool = True, *, alpha: float = 0.6, beta=0.4,
                  storage: str = "memory", path=None, seed: int = 0, frame_stack=None,
                  frame_axis: str = "auto", n_steps: int = 1, gamma: float = 0.99,
-                 snapshot_dir=None, **bigper_kwargs):
+                 snapshot_dir=None, beta_steps=None, **bigper_kwargs):
         # SB3's BaseBuffer only records spaces, shapes and the device; ReplayBuffer's
         # own __init__ would allocate its obs/next_obs arrays, which is what we replace.
         super(ReplayBuffer, self).__init__(buffer_size, observation_space, action_space, device,
                                            n_envs=n_envs)
         if isinstance(observation_space, spaces.Dict):
-            raise InvalidArgumentError("Dict observation spaces are not supported; got "
-                                       f"{observation_space}")
+            raise InvalidArgumentError(
+                f"observation_space: Dict spaces are not supported by bigper's PrioritizedReplayBuffer, got "
+                f"{observation_space}; flatten the observation (gymnasium.wrappers.FlattenObservation) "
+                "or use SB3's DictReplayBuffer (uniform replay; HerReplayBuffer for goal-conditioned tasks)")
+        if beta_steps is not None and (isinstance(beta_steps, bool) or not isinstance(beta_steps, (int, np.integer))
+                                       or beta_steps < 1):
+            raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {beta_steps!r}")
         self.buffer_size = max(buffer_size // n_envs, 1)
         self.optimize_memory_usage = False
         self.handle_timeout_termination = bool(handle_timeout_termination)
@@ -144,26 +163,98 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self._core_args = (self.buffer_size * n_envs, fields, kwargs)
         self._core = None
         self._live_path = None if path is None else os.fspath(path)
-        # A float is where PrioritizedDQN starts annealing to 1.0; a schedule
-        # object is the user's, and the bigper buffer advances it.
+        # A float is where the annealing to 1.0 starts; a schedule object is
+        # the user's, and the bigper buffer advances it.
         self.beta_is_schedule = not isinstance(beta, (int, float))
         self.beta0 = float(as_schedule(beta)(0))
+        self.beta_steps = None if beta_steps is None else int(beta_steps)
         self._wire()
+        used = path is not None and kwargs.get("mode", "new") == "new" and os.path.lexists(path)
+        if not used:
+            self.buffer  # noqa: B018 (the storage is created now, not at the first add)
 
     @property
     def buffer(self) -> CoreBuffer:
-        """The bigper buffer behind this one (its storage is opened on first use)."""
+        """The bigper buffer behind this one."""
         if self._core is None:
             capacity, fields, kwargs = self._core_args
             self._core = CoreBuffer(capacity, fields, **kwargs)
+            self._count_steps()  # a resumed buffer holds what it held
         return self._core
 
     def _wire(self) -> None:
         """Counters derived from the bigper buffer (after construction and after unpickling)."""
         self._last = None  # (indices tensor handed out, its Batch): updates skip overwritten slots
         self._snapshot_target = None
+        self._plain_samples = 0  # samples since construction with no update_priorities yet
+        self._count_steps()
+
+    def _count_steps(self) -> None:
         self._steps = 0 if self._core is None else self._core.state_dict()[0]["count"] // self.n_envs
         self._sync_cursor()
+
+    @classmethod
+    def from_buffer(cls, buffer: CoreBuffer, observation_space: spaces.Space, action_space: spaces.Space,
+                    device="auto", *, handle_timeout_termination: bool = True, frame_axis: str = "auto",
+                    snapshot_dir=None, beta_steps=None) -> "PrioritizedReplayBuffer":
+        """The drop-in over an open bigper buffer: one loaded from a snapshot
+        (``bigper.Snapshots(root).load_latest()``) or reopened with
+        ``mode="resume"``. ``size()``, ``pos`` and sampling continue where the
+        buffer is; capacity, envs, frame stack, n-step and gamma are the
+        buffer's, and its fields must be the ones this drop-in builds for the
+        spaces (``InvalidArgumentError`` naming the difference otherwise).
+        """
+        if not isinstance(buffer, CoreBuffer):
+            raise InvalidArgumentError(f"from_buffer: buffer must be a bigper.PrioritizedReplayBuffer, "
+                                       f"got {type(buffer).__name__}")
+        if buffer.closed:
+            raise BufferClosedError("from_buffer: the bigper buffer is closed")
+        cfg = buffer.config
+        if cfg.capacity % cfg.num_envs:
+            raise InvalidArgumentError(f"from_buffer: capacity {cfg.capacity} is not a multiple of "
+                                       f"num_envs {cfg.num_envs}, which SB3's buffer_size needs")
+        self = cls.__new__(cls)
+        super(ReplayBuffer, self).__init__(cfg.capacity, observation_space, action_space, device,
+                                           n_envs=cfg.num_envs)
+        self.buffer_size = cfg.capacity // cfg.num_envs
+        self.optimize_memory_usage = False
+        self.handle_timeout_termination = bool(handle_timeout_termination)
+        self.n_steps, self.gamma = cfg.n_step, cfg.gamma
+        self.snapshot_dir = snapshot_dir
+        self.layout = StackLayout(self.obs_shape, cfg.frame_stack, frame_axis)
+        self._act_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
+        want = {"obs": (self.layout.core_shape, np.dtype(observation_space.dtype).str),
+                "action": ((self.action_dim,), self._act_dtype.str), "reward": ((), np.dtype(np.float32).str)}
+        if dict(cfg.fields) != want:
+            raise InvalidArgumentError(f"from_buffer: the buffer's fields {cfg.fields} are not the ones "
+                                       f"these spaces need {want}")
+        storage_path = getattr(buffer.storage, "path", None)
+        self._core, self._core_args = buffer, None
+        self._live_path = None if storage_path is None else os.fspath(storage_path)
+        schedule = cfg.schedule
+        self.beta_is_schedule = cfg.beta.get("kind") != "constant"
+        self.beta0 = float(schedule(0))
+        if beta_steps is not None and (isinstance(beta_steps, bool) or not isinstance(beta_steps, int)
+                                       or beta_steps < 1):
+            raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {beta_steps!r}")
+        self.beta_steps = beta_steps
+        self._wire()
+        return self
+
+    # -- beta ------------------------------------------------------------------
+    def beta_for_learner(self, progress_remaining: float):
+        """The beta a prioritized SB3 algorithm samples with: None where the
+        buffer's schedule decides, annealed by ``add`` count with
+        ``beta_steps``, else from ``beta`` to 1.0 over ``learn``."""
+        if self.beta_is_schedule:
+            return None
+        if self.beta_steps is not None:
+            return self._beta_by_steps()
+        return annealed_beta(self.beta0, progress_remaining)
+
+    def _beta_by_steps(self) -> float:
+        done = min(self._steps / self.beta_steps, 1.0)
+        return self.beta0 + (1.0 - self.beta0) * done
 
     def _sync_cursor(self) -> None:
         steps = self._steps
@@ -236,7 +327,19 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         beta : float, optional
             IS exponent for this call (``PrioritizedDQN`` passes its annealed value).
         """
+        if beta is None and self.beta_steps is not None and not self.beta_is_schedule:
+            beta = self._beta_by_steps()
         batch = self.buffer.sample(batch_size, beta=beta)
+        if self._plain_samples >= 0:
+            self._plain_samples += 1
+            if self._plain_samples == _PLAIN_SAMPLES_WARN:
+                warnings.warn(
+                    f"bigper PrioritizedReplayBuffer: {_PLAIN_SAMPLES_WARN} batches sampled and no "
+                    "update_priorities call: every priority stays at the max, so sampling is uniform. With SB3, "
+                    "use bigper.integrations.sb3.PrioritizedDQN (or PrioritizedSAC, PrioritizedTD3, "
+                    "PrioritizedDDPG, PrioritizedQRDQN, PrioritizedTQC) instead of the plain algorithm; in a "
+                    "loop of your own, call rb.update_priorities(data.indices, td_abs) after each step",
+                    UserWarning, stacklevel=2)
         return self._samples(batch, env)
 
     def _samples(self, batch: Batch, env) -> PrioritizedReplayBufferSamples:
@@ -285,6 +388,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         The ``indices`` tensor of the latest ``sample`` is matched to its batch,
         so transitions overwritten since that sample are skipped.
         """
+        self._plain_samples = -1  # priorities are written back: nothing to warn about
         last = self._last
         if last is not None and indices is last[0]:
             self.buffer.update_priorities(last[1], priorities)
@@ -333,7 +437,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 "device": str(self.device), "handle_timeout_termination": self.handle_timeout_termination,
                 "n_steps": self.n_steps, "gamma": self.gamma, "frame_stack": self.layout.k,
                 "frame_axis": self.layout.axis or "auto", "live_path": self._live_path,
-                "beta_is_schedule": self.beta_is_schedule, "beta0": self.beta0,
+                "beta_is_schedule": self.beta_is_schedule, "beta0": self.beta0, "beta_steps": self.beta_steps,
                 "snapshot_dir": None if self.snapshot_dir is None else os.fspath(self.snapshot_dir)}
 
     def __setstate__(self, state) -> None:
@@ -357,10 +461,19 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self._core_args = None
         self._live_path = state["live_path"]
         self.beta_is_schedule, self.beta0 = bool(state["beta_is_schedule"]), float(state["beta0"])
+        beta_steps = state.get("beta_steps")  # absent from pickles written before it existed
+        self.beta_steps = None if beta_steps is None else int(beta_steps)
         self._wire()
 
 
 PrioritizedReplayBuffer.__module__ = PrioritizedReplayBufferSamples.__module__ = _HOME
+
+
+def annealed_beta(beta0: float, progress_remaining: float) -> float:
+    """Beta from ``beta0`` at the start of ``learn`` to 1.0 at its end
+    (``progress_remaining``: SB3's, 1.0 at the start, 0.0 at the end)."""
+    done = min(max(1.0 - float(progress_remaining), 0.0), 1.0)
+    return beta0 + (1.0 - beta0) * done
 
 
 class _EpisodeCut:

@@ -38,13 +38,16 @@ SB3's algorithm modules are heavier), none of which imports this one.
 
 from __future__ import annotations
 
-from ._sb3_buffer import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
-from ._sb3_per import annealed_beta
+from ._sb3_buffer import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples, annealed_beta
 
-__all__ = ["PrioritizedDQN", "PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples", "annealed_beta"]
+__all__ = ["PrioritizedDDPG", "PrioritizedDQN", "PrioritizedQRDQN", "PrioritizedReplayBuffer",
+           "PrioritizedReplayBufferSamples", "PrioritizedSAC", "PrioritizedTD3", "PrioritizedTQC",
+           "annealed_beta"]
 
-# name -> module that defines it (loaded on first access)
-_ALGORITHMS = {"PrioritizedDQN": "_sb3_dqn"}
+# name -> module that defines it (loaded on first access; QRDQN and TQC need sb3-contrib)
+_ALGORITHMS = {"PrioritizedDQN": "_sb3_dqn", "PrioritizedSAC": "_sb3_actor_critic",
+               "PrioritizedTD3": "_sb3_actor_critic", "PrioritizedDDPG": "_sb3_actor_critic",
+               "PrioritizedQRDQN": "_sb3_contrib", "PrioritizedTQC": "_sb3_contrib"}
 
 
 def __getattr__(name):
@@ -53,6 +56,11 @@ def __getattr__(name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from importlib import import_module
 
+    if mod == "_sb3_contrib":
+        try:
+            import sb3_contrib  # noqa: F401
+        except ImportError:
+            raise ImportError(f"{name} needs sb3-contrib: pip install 'bigper[sb3-contrib]'") from None
     return getattr(import_module(f"{__package__}.{mod}"), name)
 
 
