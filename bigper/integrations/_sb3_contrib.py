@@ -90,8 +90,7 @@ class PrioritizedTQC(PrioritizedAlgorithm, TQC):
             with th.no_grad():
                 next_actions, next_log_prob = self.actor.action_log_prob(replay_data.next_observations)
                 next_quantiles = self.critic_target(replay_data.next_observations, next_actions)
-                n_target_quantiles = (self.critic.quantiles_total
-                                      - self.top_quantiles_to_drop_per_net * self.critic.n_critics)
+                n_target_quantiles = self.critic.quantiles_total - self.top_quantiles_to_drop_per_net * self.critic.n_critics
                 next_quantiles, _ = th.sort(next_quantiles.reshape(batch_size, -1))
                 next_quantiles = next_quantiles[:, :n_target_quantiles]
                 target_quantiles = next_quantiles - ent_coef * next_log_prob.reshape(-1, 1)
