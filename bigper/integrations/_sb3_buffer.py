@@ -281,25 +281,29 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         n = self.n_envs
         obs = np.asarray(obs)
         next_obs = np.asarray(next_obs)
-        if isinstance(self.observation_space, spaces.Discrete):
-            obs = obs.reshape((n, *self.obs_shape))
-            next_obs = next_obs.reshape((n, *self.obs_shape))
-        for name, x in (("obs", obs), ("next_obs", next_obs)):
-            if x.shape != (n, *self.obs_shape):
-                raise InvalidArgumentError(f"add: {name} must have shape {(n, *self.obs_shape)}, got {x.shape}")
+        want = (n, *self.obs_shape)
+        if obs.shape != want or next_obs.shape != want:
+            if isinstance(self.observation_space, spaces.Discrete):
+                obs, next_obs = obs.reshape(want), next_obs.reshape(want)
+            for name, x in (("obs", obs), ("next_obs", next_obs)):
+                if x.shape != want:
+                    raise InvalidArgumentError(f"add: {name} must have shape {want}, got {x.shape}")
         action = np.asarray(action).reshape((n, self.action_dim))
-        done = np.asarray(done).reshape(n).astype(bool)
+        done = np.asarray(done).reshape(n).astype(bool, copy=False)
         timeout = _timeouts(infos, n) if self.handle_timeout_termination else np.zeros(n, dtype=bool)
         terminated = done & ~timeout
         trunc = done & timeout
         if truncated is not None:
             trunc = trunc | (np.asarray(truncated, dtype=bool).reshape(n) & ~terminated)
-        step = {"obs": self.layout.to_core(obs, 1), "next_obs": self.layout.to_core(next_obs, 1),
-                "action": action, "reward": np.asarray(reward, dtype=np.float32).reshape(n),
-                "terminated": terminated, "truncated": trunc}
+        # The reward goes in as given: the core stores it if it fits float32 (finite), else refuses.
+        reward = np.asarray(reward).reshape(n)
+        obs, next_obs = self.layout.to_core(obs, 1), self.layout.to_core(next_obs, 1)
         if n == 1:
-            step = {k: v[0] for k, v in step.items()}
-        self.buffer.add(**step)
+            self.buffer.add(obs=obs[0], next_obs=next_obs[0], action=action[0], reward=reward[0],
+                            terminated=terminated[0], truncated=trunc[0])
+        else:
+            self.buffer.add(obs=obs, next_obs=next_obs, action=action, reward=reward,
+                            terminated=terminated, truncated=trunc)
         self._steps += 1
         self._sync_cursor()
 
