@@ -30,7 +30,6 @@ from stable_baselines3.common.buffers import NStepReplayBuffer  # noqa: E402
 
 from bigper.errors import (  # noqa: E402
     BufferClosedError,
-    CorruptSnapshotError,
     PathNotFoundError,
     StorageLockedError,
 )
