@@ -122,8 +122,10 @@ def test_save_replay_buffer_keeps_the_snapshot_of_the_pickle_at_that_path(tmp_pa
 
 
 # -- 6. unpickling never rewinds a live path silently ------------------------------------
-def test_unpickling_a_live_path_that_moved_on_says_what_it_discards(tmp_path):
-    rb = make(tmp_path)
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_unpickling_a_live_path_that_moved_on_says_what_it_discards(tmp_path, storage):
+    live = tmp_path / ("live.h5" if storage == "hdf5" else "live")
+    rb = make(tmp_path, storage=storage, path=str(live))
     feed(rb, 0, 10)
     blob = pickle.dumps(rb)
     feed(rb, 10, 40)
@@ -131,7 +133,7 @@ def test_unpickling_a_live_path_that_moved_on_says_what_it_discards(tmp_path):
     with pytest.warns(UserWarning, match="40 transitions") as rec:
         back = pickle.loads(blob)
     msg = str(rec[0].message)
-    assert str(tmp_path / "live") in msg and "10" in msg and "30" in msg
+    assert str(live) in msg and "10" in msg and "30" in msg
     assert back.size() == 10
     back.close()
 
