@@ -432,7 +432,6 @@ def test_sac_example_smoke(tmp_path):
 # The drop-in hands the reward to the core uncast; the core's lossless-ingest check (issue 23
 # section 4, another branch) refuses what float32 cannot hold. Strict: this turns into a failure
 # (XPASS) once that check lands, so the marker is removed then, not forgotten.
-@pytest.mark.xfail(strict=True, reason="needs the core's lossless ingest (issue 23 section 4)")
 def test_a_reward_that_does_not_fit_float32_is_refused_not_stored_as_inf():
     rb = bsb3.PrioritizedReplayBuffer(16, OBS, ACT, device="cpu")
     add(rb, 0)

@@ -27,6 +27,7 @@ class PrioritizedSAC(PrioritizedAlgorithm, SAC):
     """SB3's ``SAC`` over bigper's ``PrioritizedReplayBuffer``; takes SAC's arguments."""
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
+        """SB3's SAC step, with each critic's loss weighted by its IS weight and the mean ``|TD|`` of both critics written back."""
         self.policy.set_training_mode(True)
         optimizers = [self.actor.optimizer, self.critic.optimizer]
         if self.ent_coef_optimizer is not None:
@@ -90,6 +91,7 @@ class PrioritizedTD3(PrioritizedAlgorithm, TD3):
     """SB3's ``TD3`` over bigper's ``PrioritizedReplayBuffer``; takes TD3's arguments."""
 
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        """SB3's TD3 (and DDPG) step, with each critic's loss weighted by its IS weight and the mean ``|TD|`` over the critics written back."""
         self.policy.set_training_mode(True)
         self._update_learning_rate([self.actor.optimizer, self.critic.optimizer])
         actor_losses, critic_losses = [], []

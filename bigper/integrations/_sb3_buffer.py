@@ -267,7 +267,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
         Parameters
         ----------
-        obs, next_obs : array (n_envs, *obs_shape)
+        obs, next_obs : array (n_envs, obs_shape...)
         action : array (n_envs, ...) reshaped to (n_envs, action_dim)
         reward, done : array (n_envs,)
             ``done`` as SB3's VecEnv gives it (terminated or timed out).
@@ -400,6 +400,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             self.buffer.update_priorities(indices, priorities)
 
     def size(self) -> int:
+        """Transitions held (SB3's ``size()``: per env, as SB3 counts them)."""
         return self.buffer_size if self.full else self.pos
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ class PrioritizedQRDQN(PrioritizedAlgorithm, QRDQN):
     """sb3-contrib's ``QRDQN`` over bigper's ``PrioritizedReplayBuffer``; takes QRDQN's arguments."""
 
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        """sb3-contrib's QR-DQN step, with each quantile Huber loss weighted by its IS weight and the mean ``|y_j - theta_i|`` written back."""
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         losses = []
@@ -61,6 +62,7 @@ class PrioritizedTQC(PrioritizedAlgorithm, TQC):
     """sb3-contrib's ``TQC`` over bigper's ``PrioritizedReplayBuffer``; takes TQC's arguments."""
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
+        """sb3-contrib's TQC step, with each critic's quantile Huber loss weighted by its IS weight and the mean ``|y_j - theta_i|`` written back."""
         self.policy.set_training_mode(True)
         optimizers = [self.actor.optimizer, self.critic.optimizer]
         if self.ent_coef_optimizer is not None:
