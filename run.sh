@@ -39,7 +39,7 @@ case "$cmd" in
   demo)   install "torch,atari";         exec "$venv/bin/bigper" demo "$@" ;;
   test)   install "torch,atari,ray,dev,compression";  cd "$here"; exec "$venv/bin/python" -m pytest "$@" ;;
   bigper) install "torch,atari,dev";      exec "$venv/bin/bigper" "$@" ;;
-  docs)   install "torch,atari,ray,sb3,docs"; cd "$here"
+  docs)   install "torch,atari,ray,sb3,sb3-contrib,docs"; cd "$here"
           rm -rf docs/_build
           "$venv/bin/python" -m sphinx -E -W --keep-going -n -b html docs docs/_build/html "$@"
           "$venv/bin/python" tools/check_site.py docs/_build/html

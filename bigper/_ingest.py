@@ -200,8 +200,9 @@ def _plan(src: np.dtype, dtype: np.dtype, label: str):
         plan = _SAFE
     else:
         lo, hi = _bounds(dtype)
-        # the compiled kernels take what numba does: ints, float32, float64
-        compiled = (src.kind in "iu" or (src.kind == "f" and src.itemsize in (4, 8))) and \
+        # the compiled kernels take what numba does: ints, float32, float64, in native byte order
+        compiled = src.isnative and dtype.isnative and \
+            (src.kind in "iu" or (src.kind == "f" and src.itemsize in (4, 8))) and \
             (dtype.kind in "biu" or (dtype.kind == "f" and dtype.itemsize in (4, 8)))
         if not compiled:
             plan = (None, lo, hi, ())
@@ -336,8 +337,9 @@ def _refusal(given: np.ndarray, i: int, dtype: np.dtype, label: str) -> InvalidA
     where = f" at position {tuple(int(j) for j in np.unravel_index(i, given.shape))}" if given.ndim else ""
     if dtype.kind in "biu":
         what, intended = f"does not fit the field's dtype {dtype} exactly", "the truncation"
-    else:  # only an overflow is refused
-        what, intended = f"becomes {'-inf' if x < 0 else 'inf'} in the field's dtype {dtype}", "that"
+    else:  # only an overflow is refused (complex: in either part)
+        inf = "inf" if isinstance(x, complex) or x >= 0 else "-inf"
+        what, intended = f"becomes {inf} in the field's dtype {dtype}", "that"
     return InvalidArgumentError(f"{label} = {x!r} ({kind}){where} {what}; cast it yourself with "
                                 f".astype(np.{dtype}) if {intended} is intended")
 

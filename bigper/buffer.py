@@ -45,6 +45,7 @@ from .frames import FrameStore, require_compression
 from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
+from .storage._files import real_names
 from .schedules import ConstantSchedule, LinearSchedule
 from .storage.base import Storage
 
@@ -75,14 +76,65 @@ def _run_first_at_exit() -> None:
 atexit.register(_close_all_at_exit)
 
 
+# fork(): the child gets a copy of every open buffer, but not the threads that
+# may hold their locks, and shares the parent's files, mappings and flocks.
+# Before a fork every open buffer's lock is taken (no method half-way through
+# in the copy); in the child, each gets a fresh lock, and a disk buffer is
+# closed there without touching anything (its exit must not record state
+# into, or release the lock of, the parent's live path).
+_FORK_WAIT_S = 10.0
+_held_for_fork: list = []
+
+
+def _before_fork() -> None:
+    for buf in list(_OPEN):
+        lock = getattr(buf, "_lock", None)
+        if lock is not None and lock.acquire(timeout=_FORK_WAIT_S):
+            _held_for_fork.append(lock)
+
+
+def _after_fork_in_parent() -> None:
+    while _held_for_fork:
+        _held_for_fork.pop().release()
+
+
+def _after_fork_in_child() -> None:
+    _held_for_fork.clear()
+    for buf in list(_OPEN):
+        buf._lock = threading.RLock()
+        buf._samplers = weakref.WeakSet()  # their threads are the parent's
+        if buf._store.kind != "memory":
+            buf._closed = True
+            buf._closed_why = (f"it was opened in process {buf._pid} and this is a forked child, which shares "
+                               "its files and lock; open the path here (read_only=True to sample)")
+            _OPEN.discard(buf)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+
+
 def _entry(method):
-    """A public method: runs under the buffer's lock, on an open buffer."""
+    """A public method: runs under the buffer's lock, on an open buffer.
+    ``_in_call`` names it while it runs, so that a ``close()`` reached from
+    inside it (an input's ``__array__``, a callback) is refused, not run under it."""
+    name = method.__name__
+
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
         with self._lock:
             if self._closed:
-                raise BufferClosedError(f"this buffer is closed ({method.__name__} needs an open one)")
-            return method(self, *args, **kwargs)
+                raise BufferClosedError(f"this buffer is closed ({name} needs an open one)"
+                                        + (f": {self._closed_why}" if self._closed_why else ""))
+            outer = self._in_call
+            self._in_call = name if outer is None else outer
+            try:
+                return method(self, *args, **kwargs)
+            except (OSError, BigperError) as e:
+                raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
+            finally:
+                self._in_call = outer
     return entry
 
 
@@ -179,6 +231,8 @@ class PrioritizedReplayBuffer:
                  compression: Literal["zstd"] | None = None, compression_budget: int | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = True  # until the storage is allocated
+        self._closed_why = self._in_call = None
+        self._pid = os.getpid()
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
@@ -192,7 +246,10 @@ class PrioritizedReplayBuffer:
                                        f"got fields {sorted(cfg.fields)}")
         if cfg.storage == "memory" and (path is not None or read_only):
             raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
-        store, recorded = open_path(cfg, path, mode, read_only, storage_options)
+        try:
+            store, recorded = open_path(cfg, path, mode, read_only, storage_options)
+        except (OSError, BigperError) as e:
+            raise real_names(e)
         self.resumed: int | None = None
         state = None
         try:
@@ -213,7 +270,8 @@ class PrioritizedReplayBuffer:
             self._setup(cfg, store, frames)
             if state is not None:
                 self._restore(*state, reseed=cfg.seed != old.seed)
-        except BaseException:
+        except BaseException as e:
+            real_names(e)
             self._forget()
             # Release without recording anything: a refused path stays as it was.
             abort = getattr(store, "abort", None)
@@ -247,6 +305,8 @@ class PrioritizedReplayBuffer:
         buf = cls.__new__(cls)
         buf._lock = threading.RLock()
         buf._closed = True
+        buf._closed_why = buf._in_call = None
+        buf._pid = os.getpid()
         buf.resumed = None
         try:
             buf._setup(config, store, FrameStore(config, store) if config.frame_stack else None)
@@ -493,9 +553,11 @@ class PrioritizedReplayBuffer:
         overwritten since its draw, as for any batch. ``close()`` (also on the
         buffer's ``close``, and when the iterator is collected) stops the
         thread and drops the batches it prepared; they were drawn, so the
-        random stream and the beta schedule are past them. The thread holds
-        the buffer only during a draw: a buffer dropped with its sampler
-        is closed (its lock released) when the last of them is collected.
+        random stream and the beta schedule are past them. Iterating on
+        after the buffer's ``close`` (another thread's, say) raises
+        ``BufferClosedError``, not a silent ``StopIteration``. The thread
+        holds the buffer only during a draw: a buffer dropped with its
+        sampler is closed (its lock released) when the last of them is collected.
         """
         check_batch_size(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
@@ -658,6 +720,9 @@ class PrioritizedReplayBuffer:
         Path
             The snapshot's absolute path.
         """
+        check_present = getattr(self._store, "check_present", None)
+        if check_present is not None:  # its folder deleted while open: say so, not a raw ENOENT
+            check_present(f"save({str(snapshot)!r}) cannot link its data into a snapshot")
         summary = {"len": len(self), "capacity": self.capacity, "total_priority": self.total_priority}
         return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
                               summary=summary, metadata=metadata, files=files)
@@ -689,7 +754,10 @@ class PrioritizedReplayBuffer:
         StorageLockedError
             A live writer holds ``path``.
         """
-        parts = _snapshot.load(snapshot, path=path)
+        try:
+            parts = _snapshot.load(snapshot, path=path)
+        except (OSError, BigperError) as e:
+            raise real_names(e)
         try:
             return cls.from_parts(parts.config, parts.storage, (parts.meta, parts.arrays))
         except BigperError:
@@ -932,15 +1000,26 @@ class PrioritizedReplayBuffer:
         path with ``mode="resume"`` continues. Idempotent."""
         if getattr(self, "_closed", True):
             return
+        with self._lock:  # another thread's call ends first; this thread's own is refused
+            self._refuse_inside("close")
         # Samplers first, outside the lock: their threads may be waiting for it.
+        # A consumer still iterating one is told why it ends (not a silent StopIteration).
         for s in list(getattr(self, "_samplers", ())):
-            s.close()
+            s.close(why=BufferClosedError("the buffer of this sampler was closed"))
         with self._lock:
+            self._refuse_inside("close")
             if not self._closed:
                 state = None if self._store.read_only else self.state_dict()
                 self._closed = True
                 _OPEN.discard(self)
                 self._store.close(state)
+
+    def _refuse_inside(self, what: str) -> None:
+        # Under the lock: a method still running can only be this thread's own.
+        if self._in_call is not None:
+            raise InvalidArgumentError(
+                f"{what}() was called from inside this buffer's own {self._in_call}() (by a callback or "
+                f"an input's __array__ on this thread); call {what}() after {self._in_call}() returns")
 
     def __del__(self) -> None:
         # A buffer dropped without close() (a notebook cell, an exception)

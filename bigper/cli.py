@@ -26,7 +26,9 @@ def _bench(args) -> int:
 
 def _line(e: BaseException) -> str:
     """An error as one line (its message names the path)."""
-    return " ".join(str(e).split("\n")) or type(e).__name__
+    from .storage._files import real_names
+
+    return " ".join(str(real_names(e)).split("\n")) or type(e).__name__
 
 
 def _score_fn(spec: str):

@@ -84,6 +84,7 @@ class Prefetcher:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
+        self._why: BaseException | None = None  # what ends the iteration, when not the iterator's own close
         self._thread = threading.Thread(target=_run, args=(produce, self._q, self._stop, lock),
                                         name=name, daemon=True)
         self._thread.start()
@@ -93,7 +94,7 @@ class Prefetcher:
 
     def __next__(self):
         if self._done:
-            raise StopIteration
+            self._stop_iteration()
         while True:
             try:
                 item = self._q.get(timeout=_POLL_S)
@@ -101,7 +102,7 @@ class Prefetcher:
             except queue.Empty:
                 if not self._thread.is_alive() and self._q.empty():
                     self._done = True
-                    raise StopIteration from None
+                    self._stop_iteration()
         if isinstance(item, _Failure):
             self._done = True
             self.close()
@@ -113,10 +114,19 @@ class Prefetcher:
         """Items prepared and waiting."""
         return self._q.qsize()
 
-    def close(self, wait: bool = True, timeout: float | None = None) -> None:
+    def _stop_iteration(self):
+        if self._why is not None:
+            raise self._why
+        raise StopIteration
+
+    def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
         """Stop the thread (it finishes the ``produce`` call in progress, if
         any) and drop what it prepared; ``wait``: until the thread has ended
-        (at most ``timeout`` seconds). Idempotent."""
+        (at most ``timeout`` seconds). Idempotent. ``why``: the error the
+        consumer's next ``next()`` raises instead of ``StopIteration`` (the
+        source closed under it: a learner must not take that for the end)."""
+        if why is not None and not self._done:
+            self._why = why
         self._stop.set()
         self._done = True
         if wait and self._thread is not threading.current_thread():

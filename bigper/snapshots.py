@@ -177,13 +177,26 @@ class Snapshots:
             raise InvalidArgumentError("metadata= and files= are kept for local buffers' snapshots only; "
                                        f"{type(buf).__name__} writes its own snapshot format")
         with self._locked(shared=False):
-            # Numbered past every name that looks like a snapshot, whatever it is (a
-            # user's file or symlink of that name is left alone and never blocks a save).
-            taken = [seq_of(Path(e)) for e in os.listdir(self.root) if NAME.match(e)]
-            target = self.root / f"snap-{max(taken, default=0) + 1:08d}"
+            target = self._next()
             path = buf.save(target) if own else buf.save(target, metadata=metadata, files=files)
             self._retain()
         return path
+
+    def _next(self) -> Path:
+        """The next snapshot's path: numbered after the newest snapshot that
+        holds a manifest (bigper's, intact or damaged; not after a user's
+        entry, whose number may be anything), and past any name that is taken
+        (a user's file, symlink or folder is left alone and never blocks a save)."""
+        complete = self.list()
+        taken = {seq_of(Path(e)) for e in os.listdir(self.root) if NAME.match(e)}
+        n = (seq_of(complete[-1]) if complete else 0) + 1
+        while n in taken:
+            n += 1
+        name = f"snap-{n:08d}"
+        if len(name) > 200:  # its temporary (.tmp-<name>-<pid>-<rand>) must fit a file name too
+            raise PathExistsError(f"{complete[-1]} numbers the series past what a file name can hold; "
+                                  "move it out of the Snapshots root")
+        return self.root / name
 
     def _retain(self) -> None:
         if self.keep is None:

@@ -46,12 +46,12 @@ myst_heading_anchors = 3
 nitpicky = True
 nitpick_ignore_regex = [
     ("py:.*", r"(np|numpy|numpy\.typing|npt|os|pathlib|collections\.abc|typing|typing_extensions|"
-              r"torch|th|gymnasium|spaces|stable_baselines3|ray|threading|types|enum|dataclasses)\..*"),
+              r"torch|th|gymnasium|spaces|stable_baselines3|sb3_contrib|ray|threading|types|enum|dataclasses)\..*"),
     ("py:class", r"(Path|PathLike|Mapping|Iterator|Iterable|Callable|Sequence|Any|NamedTuple|"
                  r"ArrayLike|DTypeLike|Self|Literal|Optional|Union)"),
     ("py:class", r"(ReplayBuffer|DQN|ReplayBufferSamples|VecNormalize|GymEnv)"),
     # Internal types in public signatures (not public names themselves): shown as text.
-    ("py:class", r"bigper\.(config|storage|prioritization)\..*|bigper\.integrations\.sb3\._\w+"),
+    ("py:class", r"bigper\.(config|storage|prioritization)\..*|bigper\.integrations\.(sb3\.)?_\w+(\.\w+)*"),
     ("py:class", r"(optional|default|array-like|array_like|callable|schedule|.*\(.*)"),
 ]
 

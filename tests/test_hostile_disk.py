@@ -18,7 +18,9 @@ import pytest
 import bigper
 from bigper.config import Config
 from bigper.errors import CorruptSnapshotError
-from bigper.snapshot import load, verify
+from bigper.snapshot import verify
+
+load = bigper.PrioritizedReplayBuffer.load
 from bigper.snapshot._manifest import digest
 
 from ._hostile_snapshot_cases import deadline, fingerprint as _fingerprint, refused, resign, small

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -408,3 +409,46 @@ def test_memory_storage_takes_no_options_and_options_must_be_a_dict(tmp_path):
     with pytest.raises(bigper.InvalidArgumentError, match="storage_options must be a dict"):
         open_buffer("memmap", where("memmap", tmp_path), 8, AGENT_FIELDS, storage_options=["random_reads"])
     assert not os.path.lexists(where("memmap", tmp_path))
+
+
+def _fds_into(folder) -> list[str]:
+    """This process's open descriptors that lead into ``folder`` (deleted or not)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(folder)):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["memmap", "hdf5"])
+def test_a_storage_folder_deleted_while_open_gets_bigpers_error_and_lets_everything_go(kind, tmp_path):
+    """``rm -rf`` of a run's folder while its buffer is open (a cleanup script,
+    a user in another shell): ``save`` and ``close`` raised a raw
+    ``FileNotFoundError`` through ``/proc/self/fd/N``, and memmap's close kept
+    its lock, its directory descriptor and its mappings. Now each says which
+    path is gone (``PathNotFoundError``, a ``FileNotFoundError`` too), and
+    close lets go of everything it held there."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    path = folder / ("r.h5" if kind == "hdf5" else "r")
+    buf = bigper.PrioritizedReplayBuffer(16, {"x": ((2,), np.float32)}, storage=kind, path=path, seed=0)
+    for i in range(5):
+        buf.add(x=np.full(2, i, np.float32))
+    shutil.rmtree(folder)
+    if kind == "memmap":  # its chunk files are linked into a snapshot, and they are gone
+        with pytest.raises(bigper.errors.PathNotFoundError, match=str(path)):
+            buf.save(tmp_path / "snap")
+        assert not (tmp_path / "snap").exists()
+    else:  # the open file still holds every row: the snapshot rescues them
+        buf.save(tmp_path / "snap")
+        with bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "back.h5") as back:
+            assert back.gather(np.arange(5))["x"][:, 0].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(bigper.errors.PathNotFoundError, match=str(path)):
+        buf.close()
+    assert buf.closed
+    assert _fds_into(folder) == []
+    buf.close()  # idempotent, silent

@@ -420,3 +420,53 @@ def test_lists_that_do_not_fit_are_refused_naming_the_value(values, pos):
     buf = new(np.dtype(np.uint64), np.shape(np.array(values, dtype=object)))
     err = attempt(buf, lambda b: b.add(x=values, y=0.5))
     assert err is not None and f"position {pos}" in str(err) and "uint64" in str(err)
+
+
+# -- byte orders and complex fields (attack round on issue 23 §4) ---------------------
+
+def _swapped(d: np.dtype) -> np.dtype:
+    return d if d.itemsize == 1 else d.newbyteorder("S")
+
+
+@pytest.mark.parametrize("order", ["big source", "big field", "both big"])
+@pytest.mark.parametrize("src", DTYPES, ids=str)
+@pytest.mark.parametrize("dst", DTYPES, ids=str)
+def test_every_dtype_pair_in_the_other_byte_order(src, dst, order):
+    """A big-endian array (from a file, a network buffer) or a big-endian field
+    is stored as the oracle says or refused naming the value, never a raw
+    error from a compiled kernel that takes native byte order only."""
+    from bigper._ingest import cast_exact
+    s = _swapped(src) if order != "big field" else src
+    t = _swapped(dst) if order != "big source" else dst
+    for y in _edges_of(src):
+        x = y.item()
+        v = np.zeros(5, s)
+        v[3] = y
+        try:
+            out = cast_exact(v, t, "f")
+        except InvalidArgumentError as e:
+            assert not accepts(x, dst), f"{x!r} ({s}) into {t} refused: {e}"
+            assert repr(x) in str(e) and "position (3,)" in str(e)
+            continue
+        assert accepts(x, dst), f"{x!r} ({s}) into {t} stored as {out[3]!r}"
+        assert out.dtype == t
+        check_stored(out[3:4].astype(dst)[0], x, dst)
+
+
+@pytest.mark.parametrize("field", [">f4", ">i2", "<f4", "<i2"])
+def test_a_big_endian_array_or_field_is_stored_through_add_and_extend(field):
+    d = np.dtype(field)
+    buf = bigper.PrioritizedReplayBuffer(6, {"x": ((2,), d), "y": ((), np.float32)}, seed=1)
+    buf.add(x=np.array([7, -3], ">i8"), y=np.float32(1))
+    buf.extend({"x": np.array([[1, 2], [3, 4]], ">f8"), "y": np.ones(2, ">f4")})
+    assert buf.gather(np.arange(3))["x"].tolist() == [[7, -3], [1, 2], [3, 4]]
+    bad = np.array([1, 2**40], ">i8") if d.kind == "i" else np.array([1, 1e300], ">f8")
+    err = attempt(buf, lambda b: b.add(x=bad, y=np.float32(1)))
+    assert err is not None and repr(bad[1].item()) in str(err) and "position (1,)" in str(err)
+
+
+@pytest.mark.parametrize("given", [np.array([1e300 + 0j]), np.array([1 + 1e300j]), np.array([-1e300 - 1e300j])])
+def test_a_complex_value_that_overflows_a_complex64_field_is_refused(given):
+    buf = new(np.dtype(np.complex64), (1,))
+    err = attempt(buf, lambda b: b.add(x=given, y=np.float32(1)))
+    assert err is not None and "complex64" in str(err) and "position (0,)" in str(err)

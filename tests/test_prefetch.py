@@ -190,7 +190,7 @@ def test_buffer_close_stops_its_samplers_and_later_calls_refuse():
     next(it)
     buf.close()
     assert not it._thread.is_alive()
-    with pytest.raises(StopIteration):
+    with pytest.raises(BufferClosedError):  # a learner's loop is told, not ended silently
         next(it)
     with pytest.raises(BufferClosedError):
         buf.sampler(4)

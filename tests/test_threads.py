@@ -228,3 +228,166 @@ def test_sample_out_never_writes_into_the_buffer(tmp_path):
     mine = {"obs": np.empty((8, 3), np.float32)}
     b = buf.sample(8, out=mine)
     assert b["obs"] is mine["obs"]
+
+
+# -- attack round: re-entrancy, fork (issue 23 §1) ------------------------------------
+
+def _new(tmp, storage):
+    kw = {} if storage == "memory" else {"path": tmp / ("r.h5" if storage == "hdf5" else "r")}
+    buf = bigper.PrioritizedReplayBuffer(CAP, FIELDS, storage=storage, seed=0, **kw)
+    for i in range(10):
+        buf.add(obs=np.full(3, i, np.float32), reward=float(i), next_obs=np.full(3, i + 1, np.float32))
+    return buf, kw
+
+
+class _ClosesOnConversion:
+    """An input whose conversion to numpy closes the buffer it is given to (a
+    callback, a lazy value, a tensor subclass): close() runs on this thread,
+    inside the buffer's own method, under its (re-entrant) lock."""
+
+    def __init__(self, buf, value):
+        self.buf, self.value = buf, value
+
+    def __array__(self, dtype=None, copy=None):
+        self.buf.close()
+        return self.value
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap", "hdf5"])
+@pytest.mark.parametrize("call", ["add", "extend", "update_priorities"])
+def test_close_from_inside_a_method_of_the_same_buffer_is_refused_and_writes_nothing(tmp_path, storage, call):
+    from tests.test_validation import assert_same, fingerprint
+
+    buf, kw = _new(tmp_path, storage)
+    before = fingerprint(buf)
+    calls = {
+        "add": lambda: buf.add(obs=_ClosesOnConversion(buf, np.zeros(3, np.float32)), reward=1.0,
+                               next_obs=np.ones(3, np.float32)),
+        "extend": lambda: buf.extend({"obs": _ClosesOnConversion(buf, np.zeros((2, 3), np.float32)),
+                                      "reward": np.ones(2, np.float32), "next_obs": np.ones((2, 3), np.float32)}),
+        "update_priorities": lambda: buf.update_priorities(np.arange(4), _ClosesOnConversion(buf, np.full(4, 7.0))),
+    }
+    with pytest.raises(BigperError, match="close"):
+        calls[call]()
+    assert not buf.closed  # the close was refused, the method too: nothing half-done
+    assert_same(before, fingerprint(buf))
+    buf.add(obs=np.zeros(3, np.float32), reward=1.0, next_obs=np.ones(3, np.float32))  # still works
+    buf.close()
+    if storage != "memory":
+        with bigper.PrioritizedReplayBuffer(CAP, FIELDS, storage=storage, mode="resume", **kw) as back:
+            assert len(back) == 11
+
+
+def _fork_and_run(child) -> int:
+    """Fork; the child runs ``child()`` and exits as a script or a worker that
+    returns does: the exit handlers run (``atexit``), then the process ends
+    (``os._exit``: the forked copy of pytest must not run on)."""
+    import atexit
+    import os
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 3
+        try:
+            code = child() or 0
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_forked_child_never_closes_or_writes_the_parents_disk_buffer(tmp_path, storage):
+    """A process forked while a disk buffer is open (a launcher, a worker pool
+    with the fork start method) shares its files and its flock. Its exit ran
+    the exit handler: the parent's folder was marked clean with the child's
+    state and the lock released, so a second writer opened the parent's live
+    path. In the child the buffer is closed without touching anything, and
+    says why."""
+    import warnings
+
+    from tests._hostile_snapshot_cases import fingerprint as files
+
+    buf, kw = _new(tmp_path, storage)
+    buf.storage.flush()
+    before = files(tmp_path)
+
+    def child():
+        try:
+            buf.add(obs=np.zeros(3, np.float32), reward=1.0, next_obs=np.ones(3, np.float32))
+        except BufferClosedError as e:
+            return 0 if "fork" in str(e) else 4
+        return 5  # the child wrote into the parent's files
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (numba's)
+        assert _fork_and_run(child) == 0
+    assert files(tmp_path) == before  # the child recorded nothing
+    with pytest.raises(StorageLockedError):  # and the parent still holds its lock
+        bigper.PrioritizedReplayBuffer(CAP, FIELDS, storage=storage, mode="resume", **kw)
+    buf.add(obs=np.zeros(3, np.float32), reward=1.0, next_obs=np.ones(3, np.float32))
+    buf.close()
+    with bigper.PrioritizedReplayBuffer(CAP, FIELDS, storage=storage, mode="resume", **kw) as back:
+        assert len(back) == 11
+
+
+def test_a_forked_child_samples_a_memory_buffer_even_when_a_thread_held_its_lock(tmp_path):
+    """A memory buffer is the child's own copy: it stays usable there, even
+    if another thread was inside one of its methods (a long save, a draw of
+    the sampler) at the moment of the fork: the child has no such thread to
+    release the lock, and must not see a half-done change either."""
+    import time
+    import warnings
+
+    buf, _ = _new(tmp_path, "memory")
+    inside, done = threading.Event(), threading.Event()
+
+    def long_call():  # stands for a method half-way through a change, under the lock
+        with buf._lock:
+            buf._writer.count += 1000
+            inside.set()
+            time.sleep(0.3)
+            buf._writer.count -= 1000
+        done.set()
+
+    def child():
+        import signal
+        signal.alarm(20)  # a deadlock fails the test instead of hanging it
+        if len(buf) != 10:
+            return 7  # the copy caught the other thread half-way
+        b = buf.sample(4)
+        buf.add(obs=np.zeros(3, np.float32), reward=1.0, next_obs=np.ones(3, np.float32))
+        return 0 if len(b.indices) == 4 and len(buf) == 11 else 6
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for _ in range(3):
+            inside.clear()
+            t = threading.Thread(target=long_call)
+            t.start()
+            inside.wait()
+            assert _fork_and_run(child) == 0
+            t.join()
+    assert len(buf) == 10
+    buf.close()
+
+
+def test_a_sampler_loop_learns_that_its_buffer_was_closed(tmp_path):
+    """A learner iterating a sampler while another thread closes the buffer gets
+    BufferClosedError, never a silent end of its loop (StopIteration); the
+    iterator's own close() still ends it quietly."""
+    buf = make(tmp_path, "memory", "proportional")
+    it = buf.sampler(4, prefetch=2)
+    next(it)
+    closer = threading.Timer(0.05, buf.close)
+    closer.start()
+    with pytest.raises(BufferClosedError):
+        for _ in it:
+            pass
+    closer.join()
+    other = make(tmp_path, "memory", "rank")
+    quiet = other.sampler(4, prefetch=2)
+    next(quiet)
+    quiet.close()
+    assert list(quiet) == []
+    other.close()

@@ -72,9 +72,8 @@ def build(kind: str, capacity: int, where: Path):
     from bigper.integrations.sb3 import PrioritizedReplayBuffer
 
     kw = {"storage": "memory"} if kind.startswith("bigper-memory") else {"storage": "memmap", "path": str(where / "replay")}
-    rb = PrioritizedReplayBuffer(capacity, obs_space, act_space, device="cpu", frame_stack=K, **kw)
-    rb.buffer  # open the storage now, not inside the first timed add
-    return rb
+    # The drop-in creates its storage here, as SB3's buffer allocates its arrays: not in the first timed add.
+    return PrioritizedReplayBuffer(capacity, obs_space, act_space, device="cpu", frame_stack=K, **kw)
 
 
 def buffer_bytes(kind: str, rb, where: Path) -> int:

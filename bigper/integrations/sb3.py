@@ -28,379 +28,41 @@ SHA-256 of its manifest. Where the snapshot goes, first that applies:
 otherwise pickling is refused. Unpickling checks the manifest's hash, loads
 the snapshot (priorities, cursor, RNG, beta step: sampling continues exactly)
 and never unpickles anything of bigper's: the snapshot is plain arrays and JSON.
+What each pickle promises (its snapshot kept, no silent rewind of a live
+path, atomic saves) is in ``bigper.integrations._sb3_pickle``.
+
+This module only gathers the public names: the buffer lives in
+``_sb3_buffer``, the algorithms in their own modules (imported on first use:
+SB3's algorithm modules are heavier), none of which imports this one.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-from pathlib import Path
-from typing import NamedTuple
+from ._sb3_buffer import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples, annealed_beta
 
-import numpy as np
-import torch as th
-from gymnasium import spaces
-from stable_baselines3.common.buffers import ReplayBuffer
+__all__ = ["PrioritizedDDPG", "PrioritizedDQN", "PrioritizedQRDQN", "PrioritizedReplayBuffer",
+           "PrioritizedReplayBufferSamples", "PrioritizedSAC", "PrioritizedTD3", "PrioritizedTQC",
+           "annealed_beta"]
 
-from .. import PrioritizedReplayBuffer as CoreBuffer
-from .. import Snapshots
-from ..batch import Batch
-from ..config import Config
-from ..schedules import as_schedule
-from ..errors import BigperError, CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
-from ._layout import StackLayout
-
-__all__ = ["PrioritizedDQN", "PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples"]
-
-_PICKLE_FORMAT = "bigper.sb3/1"
-_MANIFEST = "manifest.json"
-# Buffer options that are not part of bigper's Config.
-_NOT_CONFIG = ("path", "mode", "read_only", "storage_options")
-
-
-class PrioritizedReplayBufferSamples(NamedTuple):
-    """SB3's ``ReplayBufferSamples`` fields in their order, plus the PER ones.
-
-    ``dones`` is 1 only where the (n-step) window ended by termination (timeouts
-    are not dones, as in SB3). ``discounts`` is None with ``n_steps=1`` (SB3's
-    DQN then uses its own gamma); with ``n_steps > 1`` it is ``gamma**m`` for a
-    window of ``m`` steps, and 0 where ``dones`` is 1 (SB3 gives ``gamma**m``
-    there; ``(1 - dones) * discounts`` is the same). ``weights``: float32
-    ``(B, 1)``; ``indices``: int64 ``(B,)``.
-    """
-
-    observations: th.Tensor
-    actions: th.Tensor
-    next_observations: th.Tensor
-    dones: th.Tensor
-    rewards: th.Tensor
-    discounts: th.Tensor | None
-    weights: th.Tensor
-    indices: th.Tensor
-
-
-def _timeouts(infos, n_envs: int) -> np.ndarray:
-    """``TimeLimit.truncated`` per env from SB3's list of dicts or a Gymnasium vector env's dict."""
-    out = np.zeros(n_envs, dtype=bool)
-    if isinstance(infos, dict):
-        t = infos.get("TimeLimit.truncated")
-        if t is not None:
-            mask = infos.get("_TimeLimit.truncated")
-            out[:] = np.asarray(t, dtype=bool).reshape(n_envs)
-            if mask is not None:
-                out &= np.asarray(mask, dtype=bool).reshape(n_envs)
-        return out
-    if infos is None:
-        return out
-    infos = list(infos)
-    if len(infos) != n_envs:
-        raise InvalidArgumentError(f"infos must hold one dict per env ({n_envs}), got {len(infos)}")
-    for i, info in enumerate(infos):
-        out[i] = bool(info.get("TimeLimit.truncated", False))
-    return out
-
-
-def _manifest_digest(snap: Path) -> str:
-    with open(snap / _MANIFEST, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-class PrioritizedReplayBuffer(ReplayBuffer):
-    """SB3's ``ReplayBuffer`` interface over a prioritized bigper buffer.
-
-    Parameters
-    ----------
-    buffer_size, observation_space, action_space, device, n_envs :
-        As SB3's ``ReplayBuffer``. Transitions held: ``max(buffer_size // n_envs, 1) * n_envs``.
-    optimize_memory_usage : bool
-        Accepted and ignored: bigper stores each frame once in any case.
-    handle_timeout_termination : bool
-        Read timeouts from ``infos[i]["TimeLimit.truncated"]`` (a timeout ends
-        the episode but is not a done).
-    alpha : float
-        Priority exponent (0.6).
-    beta : float or schedule
-        IS exponent. A float is where ``PrioritizedDQN`` starts the annealing
-        to 1.0; a ``bigper.LinearSchedule`` is advanced once per ``sample``.
-    storage, path, seed :
-        The bigper buffer's storage ("memory", "memmap", "hdf5"), its path and seed.
-    frame_stack : int, optional
-        Observations are stacks of this many frames; each frame is stored once.
-    frame_axis : {"auto", "first", "last"}
-        Which axis holds the stack ("auto": the one ``frame_stack`` divides; if
-        both, the smaller, as SB3 tells channel-first images).
-    n_steps, gamma :
-        n-step returns as SB3's ``NStepReplayBuffer`` computes them.
-    snapshot_dir : str or Path, optional
-        Where pickling writes its bigper snapshot (see the module docstring).
-
-    The bigper buffer is built (its storage opened) on first use, not here:
-    SB3's ``DQN.load`` builds a buffer that ``load_replay_buffer`` replaces.
-    **bigper_kwargs :
-        Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``, ...).
-    """
-
-    def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
-                 device="auto", n_envs: int = 1, optimize_memory_usage: bool = False,
-                 handle_timeout_termination: bool = True, *, alpha: float = 0.6, beta=0.4,
-                 storage: str = "memory", path=None, seed: int = 0, frame_stack=None,
-                 frame_axis: str = "auto", n_steps: int = 1, gamma: float = 0.99,
-                 snapshot_dir=None, **bigper_kwargs):
-        # SB3's BaseBuffer only records spaces, shapes and the device; ReplayBuffer's
-        # own __init__ would allocate its obs/next_obs arrays, which is what we replace.
-        super(ReplayBuffer, self).__init__(buffer_size, observation_space, action_space, device,
-                                           n_envs=n_envs)
-        if isinstance(observation_space, spaces.Dict):
-            raise InvalidArgumentError("Dict observation spaces are not supported; got "
-                                       f"{observation_space}")
-        self.buffer_size = max(buffer_size // n_envs, 1)
-        self.optimize_memory_usage = False
-        self.handle_timeout_termination = bool(handle_timeout_termination)
-        self.n_steps = int(n_steps)
-        self.gamma = float(gamma)
-        self.snapshot_dir = snapshot_dir
-        self.layout = StackLayout(self.obs_shape, frame_stack, frame_axis)
-        self._act_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
-        fields = {"obs": (self.layout.core_shape, np.dtype(observation_space.dtype)),
-                  "action": ((self.action_dim,), self._act_dtype),
-                  "reward": ((), np.dtype(np.float32))}
-        kwargs = dict(frame_stack=frame_stack, n_step=self.n_steps, gamma=self.gamma, alpha=alpha,
-                      beta=beta, storage=storage, path=path, seed=seed, num_envs=n_envs, **bigper_kwargs)
-        # Checked now, opened on first use: SB3's DQN.load builds a buffer that
-        # load_replay_buffer replaces at once, and it must not touch the disk.
-        try:
-            Config.build(capacity=self.buffer_size * n_envs, fields=fields,
-                         **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
-        except BigperError:
-            raise
-        except TypeError as e:  # an option bigper does not have
-            raise InvalidArgumentError(f"PrioritizedReplayBuffer: {e}; bigper options: {sorted(kwargs)}") from None
-        self._core_args = (self.buffer_size * n_envs, fields, kwargs)
-        self._core = None
-        self._live_path = None if path is None else os.fspath(path)
-        # A float is where PrioritizedDQN starts annealing to 1.0; a schedule
-        # object is the user's, and the bigper buffer advances it.
-        self.beta_is_schedule = not isinstance(beta, (int, float))
-        self.beta0 = float(as_schedule(beta)(0))
-        self._wire()
-
-    @property
-    def buffer(self) -> CoreBuffer:
-        """The bigper buffer behind this one (its storage is opened on first use)."""
-        if self._core is None:
-            capacity, fields, kwargs = self._core_args
-            self._core = CoreBuffer(capacity, fields, **kwargs)
-        return self._core
-
-    def _wire(self) -> None:
-        """Counters derived from the bigper buffer (after construction and after unpickling)."""
-        self._last = None  # (indices tensor handed out, its Batch): updates skip overwritten slots
-        self._snapshot_target = None
-        self._steps = 0 if self._core is None else self._core.state_dict()[0]["count"] // self.n_envs
-        self._sync_cursor()
-
-    def _sync_cursor(self) -> None:
-        steps = self._steps
-        self.full = steps >= self.buffer_size
-        self.pos = steps % self.buffer_size
-
-    # -- writing -------------------------------------------------------------
-    def add(self, obs, next_obs, action, reward, done, infos, *, truncated=None) -> None:
-        """Add one step of every env, exactly as SB3 (and CleanRL) call it.
-
-        Parameters
-        ----------
-        obs, next_obs : array (n_envs, ``*obs_shape``)
-        action : array (n_envs, ...) reshaped to (n_envs, action_dim)
-        reward, done : array (n_envs,)
-            ``done`` as SB3's VecEnv gives it (terminated or timed out).
-        infos : list of dict, or dict
-            SB3's per-env list, or a Gymnasium vector env's dict of arrays;
-            ``TimeLimit.truncated`` marks timeouts.
-        truncated : array (n_envs,) of bool, optional
-            Timeouts given directly (for CleanRL, which passes ``terminations``
-            as ``done``): the episode ends there but keeps its bootstrap.
-        """
-        n = self.n_envs
-        obs = np.asarray(obs)
-        next_obs = np.asarray(next_obs)
-        if isinstance(self.observation_space, spaces.Discrete):
-            obs = obs.reshape((n, *self.obs_shape))
-            next_obs = next_obs.reshape((n, *self.obs_shape))
-        for name, x in (("obs", obs), ("next_obs", next_obs)):
-            if x.shape != (n, *self.obs_shape):
-                raise InvalidArgumentError(f"add: {name} must have shape {(n, *self.obs_shape)}, got {x.shape}")
-        action = np.asarray(action).reshape((n, self.action_dim))
-        done = np.asarray(done).reshape(n).astype(bool)
-        timeout = _timeouts(infos, n) if self.handle_timeout_termination else np.zeros(n, dtype=bool)
-        terminated = done & ~timeout
-        trunc = done & timeout
-        if truncated is not None:
-            trunc = trunc | (np.asarray(truncated, dtype=bool).reshape(n) & ~terminated)
-        step = {"obs": self.layout.to_core(obs, 1), "next_obs": self.layout.to_core(next_obs, 1),
-                "action": action, "reward": np.asarray(reward, dtype=np.float32).reshape(n),
-                "terminated": terminated, "truncated": trunc}
-        if n == 1:
-            step = {k: v[0] for k, v in step.items()}
-        self.buffer.add(**step)
-        self._steps += 1
-        self._sync_cursor()
-
-    @property
-    def dones(self) -> "_EpisodeCut":
-        """What SB3's ``_setup_learn`` writes to (``dones[pos] = True``) when a
-        model with ``optimize_memory_usage`` starts ``learn`` again: SB3 cuts
-        its single obs array there. bigper stores each ``next_obs`` (and
-        compares frames by their bytes), so there is nothing to cut."""
-        return _EpisodeCut()
-
-    def reset(self) -> None:
-        """Refused: a bigper buffer is not cleared in place (make a new one)."""
-        raise InvalidArgumentError("reset is not supported by bigper's buffer; build a new one")
-
-    # -- sampling ------------------------------------------------------------
-    def sample(self, batch_size: int, env=None, *, beta=None) -> PrioritizedReplayBufferSamples:
-        """Draw ``batch_size`` transitions in proportion to priority.
-
-        Parameters
-        ----------
-        batch_size : int
-        env : VecNormalize, optional
-            Observations and rewards normalized as SB3 does.
-        beta : float, optional
-            IS exponent for this call (``PrioritizedDQN`` passes its annealed value).
-        """
-        batch = self.buffer.sample(batch_size, beta=beta)
-        return self._samples(batch, env)
-
-    def _samples(self, batch: Batch, env) -> PrioritizedReplayBufferSamples:
-        obs = self.layout.from_core(batch["obs"])
-        nxt = self.layout.from_core(batch["next_obs"])
-        rewards = batch["reward"].astype(np.float32, copy=False).reshape(-1, 1)
-        if env is not None:
-            if self.n_steps > 1 and getattr(env, "norm_reward", False):
-                raise InvalidArgumentError(
-                    "sample: reward normalization (VecNormalize norm_reward=True) with n_steps > 1 "
-                    "is not supported: bigper sums the raw rewards of a window")
-            obs = self._normalize_obs(obs, env)
-            nxt = self._normalize_obs(nxt, env)
-            rewards = self._normalize_reward(rewards, env)
-        data = {"observations": obs, "actions": batch["action"], "next_observations": nxt,
-                "dones": batch["terminated"].astype(np.float32).reshape(-1, 1), "rewards": rewards}
-        if self.n_steps > 1:
-            data["discounts"] = batch["discount"].astype(np.float32, copy=False).reshape(-1, 1)
-        t = Batch(data, batch.indices, batch.weights, batch.probabilities, batch.generations)
-        t = t.to_torch(self.device)
-        out = PrioritizedReplayBufferSamples(
-            t["observations"], t["actions"], t["next_observations"], t["dones"], t["rewards"],
-            t.get("discounts"), t["weights"].reshape(-1, 1), t["indices"])
-        self._last = (out.indices, batch)
-        return out
-
-    def update_priorities(self, indices, priorities) -> None:
-        """Set priorities, e.g. ``|TD error|``; numpy arrays or torch tensors on any device.
-
-        The ``indices`` tensor of the latest ``sample`` is matched to its batch,
-        so transitions overwritten since that sample are skipped.
-        """
-        last = self._last
-        if last is not None and indices is last[0]:
-            self.buffer.update_priorities(last[1], priorities)
-        else:
-            self.buffer.update_priorities(indices, priorities)
-
-    def size(self) -> int:
-        """Transitions held (SB3's meaning: up to ``buffer_size``)."""
-        return self.buffer_size if self.full else self.pos
-
-    def close(self) -> None:
-        """Close the bigper buffer (a disk storage is flushed and unlocked)."""
-        if self._core is not None:
-            self._core.close()
-
-    # -- pickling: a snapshot reference, never the transitions -----------------
-    def _snapshot_root(self) -> Path:
-        if self.snapshot_dir is not None:
-            return Path(self.snapshot_dir)
-        if self._snapshot_target is not None:
-            return Path(self._snapshot_target)
-        if self._live_path is not None:
-            return Path(f"{self._live_path}.snapshots")
-        raise InvalidArgumentError(
-            "pickling a bigper PrioritizedReplayBuffer writes a snapshot, and this one has no place "
-            "for it: pass snapshot_dir= to the buffer, use PrioritizedDQN.save_replay_buffer(path), "
-            "or use a disk storage")
-
-    def __getstate__(self) -> dict:
-        snap = Snapshots(self._snapshot_root(), keep=2).save(self.buffer)
-        return {"format": _PICKLE_FORMAT, "snapshot": os.fspath(snap),
-                "manifest_sha256": _manifest_digest(snap),
-                "buffer_size": self.buffer_size, "n_envs": self.n_envs,
-                "observation_space": self.observation_space, "action_space": self.action_space,
-                "device": str(self.device), "handle_timeout_termination": self.handle_timeout_termination,
-                "n_steps": self.n_steps, "gamma": self.gamma, "frame_stack": self.layout.k,
-                "frame_axis": self.layout.axis or "auto", "live_path": self._live_path,
-                "beta_is_schedule": self.beta_is_schedule, "beta0": self.beta0,
-                "snapshot_dir": None if self.snapshot_dir is None else os.fspath(self.snapshot_dir)}
-
-    def __setstate__(self, state) -> None:
-        if not isinstance(state, dict) or state.get("format") != _PICKLE_FORMAT:
-            got = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise IncompatibleSnapshotError(f"not a bigper SB3 replay buffer pickle ({_PICKLE_FORMAT}), got {got!r}")
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise IncompatibleSnapshotError(f"bigper SB3 replay buffer pickle lacks {missing}")
-        snap = Path(state["snapshot"])
-        try:
-            digest = _manifest_digest(snap)
-        except OSError as e:
-            raise CorruptSnapshotError(f"the replay buffer's snapshot {snap} cannot be read: {e}") from e
-        if digest != state["manifest_sha256"]:
-            raise CorruptSnapshotError(f"{snap}/{_MANIFEST} is not the snapshot this pickle was written "
-                                       f"with (sha256 {digest}, recorded {state['manifest_sha256']})")
-        buf = CoreBuffer.load(snap)
-        super(ReplayBuffer, self).__init__(state["buffer_size"], state["observation_space"],
-                                           state["action_space"], state["device"], n_envs=state["n_envs"])
-        self.buffer_size = state["buffer_size"]
-        self.optimize_memory_usage = False
-        self.handle_timeout_termination = state["handle_timeout_termination"]
-        self.n_steps, self.gamma = state["n_steps"], state["gamma"]
-        self.snapshot_dir = state["snapshot_dir"]
-        self.layout = StackLayout(self.obs_shape, state["frame_stack"], state["frame_axis"])
-        self._act_dtype = np.dtype(self._maybe_cast_dtype(self.action_space.dtype))
-        if buf.capacity != self.buffer_size * self.n_envs or buf.config.num_envs != self.n_envs:
-            buf.close()
-            raise IncompatibleSnapshotError(f"{snap} holds capacity {buf.capacity} for "
-                                            f"{buf.config.num_envs} env(s), the pickle says "
-                                            f"{self.buffer_size} x {self.n_envs}")
-        self._core = buf
-        self._core_args = None
-        self._live_path = state["live_path"]
-        self.beta_is_schedule, self.beta0 = bool(state["beta_is_schedule"]), float(state["beta0"])
-        self._wire()
-
-
-class _EpisodeCut:
-    def __setitem__(self, key, value) -> None:
-        pass
-
-
-_STATE_KEYS = ("snapshot", "manifest_sha256", "buffer_size", "n_envs", "observation_space",
-               "action_space", "device", "handle_timeout_termination", "n_steps", "gamma",
-               "frame_stack", "frame_axis", "live_path", "beta_is_schedule", "beta0", "snapshot_dir")
-
-
-def annealed_beta(beta0: float, progress_remaining: float) -> float:
-    """Beta from ``beta0`` at the start of ``learn`` to 1.0 at its end."""
-    done = min(max(1.0 - float(progress_remaining), 0.0), 1.0)
-    return beta0 + (1.0 - beta0) * done
+# name -> module that defines it (loaded on first access; QRDQN and TQC need sb3-contrib)
+_ALGORITHMS = {"PrioritizedDQN": "_sb3_dqn", "PrioritizedSAC": "_sb3_actor_critic",
+               "PrioritizedTD3": "_sb3_actor_critic", "PrioritizedDDPG": "_sb3_actor_critic",
+               "PrioritizedQRDQN": "_sb3_contrib", "PrioritizedTQC": "_sb3_contrib"}
 
 
 def __getattr__(name):
-    # PrioritizedDQN lives in its own module (SB3's DQN import is heavier).
-    if name == "PrioritizedDQN":
-        from ._sb3_dqn import PrioritizedDQN
+    mod = _ALGORITHMS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
 
-        return PrioritizedDQN
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if mod == "_sb3_contrib":
+        try:
+            import sb3_contrib  # noqa: F401
+        except ImportError:
+            raise ImportError(f"{name} needs sb3-contrib: pip install 'bigper[sb3-contrib]'") from None
+    return getattr(import_module(f"{__package__}.{mod}"), name)
 
+
+def __dir__():
+    return sorted(set(globals()) | set(_ALGORITHMS))

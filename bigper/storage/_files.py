@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -327,6 +328,32 @@ def preallocate(path: Path, nbytes: int, *, follow: bool = False) -> None:
         os.close(fd)
 
 
+# /proc/self/fd/N -> the real path of the directory a HeldDir opened there (for messages).
+_HELD_ROOTS: dict[str, str] = {}
+_PROC_FD = re.compile(r"/proc/self/fd/\d+")
+
+
+def real_names(exc: BaseException) -> BaseException:
+    """``exc`` with every ``/proc/self/fd/N`` path of a held directory put back
+    as the path the user knows (file operations go through the descriptor; the
+    messages should not). Changes ``exc`` in place and returns it."""
+    def fix(text):
+        if not isinstance(text, str) or "/proc/self/fd/" not in text:
+            return text
+        return _PROC_FD.sub(lambda m: _HELD_ROOTS.get(m.group(0), m.group(0)), text)
+
+    if isinstance(exc, OSError):
+        for attr in ("filename", "filename2"):  # (set only when changed: OSError's str reads
+            old = getattr(exc, attr, None)      # a filename set to None as one)
+            if fix(old) is not old:
+                setattr(exc, attr, fix(old))
+        if exc.errno is None and exc.args:
+            exc.args = tuple(fix(a) for a in exc.args)
+    elif exc.args:
+        exc.args = tuple(fix(a) for a in exc.args)
+    return exc
+
+
 class HeldDir:
     """A directory held by an ``O_DIRECTORY`` descriptor from the moment a
     storage opens it (promise 11), and ``root``, a path that resolves through
@@ -345,6 +372,12 @@ class HeldDir:
         except OSError:
             same = False
         self.root = proc if same else self.path
+        if same:
+            _HELD_ROOTS[str(proc)] = str(self.path)
+
+    def gone(self) -> bool:
+        """Whether the directory held was deleted (its last name removed)."""
+        return self.fd >= 0 and os.fstat(self.fd).st_nlink == 0
 
     def close(self) -> None:
         """Let go of the descriptor; ``root`` is the plain path from now on (a

@@ -396,9 +396,14 @@ class HDF5Storage:
         except OSError as e:
             failed = e
         finally:
+            gone = failed is not None and self._dir is not None and \
+                (self._dir.gone() or not os.path.lexists(self._fp))
             self._lock.release()
             self._lock = None
             self._let_go()
+        if gone:
+            raise PathNotFoundError(f"{self.path} was deleted while its buffer was open: close could not "
+                                    f"record the buffer's state ({failed})") from failed
         if failed is not None:
             raise OSError(getattr(failed, "errno", None) or errno.EIO,
                           f"{self.path}: close could not record the buffer's state ({failed}); the file is "

@@ -496,19 +496,36 @@ class MemmapStorage:
         """Flush data, record ``state`` (``(meta, arrays)``) and mark the directory clean."""
         if self._lock is None:
             return
-        if not self.read_only:
-            self.flush()
-            if state is not None:
-                save_state_dir(self._root / "state", state[1])
-                self._meta["state"] = state[0]
-                self._meta["state_files"] = sorted(state[1])
-            if self._arr:
-                self._meta["shared_digests"] = {
-                    name: {str(k): [a.inodes[k], a.digests[k]] for k in range(a.n) if a.digests[k]}
-                    for name, a in self._arr.items()}
-            self._meta["clean"] = True
-            write_json(self._root / "meta.json", self._meta)
-        self._drop()
-        self._lock.release()
-        self._lock = None
-        self._let_go()
+        gone = False
+        try:
+            if not self.read_only:
+                self.check_present("close could not record the buffer's state")
+                self.flush()
+                if state is not None:
+                    save_state_dir(self._root / "state", state[1])
+                    self._meta["state"] = state[0]
+                    self._meta["state_files"] = sorted(state[1])
+                if self._arr:
+                    self._meta["shared_digests"] = {
+                        name: {str(k): [a.inodes[k], a.digests[k]] for k in range(a.n) if a.digests[k]}
+                        for name, a in self._arr.items()}
+                self._meta["clean"] = True
+                write_json(self._root / "meta.json", self._meta)
+        except FileNotFoundError as e:
+            gone = self._dir is not None and self._dir.gone()
+            if not gone:
+                raise
+            failed = e
+        finally:  # whatever failed, nothing stays held: mappings, lock, directory
+            self._drop()
+            self._lock.release()
+            self._lock = None
+            self._let_go()
+        if gone:
+            raise PathNotFoundError(f"{self.path} was deleted while its buffer was open: close could not "
+                                    f"record the buffer's state ({failed})") from failed
+
+    def check_present(self, what: str = "cannot go on") -> None:
+        """``PathNotFoundError`` when the directory held was deleted while open."""
+        if self._dir is not None and self._dir.gone():
+            raise PathNotFoundError(f"{self.path} was deleted while its buffer was open: {what}")

@@ -1,0 +1,491 @@
+"""The SB3 / CleanRL drop-in's buffer: SB3's ``ReplayBuffer`` interface over a
+prioritized ``bigper.PrioritizedReplayBuffer`` (see ``bigper.integrations.sb3``)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.buffers import ReplayBuffer
+
+from .. import PrioritizedReplayBuffer as CoreBuffer
+from ..batch import Batch
+from ..config import Config
+from ..errors import BigperError, BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError
+from ..schedules import as_schedule
+from ._layout import StackLayout
+from ._sb3_pickle import KEEP_AT_PATH, open_snapshot, write_snapshot
+
+__all__ = ["PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples"]
+
+# The public home of these classes: pickles name them there, wherever they are defined.
+_HOME = "bigper.integrations.sb3"
+_PICKLE_FORMAT = "bigper.sb3/1"
+# Samples with no update_priorities call before the buffer says that sampling is uniform.
+_PLAIN_SAMPLES_WARN = 100
+# Buffer options that are not part of bigper's Config.
+_NOT_CONFIG = ("path", "mode", "read_only", "storage_options")
+
+
+class PrioritizedReplayBufferSamples(NamedTuple):
+    """SB3's ``ReplayBufferSamples`` fields in their order, plus the PER ones.
+
+    ``dones`` is 1 only where the (n-step) window ended by termination (timeouts
+    are not dones, as in SB3). ``discounts`` is None with ``n_steps=1`` (SB3's
+    DQN then uses its own gamma); with ``n_steps > 1`` it is ``gamma**m`` for a
+    window of ``m`` steps, also where ``dones`` is 1, exactly as SB3's
+    ``NStepReplayBuffer`` gives it (the target masks it with ``1 - dones``).
+    ``weights``: float32 ``(B, 1)``; ``indices``: int64 ``(B,)``.
+    """
+
+    observations: th.Tensor
+    actions: th.Tensor
+    next_observations: th.Tensor
+    dones: th.Tensor
+    rewards: th.Tensor
+    discounts: th.Tensor | None
+    weights: th.Tensor
+    indices: th.Tensor
+
+
+def _timeouts(infos, n_envs: int) -> np.ndarray:
+    """``TimeLimit.truncated`` per env from SB3's list of dicts or a Gymnasium vector env's dict."""
+    out = np.zeros(n_envs, dtype=bool)
+    if isinstance(infos, dict):
+        t = infos.get("TimeLimit.truncated")
+        if t is not None:
+            mask = infos.get("_TimeLimit.truncated")
+            out[:] = np.asarray(t, dtype=bool).reshape(n_envs)
+            if mask is not None:
+                out &= np.asarray(mask, dtype=bool).reshape(n_envs)
+        return out
+    if infos is None:
+        return out
+    infos = list(infos)
+    if len(infos) != n_envs:
+        raise InvalidArgumentError(f"infos must hold one dict per env ({n_envs}), got {len(infos)}")
+    for i, info in enumerate(infos):
+        out[i] = bool(info.get("TimeLimit.truncated", False))
+    return out
+
+
+class PrioritizedReplayBuffer(ReplayBuffer):
+    """SB3's ``ReplayBuffer`` interface over a prioritized bigper buffer.
+
+    Parameters
+    ----------
+    buffer_size, observation_space, action_space, device, n_envs :
+        As SB3's ``ReplayBuffer``. Transitions held: ``max(buffer_size // n_envs, 1) * n_envs``.
+    optimize_memory_usage : bool
+        Accepted and ignored: bigper stores each frame once in any case.
+    handle_timeout_termination : bool
+        Read timeouts from ``infos[i]["TimeLimit.truncated"]`` (a timeout ends
+        the episode but is not a done).
+    alpha : float
+        Priority exponent (0.6).
+    beta : float or schedule
+        IS exponent. A float is where the annealing to 1.0 starts (over
+        ``learn`` in the ``Prioritized*`` algorithms, over ``beta_steps`` adds
+        when given); a ``bigper.LinearSchedule`` is advanced once per ``sample``.
+    beta_steps : int, optional
+        Anneal beta from ``beta`` to 1.0 over this many ``add`` calls (env steps
+        of a vector env, CleanRL's ``total_timesteps``), then keep 1.0: no
+        sample counting by hand, and it resumes with the buffer.
+    storage, path, seed :
+        The bigper buffer's storage ("memory", "memmap", "hdf5"), its path and seed.
+    frame_stack : int, optional
+        Observations are stacks of this many frames; each frame is stored once.
+    frame_axis : {"auto", "first", "last"}
+        Which axis holds the stack ("auto": the one ``frame_stack`` divides; if
+        both, the smaller, as SB3 tells channel-first images).
+    n_steps, gamma :
+        n-step returns as SB3's ``NStepReplayBuffer`` computes them.
+    snapshot_dir : str or Path, optional
+        Where pickling writes its bigper snapshot (see the module docstring).
+    **bigper_kwargs :
+        Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``,
+        ``mode="resume"`` to continue the buffer at ``path``, ...).
+
+    The storage is created here (the first ``add`` costs what the others do),
+    except where ``path`` already holds something and ``mode`` is "new": SB3's
+    ``DQN.load`` builds a buffer with the saved ``path`` that
+    ``load_replay_buffer`` replaces at once, so that one opens on first use
+    (and a rerun over a used path gets its ``PathExistsError`` there).
+    ``size()`` and ``pos`` count what the bigper buffer holds, also after
+    ``mode="resume"``.
+    """
+
+    def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
+                 device="auto", n_envs: int = 1, optimize_memory_usage: bool = False,
+                 handle_timeout_termination: bool = True, *, alpha: float = 0.6, beta=0.4,
+                 storage: str = "memory", path=None, seed: int = 0, frame_stack=None,
+                 frame_axis: str = "auto", n_steps: int = 1, gamma: float = 0.99,
+                 snapshot_dir=None, beta_steps=None, **bigper_kwargs):
+        # SB3's BaseBuffer only records spaces, shapes and the device; ReplayBuffer's
+        # own __init__ would allocate its obs/next_obs arrays, which is what we replace.
+        super(ReplayBuffer, self).__init__(buffer_size, observation_space, action_space, device,
+                                           n_envs=n_envs)
+        if isinstance(observation_space, spaces.Dict):
+            raise InvalidArgumentError(
+                f"observation_space: Dict spaces are not supported by bigper's PrioritizedReplayBuffer, got "
+                f"{observation_space}; flatten the observation (gymnasium.wrappers.FlattenObservation) "
+                "or use SB3's DictReplayBuffer (uniform replay; HerReplayBuffer for goal-conditioned tasks)")
+        if beta_steps is not None and (isinstance(beta_steps, bool) or not isinstance(beta_steps, (int, np.integer))
+                                       or beta_steps < 1):
+            raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {beta_steps!r}")
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.optimize_memory_usage = False
+        self.handle_timeout_termination = bool(handle_timeout_termination)
+        self.n_steps = int(n_steps)
+        self.gamma = float(gamma)
+        self.snapshot_dir = snapshot_dir
+        self.layout = StackLayout(self.obs_shape, frame_stack, frame_axis)
+        self._act_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
+        fields = {"obs": (self.layout.core_shape, np.dtype(observation_space.dtype)),
+                  "action": ((self.action_dim,), self._act_dtype),
+                  "reward": ((), np.dtype(np.float32))}
+        kwargs = dict(frame_stack=frame_stack, n_step=self.n_steps, gamma=self.gamma, alpha=alpha,
+                      beta=beta, storage=storage, path=path, seed=seed, num_envs=n_envs, **bigper_kwargs)
+        # Checked now, opened on first use: SB3's DQN.load builds a buffer that
+        # load_replay_buffer replaces at once, and it must not touch the disk.
+        try:
+            Config.build(capacity=self.buffer_size * n_envs, fields=fields,
+                         **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
+        except BigperError:
+            raise
+        except TypeError as e:  # an option bigper does not have
+            raise InvalidArgumentError(f"PrioritizedReplayBuffer: {e}; bigper options: {sorted(kwargs)}") from None
+        self._core_args = (self.buffer_size * n_envs, fields, kwargs)
+        self._core = None
+        self._live_path = None if path is None else os.fspath(path)
+        # A float is where the annealing to 1.0 starts; a schedule object is
+        # the user's, and the bigper buffer advances it.
+        self.beta_is_schedule = not isinstance(beta, (int, float))
+        self.beta0 = float(as_schedule(beta)(0))
+        self.beta_steps = None if beta_steps is None else int(beta_steps)
+        self._wire()
+        used = path is not None and kwargs.get("mode", "new") == "new" and os.path.lexists(path)
+        if not used:
+            self.buffer  # noqa: B018 (the storage is created now, not at the first add)
+
+    @property
+    def buffer(self) -> CoreBuffer:
+        """The bigper buffer behind this one."""
+        if self._core is None:
+            capacity, fields, kwargs = self._core_args
+            self._core = CoreBuffer(capacity, fields, **kwargs)
+            self._count_steps()  # a resumed buffer holds what it held
+        return self._core
+
+    def _wire(self) -> None:
+        """Counters derived from the bigper buffer (after construction and after unpickling)."""
+        self._last = None  # (indices tensor handed out, its Batch): updates skip overwritten slots
+        self._snapshot_target = None
+        self._plain_samples = 0  # samples since construction with no update_priorities yet
+        self._count_steps()
+
+    def _count_steps(self) -> None:
+        self._steps = 0 if self._core is None else self._core.state_dict()[0]["count"] // self.n_envs
+        self._sync_cursor()
+
+    @classmethod
+    def from_buffer(cls, buffer: CoreBuffer, observation_space: spaces.Space, action_space: spaces.Space,
+                    device="auto", *, handle_timeout_termination: bool = True, frame_axis: str = "auto",
+                    snapshot_dir=None, beta_steps=None) -> "PrioritizedReplayBuffer":
+        """The drop-in over an open bigper buffer: one loaded from a snapshot
+        (``bigper.Snapshots(root).load_latest()``) or reopened with
+        ``mode="resume"``. ``size()``, ``pos`` and sampling continue where the
+        buffer is; capacity, envs, frame stack, n-step and gamma are the
+        buffer's, and its fields must be the ones this drop-in builds for the
+        spaces (``InvalidArgumentError`` naming the difference otherwise).
+        """
+        if not isinstance(buffer, CoreBuffer):
+            raise InvalidArgumentError(f"from_buffer: buffer must be a bigper.PrioritizedReplayBuffer, "
+                                       f"got {type(buffer).__name__}")
+        if buffer.closed:
+            raise BufferClosedError("from_buffer: the bigper buffer is closed")
+        cfg = buffer.config
+        if cfg.capacity % cfg.num_envs:
+            raise InvalidArgumentError(f"from_buffer: capacity {cfg.capacity} is not a multiple of "
+                                       f"num_envs {cfg.num_envs}, which SB3's buffer_size needs")
+        self = cls.__new__(cls)
+        super(ReplayBuffer, self).__init__(cfg.capacity, observation_space, action_space, device,
+                                           n_envs=cfg.num_envs)
+        self.buffer_size = cfg.capacity // cfg.num_envs
+        self.optimize_memory_usage = False
+        self.handle_timeout_termination = bool(handle_timeout_termination)
+        self.n_steps, self.gamma = cfg.n_step, cfg.gamma
+        self.snapshot_dir = snapshot_dir
+        self.layout = StackLayout(self.obs_shape, cfg.frame_stack, frame_axis)
+        self._act_dtype = np.dtype(self._maybe_cast_dtype(action_space.dtype))
+        want = {"obs": (self.layout.core_shape, np.dtype(observation_space.dtype).str),
+                "action": ((self.action_dim,), self._act_dtype.str), "reward": ((), np.dtype(np.float32).str)}
+        if dict(cfg.fields) != want:
+            raise InvalidArgumentError(f"from_buffer: the buffer's fields {cfg.fields} are not the ones "
+                                       f"these spaces need {want}")
+        storage_path = getattr(buffer.storage, "path", None)
+        self._core, self._core_args = buffer, None
+        self._live_path = None if storage_path is None else os.fspath(storage_path)
+        schedule = cfg.schedule
+        self.beta_is_schedule = cfg.beta.get("kind") != "constant"
+        self.beta0 = float(schedule(0))
+        if beta_steps is not None and (isinstance(beta_steps, bool) or not isinstance(beta_steps, int)
+                                       or beta_steps < 1):
+            raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {beta_steps!r}")
+        self.beta_steps = beta_steps
+        self._wire()
+        return self
+
+    # -- beta ------------------------------------------------------------------
+    def beta_for_learner(self, progress_remaining: float):
+        """The beta a prioritized SB3 algorithm samples with: None where the
+        buffer's schedule decides, annealed by ``add`` count with
+        ``beta_steps``, else from ``beta`` to 1.0 over ``learn``."""
+        if self.beta_is_schedule:
+            return None
+        if self.beta_steps is not None:
+            return self._beta_by_steps()
+        return annealed_beta(self.beta0, progress_remaining)
+
+    def _beta_by_steps(self) -> float:
+        done = min(self._steps / self.beta_steps, 1.0)
+        return self.beta0 + (1.0 - self.beta0) * done
+
+    def _sync_cursor(self) -> None:
+        steps = self._steps
+        self.full = steps >= self.buffer_size
+        self.pos = steps % self.buffer_size
+
+    # -- writing -------------------------------------------------------------
+    def add(self, obs, next_obs, action, reward, done, infos, *, truncated=None) -> None:
+        """Add one step of every env, exactly as SB3 (and CleanRL) call it.
+
+        Parameters
+        ----------
+        obs, next_obs : array (n_envs, obs_shape...)
+        action : array (n_envs, ...) reshaped to (n_envs, action_dim)
+        reward, done : array (n_envs,)
+            ``done`` as SB3's VecEnv gives it (terminated or timed out).
+        infos : list of dict, or dict
+            SB3's per-env list, or a Gymnasium vector env's dict of arrays;
+            ``TimeLimit.truncated`` marks timeouts.
+        truncated : array (n_envs,) of bool, optional
+            Timeouts given directly (for CleanRL, which passes ``terminations``
+            as ``done``): the episode ends there but keeps its bootstrap.
+        """
+        n = self.n_envs
+        obs = np.asarray(obs)
+        next_obs = np.asarray(next_obs)
+        want = (n, *self.obs_shape)
+        if obs.shape != want or next_obs.shape != want:
+            if isinstance(self.observation_space, spaces.Discrete):
+                obs, next_obs = obs.reshape(want), next_obs.reshape(want)
+            for name, x in (("obs", obs), ("next_obs", next_obs)):
+                if x.shape != want:
+                    raise InvalidArgumentError(f"add: {name} must have shape {want}, got {x.shape}")
+        action = np.asarray(action).reshape((n, self.action_dim))
+        done = np.asarray(done).reshape(n).astype(bool, copy=False)
+        timeout = _timeouts(infos, n) if self.handle_timeout_termination else np.zeros(n, dtype=bool)
+        terminated = done & ~timeout
+        trunc = done & timeout
+        if truncated is not None:
+            trunc = trunc | (np.asarray(truncated, dtype=bool).reshape(n) & ~terminated)
+        # The reward goes in as given: the core stores it if it fits float32 (finite), else refuses.
+        reward = np.asarray(reward).reshape(n)
+        obs, next_obs = self.layout.to_core(obs, 1), self.layout.to_core(next_obs, 1)
+        if n == 1:
+            self.buffer.add(obs=obs[0], next_obs=next_obs[0], action=action[0], reward=reward[0],
+                            terminated=terminated[0], truncated=trunc[0])
+        else:
+            self.buffer.add(obs=obs, next_obs=next_obs, action=action, reward=reward,
+                            terminated=terminated, truncated=trunc)
+        self._steps += 1
+        self._sync_cursor()
+
+    @property
+    def dones(self) -> "_EpisodeCut":
+        """What SB3's ``_setup_learn`` writes to (``dones[pos] = True``) when a
+        model with ``optimize_memory_usage`` starts ``learn`` again: SB3 cuts
+        its single obs array there. bigper stores each ``next_obs`` (and
+        compares frames by their bytes), so there is nothing to cut."""
+        return _EpisodeCut()
+
+    def reset(self) -> None:
+        """Refused: a bigper buffer is not cleared in place (make a new one)."""
+        raise InvalidArgumentError("reset is not supported by bigper's buffer; build a new one")
+
+    # -- sampling ------------------------------------------------------------
+    def sample(self, batch_size: int, env=None, *, beta=None) -> PrioritizedReplayBufferSamples:
+        """Draw ``batch_size`` transitions in proportion to priority.
+
+        Parameters
+        ----------
+        batch_size : int
+        env : VecNormalize, optional
+            Observations and rewards normalized as SB3 does.
+        beta : float, optional
+            IS exponent for this call (``PrioritizedDQN`` passes its annealed value).
+        """
+        if beta is None and self.beta_steps is not None and not self.beta_is_schedule:
+            beta = self._beta_by_steps()
+        batch = self.buffer.sample(batch_size, beta=beta)
+        if self._plain_samples >= 0:
+            self._plain_samples += 1
+            if self._plain_samples == _PLAIN_SAMPLES_WARN:
+                warnings.warn(
+                    f"bigper PrioritizedReplayBuffer: {_PLAIN_SAMPLES_WARN} batches sampled and no "
+                    "update_priorities call: every priority stays at the max, so sampling is uniform. With SB3, "
+                    "use bigper.integrations.sb3.PrioritizedDQN (or PrioritizedSAC, PrioritizedTD3, "
+                    "PrioritizedDDPG, PrioritizedQRDQN, PrioritizedTQC) instead of the plain algorithm; in a "
+                    "loop of your own, call rb.update_priorities(data.indices, td_abs) after each step",
+                    UserWarning, stacklevel=2)
+        return self._samples(batch, env)
+
+    def _samples(self, batch: Batch, env) -> PrioritizedReplayBufferSamples:
+        obs = self.layout.from_core(batch["obs"])
+        nxt = self.layout.from_core(batch["next_obs"])
+        rewards = batch["reward"].astype(np.float32, copy=False).reshape(-1, 1)
+        if env is not None:
+            if self.n_steps > 1 and getattr(env, "norm_reward", False):
+                raise InvalidArgumentError(
+                    "sample: reward normalization (VecNormalize norm_reward=True) with n_steps > 1 "
+                    "is not supported: bigper sums the raw rewards of a window")
+            obs = self._normalize_obs(obs, env)
+            nxt = self._normalize_obs(nxt, env)
+            rewards = self._normalize_reward(rewards, env)
+        data = {"observations": obs, "actions": batch["action"], "next_observations": nxt,
+                "dones": batch["terminated"].astype(np.float32).reshape(-1, 1), "rewards": rewards}
+        if self.n_steps > 1:
+            data["discounts"] = self._discounts(batch).reshape(-1, 1)
+        t = Batch(data, batch.indices, batch.weights, batch.probabilities, batch.generations)
+        t = t.to_torch(self.device)
+        out = PrioritizedReplayBufferSamples(
+            t["observations"], t["actions"], t["next_observations"], t["dones"], t["rewards"],
+            t.get("discounts"), t["weights"].reshape(-1, 1), t["indices"])
+        self._last = (out.indices, batch)
+        return out
+
+    def _discounts(self, batch: Batch) -> np.ndarray:
+        """SB3's ``NStepReplayBuffer`` discounts: ``gamma**m`` for a window of
+        ``m`` steps, also where it ended by termination (bigper gives 0 there;
+        SB3 leaves that to ``1 - dones``, and a drop-in returns what SB3 returns)."""
+        disc = batch["discount"].astype(np.float32, copy=True)
+        rows = np.flatnonzero(batch["terminated"])
+        if rows.size:
+            # A window stops at the first step that ended its episode; where it
+            # terminated, that step is the first with an end flag.
+            ends = self.buffer.state_dict()[1]["ends"]
+            steps = np.arange(self.n_steps, dtype=np.int64) * self.n_envs
+            slots = (batch.generations[rows, None] + steps[None, :]) % self.buffer.capacity
+            m = (ends[slots] != 0).argmax(axis=1) + 1
+            disc[rows] = self.gamma ** m
+        return disc
+
+    def update_priorities(self, indices, priorities) -> None:
+        """Set priorities, e.g. ``|TD error|``; numpy arrays or torch tensors on any device.
+
+        The ``indices`` tensor of the latest ``sample`` is matched to its batch,
+        so transitions overwritten since that sample are skipped.
+        """
+        self._plain_samples = -1  # priorities are written back: nothing to warn about
+        last = self._last
+        if last is not None and indices is last[0]:
+            self.buffer.update_priorities(last[1], priorities)
+        else:
+            self.buffer.update_priorities(indices, priorities)
+
+    def size(self) -> int:
+        """Transitions held (SB3's ``size()``: per env, as SB3 counts them)."""
+        return self.buffer_size if self.full else self.pos
+
+    def close(self) -> None:
+        """Close the bigper buffer (a disk storage is flushed and unlocked)."""
+        if self._core is not None:
+            self._core.close()
+
+    @property
+    def closed(self) -> bool:
+        """True after ``close()`` (a buffer never used is open: its storage opens on first use)."""
+        return self._core is not None and self._core.closed
+
+    # -- pickling: a snapshot reference, never the transitions (see _sb3_pickle) ---
+    def _snapshot_series(self) -> tuple[Path, int | None]:
+        """Where this pickle's snapshot goes, and how many of that series to keep."""
+        if self._snapshot_target is not None and self.snapshot_dir is None:
+            # save_replay_buffer(path) owns <path>.bigper/: the pickle at that path names
+            # the newest snapshot; the one before stays until the next save lands.
+            return Path(self._snapshot_target), KEEP_AT_PATH
+        # A pickle whose file bigper does not know: its snapshot is never pruned.
+        if self.snapshot_dir is not None:
+            return Path(self.snapshot_dir), None
+        if self._live_path is not None:
+            return Path(f"{self._live_path}.snapshots"), None
+        raise InvalidArgumentError(
+            "pickling a bigper PrioritizedReplayBuffer writes a snapshot, and this one has no place "
+            "for it: pass snapshot_dir= to the buffer, use PrioritizedDQN.save_replay_buffer(path), "
+            "or use a disk storage")
+
+    def __getstate__(self) -> dict:
+        if self.closed:  # before any directory is made or file written
+            raise BufferClosedError("cannot pickle a closed bigper PrioritizedReplayBuffer: its "
+                                    "transitions are no longer reachable (pickle it before close())")
+        root, keep = self._snapshot_series()
+        snap, digest = write_snapshot(self.buffer, root, keep)
+        return {"format": _PICKLE_FORMAT, "snapshot": snap, "manifest_sha256": digest,
+                "buffer_size": self.buffer_size, "n_envs": self.n_envs,
+                "observation_space": self.observation_space, "action_space": self.action_space,
+                "device": str(self.device), "handle_timeout_termination": self.handle_timeout_termination,
+                "n_steps": self.n_steps, "gamma": self.gamma, "frame_stack": self.layout.k,
+                "frame_axis": self.layout.axis or "auto", "live_path": self._live_path,
+                "beta_is_schedule": self.beta_is_schedule, "beta0": self.beta0, "beta_steps": self.beta_steps,
+                "snapshot_dir": None if self.snapshot_dir is None else os.fspath(self.snapshot_dir)}
+
+    def __setstate__(self, state) -> None:
+        if not isinstance(state, dict) or state.get("format") != _PICKLE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise IncompatibleSnapshotError(f"not a bigper SB3 replay buffer pickle ({_PICKLE_FORMAT}), got {got!r}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise IncompatibleSnapshotError(f"bigper SB3 replay buffer pickle lacks {missing}")
+        buf = open_snapshot(state, capacity=state["buffer_size"] * state["n_envs"], n_envs=state["n_envs"])
+        super(ReplayBuffer, self).__init__(state["buffer_size"], state["observation_space"],
+                                           state["action_space"], state["device"], n_envs=state["n_envs"])
+        self.buffer_size = state["buffer_size"]
+        self.optimize_memory_usage = False
+        self.handle_timeout_termination = state["handle_timeout_termination"]
+        self.n_steps, self.gamma = state["n_steps"], state["gamma"]
+        self.snapshot_dir = state["snapshot_dir"]
+        self.layout = StackLayout(self.obs_shape, state["frame_stack"], state["frame_axis"])
+        self._act_dtype = np.dtype(self._maybe_cast_dtype(self.action_space.dtype))
+        self._core = buf
+        self._core_args = None
+        self._live_path = state["live_path"]
+        self.beta_is_schedule, self.beta0 = bool(state["beta_is_schedule"]), float(state["beta0"])
+        beta_steps = state.get("beta_steps")  # absent from pickles written before it existed
+        self.beta_steps = None if beta_steps is None else int(beta_steps)
+        self._wire()
+
+
+PrioritizedReplayBuffer.__module__ = PrioritizedReplayBufferSamples.__module__ = _HOME
+
+
+def annealed_beta(beta0: float, progress_remaining: float) -> float:
+    """Beta from ``beta0`` at the start of ``learn`` to 1.0 at its end
+    (``progress_remaining``: SB3's, 1.0 at the start, 0.0 at the end)."""
+    done = min(max(1.0 - float(progress_remaining), 0.0), 1.0)
+    return beta0 + (1.0 - beta0) * done
+
+
+class _EpisodeCut:
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+_STATE_KEYS = ("snapshot", "manifest_sha256", "buffer_size", "n_envs", "observation_space",
+               "action_space", "device", "handle_timeout_termination", "n_steps", "gamma",
+               "frame_stack", "frame_axis", "live_path", "beta_is_schedule", "beta0", "snapshot_dir")

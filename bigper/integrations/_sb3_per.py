@@ -1,0 +1,147 @@
+"""What every prioritized SB3 algorithm shares, written once.
+
+``PrioritizedAlgorithm`` goes before the SB3 algorithm in the bases
+(``class PrioritizedSAC(PrioritizedAlgorithm, SAC)``). It checks and wires
+the replay buffer, and gives each algorithm's ``train`` three calls that
+replace SB3's sampling and loss lines, nothing else:
+
+- ``self._per_sample(batch_size)``: SB3's ``sample`` with this gradient
+  step's beta (annealed from the buffer's ``beta`` to 1.0 over ``learn``,
+  unless the buffer has a schedule or ``beta_steps``);
+- a loss from ``mse_loss`` / ``huber_loss`` / ``quantile_loss`` below: SB3's
+  loss with each transition's term weighted by its IS weight (with weights
+  all 1 it equals SB3's, to rounding), and ``|TD|`` per transition;
+- ``self._per_write_back(data, td)``: ``|TD|`` written back as priorities.
+
+What ``|TD|`` is for each kind of critic: one Q-value, ``|Q - y|``; several
+critics (TD3, SAC), the mean of their ``|Q_k - y|`` (a transition that any
+critic gets wrong keeps a high priority); quantiles (QR-DQN, TQC), the mean of
+``|y_j - theta_i|`` over every pair of target and current quantile (and
+critic), the magnitude the quantile Huber loss is built from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch as th
+
+from ..errors import InvalidArgumentError
+from ._sb3_buffer import PrioritizedReplayBuffer, annealed_beta
+from ._sb3_pickle import save_pickle
+
+__all__ = ["PrioritizedAlgorithm", "annealed_beta", "huber_loss", "mse_loss", "quantile_loss", "weighted_mean"]
+
+
+def weighted_mean(per_item: th.Tensor, weights: th.Tensor) -> th.Tensor:
+    """``mean_b(w_b * loss_b)``: the PER correction (Schaul et al. 2016, Alg. 1)."""
+    return (weights.reshape(-1) * per_item.reshape(per_item.shape[0])).mean()
+
+
+def mse_loss(current_values, target: th.Tensor, weights: th.Tensor, scale: float = 1.0):
+    """SB3's ``scale * sum_k F.mse_loss(Q_k, y)`` over critics, IS-weighted,
+    and ``|TD|`` averaged over critics. Returns ``(loss, td (B,))``."""
+    sq = sum((q - target) ** 2 for q in current_values)
+    td = th.stack([(q - target).detach().abs().reshape(-1) for q in current_values]).mean(dim=0)
+    return scale * weighted_mean(sq, weights), td
+
+
+def huber_loss(current: th.Tensor, target: th.Tensor, weights: th.Tensor):
+    """SB3 DQN's ``F.smooth_l1_loss(Q, y)``, IS-weighted; ``(loss, |Q - y| (B,))``."""
+    per_item = th.nn.functional.smooth_l1_loss(current, target, reduction="none")
+    return weighted_mean(per_item, weights), (current - target).detach().abs().reshape(-1)
+
+
+def quantile_loss(current: th.Tensor, target: th.Tensor, weights: th.Tensor, sum_over_quantiles: bool):
+    """sb3-contrib's quantile Huber loss (QR-DQN: ``current`` (B, N), ``target``
+    (B, N'); TQC: (B, critics, N) and (B, 1, N')), each transition's part
+    IS-weighted; with weights 1 it is the batch mean sb3-contrib takes.
+    Returns ``(loss, td (B,))`` with ``td`` the mean ``|y_j - theta_i|``."""
+    b, n = current.shape[0], current.shape[-1]
+    delta = target.unsqueeze(-2) - current.unsqueeze(-1)  # (..., N current, N' target)
+    a = delta.abs()
+    huber = th.where(a > 1, a - 0.5, 0.5 * delta ** 2)
+    tau = ((th.arange(n, device=current.device, dtype=th.float) + 0.5) / n).reshape(n, 1)
+    elem = (tau - (delta.detach() < 0).float()).abs() * huber
+    if sum_over_quantiles:
+        elem = elem.sum(dim=-2)
+    per_item = elem.reshape(b, -1).mean(dim=1)
+    return weighted_mean(per_item, weights), a.detach().reshape(b, -1).mean(dim=1)
+
+
+class PrioritizedAlgorithm:
+    """The PER side of an SB3 off-policy algorithm; see the module docstring.
+
+    Takes the algorithm's arguments. ``replay_buffer_class`` defaults to (and
+    must be a subclass of) bigper's buffer; ``n_steps`` and ``gamma`` are
+    handed to the buffer (SB3 wires them only into its own ``NStepReplayBuffer``).
+    """
+
+    def __init__(self, policy, env, *args, replay_buffer_class=None, replay_buffer_kwargs=None,
+                 n_steps: int = 1, **kwargs):
+        name = type(self).__name__
+        if replay_buffer_class is None:
+            replay_buffer_class = PrioritizedReplayBuffer
+        if not (isinstance(replay_buffer_class, type) and issubclass(replay_buffer_class, PrioritizedReplayBuffer)):
+            hint = ""
+            if getattr(replay_buffer_class, "__name__", "") == "HerReplayBuffer":
+                hint = (" HerReplayBuffer relabels goals at sampling time, which prioritized replay does not "
+                        "support here: use the plain SB3 algorithm with HerReplayBuffer (uniform replay), or "
+                        f"{name} on a flat observation space.")
+            raise InvalidArgumentError(f"{name} needs replay_buffer_class to be bigper's "
+                                       f"PrioritizedReplayBuffer or a subclass, got {replay_buffer_class!r}.{hint}")
+        rb_kwargs = dict(replay_buffer_kwargs or {})
+        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+            raise InvalidArgumentError(f"{name}: n_steps must be an int >= 1, got {n_steps!r}")
+        if n_steps > 1:
+            rb_kwargs.setdefault("n_steps", n_steps)
+        # _setup_model (run inside the algorithm's __init__) builds the buffer;
+        # its gamma follows the model's unless given.
+        self._rb_gamma_default = "gamma" not in rb_kwargs
+        self._per_td = []  # mean |TD| of each gradient step since the last log
+        self.last_beta = None
+        super().__init__(policy, env, *args, replay_buffer_class=replay_buffer_class,
+                         replay_buffer_kwargs=rb_kwargs, **kwargs)
+
+    def _setup_model(self) -> None:
+        if getattr(self, "_rb_gamma_default", False):
+            self.replay_buffer_kwargs["gamma"] = self.gamma
+        super()._setup_model()
+
+    # -- the three calls a train() makes -----------------------------------------------
+    def _per_sample(self, batch_size: int):
+        """One gradient step's batch, drawn with this step's beta."""
+        rb = self.replay_buffer
+        beta = rb.beta_for_learner(self._current_progress_remaining)
+        self.last_beta = rb.buffer.beta if beta is None else beta
+        return rb.sample(batch_size, env=self._vec_normalize_env, beta=beta)
+
+    def _per_write_back(self, data, td: th.Tensor) -> None:
+        """``|TD|`` of the batch ``data`` as its new priorities (slots
+        overwritten since the sample are skipped)."""
+        self.replay_buffer.update_priorities(data.indices, td)
+        self._per_td.append(float(td.mean()))
+
+    def _per_log(self) -> None:
+        """``train/beta`` and ``train/td_abs`` beside SB3's own records."""
+        if self._per_td:
+            self.logger.record("train/td_abs", np.mean(self._per_td))
+        self._per_td = []
+        if self.last_beta is not None:
+            self.logger.record("train/beta", self.last_beta)
+
+    # -- saving the buffer ------------------------------------------------------------
+    def save_replay_buffer(self, path) -> None:
+        """Pickle the buffer as SB3 does, with its bigper snapshot in ``<path>.bigper/``
+        (unless the buffer has a ``snapshot_dir``); the pickle is written atomically,
+        and a closed buffer is refused before any file is opened."""
+        rb = self.replay_buffer
+        if rb is None:
+            raise InvalidArgumentError("save_replay_buffer: this model has no replay buffer yet")
+        save_pickle(rb, path)
+
+    def load_replay_buffer(self, path, truncate_last_traj: bool = True) -> None:
+        """Replace the replay buffer by the pickled one; the current one is closed
+        first, so that a disk storage's lock is free for the snapshot's."""
+        if isinstance(self.replay_buffer, PrioritizedReplayBuffer):
+            self.replay_buffer.close()
+        super().load_replay_buffer(path, truncate_last_traj)

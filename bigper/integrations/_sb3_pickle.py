@@ -1,0 +1,193 @@
+"""The SB3 drop-in's pickles: a reference to a bigper snapshot, never the transitions.
+
+A pickle (``save_replay_buffer``, ``pickle.dumps``) holds the path of a bigper
+snapshot and the SHA-256 of its manifest; loading it checks the hash and loads
+the snapshot (plain arrays and JSON: nothing of bigper's is unpickled). What
+each pickle keeps its word on:
+
+- **Its snapshot stays.** A pickle written where bigper does not know the
+  file (``pickle.dumps``, SB3's own ``save_to_pkl``) gets a snapshot in a
+  series that bigper never prunes (``keep=None``): nothing tells bigper when
+  that pickle is gone, and a user who kept ``rb-10k.pkl`` and ``rb-20k.pkl``
+  expects both to load. Successive snapshots of a disk storage share their
+  unchanged data files (hard links), so a series costs little more than what
+  changed between pickles. A pickle written by a prioritized algorithm's
+  ``save_replay_buffer(path)`` owns ``<path>.bigper/``: saving to that path
+  again replaces the pickle and, with it, the need for the older snapshot;
+  that series keeps two (the one the file names, and the one before in case
+  the new file never lands). A copy of an older pickle made outside bigper
+  then names a snapshot that is gone, and loading it says it was superseded.
+- **A live path is never rewound silently.** Loading restores the snapshot
+  into the live path the buffer used. When that path holds a buffer that moved
+  on (more or fewer transitions than the snapshot, or a writer that died
+  without closing), loading says what it replaced in a ``UserWarning``; a path
+  a live writer holds is refused (``StorageLockedError``) and left as it was.
+- **A failed save loses nothing.** ``save_pickle`` refuses a closed buffer
+  before any file is opened and writes the pickle through a temporary file,
+  fsync and rename, so the previous pickle at that path survives any failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+from .. import PrioritizedReplayBuffer as CoreBuffer
+from .. import Snapshots
+from ..config import Config
+from ..errors import (
+    BigperError,
+    BufferClosedError,
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    InvalidTypeError,
+    PathExistsError,
+    PathNotFoundError,
+    StorageLockedError,
+    UncleanStorageError,
+)
+from ..snapshot import describe
+from ..storage._files import read_regular, write_durable
+
+log = logging.getLogger("bigper")
+
+MANIFEST = "manifest.json"
+_SNAP = re.compile(r"^snap-\d{8}$")
+# A pickle whose file bigper knows keeps the snapshot it names and the one before.
+KEEP_AT_PATH = 2
+
+
+def manifest_digest(snap: Path) -> str:
+    """SHA-256 of ``snap/manifest.json``, read as bigper reads every file:
+    a regular file only (a FIFO, device or symlink is refused without
+    blocking), bounded in size."""
+    try:
+        raw = read_regular(Path(snap) / MANIFEST)
+    except FileNotFoundError:
+        raise _gone(Path(snap)) from None
+    except OSError as e:
+        raise CorruptSnapshotError(f"the replay buffer's snapshot {snap}/{MANIFEST} cannot be read: {e}") from e
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _gone(snap: Path) -> PathNotFoundError:
+    """The error for a pickle whose snapshot is missing: superseded, or removed by hand."""
+    root = snap.parent
+    try:
+        later = sorted(e for e in os.listdir(root) if _SNAP.match(e) and e > snap.name)
+    except OSError:
+        later = []
+    if later:
+        return PathNotFoundError(
+            f"this pickle's snapshot {snap} is gone: it was superseded by a later save to the same "
+            f"place ({root} keeps only the snapshots of the last pickles written there; the newest is "
+            f"{later[-1]}). Load the pickle written last at that path, or pickle with snapshot_dir= "
+            "(a series bigper never prunes) to keep every pickle loadable")
+    return PathNotFoundError(f"this pickle's snapshot {snap} does not exist (its {MANIFEST} is missing): "
+                             "was it moved or deleted?")
+
+
+def write_snapshot(buf: CoreBuffer, root: Path, keep: int | None) -> tuple[str, str]:
+    """Snapshot ``buf`` into the series at ``root``; its path and manifest digest."""
+    snap = Snapshots(root, keep=keep).save(buf)
+    return os.fspath(snap), manifest_digest(snap)
+
+
+def save_pickle(rb, path) -> None:
+    """Pickle ``rb`` to ``path`` as SB3's ``save_to_pkl`` names it (``.pkl``
+    added where the name has no suffix), atomically; a file object is written
+    to as SB3 does. A closed buffer is refused before anything is opened."""
+    if rb.closed:
+        raise BufferClosedError("save_replay_buffer: the replay buffer is closed; nothing was written "
+                                "(the previous pickle, if any, is untouched)")
+    if not isinstance(path, (str, os.PathLike)):
+        from stable_baselines3.common.save_util import save_to_pkl
+
+        rb._snapshot_target = None
+        save_to_pkl(path, rb)
+        return
+    target = Path(path)
+    if target.suffix == "":
+        target = Path(f"{target}.pkl")
+    if target.is_dir():
+        raise PathExistsError(f"save_replay_buffer: path={str(target)!r} is a directory; give a file name")
+    rb._snapshot_target = f"{os.fspath(path)}.bigper"
+    try:
+        data = pickle.dumps(rb, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        rb._snapshot_target = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_durable(target, data)
+
+
+def _core_kwargs(cfg: Config) -> dict:
+    kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    kw["beta"] = cfg.schedule
+    del kw["capacity"], kw["fields"]
+    return kw
+
+
+def _what_is_live(snap: Path, info: dict) -> tuple[int | None, str | None, str | None]:
+    """The snapshot's transition count, the live path it loads into (the one
+    it recorded, absolute), and what that path holds when it differs from the
+    snapshot (None when it holds nothing, or the same count).
+    ``StorageLockedError`` when a live writer holds it: nothing to replace."""
+    n_snap = info.get("count")
+    live = (info.get("storage") or {}).get("path")
+    if not isinstance(live, str) or info["config"].get("storage", "memory") == "memory" \
+            or not os.path.lexists(live):
+        return n_snap, live, None
+    cfg = Config.from_dict(info["config"])
+    try:
+        probe = CoreBuffer(cfg.capacity, cfg.fields, path=live, mode="resume", read_only=True,
+                           **_core_kwargs(cfg))
+    except StorageLockedError:
+        raise
+    except UncleanStorageError:
+        return n_snap, live, "a buffer whose writer did not close it (killed?), transitions since unknown"
+    except BigperError as e:
+        return n_snap, live, f"something bigper cannot read as this buffer ({e})"
+    try:
+        n_live = probe.state_dict()[0]["count"]
+    finally:
+        probe.close()
+    if n_live == n_snap:
+        return n_snap, live, None
+    if n_snap is not None and n_live > n_snap:
+        return n_snap, live, (f"{n_live} transitions at its last close, so the {n_live - n_snap} transitions "
+                        "added after the pickle was written (and priority updates since) are discarded")
+    return n_snap, live, f"{n_live} transitions at its last close"
+
+
+def open_snapshot(state: dict, *, capacity: int, n_envs: int) -> CoreBuffer:
+    """The bigper buffer a pickle's ``state`` names: its manifest hash checked,
+    its shape checked against the pickle's (``capacity``, ``n_envs``), loaded
+    into the live path it was saved from, with a ``UserWarning`` saying what
+    that path held when it had moved on."""
+    snap = state["snapshot"]
+    if not isinstance(snap, str):
+        raise InvalidTypeError(f"the pickle's snapshot must be a str, got {type(snap).__name__}")
+    snap = Path(snap)
+    digest = manifest_digest(snap)
+    if digest != state["manifest_sha256"]:
+        raise CorruptSnapshotError(f"{snap}/{MANIFEST} is not the snapshot this pickle was written "
+                                   f"with (sha256 {digest}, recorded {state['manifest_sha256']})")
+    info = describe(snap)
+    cfg = info["config"]
+    if cfg.get("capacity") != capacity or cfg.get("num_envs", 1) != n_envs:
+        raise IncompatibleSnapshotError(f"{snap} holds capacity {cfg.get('capacity')} for {cfg.get('num_envs', 1)} "
+                                        f"env(s), the pickle says {capacity // max(n_envs, 1)} x {n_envs}")
+    n_snap, live, replaced = _what_is_live(snap, info)
+    buf = CoreBuffer.load(snap)
+    if replaced is not None:
+        msg = (f"loading this pickle restored {snap} ({n_snap} transitions) into the live path {live}, "
+               f"replacing what it held: {replaced}")
+        log.warning("bigper: %s", msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)
+    return buf
