@@ -7,8 +7,9 @@ at import: :func:`lib` loads it on the first use of compression, and the
 kernels link to its functions by name (numba's ``ExternalFunction``), so they
 compile to the same cache entries in every process.
 
-Every frame is one zstd frame with a content checksum: a flipped bit in a
-stored frame fails its decompression instead of returning other bytes.
+Every frame is one zstd frame with a content checksum, a frame that does
+not shrink too (stored in raw blocks): a flipped bit in a stored frame fails
+its decompression instead of returning other bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ EXTRA = "pip install 'bigper[compression]'"
 _LOCK = threading.Lock()
 _LIB = None
 _C_LEVEL, _C_CHECKSUM = 100, 201  # ZSTD_c_compressionLevel, ZSTD_c_checksumFlag
+DICT_MAGIC = bytes.fromhex("37a430ec")  # ZSTD_MAGIC_DICTIONARY, little endian
 
 
 class CompressionUnavailableError(BigperError, ImportError):
@@ -35,10 +37,10 @@ class CompressionUnavailableError(BigperError, ImportError):
 
 
 def _candidates() -> list[str]:
-    out = []
     env = os.environ.get("BIGPER_LIBZSTD")
-    if env:
-        out.append(env)
+    if env:  # the user's choice: that library or none (never silently another)
+        return [env]
+    out = []
     found = ctypes.util.find_library("zstd")
     if found:
         out.append(found)
@@ -105,41 +107,41 @@ _decompress = types.ExternalFunction("ZSTD_decompress_usingDDict", _u(_u, _u, _u
 _is_error = types.ExternalFunction("ZSTD_isError", types.uint32(_u))
 
 
+def bound(n: int) -> int:
+    """The largest zstd frame a row of ``n`` bytes can take (``ZSTD_COMPRESSBOUND``)."""
+    return n + (n >> 8) + ((128 * 1024 - n) >> 11 if n < 128 * 1024 else 0)
+
+
 @kernel
 def compress_rows(cctx, src, dst, lengths):
     """Compress each row of ``src`` (m, n) uint8 into ``dst`` (at least
-    ``m * n`` bytes) one after another; ``lengths[r]`` gets row r's size. A
-    row that does not shrink is stored raw, its length ``n`` (a zstd frame is
-    always shorter). Returns the bytes used."""
+    ``m * bound(n)`` bytes) one after another, each a zstd frame with its
+    checksum (a row that does not shrink is one too: raw blocks, a few bytes
+    longer); ``lengths[r]`` gets row r's size. Returns the bytes used, or
+    ``-1 - r`` when row r failed."""
     m, n = src.shape
     pos = 0
     cap = dst.shape[0]
     for r in range(m):
-        res = _compress2(cctx, dst.ctypes.data + pos, min(cap - pos, n - 1), src[r].ctypes.data, n)
-        got = n if _is_error(res) != 0 or res >= n else np.int64(res)
-        if got == n:
-            for w in range(n):
-                dst[pos + w] = src[r, w]
-            got = n
-        lengths[r] = got
-        pos += got
+        res = _compress2(cctx, dst.ctypes.data + pos, cap - pos, src[r].ctypes.data, n)
+        if _is_error(res) != 0:
+            return -1 - r
+        lengths[r] = res
+        pos += res
     return pos
 
 
 @kernel
 def decompress_rows(dctx, ddicts, log, offsets, lengths, dict_ids, out, lo, hi):
-    """Rows ``lo .. hi-1`` of ``out`` (m, n) uint8 from ``log[offsets[r]:offsets[r]
-    + lengths[r]]`` (a zstd frame, or the row's raw bytes where the length is ``n``),
-    with dictionary ``ddicts[dict_ids[r]]`` (0: none). Returns the first row
-    that failed (a wrong size or a zstd error), or -1."""
+    """Rows ``lo .. hi-1`` of ``out`` (m, n) uint8 from the zstd frames
+    ``log[offsets[r]:offsets[r] + lengths[r]]`` (checked to lie inside ``log``
+    by the caller), with dictionary ``ddicts[dict_ids[r]]`` (0: none). Returns
+    the first row that failed (a zstd error: a damaged frame, a failed
+    checksum, another dictionary; or another size than ``n``), or -1."""
     n = out.shape[1]
     for r in range(lo, hi):
-        o, ln = offsets[r], lengths[r]
-        if ln == n:
-            for w in range(n):
-                out[r, w] = log[o + w]
-            continue
-        res = _decompress(dctx, out[r].ctypes.data, n, log.ctypes.data + o, ln, ddicts[dict_ids[r]])
+        res = _decompress(dctx, out[r].ctypes.data, n, log.ctypes.data + offsets[r], lengths[r],
+                          ddicts[dict_ids[r]])
         if _is_error(res) != 0 or res != n:
             return r
     return -1
@@ -176,10 +178,16 @@ class Codec:
     def add_dictionary(self, content: np.ndarray) -> int:
         """Register a dictionary (its bytes); returns its id (1, 2, ...)."""
         buf = np.ascontiguousarray(content, dtype=np.uint8)
+        if buf.size < 8 or bytes(buf[:4]) != DICT_MAGIC:
+            raise ValueError(f"a zstd dictionary starts with {DICT_MAGIC.hex()}, got {buf.size} bytes "
+                             f"starting {bytes(buf[:4]).hex()}")
         cd = self.c.ZSTD_createCDict(buf.ctypes.data, buf.nbytes, self.level)
         dd = self.c.ZSTD_createDDict(buf.ctypes.data, buf.nbytes)  # both copy the bytes
-        if not cd or not dd:
-            raise MemoryError("ZSTD_createCDict/createDDict failed")
+        if not cd or not dd:  # (also what damaged entropy tables give)
+            for x, free in ((cd, self.c.ZSTD_freeCDict), (dd, self.c.ZSTD_freeDDict)):
+                if x:
+                    free(x)
+            raise ValueError(f"zstd refused the dictionary of {buf.size} bytes (damaged tables, or no memory)")
         self.cdicts.append(cd)
         self.ddicts = np.append(self.ddicts, np.uintp(dd))
         self.cctx.append(self._cctx(cd))
@@ -199,11 +207,13 @@ class Codec:
 
     def compress(self, rows: np.ndarray, dict_id: int) -> tuple[np.ndarray, np.ndarray]:
         """``(bytes, lengths)``: rows (m, n) uint8 compressed one by one, one
-        after another; a row of length ``n`` is stored raw (it did not shrink)."""
+        after another, each a zstd frame of at most ``bound(n)`` bytes."""
         m, n = rows.shape
-        dst = np.empty(m * n, dtype=np.uint8)
+        dst = np.empty(m * bound(n), dtype=np.uint8)
         lengths = np.empty(m, dtype=np.int64)
         used = compress_rows(self.cctx[dict_id], rows, dst, lengths)
+        if used < 0:
+            raise RuntimeError(f"zstd failed to compress a frame of {n} bytes (row {-1 - used})")
         return dst[:used], lengths
 
     def close(self) -> None:

@@ -21,12 +21,18 @@ their chunk files, and copy-on-write touches only the open segment's chunk.
 
 The log is preallocated at the storage's creation (``budget`` bytes a frame),
 so a full disk is an ``OSError`` when the buffer is made, never later. A
-frame that does not shrink is stored raw (length = the frame's bytes).
+frame that does not shrink is a zstd frame too (raw blocks, a few bytes more
+than the frame, ``_zstd.bound``), so every frame carries its checksum.
 
 Everything read back from the index is checked before the log is touched:
-an offset or a length outside the log fails the read with
-``CorruptSnapshotError``, as does a frame that does not decompress to exactly
-its bytes (or whose checksum fails).
+an offset or a length outside the log or across a segment's end fails the
+read with ``CorruptSnapshotError``, as does a frame that does not decompress
+to exactly its bytes (or whose checksum fails). When a buffer is restored
+(``load``, resume, ``bigper verify``) the whole live index is checked against
+the segment state (``check_index``): each frame in the segment ``seg_first``
+puts it in, right after the frame before it, the open segment ending at
+``pos``; and the dictionary must be one zstd accepts and that decodes the
+frames that name it.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def geometry(F: int, row_bytes: int, budget: int) -> tuple[int, int, int]:
     frames of ``row_bytes`` at ``budget`` bytes a frame."""
     block = min(4096, 1 << max(6, (row_bytes - 1).bit_length()))
     total = max(F * budget, 1)
-    per = max(math.ceil(row_bytes / block), min(MAX_SEG // block, total // 16 // block))
+    per = max(math.ceil(_zstd.bound(row_bytes) / block), min(MAX_SEG // block, total // 16 // block))
     seg = per * block
     return block, seg, max(3, math.ceil(total / seg))
 
@@ -80,16 +86,19 @@ def place(lengths, pos, g, seg, S, seg_first, f0, offsets):
 
 
 @kernel
-def gather_index(index, rows, log_bytes, row_bytes, ndicts, offsets, lengths, dicts):
-    """Index entries ``index[rows]``, checked; returns the first position whose
-    entry is out of bounds, or -1."""
+def gather_index(index, rows, log_bytes, seg, max_len, ndicts, offsets, lengths, dicts):
+    """Index entries ``index[rows]``, checked (inside the log and inside one
+    segment, a length in ``1..max_len``, a dictionary that exists); returns
+    the first position whose entry is not, or -1."""
     for i in range(rows.shape[0]):
         r = rows[i]
         o = index[r, 0]
         v = index[r, 1]
         ln = v & 0xFFFFFFFF
         d = v >> 32
-        if o < 0 or ln < 1 or ln > row_bytes or o + ln > log_bytes or d < 0 or d >= ndicts:
+        # (o > log_bytes - ln, not o + ln > log_bytes: a crafted o near 2**63 wraps the sum)
+        if o < 0 or ln < 1 or ln > max_len or o > log_bytes - ln or d < 0 or d >= ndicts \
+                or o // seg != (o + ln - 1) // seg:
             return i
         offsets[i] = o
         lengths[i] = ln
@@ -103,6 +112,7 @@ class SegmentLog:
     def __init__(self, F: int, row_bytes: int, budget: int, store):
         self.F, self.row_bytes, self.store = F, row_bytes, store
         self.block, self.seg, self.S = geometry(F, row_bytes, budget)
+        self.max_len = _zstd.bound(row_bytes)  # a frame's largest zstd frame
         self.log_bytes = self.S * self.seg
         self.g = 0  # the open segment
         self.pos = 0  # bytes used in it
@@ -136,8 +146,8 @@ class SegmentLog:
     def touched(self, n_frames: int) -> np.ndarray:
         """Log rows that appending ``n_frames`` frames may write (an upper bound)."""
         per_seg = self.seg // self.block
-        fit = max(1, self.seg - self.row_bytes + 1)  # bytes a sealed segment holds at least
-        segs = 1 + min(n_frames, math.ceil(n_frames * self.row_bytes / fit))
+        fit = max(1, self.seg - self.max_len + 1)  # bytes a sealed segment holds at least
+        segs = 1 + min(n_frames, math.ceil(n_frames * self.max_len / fit))
         segs = min(self.S, segs)
         first = (self.g % self.S) * per_seg + self.pos // self.block
         last = (self.g + segs - 1) % self.S * per_seg + per_seg  # exclusive, in its segment
@@ -214,11 +224,13 @@ class SegmentLog:
             index, rows = arrays["frame_index"], ids % self.F
         else:
             index, rows = self.store.read("frame_index", ids % self.F), np.arange(n, dtype=np.int64)
-        bad = gather_index(index, rows, self.log_bytes, self.row_bytes, self.ndicts, offsets, lengths, dicts)
+        bad = gather_index(index, rows, self.log_bytes, self.seg, self.max_len, self.ndicts, offsets, lengths,
+                           dicts)
         if bad >= 0:
             raise CorruptSnapshotError(
                 f"frame {int(ids[bad])}'s index entry {index[rows[bad]].tolist()} points outside the log "
-                f"of {self.log_bytes} bytes, has a length outside 1..{self.row_bytes} or names no dictionary")
+                f"of {self.log_bytes} bytes or across a segment's end, has a length outside "
+                f"1..{self.max_len} or names no dictionary")
         if arrays is not None:
             log = arrays["frame_log"].reshape(-1)
         else:
@@ -255,6 +267,8 @@ class SegmentLog:
                 {"frames_seg_first": self.seg_first, "frames_dict": self.dict_bytes})
 
     def restore(self, meta: dict, arrays: dict) -> None:
+        """Take a recorded state (checked by ``_statecheck``) and check the
+        live index and the dictionary against it: ``CorruptSnapshotError``."""
         self.g, self.pos = int(meta["seg"]), int(meta["pos"])
         self.seg_first[:] = arrays["frames_seg_first"]
         d = np.asarray(arrays["frames_dict"], dtype=np.uint8).copy()
@@ -263,6 +277,63 @@ class SegmentLog:
             if self._codec is not None:
                 self._codec.close()
             self._codec = None
+        if self.dict_bytes.size > 1:
+            try:
+                self.codec  # noqa: B018 (builds the dictionary now: refused here, not at a sample)
+            except ValueError as e:
+                raise CorruptSnapshotError(f"frames_dict: {e}") from None
+        self.check_index(int(meta["fw"]))
+
+    def check_index(self, fw: int) -> int:
+        """Check the index entries of every frame still in the log against the
+        segment state (``CorruptSnapshotError`` naming the first that is off),
+        and decode the newest frame of each dictionary; returns the frames checked.
+
+        Frames are written in order, so the entries are fully determined: frame
+        ``f`` lies in the segment ``seg_first`` puts it in, right after frame
+        ``f - 1`` or at its segment's start when it opened it, and the open
+        segment ends at ``pos``. An entry pointing at another frame, into one,
+        across a segment's end or outside the log breaks one of these."""
+        lo = max(self.oldest(), fw - self.F, 0)
+        if fw <= lo:
+            return 0
+        ids = np.arange(lo, fw, dtype=np.int64)
+        arrays = getattr(self.store, "arrays", None)
+        rows = ids % self.F
+        if arrays is not None:
+            entries = np.asarray(arrays["frame_index"])[rows]
+        else:
+            entries = self.store.read("frame_index", np.sort(rows))
+            entries = entries[np.searchsorted(np.sort(rows), rows)]
+        o, v = entries[:, 0], entries[:, 1]
+        ln, d = v & LEN_MASK, v >> 32
+        segs = np.arange(max(0, self.g - self.S + 1), self.g + 1, dtype=np.int64)
+        firsts = np.where(segs == 0, 0, self.seg_first[segs % self.S])
+        s = segs[np.clip(np.searchsorted(firsts, ids, side="right") - 1, 0, segs.size - 1)]
+        start = (s % self.S) * self.seg
+        prev_end = np.empty_like(o)
+        prev_end[1:] = o[:-1] + ln[:-1]
+        opens = np.zeros(ids.shape[0], dtype=np.bool_)
+        opens[1:] = s[1:] != s[:-1]
+        opens |= np.isin(ids, firsts[segs > 0]) | (ids == 0)
+        want = np.where(opens, start, prev_end)
+        want[0] = o[0] if not opens[0] else start[0]  # (its predecessor is gone: only bounds below)
+        ok = (o >= start) & (ln >= 1) & (ln <= self.max_len) & (o <= start + self.seg - ln) & (o == want) \
+            & (d >= 0) & (d < self.ndicts)
+        if ok.all() and o[-1] + ln[-1] != (self.g % self.S) * self.seg + self.pos:
+            ok[-1] = False
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise CorruptSnapshotError(
+                f"frame_index: frame {int(ids[i])}'s entry [offset {int(o[i])}, length {int(ln[i])}, dictionary "
+                f"{int(d[i])}] is not where the segment log puts it (segment {int(s[i])}, bytes "
+                f"{int(start[i])}..{int(start[i]) + self.seg}, expected offset {int(want[i])}, open segment "
+                f"{self.g} ending at {self.pos}, {self.ndicts} dictionaries)")
+        for k in range(self.ndicts):  # the dictionary decodes its frames (another one would not)
+            uses = np.flatnonzero(d == k)
+            if uses.size:
+                self.decode(ids[uses[-1:]])
+        return int(ids.shape[0])
 
     def close(self) -> None:
         if self._codec is not None:

@@ -36,6 +36,7 @@ last close. Anything else anywhere in the directory (a user's
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -98,6 +99,7 @@ class MemmapStorage:
         self._rw: dict[str, np.ndarray] = {}
         self._nshared = 0
         self._renamed = False
+        self._record_before = None  # meta.json as it was before this session marked it unclean
         self._marked = False  # meta.json already says clean: false in this session
         self._lock = None
         self._created = False
@@ -345,6 +347,9 @@ class MemmapStorage:
             if not fresh and not self.read_only:
                 for stale in self._leftovers():
                     os.unlink(self._root / "data" / stale)
+                if not self._marked:
+                    # A refusal after this (a crafted index: segments.check_index) puts the record back.
+                    self._record_before = json.loads(json.dumps(self._meta))
                 self._meta["clean"] = False
                 if not self._marked:
                     write_json(self._root / "meta.json", self._meta)
@@ -381,6 +386,9 @@ class MemmapStorage:
         self._drop()
         if self._aside is not None and self._lock:
             self._put_back()
+        if getattr(self, "_record_before", None) is not None and self._lock:
+            write_json(self._root / "meta.json", self._record_before)  # resumed, then refused: as it was
+            self._record_before = None
         if self._lock:
             self._lock.release()
             self._lock = None
