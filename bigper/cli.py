@@ -419,8 +419,10 @@ def _verify(args) -> int:
                 print(f"  - {p}")
         else:
             what = "rank heap" if rep.get("prioritization") == "rank" else "tree"
+            frames = rep.get("frames_checked")
             print(f"OK       {t}: {rep['files']} files, {rep['bytes']:,} bytes checked; {what} and "
-                  "bookkeeping consistent")
+                  "bookkeeping consistent"
+                  + (f"; {frames:,} compressed frames decompressed and checked" if frames is not None else ""))
     return VERIFY_BAD if bad else VERIFY_OK
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CorruptSnapshotError
+from ..errors import BigperError, CorruptSnapshotError
+from ._frames import check_frames
 from ._load import _config, _state_arrays, inspect
 from ._manifest import check_files, read_manifest
 
@@ -109,13 +110,19 @@ def verify(snapshot) -> dict:
     """
     snap = Path(os.path.abspath(snapshot))
     problems: list[str] = []
-    body, _, _, state = inspect(snap, problems)
+    body, cfg, _, state = inspect(snap, problems)
     check_files(snap, [(n, r) for n, r in body["files"].items() if not n.startswith("state/")])
     if not problems:  # the state passed its checks: the tree's own invariants
         problems = _invariants(body, state)
+    frames = None
+    if not problems and getattr(cfg, "compression", None):  # every live compressed frame decoded
+        try:
+            frames = check_frames(snap, body, cfg, state)
+        except BigperError as e:
+            problems.append(f"compressed frames: {e}")
     return {"snapshot": str(snap), "files": len(body["files"]),
             "bytes": sum(r["size"] for r in body["files"].values()),
-            "prioritization": kind_of(body["config"]), "problems": problems}
+            "prioritization": kind_of(body["config"]), "problems": problems, "frames_checked": frames}
 
 
 def _shown(v) -> bool:
