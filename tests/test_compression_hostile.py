@@ -351,3 +351,129 @@ def test_verify_of_a_snapshot_decompresses_every_live_frame(kind, tmp_path):
     bad = verify()
     assert bad.returncode != 0 and f"frame {victim} " in bad.stdout and "INVALID" in bad.stdout, bad.stdout
     assert fingerprint(snap) == before
+
+
+# -- a full disk (a real 3 MB tmpfs) -------------------------------------------------
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _full_fingerprint(buf, root):
+    from .test_validation import fingerprint as buffer_fingerprint
+
+    fp = buffer_fingerprint(buf)
+    meta, arrays = buf._frames.state()
+    fp.update({f"frames.{k}": v for k, v in meta.items()})
+    fp.update({f"frames.{k}": np.array(v, copy=True) for k, v in arrays.items()})
+    fp["disk"] = fingerprint(root)
+    return fp
+
+
+def test_a_full_disk_at_creation_is_an_oserror_and_nothing_is_made(small_tmpfs):
+    before = fingerprint(small_tmpfs)
+    with pytest.raises(OSError):  # a log of about 3.5 MB preallocated on 3 MB
+        bigper.PrioritizedReplayBuffer(capacity=8000, fields={"obs": ((4, 84, 84), np.uint8)}, frame_stack=4,
+                                       storage="memmap", path=small_tmpfs / "live", compression="zstd")
+    assert fingerprint(small_tmpfs) == before
+
+
+def test_a_full_disk_during_add_is_an_oserror_and_changes_nothing(small_tmpfs):
+    from .test_validation import assert_same
+
+    frames = np.load(ATARI)["MsPacman"]
+    buf = bigper.PrioritizedReplayBuffer(
+        capacity=150, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
+        storage="memmap", path=small_tmpfs / "live", compression="zstd", compression_budget=1200,
+        storage_options={"chunk_bytes": 4096}, seed=0)
+    feed = Feed(frames, 4)
+    feed.run(buf, 100)
+    buf.save(small_tmpfs / "snap")  # every chunk now shared with the snapshot: the next write copies one
+    filler = small_tmpfs / "filler"
+    with open(filler, "wb", buffering=0) as f:  # take every free byte
+        for size in (65536, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+    before = _full_fingerprint(buf, small_tmpfs / "live")
+    o, o2, term, steps = feed.step()
+    with pytest.raises(OSError):
+        buf.add(obs=o[0], next_obs=o2[0], step=steps[0], terminated=True, truncated=False)
+    assert_same(before, _full_fingerprint(buf, small_tmpfs / "live"))
+    filler.unlink()
+    buf.add(obs=o[0], next_obs=o2[0], step=steps[0], terminated=True, truncated=False)
+    feed.run(buf, 60)
+    check_sample(buf, feed, 32)
+    buf.close()
+    again = bigper.PrioritizedReplayBuffer.load(small_tmpfs / "snap", path=small_tmpfs / "again")
+    assert len(again) == 100
+    again.close()
+
+
+# -- kill -9 during add and save -------------------------------------------------------
+
+_CHILD = """
+import sys, numpy as np
+sys.path.insert(0, {root!r})
+import bigper
+from pathlib import Path
+from tests.test_compression import ATARI, Feed, check_sample
+root, live = Path({root_dir!r}), Path({live!r})
+snaps = bigper.Snapshots(root, keep=2)
+feed = Feed(np.load(ATARI)["Pong"], 4, seed=11)
+if snaps.latest() is not None:
+    buf = snaps.load_latest(path=live)
+    for _ in range(buf._count):
+        feed.step()
+else:
+    buf = bigper.PrioritizedReplayBuffer(
+        capacity=120, fields={{"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}}, frame_stack=4,
+        storage="memmap", path=live, compression="zstd", compression_budget=600, seed=3,
+        storage_options={{"chunk_bytes": 8192}})
+print("ready", flush=True)
+while True:
+    feed.run(buf, 7)
+    if len(buf) > 16:
+        check_sample(buf, feed, 8)
+    snaps.save(buf)
+"""
+
+
+def test_kill_9_during_add_and_save_then_resume_is_exact(tmp_path):
+    import random
+    import time
+
+    from .test_compression import check_all_live
+
+    rng = random.Random(5)
+    root, live = tmp_path / "snaps", tmp_path / "live"
+    code = _CHILD.format(root=str(ROOT), root_dir=str(root), live=str(live))
+    for trial in range(4):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=_env())
+        line = p.stdout.readline()
+        assert line.strip() == "ready", (line, p.stderr.read()[-3000:] if p.poll() is not None else "")
+        time.sleep(rng.uniform(0.2, 1.0))
+        assert p.poll() is None, p.stderr.read()[-3000:]  # it was still working: no error in its loop
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()
+    snaps = bigper.Snapshots(root, keep=2)
+    assert snaps.latest() is not None
+    buf = snaps.load_latest(path=tmp_path / "check")
+    feed = Feed(np.load(ATARI)["Pong"], 4, seed=11)
+    for _ in range(buf._count):
+        feed.step()
+    assert buf._count > 7 and check_all_live(buf, feed) > 0
+    check_sample(buf, feed, 32)
+    buf.close()
