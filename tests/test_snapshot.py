@@ -355,7 +355,7 @@ def test_loading_and_training_leave_the_snapshot_unchanged(kind, tmp_path):
 DATA = Path(__file__).resolve().parent / "data"
 
 
-@pytest.mark.parametrize("name", ["snapshot-v1-memory", "snapshot-v1-memmap"])
+@pytest.mark.parametrize("name", ["snapshot-v1-memory", "snapshot-v1-memmap", "snapshot-v1-zstd-memmap"])
 def test_committed_format_1_snapshot_keeps_loading(name, tmp_path):
     snap = DATA / name
     expected = json.loads((DATA / f"{name}.expected.json").read_text())

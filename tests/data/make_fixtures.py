@@ -27,16 +27,17 @@ sys.path.insert(0, str(HERE.parents[1]))
 import bigper  # noqa: E402
 
 
-def steps(rng, n, num_envs, k, frame):
-    """Consistent steps: frame stacks that continue, episode ends every ~10 steps."""
+def steps(rng, n, num_envs, k, frame, hi=256):
+    """Consistent steps: frame stacks that continue, episode ends every ~10 steps
+    (frame bytes below ``hi``: a small ``hi`` makes frames that compress)."""
     stack = [None] * num_envs
     for _ in range(n):
         rows = []
         for e in range(num_envs):
             if stack[e] is None:
-                f = rng.integers(0, 256, frame, dtype=np.uint8)
+                f = rng.integers(0, hi, frame, dtype=np.uint8)
                 stack[e] = np.stack([f] * k) if k else f
-            f = rng.integers(0, 256, frame, dtype=np.uint8)
+            f = rng.integers(0, hi, frame, dtype=np.uint8)
             nxt = np.concatenate([stack[e][1:], f[None]]) if k else f
             end = rng.random() < 0.1
             term = bool(end and rng.random() < 0.5)
@@ -50,7 +51,11 @@ FIXTURES = {
     "memory": dict(capacity=24, num_envs=2, k=None, frame=(3, 3),
                    kw=dict(n_step=3, gamma=0.9, alpha=0.6, beta=bigper.LinearSchedule(0.4, 1.0, 100))),
     "memmap": dict(capacity=20, num_envs=1, k=2, frame=(4, 4), kw=dict(n_step=1, alpha=0.5, beta=0.5)),
+    # compression="zstd" (segments.py): a dictionary trained after 40 frames, segments wrapped
+    "zstd-memmap": dict(capacity=30, num_envs=1, k=3, frame=(16, 16), storage="memmap", hi=4, train=40, n=90,
+                        kw=dict(n_step=2, alpha=0.6, beta=0.5, compression="zstd", compression_budget=80)),
 }
+ONCE = ("zstd-memmap",)  # written by this maker only when named: python tests/data/make_fixtures.py zstd-memmap
 
 
 def make(kind: str, out: Path) -> None:
@@ -58,12 +63,15 @@ def make(kind: str, out: Path) -> None:
     rng = np.random.default_rng(2024)
     obs = ((spec["k"], *spec["frame"]) if spec["k"] else spec["frame"], np.uint8)
     fields = {"obs": obs, "reward": ((), np.float32), "action": ((), np.int64)}
+    storage = spec.get("storage", kind)
+    if "train" in spec:
+        bigper.segments.TRAIN_FRAMES = spec["train"]
     with tempfile.TemporaryDirectory() as tmp:
-        path = None if kind == "memory" else Path(tmp) / "live"
-        buf = bigper.PrioritizedReplayBuffer(spec["capacity"], fields, storage=kind, path=path,
+        path = None if storage == "memory" else Path(tmp) / "live"
+        buf = bigper.PrioritizedReplayBuffer(spec["capacity"], fields, storage=storage, path=path,
                                              num_envs=spec["num_envs"], frame_stack=spec["k"], seed=7,
                                              **spec["kw"])
-        for step in steps(rng, 30, spec["num_envs"], spec["k"], spec["frame"]):
+        for step in steps(rng, spec.get("n", 30), spec["num_envs"], spec["k"], spec["frame"], spec.get("hi", 256)):
             buf.add(**step)
             if buf.total_priority > 0 and rng.random() < 0.5:
                 b = buf.sample(4)
@@ -74,7 +82,7 @@ def make(kind: str, out: Path) -> None:
         buf.save(snap)
         buf.close()
         # what a load must give: sampled from a fresh load of the fixture itself
-        loaded = bigper.PrioritizedReplayBuffer.load(snap, path=None if kind == "memory" else Path(tmp) / "l2")
+        loaded = bigper.PrioritizedReplayBuffer.load(snap, path=None if storage == "memory" else Path(tmp) / "l2")
         expected = {"len": len(loaded), "total_priority": loaded.total_priority, "batches": []}
         for i in range(3):
             b = loaded.sample(6)
@@ -90,5 +98,5 @@ def make(kind: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    for kind in sys.argv[1:] or sorted(FIXTURES):
+    for kind in sys.argv[1:] or sorted(set(FIXTURES) - set(ONCE)):
         make(kind, HERE)
