@@ -118,27 +118,28 @@ def run_streams(buf, streams, steps, added, *, use_extend, rng):
 
 
 STORAGES = ["memory", "memmap", "hdf5"]
+COMPRESSIONS = [None, "zstd"]  # compression="zstd": frames in a ring of compressed segments (segments.py)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([1, 3, 5]), K=st.sampled_from([1, 3]),
        k=st.sampled_from([1, 2, 4]), capacity=st.integers(1, 40), steps=st.integers(1, 60),
        p_end=st.sampled_from([0.0, 0.1, 0.5, 1.0]), p_jump=st.sampled_from([0.0, 0.2]),
-       use_extend=st.booleans())
-def test_frames_match_naive_buffer_memory(seed, n, K, k, capacity, steps, p_end, p_jump, use_extend):
-    _run_case("memory", None, seed, n, K, k, capacity, steps, p_end, p_jump, use_extend)
+       use_extend=st.booleans(), compression=st.sampled_from(COMPRESSIONS))
+def test_frames_match_naive_buffer_memory(seed, n, K, k, capacity, steps, p_end, p_jump, use_extend, compression):
+    _run_case("memory", None, seed, n, K, k, capacity, steps, p_end, p_jump, use_extend, compression)
 
 
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([1, 3, 5]), K=st.sampled_from([1, 3]),
-       capacity=st.integers(1, 30), steps=st.integers(1, 40))
-def test_frames_match_naive_buffer_disk(tmp_path_factory, storage, seed, n, K, capacity, steps):
+       capacity=st.integers(1, 30), steps=st.integers(1, 40), compression=st.sampled_from(COMPRESSIONS))
+def test_frames_match_naive_buffer_disk(tmp_path_factory, storage, seed, n, K, capacity, steps, compression):
     path = tmp_path_factory.mktemp("buf") / ("b.h5" if storage == "hdf5" else "b")
-    _run_case(storage, path, seed, n, K, 4, capacity, steps, 0.1, 0.1, False)
+    _run_case(storage, path, seed, n, K, 4, capacity, steps, 0.1, 0.1, False, compression)
 
 
-def _run_case(storage, path, seed, n, K, k, capacity, steps, p_end, p_jump, use_extend):
+def _run_case(storage, path, seed, n, K, k, capacity, steps, p_end, p_jump, use_extend, compression=None):
     rng = np.random.default_rng(seed)
     gamma = 0.9
     kw = {} if storage == "memory" else {"path": path}
@@ -146,7 +147,7 @@ def _run_case(storage, path, seed, n, K, k, capacity, steps, p_end, p_jump, use_
         capacity=capacity,
         fields={"obs": ((k, H, W), np.uint8), "action": ((), np.int64), "reward": ((), np.float32),
                 "extra": ((2,), np.int16)},
-        frame_stack=k, n_step=n, gamma=gamma, num_envs=K, storage=storage, seed=seed, **kw)
+        frame_stack=k, n_step=n, gamma=gamma, num_envs=K, storage=storage, seed=seed, compression=compression, **kw)
     streams = Streams(rng, k, K, p_end / 2, p_end / 2, p_jump)
     added: list = []
     run_streams(buf, streams, steps, added, use_extend=use_extend, rng=rng)
@@ -162,7 +163,8 @@ def _run_case(storage, path, seed, n, K, k, capacity, steps, p_end, p_jump, use_
     buf.close()
 
 
-def test_every_complete_transition_is_sampleable_when_frames_fit():
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_every_complete_transition_is_sampleable_when_frames_fit(compression):
     """With continuing streams no frame is overwritten before its transition,
     so exactly the complete, held transitions are sampleable."""
     rng = np.random.default_rng(1)
@@ -170,7 +172,7 @@ def test_every_complete_transition_is_sampleable_when_frames_fit():
     buf = bigper.PrioritizedReplayBuffer(
         capacity=capacity, fields={"obs": ((4, H, W), np.uint8), "action": ((), np.int64),
                                    "reward": ((), np.float32), "extra": ((2,), np.int16)},
-        frame_stack=4, n_step=n, num_envs=K)
+        frame_stack=4, n_step=n, num_envs=K, compression=compression)
     added: list = []
     run_streams(buf, Streams(rng, 4, K, 0.02, 0.02, 0.0), 120, added, use_extend=False, rng=rng)
     expect = {g % capacity for g in range(len(added) - capacity, len(added))
@@ -227,13 +229,14 @@ def test_frame_stack_needs_a_stack_axis():
         bigper.PrioritizedReplayBuffer(capacity=10, fields={"x": ((4, 2), np.uint8)}, frame_stack=4)
 
 
-def test_stacks_held_by_the_caller_are_never_reused():
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_stacks_held_by_the_caller_are_never_reused(compression):
     """Sampling reuses a previous batch's stack arrays only once nothing refers to them."""
     rng = np.random.default_rng(3)
     buf = bigper.PrioritizedReplayBuffer(
         capacity=200, fields={"obs": ((4, H, W), np.uint8), "action": ((), np.int64),
                               "reward": ((), np.float32), "extra": ((2,), np.int16)},
-        frame_stack=4, seed=3)
+        frame_stack=4, seed=3, compression=compression)
     run_streams(buf, Streams(rng, 4, 1, 0.05, 0.0, 0.1), 150, [], use_extend=False, rng=rng)
     held = buf.sample(16)
     want = held["obs"].copy(), held["next_obs"].copy()
