@@ -3,9 +3,24 @@ submission's result does not depend on which examples a run happens to draw;
 locally it explores afresh each run."""
 
 import os
+import subprocess
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 3 MB tmpfs (root mounts it): a full disk without filling the
+    machine's. Unmounted after the test."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)

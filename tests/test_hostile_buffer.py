@@ -153,17 +153,6 @@ def test_find_on_an_all_zero_tree_and_negative_targets_stays_in_range(cap):
 
 # -- item 7: a failed write changes nothing -----------------------------------------
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def _storage_fingerprint(buf):
     fp = fingerprint(buf)
     fp["env_ended"] = buf._env_ended.copy()

@@ -3,7 +3,6 @@ gets StorageLockedError; readers share; a killed process's lock does not
 block the next writer, but a writer that died leaves the storage unclean."""
 
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -230,34 +229,21 @@ def test_a_snapshot_load_onto_a_held_path_names_the_holder(kind, holder, place, 
         assert len(back) == 6
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 3 MB tmpfs: an overwrite too large for it fails at allocation
-    (and never fills the machine's disk on the way)."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 @pytest.mark.parametrize("kind", ["memmap", "hdf5"])
-def test_an_overwrite_that_fails_puts_the_old_buffer_back(small_fs, kind):
+def test_an_overwrite_that_fails_puts_the_old_buffer_back(small_tmpfs, kind):
     """``mode="overwrite"`` whose new storage cannot be made (here: it needs
     more than the 3 MB filesystem holds) fails with ``OSError`` and leaves the
     old buffer exactly as it was: its files are moved aside, not deleted, until
     their successor exists."""
     from ._hostile_snapshot_cases import fingerprint
 
-    path = where(kind, small_fs)
+    path = where(kind, small_tmpfs)
     with opener(kind, path)() as buf:
         add(buf, 5)
-    before = fingerprint(small_fs)
+    before = fingerprint(small_tmpfs)
     big = {"obs": ((4096,), np.uint8), "reward": ((), np.float32)}  # 4 KiB a row, 8 MiB in all
     with pytest.raises(OSError):
         open_buffer(kind, path, 2048, big, mode="overwrite")
-    assert fingerprint(small_fs) == before
+    assert fingerprint(small_tmpfs) == before
     with opener(kind, path)() as buf:
         assert len(buf) == 5
