@@ -355,15 +355,7 @@ def test_verify_of_a_snapshot_decompresses_every_live_frame(kind, tmp_path):
 
 # -- a full disk (a real 3 MB tmpfs) -------------------------------------------------
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+# (small_tmpfs: tests/conftest.py, a real 3 MB tmpfs)
 
 
 def _full_fingerprint(buf, root):
