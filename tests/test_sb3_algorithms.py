@@ -440,3 +440,18 @@ def test_a_reward_that_does_not_fit_float32_is_refused_not_stored_as_inf():
     with pytest.raises(InvalidArgumentError, match="reward"):
         rb.add(o, o, np.zeros(1, np.int64), np.array([1e300]), np.zeros(1, bool), [{}])
     assert repr(rb.buffer.state_dict()[0]) == before and rb.size() == 1
+
+
+def test_the_drop_ins_beta_is_readable_and_refuses_assignment():
+    """CleanRL's own PER sets ``rb.beta`` every step; on the drop-in that did
+    nothing, silently, and the annealed beta could not be read."""
+    rb = bsb3.PrioritizedReplayBuffer(16, OBS, ACT, device="cpu", beta=0.4, beta_steps=10)
+    assert rb.beta == pytest.approx(0.4)
+    for i in range(5):
+        add(rb, i)
+    assert rb.beta == pytest.approx(0.4 + 0.6 * 5 / 10)
+    with pytest.raises(InvalidArgumentError, match="beta_steps"):
+        rb.beta = 0.9
+    assert rb.beta == pytest.approx(0.7)
+    plain = bsb3.PrioritizedReplayBuffer(16, OBS, ACT, device="cpu", beta=0.5)
+    assert plain.beta == pytest.approx(0.5)

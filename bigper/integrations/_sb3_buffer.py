@@ -252,6 +252,22 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             return self._beta_by_steps()
         return annealed_beta(self.beta0, progress_remaining)
 
+    @property
+    def beta(self) -> float:
+        """The beta that ``sample()`` without ``beta=`` uses now: annealed by
+        ``add`` count with ``beta_steps``, else the bigper buffer's (the
+        ``Prioritized*`` algorithms pass their own, annealed over ``learn``)."""
+        if self.beta_steps is not None and not self.beta_is_schedule:
+            return self._beta_by_steps()
+        return self.buffer.beta
+
+    @beta.setter
+    def beta(self, value) -> None:
+        # CleanRL's PER sets rb.beta each step; here that would silently do nothing.
+        raise InvalidArgumentError(
+            f"beta cannot be set on the buffer (got {value!r}): pass beta_steps= (add calls) to anneal "
+            "it from beta to 1.0 over the run, or beta= to sample()")
+
     def _beta_by_steps(self) -> float:
         done = min(self._steps / self.beta_steps, 1.0)
         return self.beta0 + (1.0 - self.beta0) * done
