@@ -132,6 +132,7 @@ class Writer:
         tree = getattr(prio, "tree", None)
         self._tree = tree if getattr(prio, "kind", "") == "proportional" else None
         self._args = self._args_of = None  # write_rows' fixed arguments, and the ring arrays they hold
+        self.items = None  # with sequence=...: sequences.Items, which keeps the leaves (at item starts)
 
     def write(self, rows: dict, priorities, valid=None) -> None:
         """Write checked ``rows`` (``name -> (m, ...)``) with their priorities
@@ -162,7 +163,8 @@ class Writer:
             if self.frames is not None:
                 writes.update(self.frames.rows_touched(m, where))
             self._prepare(writes)
-        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c):
+        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c) \
+                and self.items is None:
             rw = getattr(self.store, "writable_arrays", None)
             if rw:
                 self._write_one_call(rows, keys, valid, rw)
@@ -250,7 +252,9 @@ class Writer:
             self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
         self.count = g0 + m
         prio = self.prio
-        if cfg.n_step == 1:
+        if self.items is not None:
+            pass  # items are recorded below, once the frames' expiry is known
+        elif cfg.n_step == 1:
             if valid is None:
                 prio.insert(slots, keys)  # replaces what the slots held
             else:
@@ -269,5 +273,7 @@ class Writer:
                 prio.insert(ready, self.pending[ready])
         if self.frames is not None:
             dead = self.frames.expire(self.count, self.gid, self.status)
-            if dead.shape[0]:
+            if dead.shape[0] and self.items is None:
                 prio.remove(dead)
+        if self.items is not None:
+            self.items.write(prio, g0, slots, ends, valid, keys, self.count)

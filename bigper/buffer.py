@@ -41,6 +41,7 @@ from .frames import FrameStore
 from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE
+from .sequences import Items
 
 log = logging.getLogger("bigper")
 
@@ -140,6 +141,10 @@ class PrioritizedReplayBuffer:
         Fields that get a successor ``next_<name>``; default ``("obs",)`` where there is one.
     num_envs : int
         With more than one, ``add`` takes a leading env axis and each env is its own stream.
+    sequence : bigper.Sequence, optional
+        Items are sequences of steps (recurrent agents): ``sample`` returns
+        fields ``(B, burn_in + length, ...)`` with a ``mask``, and priorities
+        belong to items (``bigper.sequences``; README "Sequences").
     seed : int, optional
         Seed of the one ``numpy.random.Generator`` that draws every uniform.
 
@@ -154,14 +159,15 @@ class PrioritizedReplayBuffer:
     def __init__(self, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
                  eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
                  prioritization="proportional", storage="memory", path=None, mode="new",
-                 next_of=None, num_envs=1, seed=0, read_only=False, storage_options=None):
+                 next_of=None, num_envs=1, seed=0, read_only=False, storage_options=None,
+                 sequence=None):
         self._lock = threading.RLock()
         self._closed = True  # until the storage is allocated
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
                            next_of=next_of, num_envs=num_envs, seed=seed, storage=storage,
-                           prioritization=prioritization)
+                           prioritization=prioritization, sequence=sequence)
         if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
             raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
                                        f"got fields {sorted(cfg.fields)}")
@@ -244,6 +250,9 @@ class PrioritizedReplayBuffer:
         # The writer keeps the ring's counters: transitions added, largest key, envs whose episode ended.
         self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, self._gid, self._status,
                               self._ends, self._pending)
+        # With sequences, items (start steps) hold the leaves; their tables live in sequences.Items.
+        self._items = Items(cfg, self._gid, self._status, self._ends) if cfg.sequence else None
+        self._writer.items = self._reader.items = self._items
         self._beta_step = 0
         self._rng = np.random.default_rng(cfg.seed)
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
@@ -458,8 +467,17 @@ class PrioritizedReplayBuffer:
         else:
             idx = as_index(target)
             stamps, use = idx, False
-        p = as_priorities(priorities, idx.shape[0])
-        top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
+        items = self._items
+        if items is not None:
+            mask = target.mask if isinstance(target, Batch) else (
+                target.get("mask") if isinstance(target, Mapping) else None)
+            p = items.reduce(priorities, mask, idx.shape[0])
+            p = as_priorities(priorities if p is None else p, idx.shape[0])
+            items.check_starts(idx)
+            top = self._prio.update(idx, p, stamps, use, self._gid, items.status, items.pending)
+        else:
+            p = as_priorities(priorities, idx.shape[0])
+            top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
         if top > self._max_leaf:
             self._max_leaf = top
 
@@ -472,7 +490,7 @@ class PrioritizedReplayBuffer:
         self._assign(as_priorities(priorities, self.capacity))
 
     def _assign(self, p: np.ndarray) -> None:
-        live = self._status == LIVE
+        live = (self._status if self._items is None else self._items.status) == LIVE
         bad = np.flatnonzero(live & ~((p >= 0) & (p < np.inf)))
         if bad.size:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad[0]]} at position {bad[0]}")
@@ -500,6 +518,8 @@ class PrioritizedReplayBuffer:
             fmeta, farrays = self._frames.state()
             meta["frames"] = fmeta
             arrays.update(farrays)
+        if self._items is not None:
+            arrays.update(self._items.state())
         return meta, arrays
 
     @_entry
@@ -517,7 +537,8 @@ class PrioritizedReplayBuffer:
                 raise IncompatibleSnapshotError(
                     f"recorded state array {name!r} has shape {None if got is None else got.shape}, "
                     f"expected {want}")
-        self._prio.restore(meta.get("prioritization", {}), arrays, arrays["status"])
+        self._prio.restore(meta.get("prioritization", {}), arrays,
+                           arrays["status"] if self._items is None else arrays["seq_status"])
         self._gid[:] = arrays["gid"]
         self._status[:] = arrays["status"]
         self._ends[:] = arrays["ends"]
@@ -530,6 +551,8 @@ class PrioritizedReplayBuffer:
             self._rng.bit_generator.state = meta["rng"]
         if self._frames is not None:
             self._frames.restore(meta["frames"], arrays)
+        if self._items is not None:
+            self._items.restore(arrays)
 
     # -- snapshots -------------------------------------------------------------
     @_entry
@@ -654,12 +677,17 @@ class PrioritizedReplayBuffer:
         """The data of the transitions at ``indices`` as ``sample`` returns it
         (no draw, no weights); every index must be sampleable."""
         idx = self._check_indices(indices)
-        bad = np.flatnonzero(self._status[idx] != LIVE)
+        status = self._status if self._items is None else self._items.status
+        bad = np.flatnonzero(status[idx] != LIVE)
         if bad.size:
-            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable transition")
+            what = "transition" if self._items is None else "sequence item"
+            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable {what}")
         return self._gather(idx)
 
     def _gather(self, idx: np.ndarray) -> dict:
+        if self._items is not None:  # sequences: (B, T, ...) fields and their mask
+            data, mask = self._reader.windows(idx, self._fused)
+            return {**data, "mask": mask}
         return self._reader.gather(idx, None, None, self._fused)
 
     def _check_indices(self, indices) -> np.ndarray:
@@ -704,8 +732,11 @@ class PrioritizedReplayBuffer:
         For coordinators that draw the uniforms themselves (the Ray shards):
         the RNG and the beta schedule are not touched; probabilities and
         weights are local to this buffer (weights normalized by the batch max).
-        Proportional prioritization only.
+        Proportional prioritization only; not with sequences.
         """
+        if self._items is not None:
+            raise InvalidArgumentError("sample_at is not available with sequence=... (sharded buffers "
+                                       "do not serve sequences)")
         t = np.ascontiguousarray(targets, dtype=np.float64)
         if t.ndim != 1 or t.shape[0] < 1:
             raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
