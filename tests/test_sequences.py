@@ -465,3 +465,181 @@ def test_refused_update_changes_nothing_even_after_a_good_one():
     with pytest.raises(bigper.InvalidArgumentError):
         buf.update_priorities(b, td)
     assert_same(before, fingerprint(buf))
+
+
+# -- snapshots, exact resume, the committed fixture, crafted item tables ---------------
+
+def _rounds(buf, ref, rng, n):
+    """A learner's loop: sample, update per step, add a few steps."""
+    out = []
+    for i in range(n):
+        b = buf.sample(4)
+        td = rng.random((4, ref.T)) * 2
+        td[~b.mask] = np.nan
+        buf.update_priorities(b, td)
+        out.append((b.indices.copy(), b.weights.copy(), b.mask.copy(),
+                    {k: v.copy() for k, v in b.data.items()}))
+        feed(buf, ref, [[int(i % 3 == 2), 0]] * 2)
+    return out
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap", "hdf5"])
+@pytest.mark.parametrize("prioritization", ["proportional", "rank"])
+def test_resume_from_a_snapshot_is_exact(tmp_path, storage, prioritization):
+    def run(path):
+        ref = Ref(0, 2, 3, 2, 2, frame_stack=2, seed=1)
+        ref.c = 40
+        return ref, build(ref, 40, storage=storage, path=path, prioritization=prioritization, seed=3)
+
+    ref, a = run(None if storage == "memory" else tmp_path / "a")
+    feed(a, ref, [[int(t % 7 == 6), int(t % 4 == 3)] for t in range(25)], chunk=2)
+    _rounds(a, ref, np.random.default_rng(0), 3)
+    snap = a.save(tmp_path / "snap")
+    ref_b = Ref(0, 2, 3, 2, 2, frame_stack=2, seed=1)
+    ref_b.__dict__.update({k: (v.copy() if isinstance(v, (list, dict)) else v) for k, v in ref.__dict__.items()
+                           if k != "rng"})
+    ref_b.rng.bit_generator.state = ref.rng.bit_generator.state
+    want = _rounds(a, ref, np.random.default_rng(1), 6)
+    b = bigper.PrioritizedReplayBuffer.load(snap, path=None if storage == "memory" else tmp_path / "b")
+    got = _rounds(b, ref_b, np.random.default_rng(1), 6)
+    for (i1, w1, m1, d1), (i2, w2, m2, d2) in zip(want, got):
+        np.testing.assert_array_equal(i1, i2)
+        np.testing.assert_array_equal(w1, w2)
+        np.testing.assert_array_equal(m1, m2)
+        for k in d1:
+            assert d1[k].tobytes() == d2[k].tobytes(), k
+    check_against(b, ref_b)
+    assert_same({k: v for k, v in b.state_dict()[1].items()}, {k: v for k, v in a.state_dict()[1].items()})
+    a.close()
+    b.close()
+
+
+def test_the_committed_sequence_fixture_resumes_bit_for_bit(tmp_path):
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from ._hostile_snapshot_cases import fingerprint as disk
+
+    here = Path(__file__).parent / "data"
+    snap = here / "snapshot-v1-sequence"
+    want = json.loads((here / "snapshot-v1-sequence.expected.json").read_text())
+    before = disk(snap)
+    buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "live")
+    assert disk(snap) == before  # loading never modifies a snapshot
+    assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
+    assert buf.config.seq == Sequence(4, burn_in=2, period=3, eta=0.8)
+    for rec in want["batches"]:
+        b = buf.sample(5)
+        assert b.indices.tolist() == rec["indices"] and b.generations.tolist() == rec["generations"]
+        assert b.weights.tolist() == rec["weights"] and b.probabilities.tolist() == rec["probabilities"]
+        assert b.mask.astype(int).tolist() == rec["mask"] and b.burn_in == rec["burn_in"]
+        for n, d in rec["data"].items():
+            a = np.ascontiguousarray(b[n])
+            assert f"{a.dtype.str}{list(a.shape)}:" + hashlib.sha256(a.tobytes()).hexdigest() == d, n
+        buf.update_priorities(b, np.array(rec["update"]))
+    assert buf.total_priority == want["total_after"]
+    buf.close()
+
+
+def _tables(snap):
+    from bigper.snapshot._load import inspect
+
+    return inspect(snap)[3]
+
+
+CRAFTED = {
+    "a live item made pending": lambda a: _first(a, "seq_status", 1, 2),
+    "an item where no item starts": lambda a: _first(a, "seq_status", 0, 1, where=a["gid"] >= 0),
+    "a dead item made live": lambda a: _first(a, "seq_status", 3, 1),
+    "a position shifted": lambda a: _shift(a, "seq_pos", 1),
+    "a position below -1": lambda a: _first(a, "seq_pos", None, -5),
+    "a pointer past a live item": lambda a: _set(a, "seq_ptr", 0, int(a["gid"].max()) + 1 - (int(a["gid"].max()) + 1) % 2),
+    "a wrong next position": lambda a: _set(a, "seq_next", 1, 9999),
+    "a NaN pending key": lambda a: _set(a, "seq_pending", 0, np.nan),
+    "a table of another dtype": lambda a: a.__setitem__("seq_status", a["seq_status"].astype(np.int64)),
+    "a leaf at a step that starts no item": lambda a: _leaf_off_item(a),
+}
+
+
+def _first(a, name, old, new, where=None):
+    arr = a[name].copy()
+    hit = np.ones(arr.shape, bool) if old is None else arr == old
+    if where is not None:
+        hit &= where
+    s = int(np.flatnonzero(hit)[0])
+    arr[s] = new
+    a[name] = arr
+
+
+def _shift(a, name, d):
+    arr = a[name].copy()
+    s = int(np.flatnonzero(arr > 0)[0])
+    arr[s] += d
+    a[name] = arr
+
+
+def _set(a, name, i, v):
+    arr = a[name].copy()
+    arr[i] = v
+    a[name] = arr
+
+
+def _leaf_off_item(a):
+    leaves = a["leaves"].copy()
+    s = int(np.flatnonzero((a["seq_status"] == 0) & (a["gid"] >= 0))[0])
+    leaves[s] = 0.5
+    a["leaves"] = leaves
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_item_table_is_a_corrupt_snapshot(tmp_path, case):
+    from ._hostile_snapshot_cases import put_state, refused
+
+    ref = Ref(0, 2, 3, 2, 2)
+    ref.c = 30
+    buf = build(ref, 30, seed=1)
+    feed(buf, ref, [[int(t % 6 == 5), int(t % 9 == 8)] for t in range(40)], chunk=3)
+    snap = buf.save(tmp_path / "snap")
+    # the same state through load_state: refused, the live buffer unchanged
+    arrays = {k: v.copy() for k, v in _tables(snap).items()}
+    CRAFTED[case](arrays)
+    changed = [k for k in arrays if not np.array_equal(arrays[k], _tables(snap)[k])
+               or arrays[k].dtype != _tables(snap)[k].dtype]
+    assert changed, "the crafted case must change a table"
+    meta = buf.state_dict()[0]
+    check_rejected(buf, lambda x: x.load_state(meta, arrays), bigper.CorruptSnapshotError)
+    for k in changed:
+        put_state(snap, k, arrays[k])
+    err = refused(bigper.CorruptSnapshotError, snap)
+    assert any(k in str(err) for k in ("seq_", "leaf", "slot")), str(err)
+
+
+def test_verify_and_info_show_sequences(tmp_path):
+    import subprocess
+    import sys
+
+    ref = Ref(0, 1, 3, 1, 2)
+    ref.c = 30
+    buf = build(ref, 30)
+    feed(buf, ref, [[0]] * 12)
+    snap = buf.save(tmp_path / "snap")
+    env = {"PYTHONPATH": str(__import__("pathlib").Path(bigper.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    info = subprocess.run([sys.executable, "-m", "bigper", "info", str(snap)], capture_output=True, text=True,
+                          env=env)
+    assert info.returncode == 0, info.stderr
+    assert "items are sequences: length 3, burn_in 1, period 2, eta 0.9" in info.stdout
+    ok = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
+                        env=env)
+    assert ok.returncode == 0 and "OK" in ok.stdout, ok.stdout + ok.stderr
+    from bigper.snapshot import verify
+
+    assert verify(snap)["problems"] == []
+
+
+def test_sharded_buffers_refuse_sequences():
+    from bigper.distributed import ShardedPrioritizedBuffer
+
+    with pytest.raises(bigper.InvalidArgumentError) as info:
+        ShardedPrioritizedBuffer(2, 100, {"obs": ((2,), np.float32)}, sequence=Sequence(4))
+    assert "sequence" in str(info.value) and "single PrioritizedReplayBuffer" in str(info.value)
