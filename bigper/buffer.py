@@ -473,7 +473,7 @@ class PrioritizedReplayBuffer:
                 target.get("mask") if isinstance(target, Mapping) else None)
             p = items.reduce(priorities, mask, idx.shape[0])
             p = as_priorities(priorities if p is None else p, idx.shape[0])
-            items.check_starts(idx)
+            items.check_starts(idx, stamps, use)
             top = self._prio.update(idx, p, stamps, use, self._gid, items.status, items.pending)
         else:
             p = as_priorities(priorities, idx.shape[0])

@@ -15,6 +15,7 @@ episode (0 at the episode's first step) starts an item when
     item@3          [x1 x2|x3 x4 x5 x6]       T = 6 steps, all real
     item@6                   [x4 x5|x6 x7 x8 __]   episode ended: one padded step
 
+Item status by start slot: 0 never written, 3 dead or no item starts there.
 An item is *pending* (status 2, its key in ``pending``) until its ``length``
 steps are written or its episode ends, then *live* (status 1, a leaf in the
 prioritization); it is *dead* (status 3) from the moment its earliest step
@@ -57,7 +58,7 @@ def write_items(g0, slots, ends, valid, keys, capacity, num_envs, length, period
         g = g0 + r
         e = g % num_envs
         s = slots[r]
-        status[s] = EMPTY
+        status[s] = DEAD  # written: dead unless it starts an item (0 is for never written)
         pending[s] = 0.0
         if not valid[r]:
             pos_arr[s] = -1
@@ -141,13 +142,14 @@ def windows(idx, capacity, num_envs, burn_in, length, pos_arr, gid, ends, slots_
 @kernel
 def item_truth(count, capacity, num_envs, burn_in, length, period, pos_arr, gid, step_status, ends, out):
     """The status every slot's item must have after ``count`` rows, from the
-    positions and the ring alone (for checking a recorded state): 0 where no
-    item starts, else dead, live or pending by the rules above."""
+    positions and the ring alone (for checking a recorded state): 0 where
+    nothing was written, dead where no item starts, else dead, live or
+    pending by the rules above."""
     first = count - capacity
     for s in range(capacity):
         g = gid[s]
         pos = pos_arr[s]
-        out[s] = EMPTY
+        out[s] = EMPTY if g < 0 else DEAD
         if g < 0 or pos < 0 or pos % period != 0:
             continue
         early = g - min(pos, burn_in) * num_envs
@@ -224,12 +226,16 @@ class Items:
                 self.ends, slots, mask)
         return slots, mask
 
-    def check_starts(self, idx: np.ndarray) -> None:
+    def check_starts(self, idx: np.ndarray, stamps: np.ndarray, use_stamps: bool) -> None:
         """Refuse indices of written slots that start no item (out-of-range and
-        never-written ones are the prioritization's to refuse)."""
+        never-written ones are the prioritization's to refuse; with
+        ``use_stamps``, rows whose slot was overwritten since sampling are
+        skipped by it, not refused)."""
         inside = (idx >= 0) & (idx < self.capacity)
         at = np.where(inside, idx, 0)
-        bad = np.flatnonzero(inside & (self.gid[at] >= 0) & (self.status[at] == EMPTY))
+        gid, pos = self.gid[at], self.pos[at]
+        now = (gid == stamps) if use_stamps else True
+        bad = np.flatnonzero(inside & (gid >= 0) & ((pos < 0) | (pos % self.period != 0)) & now)
         if bad.size:
             i = int(bad[0])
             raise InvalidArgumentError(

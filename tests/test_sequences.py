@@ -550,7 +550,8 @@ def _tables(snap):
 
 CRAFTED = {
     "a live item made pending": lambda a: _first(a, "seq_status", 1, 2),
-    "an item where no item starts": lambda a: _first(a, "seq_status", 0, 1, where=a["gid"] >= 0),
+    "an item where no item starts": lambda a: _first(a, "seq_status", 3, 1, where=a["seq_pos"] % 2 == 1),
+    "a written slot marked never written": lambda a: _first(a, "seq_status", 3, 0),
     "a dead item made live": lambda a: _first(a, "seq_status", 3, 1),
     "a position shifted": lambda a: _shift(a, "seq_pos", 1),
     "a position below -1": lambda a: _first(a, "seq_pos", None, -5),
@@ -587,7 +588,7 @@ def _set(a, name, i, v):
 
 def _leaf_off_item(a):
     leaves = a["leaves"].copy()
-    s = int(np.flatnonzero((a["seq_status"] == 0) & (a["gid"] >= 0))[0])
+    s = int(np.flatnonzero((a["seq_pos"] % 2 == 1) & (a["gid"] >= 0))[0])
     leaves[s] = 0.5
     a["leaves"] = leaves
 
@@ -643,3 +644,18 @@ def test_sharded_buffers_refuse_sequences():
     with pytest.raises(bigper.InvalidArgumentError) as info:
         ShardedPrioritizedBuffer(2, 100, {"obs": ((2,), np.float32)}, sequence=Sequence(4))
     assert "sequence" in str(info.value) and "single PrioritizedReplayBuffer" in str(info.value)
+
+
+def test_updating_a_batch_whose_item_slot_now_holds_another_step_skips_it():
+    """Found by the state machine: a sampled item's slot overwritten by a step
+    that starts no item; the batch's update skips that row (its generation is
+    stale) instead of refusing the whole update."""
+    ref = Ref(0, 1, 1, 0, 2)
+    ref.c = 1
+    buf = build(ref, 1, alpha=1.0, eps=0.0)
+    feed(buf, ref, [[0]])
+    b = buf.sample(1)
+    feed(buf, ref, [[0]])  # row 1 (position 1: no item) overwrites slot 0
+    before = fingerprint(buf)
+    buf.update_priorities(b, np.zeros((1, 1)))
+    assert_same(before, fingerprint(buf))
