@@ -163,11 +163,13 @@ class Writer:
             if self.frames is not None:
                 writes.update(self.frames.rows_touched(m, where))
             self._prepare(writes)
-        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c) \
-                and self.items is None:
+        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c):
             rw = getattr(self.store, "writable_arrays", None)
             if rw:
+                g0, top = self.count, self.max_leaf
                 self._write_one_call(rows, keys, valid, rw)
+                if self.items is not None:  # the leaves it set per step go; items get theirs
+                    self._items_after(rows, g0, np.full(m, top) if keys is None else keys, valid)
                 return
         ended = rows["terminated"] | rows["truncated"]
         if valid is not None:
@@ -184,6 +186,13 @@ class Writer:
             self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
                               None if keys is None else keys[lo:hi],
                               None if valid is None else valid[lo:hi])
+
+    def _items_after(self, rows: dict, g0: int, keys, valid) -> None:
+        """Sequence items of rows ``g0 ..`` that ``write_rows`` recorded as transitions."""
+        m = keys.shape[0]
+        slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
+        ring_rows(g0, self.cfg.capacity, rows["terminated"], rows["truncated"], slots, ends)
+        self.items.write(self.prio, g0, slots, ends, valid, keys, self.count)
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
         m = rows["terminated"].shape[0]
@@ -276,4 +285,4 @@ class Writer:
             if dead.shape[0] and self.items is None:
                 prio.remove(dead)
         if self.items is not None:
-            self.items.write(prio, g0, slots, ends, valid, keys, self.count)
+            self.items.write(prio, g0, slots, ends, valid, keys, self.count, self.fused)

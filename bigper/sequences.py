@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import kernel
+from ._kernels import kernel, tree_set
 from ._torch import as_numpy
 from .config import Config
 from .errors import InvalidArgumentError, InvalidTypeError
@@ -111,6 +111,33 @@ def kill_items(ptr, count, capacity, num_envs, burn_in, period, pos_arr, gid, st
             g += num_envs
         ptr[e] = g
     return n
+
+
+@kernel
+def write_items_tree(g0, slots, ends, valid, keys, capacity, num_envs, length, period, burn_in, count,
+                     next_pos, pos_arr, status, pending, gid, step_status, ptr, dead, sums, mins, offsets):
+    """``write_items`` and ``kill_items`` with the leaves set in the sum tree
+    (proportional) in the same call: the written slots' leaves go, the dead
+    items' go, the completed items get their keys. The same leaves as
+    ``Items.write``'s general path, in one call."""
+    m = slots.shape[0]
+    ready = np.empty(m + num_envs * (length // period + 2), dtype=np.int64)
+    nr = write_items(g0, slots, ends, valid, keys, capacity, num_envs, length, period,
+                     next_pos, pos_arr, status, pending, gid, ready)
+    nd = kill_items(ptr, count, capacity, num_envs, burn_in, period, pos_arr, gid, step_status, status, dead)
+    tree_set(sums, mins, offsets, slots, np.zeros(m, dtype=np.float64))
+    if nd > 0:
+        tree_set(sums, mins, offsets, dead[:nd], np.zeros(nd, dtype=np.float64))
+    k = 0
+    for i in range(nr):
+        if status[ready[i]] == LIVE:
+            ready[k] = ready[i]
+            k += 1
+    if k > 0:
+        vals = np.empty(k, dtype=np.float64)
+        for i in range(k):
+            vals[i] = pending[ready[i]]
+        tree_set(sums, mins, offsets, ready[:k], vals)
 
 
 @kernel
@@ -191,16 +218,37 @@ class Items:
         self.next_pos = np.zeros(k, dtype=np.int64)    # position of each env's next step
         self.ptr = np.arange(k, dtype=np.int64)        # each env's oldest item that may live
         self._dead = np.empty(c, dtype=np.int64)       # scratch for kill_items
+        self._ones = np.ones(256, dtype=np.bool_)       # valid rows of a small write
+        self._ready = np.empty(256 + k * (self.length // self.period + 2), dtype=np.int64)  # scratch
 
     # -- writes ------------------------------------------------------------------
     def write(self, prio, g0: int, slots: np.ndarray, ends: np.ndarray, valid, keys: np.ndarray,
-              count: int) -> None:
+              count: int, fused: bool = True) -> None:
         """Rows ``g0 .. count - 1`` were written at ``slots`` (and committed):
         record their items, make the completed ones live in ``prio`` and
-        remove the ones whose earliest step is gone."""
+        remove the ones whose earliest step is gone. ``fused``: with a
+        proportional tree, all of it in one compiled call (the general path,
+        through the strategy's insert/remove, leaves the same tree)."""
+        if fused and getattr(prio, "kind", "") == "proportional":
+            self._write_tree(prio.tree, g0, slots, ends, valid, keys, count)
+        else:
+            self._write_general(prio, g0, slots, ends, valid, keys, count)
+
+    def _write_tree(self, t, g0, slots, ends, valid, keys, count) -> None:
         m = slots.shape[0]
-        ok = np.ones(m, dtype=np.bool_) if valid is None else valid
-        ready = np.empty(m + self.num_envs * (self.length // self.period + 2), dtype=np.int64)
+        ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
+            else valid
+        write_items_tree(g0, slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64), self.capacity,
+                         self.num_envs, self.length, self.period, self.burn_in, count, self.next_pos, self.pos,
+                         self.status, self.pending, self.gid, self.step_status, self.ptr, self._dead,
+                         t.sums, t.mins, t.offsets)
+
+    def _write_general(self, prio, g0, slots, ends, valid, keys, count) -> None:
+        m = slots.shape[0]
+        ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
+            else valid
+        need = m + self.num_envs * (self.length // self.period + 2)
+        ready = self._ready if need <= self._ready.shape[0] else np.empty(need, dtype=np.int64)
         nr = write_items(g0, slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64), self.capacity,
                          self.num_envs, self.length, self.period, self.next_pos, self.pos, self.status,
                          self.pending, self.gid, ready)
@@ -210,7 +258,7 @@ class Items:
         if nd:
             prio.remove(self._dead[:nd].copy())
         if nr:
-            ready = ready[:nr]
+            ready = ready[:nr].copy()
             ready = ready[self.status[ready] == LIVE]
             if ready.shape[0]:
                 prio.insert(ready, self.pending[ready])

@@ -659,3 +659,27 @@ def test_updating_a_batch_whose_item_slot_now_holds_another_step_skips_it():
     before = fingerprint(buf)
     buf.update_priorities(b, np.zeros((1, 1)))
     assert_same(before, fingerprint(buf))
+
+
+@pytest.mark.parametrize("frame_stack", [None, 2])
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_the_one_call_write_path_equals_the_general_one(frame_stack, chunk):
+    """Adds take write_rows' one compiled call (then the items); the general
+    path (``_fused = False``) must leave the same state, bit for bit."""
+    def run(fused):
+        ref = Ref(0, 2, 3, 2, 2, frame_stack=frame_stack, seed=4)
+        ref.c = 64
+        buf = build(ref, 64, seed=4)
+        buf._fused = fused
+        ends = [[int(t % 7 == 6), int(t % 11 == 10)] for t in range(90)]
+        feed(buf, ref, ends, chunk=chunk, placeholders={(7, 0), (12, 1)})
+        buf.update_priorities(buf.sample(4), np.arange(4.0) + 0.5)
+        feed(buf, ref, ends[:9], chunk=chunk)
+        return buf
+
+    a, b = run(True), run(False)
+    assert_same(fingerprint(a), fingerprint(b))
+    x, y = a.sample(6), b.sample(6)
+    np.testing.assert_array_equal(x.indices, y.indices)
+    for n in x:
+        assert x[n].tobytes() == y[n].tobytes()
