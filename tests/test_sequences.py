@@ -683,3 +683,40 @@ def test_the_one_call_write_path_equals_the_general_one(frame_stack, chunk):
     np.testing.assert_array_equal(x.indices, y.indices)
     for n in x:
         assert x[n].tobytes() == y[n].tobytes()
+
+
+def test_a_snapshot_survives_kill_9_of_its_writer(tmp_path):
+    """A process fills a memmap sequence buffer, saves a snapshot, goes on
+    adding and is killed with SIGKILL: the snapshot loads, and every item in
+    it is exactly what was added up to the save."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    child = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {root!r})
+        from tests._sequence_reference import Ref
+        from tests.test_sequences import build, feed
+        ref = Ref(0, 2, 3, 2, 2, frame_stack=2, seed=8)
+        ref.c = 40
+        buf = build(ref, 40, storage="memmap", path={str(tmp_path / 'live')!r}, seed=8)
+        feed(buf, ref, [[int(t % 7 == 6), int(t % 5 == 4)] for t in range(30)], chunk=3)
+        buf.save({str(tmp_path / 'snap')!r})
+        feed(buf, ref, [[0, 0]] * 10)
+        print("saved", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == -signal.SIGKILL and "saved" in r.stdout, r.stderr[-2000:]
+    ref = Ref(0, 2, 3, 2, 2, frame_stack=2, seed=8)
+    ref.c = 40
+    scratch = build(ref, 40)
+    feed(scratch, ref, [[int(t % 7 == 6), int(t % 5 == 4)] for t in range(30)], chunk=3)
+    buf = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "again")
+    check_against(buf, ref)
+    buf.close()
