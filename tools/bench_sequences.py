@@ -19,8 +19,12 @@ Peers, each in its own process:
             obs stored per step as a (4, 84, 84) stack; filled in chunks of
             1,000 steps (one add a step would take far longer); it does not
             know episode boundaries (its sequences cross them).
-  TorchRL   ``PrioritizedSliceSampler`` over ``LazyMemmapStorage``, when a
-            torch/torchrl pair that loads is installed (else: unavailable).
+  TorchRL   ``PrioritizedSliceSampler`` (slices of 120 along an ``episode``
+            key, not strict) over ``LazyMemmapStorage``, in a venv where its
+            compiled extension loads (``--torchrl-python``, default
+            /tmp/trl-venv/bin/python; torch 2.15 + torchrl 0.14.1 there, else
+            reported unavailable); obs stored per step as a (4, 84, 84) stack,
+            extended in chunks of 1,000 steps; priorities updated per step.
 
 Usage::
 
@@ -52,6 +56,8 @@ def add_arguments(p):
     p.add_argument("--rounds", type=int, default=15, help="sample + update rounds timed")
     p.add_argument("--flashbax-python", default="/tmp/fbx-venv/bin/python",
                    help="a Python with flashbax and jax[cpu] (a separate venv)")
+    p.add_argument("--torchrl-python", default="/tmp/trl-venv/bin/python",
+                   help="a Python where torchrl's compiled extension loads (a separate venv)")
     p.add_argument("--dir", default=None, help="where bigper's memmap files go (default: a temp dir)")
 
 
@@ -175,14 +181,65 @@ def run_flashbax(args, tmp: Path) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_torchrl() -> dict:
-    try:
-        import torchrl  # noqa: F401
-        from torchrl.data.replay_buffers import PrioritizedSliceSampler  # noqa: F401
-        import torchrl._torchrl  # noqa: F401  (its prioritized samplers need the C++ extension)
-    except Exception as e:  # noqa: BLE001 (any failure to load is "unavailable")
-        return {"unavailable": f"{type(e).__name__}: {e}"[:200]}
-    return {"unavailable": "torchrl loads, but this bench does not drive it yet"}
+TORCHRL_CHILD = r"""
+import json, sys, time
+import numpy as np
+import torch
+import torchrl._torchrl  # its prioritized samplers need the C++ extension
+from tensordict import TensorDict
+from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+from torchrl.data.replay_buffers import PrioritizedSliceSampler
+n, rounds, B, T, POOL = (int(x) for x in sys.argv[1:6])
+scratch = sys.argv[6]
+pool = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (POOL, 84, 84), dtype=np.uint8))
+ids = torch.from_numpy(np.load(sys.argv[7]))
+ends = torch.from_numpy(np.load(sys.argv[8]))
+episode = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1].long()]), 0)
+rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(n, scratch_dir=scratch),
+    sampler=PrioritizedSliceSampler(max_capacity=n, alpha=0.6, beta=0.4, slice_len=T, traj_key="episode",
+                                    strict_length=False),
+    batch_size=B * T)
+t0 = time.perf_counter()
+C = 1000
+for lo in range(0, n, C):
+    hi = min(lo + C, n)
+    m = hi - lo
+    rb.extend(TensorDict({"obs": pool[ids[lo:hi]], "action": torch.zeros(m, dtype=torch.long),
+                          "reward": torch.zeros(m), "episode": episode[lo:hi]}, batch_size=[m]))
+add_s = time.perf_counter() - t0
+rng = np.random.default_rng(0)
+times = []
+for i in range(rounds + 2):
+    td_err = torch.from_numpy(rng.random(B * T).astype(np.float32))
+    t1 = time.perf_counter()
+    s = rb.sample()
+    rb.update_priority(s["index"], td_err)
+    times.append(time.perf_counter() - t1)
+import os
+blocks = sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(scratch) for f in fs)
+print(json.dumps({"add_per_s": n / add_s, "add_note": "extend in chunks of 1000 steps",
+                  "round_ms": 1e3 * float(np.median(times[2:])), "bytes_per_step": blocks / n,
+                  "bytes_where": "disk", "versions": f"torch {torch.__version__}"}))
+"""
+
+
+def run_torchrl(args, tmp: Path) -> dict:
+    py = args.torchrl_python
+    if not Path(py).exists():
+        return {"unavailable": f"no {py} (a venv where torchrl's compiled extension loads)"}
+    ids, ends = stream(args.steps)
+    np.save(tmp / "ids.npy", ids)
+    np.save(tmp / "ends.npy", ends)
+    script = tmp / "trl_child.py"
+    script.write_text(TORCHRL_CHILD)
+    (tmp / "trl").mkdir(exist_ok=True)
+    r = subprocess.run([py, str(script), str(args.steps), str(args.rounds), str(B), str(T), str(POOL),
+                        str(tmp / "trl"), str(tmp / "ids.npy"), str(tmp / "ends.npy")],
+                       capture_output=True, text=True, timeout=3600)
+    shutil.rmtree(tmp / "trl", ignore_errors=True)
+    if r.returncode != 0:
+        return {"unavailable": r.stderr.strip().splitlines()[-1][:300] if r.stderr.strip() else "failed"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main(args) -> int:
@@ -200,7 +257,7 @@ def main(args) -> int:
         res["bigper"] = run_bigper(args, True, tmp / "seq")
         shutil.rmtree(tmp / "seq", ignore_errors=True)
         res["flashbax"] = run_flashbax(args, tmp)
-        res["torchrl"] = run_torchrl()
+        res["torchrl"] = run_torchrl(args, tmp)
     finally:
         if not args.dir:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -214,7 +271,8 @@ def main(args) -> int:
         if "round_ms" in r:
             print(f"  {peer:<8} add {r['add_per_s']:,.0f}/s ({r.get('add_note', '')}); sample+update "
                   f"{r['round_ms']:.1f} ms ({r['round_ms'] / b['round_ms']:.2f}x bigper's time); "
-                  f"{r['bytes_per_step']:,.0f} bytes/step in RAM ({r['bytes_per_step'] / b['bytes_per_step']:.1f}x)")
+                  f"{r['bytes_per_step']:,.0f} bytes/step {'on disk' if r.get('bytes_where') == 'disk' else 'in RAM'} "
+                  f"({r['bytes_per_step'] / b['bytes_per_step']:.1f}x)")
         else:
             print(f"  {peer:<8} {r}")
     print(json.dumps(res))
