@@ -18,6 +18,9 @@ What a buffer of config ``cfg`` can have written (``buffer.py`` ``_setup``,
             ends         uint8 (C,) in 0..3 (bit 0 terminated, bit 1 truncated)
             pending      float64 (C,) with n_step > 1 else (0,), finite, >= 0
             frames_*     the frame ring's per-env stream state (see frames.py)
+            seq_*        with sequences: item positions, status, pending keys, each
+                         env's next position and item pointer (sequences.py);
+                         the status must be exactly what positions and ring imply
 
 Every check is one numpy pass over the arrays (O(N)); nothing is allocated
 from a recorded size before the recorded arrays are known to have it.

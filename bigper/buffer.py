@@ -449,7 +449,10 @@ class PrioritizedReplayBuffer:
             overwritten since sampling are skipped), or raw slots.
         priorities : array-like (B,)
             Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
-            With a repeated index, the last value wins.
+            With a repeated index, the last value wins. With ``sequence=...``
+            also per-step errors ``(B, T)`` or ``(B, length)`` for a batch
+            target, reduced per item with ``eta * max + (1 - eta) * mean`` over
+            the real steps after the burn-in (``sequences.reduce_errors``).
         """
         self._check_writable("priorities")
         if isinstance(target, Batch):
