@@ -720,3 +720,17 @@ def test_a_snapshot_survives_kill_9_of_its_writer(tmp_path):
     buf = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "again")
     check_against(buf, ref)
     buf.close()
+
+
+def test_priorities_given_to_extend_belong_to_the_items_starting_at_those_steps():
+    ref = Ref(0, 1, 2, 1, 2)
+    ref.c = 30
+    buf = build(ref, 30, alpha=1.0, eps=0.0)
+    rows = [ref.make_row(g, False, False) for g in range(8)]
+    for r in rows:
+        ref.add(r)
+    data = {n: np.stack([r["data"][n] for r in rows]) for n in rows[0]["data"]}
+    buf.extend({**data, "terminated": np.zeros(8, bool)}, priorities=np.arange(8.0) + 1)
+    # items start at steps 0, 2, 4, 6 (each with its 2 steps written); odd steps start none
+    np.testing.assert_array_equal(buf.leaves(np.arange(8)), [1, 0, 3, 0, 5, 0, 7, 0])
+    assert buf.max_leaf == 8.0  # every given priority counts toward the largest seen
