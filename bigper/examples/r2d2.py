@@ -159,8 +159,8 @@ class AtariEnv:
 
 
 def train(env, *, steps, seed, alpha=0.9, capacity=50_000, seq=None, storage="memory", path=None,
-          batch_size=32, train_every=4, warmup=1000, target_every=500, gamma=0.99, lr=1e-3,
-          eps_steps=10_000, log=print, conv=False):
+          batch_size=32, train_every=1, warmup=500, target_every=250, gamma=0.99, lr=1e-3,
+          eps_steps=5_000, log=print, conv=False):
     """Run the agent for ``steps`` env steps; returns the episode returns.
     ``alpha=0``: uniform sequence sampling (every item's leaf is 1)."""
     torch = _torch()
@@ -221,10 +221,12 @@ def episodes_to(returns, target, window=10):
     return None
 
 
-def check(seeds, steps, target):
+def check(seeds, steps, target, variants=("prioritized", "uniform")):
     """Prioritized vs uniform sequence sampling on the hidden-velocity task."""
     rows = []
     for name, alpha in (("prioritized", 0.9), ("uniform", 0.0)):
+        if name not in variants:
+            continue
         for s in seeds:
             t0 = time.perf_counter()
             rets = train(HiddenVelocity(s), steps=steps, seed=s, alpha=alpha, log=None)
@@ -232,7 +234,7 @@ def check(seeds, steps, target):
             rows.append((name, s, n, float(np.mean(rets[-10:])), time.perf_counter() - t0))
             print(f"{name:<12} seed {s}: episodes to a mean of {target:g} over 10: {n}; "
                   f"last 10 mean {rows[-1][3]:.1f}; {rows[-1][4]:.0f} s", flush=True)
-    for name in ("prioritized", "uniform"):
+    for name in variants:
         got = [r for r in rows if r[0] == name]
         reached = [r[2] for r in got if r[2] is not None]
         print(f"{name:<12} reached {len(reached)}/{len(got)}; episodes "
@@ -243,19 +245,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds: CartPole, then Atari on memmap")
     p.add_argument("--check", action="store_true", help="3 seeds, prioritized vs uniform")
-    p.add_argument("--steps", type=int, default=40_000)
+    p.add_argument("--steps", type=int, default=25_000)
+    p.add_argument("--variants", nargs="+", default=["prioritized", "uniform"],
+                   choices=["prioritized", "uniform"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--target", type=float, default=150.0)
+    p.add_argument("--target", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.check:
-        check(args.seeds, args.steps, args.target)
+        check(args.seeds, args.steps, args.target, tuple(args.variants))
         return 0
     if not args.smoke:
         rets = train(HiddenVelocity(args.seed), steps=args.steps, seed=args.seed)
         print(f"episodes {len(rets)}; mean return of the last 10 {np.mean(rets[-10:]):.1f}")
         return 0
-    rets = train(HiddenVelocity(0), steps=600, seed=0, warmup=100, capacity=2000, log=None)
+    rets = train(HiddenVelocity(0), steps=600, seed=0, warmup=100, train_every=4, capacity=2000, log=None)
     print(f"cartpole smoke: {len(rets)} episodes, {600} steps, sequences of 4 burn-in + 8")
     tmp = Path(tempfile.mkdtemp(prefix="bigper-r2d2-"))
     try:
@@ -265,7 +269,8 @@ def main(argv=None):
             print(f"atari smoke skipped: {e}")
             return 0
         rets = train(env, steps=300, seed=0, warmup=100, capacity=1000, storage="memmap", path=tmp / "replay",
-                     batch_size=4, seq=bigper.Sequence(8, burn_in=4, period=4), conv=True, log=None)
+                     batch_size=4, train_every=4, seq=bigper.Sequence(8, burn_in=4, period=4), conv=True,
+                     log=None)
         print(f"atari smoke: 300 Pong steps on memmap, frames stored once; {len(rets)} episodes ended")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
