@@ -2,6 +2,7 @@
 
 from .batch import Batch
 from .buffer import PrioritizedReplayBuffer
+from .config import Sequence
 from .errors import (
     BigperError,
     BufferClosedError,
@@ -43,6 +44,7 @@ __all__ = [
     "PathNotFoundError",
     "PrioritizedReplayBuffer",
     "ReadOnlyBufferError",
+    "Sequence",
     "ShardUnavailableError",
     "SidecarMismatchError",
     "SnapshotInfo",

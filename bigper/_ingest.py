@@ -11,7 +11,6 @@ A value already of the field's dtype is taken as it is: casting it first
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 

@@ -40,8 +40,11 @@ class Reader:
         self.gamma = cfg.gamma
         self.discount1 = np.array([cfg.gamma, 0.0, cfg.gamma, 0.0], dtype=np.float32)
         self.successors = {f"next_{n}" for n in cfg.next_of}
+        self.items = None  # with sequence=...: the buffer's sequences.Items
 
     def batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out, fused: bool) -> Batch:
+        if self.items is not None:
+            return self.sequences(idx, w, prob, fused)
         if self.cfg.n_step == 1 and fused:
             # Generations, end flags and discounts in one kernel call.
             b = idx.shape[0]
@@ -50,6 +53,31 @@ class Reader:
             batch_meta(idx, self.ends, self.gid, self.discount1, gen, term, trunc, disc)
             return Batch.make(self.gather(idx, (term, trunc, disc), out, fused), idx, w, prob, gen)
         return Batch.make(self.gather(idx, None, out, fused), idx, w, prob, self.gid[idx])
+
+    def sequences(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, fused: bool) -> Batch:
+        """A batch of the sequence items at ``idx``: every field ``(B, T, ...)``,
+        padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""
+        data, mask = self.windows(idx, fused)
+        return Batch.make(data, idx, w, prob, self.gid[idx], mask, self.items.burn_in)
+
+    def windows(self, idx: np.ndarray, fused: bool) -> tuple[dict, np.ndarray]:
+        """``(data, mask)`` of the sequence items at ``idx`` (live)."""
+        slots, mask = self.items.window(idx)
+        b, t = mask.shape
+        flat = self.gather(slots.reshape(-1), None, None, fused)
+        pad = ~mask
+        some = bool(pad.any())
+        data = {}
+        for name, v in flat.items():
+            v = v.reshape((b, t, *v.shape[1:]))
+            if some:
+                # obs and next_obs may be two views of one gather: zeroing both
+                # at the same padded steps zeroes the whole of those steps.
+                if not v.flags.writeable:
+                    v = v.copy()
+                v[pad] = 0
+            data[name] = v
+        return data, mask
 
     def gather(self, idx: np.ndarray, meta, out, fused: bool) -> dict:
         """The batch's data at slots ``idx``; ``out``: arrays (checked by
@@ -115,6 +143,9 @@ class Reader:
         writable, no two sharing memory."""
         if out is None:
             return {}
+        if self.items is not None:
+            raise InvalidArgumentError("sample(out=...) is not available with sequence=...: a batch of "
+                                       "sequences is gathered by windows")
         if not isinstance(out, Mapping):
             raise InvalidTypeError(f"out must be a dict name -> array, got {type(out).__name__}")
         specs = dict(self.stored)

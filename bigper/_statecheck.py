@@ -18,6 +18,9 @@ What a buffer of config ``cfg`` can have written (``buffer.py`` ``_setup``,
             ends         uint8 (C,) in 0..3 (bit 0 terminated, bit 1 truncated)
             pending      float64 (C,) with n_step > 1 else (0,), finite, >= 0
             frames_*     the frame ring's per-env stream state (see frames.py)
+            seq_*        with sequences: item positions, status, pending keys, each
+                         env's next position and item pointer (sequences.py);
+                         the status must be exactly what positions and ring imply
 
 Every check is one numpy pass over the arrays (O(N)); nothing is allocated
 from a recorded size before the recorded arrays are known to have it.
@@ -31,6 +34,7 @@ import numpy as np
 
 from .errors import CorruptSnapshotError
 from .frames import frame_capacity
+from .sequences import ITEM_ARRAYS, item_truth
 
 EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3  # buffer.py's slot status values
 _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
@@ -122,6 +126,7 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     kind = getattr(cfg, "prioritization", "proportional")
     want = set(_BASE) | (set(_FRAMES) if cfg.frame_stack else set()) \
         | (set(_SEGMENTS) if getattr(cfg, "compression", None) else set())
+    want |= set(ITEM_ARRAYS) if getattr(cfg, "sequence", None) else set()
     have = set(arrays)
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
@@ -167,12 +172,70 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     bad = np.flatnonzero((gid < 0) != (status == EMPTY))
     if bad.size:
         _bad(f"slot {bad[0]} has gid {gid[bad[0]]} and status {status[bad[0]]} (written iff not empty)")
+    items = _check_items(cfg, arrays, count, gid, status, ends) if getattr(cfg, "sequence", None) else None
     if "leaves" in arrays:
-        _check_leaves(_array(arrays, "leaves", np.float64, (c,)), status, top)
+        _check_leaves(_array(arrays, "leaves", np.float64, (c,)), status if items is None else items, top)
     if cfg.n_step == 1 and (status == PENDING).any():
         _bad(f"slot {np.flatnonzero(status == PENDING)[0]} waits for an n-step window, but n_step is 1")
     if cfg.frame_stack:
         _check_frames(cfg, meta, arrays, count, status)
+
+
+def _check_items(cfg, arrays: dict, count: int, gid, status, ends) -> np.ndarray:
+    """The sequence item tables (``sequences.Items.state``): positions that
+    chain along each env's stream, item status exactly as the positions and
+    the ring imply, finite pending keys, pointers in range. Returns the item status."""
+    c, envs, seq = cfg.capacity, cfg.num_envs, cfg.seq
+    pos = _array(arrays, "seq_pos", np.int64, (c,))
+    istatus = _array(arrays, "seq_status", np.uint8, (c,))
+    pending = _array(arrays, "seq_pending", np.float64, (c,))
+    nxt = _array(arrays, "seq_next", np.int64, (envs,))
+    ptr = _array(arrays, "seq_ptr", np.int64, (envs,))
+    bad = np.flatnonzero((pos < -1) | (pos >= _BIG) | ((gid < 0) & (pos != -1)))
+    if bad.size:
+        _bad(f"seq_pos[{bad[0]}] = {pos[bad[0]]} (a position in an episode, -1 for none)")
+    # A step whose previous step of its env is still in the ring continues its position,
+    # or starts at 0 after an episode end or a placeholder row; a placeholder row has -1.
+    written = gid >= 0
+    prev_g = gid - envs
+    inside = written & (prev_g >= max(count - c, 0))
+    prev = np.where(inside, prev_g % c, 0)
+    want_pos = np.where(inside & (pos[prev] >= 0) & (ends[prev] == 0), pos[prev] + 1, 0)
+    bad = np.flatnonzero(inside & (pos >= 0) & (pos != want_pos))
+    if bad.size:
+        s = int(bad[0])
+        _bad(f"seq_pos[{s}] = {pos[s]}, but the step before it in its env's stream gives {want_pos[s]}")
+    bad = np.flatnonzero(written & (pos < 0) & (status != DEAD))
+    if bad.size:
+        _bad(f"seq_pos[{bad[0]}] = -1 for a step that is not a placeholder (status {status[bad[0]]})")
+    truth = np.empty(c, dtype=np.uint8)
+    item_truth(count, c, envs, seq.burn_in, seq.length, seq.period, pos, gid, status, ends, truth)
+    bad = np.flatnonzero(istatus != truth)
+    if bad.size:
+        s = int(bad[0])
+        _bad(f"seq_status[{s}] = {istatus[s]}, but the ring and positions give {truth[s]} "
+             "(0 no item, 1 live, 2 pending, 3 dead)")
+    bad = np.flatnonzero(~np.isfinite(pending) | (pending < 0))
+    if bad.size:
+        _bad(f"seq_pending[{bad[0]}] = {pending[bad[0]]!r} (a pending key is finite and >= 0)")
+    e = np.arange(envs, dtype=np.int64)
+    bad = np.flatnonzero((ptr < 0) | (ptr % envs != e) | (ptr >= count + envs))
+    if bad.size:
+        _bad(f"seq_ptr[{bad[0]}] = {ptr[bad[0]]} (env {bad[0]}'s item pointer after {count} steps)")
+    # The pointer never passes an item that may still live (it would then never be removed).
+    alive = np.flatnonzero((truth == LIVE) | (truth == PENDING))
+    for k in range(envs):
+        g = gid[alive][gid[alive] % envs == k]
+        if g.size and ptr[k] > g.min():
+            _bad(f"seq_ptr[{k}] = {ptr[k]} is past env {k}'s item at step {g.min()}, which still lives")
+    last = count - envs + e  # each env's last row
+    for k in range(envs):
+        g = int(last[k])
+        s = g % c
+        want = 0 if g < 0 or pos[s] < 0 or ends[s] != 0 else int(pos[s]) + 1
+        if nxt[k] != want:
+            _bad(f"seq_next[{k}] = {nxt[k]}, but env {k}'s last step gives {want}")
+    return istatus
 
 
 def _check_leaves(leaves: np.ndarray, status: np.ndarray, top: float) -> None:

@@ -142,6 +142,8 @@ def _fields(batch) -> dict:
     arrays["indices"] = np.asarray(batch.indices).astype(np.int64, copy=False)
     # With the indices, update_priorities(tensors, td) skips slots overwritten since sampling.
     arrays["generations"] = np.asarray(batch.generations).astype(np.int64, copy=False)
+    if getattr(batch, "mask", None) is not None:  # sequences: which steps are real
+        arrays["mask"] = batch.mask
     return arrays
 
 

@@ -132,6 +132,7 @@ class Writer:
         tree = getattr(prio, "tree", None)
         self._tree = tree if getattr(prio, "kind", "") == "proportional" else None
         self._args = self._args_of = None  # write_rows' fixed arguments, and the ring arrays they hold
+        self.items = None  # with sequence=...: sequences.Items, which keeps the leaves (at item starts)
 
     def write(self, rows: dict, priorities, valid=None) -> None:
         """Write checked ``rows`` (``name -> (m, ...)``) with their priorities
@@ -166,7 +167,10 @@ class Writer:
                 and (self.frames is None or self.frames.in_place):
             rw = getattr(self.store, "writable_arrays", None)
             if rw:
+                g0, top = self.count, self.max_leaf
                 self._write_one_call(rows, keys, valid, rw)
+                if self.items is not None:  # the leaves it set per step go; items get theirs
+                    self._items_after(rows, g0, np.full(m, top) if keys is None else keys, valid)
                 return
         ended = rows["terminated"] | rows["truncated"]
         if valid is not None:
@@ -183,6 +187,13 @@ class Writer:
             self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
                               None if keys is None else keys[lo:hi],
                               None if valid is None else valid[lo:hi])
+
+    def _items_after(self, rows: dict, g0: int, keys, valid) -> None:
+        """Sequence items of rows ``g0 ..`` that ``write_rows`` recorded as transitions."""
+        m = keys.shape[0]
+        slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
+        ring_rows(g0, self.cfg.capacity, rows["terminated"], rows["truncated"], slots, ends)
+        self.items.write(self.prio, g0, slots, ends, valid, keys, self.count)
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
         m = rows["terminated"].shape[0]
@@ -251,7 +262,9 @@ class Writer:
             self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
         self.count = g0 + m
         prio = self.prio
-        if cfg.n_step == 1:
+        if self.items is not None:
+            pass  # items are recorded below, once the frames' expiry is known
+        elif cfg.n_step == 1:
             if valid is None:
                 prio.insert(slots, keys)  # replaces what the slots held
             else:
@@ -270,5 +283,7 @@ class Writer:
                 prio.insert(ready, self.pending[ready])
         if self.frames is not None:
             dead = self.frames.expire(self.count, self.gid, self.status)
-            if dead.shape[0]:
+            if dead.shape[0] and self.items is None:
                 prio.remove(dead)
+        if self.items is not None:
+            self.items.write(prio, g0, slots, ends, valid, keys, self.count, self.fused)

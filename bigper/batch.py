@@ -38,6 +38,13 @@ class Batch(Mapping[str, np.ndarray]):
     generations : np.ndarray, (B,) int64
         How many times each slot had been written when it was sampled; lets
         ``update_priorities`` skip slots overwritten since.
+    mask : np.ndarray, (B, T) bool, or None
+        With ``sequence=...`` only (every field is then ``(B, T, ...)``, with
+        ``T = burn_in + length``): which steps are real. Padded steps (before
+        an episode's start in the burn-in, after its end) hold zeros.
+    burn_in : int
+        With sequences: the first ``burn_in`` steps of each row are burn-in
+        (to warm up a recurrent state), the rest the learning part; else 0.
     """
 
     data: dict[str, np.ndarray]
@@ -45,6 +52,8 @@ class Batch(Mapping[str, np.ndarray]):
     weights: np.ndarray
     probabilities: np.ndarray
     generations: np.ndarray
+    mask: np.ndarray | None = None
+    burn_in: int = 0
 
     def __getitem__(self, key: str) -> np.ndarray:
         try:
@@ -64,7 +73,8 @@ class Batch(Mapping[str, np.ndarray]):
 
     @classmethod
     def make(cls, data: dict[str, np.ndarray], indices: np.ndarray, weights: np.ndarray,
-             probabilities: np.ndarray, generations: np.ndarray) -> "Batch":
+             probabilities: np.ndarray, generations: np.ndarray, mask: np.ndarray | None = None,
+             burn_in: int = 0) -> "Batch":
         """``Batch(...)`` for the buffer's hot path: the same object, without the
         frozen dataclass's per-field ``object.__setattr__`` calls.
 
@@ -79,17 +89,18 @@ class Batch(Mapping[str, np.ndarray]):
         """
         b = object.__new__(cls)
         b.__dict__.update(data=data, indices=indices, weights=weights, probabilities=probabilities,
-                          generations=generations)
+                          generations=generations, mask=mask, burn_in=burn_in)
         return b
 
     @property
     def size(self) -> int:
-        """Number of transitions in the batch."""
+        """Number of items (transitions, or sequences) in the batch."""
         return int(self.indices.shape[0])
 
     def to_torch(self, device: Any = None, non_blocking: bool = True) -> dict[str, Any]:
         """Tensors keyed like the batch, plus ``weights`` (float32), ``indices`` and
-        ``generations`` (int64); ``update_priorities`` takes this dict as a target.
+        ``generations`` (int64), and ``mask`` (bool) with sequences;
+        ``update_priorities`` takes this dict as a target.
 
         Parameters
         ----------

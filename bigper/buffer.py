@@ -32,6 +32,7 @@ from ._statecheck import check_state
 from ._writer import Writer
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
+from .config import Sequence as ReplaySequence  # (typing's Sequence is used here too)
 from .errors import (
     BigperError,
     BufferClosedError,
@@ -48,6 +49,7 @@ from .prioritization.base import LIVE, Prioritization
 from .storage._files import real_names
 from .schedules import ConstantSchedule, LinearSchedule
 from .storage.base import Storage
+from .sequences import Items
 
 log: logging.Logger = logging.getLogger("bigper")
 
@@ -199,6 +201,10 @@ class PrioritizedReplayBuffer:
         Fields that get a successor ``next_<name>``; default ``("obs",)`` where there is one.
     num_envs : int
         With more than one, ``add`` takes a leading env axis and each env is its own stream.
+    sequence : bigper.Sequence, optional
+        Items are sequences of steps (recurrent agents): ``sample`` returns
+        fields ``(B, burn_in + length, ...)`` with a ``mask``, and priorities
+        belong to items (``bigper.sequences``; README "Sequences").
     seed : int, optional
         Seed of the one ``numpy.random.Generator`` that draws every uniform.
     compression : {None, "zstd"}
@@ -228,7 +234,8 @@ class PrioritizedReplayBuffer:
                  path: str | os.PathLike[str] | None = None, mode: Literal["new", "resume", "overwrite"] = "new",
                  next_of: Sequence[str] | None = None, num_envs: int = 1, seed: int | None = 0,
                  read_only: bool = False, storage_options: Mapping[str, Any] | None = None,
-                 compression: Literal["zstd"] | None = None, compression_budget: int | None = None) -> None:
+                 compression: Literal["zstd"] | None = None, compression_budget: int | None = None,
+                 sequence: ReplaySequence | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = True  # until the storage is allocated
         self._closed_why = self._in_call = None
@@ -238,7 +245,7 @@ class PrioritizedReplayBuffer:
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
                            next_of=next_of, num_envs=num_envs, seed=seed, storage=storage,
                            prioritization=prioritization, compression=compression,
-                           compression_budget=compression_budget)
+                           compression_budget=compression_budget, sequence=sequence)
         if cfg.compression is not None:
             require_compression()  # before anything at the path: the extra's error, nothing made
         if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
@@ -353,6 +360,9 @@ class PrioritizedReplayBuffer:
         # The writer keeps the ring's counters: transitions added, largest key, envs whose episode ended.
         self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, self._gid, self._status,
                               self._ends, self._pending)
+        # With sequences, items (start steps) hold the leaves; their tables live in sequences.Items.
+        self._items = Items(cfg, self._gid, self._status, self._ends) if cfg.sequence else None
+        self._writer.items = self._reader.items = self._items
         self._beta_step = 0
         self._rng = np.random.default_rng(cfg.seed)
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
@@ -585,7 +595,10 @@ class PrioritizedReplayBuffer:
             overwritten since sampling are skipped), or raw slots.
         priorities : array-like (B,)
             Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
-            With a repeated index, the last value wins.
+            With a repeated index, the last value wins. With ``sequence=...``
+            also per-step errors ``(B, T)`` or ``(B, length)`` for a batch
+            target, reduced per item with ``eta * max + (1 - eta) * mean`` over
+            the real steps after the burn-in (``sequences.reduce_errors``).
         """
         self._check_writable("priorities")
         if isinstance(target, Batch):
@@ -603,8 +616,17 @@ class PrioritizedReplayBuffer:
         else:
             idx = as_index(target)
             stamps, use = idx, False
-        p = as_priorities(priorities, idx.shape[0])
-        top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
+        items = self._items
+        if items is not None:
+            mask = target.mask if isinstance(target, Batch) else (
+                target.get("mask") if isinstance(target, Mapping) else None)
+            p = items.reduce(priorities, mask, idx.shape[0])
+            p = as_priorities(priorities if p is None else p, idx.shape[0])
+            items.check_starts(idx, stamps, use)
+            top = self._prio.update(idx, p, stamps, use, self._gid, items.status, items.pending)
+        else:
+            p = as_priorities(priorities, idx.shape[0])
+            top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
         if top > self._max_leaf:
             self._max_leaf = top
 
@@ -624,7 +646,7 @@ class PrioritizedReplayBuffer:
         self._assign(as_priorities(priorities, self.capacity))
 
     def _assign(self, p: np.ndarray) -> None:
-        live = self._status == LIVE
+        live = (self._status if self._items is None else self._items.status) == LIVE
         bad = np.flatnonzero(live & ~((p >= 0) & (p < np.inf)))
         if bad.size:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad[0]]} at position {bad[0]}")
@@ -652,6 +674,8 @@ class PrioritizedReplayBuffer:
             fmeta, farrays = self._frames.state()
             meta["frames"] = fmeta
             arrays.update(farrays)
+        if self._items is not None:
+            arrays.update(self._items.state())
         return meta, arrays
 
     @_entry
@@ -677,7 +701,8 @@ class PrioritizedReplayBuffer:
                 raise IncompatibleSnapshotError(
                     f"recorded state array {name!r} has shape {None if got is None else got.shape}, "
                     f"expected {want}")
-        self._prio.restore(meta.get("prioritization", {}), arrays, arrays["status"])
+        self._prio.restore(meta.get("prioritization", {}), arrays,
+                           arrays["status"] if self._items is None else arrays["seq_status"])
         self._gid[:] = arrays["gid"]
         self._status[:] = arrays["status"]
         self._ends[:] = arrays["ends"]
@@ -690,6 +715,8 @@ class PrioritizedReplayBuffer:
             self._rng.bit_generator.state = meta["rng"]
         if self._frames is not None:
             self._frames.restore(meta["frames"], arrays)
+        if self._items is not None:
+            self._items.restore(arrays)
 
     # -- snapshots -------------------------------------------------------------
     @_entry
@@ -886,12 +913,17 @@ class PrioritizedReplayBuffer:
         dict of str to numpy.ndarray
         """
         idx = self._check_indices(indices)
-        bad = np.flatnonzero(self._status[idx] != LIVE)
+        status = self._status if self._items is None else self._items.status
+        bad = np.flatnonzero(status[idx] != LIVE)
         if bad.size:
-            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable transition")
+            what = "transition" if self._items is None else "sequence item"
+            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable {what}")
         return self._gather(idx)
 
     def _gather(self, idx: np.ndarray) -> dict:
+        if self._items is not None:  # sequences: (B, T, ...) fields and their mask
+            data, mask = self._reader.windows(idx, self._fused)
+            return {**data, "mask": mask}
         return self._reader.gather(idx, None, None, self._fused)
 
     def _check_indices(self, indices) -> np.ndarray:
@@ -952,7 +984,7 @@ class PrioritizedReplayBuffer:
         For coordinators that draw the uniforms themselves (the Ray shards):
         the RNG and the beta schedule are not touched; probabilities and
         weights are local to this buffer (weights normalized by the batch max).
-        Proportional prioritization only.
+        Proportional prioritization only; not with sequences.
 
         Parameters
         ----------
@@ -965,6 +997,9 @@ class PrioritizedReplayBuffer:
         -------
         Batch
         """
+        if self._items is not None:
+            raise InvalidArgumentError("sample_at is not available with sequence=... (sharded buffers "
+                                       "do not serve sequences)")
         t = np.ascontiguousarray(targets, dtype=np.float64)
         if t.ndim != 1 or t.shape[0] < 1:
             raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")

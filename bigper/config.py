@@ -24,7 +24,7 @@ COMPRESSIONS = (None, "zstd")
 # other values is refused. The other keys (beta schedule, seed, gamma,
 # max_priority, weight_norm) steer only what comes next and take new values.
 LAYOUT_KEYS = ("capacity", "fields", "frame_stack", "n_step", "alpha", "eps", "next_of",
-               "num_envs", "storage", "prioritization", "compression", "compression_budget")
+               "num_envs", "storage", "prioritization", "compression", "compression_budget", "sequence")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
@@ -88,10 +88,83 @@ def _compression(compression, budget, frame_stack, specs) -> tuple:
     return compression, int(budget)
 
 
+def _sequence(seq, *, capacity, n_step, num_envs, fields) -> dict:
+    """A checked ``Sequence`` (or its dict) as the dict a Config keeps."""
+    seq = Sequence.from_dict(seq)
+    if n_step > 1:
+        raise InvalidArgumentError(
+            f"n_step={n_step} with sequence=...: a recurrent learner computes its n-step targets from "
+            "the sampled sequence itself; use n_step=1")
+    if "mask" in fields:
+        raise InvalidArgumentError("fields may not define 'mask' with sequence=...: batches carry "
+                                   "the sequences' mask under that name")
+    need = seq.steps * num_envs
+    if capacity < need:
+        raise InvalidArgumentError(
+            f"capacity={capacity} cannot hold one whole sequence of every env: it needs >= "
+            f"(burn_in + length) * num_envs = ({seq.burn_in} + {seq.length}) * {num_envs} = {need}")
+    return seq.to_dict()
+
+
 def _int(value, name, lo):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
     return int(value)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """Items that are sequences of steps (recurrent agents, R2D2).
+
+    An item is a start step: one every ``period`` steps of an env's stream,
+    counted from its episode's start. It covers ``burn_in`` steps before the
+    start (fewer near the episode's start: padding) and ``length`` steps from
+    it (fewer when the episode ends first: padding), never crossing an
+    episode end; ``sample`` returns ``T = burn_in + length`` steps a row.
+
+    Parameters
+    ----------
+    length : int
+        Steps from the start step on (the learning part), >= 1.
+    burn_in : int
+        Steps before the start step, to warm up a recurrent state, >= 0.
+    period : int, optional
+        Steps between two item starts of one episode (default ``length``:
+        sequences that do not overlap in their learning part).
+    eta : float
+        Per-step errors reduce to an item's priority as
+        ``eta * max + (1 - eta) * mean`` (R2D2), in [0, 1].
+    """
+
+    length: int
+    burn_in: int = 0
+    period: int | None = None
+    eta: float = 0.9
+
+    def __post_init__(self):
+        length = _int(self.length, "Sequence length", 1)
+        burn_in = _int(self.burn_in, "Sequence burn_in", 0)
+        period = length if self.period is None else _int(self.period, "Sequence period", 1)
+        eta = _number(self.eta, "Sequence eta", lo=0.0, hi=1.0)
+        for name, v in (("length", length), ("burn_in", burn_in), ("period", period), ("eta", eta)):
+            object.__setattr__(self, name, v)
+
+    @property
+    def steps(self) -> int:
+        """``T = burn_in + length``: steps of one sampled row."""
+        return self.burn_in + self.length
+
+    def to_dict(self) -> dict:
+        return {"length": self.length, "burn_in": self.burn_in, "period": self.period, "eta": self.eta}
+
+    @classmethod
+    def from_dict(cls, d) -> "Sequence":
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict) or set(d) - {"length", "burn_in", "period", "eta"} or "length" not in d:
+            raise InvalidTypeError("sequence must be a bigper.Sequence (or a dict of its length, burn_in, "
+                                   f"period and eta), got {str(d)[:80]}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -115,12 +188,13 @@ class Config:
     prioritization: str = "proportional"
     compression: str | None = None  # frame stacks: None (raw frame ring) or "zstd" (segments.py)
     compression_budget: int | None = None  # log bytes a frame (compressed), set with compression
+    sequence: dict | None = None  # Sequence.to_dict(); None: items are transitions
 
     @classmethod
     def build(cls, *, capacity, fields, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
               eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", next_of=None,
               num_envs=1, seed=0, storage="memory", prioritization="proportional",
-              compression=None, compression_budget=None) -> "Config":
+              compression=None, compression_budget=None, sequence=None) -> "Config":
         capacity = _int(capacity, "capacity", 1)
         if not isinstance(fields, dict) or not fields:
             raise InvalidTypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
@@ -175,16 +249,23 @@ class Config:
             raise InvalidArgumentError(
                 f"prioritization must be one of {PRIORITIZATIONS}, got {prioritization!r}")
         compression, compression_budget = _compression(compression, compression_budget, frame_stack, specs)
+        if sequence is not None:
+            sequence = _sequence(sequence, capacity=capacity, n_step=n_step, num_envs=num_envs, fields=specs)
         return cls(capacity=capacity, fields=specs, frame_stack=frame_stack, n_step=n_step,
                    gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority,
                    beta=as_schedule(beta).to_dict(), weight_norm=weight_norm, next_of=next_of,
                    num_envs=num_envs, seed=seed, storage=storage, prioritization=prioritization,
-                   compression=compression, compression_budget=compression_budget)
+                   compression=compression, compression_budget=compression_budget, sequence=sequence)
 
     # -- derived -------------------------------------------------------------
     @property
     def schedule(self):
         return schedule_from_dict(self.beta)
+
+    @property
+    def seq(self) -> Sequence | None:
+        """The ``Sequence`` of a buffer whose items are sequences, else None."""
+        return None if self.sequence is None else Sequence(**self.sequence)
 
     def dtype(self, name: str) -> np.dtype:
         return np.dtype(self.fields[name][1])
@@ -210,6 +291,8 @@ class Config:
             del d["prioritization"]  # the default: configs stay as format 1 wrote them
         if self.compression is None:
             del d["compression"], d["compression_budget"]
+        if self.sequence is None:
+            del d["sequence"]  # likewise
         return d
 
     @classmethod

@@ -117,3 +117,12 @@ def test_resume_runs_twice_in_one_directory(tmp_path):
     _run(tmp_path, "bigper.examples.resume", "--smoke", "--path", str(run))
     out = _run(tmp_path, "bigper.examples.resume", "--smoke", "--path", str(run))
     assert "replaced the previous run" in out and "bit for bit" in out
+
+
+def test_r2d2_smoke(tmp_path):
+    """The recurrent example on prioritized sequences: CartPole with the
+    velocities hidden, then Pong frames on memmap (stored once)."""
+    out = _run(tmp_path, "bigper.examples.r2d2", "--smoke")
+    assert "cartpole smoke:" in out and "sequences of 4 burn-in + 8" in out
+    assert "atari smoke: 300 Pong steps on memmap" in out or "atari smoke skipped" in out
+    assert not list(tmp_path.iterdir())

@@ -43,6 +43,8 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "ray": ("bench_ray", "sharded buffer on a local Ray cluster: inserts/s from 2 writer actors and "
                          "samples/s at the learner for 1, 2, 4 shards, beside one local buffer"),
     "sb3": ("bench_sb3", "the Stable-Baselines3 drop-in beside SB3's own replay buffer"),
+    "sequences": ("bench_sequences", "prioritized sequences (R2D2: 32 x 40+80 steps) on Atari-shaped steps: "
+                                     "add with/without, sample + update, bytes; flashbax, TorchRL"),
 }
 
 

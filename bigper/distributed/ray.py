@@ -116,9 +116,14 @@ class ShardedPrioritizedBuffer:
                  prioritization="proportional", storage_options=None, placement="PACK", num_cpus_per_shard=None,
                  recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
                  max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0,
-                 max_restarts=-1, actor_options=None, _restore=None):
+                 max_restarts=-1, actor_options=None, _restore=None, sequence=None):
         self._lock = threading.RLock()  # every public entry point holds it
         self._closed = True
+        if sequence is not None:
+            raise InvalidArgumentError(
+                "sequence=...: sharded buffers do not serve sequence items (an item's steps and its "
+                "burn-in would have to stay on one shard, and exact sampling across shards is not "
+                "kept for them); use a single PrioritizedReplayBuffer with sequence=...")
         if prioritization != "proportional":
             raise InvalidArgumentError(
                 f"prioritization={prioritization!r}: sharded buffers are proportional only (the "

@@ -44,12 +44,18 @@ def _rank(cfg: dict):
                 max_priority=np.inf if mp is None else mp, weight_norm=cfg.get("weight_norm", "global"))
 
 
+def _status(body: dict, state: dict):
+    """The status that says which slots hold a leaf: the transitions', or
+    with sequences the items' (at their start slots)."""
+    return state.get("seq_status" if body["config"].get("sequence") else "status")
+
+
 def _rank_invariants(body: dict, state: dict) -> list[str]:
     """The rank heap's own checks: recorded state (restore validates every
     field), heap order, slot positions, ticks; and the slot numbering."""
     cfg, meta = body["config"], body["state"]["meta"]
     cap = cfg["capacity"]
-    status = state.get("status")
+    status = _status(body, state)
     if status is None or status.shape != (cap,):
         return [f"status: expected shape ({cap},), got {None if status is None else status.shape}"]
     strat = _rank(cfg)
@@ -76,7 +82,7 @@ def _invariants(body: dict, state: dict) -> list[str]:
     if not np.isfinite(leaves).all() or (leaves < 0).any():
         out.append("leaves: a leaf is negative or not finite")
         return out
-    status = state.get("status")
+    status = _status(body, state)
     if status is not None and status.shape == (cap,):
         bad = np.flatnonzero((leaves > 0) & (status != LIVE))
         if bad.size:
@@ -158,6 +164,7 @@ def describe(snapshot) -> dict:
         "snapshot": str(snap), "format": body["format"], "bigper_version": body.get("bigper_version"),
         "created": body.get("created"), "storage": body["storage"],
         "config": cfg, "prioritization": kind_of(cfg), "len": summary.get("len"),
+        "sequence": cfg.get("sequence"),
         "capacity": cfg.get("capacity"),
         "count": meta.get("count"), "beta_step": meta.get("beta_step"),
         "files": len(files), "bytes": sum(r["size"] for r in files.values()), "bytes_shared": shared,
@@ -219,6 +226,13 @@ def _bytes(n) -> str:
         n /= 1000
 
 
+def _sequence(seq) -> str:
+    if not isinstance(seq, dict):
+        return ""
+    return (f"; items are sequences: length {seq.get('length')}, burn_in {seq.get('burn_in')}, "
+            f"period {seq.get('period')}, eta {seq.get('eta')}")
+
+
 def _beta(b: dict) -> str:
     if b.get("kind") == "linear":
         return f"linear {b['start']:g} -> {b['end']:g} over {b['steps']:,} samples"
@@ -239,7 +253,7 @@ def format_description(d: dict) -> str:
         f"fields {fields}; frame_stack {cfg.get('frame_stack')}, "
         f"n_step {cfg.get('n_step')}, gamma {cfg.get('gamma')}, alpha {cfg.get('alpha')}, "
         f"eps {cfg.get('eps')}, beta {_beta(cfg.get('beta', {}))}, weight_norm {cfg.get('weight_norm')}, "
-        f"num_envs {cfg.get('num_envs')}, seed {cfg.get('seed')}",
+        f"num_envs {cfg.get('num_envs')}, seed {cfg.get('seed')}" + _sequence(cfg.get("sequence")),
         f"fill      {n:,} / {cap:,} ({100 * n / cap:.1f}%); {d.get('count') or 0:,} steps added; "
         f"beta step {d.get('beta_step')}",
         f"size      {_bytes(d['bytes'])} in {d['files']:,} files"
