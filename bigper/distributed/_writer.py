@@ -276,10 +276,13 @@ class ShardWriter:
                     continue
                 try:
                     fill = ray.get(entry[0])
-                except RayActorError:
+                except RayActorError as e:
                     entry[5] += 1
                     if entry[5] > 2 * len(self._shards):
-                        raise
+                        raise ShardUnavailableError(
+                            f"no shard took a chunk of {entry[6]} transition(s) after {entry[5]} tries: the "
+                            "buffer this writer writes to was closed, or its shards died and did not come "
+                            f"back ({type(e).__name__})") from e
                     retry.append(entry)
                     continue
                 # A caller's calls run in order: the reply counts every earlier
