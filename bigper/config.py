@@ -6,11 +6,12 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import numpy as np
 
-from .schedules import as_schedule, schedule_from_dict
+from .schedules import ConstantSchedule, LinearSchedule, as_schedule, schedule_from_dict
 from .errors import BigperError, InvalidArgumentError, InvalidTypeError
 
 # Per-transition flags every buffer stores, and keys that sampling produces.
@@ -28,7 +29,7 @@ LAYOUT_KEYS = ("capacity", "fields", "frame_stack", "n_step", "alpha", "eps", "n
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
-def check_name(name, what: str = "field name") -> str:
+def check_name(name: object, what: str = "field name") -> str:
     """A name that is safe as a file or dataset name: no separators, no
     ``..``, no leading dot, not empty."""
     if not isinstance(name, str) or not _NAME.match(name) or len(name) > 128:
@@ -141,7 +142,7 @@ class Sequence:
     period: int | None = None
     eta: float = 0.9
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         length = _int(self.length, "Sequence length", 1)
         burn_in = _int(self.burn_in, "Sequence burn_in", 0)
         period = length if self.period is None else _int(self.period, "Sequence period", 1)
@@ -154,11 +155,13 @@ class Sequence:
         """``T = burn_in + length``: steps of one sampled row."""
         return self.burn_in + self.length
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able dict a Config keeps (``length``, ``burn_in``, ``period``, ``eta``)."""
         return {"length": self.length, "burn_in": self.burn_in, "period": self.period, "eta": self.eta}
 
     @classmethod
-    def from_dict(cls, d) -> "Sequence":
+    def from_dict(cls, d: "Sequence | dict[str, Any]") -> "Sequence":
+        """A ``Sequence`` from itself or from the dict ``to_dict`` gave, checked."""
         if isinstance(d, cls):
             return d
         if not isinstance(d, dict) or set(d) - {"length", "burn_in", "period", "eta"} or "length" not in d:
@@ -188,13 +191,18 @@ class Config:
     prioritization: str = "proportional"
     compression: str | None = None  # frame stacks: None (raw frame ring) or "zstd" (segments.py)
     compression_budget: int | None = None  # log bytes a frame (compressed), set with compression
-    sequence: dict | None = None  # Sequence.to_dict(); None: items are transitions
+    sequence: dict[str, Any] | None = None  # Sequence.to_dict(); None: items are transitions
 
     @classmethod
-    def build(cls, *, capacity, fields, frame_stack=None, n_step=1, gamma=0.99, alpha=0.6,
-              eps=1e-6, max_priority=None, beta=0.4, weight_norm="global", next_of=None,
-              num_envs=1, seed=0, storage="memory", prioritization="proportional",
-              compression=None, compression_budget=None, sequence=None) -> "Config":
+    def build(cls, *, capacity: int, fields: dict[str, tuple[Any, Any]], frame_stack: int | None = None,
+              n_step: int = 1, gamma: float = 0.99, alpha: float = 0.6, eps: float = 1e-6,
+              max_priority: float | None = None, beta: float | LinearSchedule | ConstantSchedule = 0.4,
+              weight_norm: str = "global", next_of: str | Iterable[str] | None = None, num_envs: int = 1,
+              seed: int | None = 0, storage: str = "memory", prioritization: str = "proportional",
+              compression: str | None = None, compression_budget: int | None = None,
+              sequence: Sequence | dict[str, Any] | None = None) -> "Config":
+        """A Config from ``PrioritizedReplayBuffer``'s arguments, each checked (a
+        bad one raises a ``BigperError`` naming it)."""
         capacity = _int(capacity, "capacity", 1)
         if not isinstance(fields, dict) or not fields:
             raise InvalidTypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
@@ -259,7 +267,8 @@ class Config:
 
     # -- derived -------------------------------------------------------------
     @property
-    def schedule(self):
+    def schedule(self) -> LinearSchedule | ConstantSchedule:
+        """The beta schedule ``beta`` records."""
         return schedule_from_dict(self.beta)
 
     @property
@@ -267,13 +276,15 @@ class Config:
         """The ``Sequence`` of a buffer whose items are sequences, else None."""
         return None if self.sequence is None else Sequence(**self.sequence)
 
-    def dtype(self, name: str) -> np.dtype:
+    def dtype(self, name: str) -> np.dtype[Any]:
+        """The numpy dtype of field ``name``."""
         return np.dtype(self.fields[name][1])
 
-    def shape(self, name: str) -> tuple:
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The per-transition shape of field ``name``."""
         return self.fields[name][0]
 
-    def step_inputs(self) -> dict:
+    def step_inputs(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
         """What ``add`` takes per env: name -> (shape, dtype), required first."""
         out = {n: (s, np.dtype(d)) for n, (s, d) in self.fields.items()}
         for n in self.next_of:
@@ -283,7 +294,8 @@ class Config:
         return out
 
     # -- persistence -----------------------------------------------------------
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able dict recorded on disk (``from_dict`` reads it back)."""
         d = asdict(self)
         d["fields"] = {n: [list(s), dt] for n, (s, dt) in self.fields.items()}
         d["next_of"] = list(self.next_of)
@@ -296,7 +308,7 @@ class Config:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Config":
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
         """Inverse of ``to_dict``, validated as ``build`` validates arguments (a
         recorded config is read from disk: hostile until checked)."""
         if not isinstance(d, dict):
@@ -323,7 +335,8 @@ class Config:
         except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
             raise InvalidArgumentError(f"a recorded config is not valid: {type(e).__name__}: {e}") from None
 
-    def differences(self, other: "Config", ignore=("seed",), only=None) -> list[str]:
+    def differences(self, other: "Config", ignore: Collection[str] = ("seed",),
+                    only: Collection[str] | None = None) -> list[str]:
         """Keys whose values differ, each as ``key: this != other`` (among ``only`` when given)."""
         a, b = asdict(self), asdict(other)
         a["fields"], b["fields"] = self.to_dict()["fields"], other.to_dict()["fields"]

@@ -25,6 +25,7 @@ sampleable, 2 waiting for its n-step window (its key in ``pending``), 3 dead
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import numpy as np
 
@@ -47,9 +48,14 @@ class Prioritization(ABC):
     """
 
     kind: str = ""
+    capacity: int
+    alpha: float
+    eps: float
+    max_priority: float
+    batch_norm: bool
 
     def __init__(self, capacity: int, *, alpha: float, eps: float, max_priority: float,
-                 weight_norm: str):
+                 weight_norm: str) -> None:
         self.capacity = int(capacity)
         self.alpha = float(alpha)
         self.eps = float(eps)
@@ -116,7 +122,8 @@ class Prioritization(ABC):
         return self.key_at(idx) / self.total if self.sampleable else np.zeros(idx.shape[0])
 
     @abstractmethod
-    def sample(self, uniforms: np.ndarray, *, stratified: bool, beta: float):
+    def sample(self, uniforms: np.ndarray, *, stratified: bool,
+               beta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(indices int64, probabilities float64, weights float32)`` for
         uniforms in ``[0, 1)``, one draw each; stratified: draw ``b`` lands in
         the ``b``-th of ``len(uniforms)`` slices of equal probability."""
@@ -126,7 +133,7 @@ class Prioritization(ABC):
         """Smallest key of a sampleable slot (``inf`` when none)."""
         raise InvalidArgumentError(f"prioritization={self.kind!r} has no smallest key to share")
 
-    def sample_at(self, targets: np.ndarray, *, beta: float):
+    def sample_at(self, targets: np.ndarray, *, beta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Draws at given points of ``[0, total)`` (for shard coordinators that
         draw the uniforms themselves); weights normalized by the batch's largest."""
         raise InvalidArgumentError(
@@ -135,12 +142,12 @@ class Prioritization(ABC):
 
     # -- state -----------------------------------------------------------------
     @abstractmethod
-    def state(self) -> tuple[dict, dict]:
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """``(meta, arrays)``: JSON-able counters and named arrays, everything
         to resume sampling bit for bit. Array names are unique across the buffer."""
 
     @abstractmethod
-    def restore(self, meta: dict, arrays: dict, status: np.ndarray) -> None:
+    def restore(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], status: np.ndarray) -> None:
         """Load what ``state`` gave (already checked by ``check_state``);
         ``status`` tells which slots are sampleable."""
 
