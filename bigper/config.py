@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -194,7 +194,7 @@ class Config:
     sequence: dict[str, Any] | None = None  # Sequence.to_dict(); None: items are transitions
 
     @classmethod
-    def build(cls, *, capacity: int, fields: dict[str, tuple[Any, Any]], frame_stack: int | None = None,
+    def build(cls, *, capacity: int, fields: Mapping[str, Any], frame_stack: int | None = None,
               n_step: int = 1, gamma: float = 0.99, alpha: float = 0.6, eps: float = 1e-6,
               max_priority: float | None = None, beta: float | LinearSchedule | ConstantSchedule = 0.4,
               weight_norm: str = "global", next_of: str | Iterable[str] | None = None, num_envs: int = 1,

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCOPE = ("bigper.buffer", "bigper.batch", "bigper.schedules", "bigper.snapshots",
          "bigper.snapshot._series", "bigper.errors", "bigper.config", "bigper.storage.base",
-         "bigper.prioritization.base")
+         "bigper.prioritization.base", "bigper.distributed")
 PUBLIC = ("bigper.Batch", "bigper.PrioritizedReplayBuffer", "bigper.LinearSchedule", "bigper.ConstantSchedule",
           "bigper.Snapshots", "bigper.SnapshotInfo")
 

@@ -66,10 +66,10 @@ update routing ``_shardset`` (updates checked and split by shard in
 
 try:
     import ray as _ray  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "bigper.distributed needs Ray, which is not installed; "
-        "install the extra with: pip install 'bigper[ray]'") from exc
+        "install the extra with: pip install 'bigper[ray]'") from _exc
 
 from .ray import ShardedPrioritizedBuffer
 from ._writer import ShardWriter

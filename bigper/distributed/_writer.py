@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from .._ingest import Ingest
 from ..config import Config
@@ -34,11 +37,15 @@ def _ray():
     return ray
 
 
-def _locked(method):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: "Callable[Concatenate[ShardWriter, _P], _R]") -> "Callable[Concatenate[ShardWriter, _P], _R]":
     """A public entry point of a writer: one call at a time (its pieces, chunks
     in flight and routing model change together)."""
     @functools.wraps(method)
-    def run(self, *args, **kwargs):
+    def run(self: ShardWriter, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
     return run
@@ -54,8 +61,13 @@ class ShardWriter:
     shard died before answering is counted where it was sent again).
     """
 
-    def __init__(self, shards, config: dict, *, start: int = 0, chunk_size: int = 256,
-                 max_in_flight: int = 4):
+    chunk_size: int
+    max_in_flight: int
+    sent: int
+    stored: list[int]
+
+    def __init__(self, shards: Sequence[Any], config: dict[str, Any], *, start: int = 0, chunk_size: int = 256,
+                 max_in_flight: int = 4) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
             raise InvalidArgumentError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, (int, np.integer)) \
@@ -84,28 +96,30 @@ class ShardWriter:
 
     # -- pickling: a fresh, empty writer on the other side -------------------------
     @_locked
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         if self._pending or self._in_flight:
             raise ShardUnavailableError("flush() this ShardWriter before passing it to another process: "
                                f"{self._pending} step(s) pending, {len(self._in_flight)} chunk(s) in flight")
         return {"shards": self._shards, "config": self._config, "start": self._start,
                 "chunk_size": self.chunk_size, "max_in_flight": self.max_in_flight}
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self._shards, self._config, self._start = state["shards"], state["config"], state["start"]
         self.chunk_size, self.max_in_flight = state["chunk_size"], state["max_in_flight"]
         self._setup()
 
     # -- writing -------------------------------------------------------------------
     @_locked
-    def add(self, *, priorities=None, valid=None, **step) -> None:
+    def add(self, *, priorities: npt.ArrayLike | None = None, valid: npt.ArrayLike | None = None,
+            **step: npt.ArrayLike) -> None:
         """One env step (with ``num_envs > 1``, one step of every env); see
         ``PrioritizedReplayBuffer.add``."""
         rows, p, v = self._ingest.step(step, priorities, valid)
         self._push(rows, p, v)
 
     @_locked
-    def extend(self, data, priorities=None, valid=None) -> None:
+    def extend(self, data: Mapping[str, npt.ArrayLike], priorities: npt.ArrayLike | None = None,
+               valid: npt.ArrayLike | None = None) -> None:
         """Many steps; see ``PrioritizedReplayBuffer.extend``."""
         rows, p, v = self._ingest.steps(data, priorities, valid)
         self._push(rows, p, v)

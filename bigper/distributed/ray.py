@@ -14,18 +14,23 @@ What it guarantees, and what it costs: see ``bigper.distributed``.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Concatenate, Literal, NoReturn, ParamSpec, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 import ray
 from ray.exceptions import RayActorError
 
 from ..batch import Batch
 from ..config import Config
+from ..schedules import ConstantSchedule, LinearSchedule
 from . import _manifest as M
 from . import _options
 from ._draw import draw
@@ -39,12 +44,17 @@ from ..errors import (BufferClosedError, CorruptSnapshotError, IncompatibleSnaps
                       InvalidTypeError)
 
 
-def _entry(method):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _entry(method: "Callable[Concatenate[ShardedPrioritizedBuffer, _P], _R]",
+           ) -> "Callable[Concatenate[ShardedPrioritizedBuffer, _P], _R]":
     """A public entry point: it runs under the buffer's one (re-entrant) lock,
     and checks that the buffer is open inside it, so no call can run half on
     a buffer another thread closes, or interleave with another call."""
     @functools.wraps(method)
-    def run(self, *args, **kwargs):
+    def run(self: ShardedPrioritizedBuffer, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             self._check_open()
             return method(self, *args, **kwargs)
@@ -109,14 +119,31 @@ class ShardedPrioritizedBuffer:
     #: ``bigper.Snapshots`` that this buffer writes its own snapshots
     #: (``save(path) -> Path``) and loads them with ``load(path, path=None)``.
     snapshot_format = M.FORMAT
+    config: Config
+    num_shards: int
+    fresh_totals: bool
+    recovery_dir: str
+    chunk_size: int
+    max_writes_in_flight: int
 
-    def __init__(self, num_shards, capacity, fields, *, frame_stack=None, n_step=1, gamma=0.99,
-                 alpha=0.6, eps=1e-6, max_priority=None, beta=0.4, weight_norm="global",
-                 storage="memory", path=None, next_of=None, num_envs=1, seed=0,
-                 prioritization="proportional", storage_options=None, placement="PACK", num_cpus_per_shard=None,
-                 recovery_dir=None, fresh_totals=True, chunk_size=256, max_writes_in_flight=4,
-                 max_updates_in_flight=8, max_pending_updates=65536, shard_timeout_s=10.0,
-                 max_restarts=-1, actor_options=None, _restore=None, sequence=None):
+    def __init__(self, num_shards: int, capacity: int,
+                 fields: Mapping[str, tuple[int | tuple[int, ...], npt.DTypeLike]], *,
+                 frame_stack: int | None = None, n_step: int = 1, gamma: float = 0.99, alpha: float = 0.6,
+                 eps: float = 1e-6, max_priority: float | None = None,
+                 beta: float | LinearSchedule | ConstantSchedule = 0.4,
+                 weight_norm: Literal["global", "batch"] = "global",
+                 storage: Literal["memory", "memmap", "hdf5"] = "memory",
+                 path: str | os.PathLike[str] | None = None, next_of: Sequence[str] | None = None,
+                 num_envs: int = 1, seed: int | None = 0,
+                 prioritization: Literal["proportional"] = "proportional",
+                 storage_options: Mapping[str, Any] | None = None,
+                 placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK",
+                 num_cpus_per_shard: float | None = None, recovery_dir: str | os.PathLike[str] | None = None,
+                 fresh_totals: bool = True, chunk_size: int = 256, max_writes_in_flight: int = 4,
+                 max_updates_in_flight: int = 8, max_pending_updates: int = 65536,
+                 shard_timeout_s: float = 10.0, max_restarts: int = -1,
+                 actor_options: Mapping[str, Any] | None = None,
+                 _restore: tuple[str, dict[str, Any]] | None = None, sequence: None = None) -> None:
         self._lock = threading.RLock()  # every public entry point holds it
         self._closed = True
         if sequence is not None:
@@ -201,7 +228,7 @@ class ShardedPrioritizedBuffer:
 
     @shard_timeout_s.setter
     @_entry
-    def shard_timeout_s(self, value) -> None:
+    def shard_timeout_s(self, value: float) -> None:
         try:
             v = float(value)
         except (TypeError, ValueError):
@@ -232,7 +259,7 @@ class ShardedPrioritizedBuffer:
 
     @property
     @_entry
-    def shard_actors(self) -> list:
+    def shard_actors(self) -> list[Any]:
         """The shard actors' handles (shard ``k`` at position ``k``)."""
         return list(self._shards)
 
@@ -250,7 +277,7 @@ class ShardedPrioritizedBuffer:
         return float(sum(st[0] for st in self._set.probe().values()))
 
     @_entry
-    def shard_info(self) -> list:
+    def shard_info(self) -> list[dict[str, Any] | None]:
         """Per shard: a dict (len, capacity, total_priority, epoch, restored_from, pid), or
         None for a shard that did not answer within ``shard_timeout_s``."""
         self._check_open()
@@ -266,7 +293,7 @@ class ShardedPrioritizedBuffer:
 
     # -- writing ---------------------------------------------------------------------
     @_entry
-    def writer(self, *, chunk_size=None, max_in_flight=None) -> ShardWriter:
+    def writer(self, *, chunk_size: int | None = None, max_in_flight: int | None = None) -> ShardWriter:
         """A handle for writing from another process (pass it to a Ray actor)."""
         self._check_open()
         w = ShardWriter(self._shards, self.config.to_dict(), start=self._writers,
@@ -276,13 +303,15 @@ class ShardedPrioritizedBuffer:
         return w
 
     @_entry
-    def add(self, *, priorities=None, valid=None, **step) -> None:
+    def add(self, *, priorities: npt.ArrayLike | None = None, valid: npt.ArrayLike | None = None,
+            **step: npt.ArrayLike) -> None:
         """As ``PrioritizedReplayBuffer.add``; collected into chunks (see ``flush``)."""
         self._check_open()
         self._writer.add(priorities=priorities, valid=valid, **step)
 
     @_entry
-    def extend(self, data, priorities=None, valid=None) -> None:
+    def extend(self, data: Mapping[str, npt.ArrayLike], priorities: npt.ArrayLike | None = None,
+               valid: npt.ArrayLike | None = None) -> None:
         """As ``PrioritizedReplayBuffer.extend``; sent in chunks (see ``capacity`` above)."""
         self._check_open()
         self._writer.extend(data, priorities, valid)
@@ -301,7 +330,7 @@ class ShardedPrioritizedBuffer:
 
     # -- sampling --------------------------------------------------------------------
     @_entry
-    def sample(self, batch_size: int, *, beta=None, stratified: bool = True) -> Batch:
+    def sample(self, batch_size: int, *, beta: float | None = None, stratified: bool = True) -> Batch:
         """Draw ``batch_size`` transitions over all live shards, ``P(i) = leaf_i / T``.
 
         Same arguments and same ``Batch`` as ``PrioritizedReplayBuffer.sample``;
@@ -323,7 +352,8 @@ class ShardedPrioritizedBuffer:
 
     # -- priorities --------------------------------------------------------------------
     @_entry
-    def update_priorities(self, target, priorities) -> None:
+    def update_priorities(self, target: Batch | Mapping[str, Any] | npt.ArrayLike,
+                          priorities: npt.ArrayLike) -> None:
         """As ``PrioritizedReplayBuffer.update_priorities``, grouped by shard and
         asynchronous: a shard's updates ride on the next call to it (the next
         ``sample``), or go on their own once ``max_pending_updates`` rows wait, with
@@ -335,7 +365,7 @@ class ShardedPrioritizedBuffer:
 
     # -- persistence ---------------------------------------------------------------------
     @_entry
-    def save(self, snapshot) -> Path:
+    def save(self, snapshot: str | os.PathLike[str]) -> Path:
         """Snapshot every shard and the coordinator into the new directory ``snapshot``;
         returns its absolute path.
 
@@ -355,7 +385,8 @@ class ShardedPrioritizedBuffer:
         return snapshot
 
     @classmethod
-    def load(cls, snapshot, *, path=None, **options) -> "ShardedPrioritizedBuffer":
+    def load(cls, snapshot: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None,
+             **options: Any) -> "ShardedPrioritizedBuffer":
         """Resume a sharded buffer saved by ``save``: shards reload their snapshots
         (live data under ``path``, default the recorded one), the coordinator its
         generator and beta step. ``options``: the constructor's Ray and routing keywords.
@@ -410,13 +441,13 @@ class ShardedPrioritizedBuffer:
             shutil.rmtree(self._tmp_recovery, ignore_errors=True)
         self._closed = True
 
-    def __enter__(self):
+    def __enter__(self) -> "ShardedPrioritizedBuffer":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise InvalidTypeError("a ShardedPrioritizedBuffer stays in the process that made it; "
                         "pass buf.writer() to other actors")
 
