@@ -36,7 +36,12 @@ class StackLayout:
         channel-first images), "first" on a tie.
     """
 
-    def __init__(self, obs_shape: tuple, k, axis: str = "auto"):
+    obs_shape: tuple[int, ...]
+    k: int | None
+    axis: str | None
+    core_shape: tuple[int, ...]
+
+    def __init__(self, obs_shape: tuple[int, ...], k: int | None, axis: str = "auto") -> None:
         self.obs_shape = tuple(obs_shape)
         self.k = k
         if axis not in AXES:

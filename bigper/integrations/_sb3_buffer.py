@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import ReplayBuffer
@@ -17,9 +19,12 @@ from .. import PrioritizedReplayBuffer as CoreBuffer
 from ..batch import Batch
 from ..config import Config
 from ..errors import BigperError, BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError
-from ..schedules import as_schedule
+from ..schedules import ConstantSchedule, LinearSchedule, as_schedule
 from ._layout import StackLayout
 from ._sb3_pickle import KEEP_AT_PATH, open_snapshot, write_snapshot
+
+if TYPE_CHECKING:
+    from stable_baselines3.common.vec_env import VecNormalize
 
 __all__ = ["PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples"]
 
@@ -120,12 +125,27 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     ``mode="resume"``.
     """
 
+    buffer_size: int
+    optimize_memory_usage: bool
+    handle_timeout_termination: bool
+    n_steps: int
+    gamma: float
+    snapshot_dir: str | os.PathLike[str] | None
+    layout: StackLayout
+    beta_is_schedule: bool
+    beta0: float
+    beta_steps: int | None
+    full: bool
+    pos: int
+
     def __init__(self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
-                 device="auto", n_envs: int = 1, optimize_memory_usage: bool = False,
-                 handle_timeout_termination: bool = True, *, alpha: float = 0.6, beta=0.4,
-                 storage: str = "memory", path=None, seed: int = 0, frame_stack=None,
+                 device: th.device | str = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
+                 handle_timeout_termination: bool = True, *, alpha: float = 0.6,
+                 beta: float | LinearSchedule | ConstantSchedule = 0.4, storage: str = "memory",
+                 path: str | os.PathLike[str] | None = None, seed: int = 0, frame_stack: int | None = None,
                  frame_axis: str = "auto", n_steps: int = 1, gamma: float = 0.99,
-                 snapshot_dir=None, beta_steps=None, **bigper_kwargs):
+                 snapshot_dir: str | os.PathLike[str] | None = None, beta_steps: int | None = None,
+                 **bigper_kwargs: Any) -> None:
         # SB3's BaseBuffer only records spaces, shapes and the device; ReplayBuffer's
         # own __init__ would allocate its obs/next_obs arrays, which is what we replace.
         super(ReplayBuffer, self).__init__(buffer_size, observation_space, action_space, device,
@@ -195,8 +215,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
     @classmethod
     def from_buffer(cls, buffer: CoreBuffer, observation_space: spaces.Space, action_space: spaces.Space,
-                    device="auto", *, handle_timeout_termination: bool = True, frame_axis: str = "auto",
-                    snapshot_dir=None, beta_steps=None) -> "PrioritizedReplayBuffer":
+                    device: th.device | str = "auto", *, handle_timeout_termination: bool = True,
+                    frame_axis: str = "auto", snapshot_dir: str | os.PathLike[str] | None = None,
+                    beta_steps: int | None = None) -> "PrioritizedReplayBuffer":
         """The drop-in over an open bigper buffer: one loaded from a snapshot
         (``bigper.Snapshots(root).load_latest()``) or reopened with
         ``mode="resume"``. ``size()``, ``pos`` and sampling continue where the
@@ -242,7 +263,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         return self
 
     # -- beta ------------------------------------------------------------------
-    def beta_for_learner(self, progress_remaining: float):
+    def beta_for_learner(self, progress_remaining: float) -> float | None:
         """The beta a prioritized SB3 algorithm samples with: None where the
         buffer's schedule decides, annealed by ``add`` count with
         ``beta_steps``, else from ``beta`` to 1.0 over ``learn``."""
@@ -262,7 +283,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         return self.buffer.beta
 
     @beta.setter
-    def beta(self, value) -> None:
+    def beta(self, value: object) -> None:
         # CleanRL's PER sets rb.beta each step; here that would silently do nothing.
         raise InvalidArgumentError(
             f"beta cannot be set on the buffer (got {value!r}): pass beta_steps= (add calls) to anneal "
@@ -278,7 +299,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self.pos = steps % self.buffer_size
 
     # -- writing -------------------------------------------------------------
-    def add(self, obs, next_obs, action, reward, done, infos, *, truncated=None) -> None:
+    def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
+            done: np.ndarray, infos: Sequence[dict[str, Any]] | dict[str, Any], *,
+            truncated: np.ndarray | None = None) -> None:
         """Add one step of every env, exactly as SB3 (and CleanRL) call it.
 
         Parameters
@@ -336,7 +359,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         raise InvalidArgumentError("reset is not supported by bigper's buffer; build a new one")
 
     # -- sampling ------------------------------------------------------------
-    def sample(self, batch_size: int, env=None, *, beta=None) -> PrioritizedReplayBufferSamples:
+    def sample(self, batch_size: int, env: VecNormalize | None = None, *,
+               beta: float | None = None) -> PrioritizedReplayBufferSamples:
         """Draw ``batch_size`` transitions in proportion to priority.
 
         Parameters
@@ -402,7 +426,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             disc[rows] = self.gamma ** m
         return disc
 
-    def update_priorities(self, indices, priorities) -> None:
+    def update_priorities(self, indices: th.Tensor | npt.ArrayLike, priorities: th.Tensor | npt.ArrayLike) -> None:
         """Set priorities, e.g. ``|TD error|``; numpy arrays or torch tensors on any device.
 
         The ``indices`` tensor of the latest ``sample`` is matched to its batch,
@@ -446,7 +470,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             "for it: pass snapshot_dir= to the buffer, use PrioritizedDQN.save_replay_buffer(path), "
             "or use a disk storage")
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         if self.closed:  # before any directory is made or file written
             raise BufferClosedError("cannot pickle a closed bigper PrioritizedReplayBuffer: its "
                                     "transitions are no longer reachable (pickle it before close())")
@@ -461,7 +485,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 "beta_is_schedule": self.beta_is_schedule, "beta0": self.beta0, "beta_steps": self.beta_steps,
                 "snapshot_dir": None if self.snapshot_dir is None else os.fspath(self.snapshot_dir)}
 
-    def __setstate__(self, state) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != _PICKLE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise IncompatibleSnapshotError(f"not a bigper SB3 replay buffer pickle ({_PICKLE_FORMAT}), got {got!r}")
@@ -498,7 +522,9 @@ def annealed_beta(beta0: float, progress_remaining: float) -> float:
 
 
 class _EpisodeCut:
-    def __setitem__(self, key, value) -> None:
+    """Takes SB3's ``dones[pos] = True`` and keeps nothing (see ``PrioritizedReplayBuffer.dones``)."""
+
+    def __setitem__(self, key: object, value: object) -> None:
         pass
 
 

@@ -38,6 +38,8 @@ SB3's algorithm modules are heavier), none of which imports this one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._sb3_buffer import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples, annealed_beta
 
 __all__ = ["PrioritizedDDPG", "PrioritizedDQN", "PrioritizedQRDQN", "PrioritizedReplayBuffer",
@@ -50,7 +52,7 @@ _ALGORITHMS = {"PrioritizedDQN": "_sb3_dqn", "PrioritizedSAC": "_sb3_actor_criti
                "PrioritizedQRDQN": "_sb3_contrib", "PrioritizedTQC": "_sb3_contrib"}
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     mod = _ALGORITHMS.get(name)
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -64,5 +66,5 @@ def __getattr__(name):
     return getattr(import_module(f"{__package__}.{mod}"), name)
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_ALGORITHMS))
