@@ -51,7 +51,7 @@ nitpick_ignore_regex = [
                  r"ArrayLike|DTypeLike|Self|Literal|Optional|Union)"),
     ("py:class", r"(ReplayBuffer|DQN|ReplayBufferSamples|VecNormalize|GymEnv)"),
     # Internal types in public signatures (not public names themselves): shown as text.
-    ("py:class", r"bigper\.(config|storage|prioritization)\..*|bigper\.integrations\.(sb3\.)?_\w+(\.\w+)*"),
+    ("py:class", r"bigper\.(config|storage|prioritization)\..*|bigper\.integrations\.(sb3\.)?_\w+(\.\w+)*|StackLayout"),
     ("py:class", r"(optional|default|array-like|array_like|callable|schedule|.*\(.*)"),
 ]
 
