@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -37,15 +37,11 @@ def _ray():
     return ray
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _locked(method: "Callable[Concatenate[ShardWriter, _P], _R]") -> "Callable[Concatenate[ShardWriter, _P], _R]":
+def _locked(method):
     """A public entry point of a writer: one call at a time (its pieces, chunks
     in flight and routing model change together)."""
     @functools.wraps(method)
-    def run(self: ShardWriter, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def run(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
     return run

@@ -18,9 +18,9 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Concatenate, Literal, NoReturn, ParamSpec, TypeVar
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -44,17 +44,12 @@ from ..errors import (BufferClosedError, CorruptSnapshotError, IncompatibleSnaps
                       InvalidTypeError)
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _entry(method: "Callable[Concatenate[ShardedPrioritizedBuffer, _P], _R]",
-           ) -> "Callable[Concatenate[ShardedPrioritizedBuffer, _P], _R]":
+def _entry(method):
     """A public entry point: it runs under the buffer's one (re-entrant) lock,
     and checks that the buffer is open inside it, so no call can run half on
     a buffer another thread closes, or interleave with another call."""
     @functools.wraps(method)
-    def run(self: ShardedPrioritizedBuffer, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def run(self, *args, **kwargs):
         with self._lock:
             self._check_open()
             return method(self, *args, **kwargs)
