@@ -82,6 +82,10 @@ class Batch(Mapping[str, np.ndarray]):
         ----------
         data, indices, weights, probabilities, generations
             As for ``Batch``.
+        mask : np.ndarray of bool (B, T), optional
+            With sequences: which steps are real.
+        burn_in : int
+            With sequences: the burn-in steps at the front of each row.
 
         Returns
         -------

@@ -161,7 +161,17 @@ class Sequence:
 
     @classmethod
     def from_dict(cls, d: "Sequence | dict[str, Any]") -> "Sequence":
-        """A ``Sequence`` from itself or from the dict ``to_dict`` gave, checked."""
+        """A ``Sequence`` from itself or from the dict ``to_dict`` gave, checked.
+
+        Parameters
+        ----------
+        d : Sequence or dict
+            A ``Sequence``, or its ``length``, ``burn_in``, ``period`` and ``eta``.
+
+        Returns
+        -------
+        Sequence
+        """
         if isinstance(d, cls):
             return d
         if not isinstance(d, dict) or set(d) - {"length", "burn_in", "period", "eta"} or "length" not in d:
