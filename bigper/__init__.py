@@ -6,6 +6,7 @@ from .config import Sequence
 from .errors import (
     BigperError,
     BufferClosedError,
+    CompressionUnavailableError,
     CorruptSnapshotError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
@@ -32,6 +33,7 @@ __all__ = [
     "Batch",
     "BigperError",
     "BufferClosedError",
+    "CompressionUnavailableError",
     "ConstantSchedule",
     "CorruptSnapshotError",
     "IncompatibleSnapshotError",

@@ -23,17 +23,13 @@ import numpy as np
 from numba import types
 
 from ._kernels import kernel
-from .errors import BigperError
+from .errors import CompressionUnavailableError
 
 EXTRA = "pip install 'bigper[compression]'"
 _LOCK = threading.Lock()
 _LIB = None
 _C_LEVEL, _C_CHECKSUM = 100, 201  # ZSTD_c_compressionLevel, ZSTD_c_checksumFlag
 DICT_MAGIC = bytes.fromhex("37a430ec")  # ZSTD_MAGIC_DICTIONARY, little endian
-
-
-class CompressionUnavailableError(BigperError, ImportError):
-    """compression= was asked for and no libzstd could be loaded."""
 
 
 def _candidates() -> list[str]:

@@ -73,3 +73,7 @@ class OfflineDatasetError(BigperError, ValueError):
 
 class ShardUnavailableError(BigperError, RuntimeError):
     """A Ray shard that cannot be reached or placed."""
+
+
+class CompressionUnavailableError(BigperError, ImportError):
+    """``compression=`` was asked for and no libzstd could be loaded (names the extra to install)."""
