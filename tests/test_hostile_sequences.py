@@ -38,3 +38,73 @@ def test_the_largest_period_still_serves_one_item_an_episode():
     add_steps(buf, 60)
     starts = {int(g) for g in buf.sample(16).generations}
     assert starts and all(s % 7 == 0 for s in starts)  # episodes start every 7 steps
+
+
+def _used(seq=None, cap=30, alpha=1.0, prioritization="proportional"):
+    buf = bigper.PrioritizedReplayBuffer(cap, FIELDS, sequence=seq or Sequence(3, burn_in=2, period=2),
+                                         alpha=alpha, eps=0.0, seed=3, prioritization=prioritization)
+    add_steps(buf, 40, end_every=9)
+    return buf
+
+
+def test_huge_finite_per_step_errors_reduce_to_a_finite_priority():
+    """``eta * max + (1 - eta) * mean`` of finite errors is finite (<= max);
+    the mean was a sum over the steps divided after, which overflowed to
+    inf and refused good input with 'got inf' (a value never given). With
+    alpha = 0.5 such a priority is a leaf far below the tree's limit."""
+    buf = _used(alpha=0.5)
+    b = buf.sample(4)
+    big = np.finfo(np.float64).max
+    buf.update_priorities(b, np.full((4, 5), big))
+    last = int(b.indices[-1])
+    np.testing.assert_allclose(buf.leaves([last])[0], np.sqrt(big), rtol=1e-12)
+    half = np.full((4, 5), big / 2)
+    half[:, -1] = big  # a mix: the reduction lies between mean and max
+    buf.update_priorities(b, half)
+    got = buf.leaves([last])[0] ** 2
+    assert np.isfinite(got) and big / 2 * (1 - 1e-12) <= got <= big
+
+
+RAGGED = [[1.0, 2.0], [1.0]] * 2
+
+
+def _ragged_case(case, b):
+    """(target, priorities) of a sampled batch ``b`` with one ragged part."""
+    d = {"indices": b.indices, "generations": b.generations, "mask": b.mask}
+    return {
+        "batch, ragged priorities": (b, RAGGED),
+        "dict, ragged priorities": (d, RAGGED),
+        "indices, ragged priorities": (b.indices, RAGGED),
+        "dict, ragged indices": (dict(d, indices=[[0, 1], [2]] * 2), np.ones((4, 5))),
+        "ragged indices": ([[0, 1], [2]] * 2, np.ones(4)),
+        "dict, ragged mask": (dict(d, mask=[[True] * 5, [True]] * 2), np.ones((4, 5))),
+    }[case]
+
+
+@pytest.mark.parametrize("case,what", [
+    ("batch, ragged priorities", "priorities"), ("dict, ragged priorities", "priorities"),
+    ("indices, ragged priorities", "priorities"), ("dict, ragged indices", "indices"),
+    ("ragged indices", "indices"), ("dict, ragged mask", "mask"),
+])
+def test_ragged_input_is_refused_naming_it(case, what):
+    """A ragged list for the priorities, the indices or the mask raised
+    numpy's raw ValueError from np.asarray (not a BigperError)."""
+    buf = _used()
+    tgt, pr = _ragged_case(case, buf.sample(4))
+    check_rejected(buf, lambda x: x.update_priorities(tgt, pr), bigper.InvalidTypeError, what)
+
+
+@pytest.mark.parametrize("what", ["valid", "priorities", "obs"])
+def test_ragged_extend_input_is_refused_naming_it(what):
+    """The same for extend's valid rows, priorities and data of a vector env."""
+    buf = bigper.PrioritizedReplayBuffer(30, FIELDS, num_envs=2, sequence=Sequence(2, burn_in=1))
+    data = {"obs": np.zeros((3, 2, 2), np.float32), "next_obs": np.zeros((3, 2, 2), np.float32),
+            "terminated": np.zeros((3, 2), bool), "truncated": np.zeros((3, 2), bool)}
+    buf.extend(data)
+    kw = {"valid": None, "priorities": None}
+    ragged = [[True, True], [True], [True, False]]
+    if what == "obs":
+        data = dict(data, obs=[[[0.0, 0.0], [0.0, 0.0]], [[0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]])
+    else:
+        kw[what] = ragged
+    check_rejected(buf, lambda x: x.extend(data, **kw), bigper.InvalidTypeError, what)
