@@ -108,3 +108,43 @@ def test_ragged_extend_input_is_refused_naming_it(what):
     else:
         kw[what] = ragged
     check_rejected(buf, lambda x: x.extend(data, **kw), bigper.InvalidTypeError, what)
+
+
+def _pending_key_above_max_leaf(arrays, meta, key):
+    arrays = {k: v.copy() for k, v in arrays.items()}
+    s = np.flatnonzero(arrays["seq_status"] == 2)  # PENDING
+    assert s.size, "the state must hold a pending item"
+    arrays["seq_pending"][s[0]] = key
+    return arrays, int(s[0])
+
+
+@pytest.mark.parametrize("key", [1e308, 1000.0])
+def test_a_pending_key_above_max_leaf_is_a_corrupt_state(tmp_path, key):
+    """Every key a buffer writes counts toward max_leaf, so a pending key above
+    it was never written; it was accepted, and once the item completed its
+    leaf exceeded max_leaf (1e308: above the tree's limit, the root overflows
+    with two such)."""
+    from ._hostile_snapshot_cases import fingerprint as disk
+    from ._hostile_snapshot_cases import put_state, refused
+
+    seq = Sequence(4, burn_in=1, period=2)
+    buf = bigper.PrioritizedReplayBuffer(30, FIELDS, sequence=seq)
+    add_steps(buf, 20, end_every=1000)
+    meta, arrays = buf.state_dict()
+    crafted, s = _pending_key_above_max_leaf(arrays, meta, key)
+    check_rejected(buf, lambda x: x.load_state(meta, crafted), bigper.CorruptSnapshotError, "seq_pending", str(s))
+    # a snapshot with it: load refuses, the snapshot unchanged
+    snap = buf.save(tmp_path / "snap")
+    put_state(snap, "seq_pending", crafted["seq_pending"])
+    assert "seq_pending" in str(refused(bigper.CorruptSnapshotError, snap))
+    # a live memmap folder with it: resume and verify refuse, the folder unchanged
+    live = bigper.PrioritizedReplayBuffer(30, FIELDS, sequence=seq, storage="memmap", path=tmp_path / "live")
+    add_steps(live, 20, end_every=1000)
+    live.close()
+    np.save(tmp_path / "live" / "state" / "seq_pending.npy", crafted["seq_pending"], allow_pickle=False)
+    before = disk(tmp_path / "live")
+    with pytest.raises(bigper.CorruptSnapshotError) as info:
+        bigper.PrioritizedReplayBuffer(30, FIELDS, sequence=seq, storage="memmap", path=tmp_path / "live",
+                                       mode="resume")
+    assert "seq_pending" in str(info.value)
+    assert disk(tmp_path / "live") == before
