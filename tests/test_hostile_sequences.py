@@ -148,3 +148,14 @@ def test_a_pending_key_above_max_leaf_is_a_corrupt_state(tmp_path, key):
                                        mode="resume")
     assert "seq_pending" in str(info.value)
     assert disk(tmp_path / "live") == before
+
+
+def test_sampling_before_any_item_completes_names_sequence_items():
+    """Only placeholder rows and pending items: the refusal spoke of
+    transitions and n_step, neither of which a sequence buffer has."""
+    buf = bigper.PrioritizedReplayBuffer(40, FIELDS, num_envs=3, sequence=Sequence(4, burn_in=1))
+    z = np.zeros((2, 3, 2), np.float32)
+    buf.extend({"obs": z, "next_obs": z, "terminated": np.zeros((2, 3), bool)}, valid=np.zeros((2, 3), bool))
+    buf.extend({"obs": z, "next_obs": z, "terminated": np.zeros((2, 3), bool)})
+    msg = check_rejected(buf, lambda x: x.sample(2), bigper.InvalidArgumentError, "sequence item", "length=4")
+    assert "n_step" not in msg
