@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kernels as K
-from ._torch import as_numpy
+from ._torch import as_array, as_numpy
 from .config import BUILTIN, Config
 from .errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
 
@@ -93,7 +93,7 @@ class Ingest:
         seen = False
         for name, (shape, _) in self.inputs.items():
             if name in step and name in self.required:
-                if np.shape(as_numpy(step[name])) != (1,) + shape:
+                if _shape_of(step[name], name) != (1,) + shape:
                     return False
                 seen = True
         return seen
@@ -102,8 +102,9 @@ class Ingest:
         if not isinstance(data, dict):
             raise InvalidTypeError(f"extend takes a dict name -> array, got {type(data).__name__}")
         k = self.cfg.num_envs
-        first = next(iter(data.values()), None)
-        m = np.shape(as_numpy(first))[0] if first is not None and np.ndim(as_numpy(first)) else 0
+        name, first = next(iter(data.items()), (None, None))
+        lead_shape = () if first is None else _shape_of(first, f"extend: data[{name!r}]")
+        m = lead_shape[0] if lead_shape else 0
         lead = (m,) if k == 1 else (m, k)
         rows = self._check(data, lead, "extend", "data")
         rows = {n: v.reshape((m * k,) + v.shape[len(lead):]) for n, v in rows.items()}
@@ -131,7 +132,7 @@ class Ingest:
             label = f"{arg}[{name!r}]" if arg else name
             v = as_numpy(v)
             python = not isinstance(v, (np.ndarray, np.generic))
-            v = np.asarray(v)
+            v = as_array(v, f"{fn}: {label}")
             if v.shape != lead + shape:
                 raise InvalidArgumentError(f"{fn}: {label} must have shape {lead + shape}, got {v.shape}")
             if python and v.dtype.kind == "f" and dtype.kind in "biu":
@@ -144,7 +145,7 @@ class Ingest:
     def _valid(self, valid, lead: tuple, m: int):
         if valid is None:
             return None
-        v = np.asarray(as_numpy(valid))
+        v = as_array(valid, "valid")
         if v.dtype != np.bool_ or v.shape != lead:
             raise InvalidTypeError(f"valid must be a bool array of shape {lead}, got {v.dtype} {v.shape}")
         return v.reshape(m)
@@ -152,7 +153,7 @@ class Ingest:
     def _priorities(self, priorities, lead: tuple, m: int):
         if priorities is None:
             return None
-        p = np.asarray(as_numpy(priorities))
+        p = as_array(priorities, "priorities")
         if p.dtype.kind not in "fiub":
             raise InvalidTypeError(f"priorities must be numbers, got dtype {p.dtype}")
         if p.shape != lead:
@@ -353,10 +354,19 @@ def check_batch_size(batch_size) -> None:
         raise InvalidArgumentError(f"batch_size must be an int in [1, {MAX_BATCH}], got {batch_size!r}")
 
 
+def _shape_of(v, what: str) -> tuple:
+    """``np.shape`` of user input; ``InvalidTypeError`` naming ``what`` for a
+    ragged list (numpy raises its own ValueError)."""
+    try:
+        return np.shape(as_numpy(v))
+    except (ValueError, TypeError) as e:
+        raise InvalidTypeError(f"{what} is not an array of numbers ({type(e).__name__}: {str(e)[:120]})") from None
+
+
 def as_index(x) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
         return x
-    a = np.asarray(as_numpy(x))
+    a = as_array(x, "indices")
     if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
         raise InvalidTypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
     return a.astype(np.int64, copy=False)
@@ -366,7 +376,7 @@ def as_priorities(x, n: int) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype == np.float64 and x.flags.c_contiguous:
         p = x
     else:
-        p = np.asarray(as_numpy(x))
+        p = as_array(x, "priorities")
         if p.dtype.kind not in "fiub":
             raise InvalidTypeError(f"priorities must be numbers, got dtype {p.dtype}")
         p = np.ascontiguousarray(p, dtype=np.float64)

@@ -172,7 +172,7 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     bad = np.flatnonzero((gid < 0) != (status == EMPTY))
     if bad.size:
         _bad(f"slot {bad[0]} has gid {gid[bad[0]]} and status {status[bad[0]]} (written iff not empty)")
-    items = _check_items(cfg, arrays, count, gid, status, ends) if getattr(cfg, "sequence", None) else None
+    items = _check_items(cfg, arrays, count, gid, status, ends, top) if getattr(cfg, "sequence", None) else None
     if "leaves" in arrays:
         _check_leaves(_array(arrays, "leaves", np.float64, (c,)), status if items is None else items, top)
     if cfg.n_step == 1 and (status == PENDING).any():
@@ -181,10 +181,11 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
         _check_frames(cfg, meta, arrays, count, status)
 
 
-def _check_items(cfg, arrays: dict, count: int, gid, status, ends) -> np.ndarray:
+def _check_items(cfg, arrays: dict, count: int, gid, status, ends, top: float) -> np.ndarray:
     """The sequence item tables (``sequences.Items.state``): positions that
     chain along each env's stream, item status exactly as the positions and
-    the ring imply, finite pending keys, pointers in range. Returns the item status."""
+    the ring imply, pending keys finite in [0, max_leaf] (every key written
+    counts toward max_leaf), pointers in range. Returns the item status."""
     c, envs, seq = cfg.capacity, cfg.num_envs, cfg.seq
     pos = _array(arrays, "seq_pos", np.int64, (c,))
     istatus = _array(arrays, "seq_status", np.uint8, (c,))
@@ -215,9 +216,10 @@ def _check_items(cfg, arrays: dict, count: int, gid, status, ends) -> np.ndarray
         s = int(bad[0])
         _bad(f"seq_status[{s}] = {istatus[s]}, but the ring and positions give {truth[s]} "
              "(0 no item, 1 live, 2 pending, 3 dead)")
-    bad = np.flatnonzero(~np.isfinite(pending) | (pending < 0))
+    bad = np.flatnonzero(~((pending >= 0) & (pending <= top)))
     if bad.size:
-        _bad(f"seq_pending[{bad[0]}] = {pending[bad[0]]!r} (a pending key is finite and >= 0)")
+        _bad(f"seq_pending[{bad[0]}] = {pending[bad[0]]!r} (a pending key is finite, >= 0 and <= "
+             f"max_leaf {top!r})")
     e = np.arange(envs, dtype=np.int64)
     bad = np.flatnonzero((ptr < 0) | (ptr % envs != e) | (ptr >= count + envs))
     if bad.size:

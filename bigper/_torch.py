@@ -220,6 +220,16 @@ def _to_cuda(torch, arrays: dict, dev, non_blocking: bool) -> dict:
     return out
 
 
+def as_array(x, what: str) -> np.ndarray:
+    """User input ``x`` (numpy, torch, nested lists) as a numpy array;
+    ``InvalidTypeError`` naming ``what`` where numpy cannot make one (a
+    ragged list, an object whose ``__array__`` fails), not numpy's own error."""
+    try:
+        return np.asarray(as_numpy(x))
+    except (ValueError, TypeError, OverflowError) as e:
+        raise InvalidTypeError(f"{what} is not an array of numbers ({type(e).__name__}: {str(e)[:120]})") from None
+
+
 def as_numpy(x):
     """``x`` as numpy when it is a torch tensor (any device, any grad), else ``x`` unchanged.
 

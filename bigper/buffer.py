@@ -509,7 +509,11 @@ class PrioritizedReplayBuffer:
         if not self._prio.sampleable:
             raise InvalidArgumentError(
                 f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
-                "transition becomes sampleable once its window completes or its episode ends)")
+                "transition becomes sampleable once its window completes or its episode ends)"
+                if self._items is None else
+                f"cannot sample: no sampleable sequence item (len={len(self)} steps; an item becomes "
+                f"sampleable once its length={self._items.length} steps are written or its episode ends, "
+                "and valid=False rows start none)")
         idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
                                          stratified=bool(stratified), beta=b)
         self._beta_step += 1

@@ -107,10 +107,17 @@ def _sequence(seq, *, capacity, n_step, num_envs, fields) -> dict:
     return seq.to_dict()
 
 
-def _int(value, name, lo):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
+def _int(value, name, lo, hi=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo \
+            or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise InvalidArgumentError(f"{name} must be an int {rng}, got {value!r}")
     return int(value)
+
+
+# The item kernels (sequences.py) keep positions, periods and step numbers in
+# int64: a Sequence's ints stay well inside it.
+_SEQ_MAX = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -143,9 +150,9 @@ class Sequence:
     eta: float = 0.9
 
     def __post_init__(self) -> None:
-        length = _int(self.length, "Sequence length", 1)
-        burn_in = _int(self.burn_in, "Sequence burn_in", 0)
-        period = length if self.period is None else _int(self.period, "Sequence period", 1)
+        length = _int(self.length, "Sequence length", 1, _SEQ_MAX)
+        burn_in = _int(self.burn_in, "Sequence burn_in", 0, _SEQ_MAX)
+        period = length if self.period is None else _int(self.period, "Sequence period", 1, _SEQ_MAX)
         eta = _number(self.eta, "Sequence eta", lo=0.0, hi=1.0)
         for name, v in (("length", length), ("burn_in", burn_in), ("period", period), ("eta", eta)):
             object.__setattr__(self, name, v)

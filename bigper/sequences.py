@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._kernels import kernel, tree_set
-from ._torch import as_numpy
+from ._torch import as_array
 from .config import Config
 from .errors import InvalidArgumentError, InvalidTypeError
 from .prioritization.base import DEAD, EMPTY, LIVE, PENDING
@@ -317,7 +317,7 @@ def reduce_errors(errors, mask, b: int, burn_in: int, length: int, eta: float):
     """``update_priorities``' per-step reduction (see ``Items.reduce``):
     ``(B,)`` float64 priorities, or None when ``errors`` is not a per-step
     array (the usual ``(B,)`` checks then apply to it as it is)."""
-    e = np.asarray(as_numpy(errors))
+    e = as_array(errors, "priorities")
     T = burn_in + length
     if e.ndim != 2 or (e.shape[1] not in (T, length)) or (e.shape[1] == 1 and T == 1):
         if e.ndim == 2 and e.shape[1] != 1:
@@ -334,7 +334,7 @@ def reduce_errors(errors, mask, b: int, burn_in: int, length: int, eta: float):
         raise InvalidArgumentError(
             "per-step priorities need the batch's mask: pass the Batch (or the dict to_torch gives) as "
             "the target, not raw indices")
-    m = np.asarray(as_numpy(mask))
+    m = as_array(mask, "the target's mask")
     if m.dtype != np.bool_ or m.shape != (b, T):
         raise InvalidArgumentError(f"the target's mask must be bool of shape ({b}, {T}), got {m.dtype} {m.shape}")
     shift = burn_in if e.shape[1] == T else 0  # column of the first step after the burn-in
@@ -351,5 +351,11 @@ def reduce_errors(errors, mask, b: int, burn_in: int, length: int, eta: float):
     if (n == 0).any():  # a sampled mask always has its start step; a hand-made one may not
         r = int(np.flatnonzero(n == 0)[0])
         raise InvalidArgumentError(f"the target's mask row {r} has no real step after the burn-in")
+    # eta * max + (1 - eta) * mean as max - (1 - eta) * (max - mean), the mean
+    # taken of x / max (terms <= 1) and capped at max: finite errors give a
+    # finite priority <= max (a plain sum overflowed for errors near float max).
     x = np.where(m, e, 0.0)
-    return eta * x.max(axis=1) + (1.0 - eta) * (x.sum(axis=1) / n)
+    top = x.max(axis=1)
+    scale = np.where(top > 0, top, 1.0)
+    mean = np.minimum(scale * ((x / scale[:, None]).sum(axis=1) / n), top)
+    return top - (1.0 - eta) * (top - mean)
