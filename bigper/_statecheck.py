@@ -16,7 +16,7 @@ What a buffer of config ``cfg`` can have written (``buffer.py`` ``_setup``,
                          g < count with g % C == s, or -1 if none was written
             status       uint8 (C,) in {empty, live, pending, dead}; empty iff gid < 0
             ends         uint8 (C,) in 0..3 (bit 0 terminated, bit 1 truncated)
-            pending      float64 (C,) with n_step > 1 else (0,), finite, >= 0
+            pending      float64 (C,) with n_step > 1 else (0,), finite, in [0, max_leaf]
             frames_*     the frame ring's per-env stream state (see frames.py)
             seq_*        with sequences: item positions, status, pending keys, each
                          env's next position and item pointer (sequences.py);
@@ -155,9 +155,10 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     ends = _array(arrays, "ends", np.uint8, (c,))
     pending = _array(arrays, "pending", np.float64, (c if cfg.n_step > 1 else 0,))
 
-    bad = np.flatnonzero(~np.isfinite(pending) | (pending < 0))
+    # Every key the buffer writes counts toward max_leaf, so a pending one never exceeds it.
+    bad = np.flatnonzero(~((pending >= 0) & (pending <= top)))
     if bad.size:
-        _bad(f"pending[{bad[0]}] = {pending[bad[0]]!r} (a pending leaf is finite and >= 0)")
+        _bad(f"pending[{bad[0]}] = {pending[bad[0]]!r} (a pending leaf is finite, >= 0 and <= max_leaf {top!r})")
     bad = np.flatnonzero(status > DEAD)
     if bad.size:
         _bad(f"status[{bad[0]}] = {status[bad[0]]} (not one of 0 empty, 1 live, 2 pending, 3 dead)")

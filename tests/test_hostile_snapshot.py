@@ -197,11 +197,15 @@ def test_frame_state_lies_are_corrupt(tmp_path):
     load(snap).close()
 
 
-@pytest.mark.parametrize("value", [-5.0, -1e-300, np.nan, np.inf])
+@pytest.mark.parametrize("value", [-5.0, -1e-300, np.nan, np.inf, 1e308, "above"])
 @pytest.mark.parametrize("where", ["pending", "live"])
 def test_a_pending_leaf_that_is_negative_or_not_finite_is_corrupt(value, where, tmp_path):
     """n-step loads keep ``pending`` for the slots that wait for their window; a
-    crafted one would become a leaf of -5 (or NaN) once the window closes."""
+    crafted one would become a leaf of -5 (or NaN) once the window closes, or one
+    above every key the buffer ever wrote (``max_leaf``: 1e308 is past the tree's limit)."""
+    if value == "above":
+        snap0 = small("memory", tmp_path / "probe", n_step=3)
+        value = decode((snap0 / MANIFEST).read_bytes(), snap0)["state"]["meta"]["max_leaf"] * 1.5
     snap = small("memory", tmp_path, n_step=3)
     status = np.load(snap / "state" / "status.npy")
     pending = np.load(snap / "state" / "pending.npy")
