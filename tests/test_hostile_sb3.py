@@ -132,3 +132,31 @@ def test_beta_steps_numpy_int_is_taken_by_from_buffer_as_by_the_constructor():
 def test_a_bad_n_envs_is_refused_naming_it(n_envs):
     with pytest.raises(InvalidArgumentError, match="n_envs"):
         bsb3.PrioritizedReplayBuffer(8, OBS, ACT, device="cpu", n_envs=n_envs)
+
+
+FIELDS = {"obs": ((3,), np.float32), "action": ((1,), np.int64), "reward": ((), np.float32)}
+
+
+def test_a_sequence_buffer_is_refused_by_the_drop_in_which_hands_out_transitions():
+    core = bigper.PrioritizedReplayBuffer(64, FIELDS, sequence=bigper.Sequence(length=4))
+    with pytest.raises(InvalidArgumentError, match="sequence"):
+        bsb3.PrioritizedReplayBuffer.from_buffer(core, OBS, ACT, device="cpu")
+    assert not core.closed and len(core) == 0
+    with pytest.raises(InvalidArgumentError, match="sequence"):
+        bsb3.PrioritizedReplayBuffer(64, OBS, ACT, device="cpu", sequence=bigper.Sequence(length=4))
+
+
+def test_a_nan_loss_is_refused_and_leaves_every_priority_as_it_was():
+    model = small(bsb3.PrioritizedSAC, "Pendulum-v1", None)
+    model.learn(40)
+    with th.no_grad():
+        for p in model.critic.parameters():
+            p.fill_(float("nan"))
+    rb = model.replay_buffer
+    before = held(rb)
+    with pytest.raises(InvalidArgumentError, match="finite"):
+        model.learn(20, reset_num_timesteps=False)
+    n = before[0]
+    after = rb.buffer.leaves(np.arange(n))
+    assert not np.isnan(rb.buffer.leaves(np.arange(len(rb.buffer)))).any()
+    assert after.tolist() == before[1]

@@ -175,12 +175,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         # Checked now, opened on first use: SB3's DQN.load builds a buffer that
         # load_replay_buffer replaces at once, and it must not touch the disk.
         try:
-            Config.build(capacity=self.buffer_size * n_envs, fields=fields,
-                         **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
+            cfg = Config.build(capacity=self.buffer_size * n_envs, fields=fields,
+                               **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
         except BigperError:
             raise
         except TypeError as e:  # an option bigper does not have
             raise InvalidArgumentError(f"PrioritizedReplayBuffer: {e}; bigper options: {sorted(kwargs)}") from None
+        _transitions_only(cfg, "PrioritizedReplayBuffer")
         self._core_args = (self.buffer_size * n_envs, fields, kwargs)
         self._core = None
         self._live_path = None if path is None else os.fspath(path)
@@ -233,6 +234,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if buffer.closed:
             raise BufferClosedError("from_buffer: the bigper buffer is closed")
         cfg = buffer.config
+        _transitions_only(cfg, "from_buffer")
         if cfg.capacity % cfg.num_envs:
             raise InvalidArgumentError(f"from_buffer: capacity {cfg.capacity} is not a multiple of "
                                        f"num_envs {cfg.num_envs}, which SB3's buffer_size needs")
@@ -511,6 +513,15 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
 
 PrioritizedReplayBuffer.__module__ = PrioritizedReplayBufferSamples.__module__ = _HOME
+
+
+def _transitions_only(cfg: Config, where: str) -> None:
+    """SB3's algorithms train on transitions: a sequence buffer (batches of
+    windows, ``(B, L, ...)``) would be handed to them as if it were one."""
+    if cfg.sequence is not None:
+        raise InvalidArgumentError(f"{where}: a sequence buffer (sequence={cfg.sequence}) samples windows, not "
+                                   "the transitions SB3's algorithms train on; use bigper.PrioritizedReplayBuffer "
+                                   "directly for sequences")
 
 
 def _beta_steps(value: object) -> int | None:
