@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import os
 import pickle
-from pathlib import Path
 
 import numpy as np
 import torch as th
 
-from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
+from ..errors import IncompatibleSnapshotError, InvalidArgumentError
 from ._sb3_buffer import PrioritizedReplayBuffer, annealed_beta
-from ._sb3_pickle import check_fits, manifest_digest, peek_state, read_pickle, save_pickle
+from ._sb3_pickle import check_fits, checked_snapshot, peek_state, read_pickle, save_pickle
 
 __all__ = ["PrioritizedAlgorithm", "annealed_beta", "huber_loss", "mse_loss", "quantile_loss", "weighted_mean"]
 
@@ -153,10 +152,7 @@ class PrioritizedAlgorithm:
         data, where = read_pickle(path)
         state = peek_state(data, where)
         check_fits(state, where, self)
-        snap = state.get("snapshot")
-        if isinstance(snap, str) and manifest_digest(Path(snap)) != state.get("manifest_sha256"):
-            raise CorruptSnapshotError(f"load_replay_buffer: {where} names {snap}, whose manifest is not "
-                                       "the one it was written with")
+        checked_snapshot(state)
         old = self.replay_buffer
         ours = isinstance(old, PrioritizedReplayBuffer) and not old.closed
         if ours and old._live_path is not None and state.get("live_path") is not None \

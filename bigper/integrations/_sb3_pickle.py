@@ -166,19 +166,26 @@ def _what_is_live(snap: Path, info: dict) -> tuple[int | None, str | None, str |
     return n_snap, live, f"{n_live} transitions at its last close"
 
 
+def checked_snapshot(state: dict) -> Path:
+    """The snapshot a pickle's ``state`` names, its manifest's hash checked
+    (missing, superseded or rewritten: refused)."""
+    snap = state.get("snapshot")
+    if not isinstance(snap, str):
+        raise InvalidTypeError(f"the pickle's snapshot must be a str, got {type(snap).__name__}")
+    snap = Path(snap)
+    digest = manifest_digest(snap)
+    if digest != state.get("manifest_sha256"):
+        raise CorruptSnapshotError(f"{snap}/{MANIFEST} is not the snapshot this pickle was written "
+                                   f"with (sha256 {digest}, recorded {state.get('manifest_sha256')})")
+    return snap
+
+
 def open_snapshot(state: dict, *, capacity: int, n_envs: int) -> CoreBuffer:
     """The bigper buffer a pickle's ``state`` names: its manifest hash checked,
     its shape checked against the pickle's (``capacity``, ``n_envs``), loaded
     into the live path it was saved from, with a ``UserWarning`` saying what
     that path held when it had moved on."""
-    snap = state["snapshot"]
-    if not isinstance(snap, str):
-        raise InvalidTypeError(f"the pickle's snapshot must be a str, got {type(snap).__name__}")
-    snap = Path(snap)
-    digest = manifest_digest(snap)
-    if digest != state["manifest_sha256"]:
-        raise CorruptSnapshotError(f"{snap}/{MANIFEST} is not the snapshot this pickle was written "
-                                   f"with (sha256 {digest}, recorded {state['manifest_sha256']})")
+    snap = checked_snapshot(state)
     info = describe(snap)
     cfg = info["config"]
     if cfg.get("capacity") != capacity or cfg.get("num_envs", 1) != n_envs:
