@@ -158,3 +158,19 @@ def test_a_nan_loss_is_refused_and_leaves_every_priority_as_it_was():
     after = rb.buffer.leaves(np.arange(n))
     assert not np.isnan(rb.buffer.leaves(np.arange(len(rb.buffer)))).any()
     assert after.tolist() == before[1]
+
+
+def test_a_pickle_whose_snapshot_is_gone_is_refused_with_the_models_buffer_open(tmp_path):
+    import shutil
+
+    model = small(bsb3.PrioritizedDQN, "CartPole-v1", tmp_path)  # the pickle restores into this live path
+    model.learn(40)
+    model.save_replay_buffer(tmp_path / "rb")
+    shutil.rmtree(tmp_path / "rb.bigper")
+    rb = model.replay_buffer
+    before, disk = held(rb), fingerprint(tmp_path)
+    with pytest.raises(BigperError, match="does not exist"):
+        model.load_replay_buffer(tmp_path / "rb.pkl")
+    assert model.replay_buffer is rb and not rb.closed
+    assert held(rb) == before and fingerprint(tmp_path) == disk
+    rb.close()
