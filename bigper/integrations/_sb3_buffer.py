@@ -146,6 +146,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                  frame_axis: str = "auto", n_steps: int = 1, gamma: float = 0.99,
                  snapshot_dir: str | os.PathLike[str] | None = None, beta_steps: int | None = None,
                  **bigper_kwargs: Any) -> None:
+        if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
+            raise InvalidArgumentError(f"n_envs must be an int >= 1, got {n_envs!r}")
+        n_envs = int(n_envs)
         # SB3's BaseBuffer only records spaces, shapes and the device; ReplayBuffer's
         # own __init__ would allocate its obs/next_obs arrays, which is what we replace.
         super(ReplayBuffer, self).__init__(buffer_size, observation_space, action_space, device,
@@ -155,9 +158,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 f"observation_space: Dict spaces are not supported by bigper's PrioritizedReplayBuffer, got "
                 f"{observation_space}; flatten the observation (gymnasium.wrappers.FlattenObservation) "
                 "or use SB3's DictReplayBuffer (uniform replay; HerReplayBuffer for goal-conditioned tasks)")
-        if beta_steps is not None and (isinstance(beta_steps, bool) or not isinstance(beta_steps, (int, np.integer))
-                                       or beta_steps < 1):
-            raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {beta_steps!r}")
+        beta_steps = _beta_steps(beta_steps)
         self.buffer_size = max(buffer_size // n_envs, 1)
         self.optimize_memory_usage = False
         self.handle_timeout_termination = bool(handle_timeout_termination)
@@ -174,12 +175,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         # Checked now, opened on first use: SB3's DQN.load builds a buffer that
         # load_replay_buffer replaces at once, and it must not touch the disk.
         try:
-            Config.build(capacity=self.buffer_size * n_envs, fields=fields,
-                         **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
+            cfg = Config.build(capacity=self.buffer_size * n_envs, fields=fields,
+                               **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
         except BigperError:
             raise
         except TypeError as e:  # an option bigper does not have
             raise InvalidArgumentError(f"PrioritizedReplayBuffer: {e}; bigper options: {sorted(kwargs)}") from None
+        _transitions_only(cfg, "PrioritizedReplayBuffer")
         self._core_args = (self.buffer_size * n_envs, fields, kwargs)
         self._core = None
         self._live_path = None if path is None else os.fspath(path)
@@ -187,7 +189,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         # the user's, and the bigper buffer advances it.
         self.beta_is_schedule = not isinstance(beta, (int, float))
         self.beta0 = float(as_schedule(beta)(0))
-        self.beta_steps = None if beta_steps is None else int(beta_steps)
+        self.beta_steps = beta_steps
         self._wire()
         used = path is not None and kwargs.get("mode", "new") == "new" and os.path.lexists(path)
         if not used:
@@ -225,12 +227,14 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         buffer's, and its fields must be the ones this drop-in builds for the
         spaces (``InvalidArgumentError`` naming the difference otherwise).
         """
+        beta_steps = _beta_steps(beta_steps)
         if not isinstance(buffer, CoreBuffer):
             raise InvalidArgumentError(f"from_buffer: buffer must be a bigper.PrioritizedReplayBuffer, "
                                        f"got {type(buffer).__name__}")
         if buffer.closed:
             raise BufferClosedError("from_buffer: the bigper buffer is closed")
         cfg = buffer.config
+        _transitions_only(cfg, "from_buffer")
         if cfg.capacity % cfg.num_envs:
             raise InvalidArgumentError(f"from_buffer: capacity {cfg.capacity} is not a multiple of "
                                        f"num_envs {cfg.num_envs}, which SB3's buffer_size needs")
@@ -255,9 +259,6 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         schedule = cfg.schedule
         self.beta_is_schedule = cfg.beta.get("kind") != "constant"
         self.beta0 = float(schedule(0))
-        if beta_steps is not None and (isinstance(beta_steps, bool) or not isinstance(beta_steps, int)
-                                       or beta_steps < 1):
-            raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {beta_steps!r}")
         self.beta_steps = beta_steps
         self._wire()
         return self
@@ -512,6 +513,24 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
 
 PrioritizedReplayBuffer.__module__ = PrioritizedReplayBufferSamples.__module__ = _HOME
+
+
+def _transitions_only(cfg: Config, where: str) -> None:
+    """SB3's algorithms train on transitions: a sequence buffer (batches of
+    windows, ``(B, L, ...)``) would be handed to them as if it were one."""
+    if cfg.sequence is not None:
+        raise InvalidArgumentError(f"{where}: a sequence buffer (sequence={cfg.sequence}) samples windows, not "
+                                   "the transitions SB3's algorithms train on; use bigper.PrioritizedReplayBuffer "
+                                   "directly for sequences")
+
+
+def _beta_steps(value: object) -> int | None:
+    """``beta_steps`` checked (an int >= 1, numpy ints too, or None) and made a plain int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {value!r}")
+    return int(value)
 
 
 def annealed_beta(beta0: float, progress_remaining: float) -> float:

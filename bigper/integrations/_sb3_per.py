@@ -22,12 +22,15 @@ critic), the magnitude the quantile Huber loss is built from.
 
 from __future__ import annotations
 
+import os
+import pickle
+
 import numpy as np
 import torch as th
 
-from ..errors import InvalidArgumentError
+from ..errors import IncompatibleSnapshotError, InvalidArgumentError
 from ._sb3_buffer import PrioritizedReplayBuffer, annealed_beta
-from ._sb3_pickle import save_pickle
+from ._sb3_pickle import check_fits, checked_snapshot, peek_state, read_pickle, save_pickle
 
 __all__ = ["PrioritizedAlgorithm", "annealed_beta", "huber_loss", "mse_loss", "quantile_loss", "weighted_mean"]
 
@@ -140,8 +143,25 @@ class PrioritizedAlgorithm:
         save_pickle(rb, path)
 
     def load_replay_buffer(self, path, truncate_last_traj: bool = True) -> None:
-        """Replace the replay buffer by the pickled one; the current one is closed
-        first, so that a disk storage's lock is free for the snapshot's."""
-        if isinstance(self.replay_buffer, PrioritizedReplayBuffer):
-            self.replay_buffer.close()
-        super().load_replay_buffer(path, truncate_last_traj)
+        """Replace the replay buffer by the pickled one. The file is read and
+        checked first (a missing file, a FIFO, another algorithm's pickle, a
+        snapshot that is gone are refused with the model's buffer as it was);
+        the current buffer is closed before the load only where the pickle
+        restores into the live path it holds (its lock must be free), else
+        after the load succeeded."""
+        data, where = read_pickle(path)
+        state = peek_state(data, where)
+        check_fits(state, where, self)
+        checked_snapshot(state)
+        old = self.replay_buffer
+        ours = isinstance(old, PrioritizedReplayBuffer) and not old.closed
+        if ours and old._live_path is not None and state.get("live_path") is not None \
+                and os.path.realpath(old._live_path) == os.path.realpath(state["live_path"]):
+            old.close()  # the load restores into this path: its lock must be free
+        rb = pickle.loads(data)
+        if not isinstance(rb, PrioritizedReplayBuffer):  # peek_state saw the drop-in's class
+            raise IncompatibleSnapshotError(f"load_replay_buffer: {where} is not a bigper SB3 replay buffer")
+        if ours and not old.closed:
+            old.close()
+        rb.device = self.device
+        self.replay_buffer = rb

@@ -46,6 +46,7 @@ from ..errors import (
     BufferClosedError,
     CorruptSnapshotError,
     IncompatibleSnapshotError,
+    InvalidArgumentError,
     InvalidTypeError,
     PathExistsError,
     PathNotFoundError,
@@ -165,19 +166,26 @@ def _what_is_live(snap: Path, info: dict) -> tuple[int | None, str | None, str |
     return n_snap, live, f"{n_live} transitions at its last close"
 
 
+def checked_snapshot(state: dict) -> Path:
+    """The snapshot a pickle's ``state`` names, its manifest's hash checked
+    (missing, superseded or rewritten: refused)."""
+    snap = state.get("snapshot")
+    if not isinstance(snap, str):
+        raise InvalidTypeError(f"the pickle's snapshot must be a str, got {type(snap).__name__}")
+    snap = Path(snap)
+    digest = manifest_digest(snap)
+    if digest != state.get("manifest_sha256"):
+        raise CorruptSnapshotError(f"{snap}/{MANIFEST} is not the snapshot this pickle was written "
+                                   f"with (sha256 {digest}, recorded {state.get('manifest_sha256')})")
+    return snap
+
+
 def open_snapshot(state: dict, *, capacity: int, n_envs: int) -> CoreBuffer:
     """The bigper buffer a pickle's ``state`` names: its manifest hash checked,
     its shape checked against the pickle's (``capacity``, ``n_envs``), loaded
     into the live path it was saved from, with a ``UserWarning`` saying what
     that path held when it had moved on."""
-    snap = state["snapshot"]
-    if not isinstance(snap, str):
-        raise InvalidTypeError(f"the pickle's snapshot must be a str, got {type(snap).__name__}")
-    snap = Path(snap)
-    digest = manifest_digest(snap)
-    if digest != state["manifest_sha256"]:
-        raise CorruptSnapshotError(f"{snap}/{MANIFEST} is not the snapshot this pickle was written "
-                                   f"with (sha256 {digest}, recorded {state['manifest_sha256']})")
+    snap = checked_snapshot(state)
     info = describe(snap)
     cfg = info["config"]
     if cfg.get("capacity") != capacity or cfg.get("num_envs", 1) != n_envs:
@@ -191,3 +199,65 @@ def open_snapshot(state: dict, *, capacity: int, n_envs: int) -> CoreBuffer:
         log.warning("bigper: %s", msg)
         warnings.warn(msg, UserWarning, stacklevel=3)
     return buf
+
+
+# A replay-buffer pickle holds spaces and paths, never transitions: a few KB.
+PICKLE_LIMIT = 64 << 20
+
+
+class _StateOnly:
+    """Stands in for the drop-in's class while a pickle is peeked at: keeps its state, opens nothing."""
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+
+class _Peek(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name == "PrioritizedReplayBuffer" and module.startswith("bigper.integrations"):
+            return _StateOnly
+        return super().find_class(module, name)
+
+
+def read_pickle(path) -> tuple[bytes, str]:
+    """The bytes of a replay-buffer pickle at ``path`` (SB3's naming: ``path``,
+    else ``path.pkl``), read as bigper reads every file (a FIFO or device is
+    refused without blocking), and the name to quote in errors. Nothing is
+    unpickled and nothing is opened for writing."""
+    if not isinstance(path, (str, os.PathLike)):
+        return path.read(), repr(path)
+    p = Path(path)
+    if not os.path.lexists(p) and os.path.lexists(f"{p}.pkl"):
+        p = Path(f"{p}.pkl")
+    if not os.path.lexists(p):
+        raise PathNotFoundError(f"load_replay_buffer: path={str(path)!r} does not exist (nor {str(path)!r}.pkl)")
+    try:
+        return read_regular(p, limit=PICKLE_LIMIT, follow=True, error=InvalidArgumentError), str(p)
+    except OSError as e:
+        raise InvalidArgumentError(f"load_replay_buffer: path={str(p)!r} cannot be read: {e}") from e
+
+
+def peek_state(data: bytes, where: str) -> dict:
+    """The state a drop-in pickle carries, without loading its snapshot;
+    ``IncompatibleSnapshotError`` naming ``where`` for anything else."""
+    import io
+
+    try:
+        obj = _Peek(io.BytesIO(data)).load()
+    except Exception as e:  # any unpickling failure: not a pickle bigper can read
+        raise IncompatibleSnapshotError(f"load_replay_buffer: {where} is not a bigper SB3 replay buffer "
+                                        f"pickle ({type(e).__name__}: {e})") from None
+    state = getattr(obj, "state", None) if isinstance(obj, _StateOnly) else None
+    if not isinstance(state, dict):
+        raise IncompatibleSnapshotError(f"load_replay_buffer: {where} is not a bigper SB3 replay buffer "
+                                        f"pickle (it holds a {type(obj).__name__})")
+    return state
+
+
+def check_fits(state: dict, where: str, model) -> None:
+    """Refuse a pickle whose spaces or env count are not the model's (another algorithm's)."""
+    for key, want in (("observation_space", model.observation_space), ("action_space", model.action_space),
+                      ("n_envs", model.n_envs)):
+        if key in state and state[key] != want:
+            raise IncompatibleSnapshotError(f"load_replay_buffer: {where} holds a buffer with {key} "
+                                            f"{state[key]}, this model has {want} (another algorithm's pickle?)")
