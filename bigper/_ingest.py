@@ -139,7 +139,14 @@ class Ingest:
                 # numpy made a float array of Python numbers (ints past int64
                 # among them lose digits so): check the numbers themselves.
                 v = np.array(given[name], dtype=object)
-            rows[name] = cast_exact(v, dtype, f"{fn}: {label}")
+            try:
+                rows[name] = cast_exact(v, dtype, f"{fn}: {label}")
+            except InvalidArgumentError:
+                if python and v.dtype.kind == "f":
+                    # Name the value as given: numpy's float array of the Python
+                    # numbers may have rounded it (an int past 2**53).
+                    cast_exact(np.array(given[name], dtype=object), dtype, f"{fn}: {label}")
+                raise
         return rows
 
     def _valid(self, valid, lead: tuple, m: int):

@@ -470,3 +470,12 @@ def test_a_complex_value_that_overflows_a_complex64_field_is_refused(given):
     buf = new(np.dtype(np.complex64), (1,))
     err = attempt(buf, lambda b: b.add(x=given, y=np.float32(1)))
     assert err is not None and "complex64" in str(err) and "position (0,)" in str(err)
+
+
+def test_a_list_refused_into_a_float_field_names_the_value_as_given():
+    """numpy turns ``[2**63, 2**63, -1]`` into float64 (rounding the ints); the
+    refusal names the int the caller gave, not numpy's rounded float."""
+    buf = bigper.PrioritizedReplayBuffer(8, {"x": ((3,), np.float16)})
+    with pytest.raises(bigper.InvalidArgumentError, match=r"x = 9223372036854775808 \(int\) at position \(0,\)"):
+        buf.add(x=[2**63, 2**63, -1])
+    assert len(buf) == 0
