@@ -24,3 +24,15 @@ def small_tmpfs(tmp_path):
         pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_disk(path) -> None:
+    """Take every free byte of ``path``'s filesystem with the file ``path``
+    (a small tmpfs: the next write that needs a block fails with ENOSPC)."""
+    with open(path, "wb", buffering=0) as f:
+        for size in (65536, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass

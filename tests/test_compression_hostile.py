@@ -22,6 +22,7 @@ import bigper
 from bigper.errors import CorruptSnapshotError
 from bigper.snapshot._manifest import digest
 
+from .conftest import fill_disk
 from ._hostile_snapshot_cases import deadline, fingerprint, put_state, refused, resign
 from .test_compression import ATARI, Feed, check_sample, make, noise
 
@@ -389,13 +390,7 @@ def test_a_full_disk_during_add_is_an_oserror_and_changes_nothing(small_tmpfs):
     feed.run(buf, 100)
     buf.save(small_tmpfs / "snap")  # every chunk now shared with the snapshot: the next write copies one
     filler = small_tmpfs / "filler"
-    with open(filler, "wb", buffering=0) as f:  # take every free byte
-        for size in (65536, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\0" * size)
-            except OSError:
-                pass
+    fill_disk(filler)
     before = _full_fingerprint(buf, small_tmpfs / "live")
     o, o2, term, steps = feed.step()
     with pytest.raises(OSError):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import bigper
 from bigper.tree import PriorityTree
 
+from .conftest import fill_disk
 from .test_validation import CAP, FIELDS, assert_same, check_rejected, fingerprint, make, step
 
 FLOAT_MAX = sys.float_info.max
@@ -173,13 +174,7 @@ def test_a_full_disk_during_copy_on_write_changes_nothing(small_tmpfs):
                 terminated=False)
     buf.save(small_tmpfs / "snap")  # chunk files now shared with the snapshot
     filler = small_tmpfs / "filler"
-    with open(filler, "wb", buffering=0) as f:  # take every free byte
-        for size in (65536, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\0" * size)
-            except OSError:
-                pass
+    fill_disk(filler)
     before = _storage_fingerprint(buf)
     with pytest.raises(OSError):
         # Ends the episode (env_ended would change) and writes into a shared chunk.
