@@ -1051,7 +1051,10 @@ class PrioritizedReplayBuffer:
                 state = None if self._store.read_only else self.state_dict()
                 self._closed = True
                 _OPEN.discard(self)
-                self._store.close(state)
+                try:
+                    self._store.close(state)
+                except (OSError, BigperError) as e:
+                    raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
 
     def _refuse_inside(self, what: str) -> None:
         # Under the lock: a method still running can only be this thread's own.

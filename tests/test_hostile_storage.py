@@ -452,3 +452,49 @@ def test_a_storage_folder_deleted_while_open_gets_bigpers_error_and_lets_everyth
     assert buf.closed
     assert _fds_into(folder) == []
     buf.close()  # idempotent, silent
+
+
+def _plant_dir(p):
+    p.unlink()
+    p.mkdir()
+
+
+@pytest.mark.parametrize("kind,harm", [
+    ("hdf5", "rm"),            # close: PathNotFoundError quoting the inner error's text
+    ("memmap", "rm"),
+    ("memmap", "dir-meta"),    # close: IsADirectoryError from the rename onto meta.json
+])
+def test_errors_after_open_name_the_users_path_never_proc_self_fd(kind, harm, tmp_path):
+    """Files of an open storage are reached through ``/proc/self/fd/N`` (the
+    held directory); no message a user sees may name that. ``close()`` was not
+    passed through ``real_names``, and an ``OSError`` with an errno kept its
+    ``strerror`` (which ``str()`` prints) unfixed."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    path = folder / ("r.h5" if kind == "hdf5" else "r")
+    buf = bigper.PrioritizedReplayBuffer(16, {"x": ((2,), np.float32)}, storage=kind, path=path, seed=0)
+    for i in range(5):
+        buf.add(x=np.full(2, i, np.float32))
+    if harm == "rm":
+        shutil.rmtree(folder)
+    else:
+        _plant_dir(path / "meta.json")
+    with pytest.raises(OSError) as info:
+        buf.close()
+    text = str(info.value) + repr(info.value.args)
+    assert "/proc/self/fd" not in text, text
+    assert str(folder) in text
+    assert buf.closed
+
+
+def test_real_names_fixes_an_oserror_with_an_errno_and_a_message():
+    from bigper.storage._files import HeldDir, real_names
+    import errno as _errno
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        held = HeldDir(d)
+        try:
+            e = real_names(OSError(_errno.EIO, f"{held.root}/x: could not record"))
+            assert "/proc/self/fd" not in str(e) and f"{d}/x" in str(e), str(e)
+        finally:
+            held.close()

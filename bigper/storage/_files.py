@@ -343,13 +343,14 @@ def real_names(exc: BaseException) -> BaseException:
         return _PROC_FD.sub(lambda m: _HELD_ROOTS.get(m.group(0), m.group(0)), text)
 
     if isinstance(exc, OSError):
-        for attr in ("filename", "filename2"):  # (set only when changed: OSError's str reads
-            old = getattr(exc, attr, None)      # a filename set to None as one)
+        # str() of an OSError with an errno prints strerror (a message may quote a
+        # path there), not args: every one is fixed. (Set only when changed:
+        # OSError's str reads a filename set to None as one.)
+        for attr in ("filename", "filename2", "strerror"):
+            old = getattr(exc, attr, None)
             if fix(old) is not old:
                 setattr(exc, attr, fix(old))
-        if exc.errno is None and exc.args:
-            exc.args = tuple(fix(a) for a in exc.args)
-    elif exc.args:
+    if exc.args:
         exc.args = tuple(fix(a) for a in exc.args)
     return exc
 
