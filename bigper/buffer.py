@@ -755,8 +755,11 @@ class PrioritizedReplayBuffer:
         if check_present is not None:  # its folder deleted while open: say so, not a raw ENOENT
             check_present(f"save({str(snapshot)!r}) cannot link its data into a snapshot")
         summary = {"len": len(self), "capacity": self.capacity, "total_priority": self.total_priority}
-        return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
-                              summary=summary, metadata=metadata, files=files)
+        try:
+            return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
+                                  summary=summary, metadata=metadata, files=files)
+        except OSError as e:  # a full disk's ENOSPC names no file: name the snapshot
+            raise real_names(e, where=os.path.abspath(snapshot))
 
     @classmethod
     def load(cls, snapshot: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None) -> "PrioritizedReplayBuffer":
@@ -1053,8 +1056,8 @@ class PrioritizedReplayBuffer:
                 _OPEN.discard(self)
                 try:
                     self._store.close(state)
-                except (OSError, BigperError) as e:
-                    raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
+                except (OSError, BigperError) as e:  # paths as the user gave them, not /proc/self/fd/N
+                    raise real_names(e, where=getattr(self._store, "path", None))
 
     def _refuse_inside(self, what: str) -> None:
         # Under the lock: a method still running can only be this thread's own.

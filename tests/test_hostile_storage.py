@@ -498,3 +498,23 @@ def test_real_names_fixes_an_oserror_with_an_errno_and_a_message():
             assert "/proc/self/fd" not in str(e) and f"{d}/x" in str(e), str(e)
         finally:
             held.close()
+
+
+@pytest.mark.parametrize("kind", ["memmap", "hdf5"])
+def test_a_full_disk_in_save_and_close_names_the_path(small_tmpfs, kind):
+    """ENOSPC from a write names no file; the error a user sees names the
+    snapshot (save) or the storage (close) it was writing."""
+    from .conftest import fill_disk
+
+    path = small_tmpfs / ("r.h5" if kind == "hdf5" else "r")
+    buf = bigper.PrioritizedReplayBuffer(64, {"obs": ((8,), np.float32)}, storage=kind, path=path)
+    for i in range(40):
+        buf.add(obs=np.full(8, i, np.float32), next_obs=np.full(8, i + 1, np.float32))
+    fill_disk(small_tmpfs / "filler")
+    with pytest.raises(OSError) as e:
+        buf.save(small_tmpfs / "snap")
+    assert str(small_tmpfs / "snap") in str(e.value), str(e.value)
+    try:
+        buf.close()
+    except OSError as e:  # a storage that reserved its space may still record its state
+        assert str(path) in str(e) and "/proc/self/fd" not in str(e), str(e)

@@ -333,10 +333,11 @@ _HELD_ROOTS: dict[str, str] = {}
 _PROC_FD = re.compile(r"/proc/self/fd/\d+")
 
 
-def real_names(exc: BaseException) -> BaseException:
+def real_names(exc: BaseException, where=None) -> BaseException:
     """``exc`` with every ``/proc/self/fd/N`` path of a held directory put back
     as the path the user knows (file operations go through the descriptor; the
-    messages should not). Changes ``exc`` in place and returns it."""
+    messages should not); an ``OSError`` that names no file (a full disk's
+    ENOSPC from a write) names ``where``. Changes ``exc`` in place and returns it."""
     def fix(text):
         if not isinstance(text, str) or "/proc/self/fd/" not in text:
             return text
@@ -352,6 +353,9 @@ def real_names(exc: BaseException) -> BaseException:
                 setattr(exc, attr, fix(old))
     if exc.args:
         exc.args = tuple(fix(a) for a in exc.args)
+    if where is not None and isinstance(exc, OSError) and exc.errno is not None and exc.filename is None \
+            and str(where) not in str(exc):
+        exc.filename = str(where)
     return exc
 
 
