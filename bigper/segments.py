@@ -86,6 +86,33 @@ def place(lengths, pos, g, seg, S, seg_first, f0, offsets):
 
 
 @kernel
+def append_rows(cctx, frames, scratch, lengths, log, index, F, f0, did, pos, g, seg, S, seg_first):
+    """Compress frames ``f0, f0 + 1, ...`` (rows of ``frames``) into
+    ``scratch``, then place them in the log from ``pos`` in segment ``g`` and
+    write their index rows (``index[f % F]``; of more than ``F`` frames the
+    newest win). Nothing changes when a frame fails to compress: returns
+    ``(-1 - r, g)`` for row r then, else the new ``(pos, g)``."""
+    used = _zstd.compress_rows(cctx, frames, scratch, lengths)
+    if used < 0:
+        return used, g
+    src = 0
+    for i in range(frames.shape[0]):
+        ln = lengths[i]
+        if pos + ln > seg:
+            g += 1
+            pos = 0
+            seg_first[g % S] = f0 + i
+        o = (g % S) * seg + pos
+        log[o:o + ln] = scratch[src:src + ln]
+        r = (f0 + i) % F
+        index[r, 0] = o
+        index[r, 1] = ln | (did << 32)
+        src += ln
+        pos += ln
+    return pos, g
+
+
+@kernel
 def gather_index(index, rows, log_bytes, seg, max_len, ndicts, offsets, lengths, dicts):
     """Index entries ``index[rows]``, checked (inside the log and inside one
     segment, a length in ``1..max_len``, a dictionary that exists); returns
@@ -119,6 +146,7 @@ class SegmentLog:
         self.seg_first = np.zeros(self.S, dtype=np.int64)  # first frame of each segment row
         self.dict_bytes = np.zeros(0, dtype=np.uint8)
         self._codec = None
+        self._scratch = np.empty(0, dtype=np.uint8)  # append's compressed frames, before they are placed
 
     def specs(self) -> dict:
         return {"frame_log": (self.log_bytes // self.block, (self.block,), np.dtype(np.uint8)),
@@ -162,31 +190,38 @@ class SegmentLog:
         if m == 0:
             return
         did = self.ndicts - 1
+        if rw is not None:  # the storage's arrays: one kernel call compresses and places every frame
+            need = m * self.max_len
+            if self._scratch.shape[0] < need:
+                self._scratch = np.empty(need, dtype=np.uint8)
+            lengths = np.empty(m, dtype=np.int64)
+            pos, g = append_rows(self.codec.cctx[did], frames, self._scratch, lengths,
+                                 rw["frame_log"].reshape(-1), rw["frame_index"], self.F, f0, did, self.pos,
+                                 self.g, self.seg, self.S, self.seg_first)
+            if pos < 0:
+                raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes (row {-1 - pos})")
+            self.pos, self.g = pos, g
+            return
         data, lengths = self.codec.compress(frames, did)
         offsets = np.empty(m, dtype=np.int64)
         self.pos, self.g = place(lengths, self.pos, self.g, self.seg, self.S, self.seg_first, f0, offsets)
-        # Runs of frames that are contiguous in the log: one write each.
+        # Storages without arrays (HDF5): runs of frames contiguous in the log, one write each.
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
         bounds = np.concatenate([[0], breaks, [m]])
         for a, b in zip(bounds[:-1], bounds[1:]):
             lo = int(starts[a])
-            self._write_bytes(int(offsets[a]), data[lo:lo + int(lengths[a:b].sum())], rw)
+            self._write_bytes(int(offsets[a]), data[lo:lo + int(lengths[a:b].sum())])
         entries = np.empty((m, 2), dtype=np.int64)
         entries[:, 0] = offsets
         entries[:, 1] = lengths | (did << 32)
         rows = np.arange(f0, f0 + m, dtype=np.int64) % self.F
         if m > self.F:
             rows, entries = rows[-self.F:], entries[-self.F:]
-        if rw is not None:
-            rw["frame_index"][rows] = entries
-        else:
-            self.store.write("frame_index", rows, entries)
+        self.store.write("frame_index", rows, entries)
 
-    def _write_bytes(self, start: int, data: np.ndarray, rw: dict | None) -> None:
-        if rw is not None:
-            rw["frame_log"].reshape(-1)[start:start + data.shape[0]] = data
-            return
+    def _write_bytes(self, start: int, data: np.ndarray) -> None:
+        """Bytes at ``start`` in the log, through the storage's block reads and writes."""
         b0, b1 = start // self.block, (start + data.shape[0] - 1) // self.block + 1
         buf = np.zeros((b1 - b0) * self.block, dtype=np.uint8)
         if start % self.block:  # keep the bytes before ours in the first block
