@@ -43,10 +43,14 @@ Usage::
 
     python tools/bench.py atari [--quick] [--size 100000] [--million] [--repeat R]
                                 [--peers numpy,bigper-memory,...] [--malloc default|tuned] [--dir DIR]
+    python tools/bench.py atari --compression zstd [--million N] [--sweep [--sweep-max 23]] [--game G]
 
 Prints a table and, last, one JSON line ``{"bench": "atari", ...}``.
 ``--million`` also fills a 1M-capacity bigper memmap buffer with 1M steps of
-the same stream (about 7.3 GB on disk, deleted afterwards).
+the same stream (about 7.3 GB on disk, deleted afterwards). ``--compression
+zstd`` runs compressed frames at scale instead (tools/bench_atari_scale.py):
+``--million 10`` fills 10M transitions, ``--sweep`` compares compressed and
+raw frames against capacity with the page cache dropped.
 
 Layout: this file runs the comparison (one child process per library and
 run, medians, ratios); the children run tools/bench_atari_child.py; the
@@ -200,6 +204,13 @@ def run(quick: bool, size: int, million: bool, repeat: int, peers: tuple[str, ..
 
 
 def cmd_atari(args) -> int:
+    if args.compression or args.sweep:
+        import bench_atari_scale
+
+        if not args.compression:
+            raise SystemExit("--sweep needs --compression zstd")
+        print_header("atari --compression")
+        return bench_atari_scale.main(args)
     peers = tuple(s.strip() for s in args.peers.split(",")) if args.peers else PEERS
     unknown = [p for p in peers if p not in MAKERS]
     if unknown:
@@ -218,8 +229,19 @@ def cmd_atari(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="at most 20k transitions, fewer rounds (a smoke run)")
     p.add_argument("--size", type=int, default=100_000, help="transitions per library (default 100000)")
-    p.add_argument("--million", action="store_true",
-                   help="also fill a 1M-capacity bigper memmap buffer with 1M steps (~7.5 GB; deleted after)")
+    p.add_argument("--million", type=float, nargs="?", const=1.0, default=None, metavar="N",
+                   help="also fill a 1M-capacity bigper memmap buffer with 1M steps (~7.5 GB; deleted after); "
+                        "with --compression: an N-million-capacity compressed buffer (N <= 1: beside the "
+                        "uncompressed one)")
+    p.add_argument("--compression", choices=("zstd",),
+                   help="compressed frames at scale instead of the peers' table (tools/bench_atari_scale.py): "
+                        "--million N and/or --sweep")
+    p.add_argument("--sweep", action="store_true",
+                   help="with --compression: capacities 2^20..2^--sweep-max, compressed and raw, cold after "
+                        "dropping the page cache (root)")
+    p.add_argument("--sweep-max", type=int, default=23, help="largest capacity of --sweep, as a power of 2")
+    p.add_argument("--game", default="MsPacman", help="with --compression: the game whose real frames fill it")
+    p.add_argument("--budget", type=int, help="with --compression: compression_budget (log bytes a frame)")
     p.add_argument("--repeat", type=int, default=1, help="runs per library (rotating order); medians reported")
     p.add_argument("--peers", help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--malloc", choices=("default", "tuned"), default="default",
