@@ -2,6 +2,7 @@
 
 from .batch import Batch
 from .buffer import PrioritizedReplayBuffer
+from .dictionaries import train_dictionary
 from .config import Sequence
 from .errors import (
     BigperError,
@@ -30,6 +31,7 @@ from ._version import __version__  # noqa: E402,F401
 
 
 __all__ = [
+    "train_dictionary",
     "Batch",
     "BigperError",
     "BufferClosedError",

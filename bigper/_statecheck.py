@@ -292,20 +292,45 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
 def _check_segments(cfg, fm: dict, arrays: dict, fw: int, row_bytes: int) -> int:
     """The segment log's state (``segments.py`` ``SegmentLog.state``); returns
     the oldest frame still in the log."""
-    from .segments import DICT_BYTES, geometry
+    from .segments import geometry
 
     F = frame_capacity(cfg.capacity, cfg.frame_stack, cfg.num_envs)
     _block, seg, S = geometry(F, row_bytes, cfg.compression_budget)
     g = _int(fm, "seg", 0, fw + 1, where="frames.")  # a segment opens only for a frame
     _int(fm, "pos", 0, seg + 1, where="frames.")
     first = _array(arrays, "frames_seg_first", np.int64, (S,))
-    d = arrays.get("frames_dict")
-    if not isinstance(d, np.ndarray) or d.dtype != np.uint8 or d.ndim != 1 or d.size > DICT_BYTES:
-        _bad(f"frames_dict must be uint8 of at most {DICT_BYTES} bytes, got "
-             f"{getattr(d, 'dtype', type(d).__name__)} {getattr(d, 'shape', '')}")
+    _check_dictionaries(fm, arrays.get("frames_dict"))
     rows = [(g - a) % S for a in range(min(S, g + 1))]
     seq = first[rows[::-1]]
     if seq.size and ((seq < 0).any() or (seq > fw).any() or (np.diff(seq) < 0).any()):
         _bad(f"frames_seg_first: the live segments' first frames {seq[:8].tolist()} are not "
              f"increasing within [0, {fw}]")
     return int(seq[0]) if g >= S - 1 and seq.size else 0
+
+
+def _check_dictionaries(fm: dict, d) -> None:
+    """The dictionaries' record (``dictionaries.Dictionaries.state``): the
+    bytes of generations ``dicts_first ..`` one after another, ``dict_sizes``
+    each; a record of format 1 without them holds one dictionary or none."""
+    from .dictionaries import DICT_LIMIT, MAX_DICTS
+
+    if not isinstance(d, np.ndarray) or d.dtype != np.uint8 or d.ndim != 1 or d.size > MAX_DICTS * DICT_LIMIT:
+        _bad(f"frames_dict must be uint8 of at most {MAX_DICTS * DICT_LIMIT} bytes, got "
+             f"{getattr(d, 'dtype', type(d).__name__)} {getattr(d, 'shape', '')}")
+    keys = {"dicts_first", "dict_sizes", "dict_base"} & set(fm)
+    if not keys:
+        if d.size > DICT_LIMIT:
+            _bad(f"frames_dict holds one dictionary of at most {DICT_LIMIT} bytes, got {d.size}")
+        return
+    if len(keys) != 3:
+        _bad(f"frames.dicts_first, dict_sizes and dict_base go together, got only {sorted(keys)}")
+    _int(fm, "dicts_first", 1, 1 << 31, where="frames.")
+    sizes = fm["dict_sizes"]
+    if not isinstance(sizes, list) or len(sizes) > MAX_DICTS or not all(_is_int(v, 8, DICT_LIMIT + 1) for v in sizes):
+        _bad(f"frames.dict_sizes must be a list of at most {MAX_DICTS} sizes in [8, {DICT_LIMIT}], got {sizes!r:.80}")
+    if sum(sizes) != d.size:
+        _bad(f"frames.dict_sizes {sizes} add up to {sum(sizes)} bytes, frames_dict holds {d.size}")
+    base = fm["dict_base"]
+    if base is not None and not (isinstance(base, (int, float)) and not isinstance(base, bool)
+                                 and np.isfinite(base) and base >= 0):
+        _bad(f"frames.dict_base must be null or a finite number >= 0, got {base!r:.80}")

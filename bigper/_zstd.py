@@ -173,6 +173,12 @@ class Codec:
 
     def add_dictionary(self, content: np.ndarray) -> int:
         """Register a dictionary (its bytes); returns its id (1, 2, ...)."""
+        slot = len(self.cdicts)
+        self.set_dictionary(slot, content)
+        return slot
+
+    def _dicts(self, content: np.ndarray) -> tuple[int, int]:
+        """A CDict and a DDict of ``content``; ValueError when zstd refuses it."""
         buf = np.ascontiguousarray(content, dtype=np.uint8)
         if buf.size < 8 or bytes(buf[:4]) != DICT_MAGIC:
             raise ValueError(f"a zstd dictionary starts with {DICT_MAGIC.hex()}, got {buf.size} bytes "
@@ -184,10 +190,31 @@ class Codec:
                 if x:
                     free(x)
             raise ValueError(f"zstd refused the dictionary of {buf.size} bytes (damaged tables, or no memory)")
-        self.cdicts.append(cd)
-        self.ddicts = np.append(self.ddicts, np.uintp(dd))
-        self.cctx.append(self._cctx(cd))
-        return len(self.cdicts) - 1
+        return cd, dd
+
+    def set_dictionary(self, slot: int, content: np.ndarray) -> None:
+        """Put a dictionary (its bytes) in ``slot`` (>= 1), freeing the one
+        there (slots between get none); ValueError when zstd refuses it."""
+        cd, dd = self._dicts(content)
+        try:
+            cctx = self._cctx(cd)
+        except BaseException:
+            self.c.ZSTD_freeCDict(cd)
+            self.c.ZSTD_freeDDict(dd)
+            raise
+        while len(self.cdicts) <= slot:
+            self.cdicts.append(0)
+            self.cctx.append(0)
+        ddicts = np.zeros(max(self.ddicts.shape[0], slot + 1), dtype=np.uintp)
+        ddicts[:self.ddicts.shape[0]] = self.ddicts
+        old = self.cdicts[slot], int(ddicts[slot]), self.cctx[slot]
+        self.cdicts[slot], self.cctx[slot] = cd, cctx
+        ddicts[slot] = dd
+        self.ddicts = ddicts
+        c = self.c
+        for x, free in ((old[2], c.ZSTD_freeCCtx), (old[0], c.ZSTD_freeCDict), (old[1], c.ZSTD_freeDDict)):
+            if x:
+                free(x)
 
     def dctx(self) -> int:
         """This thread's decompression context."""
@@ -215,11 +242,14 @@ class Codec:
     def close(self) -> None:
         c = self.c
         for x in self.cctx:
-            c.ZSTD_freeCCtx(x)
+            if x:
+                c.ZSTD_freeCCtx(x)
         for x in self.cdicts[1:]:
-            c.ZSTD_freeCDict(x)
+            if x:
+                c.ZSTD_freeCDict(x)
         for x in self.ddicts[1:]:
-            c.ZSTD_freeDDict(int(x))
+            if x:
+                c.ZSTD_freeDDict(int(x))
         for x in self._dctx.values():
             c.ZSTD_freeDCtx(x)
         self.cctx, self.cdicts, self._dctx = [], [0], {}

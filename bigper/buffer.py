@@ -42,6 +42,7 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyBufferError,
 )
+from .dictionaries import as_dictionary
 from .frames import FrameStore, require_compression
 from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
@@ -215,6 +216,11 @@ class PrioritizedReplayBuffer:
         Bytes of log a frame (default a sixteenth of a frame): the log is
         preallocated at ``budget`` times the frame ring's size, and when
         frames compress worse the oldest segment goes sooner.
+    compression_dictionary : bytes or (n,) uint8 array, optional
+        A zstd dictionary (e.g. ``bigper.train_dictionary(frames)``) used from
+        the first frame instead of one trained on the first frames; retrained
+        later only where it pays. Not part of the layout: it is stored with the
+        frames, and a resumed buffer keeps the dictionaries it recorded.
 
     Notes
     -----
@@ -235,6 +241,7 @@ class PrioritizedReplayBuffer:
                  next_of: Sequence[str] | None = None, num_envs: int = 1, seed: int | None = 0,
                  read_only: bool = False, storage_options: Mapping[str, Any] | None = None,
                  compression: Literal["zstd"] | None = None, compression_budget: int | None = None,
+                 compression_dictionary: bytes | np.ndarray | None = None,
                  sequence: ReplaySequence | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = True  # until the storage is allocated
@@ -248,6 +255,10 @@ class PrioritizedReplayBuffer:
                            compression_budget=compression_budget, sequence=sequence)
         if cfg.compression is not None:
             require_compression()  # before anything at the path: the extra's error, nothing made
+        if compression_dictionary is not None:
+            if cfg.compression is None:
+                raise InvalidArgumentError("compression_dictionary needs compression='zstd', got compression=None")
+            compression_dictionary = as_dictionary(compression_dictionary)
         if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
             raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
                                        f"got fields {sorted(cfg.fields)}")
@@ -272,7 +283,7 @@ class PrioritizedReplayBuffer:
                 state = store.saved_state()
                 check_state(cfg, *state)
                 self.resumed = held(recorded)
-            frames = FrameStore(cfg, store) if cfg.frame_stack else None
+            frames = FrameStore(cfg, store, compression_dictionary) if cfg.frame_stack else None
             store.allocate(storage_specs(cfg, frames))
             self._setup(cfg, store, frames)
             if state is not None:

@@ -216,7 +216,7 @@ class FrameStore:
     written, expires transitions whose frames were overwritten, and rebuilds
     stacks at sample time."""
 
-    def __init__(self, cfg, store):
+    def __init__(self, cfg, store, dictionary=None):
         self.k = cfg.frame_stack
         obs_shape = cfg.shape("obs")
         self.frame_shape = tuple(obs_shape[1:])
@@ -231,7 +231,7 @@ class FrameStore:
         self.F = frame_capacity(cfg.capacity, self.k, cfg.num_envs)
         self.store = store
         # compression="zstd": frames live compressed in a segment log (segments.py), not in a ring.
-        self.log = SegmentLog(self.F, self.row_bytes, cfg.compression_budget, store) \
+        self.log = SegmentLog(self.F, self.row_bytes, cfg.compression_budget, store, dictionary) \
             if cfg.compression else None
         self.in_place = self.log is None  # whether writes may go straight into the ring (_writer)
         # Mutable state: frames written, per-env stream continuity, expiry pointers.
@@ -311,7 +311,7 @@ class FrameStore:
             if self.has_next:
                 self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
         if self.log is not None:
-            self.log.maybe_train(fw)
+            self.log.maybe_train(fw0, fw)
 
     def _inputs(self, rows: dict, g0: int, m: int):
         """The rows' obs and next_obs stacks as words, and each row's env."""

@@ -31,8 +31,15 @@ to exactly its bytes (or whose checksum fails). When a buffer is restored
 (``load``, resume, ``bigper verify``) the whole live index is checked against
 the segment state (``check_index``): each frame in the segment ``seg_first``
 puts it in, right after the frame before it, the open segment ending at
-``pos``; and the dictionary must be one zstd accepts and that decodes the
+``pos``; the dictionary generations the frames name must be recorded ones,
+non-decreasing in frame order, each one zstd accepts and that decodes the
 frames that name it.
+
+Dictionaries (``dictionaries.py``): one given by the user is generation 1
+from the first frame; else one is trained on the first ``TRAIN_FRAMES``
+frames, and every ``TRAIN_FRAMES`` frames after that a new one is trained
+and adopted only where it pays (``maybe_train``). Frames keep the
+generation they were written with.
 """
 
 from __future__ import annotations
@@ -41,13 +48,14 @@ import math
 
 import numpy as np
 
-from . import _zstd
+from . import _zstd, dictionaries
 from ._kernels import kernel
 from ._pool import for_ranges
+from .dictionaries import MAX_DICTS, Dictionaries
 from .errors import CorruptSnapshotError
 
 DICT_BYTES = 16384
-TRAIN_FRAMES = 1000  # a dictionary is trained once this many frames were written
+TRAIN_FRAMES = 1000  # frames between two looks at the dictionary (and the frames a candidate is measured on)
 MAX_SEG = 1 << 20
 LEN_MASK = (1 << 32) - 1
 DECODE_CHUNK = 32  # frames per thread at least in a decode
@@ -113,10 +121,11 @@ def append_rows(cctx, frames, scratch, lengths, log, index, F, f0, did, pos, g, 
 
 
 @kernel
-def gather_index(index, rows, log_bytes, seg, max_len, ndicts, offsets, lengths, dicts):
+def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets, lengths, dicts):
     """Index entries ``index[rows]``, checked (inside the log and inside one
-    segment, a length in ``1..max_len``, a dictionary that exists); returns
-    the first position whose entry is not, or -1."""
+    segment, a length in ``1..max_len``, dictionary generation 0 or one in
+    ``glo..ghi``), with the codec slot of their generation in ``dicts``;
+    returns the first position whose entry is not, or -1."""
     for i in range(rows.shape[0]):
         r = rows[i]
         o = index[r, 0]
@@ -124,19 +133,19 @@ def gather_index(index, rows, log_bytes, seg, max_len, ndicts, offsets, lengths,
         ln = v & 0xFFFFFFFF
         d = v >> 32
         # (o > log_bytes - ln, not o + ln > log_bytes: a crafted o near 2**63 wraps the sum)
-        if o < 0 or ln < 1 or ln > max_len or o > log_bytes - ln or d < 0 or d >= ndicts \
+        if o < 0 or ln < 1 or ln > max_len or o > log_bytes - ln or (d != 0 and (d < glo or d > ghi)) \
                 or o // seg != (o + ln - 1) // seg:
             return i
         offsets[i] = o
         lengths[i] = ln
-        dicts[i] = d
+        dicts[i] = 0 if d == 0 else (d - 1) % nslots + 1
     return -1
 
 
 class SegmentLog:
     """The compressed frames of one buffer (see the module docstring)."""
 
-    def __init__(self, F: int, row_bytes: int, budget: int, store):
+    def __init__(self, F: int, row_bytes: int, budget: int, store, dictionary: np.ndarray | None = None):
         self.F, self.row_bytes, self.store = F, row_bytes, store
         self.block, self.seg, self.S = geometry(F, row_bytes, budget)
         self.max_len = _zstd.bound(row_bytes)  # a frame's largest zstd frame
@@ -144,8 +153,7 @@ class SegmentLog:
         self.g = 0  # the open segment
         self.pos = 0  # bytes used in it
         self.seg_first = np.zeros(self.S, dtype=np.int64)  # first frame of each segment row
-        self.dict_bytes = np.zeros(0, dtype=np.uint8)
-        self._codec = None
+        self.dicts = Dictionaries(dictionary)  # the given one (generation 1) or none yet
         self._scratch = np.empty(0, dtype=np.uint8)  # append's compressed frames, before they are placed
 
     def specs(self) -> dict:
@@ -154,16 +162,7 @@ class SegmentLog:
 
     @property
     def codec(self) -> _zstd.Codec:
-        if self._codec is None:
-            codec = _zstd.Codec(level=3)
-            if self.dict_bytes.size > 1:
-                codec.add_dictionary(self.dict_bytes)
-            self._codec = codec
-        return self._codec
-
-    @property
-    def ndicts(self) -> int:
-        return 1 + (1 if self.dict_bytes.size > 1 else 0)
+        return self.dicts.codec
 
     def oldest(self) -> int:
         """The first frame still in the log (the first of the oldest live segment)."""
@@ -189,20 +188,21 @@ class SegmentLog:
         m = frames.shape[0]
         if m == 0:
             return
-        did = self.ndicts - 1
+        did = self.dicts.hi  # the generation the frames name
+        slot = self.dicts.slot(did)
         if rw is not None:  # the storage's arrays: one kernel call compresses and places every frame
             need = m * self.max_len
             if self._scratch.shape[0] < need:
                 self._scratch = np.empty(need, dtype=np.uint8)
             lengths = np.empty(m, dtype=np.int64)
-            pos, g = append_rows(self.codec.cctx[did], frames, self._scratch, lengths,
+            pos, g = append_rows(self.codec.cctx[slot], frames, self._scratch, lengths,
                                  rw["frame_log"].reshape(-1), rw["frame_index"], self.F, f0, did, self.pos,
                                  self.g, self.seg, self.S, self.seg_first)
             if pos < 0:
                 raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes (row {-1 - pos})")
             self.pos, self.g = pos, g
             return
-        data, lengths = self.codec.compress(frames, did)
+        data, lengths = self.codec.compress(frames, slot)
         offsets = np.empty(m, dtype=np.int64)
         self.pos, self.g = place(lengths, self.pos, self.g, self.seg, self.S, self.seg_first, f0, offsets)
         # Storages without arrays (HDF5): runs of frames contiguous in the log, one write each.
@@ -229,21 +229,55 @@ class SegmentLog:
         buf[start - b0 * self.block:start - b0 * self.block + data.shape[0]] = data
         self.store.write("frame_log", slice(b0, b1), buf.reshape(b1 - b0, self.block))
 
-    def maybe_train(self, fw: int) -> None:
-        """Train the dictionary once ``TRAIN_FRAMES`` frames were written, on
-        the last of them (the frames after it use it; earlier ones keep theirs)."""
-        if self.dict_bytes.size or fw < TRAIN_FRAMES:
+    def maybe_train(self, fw0: int, fw: int) -> None:
+        """After frames ``fw0 .. fw - 1`` were written: each time the count
+        crosses a multiple of ``TRAIN_FRAMES``, look whether a new dictionary
+        pays (``dictionaries.py``): the newest ``W = TRAIN_FRAMES`` frames take
+        ``DRIFT`` more bytes than at the last adoption (or none was tried),
+        and a candidate trained on the frames before them takes ``PAYS``
+        fewer bytes on them than the current dictionary. Frames after it use
+        it; earlier ones keep theirs."""
+        W = TRAIN_FRAMES
+        if fw // W <= fw0 // W:
             return
-        lo = max(fw - TRAIN_FRAMES, self.oldest(), fw - self.F)
-        if fw - lo < TRAIN_FRAMES // 2:
+        lo = max(fw - 2 * W, self.oldest(), fw - self.F, 0)
+        if fw - lo < W // 2:
             return
-        samples = self.decode(np.arange(lo, fw, dtype=np.int64))
-        d = _zstd.train(samples, DICT_BYTES)
-        if d is None or d.size < 256:
-            self.dict_bytes = np.zeros(1, dtype=np.uint8)  # tried: none (a 1-byte marker, never used)
+        ev = max(lo + (fw - lo) // 2, fw - W)  # measured on [ev, fw), trained on [lo, ev)
+        ds = self.dicts
+        if ds.base is not None and self._lengths(np.arange(ev, fw, dtype=np.int64)).mean() \
+                <= ds.base * (1 + dictionaries.DRIFT) + 8:
             return
-        self.dict_bytes = d
-        self.codec.add_dictionary(d)
+        frames = self.decode(np.arange(lo, fw, dtype=np.int64))
+        train, test = frames[:ev - lo], frames[ev - lo:]
+        now = int(self.codec.compress(test, ds.slot(ds.hi))[1].sum())
+        ds.base = now / test.shape[0]
+        cand = _zstd.train(train, DICT_BYTES)
+        if cand is None or cand.size < 256:
+            return
+        trial = _zstd.Codec(level=3)
+        try:
+            trial.set_dictionary(1, cand)
+            new = int(trial.compress(test, 1)[1].sum())
+        finally:
+            trial.close()
+        if new > (1 - dictionaries.PAYS) * now:
+            return
+        oldest = self._entries(np.array([max(self.oldest(), fw - self.F, 0)], dtype=np.int64))[0, 1] >> 32
+        if ds.adopt(cand, int(oldest)):
+            ds.base = new / test.shape[0]
+
+    def _entries(self, ids: np.ndarray) -> np.ndarray:
+        """Index entries (n, 2) of frames ``ids`` (live)."""
+        arrays = getattr(self.store, "arrays", None)
+        rows = ids % self.F
+        if arrays is not None:
+            return np.asarray(arrays["frame_index"])[rows]
+        order = np.sort(rows)
+        return self.store.read("frame_index", order)[np.searchsorted(order, rows)]
+
+    def _lengths(self, ids: np.ndarray) -> np.ndarray:
+        return self._entries(ids)[:, 1] & LEN_MASK
 
     # -- reading ---------------------------------------------------------------
     def decode(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -259,13 +293,13 @@ class SegmentLog:
             index, rows = arrays["frame_index"], ids % self.F
         else:
             index, rows = self.store.read("frame_index", ids % self.F), np.arange(n, dtype=np.int64)
-        bad = gather_index(index, rows, self.log_bytes, self.seg, self.max_len, self.ndicts, offsets, lengths,
-                           dicts)
+        bad = gather_index(index, rows, self.log_bytes, self.seg, self.max_len, self.dicts.lo, self.dicts.hi,
+                           MAX_DICTS, offsets, lengths, dicts)
         if bad >= 0:
             raise CorruptSnapshotError(
                 f"frame {int(ids[bad])}'s index entry {index[rows[bad]].tolist()} points outside the log "
                 f"of {self.log_bytes} bytes or across a segment's end, has a length outside "
-                f"1..{self.max_len} or names no dictionary")
+                f"1..{self.max_len} or names no dictionary of {self.dicts.lo}..{self.dicts.hi}")
         if arrays is not None:
             log = arrays["frame_log"].reshape(-1)
         else:
@@ -298,25 +332,16 @@ class SegmentLog:
 
     # -- state ---------------------------------------------------------------
     def state(self) -> tuple[dict, dict]:
-        return ({"seg": self.g, "pos": self.pos},
-                {"frames_seg_first": self.seg_first, "frames_dict": self.dict_bytes})
+        dmeta, blob = self.dicts.state()
+        return ({"seg": self.g, "pos": self.pos, **dmeta},
+                {"frames_seg_first": self.seg_first, "frames_dict": blob})
 
     def restore(self, meta: dict, arrays: dict) -> None:
         """Take a recorded state (checked by ``_statecheck``) and check the
-        live index and the dictionary against it: ``CorruptSnapshotError``."""
+        live index and the dictionaries against it: ``CorruptSnapshotError``."""
         self.g, self.pos = int(meta["seg"]), int(meta["pos"])
         self.seg_first[:] = arrays["frames_seg_first"]
-        d = np.asarray(arrays["frames_dict"], dtype=np.uint8).copy()
-        if d.size != self.dict_bytes.size or not np.array_equal(d, self.dict_bytes):
-            self.dict_bytes = d
-            if self._codec is not None:
-                self._codec.close()
-            self._codec = None
-        if self.dict_bytes.size > 1:
-            try:
-                self.codec  # noqa: B018 (builds the dictionary now: refused here, not at a sample)
-            except ValueError as e:
-                raise CorruptSnapshotError(f"frames_dict: {e}") from None
+        self.dicts.restore(meta, arrays["frames_dict"])
         self.check_index(int(meta["fw"]))
 
     def check_index(self, fw: int) -> int:
@@ -333,13 +358,7 @@ class SegmentLog:
         if fw <= lo:
             return 0
         ids = np.arange(lo, fw, dtype=np.int64)
-        arrays = getattr(self.store, "arrays", None)
-        rows = ids % self.F
-        if arrays is not None:
-            entries = np.asarray(arrays["frame_index"])[rows]
-        else:
-            entries = self.store.read("frame_index", np.sort(rows))
-            entries = entries[np.searchsorted(np.sort(rows), rows)]
+        entries = self._entries(ids)
         o, v = entries[:, 0], entries[:, 1]
         ln, d = v & LEN_MASK, v >> 32
         segs = np.arange(max(0, self.g - self.S + 1), self.g + 1, dtype=np.int64)
@@ -353,8 +372,10 @@ class SegmentLog:
         opens |= np.isin(ids, firsts[segs > 0]) | (ids == 0)
         want = np.where(opens, start, prev_end)
         want[0] = o[0] if not opens[0] else start[0]  # (its predecessor is gone: only bounds below)
+        glo, ghi = self.dicts.lo, self.dicts.hi
         ok = (o >= start) & (ln >= 1) & (ln <= self.max_len) & (o <= start + self.seg - ln) & (o == want) \
-            & (d >= 0) & (d < self.ndicts)
+            & ((d == 0) | ((d >= glo) & (d <= ghi)))
+        ok[1:] &= d[1:] >= d[:-1]  # generations never go back in frame order
         if ok.all() and o[-1] + ln[-1] != (self.g % self.S) * self.seg + self.pos:
             ok[-1] = False
         if not ok.all():
@@ -363,14 +384,10 @@ class SegmentLog:
                 f"frame_index: frame {int(ids[i])}'s entry [offset {int(o[i])}, length {int(ln[i])}, dictionary "
                 f"{int(d[i])}] is not where the segment log puts it (segment {int(s[i])}, bytes "
                 f"{int(start[i])}..{int(start[i]) + self.seg}, expected offset {int(want[i])}, open segment "
-                f"{self.g} ending at {self.pos}, {self.ndicts} dictionaries)")
-        for k in range(self.ndicts):  # the dictionary decodes its frames (another one would not)
-            uses = np.flatnonzero(d == k)
-            if uses.size:
-                self.decode(ids[uses[-1:]])
+                f"{self.g} ending at {self.pos}, dictionaries {glo}..{ghi}, none going back)")
+        for k in np.unique(d):  # each dictionary decodes its frames (another one would not)
+            self.decode(ids[np.flatnonzero(d == k)[-1:]])
         return int(ids.shape[0])
 
     def close(self) -> None:
-        if self._codec is not None:
-            self._codec.close()
-            self._codec = None
+        self.dicts.close()

@@ -158,12 +158,12 @@ def test_segments_wrap_and_release_make_transitions_unsampleable_never_wrong(kin
 
 @pytest.mark.parametrize("game", ["Pong", "Breakout", "MsPacman", "Seaquest", "SpaceInvaders", "Qbert"])
 def test_real_atari_frames_round_trip_with_a_dictionary(game, tmp_path, monkeypatch):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 100)
+    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 150)
     frames = np.load(ATARI)[game]
     buf = make("memory", tmp_path, (84, 84), k=4, capacity=250, budget=1500)
     feed = Feed(frames, 4)
-    feed.run(buf, 300)
-    assert buf._frames.log.ndicts == 2  # trained on the first frames, used after them
+    feed.run(buf, 600)
+    assert buf._frames.log.dicts.hi >= 1  # trained on the first frames, used after them
     check_sample(buf, feed, 64)
     check_all_live(buf, feed)
 

@@ -233,8 +233,8 @@ def test_a_frame_of_another_size_with_a_valid_checksum_is_refused(tmp_path):
 # -- the dictionary ------------------------------------------------------------------
 
 def _dict_snapshot(tmp_path, monkeypatch):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 100)
-    snap, m = _snapshot("memory", tmp_path, np.load(ATARI)["Breakout"], capacity=200, budget=1500, steps=220,
+    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 150)
+    snap, m = _snapshot("memory", tmp_path, np.load(ATARI)["Breakout"], capacity=200, budget=1500, steps=450,
                         shape=(84, 84), k=4)
     d = np.load(snap / "state" / "frames_dict.npy")
     assert d.size > 256  # a dictionary was trained and frames use it

@@ -1,0 +1,160 @@
+"""The zstd dictionaries of a compressed frame log: given, trained, retrained.
+
+Frames name the dictionary *generation* they were written with (1, 2, ...;
+0: none) in their index entry, so generations are non-decreasing in frame
+order and the live ones are those from the oldest live frame's to the
+newest. At most ``MAX_DICTS`` are kept: generation ``g`` lives in codec slot
+``(g - 1) % MAX_DICTS + 1``, and a new one is adopted only when the
+generation it would displace names no live frame.
+
+Retraining where it pays (``SegmentLog.maybe_train``): every
+``TRAIN_FRAMES`` frames the mean stored length of the newest frames is
+compared with what the current dictionary gave when it was adopted
+(``base``); only when it grew by ``DRIFT`` is a candidate trained (on the
+frames before the newest, so the comparison is on frames it never saw) and
+adopted when it takes at least ``PAYS`` fewer bytes than the current one on
+the newest frames. Measured on the real ALE pool (tools/bench_codec_frames.py,
+3,000 frames a game, dictionaries trained on 1,000 frames, compared on 1,000
+later ones): a candidate of the same game saves -30% .. +14% (Qbert's levels
+change), one after a switch of game saves +26% .. +90%; 10% adopts every
+switch and almost never a same-game candidate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _zstd
+from .errors import CorruptSnapshotError, InvalidArgumentError
+
+MAX_DICTS = 8  # live dictionaries kept at most
+DICT_LIMIT = 1 << 20  # bytes of one dictionary at most (given or recorded)
+PAYS = 0.10  # a candidate is adopted when it saves this share of the bytes
+DRIFT = 0.10  # a candidate is trained when frames grew by this share since the last adoption
+
+
+def train_dictionary(frames, size: int = 16384) -> np.ndarray:
+    """A zstd dictionary trained on ``frames``, for ``compression_dictionary=``.
+
+    Parameters
+    ----------
+    frames : array_like, (m, ...) numeric
+        Frames like those the buffer will store (each row one frame); a few
+        hundred to a few thousand.
+    size : int
+        The dictionary's largest size in bytes (256 .. 1 MiB).
+
+    Returns
+    -------
+    np.ndarray, (n,) uint8
+        The dictionary's bytes (``n <= size``).
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 256 <= size <= DICT_LIMIT:
+        raise InvalidArgumentError(f"size must be an int of bytes in 256..{DICT_LIMIT}, got {size!r}")
+    a = np.asarray(frames)
+    if a.ndim < 2 or a.shape[0] < 2 or a.dtype.kind not in "biuf" or a[0].nbytes == 0:
+        raise InvalidArgumentError(f"frames must be a numeric array of at least 2 frames (m, ...), got "
+                                   f"{a.dtype} {a.shape}")
+    rows = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
+    d = _zstd.train(rows, int(size))
+    if d is None or d.size < 256:
+        raise InvalidArgumentError(f"frames: zstd could not train a dictionary on {a.shape[0]} frames of "
+                                   f"{a[0].nbytes} bytes (too few or too uniform)")
+    return d
+
+
+def as_dictionary(value, name: str = "compression_dictionary") -> np.ndarray:
+    """``value`` (bytes or a 1-d uint8 array) as a dictionary zstd accepts,
+    else ``InvalidArgumentError`` naming ``name``."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        d = np.frombuffer(bytes(value), dtype=np.uint8).copy()
+    elif isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
+        d = value.copy()
+    else:
+        raise InvalidArgumentError(f"{name} must be bytes or a 1-d uint8 array (a zstd dictionary, e.g. from "
+                                   f"bigper.train_dictionary), got {type(value).__name__} "
+                                   f"{getattr(value, 'dtype', '')} {getattr(value, 'shape', '')}")
+    if d.size > DICT_LIMIT:
+        raise InvalidArgumentError(f"{name} has {d.size} bytes, more than {DICT_LIMIT}")
+    try:
+        check(d)
+    except ValueError as e:
+        raise InvalidArgumentError(f"{name} is not a zstd dictionary: {e}") from None
+    return d
+
+
+def check(d: np.ndarray) -> None:
+    """ValueError unless zstd builds dictionary ``d``."""
+    c = _zstd.Codec(level=3)
+    try:
+        c.set_dictionary(1, d)
+    finally:
+        c.close()
+
+
+class Dictionaries:
+    """The live dictionaries, generations ``lo .. hi`` (none: ``hi == 0``)."""
+
+    def __init__(self, first: np.ndarray | None = None):
+        self.lo = 1
+        self.dicts: list[np.ndarray] = [] if first is None else [first]
+        self.base: float | None = None  # bytes a frame the current dictionary gave when adopted
+        self._codec = None
+
+    @property
+    def hi(self) -> int:
+        return self.lo + len(self.dicts) - 1 if self.dicts else 0
+
+    @staticmethod
+    def slot(gen: int) -> int:
+        return 0 if gen == 0 else (gen - 1) % MAX_DICTS + 1
+
+    @property
+    def codec(self) -> _zstd.Codec:
+        if self._codec is None:
+            codec = _zstd.Codec(level=3)
+            for i, d in enumerate(self.dicts):
+                codec.set_dictionary(self.slot(self.lo + i), d)
+            self._codec = codec
+        return self._codec
+
+    def adopt(self, d: np.ndarray, oldest_gen: int) -> bool:
+        """Make ``d`` generation ``hi + 1`` after dropping those older than
+        ``oldest_gen`` (the oldest live frame's); False when ``MAX_DICTS``
+        live ones are kept already (nothing changes then)."""
+        drop = max(0, min(oldest_gen, self.hi + 1) - self.lo) if oldest_gen else 0
+        if len(self.dicts) - drop >= MAX_DICTS:
+            return False
+        if drop:
+            self.dicts, self.lo = self.dicts[drop:], self.lo + drop
+        self.dicts.append(d)
+        self.codec.set_dictionary(self.slot(self.hi), d)
+        return True
+
+    def state(self) -> tuple[dict, np.ndarray]:
+        meta = {"dicts_first": self.lo, "dict_sizes": [int(d.size) for d in self.dicts], "dict_base": self.base}
+        return meta, (np.concatenate(self.dicts) if self.dicts else np.zeros(0, dtype=np.uint8))
+
+    def restore(self, meta: dict, blob: np.ndarray) -> None:
+        """Take recorded dictionaries (checked by ``_statecheck``); one zstd
+        refuses is ``CorruptSnapshotError``. A state of format 1 without
+        ``dict_sizes`` holds one dictionary (generation 1) or none (0 or 1 byte)."""
+        blob = np.asarray(blob, dtype=np.uint8)
+        if "dict_sizes" in meta:
+            lo, sizes, base = int(meta["dicts_first"]), [int(s) for s in meta["dict_sizes"]], meta["dict_base"]
+        else:
+            lo, sizes, base = 1, ([blob.size] if blob.size > 1 else []), None
+        bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        dicts = [blob[a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])]
+        for i, d in enumerate(dicts):
+            try:
+                check(d)
+            except ValueError as e:
+                raise CorruptSnapshotError(f"frames_dict: dictionary {lo + i}: {e}") from None
+        self.close()
+        self.lo, self.dicts, self.base = lo, dicts, None if base is None else float(base)
+
+    def close(self) -> None:
+        if self._codec is not None:
+            self._codec.close()
+            self._codec = None
