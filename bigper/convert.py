@@ -22,6 +22,7 @@ and closed: a crash or kill -9 midway leaves no destination.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from pathlib import Path
@@ -30,6 +31,11 @@ import numpy as np
 
 from .buffer import PrioritizedReplayBuffer
 from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
+from ._layout import storage_specs
+from .config import Config
+from .frames import frame_capacity, require_compression
+from .storage.hdf5 import HDF5Storage
+from .segments import geometry
 
 __all__ = ["convert", "infer_frame_stack"]
 
@@ -110,30 +116,103 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         if n == 0:
             raise InvalidArgumentError(f"{store.path} has no sampleable transition to convert")
         keys = source.leaves(order)
-        out = PrioritizedReplayBuffer(
-            capacity=n, fields=cfg["fields"], frame_stack=cfg["frame_stack"], next_of=cfg["next_of"],
-            alpha=cfg["alpha"], eps=cfg["eps"], max_priority=cfg["max_priority"], gamma=cfg["gamma"],
-            prioritization=cfg["prioritization"], storage="hdf5", path=partial, mode="overwrite",
-            compression="zstd", compression_budget=budget)
+        made = []  # set once the partial file is ours (its lock taken, its record written)
         try:
-            _copy(source, out, order, chunk, progress, store.path.name, cfg)
-            out.prioritization.assign(np.ascontiguousarray(keys, dtype=np.float64), np.ones(n, dtype=bool))
-            out.raise_max_leaf(float(keys.max()))
+            cap = n
+            kept, used, fw = _write(source, partial, cfg, cap, order, keys, budget, chunk, progress,
+                                    store.path.name, made)
+            if kept < n:
+                # The frames (short episodes: each start adds frames) or their compressed bytes
+                # (frames that compress worse than the default budget) outgrew the rings: once
+                # more, with a frame ring that holds every frame and, unless given, a log that
+                # holds every byte. Slots past n stay empty (never sampled).
+                cap = n + max(0, fw + 1 - frame_capacity(n, cfg["frame_stack"], 1))
+                budget = budget if budget is not None else _budget_for(used, cfg, cap)
+                kept, used, fw = _write(source, partial, cfg, cap, order, keys, budget, chunk, progress,
+                                        store.path.name, made)
+            if kept < n:
+                raise InvalidArgumentError(
+                    f"compression_budget={budget} bytes a frame is too small for the frames of {store.path}: "
+                    f"the log wrapped and only {kept:,} of {n:,} transitions stayed sampleable; "
+                    f"budget={_budget_for(used, cfg, cap)} (--budget) holds them all (nothing was written at {dst})")
         except BaseException:
-            out.close()  # a complete record of a partial file: the next convert replaces it
+            if made:
+                _remove(partial)
             raise
-        out.close()
         src_bytes = store.nbytes()
     finally:
         source.close()
     _publish(partial, dst, overwrite)
+    if np.any(keys != 1.0):  # 1.0 is what a dataset without a sidecar starts from
+        _save_priorities(dst, keys, cfg)
     return {"transitions": n, "skipped": int(store.n) - n if store.recorded is None else
             int((np.asarray(store.status) != 0).sum()) - n,
             "frame_stack": cfg["frame_stack"], "src_bytes": int(src_bytes),
             "dst_bytes": int(os.stat(dst).st_size), "dst": str(dst)}
 
 
+def _write(source, partial: Path, cfg: dict, cap: int, order, keys, budget, chunk, progress, name,
+           made) -> tuple[int, int, int]:
+    """Write ``partial`` (replacing a leftover) with capacity ``cap``; ``(transitions
+    sampleable in it, log bytes its frames took, frames written)``."""
+    n = order.shape[0]
+    out = _open_partial(partial, Config.build(
+        capacity=cap, fields=cfg["fields"], frame_stack=cfg["frame_stack"], next_of=cfg["next_of"],
+        alpha=cfg["alpha"], eps=cfg["eps"], max_priority=cfg["max_priority"], gamma=cfg["gamma"],
+        prioritization=cfg["prioritization"], storage="hdf5", compression="zstd", compression_budget=budget))
+    made.append(True)
+    try:
+        _copy(source, out, order, chunk, progress, name, cfg)
+        live = out.status == LIVE
+        full = np.zeros(cap, dtype=np.float64)
+        full[:n] = keys
+        out.prioritization.assign(full, live)
+        out.raise_max_leaf(float(keys.max()))
+        meta, _ = out.state_dict()
+        fm = meta["frames"]
+        _, seg, _ = geometry(frame_capacity(cap, cfg["frame_stack"], 1), _row_bytes(cfg),
+                             out.config.compression_budget)
+        return int(live.sum()), int(fm["seg"]) * seg + int(fm["pos"]), int(fm["fw"])
+    finally:
+        out.close()  # a complete record even of a partial file: the next convert replaces it
+
+
+def _open_partial(partial: Path, cfg: Config) -> PrioritizedReplayBuffer:
+    """A new buffer of ``cfg`` in the HDF5 storage at ``partial``. What a killed
+    convert left there (open, so unclean) is replaced as a snapshot load replaces
+    a dead writer's file: under the lock, and only when it carries bigper's marker
+    (anything else is ``PathExistsError``; a live convert's, ``StorageLockedError``)."""
+    require_compression()
+    store = HDF5Storage(partial, takeover=True)
+    store.open(cfg.to_dict())
+    try:
+        store.allocate(storage_specs(cfg))
+        return PrioritizedReplayBuffer.from_parts(cfg, store)
+    except BaseException:
+        store.abort()
+        raise
+
+
+def _row_bytes(cfg: dict) -> int:
+    shape, dtype = cfg["fields"]["obs"]
+    return int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+
+
+def _budget_for(used: int, cfg: dict, cap: int) -> int:
+    """A budget whose log holds ``used`` bytes with room for the segment the
+    ring keeps open (a sixteenth of the log, or less)."""
+    frames = frame_capacity(cap, cfg["frame_stack"], 1)
+    return int(min(_row_bytes(cfg), max(64, math.ceil(used * 1.15 / frames) + 64)))
+
+
 def _check_dst(dst: Path, overwrite: bool) -> None:
+    from ._sidecar import Sidecar
+
+    side = Sidecar.default_path(dst)
+    if os.path.lexists(side):
+        raise PathExistsError(f"{side} exists: priorities of another file at dst={str(dst)!r}, which the new "
+                              "file would open with or be refused by; move or delete it first (nothing was "
+                              "read or written)")
     try:
         st = os.lstat(dst)
     except FileNotFoundError:
@@ -144,6 +223,28 @@ def _check_dst(dst: Path, overwrite: bool) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise PathExistsError(f"dst={str(dst)!r} exists and is not a regular file; overwrite replaces only "
                               "a regular file (nothing was read or written)")
+
+
+def _save_priorities(dst: Path, keys: np.ndarray, cfg: dict) -> None:
+    """The source's keys, slot by slot of ``dst``, into its sidecar: what
+    ``from_hdf5(dst)`` opens with (as if saved at close by a buffer of these parameters)."""
+    from ._sidecar import Sidecar
+    from .storage.h5source import H5Source
+
+    src = H5Source(dst)
+    try:
+        sc = Sidecar(Sidecar.default_path(dst), src.fingerprint(), src.n, protect=src.file_id)
+        sc.load()
+        full = np.zeros(src.n, dtype=np.float64)  # slots past the transitions stay empty
+        full[:keys.shape[0]] = keys
+        sc.lock()
+        try:
+            sc.save_leaves(full, cfg["prioritization"], cfg["alpha"],
+                           cfg["eps"], cfg["max_priority"])
+        finally:
+            sc.unlock()
+    finally:
+        src.close()
 
 
 def _check_not_source(store, dst: Path, partial: Path) -> None:
@@ -213,9 +314,15 @@ def _publish(partial: Path, dst: Path, overwrite: bool) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    lock = partial.with_name(partial.name + ".lock")
+    _remove(partial.with_name(partial.name + ".lock"))
+
+
+def _remove(path: Path) -> None:
+    """Unlink a regular file this convert made (the partial file, its lock file)."""
     try:
-        if stat.S_ISREG(os.lstat(lock).st_mode):
-            os.unlink(lock)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
     except FileNotFoundError:
         pass
+    if path.suffix == ".partial":
+        _remove(path.with_name(path.name + ".lock"))
