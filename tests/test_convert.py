@@ -284,3 +284,16 @@ def test_converted_file_reprioritizes_samples_and_info_shows_compression(tmp_pat
     assert info.returncode == 0 and "zstd" in info.stdout, info.stdout + info.stderr
     again = cli("convert", src, dst, "--no-progress")
     assert again.returncode == 2 and "z.h5" in again.stderr and "exists" in again.stderr
+
+
+def test_a_budget_too_small_is_refused_with_one_that_fits_and_leaves_nothing(tmp_path):
+    (tmp_path / "src").mkdir()
+    src, dst = tmp_path / "src" / "d.h5", tmp_path / "z.h5"
+    write_d4rl(src, "MsPacman", n=200)
+    before = fingerprint(tmp_path)
+    with pytest.raises(InvalidArgumentError, match=r"compression_budget=64 .*budget=(\d+)") as e:
+        convert(src, dst, budget=64, progress=False)
+    assert fingerprint(tmp_path) == before  # no dst, no partial file, no lock file
+    fits = int(__import__("re").search(r"budget=(\d+) \(--budget\)", str(e.value)).group(1))
+    convert(src, dst, budget=fits, progress=False)
+    assert_same_transitions(src, dst)
