@@ -297,3 +297,19 @@ def test_a_budget_too_small_is_refused_with_one_that_fits_and_leaves_nothing(tmp
     fits = int(__import__("re").search(r"budget=(\d+) \(--budget\)", str(e.value)).group(1))
     convert(src, dst, budget=fits, progress=False)
     assert_same_transitions(src, dst)
+
+
+def test_a_second_convert_to_the_same_dst_meanwhile_is_storage_locked(tmp_path):
+    src, dst = tmp_path / "d.h5", tmp_path / "z.h5"
+    write_d4rl(src, n=400)
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), "chunk"], stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert p.stdout.readline().strip() == "at chunk"
+        held = fingerprint(f"{dst}.partial")
+        with pytest.raises(bigper.StorageLockedError, match="partial"):
+            convert(src, dst, progress=False)
+        assert fingerprint(f"{dst}.partial") == held and not os.path.lexists(dst)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
