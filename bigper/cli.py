@@ -80,6 +80,18 @@ def _reprioritize(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    from .convert import convert
+
+    r = convert(args.src, args.dst, frame_stack=args.frame_stack, budget=args.budget, overwrite=args.overwrite,
+                progress=not args.no_progress, layout=args.layout, allow_external=args.allow_external)
+    ratio = r["src_bytes"] / max(r["dst_bytes"], 1)
+    print(f"converted {r['transitions']:,} transitions of {args.src} (frame_stack={r['frame_stack']}, zstd) "
+          f"into {r['dst']}: {r['src_bytes'] / 1e6:,.1f} MB -> {r['dst_bytes'] / 1e6:,.1f} MB ({ratio:.1f}x)"
+          + (f"; {r['skipped']:,} transitions not sampleable in the source were left out" if r["skipped"] else ""))
+    return 0
+
+
 def _print_json(obj) -> None:
     import json
 
@@ -459,6 +471,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read datasets whose data lives in other files (HDF5 external storage, external "
                         "links, virtual datasets); refused by default: a crafted file could expose other files")
     r.set_defaults(func=_reprioritize)
+    c = sub.add_parser("convert", help="write a compressed (zstd) bigper HDF5 dataset from an uncompressed "
+                                       "one (D4RL, Minari, bigper); the source is never written")
+    c.add_argument("src", help="HDF5 file, or a Minari dataset directory")
+    c.add_argument("dst", help="the new file (written as DST.partial, renamed into place when complete)")
+    c.add_argument("--frame-stack", type=int, metavar="K",
+                   help="frames per obs stack (default: axis 0 of (K, H, W) obs, or what a bigper file recorded)")
+    c.add_argument("--budget", type=int, metavar="BYTES",
+                   help="compression_budget: log bytes a frame (default: a sixteenth of a frame)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing file at DST")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--layout", default="auto", choices=("auto", "d4rl", "minari", "bigper"))
+    c.add_argument("--allow-external", action="store_true",
+                   help="read source datasets whose data lives in other files (refused by default)")
+    c.set_defaults(func=_convert)
     i = sub.add_parser("info", help="config, size, fill and priorities of a snapshot, a Snapshots "
                                     "root, a storage directory or a dataset")
     i.add_argument("path", help="a snapshot directory, a Snapshots root, a memmap storage directory, "

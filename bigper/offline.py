@@ -375,6 +375,11 @@ def describe(path, priorities=None) -> str:
                          f"<- {col.source}  ({col.mapping()})")
         lines.append(f"    {'terminated':<{w}}  {'()':<14} {'bool':<8} <- end flags, bit 0")
         lines.append(f"    {'truncated':<{w}}  {'()':<14} {'bool':<8} <- end flags, bit 1")
+        rc = src.recorded[0] if src.recorded is not None else {}
+        if isinstance(rc, dict) and rc.get("frame_stack"):
+            lines.append(f"  obs, next_obs: stacks of {rc['frame_stack']!s:.12} frames, each frame stored once"
+                         + (f"; compression {rc.get('compression')!s:.20}, {rc.get('compression_budget')!s:.20} "
+                            "log bytes a frame" if rc.get("compression") else ""))
         lines.extend(f"  note: {n}" for n in src.notes)
         where = Sidecar.default_path(path) if priorities is None else Path(priorities)
         sc = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
