@@ -102,9 +102,7 @@ def test_snapshot_and_resume_are_exact_across_retrains(tmp_path, monkeypatch):
     a, b = buf.sample(64), loaded.sample(64)
     assert np.array_equal(a.indices, b.indices) and np.array_equal(a["obs"], b["obs"])
     loaded.close()
-    path = buf.store.path if hasattr(buf, "store") else None
     buf.close()
-    del path
 
 
 def _multi_snapshot(tmp_path, monkeypatch):
