@@ -23,7 +23,7 @@ from bigper.convert import convert
 from bigper.errors import BigperError, InvalidArgumentError, InvalidTypeError
 
 from ._hostile_snapshot_cases import fingerprint
-from .conftest import fill_disk  # noqa: F401  (small_tmpfs is a fixture)
+from .conftest import fill_disk
 from .test_convert import ROOT, assert_same_transitions, everything, write_d4rl
 
 
@@ -95,31 +95,35 @@ def test_a_full_disk_is_an_oserror_naming_the_path_and_leaves_nothing(tmp_path, 
     before = fingerprint(tmp_path / "d.h5")
     with pytest.raises(OSError) as e:
         convert(src, small_tmpfs / "z.h5", progress=False)
-    assert "z.h5" in str(e.value)
+    assert str(small_tmpfs / "z.h5") in str(e.value) and "/proc/self/fd" not in str(e.value)
     assert os.listdir(small_tmpfs) == []
     assert fingerprint(tmp_path / "d.h5") == before
 
 
-def test_a_full_disk_midway_through_the_frames_leaves_nothing(tmp_path, small_tmpfs):
-    # room for the preallocated file, not for the compressed frames written into it
+@pytest.mark.parametrize("room", [-65536, 0, 20000, 65536, 200000, 260000, 300000, 340000, 400000])
+def test_a_full_disk_at_any_point_is_an_oserror_naming_the_path_or_a_complete_file(room, tmp_path, small_tmpfs):
+    # the disk fills at different moments (the reservation, the frames, the close's
+    # record, the second pass): an OSError naming dst, and nothing left; or a
+    # complete file that gives back every transition
     src = tmp_path / "d.h5"
     noise_d4rl(src, 120, h=40)
-    convert(src, tmp_path / "probe.h5", progress=False)
-    room = os.statvfs(small_tmpfs)
-    free = room.f_bavail * room.f_frsize
-    need = os.path.getsize(tmp_path / "probe.h5")
+    keys = np.random.default_rng(2).random(120) + 0.5
+    with bigper.PrioritizedReplayBuffer.from_hdf5(src) as ds:  # and a sidecar to write
+        ds.update_priorities(np.arange(120), keys)
+    _, want = everything(src)
+    fill_disk(small_tmpfs / "filler")
     filler = small_tmpfs / "filler"
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, free - need + 64 * 1024))
-    before = fingerprint(tmp_path / "d.h5")
+    os.truncate(filler, max(0, os.path.getsize(filler) - (600_000 + room)))  # about the converted size, +- room
+    before = fingerprint(src, tmp_path / "d.h5.priorities")
     try:
         convert(src, small_tmpfs / "z.h5", progress=False)
     except OSError as e:
-        assert "z.h5" in str(e)
+        assert str(small_tmpfs / "z.h5") in str(e) and "/proc/self/fd" not in str(e), str(e)
         assert sorted(os.listdir(small_tmpfs)) == ["filler"]
     else:
         assert_same_transitions(src, small_tmpfs / "z.h5")
-    assert fingerprint(tmp_path / "d.h5") == before
+        assert everything(small_tmpfs / "z.h5")[1].tobytes() == want.tobytes()
+    assert fingerprint(src, tmp_path / "d.h5.priorities") == before
 
 
 @pytest.mark.parametrize("value", ["no", 0, None, np.bool_(True)])
@@ -185,3 +189,22 @@ def test_extra_fields_at_their_dtype_limits_and_a_frame_in_two_episodes_come_bac
     convert(src, dst, progress=False)
     data = assert_same_transitions(src, dst)
     assert data["u64"].max() == np.iinfo(np.uint64).max and np.isnan(data["f16"]).any()
+
+
+def test_a_full_disk_while_writing_the_priorities_leaves_no_dst(tmp_path, small_tmpfs, monkeypatch):
+    # the disk fills just as the converted file's priorities are written: a real ENOSPC
+    # there is an OSError and leaves no dst (not one that opens with default priorities)
+    import bigper.convert as c
+
+    src = tmp_path / "d.h5"
+    write_d4rl(src, n=60)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(src) as ds:
+        live = np.flatnonzero(ds.status == 1)
+        ds.update_priorities(live, np.random.default_rng(4).random(live.shape[0]) + 0.5)
+    real = c._save_priorities
+    monkeypatch.setattr(c, "_save_priorities", lambda *a: (fill_disk(small_tmpfs / "filler"), real(*a)))
+    before = fingerprint(src, tmp_path / "d.h5.priorities")
+    with pytest.raises(OSError):
+        convert(src, small_tmpfs / "z.h5", progress=False)
+    assert sorted(os.listdir(small_tmpfs)) == ["filler"]
+    assert fingerprint(src, tmp_path / "d.h5.priorities") == before
