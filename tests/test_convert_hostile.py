@@ -55,19 +55,24 @@ def test_dst_at_the_sources_sidecar_path_is_refused_and_the_source_still_opens(t
 
 # A convert in a subprocess stopped at a point, then killed with SIGKILL (as in test_convert.py).
 KILLED = """
-import sys, time
+import os, sys, time
 import bigper.convert as c
+point = sys.argv[3]
 def stop(*a, **k):
-    print("at", sys.argv[3], flush=True)
+    print("at", point, flush=True)
     time.sleep(60)
-name = {"priorities": "_save_priorities", "sidecar": "_save_priorities"}[sys.argv[3]]
-orig = getattr(c, name)
-setattr(c, name, lambda *a, **k: (stop(), orig(*a, **k)))
+if point == "priorities":
+    orig = c._save_priorities
+    c._save_priorities = lambda *a, **k: (stop(), orig(*a, **k))
+else:  # "link", "unlink" or "rename": the first such call of the publish (os is the real module)
+    orig = getattr(os, point)
+    setattr(c.os, point, lambda *a, **k: (stop(), orig(*a, **k)))
 c.convert(sys.argv[1], sys.argv[2], progress=False, chunk=64)
 """
 
 
-def test_kill_9_before_the_priorities_are_written_never_leaves_a_dst_without_them(tmp_path):
+@pytest.mark.parametrize("point", ["priorities", "rename", "link", "unlink"])
+def test_kill_9_around_the_priorities_never_leaves_a_dst_without_them(point, tmp_path):
     # A source whose keys are not all 1.0: a dst that opens with 1.0 everywhere
     # would be silently wrong, so a kill -9 at any moment leaves none, or the right one.
     (tmp_path / "src").mkdir()
@@ -77,10 +82,10 @@ def test_kill_9_before_the_priorities_are_written_never_leaves_a_dst_without_the
         live = np.flatnonzero(ds.status == 1)
         ds.update_priorities(live, np.random.default_rng(1).random(live.shape[0]) * 5 + 0.5)
     _, want = everything(src)
-    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), "priorities"],
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), point],
                          stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        assert p.stdout.readline().strip() == "at priorities"
+        assert p.stdout.readline().strip() == f"at {point}"
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
