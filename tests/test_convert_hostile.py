@@ -213,3 +213,36 @@ def test_a_full_disk_while_writing_the_priorities_leaves_no_dst(tmp_path, small_
         convert(src, small_tmpfs / "z.h5", progress=False)
     assert sorted(os.listdir(small_tmpfs)) == ["filler"]
     assert fingerprint(src, tmp_path / "d.h5.priorities") == before
+
+
+@pytest.mark.xfail(strict=True, reason="a kill -9 between the sidecar's rename and the file's link leaves "
+                   "<dst>.priorities without <dst>; the next convert refuses it (PathExistsError, 'move or "
+                   "delete it first') instead of recognizing the killed run's own sidecar (its fingerprint is "
+                   "the one of <dst>.partial, still there) and replacing it. Loud, never wrong; not yet automatic")
+def test_the_next_convert_completes_after_a_kill_between_the_two_renames(tmp_path):
+    (tmp_path / "src").mkdir()
+    src, dst = tmp_path / "src" / "d.h5", tmp_path / "z.h5"
+    write_d4rl(src, n=120)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(src) as ds:
+        live = np.flatnonzero(ds.status == 1)
+        ds.update_priorities(live, np.random.default_rng(1).random(live.shape[0]) + 0.5)
+    _, want = everything(src)
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), "link"],
+                         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert p.stdout.readline().strip() == "at link"
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    convert(src, dst, progress=False)
+    assert everything(dst)[1].tobytes() == want.tobytes()
+
+
+def test_a_compressed_bigper_file_converts_again_byte_for_byte(tmp_path):
+    src = tmp_path / "d.h5"
+    write_d4rl(src, n=100)
+    convert(src, tmp_path / "z1.h5", progress=False)
+    before = fingerprint(tmp_path / "z1.h5")
+    convert(tmp_path / "z1.h5", tmp_path / "z2.h5", progress=False)
+    assert fingerprint(tmp_path / "z1.h5") == before
+    assert_same_transitions(src, tmp_path / "z2.h5")
