@@ -34,6 +34,7 @@ from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
 from ._layout import storage_specs
 from .config import Config
 from .frames import frame_capacity, require_compression
+from .storage._files import real_names
 from .storage.hdf5 import HDF5Storage
 from .segments import geometry
 
@@ -97,8 +98,9 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         source: a D4RL timeout without its next observation), ``frame_stack``,
         ``src_bytes``, ``dst_bytes``, ``dst`` (its absolute path).
     """
-    if not isinstance(overwrite, bool):
-        raise InvalidTypeError(f"overwrite must be True or False, got {overwrite!r}")
+    for name, value in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise InvalidTypeError(f"{name} must be True or False, got {value!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise InvalidArgumentError(f"chunk must be an int >= 1, got {chunk!r}")
     if not isinstance(dst, (str, os.PathLike)):
@@ -121,30 +123,39 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
             cap = n
             kept, used, fw = _write(source, partial, cfg, cap, order, keys, budget, chunk, progress,
                                     store.path.name, made)
-            if kept < n:
+            given = budget is not None
+            for _ in range(1 if given else 3):
+                if kept == n:
+                    break
                 # The frames (short episodes: each start adds frames) or their compressed bytes
                 # (frames that compress worse than the default budget) outgrew the rings: once
                 # more, with a frame ring that holds every frame and, unless given, a log that
-                # holds every byte. Slots past n stay empty (never sampled).
-                cap = n + max(0, fw + 1 - frame_capacity(n, cfg["frame_stack"], 1))
-                budget = budget if budget is not None else _budget_for(used, cfg, cap)
+                # holds every byte (frames that do not compress at all: a full frame's budget,
+                # and more frame slots). Slots past n stay empty (never sampled).
+                cap = max(cap, n + max(0, fw + 1 - frame_capacity(n, cfg["frame_stack"], 1)))
+                if not given:
+                    budget, cap = _fit(used, cfg, cap)
                 kept, used, fw = _write(source, partial, cfg, cap, order, keys, budget, chunk, progress,
                                         store.path.name, made)
             if kept < n:
+                fits, _ = _fit(used, cfg, cap)
+                hint = (f"budget={fits} (--budget) holds them all" if fits < _row_bytes(cfg) else
+                        "they barely compress: leave budget unset and convert makes room for them")
                 raise InvalidArgumentError(
                     f"compression_budget={budget} bytes a frame is too small for the frames of {store.path}: "
                     f"the log wrapped and only {kept:,} of {n:,} transitions stayed sampleable; "
-                    f"budget={_budget_for(used, cfg, cap)} (--budget) holds them all (nothing was written at {dst})")
-        except BaseException:
+                    f"{hint} (nothing was written at {dst})")
+            if np.any(keys != 1.0):  # 1.0 is what a dataset without a sidecar starts from
+                _save_priorities(partial, dst, keys, cfg)
+        except BaseException as e:
             if made:
+                _drop_sidecar(_partial_sidecar(partial))
                 _remove(partial)
-            raise
+            raise real_names(e, where=partial)  # the path as given, not /proc/self/fd/N
         src_bytes = store.nbytes()
     finally:
         source.close()
     _publish(partial, dst, overwrite)
-    if np.any(keys != 1.0):  # 1.0 is what a dataset without a sidecar starts from
-        _save_priorities(dst, keys, cfg)
     return {"transitions": n, "skipped": int(store.n) - n if store.recorded is None else
             int((np.asarray(store.status) != 0).sum()) - n,
             "frame_stack": cfg["frame_stack"], "src_bytes": int(src_bytes),
@@ -198,11 +209,17 @@ def _row_bytes(cfg: dict) -> int:
     return int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
 
 
-def _budget_for(used: int, cfg: dict, cap: int) -> int:
-    """A budget whose log holds ``used`` bytes with room for the segment the
-    ring keeps open (a sixteenth of the log, or less)."""
+def _fit(used: int, cfg: dict, cap: int) -> tuple[int, int]:
+    """``(budget, capacity)`` whose log holds ``used`` bytes with room for the
+    segment the ring keeps open (a sixteenth of the log, or less). A budget is
+    at most a frame's bytes: frames that compress to more (noise, tiny frames)
+    get that and more frame slots (``capacity`` grows; the slots stay empty)."""
     frames = frame_capacity(cap, cfg["frame_stack"], 1)
-    return int(min(_row_bytes(cfg), max(64, math.ceil(used * 1.15 / frames) + 64)))
+    want = max(64, math.ceil(used * 1.15 / frames) + 64)
+    row = _row_bytes(cfg)
+    if want <= row:
+        return int(want), int(cap)
+    return int(row), int(cap + math.ceil(frames * want / row) - frames)
 
 
 def _check_dst(dst: Path, overwrite: bool) -> None:
@@ -225,15 +242,38 @@ def _check_dst(dst: Path, overwrite: bool) -> None:
                               "a regular file (nothing was read or written)")
 
 
-def _save_priorities(dst: Path, keys: np.ndarray, cfg: dict) -> None:
-    """The source's keys, slot by slot of ``dst``, into its sidecar: what
-    ``from_hdf5(dst)`` opens with (as if saved at close by a buffer of these parameters)."""
+def _partial_sidecar(partial: Path) -> Path:
+    from ._sidecar import Sidecar
+
+    return Sidecar.default_path(partial)
+
+
+def _drop_sidecar(path: Path) -> None:
+    """Remove the sidecar directory this convert made beside its partial file
+    (or a killed run's, under the partial's lock): bigper's own names only."""
+    from ._sidecar import _OURS
+
+    if not os.path.lexists(path) or not stat.S_ISDIR(os.lstat(path).st_mode):
+        return
+    for p in path.iterdir():
+        if _OURS.fullmatch(p.name) and stat.S_ISREG(os.lstat(p).st_mode):
+            p.unlink(missing_ok=True)
+    os.rmdir(path)  # anything else there: an OSError, nothing of it removed
+
+
+def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> None:
+    """The source's keys, slot by slot of the new file, into the sidecar beside
+    ``partial`` (``<dst>.partial.priorities``), made for ``dst``: what
+    ``from_hdf5(dst)`` opens with (as if saved at close by a buffer of these
+    parameters) once ``_publish`` has renamed it, before the file, into place."""
     from ._sidecar import Sidecar
     from .storage.h5source import H5Source
 
-    src = H5Source(dst)
+    side = _partial_sidecar(partial)
+    _drop_sidecar(side)  # a killed run's
+    src = H5Source(partial)
     try:
-        sc = Sidecar(Sidecar.default_path(dst), src.fingerprint(), src.n, protect=src.file_id)
+        sc = Sidecar(side, dict(src.fingerprint(), name=dst.name), src.n, protect=src.file_id)
         sc.load()
         full = np.zeros(src.n, dtype=np.float64)  # slots past the transitions stay empty
         full[:keys.shape[0]] = keys
@@ -253,6 +293,15 @@ def _check_not_source(store, dst: Path, partial: Path) -> None:
         if os.path.lexists(p) and os.path.exists(p) and os.path.samefile(p, src):
             raise InvalidArgumentError(f"dst={str(dst)!r} is the source file {src} (or its .partial); "
                                        "convert never writes its source")
+    # The source's priorities sidecar (a directory that from_hdf5 reads): a file made
+    # there, or beside it as the partial's sidecar, would change how the source opens.
+    side = getattr(store, "sidecar", None)
+    if side is not None:
+        theirs = os.path.realpath(side.path)
+        for p in (dst, partial, _partial_sidecar(partial)):
+            if os.path.realpath(p) == theirs or os.path.realpath(p).startswith(theirs + os.sep):
+                raise InvalidArgumentError(f"dst={str(dst)!r} is (or is in) {side.path}, where the source's "
+                                           "priorities live; convert never writes its source")
 
 
 def _source_config(source: PrioritizedReplayBuffer, store, frame_stack) -> dict:
@@ -299,16 +348,31 @@ def _publish(partial: Path, dst: Path, overwrite: bool) -> None:
     """``partial`` becomes ``dst``: renamed over it with ``overwrite``, else linked
     (which fails if something appeared at ``dst`` meanwhile) and unlinked; then
     the directory is synced and the partial's lock file removed."""
-    if overwrite:
-        _check_dst(dst, True)
-        os.replace(partial, dst)
-    else:
-        try:
-            os.link(partial, dst)
-        except FileExistsError:
-            raise PathExistsError(f"dst={str(dst)!r} appeared while converting; the converted file is "
-                                  f"kept at {partial}") from None
-        os.unlink(partial)
+    from ._sidecar import Sidecar
+
+    if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
+        _check_dst(dst, overwrite)
+    ours, side = _partial_sidecar(partial), Sidecar.default_path(dst)
+    # The priorities go first: a kill -9 between the two renames leaves a sidecar
+    # without its file (refused by the next convert, as it says), never a file
+    # that opens with default priorities.
+    moved = os.path.isdir(ours) and not os.path.islink(ours)
+    if moved:
+        os.rename(ours, side)
+    try:
+        if overwrite:
+            os.replace(partial, dst)
+        else:
+            try:
+                os.link(partial, dst)
+            except FileExistsError:
+                raise PathExistsError(f"dst={str(dst)!r} appeared while converting; the converted file is "
+                                      f"kept at {partial}") from None
+            os.unlink(partial)
+    except BaseException:
+        if moved:
+            os.rename(side, ours)
+        raise
     fd = os.open(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

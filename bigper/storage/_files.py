@@ -323,7 +323,10 @@ def preallocate(path: Path, nbytes: int, *, follow: bool = False) -> None:
     fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow=follow)
     try:
         if nbytes > 0:
-            os.posix_fallocate(fd, 0, nbytes)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:  # ENOSPC, EFBIG: name the file (posix_fallocate's error names nothing)
+                raise OSError(e.errno, f"{e.strerror} (reserving {nbytes:,} bytes)", str(path)) from None
     finally:
         os.close(fd)
 
