@@ -108,3 +108,120 @@ def test_a_frame_naming_an_older_live_generation_is_refused_at_load(tmp_path, mo
     put_data(snap, "frame_index", index)
     err = refused(CorruptSnapshotError, snap)
     assert "going back" in str(err) or "back" in str(err)
+
+
+def _check_loaded(snap, feed, tmp_path, name, expect):
+    """``snap`` loads to exactly the transitions it held (``expect``: their
+    gids), each stack byte for byte; the live index checked by load."""
+    kw = {} if expect["kind"] == "memory" else {"path": tmp_path / name}
+    loaded = bigper.PrioritizedReplayBuffer.load(snap, **kw)
+    try:
+        live = np.flatnonzero(loaded._status == 1)
+        assert sorted(int(g) for g in loaded._gid[live]) == expect["gids"]
+        assert loaded._frames.log.dicts.hi == expect["hi"]
+        assert check_all_live(loaded, feed) == len(expect["gids"])
+        check_sample(loaded, feed, 32)
+    finally:
+        loaded.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "memmap", "hdf5"])
+def test_snapshots_between_retrains_load_exactly_after_the_slots_were_reused(kind, tmp_path, monkeypatch):
+    """Snapshots taken between retrains (the live buffer then wraps its
+    segment ring and reuses every dictionary slot twice): each loads to what
+    it held, with the dictionaries of its time."""
+    _always_retrain(monkeypatch)
+    buf = make(kind, tmp_path, (84, 84), k=4, capacity=200, budget=1500)
+    feed, snaps = None, []
+    games = ["Pong", "Qbert", "MsPacman", "Seaquest", "Breakout", "SpaceInvaders"]
+    for i, game in enumerate(games * 3):
+        feed = run(buf, GAMES[game], 60, feed)
+        if i % 4 == 1:
+            live = np.flatnonzero(buf._status == 1)
+            snaps.append((buf.save(tmp_path / f"snap{i}"),
+                          {"kind": kind, "gids": sorted(int(g) for g in buf._gid[live]),
+                           "hi": buf._frames.log.dicts.hi}))
+    assert buf._frames.log.dicts.hi > 2 * bigper.dictionaries.MAX_DICTS
+    assert snaps[-1][1]["hi"] - snaps[0][1]["hi"] > bigper.dictionaries.MAX_DICTS  # every slot reused since
+    check_all_live(buf, feed)
+    for j, (snap, expect) in enumerate(snaps):
+        _check_loaded(snap, feed, tmp_path, f"r{j}", expect)
+    buf.close()
+
+
+_META_CASES = {
+    "first_string": {"dicts_first": "1"}, "first_float": {"dicts_first": 1.0}, "first_bool": {"dicts_first": True},
+    "first_zero": {"dicts_first": 0}, "first_negative": {"dicts_first": -3}, "first_huge": {"dicts_first": 2 ** 62},
+    "first_null": {"dicts_first": None}, "first_past_frames": "first_past",
+    "sizes_dict": {"dict_sizes": {"a": 1}}, "sizes_null": {"dict_sizes": None}, "sizes_string": "sizes_str",
+    "sizes_float": "sizes_float", "sizes_bool": "sizes_bool", "sizes_negative": "sizes_neg",
+    "sizes_empty": {"dict_sizes": []}, "sizes_nine": "sizes_nine", "sizes_zero_one": "sizes_zero",
+    "base_string": {"dict_base": "1"}, "base_bool": {"dict_base": True}, "base_negative": {"dict_base": -1.0},
+    "base_nan": {"dict_base": float("nan")}, "base_inf": {"dict_base": float("inf")}, "base_list": {"dict_base": [1]},
+    "only_first": "drop_two", "no_base": "drop_base",
+}
+
+
+def _craft_meta(case, fm, blob):
+    """The frames' meta changes of ``case`` (and a new frames_dict, or None)."""
+    v = _META_CASES[case]
+    sizes, first = fm["dict_sizes"], fm["dicts_first"]
+    if isinstance(v, dict):
+        return v, None, ()
+    if v == "first_past":  # the generations the frames name no longer recorded
+        return {"dicts_first": first + len(sizes)}, None, ()
+    if v == "sizes_str":
+        return {"dict_sizes": [str(s) for s in sizes]}, None, ()
+    if v == "sizes_float":
+        return {"dict_sizes": [float(s) for s in sizes]}, None, ()
+    if v == "sizes_bool":
+        return {"dict_sizes": [True] * len(sizes)}, blob[:len(sizes)], ()
+    if v == "sizes_neg":
+        return {"dict_sizes": [sizes[0] + sizes[1], -sizes[1], *sizes[2:]]}, None, ()
+    if v == "sizes_nine":
+        n = bigper.dictionaries.MAX_DICTS + 1
+        parts = np.split(blob, np.cumsum(sizes)[:-1])
+        return {"dict_sizes": [sizes[0]] * (n - len(sizes)) + sizes}, np.concatenate([parts[0]] * (n - len(sizes)) + parts), ()
+    if v == "sizes_zero":
+        return {"dict_sizes": [0, *sizes]}, None, ()
+    if v == "drop_two":
+        return {}, None, ("dict_sizes", "dict_base")
+    if v == "drop_base":
+        return {}, None, ("dict_base",)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", sorted(_META_CASES))
+def test_a_crafted_dictionary_record_in_the_manifest_is_refused_at_load(case, tmp_path, monkeypatch):
+    from ._hostile_snapshot_cases import put_state, resign
+    from .test_compression_dicts import _multi_snapshot
+
+    snap = _multi_snapshot(tmp_path, monkeypatch)
+    fm = json.loads((snap / "manifest.json").read_text())["state"]["meta"]["frames"]
+    blob = np.load(snap / "state" / "frames_dict.npy")
+    assert len(fm["dict_sizes"]) >= 3
+    changes, new_blob, drop = _craft_meta(case, fm, blob)
+    if new_blob is not None:
+        put_state(snap, "frames_dict", new_blob)
+
+    def edit(b):
+        f = b["state"]["meta"]["frames"]
+        f.update(changes)
+        for k in drop:
+            f.pop(k)
+    resign(snap, edit)
+    refused(CorruptSnapshotError, snap)
+
+
+@pytest.mark.parametrize("case", ["int16", "two_d", "float", "bool", "huge"])
+def test_a_crafted_frames_dict_array_is_refused_at_load(case, tmp_path, monkeypatch):
+    from ._hostile_snapshot_cases import put_state
+    from .test_compression_dicts import _multi_snapshot
+
+    snap = _multi_snapshot(tmp_path, monkeypatch)
+    blob = np.load(snap / "state" / "frames_dict.npy")
+    new = {"int16": blob.astype(np.int16), "two_d": blob[:blob.size // 2 * 2].reshape(2, -1),
+           "float": blob.astype(np.float32), "bool": blob.astype(bool),
+           "huge": np.zeros(bigper.dictionaries.MAX_DICTS * bigper.dictionaries.DICT_LIMIT + 1, np.uint8)}[case]
+    put_state(snap, "frames_dict", new)
+    refused(CorruptSnapshotError, snap)
