@@ -225,3 +225,60 @@ def test_a_crafted_frames_dict_array_is_refused_at_load(case, tmp_path, monkeypa
            "huge": np.zeros(bigper.dictionaries.MAX_DICTS * bigper.dictionaries.DICT_LIMIT + 1, np.uint8)}[case]
     put_state(snap, "frames_dict", new)
     refused(CorruptSnapshotError, snap)
+
+
+# -- the generation field of an index entry: 31 bits ------------------------------------
+
+TOP = (1 << 31) - 1  # the largest generation an index entry holds (length | generation << 32, int64)
+
+
+def _given_dict_snapshot(tmp_path, n_steps=60):
+    """A memory snapshot of a buffer with a given dictionary: every frame names generation 1."""
+    d = bigper.train_dictionary(GAMES["Pong"][:200])
+    buf = make("memory", tmp_path, (84, 84), k=4, capacity=300, budget=1500, compression_dictionary=d)
+    feed = run(buf, GAMES["Pong"][100:], n_steps)
+    index = np.asarray(buf._frames.store.arrays["frame_index"]).copy()
+    fw = buf._frames.fw
+    assert fw < buf._frames.F and ((index[:fw, 1] >> 32) == 1).all()
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    return snap, index, d, feed, fw
+
+
+def _rename_generation(snap, index, fw, gen, extra_dicts=(), d=None):
+    from ._hostile_snapshot_cases import put_state, resign
+
+    index = index.copy()
+    index[:fw, 1] = (index[:fw, 1] & 0xFFFFFFFF) | (gen << 32)
+    put_data(snap, "frame_index", index)
+    if extra_dicts:
+        put_state(snap, "frames_dict", np.concatenate([d, *extra_dicts]))
+    sizes = [int(d.size)] + [int(x.size) for x in extra_dicts]
+    resign(snap, lambda b: b["state"]["meta"]["frames"].update(dicts_first=gen, dict_sizes=sizes))
+
+
+def test_a_buffer_at_the_last_generation_stops_retraining_and_stays_exact(tmp_path, monkeypatch):
+    """A (crafted) state whose newest dictionary is generation 2**31 - 1, the
+    largest an index entry holds, loads; retraining then keeps the current
+    dictionary instead of writing generations that wrap into the sign bit
+    (which made every later add and sample fail)."""
+    snap, index, d, feed, fw = _given_dict_snapshot(tmp_path)
+    _rename_generation(snap, index, fw, TOP, d=d)
+    loaded = bigper.PrioritizedReplayBuffer.load(snap)
+    assert loaded._frames.log.dicts.hi == TOP
+    _always_retrain(monkeypatch)
+    for game in ["Qbert", "MsPacman", "Seaquest"]:
+        feed = run(loaded, GAMES[game], 60, feed)
+        assert loaded._frames.log.dicts.hi == TOP
+        check_all_live(loaded, feed)
+        check_sample(loaded, feed, 32)
+    loaded.close()
+
+
+def test_a_dictionary_record_past_the_last_generation_is_refused_at_load(tmp_path):
+    """Generations 2**31 - 1 and 2**31 recorded (frames naming the first):
+    the next frame would name 2**31, which an index entry cannot hold."""
+    snap, index, d, feed, fw = _given_dict_snapshot(tmp_path)
+    _rename_generation(snap, index, fw, TOP, extra_dicts=[d], d=d)
+    err = refused(CorruptSnapshotError, snap)
+    assert "dicts_first" in str(err)
