@@ -282,3 +282,77 @@ def test_a_dictionary_record_past_the_last_generation_is_refused_at_load(tmp_pat
     _rename_generation(snap, index, fw, TOP, extra_dicts=[d], d=d)
     err = refused(CorruptSnapshotError, snap)
     assert "dicts_first" in str(err)
+
+
+# -- kill -9 right after retrains ------------------------------------------------------
+
+_CHILD = """
+import sys, numpy as np
+sys.path.insert(0, {root!r})
+import bigper, bigper.segments, bigper.dictionaries
+bigper.segments.TRAIN_FRAMES = 20  # a new dictionary every 20 frames: kills land right after retrains
+bigper.dictionaries.PAYS = bigper.dictionaries.DRIFT = -100.0
+from pathlib import Path
+from tests.test_compression import ATARI, Feed
+games = np.load(ATARI)
+root, live = Path({root_dir!r}), Path({live!r})
+snaps = bigper.Snapshots(root, keep=2)
+feed = Feed(games["Pong"], 4, seed=11)
+if snaps.latest() is not None:
+    buf = snaps.load_latest(path=live)
+    for _ in range(buf._count):
+        feed.step()
+else:
+    buf = bigper.PrioritizedReplayBuffer(
+        capacity=150, fields={{"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}}, frame_stack=4,
+        storage="memmap", path=live, compression="zstd", compression_budget=700, seed=3,
+        storage_options={{"chunk_bytes": 8192}})
+print("ready", flush=True)
+names = list(games)
+while True:
+    feed.frames = games[names[(buf._count // 23) % len(names)]]
+    feed.run(buf, 7)
+    snaps.save(buf)
+"""
+
+
+def test_kill_9_right_after_retrains_then_resume_is_exact(tmp_path):
+    """A child retrains every 20 frames (each adopted, slots reused), saves a
+    snapshot every 7 steps and is killed with SIGKILL at a random moment, four
+    times, each run resuming from the latest snapshot: that snapshot always
+    loads to exactly the transitions added, with the dictionaries they name."""
+    import os
+    import random
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root_repo = Path(__file__).resolve().parents[1]
+    rng = random.Random(7)
+    root, live = tmp_path / "snaps", tmp_path / "live"
+    code = _CHILD.format(root=str(root_repo), root_dir=str(root), live=str(live))
+    env = {**os.environ, "PYTHONPATH": str(root_repo)}
+    for _ in range(4):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+        line = p.stdout.readline()
+        assert line.strip() == "ready", (line, p.stderr.read()[-3000:] if p.poll() is not None else "")
+        time.sleep(rng.uniform(0.5, 2.0))
+        assert p.poll() is None, p.stderr.read()[-3000:]  # still working: no error in its loop
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()
+    snaps = bigper.Snapshots(root, keep=2)
+    buf = snaps.load_latest(path=tmp_path / "check")
+    games = list(GAMES)
+    feed = Feed(GAMES["Pong"], 4, seed=11)
+    while feed.g < buf._count:  # the child's stream: the game switches every 23 transitions
+        feed.frames = GAMES[games[(feed.g // 23) % len(games)]]
+        for _ in range(7):
+            feed.step()
+    assert buf._frames.log.dicts.hi >= 3  # several retrains recorded
+    assert check_all_live(buf, feed) > 0
+    check_sample(buf, feed, 32)
+    buf.close()
