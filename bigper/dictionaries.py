@@ -129,10 +129,12 @@ class Dictionaries:
         drop = max(0, min(oldest_gen, self.hi + 1) - self.lo) if oldest_gen else 0
         if len(self.dicts) - drop >= MAX_DICTS:
             return False
+        # The codec first: when it fails (no memory) nothing has changed. Its slot
+        # holds the generation MAX_DICTS back, dropped here (no live frame names it).
+        self.codec.set_dictionary(self.slot(self.lo + len(self.dicts)), d)
         if drop:
             self.dicts, self.lo = self.dicts[drop:], self.lo + drop
         self.dicts.append(d)
-        self.codec.set_dictionary(self.slot(self.hi), d)
         return True
 
     def state(self) -> tuple[dict, np.ndarray]:

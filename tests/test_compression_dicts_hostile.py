@@ -356,3 +356,51 @@ def test_kill_9_right_after_retrains_then_resume_is_exact(tmp_path):
     assert check_all_live(buf, feed) > 0
     check_sample(buf, feed, 32)
     buf.close()
+
+
+# -- a retrain that fails (no memory) -------------------------------------------------
+
+@pytest.mark.parametrize("where", ["adopt", "train", "trial"])
+def test_a_retrain_that_runs_out_of_memory_loses_nothing(where, tmp_path, monkeypatch):
+    """Retraining runs inside ``add`` after the frames were written. A
+    MemoryError in it (the live codec taking the new dictionary, training, or
+    the trial codec) used to escape half-way: the dictionary list had grown
+    while the codec slot had not (the next add: IndexError), the add's
+    transition was half recorded, and the next snapshot did not load. Now the
+    retrain is skipped (it only saves bytes): every add succeeds, every
+    transition comes back exactly, live and after a snapshot."""
+    _always_retrain(monkeypatch)
+    buf = make("memory", tmp_path, (84, 84), k=4, capacity=300, budget=1500)
+    feed = run(buf, GAMES["Pong"], 90)
+    hi = buf._frames.log.dicts.hi
+    assert hi >= 1
+    live_codec = buf._frames.log.dicts.codec
+    fails = {"n": 0}
+
+    def once(orig, match):
+        def f(*a, **kw):
+            if match(a) and fails["n"] == 0:
+                fails["n"] += 1
+                raise MemoryError("injected: no memory for the dictionary")
+            return orig(*a, **kw)
+        return f
+    if where == "adopt":
+        monkeypatch.setattr(_zstd.Codec, "set_dictionary",
+                            once(_zstd.Codec.set_dictionary, lambda a: a[0] is live_codec))
+    elif where == "train":
+        monkeypatch.setattr(_zstd, "train", once(_zstd.train, lambda a: True))
+    else:
+        monkeypatch.setattr(_zstd.Codec, "set_dictionary",
+                            once(_zstd.Codec.set_dictionary, lambda a: a[0] is not live_codec))
+    feed = run(buf, GAMES["Qbert"], 90, feed)
+    assert fails["n"] == 1  # the failure happened, inside an add
+    feed = run(buf, GAMES["MsPacman"], 90, feed)
+    assert buf._frames.log.dicts.hi > hi  # later retrains went on
+    check_all_live(buf, feed)
+    check_sample(buf, feed, 32)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    loaded = bigper.PrioritizedReplayBuffer.load(snap)
+    check_all_live(loaded, feed)
+    check_sample(loaded, feed, 32)
+    loaded.close()
