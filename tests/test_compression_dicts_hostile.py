@@ -181,7 +181,8 @@ def _craft_meta(case, fm, blob):
     if v == "sizes_nine":
         n = bigper.dictionaries.MAX_DICTS + 1
         parts = np.split(blob, np.cumsum(sizes)[:-1])
-        return {"dict_sizes": [sizes[0]] * (n - len(sizes)) + sizes}, np.concatenate([parts[0]] * (n - len(sizes)) + parts), ()
+        extra = n - len(sizes)
+        return {"dict_sizes": [sizes[0]] * extra + sizes}, np.concatenate([parts[0]] * extra + parts), ()
     if v == "sizes_zero":
         return {"dict_sizes": [0, *sizes]}, None, ()
     if v == "drop_two":
