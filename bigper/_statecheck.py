@@ -312,7 +312,7 @@ def _check_dictionaries(fm: dict, d) -> None:
     """The dictionaries' record (``dictionaries.Dictionaries.state``): the
     bytes of generations ``dicts_first ..`` one after another, ``dict_sizes``
     each; a record of format 1 without them holds one dictionary or none."""
-    from .dictionaries import DICT_LIMIT, MAX_DICTS
+    from .dictionaries import DICT_LIMIT, MAX_DICTS, MAX_GEN
 
     if not isinstance(d, np.ndarray) or d.dtype != np.uint8 or d.ndim != 1 or d.size > MAX_DICTS * DICT_LIMIT:
         _bad(f"frames_dict must be uint8 of at most {MAX_DICTS * DICT_LIMIT} bytes, got "
@@ -324,10 +324,12 @@ def _check_dictionaries(fm: dict, d) -> None:
         return
     if len(keys) != 3:
         _bad(f"frames.dicts_first, dict_sizes and dict_base go together, got only {sorted(keys)}")
-    _int(fm, "dicts_first", 1, 1 << 31, where="frames.")
+    first = _int(fm, "dicts_first", 1, MAX_GEN + 1, where="frames.")
     sizes = fm["dict_sizes"]
     if not isinstance(sizes, list) or len(sizes) > MAX_DICTS or not all(_is_int(v, 8, DICT_LIMIT + 1) for v in sizes):
         _bad(f"frames.dict_sizes must be a list of at most {MAX_DICTS} sizes in [8, {DICT_LIMIT}], got {sizes!r:.80}")
+    if first + len(sizes) - 1 > MAX_GEN:  # an index entry holds generations up to MAX_GEN
+        _bad(f"frames.dicts_first {first} with {len(sizes)} dictionaries goes past generation {MAX_GEN}")
     if sum(sizes) != d.size:
         _bad(f"frames.dict_sizes {sizes} add up to {sum(sizes)} bytes, frames_dict holds {d.size}")
     base = fm["dict_base"]

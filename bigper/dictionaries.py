@@ -29,6 +29,7 @@ from .errors import CorruptSnapshotError, InvalidArgumentError
 
 MAX_DICTS = 8  # live dictionaries kept at most
 DICT_LIMIT = 1 << 20  # bytes of one dictionary at most (given or recorded)
+MAX_GEN = (1 << 31) - 1  # the last generation: an index entry holds it in bits 32..62 (length | gen << 32)
 PAYS = 0.10  # a candidate is adopted when it saves this share of the bytes
 DRIFT = 0.10  # a candidate is trained when frames grew by this share since the last adoption
 
@@ -121,14 +122,19 @@ class Dictionaries:
     def adopt(self, d: np.ndarray, oldest_gen: int) -> bool:
         """Make ``d`` generation ``hi + 1`` after dropping those older than
         ``oldest_gen`` (the oldest live frame's); False when ``MAX_DICTS``
-        live ones are kept already (nothing changes then)."""
+        live ones are kept already, or generation ``MAX_GEN`` is (nothing
+        changes then: the current dictionary stays)."""
+        if self.lo + len(self.dicts) > MAX_GEN:  # the new one's number would not fit an index entry
+            return False
         drop = max(0, min(oldest_gen, self.hi + 1) - self.lo) if oldest_gen else 0
         if len(self.dicts) - drop >= MAX_DICTS:
             return False
+        # The codec first: when it fails (no memory) nothing has changed. Its slot
+        # holds the generation MAX_DICTS back, dropped here (no live frame names it).
+        self.codec.set_dictionary(self.slot(self.lo + len(self.dicts)), d)
         if drop:
             self.dicts, self.lo = self.dicts[drop:], self.lo + drop
         self.dicts.append(d)
-        self.codec.set_dictionary(self.slot(self.hi), d)
         return True
 
     def state(self) -> tuple[dict, np.ndarray]:

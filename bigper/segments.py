@@ -44,6 +44,7 @@ generation they were written with.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -53,6 +54,8 @@ from ._kernels import kernel
 from ._pool import for_ranges
 from .dictionaries import MAX_DICTS, Dictionaries
 from .errors import CorruptSnapshotError
+
+log = logging.getLogger("bigper")
 
 DICT_BYTES = 16384
 TRAIN_FRAMES = 1000  # frames between two looks at the dictionary (and the frames a candidate is measured on)
@@ -248,23 +251,35 @@ class SegmentLog:
         if ds.base is not None and self._lengths(np.arange(ev, fw, dtype=np.int64)).mean() \
                 <= ds.base * (1 + dictionaries.DRIFT) + 8:
             return
-        frames = self.decode(np.arange(lo, fw, dtype=np.int64))
-        train, test = frames[:ev - lo], frames[ev - lo:]
-        now = int(self.codec.compress(test, ds.slot(ds.hi))[1].sum())
-        ds.base = now / test.shape[0]
-        cand = _zstd.train(train, DICT_BYTES)
-        if cand is None or cand.size < 256:
-            return
-        trial = _zstd.Codec(level=3)
+        # Retraining only saves bytes: it runs after the add's frames were written, so
+        # a failure in it (no memory, a candidate zstd refuses) skips it, changing nothing.
         try:
-            trial.set_dictionary(1, cand)
-            new = int(trial.compress(test, 1)[1].sum())
-        finally:
-            trial.close()
-        if new > (1 - dictionaries.PAYS) * now:
+            frames = self.decode(np.arange(lo, fw, dtype=np.int64))
+            train, test = frames[:ev - lo], frames[ev - lo:]
+            now = int(self.codec.compress(test, ds.slot(ds.hi))[1].sum())
+            cand = _zstd.train(train, DICT_BYTES)
+            new = None
+            if cand is not None and cand.size >= 256:
+                trial = _zstd.Codec(level=3)
+                try:
+                    trial.set_dictionary(1, cand)
+                    new = int(trial.compress(test, 1)[1].sum())
+                finally:
+                    trial.close()
+        except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:  # (a damaged frame:
+            # sample and verify report it)
+            log.warning("bigper: retraining the zstd dictionary at frame %d failed, skipped: %r", fw, e)
+            return
+        ds.base = now / test.shape[0]
+        if new is None or new > (1 - dictionaries.PAYS) * now:
             return
         oldest = self._entries(np.array([max(self.oldest(), fw - self.F, 0)], dtype=np.int64))[0, 1] >> 32
-        if ds.adopt(cand, int(oldest)):
+        try:
+            adopted = ds.adopt(cand, int(oldest))  # (all or nothing)
+        except (MemoryError, ValueError, RuntimeError) as e:
+            log.warning("bigper: adopting a new zstd dictionary at frame %d failed, skipped: %r", fw, e)
+            return
+        if adopted:
             ds.base = new / test.shape[0]
 
     def _entries(self, ids: np.ndarray) -> np.ndarray:
