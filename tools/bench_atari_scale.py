@@ -12,9 +12,11 @@ buffer's, not the parent's), memmap storage under ``--dir``:
   page cache warm (median of 2,000 rounds).
 - ``--sweep``: capacities 2^20 .. 2^``--sweep-max`` (default 23), compressed and
   uncompressed (each where the disk holds it with 10% to spare), each filled
-  to capacity; then the page cache is dropped (root only) and the rounds are
-  timed cold: the median of the first 100, and of rounds 1,000-2,000 (the
-  page cache refilling as the rounds read). Plotted to
+  to capacity; then the buffer is closed, the page cache dropped (root only;
+  pages a live mapping holds would survive the drop) and the buffer reopened
+  (``mode="resume"``), and the rounds are timed cold: the median of the
+  first 100, and of rounds 1,000-2,000 (the page cache refilling as the
+  rounds read). Plotted to
   ``tools/results/compression-sweep.png``.
 
 The frames are real ALE play (``bench_codec_frames``: 3,000 frames of random
@@ -137,15 +139,18 @@ def child(capacity: int, steps: int, compression: str | None, root: Path, game: 
             res["budget"] = fs.log.seg * fs.log.S / fs.F
         warm = rounds(buf, 2000)
         res["warm_us"] = float(np.median(warm[200:])) * 1e6
-        if cold:
+        res["rss_anon_end"] = proc_status().get("RssAnon", 0)
+        if cold:  # pages a live mapping holds survive drop_caches: close, drop, then reopen
+            buf.close()
             why = drop_caches()
+            buf = bigper.PrioritizedReplayBuffer(capacity, FIELDS, frame_stack=4, storage="memmap", path=path,
+                                                 mode="resume", seed=0, **kw)
             if why:
                 res["cold"] = why
             else:
                 c = rounds(buf, 2000)
                 res["cold_first100_us"] = float(np.median(c[:100])) * 1e6
                 res["cold_1000_2000_us"] = float(np.median(c[1000:])) * 1e6
-        res["rss_anon_end"] = proc_status().get("RssAnon", 0)
         res["status"] = "ok"
     finally:
         buf.close()
