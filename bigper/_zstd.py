@@ -171,12 +171,6 @@ class Codec:
         if self.c.ZSTD_isError(code):
             raise RuntimeError(self.c.ZSTD_getErrorName(code).decode())
 
-    def add_dictionary(self, content: np.ndarray) -> int:
-        """Register a dictionary (its bytes); returns its id (1, 2, ...)."""
-        slot = len(self.cdicts)
-        self.set_dictionary(slot, content)
-        return slot
-
     def _dicts(self, content: np.ndarray) -> tuple[int, int]:
         """A CDict and a DDict of ``content``; ValueError when zstd refuses it."""
         buf = np.ascontiguousarray(content, dtype=np.uint8)

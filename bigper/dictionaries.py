@@ -152,13 +152,19 @@ class Dictionaries:
             lo, sizes, base = 1, ([blob.size] if blob.size > 1 else []), None
         bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         dicts = [blob[a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])]
-        for i, d in enumerate(dicts):
-            try:
-                check(d)
-            except ValueError as e:
-                raise CorruptSnapshotError(f"frames_dict: dictionary {lo + i}: {e}") from None
+        codec = _zstd.Codec(level=3)  # built here once: a dictionary zstd refuses fails the restore
+        try:
+            for i, d in enumerate(dicts):
+                try:
+                    codec.set_dictionary(self.slot(lo + i), d)
+                except ValueError as e:
+                    raise CorruptSnapshotError(f"frames_dict: dictionary {lo + i}: {e}") from None
+        except BaseException:
+            codec.close()
+            raise
         self.close()
         self.lo, self.dicts, self.base = lo, dicts, None if base is None else float(base)
+        self._codec = codec
 
     def close(self) -> None:
         if self._codec is not None:

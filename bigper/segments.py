@@ -106,20 +106,16 @@ def append_rows(cctx, frames, scratch, lengths, log, index, F, f0, did, pos, g, 
     used = _zstd.compress_rows(cctx, frames, scratch, lengths)
     if used < 0:
         return used, g
+    offsets = np.empty(frames.shape[0], dtype=np.int64)
+    pos, g = place(lengths, pos, g, seg, S, seg_first, f0, offsets)
     src = 0
     for i in range(frames.shape[0]):
-        ln = lengths[i]
-        if pos + ln > seg:
-            g += 1
-            pos = 0
-            seg_first[g % S] = f0 + i
-        o = (g % S) * seg + pos
+        o, ln = offsets[i], lengths[i]
         log[o:o + ln] = scratch[src:src + ln]
         r = (f0 + i) % F
         index[r, 0] = o
         index[r, 1] = ln | (did << 32)
         src += ln
-        pos += ln
     return pos, g
 
 

@@ -172,21 +172,10 @@ class StackEnv:
 
 
 def test_minari_dataset_of_frame_stacks_made_by_minari(tmp_path, monkeypatch):
-    minari = pytest.importorskip("minari")
-    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
-    env = minari.DataCollector(StackEnv())
-    env.action_space.seed(0)
-    for ep in range(6):
-        env.reset(seed=ep)
-        done = False
-        while not done:
-            _, _, term, trunc, _ = env.step(env.action_space.sample())
-            done = term or trunc
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ds = env.create_dataset(dataset_id="test/stacks-v0", algorithm_name="random")
-    env.close()
-    src = tmp_path / "minari" / "test" / "stacks-v0"
+    pytest.importorskip("minari")
+    from .test_offline_minari import collect
+
+    ds, src = collect(tmp_path / "minari", monkeypatch, "test/stacks-v0", StackEnv, 6)
     before = fingerprint(src)
     convert(src, tmp_path / "z.h5", progress=False)
     assert fingerprint(src) == before

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_storage_data import drop_page_cache
 from benchkit import disk_bytes, import_bigper, print_table, proc_status, say
 
 BATCH = 32
@@ -106,18 +107,6 @@ def rounds(buf, n: int) -> np.ndarray:
     return out
 
 
-def drop_caches() -> str | None:
-    if os.geteuid() != 0:
-        return "not root"
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def child(capacity: int, steps: int, compression: str | None, root: Path, game: str, cold: bool,
           budget: int | None) -> dict:
     bigper = import_bigper()
@@ -142,7 +131,7 @@ def child(capacity: int, steps: int, compression: str | None, root: Path, game: 
         res["rss_anon_end"] = proc_status().get("RssAnon", 0)
         if cold:  # pages a live mapping holds survive drop_caches: close, drop, then reopen
             buf.close()
-            why = drop_caches()
+            why = drop_page_cache()
             buf = bigper.PrioritizedReplayBuffer(capacity, FIELDS, frame_stack=4, storage="memmap", path=path,
                                                  mode="resume", seed=0, **kw)
             if why:
