@@ -34,7 +34,7 @@ from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
 from ._layout import storage_specs
 from .config import Config
 from .frames import frame_capacity, require_compression
-from .storage._files import real_names
+from .storage._files import fsync_dir, real_names
 from .storage.hdf5 import HDF5Storage
 from .segments import geometry
 
@@ -290,7 +290,7 @@ def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> N
 def _check_not_source(store, dst: Path, partial: Path) -> None:
     src = Path(store.file_path)
     for p in (dst, partial):
-        if os.path.lexists(p) and os.path.exists(p) and os.path.samefile(p, src):
+        if os.path.exists(p) and os.path.samefile(p, src):
             raise InvalidArgumentError(f"dst={str(dst)!r} is the source file {src} (or its .partial); "
                                        "convert never writes its source")
     # The source's priorities sidecar (a directory that from_hdf5 reads): a file made
@@ -373,11 +373,7 @@ def _publish(partial: Path, dst: Path, overwrite: bool) -> None:
         if moved:
             os.rename(side, ours)
         raise
-    fd = os.open(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(dst.parent)
     _remove(partial.with_name(partial.name + ".lock"))
 
 
