@@ -239,6 +239,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="with --compression: capacities 2^20..2^--sweep-max, compressed and raw, cold after "
                         "dropping the page cache (root)")
+    p.add_argument("--sweep-min", type=int, default=20, help="smallest capacity of --sweep, as a power of 2")
     p.add_argument("--sweep-max", type=int, default=23, help="largest capacity of --sweep, as a power of 2")
     p.add_argument("--game", default="MsPacman", help="with --compression: the game whose real frames fill it")
     p.add_argument("--budget", type=int, help="with --compression: compression_budget (log bytes a frame)")

@@ -174,9 +174,9 @@ def run_million(n_million: float, root: Path, game: str, budget: int | None) -> 
     return out
 
 
-def run_sweep(sweep_max: int, root: Path, game: str, budget: int | None) -> list[dict]:
+def run_sweep(sweep_min: int, sweep_max: int, root: Path, game: str, budget: int | None) -> list[dict]:
     out = []
-    for e in range(20, sweep_max + 1):
+    for e in range(sweep_min, sweep_max + 1):
         cap = 1 << e
         for comp in ("zstd", None):
             if not _fits(root, cap, comp):
@@ -276,7 +276,7 @@ def main(args) -> int:
     try:
         million = run_million(args.million or 1, root, args.game, args.budget) if not args.sweep or args.million \
             else []
-        sweep = run_sweep(args.sweep_max, root, args.game, args.budget) if args.sweep else []
+        sweep = run_sweep(args.sweep_min, args.sweep_max, root, args.game, args.budget) if args.sweep else []
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(million, sweep)
