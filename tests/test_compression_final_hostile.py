@@ -181,3 +181,54 @@ def test_train_dictionary_on_a_view_of_billions_of_rows_copies_only_what_it_trai
     rc, out = _in_a_small_process(code)
     assert rc == 0 and ("TRAINED" in out or "REFUSED" in out), out[-2000:]
 
+
+
+# -- a FIFO, a symlink or a sparse file in place of a compressed storage's files --
+
+def _memmap_folder(tmp):
+    buf = _make(tmp, "memmap")
+    Feed(POOL, K).run(buf, 80)
+    buf.close()
+    return tmp / "r"
+
+
+def _replace(path: Path, how: str) -> None:
+    size = path.stat().st_size
+    if how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif how == "symlink":
+        other = path.parent.parent / ("moved-" + path.name)
+        path.rename(other)
+        path.symlink_to(other)
+    elif how == "sparse":  # a claimed size far past what is on disk
+        os.truncate(path, size + (1 << 30))
+    elif how == "truncated":
+        os.truncate(path, size // 2)
+
+
+def _verify(folder: Path) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(folder)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("member", ["data/frame_log.bin", "data/frame_index.bin", "state/frames_dict.npy",
+                                    "state/frames_seg_first.npy"])
+@pytest.mark.parametrize("how", ["fifo", "symlink", "truncated"])
+def test_a_fifo_symlink_or_short_file_in_a_compressed_folder_is_refused_naming_it(tmp_path, member, how):
+    from ._hostile_snapshot_cases import fingerprint as files
+
+    folder = _memmap_folder(tmp_path)
+    _replace(folder / member, how)
+    before = files(tmp_path)
+    rc, out = _verify(folder)  # (a FIFO opened for reading would hang: the timeout fails the test)
+    assert rc != 0 and "OK " not in out, out
+    assert str(folder / member) in out, out  # the user's path, not /proc/self/fd/N
+    assert "/proc/self/fd" not in out, out
+    with pytest.raises(BigperError) as e:
+        bigper.PrioritizedReplayBuffer(
+            CAP, {"obs": ((K, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=K, storage="memmap",
+            path=folder, mode="resume", compression="zstd", compression_budget=1500)
+    assert str(folder / member) in str(e.value) and "/proc/self/fd" not in str(e.value), str(e.value)
+    assert files(tmp_path) == before
