@@ -232,3 +232,45 @@ def test_a_fifo_symlink_or_short_file_in_a_compressed_folder_is_refused_naming_i
             path=folder, mode="resume", compression="zstd", compression_budget=1500)
     assert str(folder / member) in str(e.value) and "/proc/self/fd" not in str(e.value), str(e.value)
     assert files(tmp_path) == before
+
+
+# -- a full disk right after a retrain -----------------------------------------
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_full_disk_right_after_a_retrain_is_an_oserror_with_nothing_changed(small_tmpfs, storage, monkeypatch):
+    """The buffer lives on a 3 MB tmpfs; dictionaries were just retrained (the
+    new one is in memory only). The disk fills: a save next to it is an
+    OSError naming the path, the buffer and the disk are as before, and once
+    space is back the save works and its snapshot holds the retrained
+    dictionaries (every sampled stack exact)."""
+    from ._hostile_snapshot_cases import fingerprint as files
+    from .conftest import fill_disk
+    from .test_validation import assert_same, fingerprint
+
+    _always_retrain(monkeypatch)
+    buf = bigper.PrioritizedReplayBuffer(
+        60, {"obs": ((K, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=K, storage=storage,
+        compression="zstd", compression_budget=600, seed=0,
+        path=small_tmpfs / ("r.h5" if storage == "hdf5" else "r"))
+    feed = Feed(POOL, K)
+    feed.run(buf, 70)
+    gens = (buf._frames.log.dicts.lo, buf._frames.log.dicts.hi)
+    assert gens[1] >= 2
+    filler = small_tmpfs / "filler"
+    fill_disk(filler)
+    before, on_disk = fingerprint(buf), files(small_tmpfs)
+    snap = small_tmpfs / "snap"
+    with pytest.raises(OSError) as e:
+        buf.save(snap)
+    assert str(snap) in str(e.value), str(e.value)
+    assert_same(before, fingerprint(buf))
+    assert files(small_tmpfs) == on_disk
+    filler.unlink()
+    buf.save(snap)
+    buf.close()  # (the snapshot resumes onto the buffer's own path)
+    with bigper.PrioritizedReplayBuffer.load(snap) as back:
+        assert (back._frames.log.dicts.lo, back._frames.log.dicts.hi) == gens
+        b = back.sample(32)
+        for i, s in enumerate(b["step"]):
+            assert np.array_equal(b["obs"][i], feed.added[int(s)][0])
+            assert np.array_equal(b["next_obs"][i], feed.added[int(s)][1])
