@@ -145,10 +145,10 @@ def test_two_threads_on_a_compressed_buffer_while_dictionaries_are_retrained(tmp
         problems = buf.prioritization.check(buf.status)
         assert not problems, problems
         calls.check(buf, buf.sample(64))
+        buf.close()  # (a disk buffer's snapshot resumes onto its own path)
         for i in range(next(calls.saves)):  # every snapshot taken during the race loads exactly
             with bigper.PrioritizedReplayBuffer.load(tmp / f"snap-{i}") as back:
                 calls.check(back, back.sample(32))
-        buf.close()
     finally:
         mp.undo()
 
@@ -274,3 +274,33 @@ def test_a_full_disk_right_after_a_retrain_is_an_oserror_with_nothing_changed(sm
         for i, s in enumerate(b["step"]):
             assert np.array_equal(b["obs"][i], feed.added[int(s)][0])
             assert np.array_equal(b["next_obs"][i], feed.added[int(s)][1])
+
+
+# -- convert at frame_stack 1 and 16; a given dictionary of 1 MiB --------------
+
+def _d4rl(path, obs, nxt):
+    import h5py
+
+    n = obs.shape[0]
+    with h5py.File(path, "w") as f:
+        f["observations"], f["next_observations"] = obs, nxt
+        f["actions"], f["rewards"] = np.arange(n), np.arange(n, dtype=np.float32)
+        f["terminals"], f["timeouts"] = np.zeros(n, bool), np.zeros(n, bool)
+
+
+@pytest.mark.parametrize("k", [1, 16])
+def test_convert_at_frame_stack_1_and_16_reads_back_byte_for_byte(tmp_path, k):
+    """A converted file of 16-frame stacks could not be opened: from_hdf5 bounded
+    every recorded state array by 64 bytes a slot, and the last stack of each
+    env (num_envs x k frames) is bigger than that on a small dataset."""
+    from .test_convert import assert_same_transitions, cli
+
+    fr = GAMES["Pong"][:140]
+    idx = np.arange(100)[:, None] + np.arange(k)[None]
+    src, dst = tmp_path / "src.h5", tmp_path / "dst.h5"
+    _d4rl(src, fr[idx], fr[idx + 1])
+    r = cli("convert", "--no-progress", "--frame-stack", k, src, dst)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = assert_same_transitions(src, dst)
+    assert data["obs"].tobytes() == fr[idx].tobytes()
+
