@@ -262,6 +262,8 @@ def train(samples: np.ndarray, size: int = 16384) -> np.ndarray | None:
     c = lib()
     samples = np.ascontiguousarray(samples, dtype=np.uint8)
     m, n = samples.shape
+    if m >= 1 << 32:  # ZDICT counts samples in an unsigned int
+        raise ValueError(f"zstd trains on fewer than 2**32 samples, got {m}")
     sizes = np.full(m, n, dtype=np.uintp)
     out = np.empty(size, dtype=np.uint8)
     got = c.ZDICT_trainFromBuffer(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m)

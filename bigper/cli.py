@@ -321,7 +321,7 @@ def _verify_storage(path: Path, kind: str) -> int:
                 check_arrays(meta.get("arrays"), path)
                 _check_chunks(path, meta)
             except BigperError as e:
-                print(f"         its layout is not consistent: {e}")
+                print(f"         its layout is not consistent: {_line(e)}")
             else:
                 print(f"         its layout is consistent: {len(meta['arrays'])} arrays, every chunk file "
                       "in place")
@@ -330,23 +330,23 @@ def _verify_storage(path: Path, kind: str) -> int:
     try:
         meta = store.open({})
     except StorageLockedError as e:  # a writer arrived since the probe
-        print(f"IN USE   {path}: {e}")
+        print(f"IN USE   {path}: {_line(e)}")
         return VERIFY_IN_USE
     except UncleanStorageError as e:
-        print(f"UNCLEAN  {path}: {e}")
+        print(f"UNCLEAN  {path}: {_line(e)}")
         return VERIFY_BAD
     except IncompatibleSnapshotError as e:  # another format (an HDF5 dataset that is no bigper storage)
-        print(f"INCOMPATIBLE  {path}: {e}")
+        print(f"INCOMPATIBLE  {path}: {_line(e)}")
         return VERIFY_BAD
     except BigperError as e:
-        print(f"CORRUPT  {path}: {e}")
+        print(f"CORRUPT  {path}: {_line(e)}")
         return VERIFY_BAD
     try:
         if kind == "memmap":
             try:
                 _check_chunks(path, meta)
             except BigperError as e:
-                print(f"CORRUPT  {path}: {e}")
+                print(f"CORRUPT  {path}: {_line(e)}")
                 return VERIFY_BAD
         state_meta, arrays = store.saved_state()
         if state_meta is None:
@@ -356,10 +356,10 @@ def _verify_storage(path: Path, kind: str) -> int:
         check_state(cfg, state_meta, arrays)
         frames_checked = _verify_frames(cfg, store, state_meta, arrays)
     except BigperError as e:
-        print(f"INVALID  {path}: its recorded state is inconsistent: {e}")
+        print(f"INVALID  {path}: its recorded state is inconsistent: {_line(e)}")
         return VERIFY_BAD
     except Exception as e:  # noqa: BLE001  (a config this bigper cannot read)
-        print(f"INCOMPATIBLE  {path}: {type(e).__name__}: {e}")
+        print(f"INCOMPATIBLE  {path}: {type(e).__name__}: {_line(e)}")
         return VERIFY_BAD
     finally:
         store.close()

@@ -32,6 +32,7 @@ DICT_LIMIT = 1 << 20  # bytes of one dictionary at most (given or recorded)
 MAX_GEN = (1 << 31) - 1  # the last generation: an index entry holds it in bits 32..62 (length | gen << 32)
 PAYS = 0.10  # a candidate is adopted when it saves this share of the bytes
 DRIFT = 0.10  # a candidate is trained when frames grew by this share since the last adoption
+TRAIN_BYTES = 128 << 20  # train_dictionary trains on at most this many bytes of frames (an even thinning)
 
 
 def train_dictionary(frames, size: int = 16384) -> np.ndarray:
@@ -45,6 +46,10 @@ def train_dictionary(frames, size: int = 16384) -> np.ndarray:
     size : int
         The dictionary's largest size in bytes (256 .. 1 MiB).
 
+        More than ``TRAIN_BYTES`` (128 MiB) of frames are thinned evenly
+        (every k-th frame) before training: only those are copied, so a view
+        of many frames (a memmap, a broadcast) costs only what is trained on.
+
     Returns
     -------
     np.ndarray, (n,) uint8
@@ -56,6 +61,10 @@ def train_dictionary(frames, size: int = 16384) -> np.ndarray:
     if a.ndim < 2 or a.shape[0] < 2 or a.dtype.kind not in "biuf" or a[0].nbytes == 0:
         raise InvalidArgumentError(f"frames must be a numeric array of at least 2 frames (m, ...), got "
                                    f"{a.dtype} {a.shape}")
+    m, row = a.shape[0], a[0].nbytes
+    keep = min(m, max(2, TRAIN_BYTES // row))  # (zstd also counts samples in 32 bits)
+    if keep < m:  # pick the rows before any copy: a view of 2**31 frames is not copied whole
+        a = a[np.linspace(0, m - 1, keep).round().astype(np.int64)]
     rows = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
     d = _zstd.train(rows, int(size))
     if d is None or d.size < 256:

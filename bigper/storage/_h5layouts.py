@@ -18,6 +18,7 @@ import re
 
 import numpy as np
 
+from ..dictionaries import DICT_LIMIT, MAX_DICTS
 from ..errors import OfflineDatasetError, StorageLockedError
 from ._files import open_regular, read_regular
 from ._h5guard import check_row_bytes, check_rows
@@ -30,6 +31,25 @@ _MAX_DEPTH = 32  # nested observation groups deeper than this are not a Minari s
 _METADATA_LIMIT = 16 << 20
 
 
+
+
+def state_bytes_limit(config: dict) -> int:
+    """The most bytes one recorded state array of a buffer of ``config`` takes:
+    a few numbers a slot, the last ``frame_stack`` frames of each env
+    (``frames_last``) and, compressed, the live dictionaries (``frames_dict``)."""
+    cap = config["capacity"]
+    limit = 64 * (cap + 1024)
+    try:
+        k, envs = int(config.get("frame_stack") or 0), int(config.get("num_envs") or 1)
+        shape, dt = config["fields"]["obs"]
+        row = math.prod(int(x) for x in shape[1:]) * np.dtype(dt).itemsize
+    except (KeyError, TypeError, ValueError, AttributeError):  # (refused by the config's own checks)
+        return limit
+    if k > 0 and envs > 0:
+        limit += envs * k * row
+    if config.get("compression"):
+        limit += MAX_DICTS * (DICT_LIMIT + 64)
+    return limit
 
 
 def _safe_name(text: str) -> str:
@@ -297,13 +317,15 @@ class Layouts:
         if not isinstance(g, h5py.Group) or meta.get("state") is None:
             raise OfflineDatasetError(f"{self.file_path}: no recorded buffer state in /_bigper/state")
         cap = meta["config"]["capacity"]
+        limit = state_bytes_limit(meta["config"])
         arrays = {}
         for name in g:
             d = g.get(name)
             if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
                 raise OfflineDatasetError(f"{self.file_path}: recorded state {name!r} is not a numeric dataset")
-            # state arrays hold a few numbers per slot: a bigger one is crafted, not read
-            if math.prod(d.shape) * d.dtype.itemsize > 64 * (cap + 1024):
+            # state arrays hold a few numbers per slot, the last stack of each env and the
+            # dictionaries: a bigger one is crafted, not read
+            if math.prod(d.shape) * d.dtype.itemsize > limit:
                 raise OfflineDatasetError(f"{self.file_path}: recorded state {name!r} of shape {d.shape} is "
                                           f"larger than any state of a {cap}-slot buffer")
             arrays[name] = d[()]
