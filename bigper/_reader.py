@@ -27,6 +27,14 @@ def _into(data: dict, out: dict) -> dict:
     return data
 
 
+def _stacks_of(frames: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``(B, T, k, *frame)`` stacks from each row's distinct ``frames`` ``(B, n, *frame)``."""
+    b, n = frames.shape[0], frames.shape[1]
+    rows = index + (np.arange(b, dtype=np.int64) * n)[:, None, None]
+    return frames.reshape(b * n, *frames.shape[2:]).take(rows.reshape(-1), axis=0, mode="clip").reshape(
+        (*index.shape, *frames.shape[2:]))
+
+
 class Reader:
     """Reads batches of a buffer: its config, storage, frame ring (or None),
     the fields stored row by row, every stored field's (shape, dtype), and its
@@ -42,9 +50,12 @@ class Reader:
         self.successors = {f"next_{n}" for n in cfg.next_of}
         self.items = None  # with sequence=...: the buffer's sequences.Items
 
-    def batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out, fused: bool) -> Batch:
+    def batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out, fused: bool,
+              stacks: bool = True) -> Batch:
+        """The batch at ``idx``; ``stacks=False``: a sequence batch without its
+        ``obs``/``next_obs`` stacks, for ``to_torch`` to rebuild on a device."""
         if self.items is not None:
-            return self.sequences(idx, w, prob, fused)
+            return self.sequences(idx, w, prob, fused, stacks)
         if self.cfg.n_step == 1 and fused:
             # Generations, end flags and discounts in one kernel call.
             b = idx.shape[0]
@@ -54,20 +65,35 @@ class Reader:
             return Batch.make(self.gather(idx, (term, trunc, disc), out, fused), idx, w, prob, gen)
         return Batch.make(self.gather(idx, None, out, fused), idx, w, prob, self.gid[idx])
 
-    def sequences(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, fused: bool) -> Batch:
+    def sequences(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, fused: bool,
+                  stacks: bool = True) -> Batch:
         """A batch of the sequence items at ``idx``: every field ``(B, T, ...)``,
         padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""
-        data, mask = self.windows(idx, fused)
-        return Batch.make(data, idx, w, prob, self.gid[idx], mask, self.items.burn_in)
+        data, mask, once = self.windows(idx, fused, stacks)
+        b = Batch.make(data, idx, w, prob, self.gid[idx], mask, self.items.burn_in)
+        if once is not None:
+            b.__dict__["_seq_frames"] = once  # what to_torch moves instead of the stacks
+        return b
 
-    def windows(self, idx: np.ndarray, fused: bool) -> tuple[dict, np.ndarray]:
-        """``(data, mask)`` of the sequence items at ``idx`` (live)."""
+    def windows(self, idx: np.ndarray, fused: bool, stacks: bool = True) -> tuple[dict, np.ndarray, tuple | None]:
+        """``(data, mask, once)`` of the sequence items at ``idx`` (live). With
+        frame stacks, ``once`` is ``frames_once``'s ``(frames, index)``: each
+        row's distinct frames once (else None); ``stacks=False`` leaves
+        ``obs``/``next_obs`` out of ``data`` (a device rebuilds them from ``once``)."""
         slots, mask = self.items.window(idx)
         b, t = mask.shape
-        flat = self.gather(slots.reshape(-1), None, None, fused)
+        flat = self.gather(slots.reshape(-1), None, None, fused, stacks="refs" if self.frames else True)
         pad = ~mask
         some = bool(pad.any())
         data = {}
+        refs = {name: flat.pop(f"_{name}_ref").reshape(b, t, -1) for name in ("obs", "next_obs")
+                if f"_{name}_ref" in flat}
+        once = None
+        if refs:
+            once = self.frames_once(refs, mask)
+            if stacks:
+                for name, ix in once[1].items():
+                    data[name] = _stacks_of(once[0], ix)
         for name, v in flat.items():
             v = v.reshape((b, t, *v.shape[1:]))
             if some:
@@ -77,12 +103,37 @@ class Reader:
                     v = v.copy()
                 v[pad] = 0
             data[name] = v
-        return data, mask
+        return data, mask, once
 
-    def gather(self, idx: np.ndarray, meta, out, fused: bool) -> dict:
+    def frames_once(self, refs: dict, mask: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Each row's distinct frames once: ``refs`` are the ``(B, T, k)``
+        frame ids of the stacks by name (``obs``, ``next_obs``), ``mask`` the
+        real steps. Returns ``frames`` ``(B, n, *frame)`` (a row's distinct
+        frames, then zero frames; padded steps read a zero frame) and, by name, the
+        ``(B, T, k)`` positions of each stack's frames in its row."""
+        names = list(refs)
+        b, t, k = refs[names[0]].shape
+        ids = np.concatenate([np.where(mask[:, :, None], refs[n], -1).reshape(b, t * k) for n in names], axis=1)
+        order = np.argsort(ids, axis=1, kind="stable")
+        srt = np.take_along_axis(ids, order, axis=1)
+        new = np.ones(srt.shape, dtype=np.bool_)
+        new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        rank = np.cumsum(new, axis=1) - 1
+        n = int(rank[:, -1].max()) + 1
+        distinct = np.full((b, n), -1, dtype=np.int64)
+        np.put_along_axis(distinct, rank, srt, axis=1)
+        pos = np.empty_like(rank)
+        np.put_along_axis(pos, order, rank, axis=1)
+        # A padded step's id is -1: the row's first distinct entry (-1 sorts first) when it pads.
+        frames = self.frames.rows_of(distinct.reshape(-1)).reshape((b, n, *self.frames.frame_shape))
+        index = {name: pos[:, i * t * k:(i + 1) * t * k].reshape(b, t, k) for i, name in enumerate(names)}
+        return frames, index
+
+    def gather(self, idx: np.ndarray, meta, out, fused: bool, stacks=True) -> dict:
         """The batch's data at slots ``idx``; ``out``: arrays (checked by
         ``check_out``) that large fields are gathered into directly and small
-        ones copied into."""
+        ones copied into. ``stacks="refs"``: the frame ids of the ``obs`` and
+        ``next_obs`` stacks (``_obs_ref``, ``_next_obs_ref``) instead of the stacks."""
         cfg = self.cfg
         out = out or {}
         if meta is not None and self.frames is None and self.store.kind == "memory":
@@ -118,7 +169,11 @@ class Reader:
         data = {}
         for name in self.plain:
             data[name] = read(name, last if name in self.successors else idx, out.get(name))
-        if self.frames is not None:
+        if self.frames is not None and stacks == "refs":
+            data["_obs_ref"] = self.frames.refs("obs_ref", idx)
+            if "obs" in cfg.next_of:
+                data["_next_obs_ref"] = self.frames.refs("next_obs_ref", last)
+        elif self.frames is not None:
             if "obs" not in cfg.next_of:
                 data["obs"] = self.frames.stacks("obs_ref", idx, out.get("obs"))
             elif "obs" in out or "next_obs" in out:  # each straight into its own array

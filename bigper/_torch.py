@@ -3,19 +3,25 @@
 ``batch_to_torch`` turns a ``Batch`` into tensors; ``as_numpy`` turns what a
 learner hands back (a tensor on any device, with or without grad) into numpy.
 
-CPU: a field whose array is C-contiguous, writable and in native byte order
-is shared with ``torch.from_numpy`` (no copy); any other array is copied once,
-into a host array reused from earlier calls once no tensor holds it any more
-(``_reuse.ReusedArrays``).
+CPU: a field whose array is writable, in native byte order and has no
+negative strides is shared with ``torch.from_numpy`` (no copy, also for the
+strided ``obs``/``next_obs`` views of one frame gather); any other array is
+copied once, into a host array reused from earlier calls once no tensor holds
+it any more (``_reuse.ReusedArrays``).
 
-CUDA: each field is copied once into a pinned host buffer, and from there to
-the device with ``non_blocking``. Pinned buffers are kept between calls (pinning
-is slow) in a small pool per (device, field, shape, dtype). Each buffer carries
-the CUDA event recorded after its last host-to-device copy; a buffer is filled
-again only once its event has completed, so the host never overwrites bytes a
-copy still in flight is reading::
+CUDA: **one pinned staging block and one host-to-device copy a batch**. Every
+field, the weights, indices, generations and mask are packed into one pinned
+host block (each at a 64-byte aligned offset); one non-blocking copy moves it
+to the device, and the device tensors are views of that one device block.
+``obs`` and ``next_obs`` of a batch gathered as ``k + 1`` frames a row
+(``FrameStore.pair``) travel once, as that gather; a batch of sequences
+carries each row's distinct frames once, and its stacks are rebuilt on the
+device by one gather there. Pinned blocks are kept between calls (pinning is
+slow) in a small pool per (device, layout); each carries the CUDA event
+recorded after its copy, and a block is filled again only once its event has
+completed, so the host never overwrites bytes a copy still in flight reads::
 
-    call t    fill pinned[0] -> copy to GPU (stream) -> record event[0]
+    call t    fill pinned[0] -> one copy to GPU (stream) -> record event[0]
     call t+1  event[0] busy? take pinned[1] (or wait on the oldest once the pool is full)
 """
 
@@ -30,20 +36,36 @@ import numpy as np
 from ._reuse import ReusedArrays
 from .errors import InvalidTypeError
 
-# Pinned buffers a field keeps at most; beyond it the oldest one's event is waited on.
+# Pinned blocks a layout keeps at most; beyond it the oldest one's event is waited on.
 POOL_DEPTH = 3
-# Distinct (device, field, shape, dtype) keys kept; the least recently used pool goes first.
+# Distinct (device, layout) keys kept; the least recently used pool goes first.
 # Dropping a pool while its copy is in flight is safe: torch's pinned-memory allocator
 # does not reuse a block until the copies recorded on it are done.
 MAX_KEYS = 64
+# Offsets of the fields in a staging block: aligned for any dtype's view (and for fast copies).
+ALIGN = 64
 
 
 def _torch():
     try:
         import torch
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("Batch.to_torch needs PyTorch: pip install 'bigper[torch]'") from e
+        raise ImportError("Batch.to_torch needs PyTorch: pip install torch (or pip install -e '.[torch]' "
+                          "from a checkout)") from e
     return torch
+
+
+class TensorBatch(dict):
+    """What ``Batch.to_torch`` returns: a plain ``dict`` of tensors that also
+    keeps the host copies of the bookkeeping (``indices``, ``generations``,
+    ``mask``), so that ``update_priorities(tensors, td)`` reads no tensor back
+    from the device (which would wait for the learner's stream)."""
+
+    __slots__ = ("host",)
+
+    def __init__(self, tensors: dict, host: dict):
+        super().__init__(tensors)
+        self.host = host
 
 
 class _Slot:
@@ -123,28 +145,79 @@ _POOL = PinnedPool()
 _HOST = ReusedArrays(depth=POOL_DEPTH + 1, max_keys=MAX_KEYS)
 
 
+def _shareable(arr: np.ndarray) -> bool:
+    """Whether ``torch.from_numpy`` can share ``arr`` as it is."""
+    return arr.dtype.isnative and arr.flags.writeable and all(s >= 0 for s in arr.strides)
+
+
 def _host_array(arr: np.ndarray) -> np.ndarray:
-    """``arr`` as an array torch can share: C-contiguous, writable, native byte
-    order. A copy (one) only where ``arr`` is not already that."""
+    """``arr`` as an array torch can share: writable, native byte order, no
+    negative strides. A copy (one) only where ``arr`` is not already that."""
     arr = np.asarray(arr)
     if not arr.dtype.isnative:
         return arr.astype(arr.dtype.newbyteorder("="), order="C")
-    if arr.flags.c_contiguous and arr.flags.writeable:
+    if _shareable(arr):
         return arr
     out = _HOST.take(arr.shape, arr.dtype)
     np.copyto(out, arr)
     return out
 
 
-def _fields(batch) -> dict:
+def pair_base(obs: np.ndarray, nxt: np.ndarray) -> np.ndarray | None:
+    """The ``(B, k + 1, ...)`` frame gather that ``obs`` (its first ``k``
+    frames a row) and ``nxt`` (its last ``k``) are views of, or None when
+    they are not such a pair (``FrameStore.pair``)."""
+    if not (isinstance(obs, np.ndarray) and isinstance(nxt, np.ndarray)) or obs.ndim < 2 \
+            or obs.shape != nxt.shape or obs.strides != nxt.strides or obs.dtype != nxt.dtype:
+        return None
+    b, k = obs.shape[0], obs.shape[1]
+    step = obs.strides[1]
+    rest = obs.shape[2:]
+    inner = obs.dtype.itemsize * int(np.prod(rest, dtype=np.int64))
+    if step != inner or obs.strides[0] != (k + 1) * step or b == 0 or k == 0:
+        return None
+    if nxt.__array_interface__["data"][0] - obs.__array_interface__["data"][0] != step:
+        return None
+    if obs.strides[2:] != np.empty(rest, obs.dtype).strides:
+        return None
+    return np.lib.stride_tricks.as_strided(obs, shape=(b, k + 1, *rest), strides=obs.strides,
+                                           writeable=False)
+
+
+def _fields(batch) -> tuple[dict, dict]:
+    """``(arrays, derived)``: the arrays that travel (by key), and how the
+    keys that do not travel are rebuilt from them on the device
+    (``key -> (source key, rule)``)."""
     arrays = dict(batch.data)
+    derived: dict = {}
+    seq = batch.__dict__.get("_seq_frames")
+    if seq is not None:  # sequences: each row's distinct frames once, and the stacks' indices into them
+        frames, index = seq
+        arrays["_frames"] = frames
+        arrays["_frame_index"] = index
+        for name in ("obs", "next_obs"):
+            if name in index:
+                arrays.pop(name, None)
+                derived[name] = ("_frames", name)
+    elif "obs" in arrays and "next_obs" in arrays:
+        base = pair_base(arrays["obs"], arrays["next_obs"])
+        if base is not None:  # obs and next_obs: two views of one (B, k + 1) gather, sent once
+            del arrays["obs"], arrays["next_obs"]
+            arrays["_pair"] = base
+            derived["obs"] = ("_pair", "first")
+            derived["next_obs"] = ("_pair", "last")
     arrays["weights"] = np.asarray(batch.weights).astype(np.float32, copy=False)
     arrays["indices"] = np.asarray(batch.indices).astype(np.int64, copy=False)
     # With the indices, update_priorities(tensors, td) skips slots overwritten since sampling.
     arrays["generations"] = np.asarray(batch.generations).astype(np.int64, copy=False)
     if getattr(batch, "mask", None) is not None:  # sequences: which steps are real
         arrays["mask"] = batch.mask
-    return arrays
+    return arrays, derived
+
+
+def _host_of(batch) -> dict:
+    return {"indices": np.asarray(batch.indices), "generations": np.asarray(batch.generations),
+            "mask": getattr(batch, "mask", None)}
 
 
 def _torch_dtype(torch, dtype: np.dtype, key: str):
@@ -154,7 +227,7 @@ def _torch_dtype(torch, dtype: np.dtype, key: str):
         raise InvalidTypeError(f"field {key!r} has dtype {dtype}, which torch cannot hold") from None
 
 
-def batch_to_torch(batch, device=None, non_blocking: bool = True) -> dict:
+def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch:
     """Tensors keyed like ``batch``, plus ``weights`` (float32), ``indices`` and
     ``generations`` (int64); the dict can be passed to ``update_priorities``.
 
@@ -162,61 +235,118 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> dict:
     ----------
     batch : Batch
     device : str or torch.device, optional
-        Default the CPU.
+        Default the CPU (or, for a batch of a buffer with a device tier, that device).
     non_blocking : bool
-        With a CUDA device, return before the copies finish (they are ordered
+        With a CUDA device, return before the copy finishes (it is ordered
         on the current stream, so kernels launched on it after this call see
         the data).
 
     Returns
     -------
-    dict[str, torch.Tensor]
-        Every data field with its own dtype (uint8 frames stay uint8, bool
-        flags stay bool), shape ``(B, ...)``, on ``device``.
+    TensorBatch
+        A dict: every data field with its own dtype (uint8 frames stay uint8,
+        bool flags stay bool), shape ``(B, ...)``, on ``device``.
     """
     torch = _torch()
+    ready = batch.__dict__.get("_tensors")
+    if ready is not None:  # a device tier's batch: its tensors are on its device already
+        if device is None or torch.device(device) == next(iter(ready.values())).device:
+            return ready
+        return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, ready.host)
     dev = torch.device("cpu") if device is None else torch.device(device)
-    arrays = _fields(batch)
-    if dev.type == "cpu":
-        return {key: _from_numpy(torch, key, arr) for key, arr in arrays.items()}
+    arrays, derived = _fields(batch)
     if dev.type == "cuda":
-        return _to_cuda(torch, arrays, dev, non_blocking)
-    # Other accelerators: torch handles pinning (or not) itself.
-    return {key: _from_numpy(torch, key, arr).to(dev, non_blocking=non_blocking)
-            for key, arr in arrays.items()}
+        out = _to_cuda(torch, arrays, dev, non_blocking)
+    else:
+        out = {key: _from_numpy(torch, key, arr) for key, arr in arrays.items()}
+        if dev.type != "cpu":  # other accelerators: torch handles pinning (or not) itself
+            out = {key: t.to(dev, non_blocking=non_blocking) for key, t in out.items()}
+    return TensorBatch(_derive(torch, out, derived), _host_of(batch))
 
 
-def _from_numpy(torch, key: str, arr: np.ndarray):
+def _derive(torch, out: dict, derived: dict) -> dict:
+    """Rebuild the derived keys from what travelled, in the batch's key order:
+    ``obs``/``next_obs`` as views of the pair gather, or the stacks of a
+    sequence batch gathered from its rows' distinct frames."""
+    if not derived:
+        return out
+    res = {}
+    src = out.pop("_pair", None)
+    frames, index = out.pop("_frames", None), out.pop("_frame_index", None)
+    for name, (_, rule) in derived.items():
+        if rule == "first":
+            res[name] = src[:, :-1]
+        elif rule == "last":
+            res[name] = src[:, 1:]
+        else:
+            res[name] = stacks_from(torch, frames, index[name])
+    res.update(out)
+    return res
+
+
+def stacks_from(torch, frames, index):
+    """``(B, T, k, *frame)`` stacks from a row's frames: ``frames`` is
+    ``(B, n, *frame)``, ``index`` ``(B, T, k)`` positions into each row
+    (one gather on the tensors' device)."""
+    b, n = frames.shape[0], frames.shape[1]
+    flat = frames.reshape(b * n, *frames.shape[2:])
+    rows = index + (torch.arange(b, device=index.device, dtype=index.dtype) * n).view(b, 1, 1)
+    return flat.index_select(0, rows.reshape(-1)).view(*index.shape, *frames.shape[2:])
+
+
+def _from_numpy(torch, key: str, arr):
+    if isinstance(arr, dict):  # a sequence batch's frame indices, by stack name
+        return {n: _from_numpy(torch, key, a) for n, a in arr.items()}
     try:
         return torch.from_numpy(_host_array(arr))
     except TypeError:
         raise InvalidTypeError(f"field {key!r} has dtype {np.asarray(arr).dtype}, which torch cannot hold") from None
 
 
+def _layout(arrays: dict) -> tuple[list, int]:
+    """``[(key, sub-key or None, offset, array)]`` of every array in one
+    staging block, and the block's size in bytes."""
+    parts, off = [], 0
+    for key, arr in arrays.items():
+        subs = arr.items() if isinstance(arr, dict) else ((None, arr),)
+        for sub, a in subs:
+            a = np.asarray(a)
+            parts.append((key, sub, off, a))
+            off += -(-a.nbytes // ALIGN) * ALIGN
+    return parts, max(off, ALIGN)
+
+
 def _to_cuda(torch, arrays: dict, dev, non_blocking: bool) -> dict:
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    out = {}
+    parts, size = _layout(arrays)
+    dtypes = [(_torch_dtype(torch, a.dtype, key if sub is None else f"{key}[{sub}]"), a) for key, sub, _, a in parts]
+    pkey = (dev.index, tuple((key, sub, a.shape, a.dtype.newbyteorder("=").str) for key, sub, _, a in parts))
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev)
-        for key, arr in arrays.items():
-            arr = np.asarray(arr)
-            tdt = _torch_dtype(torch, arr.dtype, key)
-            pkey = (dev.index, key, arr.shape, arr.dtype.newbyteorder("=").str)
-            slot = _POOL.acquire(pkey, arr.shape, tdt)
-            issued = False
-            try:
-                np.copyto(slot.view, arr, casting="no" if arr.dtype.isnative else "equiv")
-                issued = True
-                out[key] = slot.host.to(dev, non_blocking=non_blocking)
-                event = torch.cuda.Event()
-                event.record(stream)
-            except BaseException:
-                if issued:  # a copy may be in flight without its event: let it finish first
-                    stream.synchronize()
-                _POOL.release(pkey, slot, None)
-                raise
-            _POOL.release(pkey, slot, event)
+        slot = _POOL.acquire(pkey, (size,), torch.uint8)
+        issued = False
+        try:
+            for (key, sub, off, a), _ in zip(parts, dtypes):
+                dst = slot.view[off:off + a.nbytes].view(a.dtype.newbyteorder("=")).reshape(a.shape)
+                np.copyto(dst, a, casting="no" if a.dtype.isnative else "equiv")
+            issued = True
+            block = slot.host.to(dev, non_blocking=non_blocking)
+            event = torch.cuda.Event()
+            event.record(stream)
+        except BaseException:
+            if issued:  # a copy may be in flight without its event: let it finish first
+                stream.synchronize()
+            _POOL.release(pkey, slot, None)
+            raise
+        _POOL.release(pkey, slot, event)
+    out: dict = {}
+    for (key, sub, off, a), (tdt, _) in zip(parts, dtypes):
+        t = block[off:off + a.nbytes].view(tdt).view(a.shape)
+        if sub is None:
+            out[key] = t
+        else:
+            out.setdefault(key, {})[sub] = t
     return out
 
 
@@ -228,6 +358,13 @@ def as_array(x, what: str) -> np.ndarray:
         return np.asarray(as_numpy(x))
     except (ValueError, TypeError, OverflowError) as e:
         raise InvalidTypeError(f"{what} is not an array of numbers ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def is_device_tensor(x) -> bool:
+    """Whether ``x`` is a torch tensor whose memory is not the host's (reading
+    it would wait for the device)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "meta")
 
 
 def as_numpy(x):

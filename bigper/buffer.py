@@ -940,7 +940,7 @@ class PrioritizedReplayBuffer:
 
     def _gather(self, idx: np.ndarray) -> dict:
         if self._items is not None:  # sequences: (B, T, ...) fields and their mask
-            data, mask = self._reader.windows(idx, self._fused)
+            data, mask, _ = self._reader.windows(idx, self._fused)
             return {**data, "mask": mask}
         return self._reader.gather(idx, None, None, self._fused)
 

@@ -401,6 +401,34 @@ class FrameStore:
                                 self._out((rows.shape[0], *self.frame_shape)) if dest is None else dest)
         return out if out is not None else frames.reshape((slots.shape[0], self.k, *self.frame_shape))
 
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The frames of global frame ids ``ids`` ``(n,)``, as ``(n, *frame)``
+        (a reused output array); an id of -1 gives a zero frame."""
+        real = ids >= 0
+        every = bool(real.all())
+        out = self._out((ids.shape[0], *self.frame_shape))
+        if self.log is not None:
+            if every:
+                self.log.decode(ids, out.reshape(ids.shape[0], -1).view(np.uint8))
+            else:
+                some = np.empty((int(real.sum()), self.row_bytes), dtype=np.uint8)
+                self.log.decode(ids[real], some)
+                out.reshape(ids.shape[0], -1).view(np.uint8)[real] = some
+        else:
+            rows = np.where(real, ids % self.F, 0)
+            arrays = getattr(self.store, "arrays", None)
+            if arrays is None:
+                np.copyto(out, self.store.read("frames", rows))
+            else:
+                _take_rows(arrays["frames"], rows, out)
+        if not every:
+            out[~real] = 0
+        return out
+
+    def refs(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """``(B, k)`` frame ids of the ``name`` stacks ("obs_ref" or "next_obs_ref") at ``slots``."""
+        return self._refs(name, slots)
+
     def _refs(self, name: str, slots: np.ndarray) -> np.ndarray:
         arrays = getattr(self.store, "arrays", None)
         if arrays is None:
