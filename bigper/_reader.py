@@ -27,6 +27,19 @@ def _into(data: dict, out: dict) -> dict:
     return data
 
 
+def _same_rows(rows: dict) -> dict:
+    """``rows`` with equal row arrays as one object (``Mirror.batch`` sends each once)."""
+    seen: list = []
+    out = {}
+    for name, r in rows.items():
+        same = next((s for s in seen if s.shape == r.shape and np.array_equal(s, r)), None)
+        if same is None:
+            seen.append(r)
+            same = r
+        out[name] = same
+    return out
+
+
 def _stacks_of(frames: np.ndarray, index: np.ndarray) -> np.ndarray:
     """``(B, T, k, *frame)`` stacks from each row's distinct ``frames`` ``(B, n, *frame)``."""
     b, n = frames.shape[0], frames.shape[1]
@@ -91,9 +104,6 @@ class Reader:
         once = None
         if refs:
             once = self.frames_once(refs, mask)
-            if stacks:
-                for name, ix in once[1].items():
-                    data[name] = _stacks_of(once[0], ix)
         for name, v in flat.items():
             v = v.reshape((b, t, *v.shape[1:]))
             if some:
@@ -103,6 +113,12 @@ class Reader:
                     v = v.copy()
                 v[pad] = 0
             data[name] = v
+        if once is not None and stacks:  # the stacks where gather puts them: after the per-row fields
+            rest = [n for n in data if n not in self.plain]
+            for name, ix in once[1].items():
+                data[name] = _stacks_of(once[0], ix)
+            for n in rest:
+                data[n] = data.pop(n)
         return data, mask, once
 
     def frames_once(self, refs: dict, mask: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -191,6 +207,57 @@ class Reader:
                 rdt if rdt.kind == "f" else np.float32)
         data["terminated"], data["truncated"], data["discount"] = term, trunc, disc
         return _into(data, out)
+
+    def plan(self, idx: np.ndarray, mask: np.ndarray | None = None) -> dict:
+        """The host half of a batch whose data a device holds (``device.Mirror``).
+
+        ``idx``: slots (any shape: ``(B,)`` transitions, ``(B, T)`` the steps
+        of sequence items); ``mask``: which of them are real (padded steps
+        read zero rows). Returns ``rows`` (the slot each per-transition field
+        reads, -1 where padded), ``small`` (end flags, discount and the
+        n-step reward, computed here), ``frames`` (by stack name, the frame
+        ids, -1 where padded) and ``order`` (the batch's keys in order)."""
+        cfg = self.cfg
+        shape = idx.shape
+        flat = idx.reshape(-1)
+        if cfg.n_step == 1:
+            last = flat
+            e = self.ends.take(flat)
+            small = {"terminated": _TERM.take(e), "truncated": _TRUNC.take(e), "discount": self.discount1.take(e)}
+        else:
+            slots, disc, term, trunc = nstep.nstep_view(
+                self.gid[flat], cfg.capacity, cfg.num_envs, cfg.n_step, self.ends, self.gamma)
+            last = slots[np.arange(flat.shape[0]), (slots >= 0).sum(axis=1) - 1]
+            rewards = self._read("reward", np.where(slots >= 0, slots, flat[:, None]).ravel()).reshape(slots.shape)
+            rdt = cfg.dtype("reward")
+            small = {"reward": nstep.discounted_sum(rewards, slots, self.gamma).astype(
+                rdt if rdt.kind == "f" else np.float32), "terminated": term, "truncated": trunc, "discount": disc}
+        pad = None if mask is None or mask.all() else ~mask.reshape(-1)
+        rows = {}
+        for name in self.plain:
+            if name in small:
+                continue
+            r = last if name in self.successors else flat
+            rows[name] = (r if pad is None else np.where(pad, -1, r)).reshape(shape)
+        frames = None
+        if self.frames is not None:
+            frames = {"obs": self.frames.refs("obs_ref", flat)}
+            if "obs" in cfg.next_of:
+                frames["next_obs"] = self.frames.refs("next_obs_ref", last)
+            frames = {n: (f if pad is None else np.where(pad[:, None], -1, f)).reshape(*shape, -1)
+                      for n, f in frames.items()}
+        if pad is not None:
+            small = {n: np.where(pad, 0, v).astype(v.dtype) for n, v in small.items()}
+        small = {n: v.reshape(shape) for n, v in small.items()}
+        order = [n for n in self.plain] + (list(frames) if frames else [])
+        order += [n for n in ("reward", "terminated", "truncated", "discount") if n not in order]
+        return {"rows": _same_rows(rows), "small": small, "frames": frames, "order": order}
+
+    def _read(self, name: str, rows: np.ndarray) -> np.ndarray:
+        arrays = getattr(self.store, "arrays", None)
+        if arrays is not None:
+            return arrays[name].take(rows, axis=0, mode="clip")
+        return self.store.read(name, rows)
 
     def check_out(self, out, b: int) -> dict:
         """``out`` for ``sample``: a dict of arrays, each one of the batch's keys,

@@ -255,13 +255,20 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
         return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, ready.host)
     dev = torch.device("cpu") if device is None else torch.device(device)
     arrays, derived = _fields(batch)
+    return TensorBatch(_derive(torch, move(torch, arrays, dev, non_blocking), derived), _host_of(batch))
+
+
+def move(torch, arrays: dict, dev, non_blocking: bool = True) -> dict:
+    """Numpy ``arrays`` (by key; a value may be a dict of arrays) as tensors
+    on ``dev``: on CUDA one pinned block and one copy, on the CPU shared
+    where torch can share them."""
     if dev.type == "cuda":
-        out = _to_cuda(torch, arrays, dev, non_blocking)
-    else:
-        out = {key: _from_numpy(torch, key, arr) for key, arr in arrays.items()}
-        if dev.type != "cpu":  # other accelerators: torch handles pinning (or not) itself
-            out = {key: t.to(dev, non_blocking=non_blocking) for key, t in out.items()}
-    return TensorBatch(_derive(torch, out, derived), _host_of(batch))
+        return _to_cuda(torch, arrays, dev, non_blocking)
+    out = {key: _from_numpy(torch, key, arr) for key, arr in arrays.items()}
+    if dev.type != "cpu":  # other accelerators: torch handles pinning (or not) itself
+        out = {key: (t.to(dev, non_blocking=non_blocking) if not isinstance(t, dict) else
+                     {n: v.to(dev, non_blocking=non_blocking) for n, v in t.items()}) for key, t in out.items()}
+    return out
 
 
 def _derive(torch, out: dict, derived: dict) -> dict:

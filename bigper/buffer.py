@@ -30,6 +30,7 @@ from ._opening import held, open_path
 from ._reader import Reader
 from ._statecheck import check_state
 from ._writer import Writer
+from ._torch import TensorBatch, is_device_tensor
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .config import Sequence as ReplaySequence  # (typing's Sequence is used here too)
@@ -44,6 +45,7 @@ from .errors import (
 )
 from .dictionaries import as_dictionary
 from .frames import FrameStore, require_compression
+from .device.deferred import Deferred
 from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
@@ -133,6 +135,8 @@ def _entry(method):
             outer = self._in_call
             self._in_call = name if outer is None else outer
             try:
+                if self._deferred and name != "update_priorities":
+                    self._settle()  # updates from device tensors, in order, before anything reads the tree
                 return method(self, *args, **kwargs)
             except (OSError, BigperError) as e:
                 raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
@@ -146,6 +150,8 @@ def _read(method):
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
         with self._lock:
+            if not self._closed and getattr(self, "_deferred", None):
+                self._settle()
             return method(self, *args, **kwargs)
     return entry
 
@@ -157,7 +163,7 @@ def _sample_in(ref, size: int, device, sample_kw: dict):
     buf = ref()
     if buf is None:
         raise BufferClosedError("the buffer of this sampler was dropped")
-    batch = buf.sample(size, **sample_kw)
+    batch = buf._sample_for(size, device, sample_kw)
     del buf
     return batch if device is None else batch.to_torch(device)
 
@@ -242,7 +248,7 @@ class PrioritizedReplayBuffer:
                  read_only: bool = False, storage_options: Mapping[str, Any] | None = None,
                  compression: Literal["zstd"] | None = None, compression_budget: int | None = None,
                  compression_dictionary: bytes | np.ndarray | None = None,
-                 sequence: ReplaySequence | None = None) -> None:
+                 sequence: ReplaySequence | None = None, device: Any = None) -> None:
         self._lock = threading.RLock()
         self._closed = True  # until the storage is allocated
         self._closed_why = self._in_call = None
@@ -264,6 +270,7 @@ class PrioritizedReplayBuffer:
                                        f"got fields {sorted(cfg.fields)}")
         if cfg.storage == "memory" and (path is not None or read_only):
             raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
+        mirror = _mirror(cfg, device)  # device memory first: a refusal makes nothing on disk
         try:
             store, recorded = open_path(cfg, path, mode, read_only, storage_options)
         except (OSError, BigperError) as e:
@@ -285,7 +292,7 @@ class PrioritizedReplayBuffer:
                 self.resumed = held(recorded)
             frames = FrameStore(cfg, store, compression_dictionary) if cfg.frame_stack else None
             store.allocate(storage_specs(cfg, frames))
-            self._setup(cfg, store, frames)
+            self._setup(cfg, store, frames, mirror)
             if state is not None:
                 self._restore(*state, reseed=cfg.seed != old.seed)
         except BaseException as e:
@@ -302,7 +309,8 @@ class PrioritizedReplayBuffer:
 
     @classmethod
     def from_parts(cls, config: Config, store: Storage,
-                   state: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None) -> "PrioritizedReplayBuffer":
+                   state: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None,
+                   device: Any = None) -> "PrioritizedReplayBuffer":
         """A buffer over ``store``, whose arrays are allocated already, for
         snapshot loads and offline datasets. On a refusal the store is left
         to the caller.
@@ -315,6 +323,8 @@ class PrioritizedReplayBuffer:
             An open storage holding the arrays ``storage_specs(config)`` names.
         state : tuple, optional
             ``(meta, arrays)`` as ``state_dict`` gives them, checked before use.
+        device : str or torch.device, optional
+            Keep a copy of the data on this torch device (the device tier), rebuilt from ``store``.
 
         Returns
         -------
@@ -327,7 +337,8 @@ class PrioritizedReplayBuffer:
         buf._pid = os.getpid()
         buf.resumed = None
         try:
-            buf._setup(config, store, FrameStore(config, store) if config.frame_stack else None)
+            buf._setup(config, store, FrameStore(config, store) if config.frame_stack else None,
+                       _mirror(config, device))
             if state is not None:
                 buf._restore(*state)
         except BaseException:
@@ -352,7 +363,7 @@ class PrioritizedReplayBuffer:
         return storage_specs(config)
 
     # -- construction ----------------------------------------------------------
-    def _setup(self, cfg: Config, store, frames) -> None:
+    def _setup(self, cfg: Config, store, frames, mirror=None) -> None:
         self.config = cfg
         self._cfg_beta = cfg.schedule
         self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
@@ -375,6 +386,8 @@ class PrioritizedReplayBuffer:
         self._items = Items(cfg, self._gid, self._status, self._ends) if cfg.sequence else None
         self._writer.items = self._reader.items = self._items
         self._beta_step = 0
+        self._mirror = mirror
+        self._deferred = Deferred()
         self._rng = np.random.default_rng(cfg.seed)
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
         self._closed = False
@@ -503,9 +516,22 @@ class PrioritizedReplayBuffer:
         -------
         Batch
         """
+        return self._draw(batch_size, beta, stratified, out, True)
+
+    @_entry
+    def _sample_for(self, batch_size: int, device, sample_kw: dict) -> Batch:
+        """``sample`` for a sampler: a batch bound for a CUDA device leaves the
+        stacks of a sequence batch to be rebuilt there from its distinct frames."""
+        stacks = device is None or self._items is None or str(device).split(":")[0] != "cuda"
+        return self._draw(batch_size, sample_kw.get("beta"), sample_kw.get("stratified", True), None, stacks)
+
+    def _draw(self, batch_size, beta, stratified, out, stacks: bool) -> Batch:
         if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
             check_batch_size(batch_size)  # raises, or passes a numpy integer
         if out is not None:
+            if self._mirror is not None:
+                raise InvalidArgumentError("sample(out=...) gathers into host arrays; this buffer has a device "
+                                           f"tier (device={str(self._mirror.device)!r}) and gathers there")
             out = self._reader.check_out(out, int(batch_size))
             self._check_not_mine(out)
         if beta is None:
@@ -528,7 +554,19 @@ class PrioritizedReplayBuffer:
         idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
                                          stratified=bool(stratified), beta=b)
         self._beta_step += 1
-        return self._reader.batch(idx, w, prob, out, self._writer.fused)
+        if self._mirror is not None:
+            return self._device_batch(idx, w, prob)
+        return self._reader.batch(idx, w, prob, out, self._writer.fused, stacks)
+
+    def _device_batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
+        """The batch at ``idx`` gathered on the device tier: the host computes
+        the small values and frame ids, the device gathers the data."""
+        self._mirror.sync(self._store, self._frames, self._count)
+        if self._items is None:
+            return self._mirror.batch(self._reader.plan(idx), idx, w, prob, self._gid[idx])
+        slots, mask = self._items.window(idx)
+        return self._mirror.batch(self._reader.plan(slots, mask), idx, w, prob, self._gid[idx], mask,
+                                  self._items.burn_in)
 
     def _check_not_mine(self, out: dict) -> None:
         """Refuse ``out`` arrays that share memory with anything the buffer
@@ -616,8 +654,22 @@ class PrioritizedReplayBuffer:
             the real steps after the burn-in (``sequences.reduce_errors``).
         """
         self._check_writable("priorities")
+        idx, stamps, use, mask = self._target(target)
+        if is_device_tensor(priorities):
+            self._defer(idx, stamps, use, mask, priorities)
+            return
+        if self._deferred:
+            self._settle()
+        self._update(idx, stamps, use, mask, priorities)
+
+    def _target(self, target) -> tuple:
+        """``(indices, generations, use them, mask)`` of an ``update_priorities`` target."""
+        mask = None
         if isinstance(target, Batch):
-            idx, stamps, use = target.indices, target.generations, True
+            idx, stamps, use, mask = target.indices, target.generations, True, target.mask
+        elif isinstance(target, TensorBatch):  # to_torch's dict: its host copies (no read from the device)
+            host = target.host
+            idx, stamps, use, mask = as_index(host["indices"]), as_index(host["generations"]), True, host["mask"]
         elif isinstance(target, Mapping):
             if "indices" not in target:
                 raise InvalidTypeError("target is a mapping without 'indices'; pass a Batch, the dict "
@@ -628,13 +680,52 @@ class PrioritizedReplayBuffer:
             if use and stamps.shape != idx.shape:
                 raise InvalidArgumentError(f"target['generations'] has shape {stamps.shape}, "
                                            f"expected {idx.shape} like target['indices']")
+            mask = target.get("mask")
         else:
             idx = as_index(target)
             stamps, use = idx, False
+        return idx, stamps, use, mask
+
+    def _defer(self, idx, stamps, use: bool, mask, priorities) -> None:
+        """Keep an update whose values are on a device: checked here as far as
+        the host can without reading them, applied by ``_settle``."""
+        n = idx.shape[0]
+        shape = tuple(priorities.shape)
+        ok = shape in ((n,), (n, 1))
+        if self._items is not None:
+            ok = ok or shape in ((n, self._items.T), (n, self._items.length))
+        if not ok:
+            raise InvalidArgumentError(f"priorities must have shape ({n},) to match the indices, got {shape}")
+        if priorities.is_complex():
+            raise InvalidTypeError(f"priorities must be real numbers, got dtype {priorities.dtype}")
+        if self._items is not None:
+            if shape[1:] not in ((), (1,)):
+                self._items.reduce(np.zeros(shape), None if mask is None else np.asarray(mask), n)  # mask checks
+            self._items.check_starts(idx, stamps, use)
+        self._check_indices(idx)
+        self._deferred.push(idx.copy(), stamps.copy(), use, None if mask is None else np.array(mask), priorities)
+
+    def _settle(self) -> None:
+        """Apply the updates from device tensors, oldest first (waiting for
+        their copies). One whose values are not valid priorities changes
+        nothing and is reported here, after the valid ones are applied."""
+        first = None
+        while True:
+            got = self._deferred.pop()
+            if got is None:
+                break
+            p, values = got
+            try:
+                self._update(p.indices, p.stamps, p.use_stamps, p.mask, values)
+            except BigperError as e:
+                first = first or e
+        if first is not None:
+            raise InvalidArgumentError(f"an earlier update_priorities call with priorities on a device was not "
+                                       f"applied (nothing of it changed): {first}") from first
+
+    def _update(self, idx, stamps, use: bool, mask, priorities) -> None:
         items = self._items
         if items is not None:
-            mask = target.mask if isinstance(target, Batch) else (
-                target.get("mask") if isinstance(target, Mapping) else None)
             p = items.reduce(priorities, mask, idx.shape[0])
             p = as_priorities(priorities if p is None else p, idx.shape[0])
             items.check_starts(idx, stamps, use)
@@ -732,6 +823,9 @@ class PrioritizedReplayBuffer:
             self._frames.restore(meta["frames"], arrays)
         if self._items is not None:
             self._items.restore(arrays)
+        if self._mirror is not None:  # the device copy is rebuilt from the storage
+            self._mirror.forget()
+            self._mirror.sync(self._store, self._frames, self._count, progress=True)
 
     # -- snapshots -------------------------------------------------------------
     @_entry
@@ -773,7 +867,8 @@ class PrioritizedReplayBuffer:
             raise real_names(e, where=os.path.abspath(snapshot))
 
     @classmethod
-    def load(cls, snapshot: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None) -> "PrioritizedReplayBuffer":
+    def load(cls, snapshot: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None,
+             device: Any = None) -> "PrioritizedReplayBuffer":
         """Resume the buffer saved in ``snapshot``.
 
         Parameters
@@ -784,6 +879,9 @@ class PrioritizedReplayBuffer:
             Where a disk storage keeps its live data (default: the path
             recorded in the snapshot). A buffer bigper closed there is
             replaced; anything else there is refused and left as it was.
+        device : str or torch.device, optional
+            Keep a copy of the data on this torch device (the device tier),
+            rebuilt from the snapshot's data (a progress bar for large buffers).
 
         Returns
         -------
@@ -799,12 +897,14 @@ class PrioritizedReplayBuffer:
         StorageLockedError
             A live writer holds ``path``.
         """
+        if device is not None:
+            _check_device(device)  # before anything at the path is made
         try:
             parts = _snapshot.load(snapshot, path=path)
         except (OSError, BigperError) as e:
             raise real_names(e)
         try:
-            return cls.from_parts(parts.config, parts.storage, (parts.meta, parts.arrays))
+            return cls.from_parts(parts.config, parts.storage, (parts.meta, parts.arrays), device=device)
         except BigperError:
             parts.release()
             raise
@@ -1050,11 +1150,17 @@ class PrioritizedReplayBuffer:
 
     def close(self) -> None:
         """Flush, record the state and release the storage; reopening a disk
-        path with ``mode="resume"`` continues. Idempotent."""
+        path with ``mode="resume"`` continues. Idempotent. Updates from
+        device tensors still in flight are applied first."""
         if getattr(self, "_closed", True):
             return
         with self._lock:  # another thread's call ends first; this thread's own is refused
             self._refuse_inside("close")
+            if self._deferred:
+                try:
+                    self._settle()
+                except BigperError as e:  # close must close: say what was not applied
+                    log.warning("bigper: %s", e)
         # Samplers first, outside the lock: their threads may be waiting for it.
         # A consumer still iterating one is told why it ends (not a silent StopIteration).
         for s in list(getattr(self, "_samplers", ())):
@@ -1097,6 +1203,26 @@ class PrioritizedReplayBuffer:
         state = "closed" if self._closed else f"len={len(self)}"
         return (f"PrioritizedReplayBuffer({state}, capacity={self.capacity}, "
                 f"storage={self.config.storage!r}, total_priority={self.total_priority:.6g})")
+
+
+def _check_device(device) -> None:
+    from .device.mirror import as_device
+
+    as_device(device)
+
+
+def _mirror(cfg: Config, device):
+    """The device tier of a buffer of ``cfg`` on ``device`` (None: none)."""
+    if device is None:
+        return None
+    from .device.mirror import Mirror, as_device
+    from .frames import frame_capacity
+
+    frames = None
+    if cfg.frame_stack:
+        shape = cfg.shape("obs")
+        frames = (frame_capacity(cfg.capacity, cfg.frame_stack, cfg.num_envs), tuple(shape[1:]), cfg.dtype("obs"))
+    return Mirror(as_device(device), cfg.capacity, plain_fields(cfg), frames)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

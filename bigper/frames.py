@@ -425,6 +425,11 @@ class FrameStore:
             out[~real] = 0
         return out
 
+    def oldest_frame(self) -> int:
+        """The oldest frame id still stored (``fw - F`` for the ring; the log's oldest when compressed)."""
+        oldest = max(0, self.fw - self.F)
+        return oldest if self.log is None else max(oldest, self.log.oldest())
+
     def refs(self, name: str, slots: np.ndarray) -> np.ndarray:
         """``(B, k)`` frame ids of the ``name`` stacks ("obs_ref" or "next_obs_ref") at ``slots``."""
         return self._refs(name, slots)

@@ -1,0 +1,242 @@
+"""The device tier: a copy of a buffer's stored data in a torch device's memory.
+
+The tree stays on the host (numba, float64, exact, snapshotted). The mirror
+holds every per-transition field and the frame ring, each frame once (raw
+frames also for a compressed buffer), plus one zero row at the end of each
+array that padded sequence steps read::
+
+    host  tree -> indices -> small values (ends, discount, n-step reward) + frame ids
+                     |  one pinned block, one copy up
+    device           v
+          fields[name][rows]      frames[ids % F] -> (B, k+1) -> obs, next_obs as views
+
+Writes reach the mirror lazily: ``sync`` copies what was added since the last
+sync (slots ``count_synced .. count``, frames ``fw_synced .. fw``) before a
+draw, so many adds between two samples cost one copy a field. The disk copy
+is the one that counts; a resumed or loaded buffer rebuilds the mirror from it
+(``rebuild``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._torch import TensorBatch, _torch, move
+from ..batch import Batch
+from ..errors import InvalidArgumentError
+
+# Rows a rebuild copies at a time (bounded host memory; progress bar steps).
+CHUNK = 8192
+# A rebuild of more rows than this shows a progress bar.
+PROGRESS_ROWS = 100_000
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def need(plain: dict, capacity: int, frames: tuple | None) -> int:
+    """Bytes of device memory a mirror takes: ``plain`` ``name -> (shape,
+    dtype)`` of the per-transition fields, ``frames`` ``(F, frame shape,
+    dtype)`` of the frame ring or None."""
+    total = 0
+    for shape, dtype in plain.values():
+        total += (capacity + 1) * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if frames is not None:
+        f, shape, dtype = frames
+        total += (f + 1) * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return int(total)
+
+
+def as_device(device):
+    """``device`` as a ``torch.device`` (``InvalidArgumentError`` naming it when torch refuses it)."""
+    torch = _torch()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu'), "
+                                   f"got {device!r} ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device={device!r}: this torch has no CUDA device "
+                                       f"(torch {torch.__version__})")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
+class Mirror:
+    """The stored data of one buffer on ``device``.
+
+    Parameters
+    ----------
+    device : torch.device
+    capacity : int
+    plain : dict
+        ``name -> (shape, dtype)`` of the per-transition fields.
+    frames : tuple or None
+        ``(F, frame shape, dtype)`` of the frame ring.
+    """
+
+    def __init__(self, device, capacity: int, plain: dict, frames: tuple | None):
+        torch = _torch()
+        self.device = device
+        self.capacity = capacity
+        self.nbytes = need(plain, capacity, frames)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            if self.nbytes > free:
+                raise InvalidArgumentError(
+                    f"device={str(device)!r} cannot hold this buffer's data: it needs {_gib(self.nbytes)} "
+                    f"({self.nbytes} bytes) of device memory and {_gib(free)} of {_gib(total)} are free; "
+                    "use a smaller capacity, or no device tier (batches then go up through pinned memory)")
+        try:
+            self.fields = {name: torch.zeros((capacity + 1, *shape), dtype=_dtype(torch, dtype, name),
+                                             device=device) for name, (shape, dtype) in plain.items()}
+            self.F = frames[0] if frames is not None else 0
+            self.frame_shape = tuple(frames[1]) if frames is not None else ()
+            self.frames = None if frames is None else torch.zeros(
+                (self.F + 1, *self.frame_shape), dtype=_dtype(torch, frames[2], "obs"), device=device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise InvalidArgumentError(f"device={str(device)!r} could not allocate this buffer's data "
+                                       f"({_gib(self.nbytes)}, {self.nbytes} bytes): {str(e)[:200]}") from None
+        self.count = 0  # transitions added when last synced
+        self.fw = 0     # frames written when last synced
+
+    # -- writes ------------------------------------------------------------------
+    def sync(self, store, framestore, count: int, progress: bool = False) -> None:
+        """Copy what was written since the last sync: the slots of
+        transitions ``self.count .. count`` and frames ``self.fw .. fw``."""
+        c = self.capacity
+        lo = max(self.count, count - c)
+        if lo < count:
+            bar = _bar(progress, count - lo, "rebuilding the device copy (fields)")
+            for g in range(lo, count, CHUNK):
+                hi = min(g + CHUNK, count)
+                for a, b in _ranges(g, hi, c):
+                    for name, dev in self.fields.items():
+                        dev[a:b].copy_(_host(_rows(store, name, a, b)))
+                if bar is not None:
+                    bar.update(hi - g)
+            if bar is not None:
+                bar.close()
+        self.count = count
+        if framestore is None:
+            return
+        fw = framestore.fw
+        oldest = max(self.fw, fw - self.F, framestore.oldest_frame())
+        if oldest < fw:
+            bar = _bar(progress, fw - oldest, "rebuilding the device copy (frames)")
+            for g in range(oldest, fw, CHUNK):
+                hi = min(g + CHUNK, fw)
+                host = framestore.rows_of(np.arange(g, hi, dtype=np.int64))
+                done = 0
+                for a, b in _ranges(g, hi, self.F):
+                    self.frames[a:b].copy_(_host(host[done:done + b - a]))
+                    done += b - a
+                if bar is not None:
+                    bar.update(hi - g)
+            if bar is not None:
+                bar.close()
+        self.fw = fw
+
+    def forget(self) -> None:
+        """Everything is to be copied again at the next sync (a restored state)."""
+        self.count = self.fw = 0
+
+    # -- reads -------------------------------------------------------------------
+    def batch(self, plan: dict, idx, w, prob, gen, mask=None, burn_in: int = 0) -> Batch:
+        """A ``Batch`` whose data are tensors on the device, gathered there.
+
+        ``plan`` is ``Reader.plan``'s: ``rows`` (the slot each plain field
+        reads, -1 for a padded step), ``small`` (host values sent as they
+        are), ``frames`` (frame ids of the stacks by name, -1 padded)."""
+        torch = _torch()
+        c, F = self.capacity, self.F
+        up: dict = {}
+        keys: dict = {}  # a field's rows, sent once per distinct row array
+        for name, rows in plan["rows"].items():
+            key = next((k for k, r in keys.items() if r is rows), None)
+            if key is None:
+                key = f"_rows{len(keys)}"
+                keys[key] = rows
+                up[key] = np.where(rows >= 0, rows, c) if (rows < 0).any() else rows
+        stacks = plan["frames"] or {}
+        pair = None
+        if "obs" in stacks and "next_obs" in stacks and stacks["obs"].ndim == 2 \
+                and (stacks["next_obs"][:, :-1] == stacks["obs"][:, 1:]).all():
+            pair = np.concatenate([stacks["obs"], stacks["next_obs"][:, -1:]], axis=1)
+            up["_pair"] = pair % F
+        else:
+            for name, ids in stacks.items():
+                up[f"_{name}"] = np.where(ids >= 0, ids % max(F, 1), F)
+        up.update(plan["small"])
+        tw = np.asarray(w).astype(np.float32, copy=False)
+        up.update(weights=tw, indices=np.asarray(idx, dtype=np.int64), generations=np.asarray(gen, dtype=np.int64))
+        if mask is not None:
+            up["mask"] = mask
+        t = move(torch, up, self.device, True)
+        data = {}
+        for name in plan["order"]:
+            if name in plan["rows"]:
+                rows = t[next(k for k, r in keys.items() if r is plan["rows"][name])]
+                data[name] = _take(self.fields[name], rows)
+            elif name in ("obs", "next_obs") and name in stacks:
+                if pair is not None:
+                    both = _take(self.frames, t["_pair"])
+                    data["obs"], data["next_obs"] = both[:, :-1], both[:, 1:]
+                else:
+                    data[name] = _take(self.frames, t[f"_{name}"])
+            elif name in t:
+                data[name] = t[name]
+        b = Batch.make({k: data[k] for k in plan["order"] if k in data}, idx, tw, prob, gen, mask, burn_in)
+        tensors = dict(b.data)
+        tensors.update(weights=t["weights"], indices=t["indices"], generations=t["generations"])
+        if mask is not None:
+            tensors["mask"] = t["mask"]
+        b.__dict__["_tensors"] = TensorBatch(tensors, {"indices": idx, "generations": gen, "mask": mask})
+        return b
+
+
+def _take(src, rows):
+    """``src[rows]`` for an index tensor of any shape: one gather on the device."""
+    return src.index_select(0, rows.reshape(-1)).view(*rows.shape, *src.shape[1:])
+
+
+def _dtype(torch, dtype, name: str):
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype).newbyteorder("="))).dtype
+    except TypeError:
+        raise InvalidArgumentError(f"field {name!r} has dtype {np.dtype(dtype)}, which torch cannot hold, "
+                                   "so it cannot live on a device") from None
+
+
+def _ranges(lo: int, hi: int, n: int):
+    """Ring rows of positions ``lo .. hi`` (``hi - lo <= n``) as at most two ``(a, b)`` ranges."""
+    a, b = lo % n, (hi - 1) % n + 1
+    return [(a, b)] if a < b else [(a, n), (0, b)]
+
+
+def _rows(store, name: str, a: int, b: int) -> np.ndarray:
+    arrays = getattr(store, "arrays", None)
+    if arrays is not None:
+        return arrays[name][a:b]
+    return store.read(name, np.arange(a, b, dtype=np.int64))
+
+
+def _host(arr: np.ndarray):
+    torch = _torch()
+    arr = np.asarray(arr)
+    if not (arr.flags.c_contiguous and arr.flags.writeable and arr.dtype.isnative):
+        arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C")
+    return torch.from_numpy(arr)
+
+
+def _bar(progress: bool, n: int, what: str):
+    if not progress or n < PROGRESS_ROWS:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=n, desc=f"bigper: {what}", unit="row", leave=False)
