@@ -184,13 +184,17 @@ def pair_base(obs: np.ndarray, nxt: np.ndarray) -> np.ndarray | None:
                                            writeable=False)
 
 
-def _fields(batch) -> tuple[dict, dict]:
+def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
     """``(arrays, derived)``: the arrays that travel (by key), and how the
     keys that do not travel are rebuilt from them on the device
-    (``key -> (source key, rule)``)."""
+    (``key -> (source key, rule)``). ``copies``: the arrays are copied (to a
+    device), so frames shared by two stacks travel once; else (the CPU) the
+    stacks are shared as they are, where the batch has them."""
     arrays = dict(batch.data)
     derived: dict = {}
     seq = batch.__dict__.get("_seq_frames")
+    if not copies and seq is not None and "obs" in arrays:
+        seq = None
     if seq is not None:  # sequences: each row's distinct frames once, and the stacks' indices into them
         frames, index = seq
         arrays["_frames"] = frames
@@ -199,7 +203,7 @@ def _fields(batch) -> tuple[dict, dict]:
             if name in index:
                 arrays.pop(name, None)
                 derived[name] = ("_frames", name)
-    elif "obs" in arrays and "next_obs" in arrays:
+    elif copies and "obs" in arrays and "next_obs" in arrays:
         base = pair_base(arrays["obs"], arrays["next_obs"])
         if base is not None:  # obs and next_obs: two views of one (B, k + 1) gather, sent once
             del arrays["obs"], arrays["next_obs"]
@@ -254,7 +258,7 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
             return ready
         return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, ready.host)
     dev = torch.device("cpu") if device is None else torch.device(device)
-    arrays, derived = _fields(batch)
+    arrays, derived = _fields(batch, copies=dev.type != "cpu")
     return TensorBatch(_derive(torch, move(torch, arrays, dev, non_blocking), derived), _host_of(batch))
 
 

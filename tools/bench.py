@@ -43,6 +43,8 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "ray": ("bench_ray", "sharded buffer on a local Ray cluster: inserts/s from 2 writer actors and "
                          "samples/s at the learner for 1, 2, 4 shards, beside one local buffer"),
     "sb3": ("bench_sb3", "the Stable-Baselines3 drop-in beside SB3's own replay buffer"),
+    "learner": ("bench_learner", "a Nature-CNN DQN learner fed by each feed (ceiling, numpy, sample, sampler, "
+                                 "device tier, zstd), B 32 and 256, as a share of its ceiling; sequences to the device"),
     "sequences": ("bench_sequences", "prioritized sequences (R2D2: 32 x 40+80 steps) on Atari-shaped steps: "
                                      "add with/without, sample + update, bytes; flashbax, TorchRL"),
 }

@@ -201,7 +201,13 @@ class Mirror:
 
 
 def _take(src, rows):
-    """``src[rows]`` for an index tensor of any shape: one gather on the device."""
+    """``src[rows]`` for an index tensor of any shape: one gather on the device
+    (on the CPU numpy's take, which copies whole rows: torch's CPU
+    ``index_select`` of uint8 frames was 4x slower, measured)."""
+    if src.device.type == "cpu":
+        torch = _torch()
+        r = rows.numpy().reshape(-1)
+        return torch.from_numpy(src.numpy().take(r, axis=0, mode="clip")).view(*rows.shape, *src.shape[1:])
     return src.index_select(0, rows.reshape(-1)).view(*rows.shape, *src.shape[1:])
 
 
