@@ -50,7 +50,7 @@ def add_arguments(p):
     p.add_argument("--transitions", type=int, default=100_000, help="transitions in the buffer (default 100k)")
     p.add_argument("--iters", type=int, default=200, help="timed learner updates per feed and batch size")
     p.add_argument("--batches", default="32,256", help="batch sizes")
-    p.add_argument("--frames", default=None, help="an .npy of (n, 84, 84) uint8 frames (default: ALE Pong)")
+    p.add_argument("--frames", default=None, help="an .npy (or .npz with 'frames') of (n, 84, 84) uint8 frames (default: ALE Pong)")
     p.add_argument("--only", default=None, help="comma-separated feeds to run (default all)")
     p.add_argument("--seq-steps", type=int, default=20_000, help="steps in the sequence buffer")
     p.add_argument("--no-compression", action="store_true", help="skip the zstd feeds")
@@ -125,7 +125,9 @@ def main(args) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__}, device {device} ({gpu}), {args.transitions} transitions")
     if args.frames:
-        frames, source = np.load(args.frames), f"frames from {args.frames}"
+        frames = np.load(args.frames)
+        frames = frames["frames"] if isinstance(frames, np.lib.npyio.NpzFile) else frames
+        source = f"{frames.shape[0]} frames from {args.frames}"
     else:
         frames, source = real_frames()
     print(f"data: {source}")

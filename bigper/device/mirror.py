@@ -111,36 +111,38 @@ class Mirror:
         transitions ``self.count .. count`` and frames ``self.fw .. fw``."""
         c = self.capacity
         lo = max(self.count, count - c)
-        if lo < count:
-            bar = _bar(progress, count - lo, "rebuilding the device copy (fields)")
-            for g in range(lo, count, CHUNK):
-                hi = min(g + CHUNK, count)
-                for a, b in _ranges(g, hi, c):
-                    for name, dev in self.fields.items():
-                        dev[a:b].copy_(_host(_rows(store, name, a, b)))
-                if bar is not None:
-                    bar.update(hi - g)
+        fw = framestore.fw if framestore is not None else 0
+        first = max(self.fw, fw - self.F, framestore.oldest_frame()) if framestore is not None else 0
+        bar = _bar(progress, max(count - lo, 0) + max(fw - first, 0), "rebuilding the device copy")
+        for g in range(lo, count, CHUNK):
+            hi = min(g + CHUNK, count)
+            self._upload([(dev, a, b, _rows(store, name, a, b)) for a, b in _ranges(g, hi, c)
+                          for name, dev in self.fields.items()])
             if bar is not None:
-                bar.close()
+                bar.update(hi - g)
         self.count = count
-        if framestore is None:
-            return
-        fw = framestore.fw
-        oldest = max(self.fw, fw - self.F, framestore.oldest_frame())
-        if oldest < fw:
-            bar = _bar(progress, fw - oldest, "rebuilding the device copy (frames)")
-            for g in range(oldest, fw, CHUNK):
-                hi = min(g + CHUNK, fw)
-                host = framestore.rows_of(np.arange(g, hi, dtype=np.int64))
-                done = 0
-                for a, b in _ranges(g, hi, self.F):
-                    self.frames[a:b].copy_(_host(host[done:done + b - a]))
-                    done += b - a
-                if bar is not None:
-                    bar.update(hi - g)
+        for g in range(first, fw, CHUNK):
+            hi = min(g + CHUNK, fw)
+            host = framestore.rows_of(np.arange(g, hi, dtype=np.int64))
+            pieces, done = [], 0
+            for a, b in _ranges(g, hi, self.F):
+                pieces.append((self.frames, a, b, host[done:done + b - a]))
+                done += b - a
+            self._upload(pieces)
             if bar is not None:
-                bar.close()
-        self.fw = fw
+                bar.update(hi - g)
+        if bar is not None:
+            bar.close()
+        self.fw = max(self.fw, fw)
+
+    def _upload(self, pieces: list) -> None:
+        """``dest[a:b] = host`` for every piece, through one staging block and
+        one host-to-device copy (non-blocking: a copy from pageable memory
+        would wait for every kernel the learner queued), then copies on the device."""
+        torch = _torch()
+        up = move(torch, {str(i): np.ascontiguousarray(p[3]) for i, p in enumerate(pieces)}, self.device, True)
+        for i, (dest, a, b, _) in enumerate(pieces):
+            dest[a:b].copy_(up[str(i)], non_blocking=True)
 
     def forget(self) -> None:
         """Everything is to be copied again at the next sync (a restored state)."""
@@ -230,14 +232,6 @@ def _rows(store, name: str, a: int, b: int) -> np.ndarray:
     if arrays is not None:
         return arrays[name][a:b]
     return store.read(name, np.arange(a, b, dtype=np.int64))
-
-
-def _host(arr: np.ndarray):
-    torch = _torch()
-    arr = np.asarray(arr)
-    if not (arr.flags.c_contiguous and arr.flags.writeable and arr.dtype.isnative):
-        arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C")
-    return torch.from_numpy(arr)
 
 
 def _bar(progress: bool, n: int, what: str):
