@@ -37,7 +37,7 @@ from ._reuse import ReusedArrays
 from .errors import InvalidTypeError
 
 # Pinned blocks a layout keeps at most; beyond it the oldest one's event is waited on.
-POOL_DEPTH = 3
+POOL_DEPTH = 6  # (a sampler's batches in flight: prefetch + the learner's + the one being made)
 # Distinct (device, layout) keys kept; the least recently used pool goes first.
 # Dropping a pool while its copy is in flight is safe: torch's pinned-memory allocator
 # does not reuse a block until the copies recorded on it are done.
@@ -315,15 +315,19 @@ def _from_numpy(torch, key: str, arr):
 
 
 def _layout(arrays: dict) -> tuple[list, int]:
-    """``[(key, sub-key or None, offset, array)]`` of every array in one
-    staging block, and the block's size in bytes."""
-    parts, off = [], 0
+    """The parts of one staging block: ``[(dtype, offset, [(key, sub-key or
+    None, array)])]``, the arrays grouped by dtype (each group at an aligned
+    offset, its arrays back to back), and the block's size in bytes."""
+    groups: dict = {}
     for key, arr in arrays.items():
         subs = arr.items() if isinstance(arr, dict) else ((None, arr),)
         for sub, a in subs:
             a = np.asarray(a)
-            parts.append((key, sub, off, a))
-            off += -(-a.nbytes // ALIGN) * ALIGN
+            groups.setdefault(a.dtype.newbyteorder("=").str, []).append((key, sub, a))
+    parts, off = [], 0
+    for dt, members in groups.items():
+        parts.append((np.dtype(dt), off, members))
+        off += -(-sum(a.nbytes for _, _, a in members) // ALIGN) * ALIGN
     return parts, max(off, ALIGN)
 
 
@@ -331,33 +335,41 @@ def _to_cuda(torch, arrays: dict, dev, non_blocking: bool) -> dict:
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     parts, size = _layout(arrays)
-    dtypes = [(_torch_dtype(torch, a.dtype, key if sub is None else f"{key}[{sub}]"), a) for key, sub, _, a in parts]
-    pkey = (dev.index, tuple((key, sub, a.shape, a.dtype.newbyteorder("=").str) for key, sub, _, a in parts))
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev)
-        slot = _POOL.acquire(pkey, (size,), torch.uint8)
-        issued = False
-        try:
-            for (key, sub, off, a), _ in zip(parts, dtypes):
-                dst = slot.view[off:off + a.nbytes].view(a.dtype.newbyteorder("=")).reshape(a.shape)
+    tdts = [_torch_dtype(torch, dt, members[0][0] if members[0][1] is None else f"{members[0][0]}[{members[0][1]}]")
+            for dt, _, members in parts]
+    pkey = (dev.index, tuple((key, sub, a.shape, dt.str) for dt, _, members in parts for key, sub, a in members))
+    stream = torch.cuda.current_stream(dev)
+    slot = _POOL.acquire(pkey, (size,), torch.uint8)
+    issued = False
+    try:
+        for dt, off, members in parts:
+            for _, _, a in members:
+                n = a.nbytes
+                dst = slot.view[off:off + n].view(dt).reshape(a.shape)
                 np.copyto(dst, a, casting="no" if a.dtype.isnative else "equiv")
-            issued = True
-            block = slot.host.to(dev, non_blocking=non_blocking)
-            event = torch.cuda.Event()
-            event.record(stream)
-        except BaseException:
-            if issued:  # a copy may be in flight without its event: let it finish first
-                stream.synchronize()
-            _POOL.release(pkey, slot, None)
-            raise
-        _POOL.release(pkey, slot, event)
+                off += n
+        issued = True
+        block = slot.host.to(dev, non_blocking=non_blocking)
+        event = torch.cuda.Event()
+        event.record(stream)
+    except BaseException:
+        if issued:  # a copy may be in flight without its event: let it finish first
+            stream.synchronize()
+        _POOL.release(pkey, slot, None)
+        raise
+    _POOL.release(pkey, slot, event)
     out: dict = {}
-    for (key, sub, off, a), (tdt, _) in zip(parts, dtypes):
-        t = block[off:off + a.nbytes].view(tdt).view(a.shape)
-        if sub is None:
-            out[key] = t
-        else:
-            out.setdefault(key, {})[sub] = t
+    for (dt, off, members), tdt in zip(parts, tdts):
+        n = sum(a.size for _, _, a in members)
+        flat = block[off:off + n * dt.itemsize].view(tdt)
+        pieces = flat.split([a.size for _, _, a in members]) if len(members) > 1 else (flat,)
+        for (key, sub, a), t in zip(members, pieces):
+            if a.ndim != 1:
+                t = t.view(a.shape)
+            if sub is None:
+                out[key] = t
+            else:
+                out.setdefault(key, {})[sub] = t
     return out
 
 

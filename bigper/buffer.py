@@ -128,6 +128,9 @@ def _entry(method):
 
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
+        deferred = getattr(self, "_deferred", None)
+        if deferred:
+            deferred.wait()  # device copies still running: waited for before the lock, not under it
         with self._lock:
             if self._closed:
                 raise BufferClosedError(f"this buffer is closed ({name} needs an open one)"
@@ -631,7 +634,7 @@ class PrioritizedReplayBuffer:
         produce = functools.partial(_sample_in, weakref.ref(self), int(batch_size), device, dict(sample_kw))
         if prefetch == 0:
             return (produce() for _ in iter(int, 1))
-        it = Prefetcher(produce, int(prefetch), self._lock)
+        it = Prefetcher(produce, int(prefetch), self._lock, prepare=self._deferred.wait)
         self._samplers.add(it)
         return it
 

@@ -37,10 +37,12 @@ class _Failure:
         self.exc = exc
 
 
-def _run(produce: Callable[[], Any], q: "queue.Queue", stop: threading.Event, lock) -> None:
+def _run(produce: Callable[[], Any], q: "queue.Queue", stop: threading.Event, lock, prepare) -> None:
     # Module-level (not a method) so the thread holds no reference to the
     # Prefetcher: dropping the last user reference lets __del__ stop it.
     while not stop.is_set():
+        if prepare is not None:
+            prepare()  # waits that need no lock (a device's copies), so others' calls go on meanwhile
         # The lock is polled, not waited for: a thread told to stop while another
         # holds the lock (say, for a long snapshot) ends within a poll.
         if not lock.acquire(timeout=_POLL_S):
@@ -78,14 +80,17 @@ class Prefetcher:
         buffer's writes, priority updates, snapshots) is serialized with it.
     name : str
         The thread's name.
+    prepare : callable, optional
+        Called in the thread before each ``produce()``, without the lock.
     """
 
-    def __init__(self, produce: Callable[[], Any], depth: int, lock, name: str = "bigper-prefetch"):
+    def __init__(self, produce: Callable[[], Any], depth: int, lock, name: str = "bigper-prefetch",
+                 prepare: Callable[[], None] | None = None):
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
         self._why: BaseException | None = None  # what ends the iteration, when not the iterator's own close
-        self._thread = threading.Thread(target=_run, args=(produce, self._q, self._stop, lock),
+        self._thread = threading.Thread(target=_run, args=(produce, self._q, self._stop, lock, prepare),
                                         name=name, daemon=True)
         self._thread.start()
 

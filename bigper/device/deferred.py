@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._torch import _torch
+from .._torch import _POOL, _torch
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Pending:
     stamps: np.ndarray
     use_stamps: bool
     mask: np.ndarray | None
-    values: Any       # pinned host tensor, filled by a copy that may still run
+    values: Any       # (pool key, pinned slot) filled by a copy that may still run, or (None, host tensor)
     event: Any        # recorded after that copy (None: already complete)
 
 
@@ -54,14 +54,22 @@ class Deferred:
         t = values.detach()
         if not (t.is_floating_point() and t.dtype in (torch.float32, torch.float64)):
             t = t.to(torch.float64 if t.dtype == torch.int64 else torch.float32)  # on the device
-        cuda = t.device.type == "cuda"
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-        host.copy_(t, non_blocking=cuda)
-        event = None
-        if cuda:
+        if t.device.type == "cuda":  # into a reused pinned buffer, behind the kernels that make t
+            key = ("deferred", t.device.index, tuple(t.shape), str(t.dtype))
+            slot = _POOL.acquire(key, tuple(t.shape), t.dtype)
+            slot.host.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(t.device))
-        self._q.append(Pending(indices, stamps, use_stamps, mask, host, event))
+            self._q.append(Pending(indices, stamps, use_stamps, mask, (key, slot), event))
+        else:
+            self._q.append(Pending(indices, stamps, use_stamps, mask, (None, t.to("cpu")), None))
+
+    def wait(self) -> None:
+        """Wait for the copies of the updates in flight now (no state changes:
+        callable without the buffer's lock, so its other callers go on)."""
+        for p in list(self._q):
+            if p.event is not None:
+                p.event.synchronize()
 
     def pop(self) -> tuple[Pending, np.ndarray] | None:
         """The oldest update and its values (waiting for its copy), or None."""
@@ -70,7 +78,12 @@ class Deferred:
         p = self._q.popleft()
         if p.event is not None:
             p.event.synchronize()  # releases the GIL while it waits
-        return p, p.values.numpy()
+        key, held = p.values
+        if key is None:
+            return p, held.numpy()
+        values = held.view.copy()
+        _POOL.release(key, held, None)
+        return p, values
 
     def clear(self) -> None:
         self._q.clear()

@@ -85,8 +85,12 @@ class Mirror:
         self.device = device
         self.capacity = capacity
         self.nbytes = need(plain, capacity, frames)
+        free = total = None
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
+        elif device.type == "cpu":
+            free, total = _host_memory()
+        if free is not None:
             if self.nbytes > free:
                 raise InvalidArgumentError(
                     f"device={str(device)!r} cannot hold this buffer's data: it needs {_gib(self.nbytes)} "
@@ -200,6 +204,17 @@ class Mirror:
             tensors["mask"] = t["mask"]
         b.__dict__["_tensors"] = TensorBatch(tensors, {"indices": idx, "generations": gen, "mask": mask})
         return b
+
+
+def _host_memory() -> tuple[int, int] | tuple[None, None]:
+    """``(available, total)`` bytes of host memory (Linux ``/proc/meminfo``), else ``(None, None)``:
+    an allocation past it can succeed lazily and end in the kernel's OOM kill, not an error."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1].isdigit()}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None, None
 
 
 def _take(src, rows):
