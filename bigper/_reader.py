@@ -19,9 +19,10 @@ _TRUNC = np.array([False, False, True, True])
 
 
 def _into(data: dict, out: dict) -> dict:
-    """Copy into the ``out`` arrays the fields not already gathered into them."""
+    """Copy into the ``out`` arrays the fields not already gathered into them
+    (``_pair``: the frame gather of ``obs``/``next_obs``, filled or not by ``pair``)."""
     for name, o in out.items():
-        if data[name] is not o:
+        if name != "_pair" and data[name] is not o:
             np.copyto(o, data[name])
             data[name] = o
     return data
@@ -196,7 +197,7 @@ class Reader:
                 data["obs"] = self.frames.stacks("obs_ref", idx, out.get("obs"))
                 data["next_obs"] = self.frames.stacks("next_obs_ref", last, out.get("next_obs"))
             elif last is idx:
-                data["obs"], data["next_obs"] = self.frames.pair(idx)
+                data["obs"], data["next_obs"] = self.frames.pair(idx, out.get("_pair"))
             else:
                 data["obs"] = self.frames.stacks("obs_ref", idx)
                 data["next_obs"] = self.frames.stacks("next_obs_ref", last)
@@ -258,6 +259,24 @@ class Reader:
         if arrays is not None:
             return arrays[name].take(rows, axis=0, mode="clip")
         return self.store.read(name, rows)
+
+    def staging_specs(self, b: int) -> dict:
+        """``name -> (shape, dtype)`` of what a batch of ``b`` transitions is
+        gathered into when it is bound for a device (``_torch.Staged``): every
+        field, the frames of ``obs``/``next_obs`` as one ``(b, k + 1)`` gather
+        where they pair (``FrameStore.pair``), and the bookkeeping."""
+        specs = {name: ((b, *shape), np.dtype(dtype)) for name, (shape, dtype) in self.stored.items()}
+        if self.cfg.n_step > 1:
+            rdt = self.cfg.dtype("reward")
+            specs["reward"] = ((b,), rdt if rdt.kind == "f" else np.dtype(np.float32))
+        if self.frames is not None and "next_obs" in specs and self.cfg.n_step == 1:
+            shape = specs.pop("obs")[0]
+            del specs["next_obs"]
+            specs["_pair"] = ((b, shape[1] + 1, *shape[2:]), self.frames.dtype)
+        specs.update(terminated=((b,), np.dtype(bool)), truncated=((b,), np.dtype(bool)),
+                     discount=((b,), np.dtype(np.float32)), weights=((b,), np.dtype(np.float32)),
+                     indices=((b,), np.dtype(np.int64)), generations=((b,), np.dtype(np.int64)))
+        return specs
 
     def check_out(self, out, b: int) -> dict:
         """``out`` for ``sample``: a dict of arrays, each one of the batch's keys,

@@ -123,7 +123,9 @@ class PinnedPool:
             raise
 
     def _new_slot(self, shape, torch_dtype) -> _Slot:
-        return _Slot(_torch().empty(shape, dtype=torch_dtype).pin_memory())
+        torch = _torch()
+        host = torch.empty(shape, dtype=torch_dtype)
+        return _Slot(host.pin_memory() if torch.cuda.is_available() else host)
 
     def release(self, key, slot: _Slot, event) -> None:
         slot.event = event
@@ -252,6 +254,11 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
         bool flags stay bool), shape ``(B, ...)``, on ``device``.
     """
     torch = _torch()
+    staged = batch.__dict__.pop("_staged", None)
+    if staged is not None and device is not None and torch.device(device) == staged.dev:
+        return send_staged(batch, staged, non_blocking)
+    if staged is not None:
+        staged.drop()
     ready = batch.__dict__.get("_tensors")
     if ready is not None:  # a device tier's batch: its tensors are on its device already
         if device is None or torch.device(device) == next(iter(ready.values())).device:
@@ -314,63 +321,134 @@ def _from_numpy(torch, key: str, arr):
         raise InvalidTypeError(f"field {key!r} has dtype {np.asarray(arr).dtype}, which torch cannot hold") from None
 
 
-def _layout(arrays: dict) -> tuple[list, int]:
-    """The parts of one staging block: ``[(dtype, offset, [(key, sub-key or
-    None, array)])]``, the arrays grouped by dtype (each group at an aligned
-    offset, its arrays back to back), and the block's size in bytes."""
+def _layout(specs: dict) -> tuple[list, int]:
+    """The parts of one staging block for ``specs`` (``key -> (shape, dtype)``,
+    a key may be ``(key, sub-key)``): ``[(dtype, offset, [(key, shape)])]``,
+    grouped by dtype (each group at an aligned offset, its arrays back to
+    back), and the block's size in bytes."""
     groups: dict = {}
-    for key, arr in arrays.items():
-        subs = arr.items() if isinstance(arr, dict) else ((None, arr),)
-        for sub, a in subs:
-            a = np.asarray(a)
-            groups.setdefault(a.dtype.newbyteorder("=").str, []).append((key, sub, a))
+    for key, (shape, dtype) in specs.items():
+        groups.setdefault(np.dtype(dtype).newbyteorder("=").str, []).append((key, tuple(shape)))
     parts, off = [], 0
     for dt, members in groups.items():
-        parts.append((np.dtype(dt), off, members))
-        off += -(-sum(a.nbytes for _, _, a in members) // ALIGN) * ALIGN
+        dt = np.dtype(dt)
+        parts.append((dt, off, members))
+        off += -(-sum(int(np.prod(shape, dtype=np.int64)) for _, shape in members) * dt.itemsize // ALIGN) * ALIGN
     return parts, max(off, ALIGN)
 
 
-def _to_cuda(torch, arrays: dict, dev, non_blocking: bool) -> dict:
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    parts, size = _layout(arrays)
-    tdts = [_torch_dtype(torch, dt, members[0][0] if members[0][1] is None else f"{members[0][0]}[{members[0][1]}]")
-            for dt, _, members in parts]
-    pkey = (dev.index, tuple((key, sub, a.shape, dt.str) for dt, _, members in parts for key, sub, a in members))
-    stream = torch.cuda.current_stream(dev)
-    slot = _POOL.acquire(pkey, (size,), torch.uint8)
-    issued = False
-    try:
-        for dt, off, members in parts:
-            for _, _, a in members:
-                n = a.nbytes
-                dst = slot.view[off:off + n].view(dt).reshape(a.shape)
-                np.copyto(dst, a, casting="no" if a.dtype.isnative else "equiv")
+def _flat(arrays: dict) -> dict:
+    """``arrays`` with a dict value (a sequence batch's frame indices) as ``(key, sub-key)`` entries."""
+    out = {}
+    for key, arr in arrays.items():
+        if isinstance(arr, dict):
+            out.update(((key, sub), np.asarray(a)) for sub, a in arr.items())
+        else:
+            out[key] = np.asarray(arr)
+    return out
+
+
+class Staged:
+    """One pinned block laid out for a batch before it is gathered: the
+    gathers write straight into ``views`` (numpy views of the block), and
+    ``send`` moves the whole block with one copy (``sample``'s sampler, for a
+    CUDA device: no copy from host arrays into pinned memory)."""
+
+    def __init__(self, torch, dev, specs: dict):
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.torch, self.dev = torch, dev
+        self.parts, size = _layout(specs)
+        self.tdts = [_torch_dtype(torch, dt, str(members[0][0])) for dt, _, members in self.parts]
+        self.key = (dev.index, tuple((key, shape, dt.str) for dt, _, members in self.parts for key, shape in members))
+        self.slot = _POOL.acquire(self.key, (size,), torch.uint8)
+        self.views = {}
+        for dt, off, members in self.parts:
+            for key, shape in members:
+                n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                self.views[key] = self.slot.view[off:off + n].view(dt).reshape(shape)
                 off += n
-        issued = True
-        block = slot.host.to(dev, non_blocking=non_blocking)
-        event = torch.cuda.Event()
-        event.record(stream)
-    except BaseException:
-        if issued:  # a copy may be in flight without its event: let it finish first
-            stream.synchronize()
-        _POOL.release(pkey, slot, None)
-        raise
-    _POOL.release(pkey, slot, event)
+
+    def send(self, non_blocking: bool = True) -> dict:
+        """Tensors on the device, views of one block moved with one copy; the block goes back to the pool."""
+        torch = self.torch
+        if self.dev.type != "cuda":  # (the same layout on another device: a copy, no events)
+            block = self.slot.host.to(self.dev, copy=True)
+            _POOL.release(self.key, self.slot, None)
+            return _unpack(block, self.parts, self.tdts)
+        stream = torch.cuda.current_stream(self.dev)
+        try:
+            block = self.slot.host.to(self.dev, non_blocking=non_blocking)
+            event = torch.cuda.Event()
+            event.record(stream)
+        except BaseException:
+            stream.synchronize()  # a copy may be in flight without its event: let it finish first
+            _POOL.release(self.key, self.slot, None)
+            raise
+        _POOL.release(self.key, self.slot, event)
+        return _unpack(block, self.parts, self.tdts)
+
+    def drop(self) -> None:
+        """Give the block back unused."""
+        _POOL.release(self.key, self.slot, None)
+
+
+def _unpack(block, parts: list, tdts: list) -> dict:
     out: dict = {}
     for (dt, off, members), tdt in zip(parts, tdts):
-        n = sum(a.size for _, _, a in members)
-        flat = block[off:off + n * dt.itemsize].view(tdt)
-        pieces = flat.split([a.size for _, _, a in members]) if len(members) > 1 else (flat,)
-        for (key, sub, a), t in zip(members, pieces):
-            if a.ndim != 1:
-                t = t.view(a.shape)
-            if sub is None:
-                out[key] = t
+        sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in members]
+        flat = block[off:off + sum(sizes) * dt.itemsize].view(tdt)
+        pieces = flat.split(sizes) if len(members) > 1 else (flat,)
+        for (key, shape), t in zip(members, pieces):
+            if len(shape) != 1:
+                t = t.view(shape)
+            if isinstance(key, tuple):
+                out.setdefault(key[0], {})[key[1]] = t
             else:
-                out.setdefault(key, {})[sub] = t
+                out[key] = t
     return out
+
+
+def _to_cuda(torch, arrays: dict, dev, non_blocking: bool) -> dict:
+    flat = _flat(arrays)
+    staged = Staged(torch, dev, {key: (a.shape, a.dtype) for key, a in flat.items()})
+    try:
+        for key, a in flat.items():
+            np.copyto(staged.views[key], a, casting="no" if a.dtype.isnative else "equiv")
+    except BaseException:
+        staged.drop()
+        raise
+    return staged.send(non_blocking)
+
+
+def send_staged(batch, staged: "Staged", non_blocking: bool = True) -> TensorBatch:
+    """``to_torch`` of a batch gathered into ``staged``: its block moved with
+    one copy; a field that did not land in the block (``obs``/``next_obs``
+    when they were not one pair gather) travels in a second one."""
+    torch = staged.torch
+    data = batch.data
+    rest = {}
+    derived = {}
+    for key in data:
+        if key in staged.views:
+            if data[key] is not staged.views[key]:
+                rest[key] = data[key]
+    if "_pair" in staged.views:
+        base = pair_base(data["obs"], data["next_obs"])
+        if base is not None and base.ctypes.data == staged.views["_pair"].ctypes.data:
+            derived = {"obs": ("_pair", "first"), "next_obs": ("_pair", "last")}
+        else:
+            rest["obs"], rest["next_obs"] = data["obs"], data["next_obs"]
+    out = staged.send(non_blocking)
+    if "_pair" not in derived.get("obs", ("",)):
+        out.pop("_pair", None)
+    if rest:
+        out.update(_to_cuda(torch, rest, staged.dev, non_blocking))
+    out = _derive(torch, out, derived)
+    ordered = {key: out[key] for key in data}
+    for key in ("weights", "indices", "generations"):
+        ordered[key] = out[key]
+    return TensorBatch(ordered, _host_of(batch))
 
 
 def as_array(x, what: str) -> np.ndarray:

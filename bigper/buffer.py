@@ -525,10 +525,28 @@ class PrioritizedReplayBuffer:
     def _sample_for(self, batch_size: int, device, sample_kw: dict) -> Batch:
         """``sample`` for a sampler: a batch bound for a CUDA device leaves the
         stacks of a sequence batch to be rebuilt there from its distinct frames."""
-        stacks = device is None or self._items is None or str(device).split(":")[0] != "cuda"
-        return self._draw(batch_size, sample_kw.get("beta"), sample_kw.get("stratified", True), None, stacks)
+        cuda = device is not None and str(device).split(":")[0] in _STAGED
+        beta, stratified = sample_kw.get("beta"), sample_kw.get("stratified", True)
+        if not cuda or self._mirror is not None:
+            return self._draw(batch_size, beta, stratified, None, True)
+        if self._items is not None:  # the stacks rebuilt on the device from each row's distinct frames
+            return self._draw(batch_size, beta, stratified, None, False)
+        from ._torch import Staged, _torch
 
-    def _draw(self, batch_size, beta, stratified, out, stacks: bool) -> Batch:
+        torch = _torch()
+        staged = Staged(torch, torch.device(device), self._reader.staging_specs(int(batch_size)))
+        try:
+            out = {k: v for k, v in staged.views.items() if k not in ("weights", "indices", "generations")}
+            batch = self._draw(batch_size, beta, stratified, None, True, into=out)
+            for key in ("weights", "indices", "generations"):
+                np.copyto(staged.views[key], getattr(batch, key), casting="same_kind")
+        except BaseException:
+            staged.drop()
+            raise
+        batch.__dict__["_staged"] = staged  # to_torch sends the block as it is
+        return batch
+
+    def _draw(self, batch_size, beta, stratified, out, stacks: bool, into: dict | None = None) -> Batch:
         if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
             check_batch_size(batch_size)  # raises, or passes a numpy integer
         if out is not None:
@@ -559,7 +577,7 @@ class PrioritizedReplayBuffer:
         self._beta_step += 1
         if self._mirror is not None:
             return self._device_batch(idx, w, prob)
-        return self._reader.batch(idx, w, prob, out, self._writer.fused, stacks)
+        return self._reader.batch(idx, w, prob, into if into is not None else out, self._writer.fused, stacks)
 
     def _device_batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
         """The batch at ``idx`` gathered on the device tier: the host computes
@@ -1206,6 +1224,11 @@ class PrioritizedReplayBuffer:
         state = "closed" if self._closed else f"len={len(self)}"
         return (f"PrioritizedReplayBuffer({state}, capacity={self.capacity}, "
                 f"storage={self.config.storage!r}, total_priority={self.total_priority:.6g})")
+
+
+# Devices whose sampler batches are gathered straight into one staging block
+# (on the CPU torch shares the host arrays instead; tests add "cpu" to check the path).
+_STAGED = ("cuda",)
 
 
 def _check_device(device) -> None:

@@ -440,13 +440,15 @@ class FrameStore:
             return self.store.read(name, slots)
         return arrays[name].take(slots, axis=0)  # take() beats fancy indexing for a batch
 
-    def pair(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pair(self, slots: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``obs`` and ``next_obs`` stacks of the transitions at ``slots``.
 
         When every next_obs stack is its obs stack moved on by one frame (a
         batch without episode starts), both are views of one gather of
         ``k + 1`` frames a row: 5/8 of the bytes for k = 4. They are then not
-        contiguous along the batch axis.
+        contiguous along the batch axis. ``out``: a C-contiguous ``(B, k + 1,
+        *frame)`` array for that gather (say, in pinned memory); unused when
+        the stacks are not such a pair.
         """
         ro = self._refs("obs_ref", slots)
         rn = self._refs("next_obs_ref", slots)
@@ -455,11 +457,12 @@ class FrameStore:
             return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", slots)
         b, k = slots.shape[0], self.k
         ids = np.concatenate([ro, rn[:, -1:]], axis=1).ravel()
+        out = self._out((ids.shape[0], *self.frame_shape)) if out is None else \
+            out.reshape((ids.shape[0], *self.frame_shape))
         if self.log is not None:
-            out = self._out((ids.shape[0], *self.frame_shape))
             self.log.decode(ids, out.reshape(ids.shape[0], -1).view(np.uint8))
         else:
-            out = _take_rows(arrays["frames"], ids % self.F, self._out((ids.shape[0], *self.frame_shape)))
+            out = _take_rows(arrays["frames"], ids % self.F, out)
         out = out.reshape((b, k + 1, *self.frame_shape))
         return out[:, :k], out[:, 1:]
 

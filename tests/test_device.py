@@ -445,3 +445,34 @@ def test_cuda_to_torch_is_one_block():
     assert len(ptrs) == 1  # every tensor a view of one device block: one copy
     for k in b:
         np.testing.assert_array_equal(t[k].cpu().numpy(), b[k])
+
+
+@pytest.mark.parametrize("n_step", [1, 3])
+@pytest.mark.parametrize("frame_stack", [None, 3])
+def test_sampler_batches_gathered_into_one_staging_block(monkeypatch, n_step, frame_stack):
+    """The sampler's path for a CUDA device (fields gathered straight into one
+    pinned block, moved with one copy), checked on the CPU against ``sample``."""
+    import bigper.buffer as B
+
+    monkeypatch.setattr(B, "_STAGED", ("cuda", "cpu"))
+    kw = dict(KW, n_step=n_step, frame_stack=frame_stack)
+    if frame_stack is None:
+        kw["fields"] = dict(FIELDS, obs=((3, 4, 5), np.uint8))
+    a, b = bigper.PrioritizedReplayBuffer(**kw), bigper.PrioritizedReplayBuffer(**kw)
+    _fill(a, 70)
+    _fill(b, 70)
+    it = b.sampler(8, prefetch=0, device="cpu")
+    for _ in range(6):
+        want, got = a.sample(8), next(it)
+        assert list(got) == list(want.to_torch())
+        for k in want:
+            np.testing.assert_array_equal(got[k].numpy(), want[k], err_msg=k)
+        np.testing.assert_array_equal(got["weights"].numpy(), want.weights)
+        np.testing.assert_array_equal(got["indices"].numpy(), want.indices)
+        np.testing.assert_array_equal(got["generations"].numpy(), want.generations)
+        if frame_stack and n_step == 1:  # obs and next_obs: views of one (B, k + 1) gather, moved once
+            assert got["obs"].untyped_storage().data_ptr() == got["next_obs"].untyped_storage().data_ptr()
+        p = np.linspace(0.5, 2, 8)
+        a.update_priorities(want, p)
+        b.update_priorities(got, torch.from_numpy(p))
+    assert a.total_priority == b.total_priority
