@@ -28,19 +28,6 @@ def _into(data: dict, out: dict) -> dict:
     return data
 
 
-def _same_rows(rows: dict) -> dict:
-    """``rows`` with equal row arrays as one object (``Mirror.batch`` sends each once)."""
-    seen: list = []
-    out = {}
-    for name, r in rows.items():
-        same = next((s for s in seen if s.shape == r.shape and np.array_equal(s, r)), None)
-        if same is None:
-            seen.append(r)
-            same = r
-        out[name] = same
-    return out
-
-
 def _stacks_of(frames: np.ndarray, index: np.ndarray) -> np.ndarray:
     """``(B, T, k, *frame)`` stacks from each row's distinct ``frames`` ``(B, n, *frame)``."""
     b, n = frames.shape[0], frames.shape[1]
@@ -212,47 +199,71 @@ class Reader:
     def plan(self, idx: np.ndarray, mask: np.ndarray | None = None) -> dict:
         """The host half of a batch whose data a device holds (``device.Mirror``).
 
-        ``idx``: slots (any shape: ``(B,)`` transitions, ``(B, T)`` the steps
-        of sequence items); ``mask``: which of them are real (padded steps
-        read zero rows). Returns ``rows`` (the slot each per-transition field
-        reads, -1 where padded), ``small`` (end flags, discount and the
-        n-step reward, computed here), ``frames`` (by stack name, the frame
-        ids, -1 where padded) and ``order`` (the batch's keys in order)."""
+        ``idx``: slots (``(B,)`` transitions, or ``(B, T)`` the steps of
+        sequence items); ``mask``: which of them are real (padded steps read
+        the zero row at the end of each device array). Returns
+
+        - ``up``: the arrays that travel (frame ids, slots, end flags,
+          discount, the n-step reward), by key;
+        - ``take``: ``field -> key`` of the slots each stored field is
+          gathered at on the device (``"indices"``: the batch's own);
+        - ``stacks``: ``name -> (key, columns)``: the ``obs``/``next_obs``
+          stacks gathered at those frame ids (``columns``: a slice of a
+          ``(B, k + 1)`` pair gather, or None);
+        - ``order``: the batch's keys in order.
+        """
         cfg = self.cfg
         shape = idx.shape
         flat = idx.reshape(-1)
+        b = flat.shape[0]
         if cfg.n_step == 1:
             last = flat
-            e = self.ends.take(flat)
-            small = {"terminated": _TERM.take(e), "truncated": _TRUNC.take(e), "discount": self.discount1.take(e)}
+            gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
+            disc = np.empty(b, np.float32)
+            batch_meta(flat, self.ends, self.gid, self.discount1, gen, term, trunc, disc)
+            up = {"terminated": term, "truncated": trunc, "discount": disc}
         else:
             slots, disc, term, trunc = nstep.nstep_view(
                 self.gid[flat], cfg.capacity, cfg.num_envs, cfg.n_step, self.ends, self.gamma)
-            last = slots[np.arange(flat.shape[0]), (slots >= 0).sum(axis=1) - 1]
+            last = slots[np.arange(b), (slots >= 0).sum(axis=1) - 1]
             rewards = self._read("reward", np.where(slots >= 0, slots, flat[:, None]).ravel()).reshape(slots.shape)
             rdt = cfg.dtype("reward")
-            small = {"reward": nstep.discounted_sum(rewards, slots, self.gamma).astype(
+            up = {"reward": nstep.discounted_sum(rewards, slots, self.gamma).astype(
                 rdt if rdt.kind == "f" else np.float32), "terminated": term, "truncated": trunc, "discount": disc}
         pad = None if mask is None or mask.all() else ~mask.reshape(-1)
-        rows = {}
-        for name in self.plain:
-            if name in small:
-                continue
-            r = last if name in self.successors else flat
-            rows[name] = (r if pad is None else np.where(pad, -1, r)).reshape(shape)
-        frames = None
-        if self.frames is not None:
-            frames = {"obs": self.frames.refs("obs_ref", flat)}
-            if "obs" in cfg.next_of:
-                frames["next_obs"] = self.frames.refs("next_obs_ref", last)
-            frames = {n: (f if pad is None else np.where(pad[:, None], -1, f)).reshape(*shape, -1)
-                      for n, f in frames.items()}
         if pad is not None:
-            small = {n: np.where(pad, 0, v).astype(v.dtype) for n, v in small.items()}
-        small = {n: v.reshape(shape) for n, v in small.items()}
-        order = [n for n in self.plain] + (list(frames) if frames else [])
+            up = {n: np.where(pad, 0, v).astype(v.dtype) for n, v in up.items()}
+        if len(shape) > 1:
+            up = {n: v.reshape(shape) for n, v in up.items()}
+        take = {}
+        for name in self.plain:
+            if name in up:
+                continue
+            if name in self.successors and last is not flat:
+                take[name] = "_last"
+            elif pad is not None:
+                take[name] = "_slots"
+            else:
+                take[name] = "indices" if len(shape) == 1 else "_slots"
+        if "_last" in take.values():
+            up["_last"] = last if pad is None else np.where(pad, -1, last)
+        if "_slots" in take.values():
+            up["_slots"] = (flat if pad is None else np.where(pad, -1, flat)).reshape(shape)
+        stacks = {}
+        if self.frames is not None:
+            ro = self.frames.refs("obs_ref", flat)
+            rn = self.frames.refs("next_obs_ref", last) if "obs" in cfg.next_of else None
+            if rn is not None and pad is None and len(shape) == 1 and (rn[:, :-1] == ro[:, 1:]).all():
+                up["_pair"] = np.concatenate([ro, rn[:, -1:]], axis=1)  # obs, next_obs: one (B, k + 1) gather
+                stacks = {"obs": ("_pair", slice(None, -1)), "next_obs": ("_pair", slice(1, None))}
+            else:
+                for name, r in (("obs", ro), ("next_obs", rn)):
+                    if r is not None:
+                        up[f"_{name}"] = (r if pad is None else np.where(pad[:, None], -1, r)).reshape(*shape, -1)
+                        stacks[name] = (f"_{name}", None)
+        order = list(self.plain) + list(stacks)
         order += [n for n in ("reward", "terminated", "truncated", "discount") if n not in order]
-        return {"rows": _same_rows(rows), "small": small, "frames": frames, "order": order}
+        return {"up": up, "take": take, "stacks": stacks, "order": order}
 
     def _read(self, name: str, rows: np.ndarray) -> np.ndarray:
         arrays = getattr(self.store, "arrays", None)

@@ -69,12 +69,13 @@ class TensorBatch(dict):
 
 
 class _Slot:
-    __slots__ = ("host", "view", "event")
+    __slots__ = ("host", "view", "event", "views")
 
     def __init__(self, host):
         self.host = host            # pinned torch tensor
         self.view = host.numpy()    # numpy view of the same pinned memory
         self.event = None           # CUDA event recorded after the last copy out of host
+        self.views = None           # a staging layout's numpy views into it (the slot's key fixes the layout)
 
 
 class PinnedPool:
@@ -321,7 +322,20 @@ def _from_numpy(torch, key: str, arr):
         raise InvalidTypeError(f"field {key!r} has dtype {np.asarray(arr).dtype}, which torch cannot hold") from None
 
 
+_LAYOUTS: OrderedDict = OrderedDict()  # specs signature -> _layout's result (a sampler repeats one)
+
+
 def _layout(specs: dict) -> tuple[list, int]:
+    sig = tuple((key, tuple(shape), np.dtype(dtype).str) for key, (shape, dtype) in specs.items())
+    got = _LAYOUTS.get(sig)
+    if got is None:
+        got = _LAYOUTS[sig] = _layout_of(specs)
+        while len(_LAYOUTS) > MAX_KEYS:
+            _LAYOUTS.popitem(last=False)
+    return got
+
+
+def _layout_of(specs: dict) -> tuple[list, int]:
     """The parts of one staging block for ``specs`` (``key -> (shape, dtype)``,
     a key may be ``(key, sub-key)``): ``[(dtype, offset, [(key, shape)])]``,
     grouped by dtype (each group at an aligned offset, its arrays back to
@@ -362,12 +376,15 @@ class Staged:
         self.tdts = [_torch_dtype(torch, dt, str(members[0][0])) for dt, _, members in self.parts]
         self.key = (dev.index, tuple((key, shape, dt.str) for dt, _, members in self.parts for key, shape in members))
         self.slot = _POOL.acquire(self.key, (size,), torch.uint8)
-        self.views = {}
-        for dt, off, members in self.parts:
-            for key, shape in members:
-                n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-                self.views[key] = self.slot.view[off:off + n].view(dt).reshape(shape)
-                off += n
+        if self.slot.views is None:
+            views = {}
+            for dt, off, members in self.parts:
+                for key, shape in members:
+                    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                    views[key] = self.slot.view[off:off + n].view(dt).reshape(shape)
+                    off += n
+            self.slot.views = views
+        self.views = self.slot.views
 
     def send(self, non_blocking: bool = True) -> dict:
         """Tensors on the device, views of one block moved with one copy; the block goes back to the pool."""

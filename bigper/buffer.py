@@ -129,7 +129,7 @@ def _entry(method):
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
         deferred = getattr(self, "_deferred", None)
-        if deferred:
+        if deferred and name != "update_priorities":
             deferred.wait()  # device copies still running: waited for before the lock, not under it
         with self._lock:
             if self._closed:

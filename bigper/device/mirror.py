@@ -154,52 +154,41 @@ class Mirror:
 
     # -- reads -------------------------------------------------------------------
     def batch(self, plan: dict, idx, w, prob, gen, mask=None, burn_in: int = 0) -> Batch:
-        """A ``Batch`` whose data are tensors on the device, gathered there.
-
-        ``plan`` is ``Reader.plan``'s: ``rows`` (the slot each plain field
-        reads, -1 for a padded step), ``small`` (host values sent as they
-        are), ``frames`` (frame ids of the stacks by name, -1 padded)."""
+        """A ``Batch`` whose data are tensors on the device, gathered there
+        (``plan``: ``Reader.plan``'s); its ``to_torch()`` is ready too."""
         torch = _torch()
+        up = plan["up"]
         c, F = self.capacity, self.F
-        up: dict = {}
-        keys: dict = {}  # a field's rows, sent once per distinct row array
-        for name, rows in plan["rows"].items():
-            key = next((k for k, r in keys.items() if r is rows), None)
-            if key is None:
-                key = f"_rows{len(keys)}"
-                keys[key] = rows
-                up[key] = np.where(rows >= 0, rows, c) if (rows < 0).any() else rows
-        stacks = plan["frames"] or {}
-        pair = None
-        if "obs" in stacks and "next_obs" in stacks and stacks["obs"].ndim == 2 \
-                and (stacks["next_obs"][:, :-1] == stacks["obs"][:, 1:]).all():
-            pair = np.concatenate([stacks["obs"], stacks["next_obs"][:, -1:]], axis=1)
-            up["_pair"] = pair % F
-        else:
-            for name, ids in stacks.items():
-                up[f"_{name}"] = np.where(ids >= 0, ids % max(F, 1), F)
-        up.update(plan["small"])
-        tw = np.asarray(w).astype(np.float32, copy=False)
-        up.update(weights=tw, indices=np.asarray(idx, dtype=np.int64), generations=np.asarray(gen, dtype=np.int64))
+        for key in ("_slots", "_last"):
+            if key in up and up[key].min() < 0:  # padded steps: the zero row
+                up[key] = np.where(up[key] >= 0, up[key], c)
+        for key, _ in plan["stacks"].values():
+            if key in up:
+                ids = up[key]
+                up[key] = np.where(ids >= 0, ids % F, F) if ids.min() < 0 else ids % F
+        tw = w.astype(np.float32, copy=False)
+        up["weights"], up["indices"], up["generations"] = tw, idx, gen
         if mask is not None:
             up["mask"] = mask
         t = move(torch, up, self.device, True)
+        fields, take, stacks = self.fields, plan["take"], plan["stacks"]
         data = {}
+        gathered = {}
         for name in plan["order"]:
-            if name in plan["rows"]:
-                rows = t[next(k for k, r in keys.items() if r is plan["rows"][name])]
-                data[name] = _take(self.fields[name], rows)
-            elif name in ("obs", "next_obs") and name in stacks:
-                if pair is not None:
-                    both = _take(self.frames, t["_pair"])
-                    data["obs"], data["next_obs"] = both[:, :-1], both[:, 1:]
-                else:
-                    data[name] = _take(self.frames, t[f"_{name}"])
-            elif name in t:
+            key = take.get(name)
+            if key is not None:
+                data[name] = _take(fields[name], t[key])
+            elif name in stacks:
+                key, cols = stacks[name]
+                got = gathered.get(key)
+                if got is None:
+                    got = gathered[key] = _take(self.frames, t[key])
+                data[name] = got if cols is None else got[:, cols]
+            else:
                 data[name] = t[name]
-        b = Batch.make({k: data[k] for k in plan["order"] if k in data}, idx, tw, prob, gen, mask, burn_in)
-        tensors = dict(b.data)
-        tensors.update(weights=t["weights"], indices=t["indices"], generations=t["generations"])
+        b = Batch.make(data, idx, tw, prob, gen, mask, burn_in)
+        tensors = dict(data)
+        tensors["weights"], tensors["indices"], tensors["generations"] = t["weights"], t["indices"], t["generations"]
         if mask is not None:
             tensors["mask"] = t["mask"]
         b.__dict__["_tensors"] = TensorBatch(tensors, {"indices": idx, "generations": gen, "mask": mask})
