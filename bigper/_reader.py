@@ -11,6 +11,7 @@ import numpy as np
 from . import nstep
 from ._kernels import batch_meta
 from .batch import Batch
+from .seqframes import distinct_frames
 from .errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
 
 # Lookup by the ends bits (1 terminated, 2 truncated): a take() beats a kernel call for a batch.
@@ -26,14 +27,6 @@ def _into(data: dict, out: dict) -> dict:
             np.copyto(o, data[name])
             data[name] = o
     return data
-
-
-def _stacks_of(frames: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``(B, T, k, *frame)`` stacks from each row's distinct ``frames`` ``(B, n, *frame)``."""
-    b, n = frames.shape[0], frames.shape[1]
-    rows = index + (np.arange(b, dtype=np.int64) * n)[:, None, None]
-    return frames.reshape(b * n, *frames.shape[2:]).take(rows.reshape(-1), axis=0, mode="clip").reshape(
-        (*index.shape, *frames.shape[2:]))
 
 
 class Reader:
@@ -73,25 +66,35 @@ class Reader:
         data, mask, once = self.windows(idx, fused, stacks)
         b = Batch.make(data, idx, w, prob, self.gid[idx], mask, self.items.burn_in)
         if once is not None:
-            b.__dict__["_seq_frames"] = once  # what to_torch moves instead of the stacks
+            b.__dict__["_seq_frames"] = once  # how to_torch moves each row's frames once
         return b
 
     def windows(self, idx: np.ndarray, fused: bool, stacks: bool = True) -> tuple[dict, np.ndarray, tuple | None]:
         """``(data, mask, once)`` of the sequence items at ``idx`` (live). With
-        frame stacks, ``once`` is ``frames_once``'s ``(frames, index)``: each
-        row's distinct frames once (else None); ``stacks=False`` leaves
-        ``obs``/``next_obs`` out of ``data`` (a device rebuilds them from ``once``)."""
+        frame stacks, ``once`` says how each row's distinct frames travel once:
+        ``("refs", refs)``, the stacks' frame ids (``to_torch`` takes the
+        distinct frames from the batch's own stacks), or with ``stacks=False``
+        ``("frames", frames, index)`` (``frames_once``; ``obs``/``next_obs``
+        are then left out of ``data``: a device rebuilds them)."""
         slots, mask = self.items.window(idx)
         b, t = mask.shape
-        flat = self.gather(slots.reshape(-1), None, None, fused, stacks="refs" if self.frames else True)
+        flat_slots = slots.reshape(-1)
+        framed = self.frames is not None
+        flat = self.gather(flat_slots, None, None, fused, stacks=True if stacks or not framed else "refs")
         pad = ~mask
         some = bool(pad.any())
-        data = {}
-        refs = {name: flat.pop(f"_{name}_ref").reshape(b, t, -1) for name in ("obs", "next_obs")
-                if f"_{name}_ref" in flat}
         once = None
-        if refs:
-            once = self.frames_once(refs, mask)
+        if framed:
+            refs = {name: flat.pop(f"_{name}_ref").reshape(b, t, -1) for name in ("obs", "next_obs")
+                    if f"_{name}_ref" in flat}
+            if stacks:
+                refs = {"obs": self.frames.refs("obs_ref", flat_slots).reshape(b, t, -1)}
+                if "obs" in self.cfg.next_of:
+                    refs["next_obs"] = self.frames.refs("next_obs_ref", flat_slots).reshape(b, t, -1)
+                once = ("refs", refs)
+            else:
+                once = ("frames", *self.frames_once(refs, mask))
+        data = {}
         for name, v in flat.items():
             v = v.reshape((b, t, *v.shape[1:]))
             if some:
@@ -101,36 +104,16 @@ class Reader:
                     v = v.copy()
                 v[pad] = 0
             data[name] = v
-        if once is not None and stacks:  # the stacks where gather puts them: after the per-row fields
-            rest = [n for n in data if n not in self.plain]
-            for name, ix in once[1].items():
-                data[name] = _stacks_of(once[0], ix)
-            for n in rest:
-                data[n] = data.pop(n)
         return data, mask, once
 
     def frames_once(self, refs: dict, mask: np.ndarray) -> tuple[np.ndarray, dict]:
-        """Each row's distinct frames once: ``refs`` are the ``(B, T, k)``
-        frame ids of the stacks by name (``obs``, ``next_obs``), ``mask`` the
-        real steps. Returns ``frames`` ``(B, n, *frame)`` (a row's distinct
-        frames, then zero frames; padded steps read a zero frame) and, by name, the
-        ``(B, T, k)`` positions of each stack's frames in its row."""
-        names = list(refs)
-        b, t, k = refs[names[0]].shape
-        ids = np.concatenate([np.where(mask[:, :, None], refs[n], -1).reshape(b, t * k) for n in names], axis=1)
-        order = np.argsort(ids, axis=1, kind="stable")
-        srt = np.take_along_axis(ids, order, axis=1)
-        new = np.ones(srt.shape, dtype=np.bool_)
-        new[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        rank = np.cumsum(new, axis=1) - 1
-        n = int(rank[:, -1].max()) + 1
-        distinct = np.full((b, n), -1, dtype=np.int64)
-        np.put_along_axis(distinct, rank, srt, axis=1)
-        pos = np.empty_like(rank)
-        np.put_along_axis(pos, order, rank, axis=1)
-        # A padded step's id is -1: the row's first distinct entry (-1 sorts first) when it pads.
-        frames = self.frames.rows_of(distinct.reshape(-1)).reshape((b, n, *self.frames.frame_shape))
-        index = {name: pos[:, i * t * k:(i + 1) * t * k].reshape(b, t, k) for i, name in enumerate(names)}
+        """Each row's distinct frames once, gathered from the frame store:
+        ``(frames, index)`` with ``frames`` ``(B, n, *frame)`` (zero frames
+        for padded steps) and, by stack name, the ``(B, T, k)`` positions of
+        its frames in its row (``batch.distinct_frames``)."""
+        ids, index, _ = distinct_frames(refs, mask)
+        b, n = ids.shape
+        frames = self.frames.rows_of(ids.reshape(-1)).reshape((b, n, *self.frames.frame_shape))
         return frames, index
 
     def gather(self, idx: np.ndarray, meta, out, fused: bool, stacks=True) -> dict:

@@ -34,6 +34,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from ._reuse import ReusedArrays
+from .seqframes import distinct_frames, frames_of_stacks
 from .errors import InvalidTypeError
 
 # Pinned blocks a layout keeps at most; beyond it the oldest one's event is waited on.
@@ -199,7 +200,11 @@ def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
     if not copies and seq is not None and "obs" in arrays:
         seq = None
     if seq is not None:  # sequences: each row's distinct frames once, and the stacks' indices into them
-        frames, index = seq
+        if seq[0] == "refs":  # taken from the batch's own stacks
+            ids, index, first = distinct_frames(seq[1], batch.mask)
+            frames = frames_of_stacks([arrays[name] for name in index], first)
+        else:
+            _, frames, index = seq
         arrays["_frames"] = frames
         arrays["_frame_index"] = index
         for name in ("obs", "next_obs"):
