@@ -1241,14 +1241,9 @@ def _mirror(cfg: Config, device):
     """The device tier of a buffer of ``cfg`` on ``device`` (None: none)."""
     if device is None:
         return None
-    from .device.mirror import Mirror, as_device
-    from .frames import frame_capacity
+    from .device.mirror import Mirror, as_device, frames_of
 
-    frames = None
-    if cfg.frame_stack:
-        shape = cfg.shape("obs")
-        frames = (frame_capacity(cfg.capacity, cfg.frame_stack, cfg.num_envs), tuple(shape[1:]), cfg.dtype("obs"))
-    return Mirror(as_device(device), cfg.capacity, plain_fields(cfg), frames)
+    return Mirror(as_device(device), cfg.capacity, plain_fields(cfg), frames_of(cfg))
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

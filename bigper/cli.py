@@ -103,8 +103,19 @@ def _info_snapshot(path: Path, args) -> int:
     from .snapshot._inspect import format_description
 
     d = describe(path)
-    _print_json(d) if args.json else print(format_description(d))
+    _print_json(d) if args.json else print(format_description(d) + _device_line(d.get("config")))
     return 0
+
+
+def _device_line(cfg) -> str:
+    """``bigper info``'s line on the device memory a tier of this config takes ("" if it cannot say)."""
+    from .config import Config
+    from .device.mirror import describe_need
+
+    try:
+        return "\n  " + describe_need(Config.from_dict(cfg))
+    except Exception:  # noqa: BLE001 (a record this bigper cannot build: nothing to add)
+        return ""
 
 
 def _info_series(path: Path, args) -> int:
@@ -159,6 +170,9 @@ def _info_storage(path: Path, args) -> int:
         print(f"  compression {cfg.get('compression')!s:.20}: {_ratio(cfg, state)}")
     for name, a in meta.get("arrays", {}).items():
         print(f"  {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']}")
+    line = _device_line(cfg)
+    if line:
+        print(line.lstrip("\n"))
     if stray:
         print(f"  data/ also holds {len(stray)} entr{'y' if len(stray) == 1 else 'ies'} that bigper does not "
               f"read (not regular files): {', '.join(stray[:5])}")

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._layout import plain_fields
 from .._torch import TensorBatch, _torch, move
 from ..batch import Batch
 from ..errors import InvalidArgumentError
+from ..frames import frame_capacity
 
 # Rows a rebuild copies at a time (bounded host memory; progress bar steps).
 CHUNK = 8192
@@ -46,6 +48,25 @@ def need(plain: dict, capacity: int, frames: tuple | None) -> int:
         f, shape, dtype = frames
         total += (f + 1) * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     return int(total)
+
+
+def need_of(cfg) -> int:
+    """Bytes of device memory the tier of a buffer of ``cfg`` (a ``Config``) takes."""
+    return need(plain_fields(cfg), cfg.capacity, frames_of(cfg))
+
+
+def frames_of(cfg) -> tuple | None:
+    """``(F, frame shape, dtype)`` of the frame ring of ``cfg``, or None without frame stacks."""
+    if not cfg.frame_stack:
+        return None
+    shape = cfg.shape("obs")
+    return frame_capacity(cfg.capacity, cfg.frame_stack, cfg.num_envs), tuple(shape[1:]), cfg.dtype("obs")
+
+
+def describe_need(cfg) -> str:
+    """One line for ``bigper info``: what the device tier of ``cfg`` takes."""
+    n = need_of(cfg)
+    return f"device tier (device=...): {_gib(n)} ({n:,} bytes) of device memory, raw frames"
 
 
 def as_device(device):
