@@ -230,9 +230,28 @@ class PrioritizedReplayBuffer:
         the first frame instead of one trained on the first frames; retrained
         later only where it pays. Not part of the layout: it is stored with the
         frames, and a resumed buffer keeps the dictionaries it recorded.
+    device : str or torch.device, optional
+        The device tier: keep a copy of the stored data (frames once, raw also
+        when compressed) in this torch device's memory, written through before
+        each draw. ``sample`` then draws on the host tree and gathers on the
+        device: its ``Batch`` holds device tensors (``to_torch()`` returns them
+        with ``weights``, ``indices``, ``generations``). The storage stays the
+        copy that counts (snapshots, resume, ``verify``); a resumed or loaded
+        buffer rebuilds the device copy from it. Refused at construction,
+        naming the bytes, where the device cannot hold it (``bigper info``
+        shows what a config takes). Not part of the layout; ``"cpu"`` runs the
+        same code on CPU tensors.
 
     Notes
     -----
+    ``update_priorities`` with priorities on a device (a CUDA tensor) returns
+    without waiting for them: they are copied to pinned memory behind the
+    learner's kernels and applied, in order, by the next call that reads the
+    tree (``sample``, the sampler's thread, ``add``, ``save``, ``close``, a read
+    of the priorities). Their shapes are checked at once; values that are not
+    valid priorities are reported by that next call, which applies nothing of
+    that update.
+
     Thread safety: every public method takes the buffer's one lock, so any
     two may be called from two threads; a method called on a closed buffer
     raises ``BufferClosedError`` (``len``, ``closed``, ``capacity``,
