@@ -67,7 +67,7 @@ def make_env(game: str, seed: int):
         from stable_baselines3.common.vec_env import VecFrameStack
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("this example needs SB3 and the Atari extra: "
-                          "pip install 'bigper[sb3,atari]'") from e
+                          "pip install -e '.[sb3,atari]' in a bigper checkout") from e
     gym.register_envs(ale_py)
     return VecFrameStack(make_atari_env(f"{game}NoFrameskip-v4", n_envs=1, seed=seed), n_stack=4)
 

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         from stable_baselines3.common.evaluation import evaluate_policy
         from stable_baselines3.common.monitor import Monitor
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("this example needs SB3: pip install 'bigper[sb3]'") from e
+        raise ImportError("this example needs SB3: pip install -e '.[sb3]' in a bigper checkout") from e
     from bigper.integrations.sb3 import PrioritizedSAC
 
     if args.smoke:
