@@ -204,4 +204,6 @@ class PrioritizedAlgorithm:
         if ours and not old.closed:
             old.close()
         rb.device = self.device
+        if self.last_beta is not None:  # rb.beta and sample() go on with learn's beta
+            rb.beta_for_learner(self._current_progress_remaining)
         self.replay_buffer = rb
