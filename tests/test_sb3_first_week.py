@@ -257,3 +257,27 @@ def test_a_disk_buffer_says_where_its_files_are_and_what_is_left_at_close(tmp_pa
     mb = f"{on_disk / 1e6:.1f} MB"
     assert any(str(tmp_path / "replay") in m and mb in m for m in opened), (opened, mb)
     assert any(str(tmp_path / "replay") in m and mb in m for m in closed), (closed, mb)
+
+
+# -- 8. the CleanRL Rainbow port on the SB3 page runs, with --n-step 3 and --n-step 1 ----------------
+@pytest.mark.parametrize("n_step", [3, 1])
+def test_the_rainbow_port_on_the_sb3_page_runs_with_any_n_step(tmp_path, n_step):
+    pytest.importorskip("ale_py")
+    import subprocess
+
+    from .test_docs import ROOT, blocks
+
+    page = ROOT / "docs" / "guide" / "sb3.md"  # its block is marked run-by this module
+    (code,) = [b["code"] for b in blocks(page) if b["marker"] == "run-by tests/test_sb3_first_week.py"]
+    for old, new in (("4, 10_000_000, 80_000", "2, 240, 100"), ("1_000_000, 32, 0.99, 3", f"1_000, 8, 0.99, {n_step}"),
+                     ("% 8_000", "% 40")):
+        assert old in code
+        code = code.replace(old, new)
+    (tmp_path / "rainbow.py").write_text(code)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), BIGPER_THREADS="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "rainbow.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    replay = tmp_path / "runs" / "breakout" / "replay"
+    assert str(replay) in r.stderr and "stay at" in r.stderr, r.stderr[-2000:]   # where, and what is left
+    assert "frame_stack" not in r.stderr, r.stderr[-2000:]
