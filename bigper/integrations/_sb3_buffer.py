@@ -121,18 +121,24 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         Which axis holds the stack ("auto": the one ``frame_stack`` divides; if
         both, the smaller, as SB3 tells channel-first images).
     n_steps, gamma :
-        n-step returns as SB3's ``NStepReplayBuffer`` computes them.
+        n-step returns as SB3's ``NStepReplayBuffer`` computes them. ``n_step``
+        (the core's spelling) is taken for ``n_steps``; both, with different
+        values, are refused.
     snapshot_dir : str or Path, optional
         Where pickling writes its bigper snapshot (see the module docstring).
     **bigper_kwargs :
         Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``,
-        ``mode="resume"`` to continue the buffer at ``path``, ...).
+        ``mode="resume"`` to continue the buffer at ``path``, ...); an option
+        neither takes is refused naming the closest one.
 
     The storage is created here (the first ``add`` costs what the others do),
-    except where ``path`` already holds something and ``mode`` is "new": SB3's
-    ``DQN.load`` builds a buffer with the saved ``path`` that
-    ``load_replay_buffer`` replaces at once, so that one opens on first use
-    (and a rerun over a used path gets its ``PathExistsError`` there).
+    and a line says where and how big (the ``bigper`` logger at INFO, else
+    stderr; ``close()`` says what stays), except while a ``Prioritized*``
+    algorithm's ``load`` rebuilds a model (loading to evaluate makes no file)
+    and where ``path`` already holds something and ``mode`` is "new": those
+    open on first use (a rerun over a used path gets its ``PathExistsError``
+    there). uint8 images that look like frame stacks without ``frame_stack``
+    get a ``UserWarning`` naming the ``frame_stack`` to pass.
     ``size()`` and ``pos`` count what the bigper buffer holds, also after
     ``mode="resume"``.
     """
