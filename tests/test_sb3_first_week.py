@@ -32,13 +32,7 @@ from bigper.errors import InvalidArgumentError, PathNotFoundError  # noqa: E402
 from bigper.integrations import sb3 as bsb3  # noqa: E402
 from bigper.integrations.sb3 import PrioritizedReplayBuffer  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    n = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(n)
+from ._torch_threads import one_torch_thread  # noqa: E402,F401 (autouse)
 
 
 def model(name: str, env=None, **kw):

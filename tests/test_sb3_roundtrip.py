@@ -23,13 +23,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples  # noqa: E
 from bigper.errors import BigperError  # noqa: E402
 from bigper.integrations import sb3 as bsb3  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    n = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(n)
+from ._torch_threads import one_torch_thread  # noqa: E402,F401 (autouse)
 
 
 FAMILIES = {"DQN": "CartPole-v1", "SAC": "Pendulum-v1"}

@@ -23,7 +23,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 from .. import PrioritizedReplayBuffer as CoreBuffer
 from ..batch import Batch
 from ..config import Config
-from ..errors import BigperError, BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError
+from ..errors import BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError
 from ..schedules import ConstantSchedule, LinearSchedule, as_schedule
 from ._layout import StackLayout
 from ._sb3_pickle import KEEP_AT_PATH, open_snapshot, write_snapshot

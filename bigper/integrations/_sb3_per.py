@@ -136,8 +136,8 @@ class PrioritizedAlgorithm:
         if rbc not in (ReplayBuffer, NStepReplayBuffer):
             raise InvalidArgumentError(
                 f"{name}: this model uses replay_buffer_class={getattr(rbc, '__name__', rbc)!r}, which bigper's "
-                f"prioritized buffer cannot stand in for (only SB3's ReplayBuffer and NStepReplayBuffer can); "
-                f"load it with the SB3 algorithm it was saved with")
+                "prioritized buffer cannot stand in for (only SB3's ReplayBuffer and NStepReplayBuffer can); "
+                "load it with the SB3 algorithm it was saved with")
         kw = dict(self.replay_buffer_kwargs or {})
         n = one_n_steps(name, {"n_steps": kw.pop("n_steps", None), "the model's n_steps": getattr(self, "n_steps", 1)
                                if rbc is NStepReplayBuffer else None})
