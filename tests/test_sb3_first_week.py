@@ -261,7 +261,7 @@ def test_the_rainbow_port_on_the_sb3_page_runs_with_any_n_step(tmp_path, n_step)
 
     from .test_docs import ROOT, blocks
 
-    page = ROOT / "docs" / "guide" / "sb3.md"  # its block is marked run-by this module
+    page = ROOT / "docs/guide/sb3.md"  # its block is marked run-by this module
     (code,) = [b["code"] for b in blocks(page) if b["marker"] == "run-by tests/test_sb3_first_week.py"]
     for old, new in (("4, 10_000_000, 80_000", "2, 240, 100"), ("1_000_000, 32, 0.99, 3", f"1_000, 8, 0.99, {n_step}"),
                      ("% 8_000", "% 40")):
