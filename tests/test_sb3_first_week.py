@@ -180,12 +180,19 @@ def test_n_step_and_n_steps_both_given_to_the_buffer_must_agree():
     assert PrioritizedReplayBuffer(64, obs, act, device="cpu", n_step=4).n_steps == 4
 
 
+def _one_added(rb):
+    rb.add(np.zeros((1, 3), np.float32), np.ones((1, 3), np.float32), np.zeros(1), np.ones(1), np.zeros(1), [{}])
+    return rb
+
+
 # -- 6. beta above 1; one warning --------------------------------------------------------------
 @pytest.mark.parametrize("make", [
     lambda: bigper.PrioritizedReplayBuffer(8, {"x": ((), np.float32)}, beta=1.5),
     lambda: bigper.PrioritizedReplayBuffer(8, {"x": ((), np.float32)}, beta=bigper.LinearSchedule(0.4, 1.5, 10)),
     lambda: PrioritizedReplayBuffer(64, spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2), beta=1.5),
     lambda: model("PrioritizedDQN", replay_buffer_kwargs={"beta": 1.5}),
+    lambda: _one_added(PrioritizedReplayBuffer(64, spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2))
+                       ).sample(4, beta=1.5),
 ])
 def test_beta_above_one_is_refused_naming_it(make):
     with pytest.raises(InvalidArgumentError, match=r"beta.*1\.5"):

@@ -401,6 +401,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         """
         if beta is None and not self.beta_is_schedule:
             beta = self._beta_by_steps() if self.beta_steps is not None else self._learner_beta
+        elif beta is not None:
+            as_schedule(beta)  # a beta in [0, 1], or InvalidArgumentError naming it
         batch = self.buffer.sample(batch_size, beta=beta)
         if self._plain_samples >= 0:
             self._plain_samples += 1
