@@ -212,7 +212,7 @@ def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
     snap = Path(snap)
     names = {f"{p.name}.bigper"} | ({f"{p.stem}.bigper"} if p.suffix == ".pkl" else set())
     here = p.parent / snap.parent.name / snap.name
-    if snap.parent.name not in names or not os.path.lexists(here / MANIFEST):
+    if snap.parent.name not in names or not _SNAP.match(snap.name) or not os.path.lexists(here / MANIFEST):
         return state, None
     was, now = snap.parent.parent, p.parent.resolve()
     if os.path.realpath(was) == os.fspath(now):
