@@ -90,8 +90,9 @@ def _gone(snap: Path) -> PathNotFoundError:
     return PathNotFoundError(
         f"this pickle's snapshot {snap} does not exist (its {MANIFEST} is missing): was it moved or deleted? "
         f"If the run folder was moved or copied with the pickle and its {root.name}/ folder beside it, load "
-        "it with model.load_replay_buffer(<the pickle's new path>): the snapshot beside the pickle is found "
-        f"there (pickle.loads cannot know where the pickle was). Otherwise put {root} back where it was")
+        "it with the load_replay_buffer(<the pickle's new path>) of bigper's PrioritizedDQN (or PrioritizedSAC, "
+        "...): it finds the snapshot beside the pickle (pickle.loads and plain SB3 cannot know where the pickle "
+        f"was). Otherwise put {root} back where it was")
 
 
 def write_snapshot(buf: CoreBuffer, root: Path, keep: int | None) -> tuple[str, str]:
