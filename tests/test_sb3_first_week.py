@@ -71,7 +71,7 @@ def test_loading_a_model_makes_no_file_until_the_buffer_is_used(tmp_path, monkey
     before = listing(tmp_path)
     loaded = getattr(bsb3, name).load(run / "model.zip", device="cpu")
     loaded.predict(loaded.observation_space.sample())          # evaluate
-    assert loaded.replay_buffer.beta == pytest.approx(0.4)      # look at it
+    assert loaded.replay_buffer.beta == loaded.last_beta > 0.4  # look at it: the beta learn left off with
     assert listing(tmp_path) == before, "loading a model made files"
     loaded.set_env(gym.make("Pendulum-v1" if name == "PrioritizedSAC" else "CartPole-v1"))
     loaded.learn(40)                                            # used: now it opens

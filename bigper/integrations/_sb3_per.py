@@ -121,6 +121,14 @@ class PrioritizedAlgorithm:
         if getattr(self, "_rb_gamma_default", False):
             self.replay_buffer_kwargs["gamma"] = self.gamma
         super()._setup_model()
+        self._resume_beta()
+
+    def _resume_beta(self) -> None:
+        """A loaded model's buffer (or one ``load_replay_buffer`` put in) goes on
+        with the beta of the model's last gradient step: ``rb.beta``, ``sample()``
+        and ``last_beta`` agree, as they did before the save."""
+        if getattr(self, "last_beta", None) is not None and self.replay_buffer is not None:
+            self.replay_buffer.beta_for_learner(self._current_progress_remaining)
 
     def _adopt_plain_sb3_buffer(self) -> None:
         """A model saved by SB3's own algorithm names SB3's buffer class (set by
@@ -204,6 +212,5 @@ class PrioritizedAlgorithm:
         if ours and not old.closed:
             old.close()
         rb.device = self.device
-        if self.last_beta is not None:  # rb.beta and sample() go on with learn's beta
-            rb.beta_for_learner(self._current_progress_remaining)
         self.replay_buffer = rb
+        self._resume_beta()
