@@ -634,11 +634,13 @@ def _hint_frame_stack(shape: tuple[int, ...], dtype: np.dtype) -> None:
     if k in (1, 3) or k > 16:  # one frame, or colour channels
         return
     axis = "first" if k == shape[0] else "last"
+    # 6, 9, 12, 15 channels may be grey frames or stacks of colour frames (3 channels each)
+    which = f"frame_stack={k}" if k % 3 else f"frame_stack={k} (grey frames) or {k // 3} (colour frames)"
     warnings.warn(
-        f"PrioritizedReplayBuffer: observations of shape {shape} uint8 look like stacks of {k} frames on the "
-        f"{axis} axis, and frame_stack is not set, so every frame is stored {2 * k} times (in obs and next_obs "
-        f"of {k} transitions): pass frame_stack={k} to store each frame once, about {2 * k}x less "
-        "memory or disk", UserWarning, stacklevel=3)
+        f"PrioritizedReplayBuffer: observations of shape {shape} uint8 look like stacked frames on the "
+        f"{axis} axis, and frame_stack is not set, so every frame is stored several times (in obs and "
+        f"next_obs of consecutive transitions): pass {which} to store each frame once (for 4 frames, "
+        "about 8x less memory or disk)", UserWarning, stacklevel=3)
 
 
 def _say_where(core: CoreBuffer, what: str) -> None:
