@@ -157,3 +157,17 @@ def test_qrdqn_train_step_is_sb3_contribs_on_the_same_batch():
     for k in a:
         assert th.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
     rb.close()
+
+
+def test_learn_on_from_a_zip_without_its_buffer_says_what_to_do(tmp_path):
+    """n_steps > 1: the loaded model trains at once (its step count is past
+    learning_starts), and its fresh buffer has no complete window yet."""
+    m = trained("SAC", True, tmp_path, n_steps=3)
+    m.save(tmp_path / "model.zip")
+    loaded = bsb3.PrioritizedSAC.load(tmp_path / "model.zip", env=gym.make("Pendulum-v1"), device="cpu")
+    with pytest.raises(BigperError, match="learning_starts") as e:
+        loaded.learn(10, reset_num_timesteps=False)
+    assert "load_replay_buffer" in str(e.value)
+    loaded.learning_starts = loaded.num_timesteps + 5  # what the error says: then it trains on
+    loaded.learn(10, reset_num_timesteps=False)
+    loaded.replay_buffer.close()

@@ -160,6 +160,12 @@ class PrioritizedAlgorithm:
     def _per_sample(self, batch_size: int):
         """One gradient step's batch, drawn with this step's beta."""
         rb = self.replay_buffer
+        if rb.buffer.total_priority <= 0:  # SB3 trains once num_timesteps > learning_starts, also on a fresh buffer
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: no transition to train on yet: the replay buffer holds {len(rb.buffer)} "
+                f"and none is sampleable (n_steps={rb.n_steps}: a transition is once its window completes or its "
+                "episode ends). A model loaded to train on: load_replay_buffer(...) first, or let it collect "
+                f"before it trains (model.learning_starts = model.num_timesteps + {max(rb.n_steps, 1) * 10})")
         beta = rb.beta_for_learner(self._current_progress_remaining)
         self.last_beta = rb.buffer.beta if beta is None else beta  # what rb.beta reads too
         return rb.sample(batch_size, env=self._vec_normalize_env, beta=beta)
