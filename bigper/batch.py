@@ -59,6 +59,8 @@ class Batch(Mapping[str, np.ndarray]):
         try:
             return self.data[key]
         except KeyError:
+            if key == "mask" and self.mask is not None:  # spelt as in to_torch()
+                return self.mask
             raise UnknownFieldError(f"batch has no field {key!r}; it has {sorted(self.data)}") from None
 
     def __iter__(self) -> Iterator[str]:

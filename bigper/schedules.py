@@ -8,6 +8,12 @@ from typing import Any
 from .errors import InvalidArgumentError, InvalidTypeError
 
 
+def _is_beta(v: object) -> bool:
+    """A beta is a number in [0, 1]: 1 corrects the sampling bias fully, and
+    more than 1 over-corrects (the IS weights of PER, Schaul et al. 2016)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1
+
+
 @dataclass(frozen=True)
 class LinearSchedule:
     """``start`` at step 0, moving linearly to ``end`` at ``steps``, then flat.
@@ -15,7 +21,7 @@ class LinearSchedule:
     Parameters
     ----------
     start, end : float
-        Values at step 0 and from step ``steps`` on.
+        Values at step 0 and from step ``steps`` on (betas: in [0, 1]).
     steps : int
         Number of steps (``sample`` calls) over which to anneal, >= 1.
     """
@@ -27,9 +33,8 @@ class LinearSchedule:
     def __post_init__(self) -> None:
         for name in ("start", "end"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
-                raise InvalidArgumentError(
-                    f"LinearSchedule {name} must be a finite number >= 0 (a beta), got {v!r}")
+            if not _is_beta(v):
+                raise InvalidArgumentError(f"LinearSchedule {name} must be a number in [0, 1] (a beta), got {v!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise InvalidArgumentError(f"LinearSchedule steps must be an int >= 1, got {self.steps!r}")
 
@@ -50,15 +55,15 @@ class ConstantSchedule:
     Parameters
     ----------
     value : float
-        The value (a beta: finite, >= 0).
+        The value (a beta: in [0, 1]).
     """
 
     value: float
 
     def __post_init__(self) -> None:
         v = self.value
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
-            raise InvalidArgumentError(f"ConstantSchedule value must be a finite number >= 0 (a beta), got {v!r}")
+        if not _is_beta(v):
+            raise InvalidArgumentError(f"ConstantSchedule value must be a number in [0, 1] (a beta), got {v!r}")
 
     def __call__(self, step: int) -> float:
         """The value at ``step`` (the number of ``sample`` calls made before)."""
@@ -74,10 +79,9 @@ def as_schedule(beta: float | LinearSchedule | ConstantSchedule) -> LinearSchedu
     if isinstance(beta, (LinearSchedule, ConstantSchedule)):
         return beta
     if isinstance(beta, (int, float)) and not isinstance(beta, bool):
-        b = float(beta)
-        if not (b == b and abs(b) != float("inf")) or b < 0:
-            raise InvalidArgumentError(f"beta must be a finite number >= 0 or a schedule, got {beta!r}")
-        return ConstantSchedule(b)
+        if not _is_beta(float(beta)):
+            raise InvalidArgumentError(f"beta must be a number in [0, 1] or a schedule, got {beta!r}")
+        return ConstantSchedule(float(beta))
     raise InvalidTypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
 
 

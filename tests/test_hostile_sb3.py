@@ -27,17 +27,10 @@ from bigper.errors import (  # noqa: E402
 from bigper.integrations import sb3 as bsb3  # noqa: E402
 
 from ._hostile_snapshot_cases import fingerprint  # noqa: E402
+from ._torch_threads import one_torch_thread  # noqa: E402,F401 (autouse)
 
 OBS = spaces.Box(-10, 10, (3,), np.float32)
 ACT = spaces.Discrete(2)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    n = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(n)
 
 
 def small(cls, env, tmp_path, name="live", **kw):

@@ -29,6 +29,8 @@ from bigper.errors import BufferClosedError, InvalidArgumentError, PathExistsErr
 from bigper.integrations import sb3 as bsb3  # noqa: E402
 from bigper.integrations._sb3_per import huber_loss, mse_loss, quantile_loss  # noqa: E402
 
+from ._torch_threads import one_torch_thread  # noqa: E402,F401 (autouse)
+
 try:
     import sb3_contrib  # noqa: F401
     HAVE_CONTRIB = True
@@ -39,14 +41,6 @@ contrib = pytest.mark.skipif(not HAVE_CONTRIB, reason="needs the sb3-contrib ext
 CONTINUOUS = ["PrioritizedSAC", "PrioritizedTD3", "PrioritizedDDPG",
               pytest.param("PrioritizedTQC", marks=contrib)]
 DISCRETE = ["PrioritizedDQN", pytest.param("PrioritizedQRDQN", marks=contrib)]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    n = th.get_num_threads()
-    th.set_num_threads(1)  # a shared 2-core machine: more threads only contend
-    yield
-    th.set_num_threads(n)
 
 
 def build(name: str, **kw):

@@ -734,3 +734,18 @@ def test_priorities_given_to_extend_belong_to_the_items_starting_at_those_steps(
     # items start at steps 0, 2, 4, 6 (each with its 2 steps written); odd steps start none
     np.testing.assert_array_equal(buf.leaves(np.arange(8)), [1, 0, 3, 0, 5, 0, 7, 0])
     assert buf.max_leaf == 8.0  # every given priority counts toward the largest seen
+
+
+def test_mask_has_one_spelling_for_the_batch_and_its_tensors():
+    """Issue 35: ``batch["mask"]`` was UnknownFieldError while ``batch.to_torch()["mask"]`` worked."""
+    ref = Ref(0, 1, 3, 1, 2)
+    ref.c = 50
+    buf = build(ref, ref.c)
+    feed(buf, ref, [[int(t == 6)] for t in range(20)])
+    b = buf.sample(4)
+    assert b["mask"] is b.mask and b["mask"].shape == (4, ref.T) and "mask" in b
+    plain = bigper.PrioritizedReplayBuffer(8, {"x": ((), np.float32)})
+    plain.add(x=1.0, terminated=False)
+    with pytest.raises(bigper.UnknownFieldError, match="mask"):
+        plain.sample(1)["mask"]  # transitions have no mask
+    assert "mask" not in plain.sample(1)

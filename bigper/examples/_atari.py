@@ -21,7 +21,7 @@ def make_env(game: str = "Pong", *, seed: int = 0):
         import gymnasium as gym
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("the Atari demo and examples need gymnasium and ale-py: "
-                          "pip install 'bigper[atari]'") from e
+                          "pip install -e '.[atari]' in a bigper checkout") from e
     gym.register_envs(ale_py)
     env = gym.make(f"ALE/{game}-v5", **ALE_KWARGS)
     env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=SIZE,

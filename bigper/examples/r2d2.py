@@ -41,7 +41,7 @@ def _torch():
     try:
         import torch
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("this example needs torch: pip install 'bigper[torch]'") from e
+        raise ImportError("this example needs torch: pip install -e '.[torch]' in a bigper checkout") from e
     return torch
 
 

@@ -67,7 +67,7 @@ def make_env(game: str, seed: int):
         from stable_baselines3.common.vec_env import VecFrameStack
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("this example needs SB3 and the Atari extra: "
-                          "pip install 'bigper[sb3,atari]'") from e
+                          "pip install -e '.[sb3,atari]' in a bigper checkout") from e
     gym.register_envs(ale_py)
     return VecFrameStack(make_atari_env(f"{game}NoFrameskip-v4", n_envs=1, seed=seed), n_stack=4)
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         first = model.num_timesteps
         rb = model.replay_buffer
         print(f"learned {first} steps in {time.perf_counter() - t0:.1f} s; buffer {rb.size()} steps on "
-              f"disk at {run / 'replay'}, beta {model.last_beta if model.last_beta is not None else rb.beta0:.3f}")
+              f"disk at {run / 'replay'}, beta {rb.beta:.3f}")
         # Save as a preempted job would, then drop everything.
         model.save(run / "model")
         model.save_replay_buffer(run / "replay_buffer")
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model.learn(args.steps - first, reset_num_timesteps=False)
         print(f"learned {args.steps - first} more steps in {time.perf_counter() - t0:.1f} s; "
-              f"final beta {model.last_beta:.3f}")
+              f"final beta {model.replay_buffer.beta:.3f}")
         model.replay_buffer.close()
         env.close()
         if not args.smoke:

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         from stable_baselines3.common.evaluation import evaluate_policy
         from stable_baselines3.common.monitor import Monitor
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("this example needs SB3: pip install 'bigper[sb3]'") from e
+        raise ImportError("this example needs SB3: pip install -e '.[sb3]' in a bigper checkout") from e
     from bigper.integrations.sb3 import PrioritizedSAC
 
     if args.smoke:
@@ -83,9 +83,8 @@ def main(argv=None) -> int:
         model.learn(args.steps, callback=stop_at(first))  # learn(total) as planned, stopped halfway
         first = model.num_timesteps
         rb = model.replay_buffer
-        beta = model.last_beta if model.last_beta is not None else rb.beta0
         print(f"learned {first} steps in {time.perf_counter() - t0:.1f} s; buffer {rb.size()} transitions "
-              f"on disk at {run / 'replay'}, beta {beta:.3f}")
+              f"on disk at {run / 'replay'}, beta {rb.beta:.3f}")
         model.save(run / "model")
         model.save_replay_buffer(run / "replay_buffer")
         expected = rb.buffer.sample(8, beta=1.0).indices
@@ -105,7 +104,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model.learn(args.steps - first, reset_num_timesteps=False)
         print(f"learned {args.steps - first} more steps in {time.perf_counter() - t0:.1f} s; "
-              f"final beta {model.last_beta:.3f}")
+              f"final beta {model.replay_buffer.beta:.3f}")
         eval_env = Monitor(gym.make(args.env))
         mean, std = evaluate_policy(model, eval_env, n_eval_episodes=2 if args.smoke else 5, deterministic=True)
         print(f"mean return over {'2' if args.smoke else '5'} episodes: {mean:.1f} +/- {std:.1f}")

@@ -3,7 +3,12 @@ prioritized ``bigper.PrioritizedReplayBuffer`` (see ``bigper.integrations.sb3``)
 
 from __future__ import annotations
 
+import contextvars
+import difflib
+import inspect
+import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from collections.abc import Sequence
@@ -18,7 +23,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 from .. import PrioritizedReplayBuffer as CoreBuffer
 from ..batch import Batch
 from ..config import Config
-from ..errors import BigperError, BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError
+from ..errors import BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError
 from ..schedules import ConstantSchedule, LinearSchedule, as_schedule
 from ._layout import StackLayout
 from ._sb3_pickle import KEEP_AT_PATH, open_snapshot, write_snapshot
@@ -35,6 +40,13 @@ _PICKLE_FORMAT = "bigper.sb3/1"
 _PLAIN_SAMPLES_WARN = 100
 # Buffer options that are not part of bigper's Config.
 _NOT_CONFIG = ("path", "mode", "read_only", "storage_options")
+# Core options the drop-in sets itself, or that it does not support (sequences).
+_SET_HERE = ("capacity", "fields", "num_envs", "n_step", "sequence")
+# True while a Prioritized algorithm's ``load`` rebuilds its model: the buffer
+# it builds opens its storage on first use (learn), not at construction.
+DEFER_OPEN: contextvars.ContextVar[bool] = contextvars.ContextVar("bigper_sb3_defer_open", default=False)
+
+log = logging.getLogger("bigper")
 
 
 class PrioritizedReplayBufferSamples(NamedTuple):
@@ -109,18 +121,24 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         Which axis holds the stack ("auto": the one ``frame_stack`` divides; if
         both, the smaller, as SB3 tells channel-first images).
     n_steps, gamma :
-        n-step returns as SB3's ``NStepReplayBuffer`` computes them.
+        n-step returns as SB3's ``NStepReplayBuffer`` computes them. ``n_step``
+        (the core's spelling) is taken for ``n_steps``; both, with different
+        values, are refused.
     snapshot_dir : str or Path, optional
         Where pickling writes its bigper snapshot (see the module docstring).
     **bigper_kwargs :
         Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``,
-        ``mode="resume"`` to continue the buffer at ``path``, ...).
+        ``mode="resume"`` to continue the buffer at ``path``, ...); an option
+        neither takes is refused naming the closest one.
 
     The storage is created here (the first ``add`` costs what the others do),
-    except where ``path`` already holds something and ``mode`` is "new": SB3's
-    ``DQN.load`` builds a buffer with the saved ``path`` that
-    ``load_replay_buffer`` replaces at once, so that one opens on first use
-    (and a rerun over a used path gets its ``PathExistsError`` there).
+    and a line says where and how big (the ``bigper`` logger at INFO, else
+    stderr; ``close()`` says what stays), except while a ``Prioritized*``
+    algorithm's ``load`` rebuilds a model (loading to evaluate makes no file)
+    and where ``path`` already holds something and ``mode`` is "new": those
+    open on first use (a rerun over a used path gets its ``PathExistsError``
+    there). uint8 images that look like frame stacks without ``frame_stack``
+    get a ``UserWarning`` naming the ``frame_stack`` to pass.
     ``size()`` and ``pos`` count what the bigper buffer holds, also after
     ``mode="resume"``.
     """
@@ -143,7 +161,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                  handle_timeout_termination: bool = True, *, alpha: float = 0.6,
                  beta: float | LinearSchedule | ConstantSchedule = 0.4, storage: str = "memory",
                  path: str | os.PathLike[str] | None = None, seed: int = 0, frame_stack: int | None = None,
-                 frame_axis: str = "auto", n_steps: int = 1, gamma: float = 0.99,
+                 frame_axis: str = "auto", n_steps: int | None = None, gamma: float = 0.99,
                  snapshot_dir: str | os.PathLike[str] | None = None, beta_steps: int | None = None,
                  **bigper_kwargs: Any) -> None:
         if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
@@ -159,10 +177,12 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 f"{observation_space}; flatten the observation (gymnasium.wrappers.FlattenObservation) "
                 "or use SB3's DictReplayBuffer (uniform replay; HerReplayBuffer for goal-conditioned tasks)")
         beta_steps = _beta_steps(beta_steps)
+        _check_options(bigper_kwargs)
+        n_steps = one_n_steps("PrioritizedReplayBuffer", {"n_steps": n_steps, "n_step": bigper_kwargs.pop("n_step", None)})
         self.buffer_size = max(buffer_size // n_envs, 1)
         self.optimize_memory_usage = False
         self.handle_timeout_termination = bool(handle_timeout_termination)
-        self.n_steps = int(n_steps)
+        self.n_steps = 1 if n_steps is None else n_steps
         self.gamma = float(gamma)
         self.snapshot_dir = snapshot_dir
         self.layout = StackLayout(self.obs_shape, frame_stack, frame_axis)
@@ -174,14 +194,11 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                       beta=beta, storage=storage, path=path, seed=seed, num_envs=n_envs, **bigper_kwargs)
         # Checked now, opened on first use: SB3's DQN.load builds a buffer that
         # load_replay_buffer replaces at once, and it must not touch the disk.
-        try:
-            cfg = Config.build(capacity=self.buffer_size * n_envs, fields=fields,
-                               **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
-        except BigperError:
-            raise
-        except TypeError as e:  # an option bigper does not have
-            raise InvalidArgumentError(f"PrioritizedReplayBuffer: {e}; bigper options: {sorted(kwargs)}") from None
+        cfg = Config.build(capacity=self.buffer_size * n_envs, fields=fields,
+                           **{k: v for k, v in kwargs.items() if k not in _NOT_CONFIG})
         _transitions_only(cfg, "PrioritizedReplayBuffer")
+        if frame_stack is None:
+            _hint_frame_stack(self.obs_shape, np.dtype(observation_space.dtype))
         self._core_args = (self.buffer_size * n_envs, fields, kwargs)
         self._core = None
         self._live_path = None if path is None else os.fspath(path)
@@ -192,7 +209,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self.beta_steps = beta_steps
         self._wire()
         used = path is not None and kwargs.get("mode", "new") == "new" and os.path.lexists(path)
-        if not used:
+        if not used and not DEFER_OPEN.get():
             self.buffer  # noqa: B018 (the storage is created now, not at the first add)
 
     @property
@@ -202,11 +219,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             capacity, fields, kwargs = self._core_args
             self._core = CoreBuffer(capacity, fields, **kwargs)
             self._count_steps()  # a resumed buffer holds what it held
+            _say_where(self._core, "holds")
         return self._core
 
     def _wire(self) -> None:
         """Counters derived from the bigper buffer (after construction and after unpickling)."""
         self._last = None  # (indices tensor handed out, its Batch): updates skip overwritten slots
+        self._learner_beta = None  # the beta a Prioritized algorithm sampled with last
         self._snapshot_target = None
         self._plain_samples = 0  # samples since construction with no update_priorities yet
         self._count_steps()
@@ -267,20 +286,28 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     def beta_for_learner(self, progress_remaining: float) -> float | None:
         """The beta a prioritized SB3 algorithm samples with: None where the
         buffer's schedule decides, annealed by ``add`` count with
-        ``beta_steps``, else from ``beta`` to 1.0 over ``learn``."""
+        ``beta_steps``, else from ``beta`` to 1.0 over ``learn``. What it
+        samples with is what ``beta`` reads from then on."""
         if self.beta_is_schedule:
+            self._learner_beta = None
             return None
-        if self.beta_steps is not None:
-            return self._beta_by_steps()
-        return annealed_beta(self.beta0, progress_remaining)
+        b = self._beta_by_steps() if self.beta_steps is not None else annealed_beta(self.beta0, progress_remaining)
+        self._learner_beta = b
+        return b
 
     @property
     def beta(self) -> float:
-        """The beta that ``sample()`` without ``beta=`` uses now: annealed by
-        ``add`` count with ``beta_steps``, else the bigper buffer's (the
-        ``Prioritized*`` algorithms pass their own, annealed over ``learn``)."""
+        """The beta in use: the one ``sample()`` without ``beta=`` uses now.
+        Annealed by ``add`` count with ``beta_steps``; under a ``Prioritized*``
+        algorithm's ``learn``, the beta of its latest gradient step (annealed
+        over ``learn``, the ``last_beta`` it logs as ``train/beta``); else the
+        bigper buffer's."""
         if self.beta_steps is not None and not self.beta_is_schedule:
             return self._beta_by_steps()
+        if self._learner_beta is not None:
+            return self._learner_beta
+        if self._core is None:  # not opened yet (a loaded model): reading beta makes no file
+            return self.beta0
         return self.buffer.beta
 
     @beta.setter
@@ -372,8 +399,10 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         beta : float, optional
             IS exponent for this call (``PrioritizedDQN`` passes its annealed value).
         """
-        if beta is None and self.beta_steps is not None and not self.beta_is_schedule:
-            beta = self._beta_by_steps()
+        if beta is None and not self.beta_is_schedule:
+            beta = self._beta_by_steps() if self.beta_steps is not None else self._learner_beta
+        elif beta is not None:
+            as_schedule(beta)  # a beta in [0, 1], or InvalidArgumentError naming it
         batch = self.buffer.sample(batch_size, beta=beta)
         if self._plain_samples >= 0:
             self._plain_samples += 1
@@ -445,9 +474,11 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         return self.buffer_size if self.full else self.pos
 
     def close(self) -> None:
-        """Close the bigper buffer (a disk storage is flushed and unlocked)."""
-        if self._core is not None:
+        """Close the bigper buffer (a disk storage is flushed and unlocked, and
+        what it leaves on disk is logged: where, and how big)."""
+        if self._core is not None and not self._core.closed:
             self._core.close()
+            _say_where(self._core, "left")
 
     @property
     def closed(self) -> bool:
@@ -487,13 +518,19 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 "snapshot_dir": None if self.snapshot_dir is None else os.fspath(self.snapshot_dir)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self._restore(state)
+
+    def _restore(self, state: dict[str, Any], live: str | None = None) -> None:
+        """The buffer a pickle's ``state`` describes, its snapshot loaded into
+        ``live`` (default: the live path it recorded)."""
         if not isinstance(state, dict) or state.get("format") != _PICKLE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise IncompatibleSnapshotError(f"not a bigper SB3 replay buffer pickle ({_PICKLE_FORMAT}), got {got!r}")
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise IncompatibleSnapshotError(f"bigper SB3 replay buffer pickle lacks {missing}")
-        buf = open_snapshot(state, capacity=state["buffer_size"] * state["n_envs"], n_envs=state["n_envs"])
+        buf = open_snapshot(state, capacity=state["buffer_size"] * state["n_envs"], n_envs=state["n_envs"],
+                            live=live)
         super(ReplayBuffer, self).__init__(state["buffer_size"], state["observation_space"],
                                            state["action_space"], state["device"], n_envs=state["n_envs"])
         self.buffer_size = state["buffer_size"]
@@ -550,3 +587,79 @@ class _EpisodeCut:
 _STATE_KEYS = ("snapshot", "manifest_sha256", "buffer_size", "n_envs", "observation_space",
                "action_space", "device", "handle_timeout_termination", "n_steps", "gamma",
                "frame_stack", "frame_axis", "live_path", "beta_is_schedule", "beta0", "snapshot_dir")
+
+
+def _drop_in_options() -> list[str]:
+    """Every option the drop-in takes by name (its own and the core's it passes on)."""
+    own = [n for n in inspect.signature(PrioritizedReplayBuffer.__init__).parameters
+           if n not in ("self", "buffer_size", "observation_space", "action_space", "device", "n_envs",
+                        "bigper_kwargs")]
+    core = [n for n in inspect.signature(CoreBuffer.__init__).parameters
+            if n not in ("self", *_SET_HERE) and n not in own]
+    return sorted(own + core)
+
+
+def _check_options(given: dict[str, Any]) -> None:
+    """Refuse an option the drop-in does not have, naming the closest one it has."""
+    options = _drop_in_options()
+    unknown = [k for k in given if k not in options and k != "n_step"]
+    if unknown:
+        k = unknown[0]
+        close = difflib.get_close_matches(k, options, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidArgumentError(f"PrioritizedReplayBuffer has no option {k!r}{hint}; its options: {options}")
+
+
+def one_n_steps(where: str, given: dict[str, Any]) -> int | None:
+    """The n-step count given under any of its names (``n_steps``, SB3's
+    spelling; ``n_step``, the core's), an int >= 1, or None where none was
+    given; two different values are refused."""
+    vals = {k: v for k, v in given.items() if v is not None}
+    for k, v in vals.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise InvalidArgumentError(f"{where}: {k} must be an int >= 1, got {v!r}")
+    if len({int(v) for v in vals.values()}) > 1:
+        both = ", ".join(f"{k}={v!r}" for k, v in vals.items())
+        raise InvalidArgumentError(f"{where}: n_steps given twice with different values ({both}); give it once")
+    return int(next(iter(vals.values()))) if vals else None
+
+
+def _hint_frame_stack(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Warn once where uint8 images look like a stack of frames and ``frame_stack``
+    is unset: each transition then stores ``obs`` and ``next_obs`` whole, about
+    ``2k`` times the frames' bytes, where a frame stack stores each frame once."""
+    if dtype != np.uint8 or len(shape) != 3 or min(shape[0], shape[-1]) > 16:
+        return
+    k = shape[0] if shape[0] < shape[-1] else shape[-1]
+    if k in (1, 3) or k > 16:  # one frame, or colour channels
+        return
+    axis = "first" if k == shape[0] else "last"
+    # 6, 9, 12, 15 channels may be grey frames or stacks of colour frames (3 channels each)
+    which = f"frame_stack={k}" if k % 3 else f"frame_stack={k} (grey frames) or {k // 3} (colour frames)"
+    warnings.warn(
+        f"PrioritizedReplayBuffer: observations of shape {shape} uint8 look like stacked frames on the "
+        f"{axis} axis, and frame_stack is not set, so every frame is stored several times (in obs and "
+        f"next_obs of consecutive transitions): pass {which} to store each frame once (for 4 frames, "
+        "about 8x less memory or disk)", UserWarning, stacklevel=3)
+
+
+def _say_where(core: CoreBuffer, what: str) -> None:
+    """One line on a disk buffer's files: where and how big (when it is opened,
+    and what is ``left`` at close). Logged to the ``bigper`` logger at INFO,
+    printed to stderr where nothing handles that logger."""
+    path = getattr(core.storage, "path", None)
+    if path is None:
+        return
+    path = Path(path)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    size = sum(p.stat().st_size for p in files)
+    if what == "holds":
+        msg = (f"bigper: the replay buffer's files are at {path} ({core.config.storage}), {size / 1e6:.1f} MB for "
+               f"{core.capacity:,} transitions")
+    else:
+        msg = (f"bigper: closed the replay buffer; {size / 1e6:.1f} MB stay at {path} (resume it with "
+               f"mode='resume'; delete that folder when the run is done)")
+    if log.hasHandlers():
+        log.info(msg)
+    else:
+        print(msg, file=sys.stderr)

@@ -23,14 +23,13 @@ critic), the magnitude the quantile Huber loss is built from.
 from __future__ import annotations
 
 import os
-import pickle
 
 import numpy as np
 import torch as th
 
-from ..errors import IncompatibleSnapshotError, InvalidArgumentError
-from ._sb3_buffer import PrioritizedReplayBuffer, annealed_beta
-from ._sb3_pickle import check_fits, checked_snapshot, peek_state, read_pickle, save_pickle
+from ..errors import InvalidArgumentError
+from ._sb3_buffer import DEFER_OPEN, PrioritizedReplayBuffer, annealed_beta, one_n_steps
+from ._sb3_pickle import beside_the_pickle, check_fits, checked_snapshot, peek_state, read_pickle, save_pickle
 
 __all__ = ["PrioritizedAlgorithm", "annealed_beta", "huber_loss", "mse_loss", "quantile_loss", "weighted_mean"]
 
@@ -80,7 +79,7 @@ class PrioritizedAlgorithm:
     """
 
     def __init__(self, policy, env, *args, replay_buffer_class=None, replay_buffer_kwargs=None,
-                 n_steps: int = 1, **kwargs):
+                 n_steps: int | None = None, **kwargs):
         name = type(self).__name__
         if replay_buffer_class is None:
             replay_buffer_class = PrioritizedReplayBuffer
@@ -93,10 +92,11 @@ class PrioritizedAlgorithm:
             raise InvalidArgumentError(f"{name} needs replay_buffer_class to be bigper's "
                                        f"PrioritizedReplayBuffer or a subclass, got {replay_buffer_class!r}.{hint}")
         rb_kwargs = dict(replay_buffer_kwargs or {})
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-            raise InvalidArgumentError(f"{name}: n_steps must be an int >= 1, got {n_steps!r}")
-        if n_steps > 1:
-            rb_kwargs.setdefault("n_steps", n_steps)
+        # One n-step count, whichever way it was spelled (SB3's n_steps, the core's n_step).
+        n = one_n_steps(name, {"n_steps": n_steps, "replay_buffer_kwargs['n_steps']": rb_kwargs.pop("n_steps", None),
+                               "replay_buffer_kwargs['n_step']": rb_kwargs.pop("n_step", None)})
+        if n is not None and n > 1:
+            rb_kwargs["n_steps"] = n
         # _setup_model (run inside the algorithm's __init__) builds the buffer;
         # its gamma follows the model's unless given.
         self._rb_gamma_default = "gamma" not in rb_kwargs
@@ -105,17 +105,69 @@ class PrioritizedAlgorithm:
         super().__init__(policy, env, *args, replay_buffer_class=replay_buffer_class,
                          replay_buffer_kwargs=rb_kwargs, **kwargs)
 
+    @classmethod
+    def load(cls, *args, **kwargs):
+        """SB3's ``load``; the replay buffer it builds makes no file until it is
+        used (``learn``) or replaced (``load_replay_buffer``). A model saved by
+        the plain SB3 algorithm (``SAC(...).save``) loads with bigper's buffer."""
+        token = DEFER_OPEN.set(True)
+        try:
+            return super().load(*args, **kwargs)
+        finally:
+            DEFER_OPEN.reset(token)
+
     def _setup_model(self) -> None:
+        self._adopt_plain_sb3_buffer()
         if getattr(self, "_rb_gamma_default", False):
             self.replay_buffer_kwargs["gamma"] = self.gamma
         super()._setup_model()
+        self._resume_beta()
+
+    def _resume_beta(self) -> None:
+        """A loaded model's buffer (or one ``load_replay_buffer`` put in) goes on
+        with the beta of the model's last gradient step: ``rb.beta``, ``sample()``
+        and ``last_beta`` agree, as they did before the save."""
+        if getattr(self, "last_beta", None) is not None and self.replay_buffer is not None:
+            self.replay_buffer.beta_for_learner(self._current_progress_remaining)
+
+    def _adopt_plain_sb3_buffer(self) -> None:
+        """A model saved by SB3's own algorithm names SB3's buffer class (set by
+        its ``_setup_model``): ``ReplayBuffer`` or, with ``n_steps > 1``,
+        ``NStepReplayBuffer``. Those become bigper's, with the same n-step
+        returns; any other class cannot, and is refused saying why."""
+        from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
+
+        rbc = self.replay_buffer_class
+        if rbc is None or (isinstance(rbc, type) and issubclass(rbc, PrioritizedReplayBuffer)):
+            return
+        name = type(self).__name__
+        if rbc not in (ReplayBuffer, NStepReplayBuffer):
+            raise InvalidArgumentError(
+                f"{name}: this model uses replay_buffer_class={getattr(rbc, '__name__', rbc)!r}, which bigper's "
+                "prioritized buffer cannot stand in for (only SB3's ReplayBuffer and NStepReplayBuffer can); "
+                "load it with the SB3 algorithm it was saved with")
+        kw = dict(self.replay_buffer_kwargs or {})
+        n = one_n_steps(name, {"n_steps": kw.pop("n_steps", None), "the model's n_steps": getattr(self, "n_steps", 1)
+                               if rbc is NStepReplayBuffer else None})
+        kw.pop("gamma", None)  # the model's, below
+        if n is not None and n > 1:
+            kw["n_steps"] = n
+        self.replay_buffer_class, self.replay_buffer_kwargs = PrioritizedReplayBuffer, kw
+        self.n_steps = 1  # handed to the buffer (SB3 would warn that a custom buffer ignores it)
+        self._rb_gamma_default = True
 
     # -- the three calls a train() makes -----------------------------------------------
     def _per_sample(self, batch_size: int):
         """One gradient step's batch, drawn with this step's beta."""
         rb = self.replay_buffer
+        if rb.buffer.total_priority <= 0:  # SB3 trains once num_timesteps > learning_starts, also on a fresh buffer
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: no transition to train on yet: the replay buffer holds {len(rb.buffer)} "
+                f"and none is sampleable (n_steps={rb.n_steps}: a transition is once its window completes or its "
+                "episode ends). A model loaded to train on: load_replay_buffer(...) first, or let it collect "
+                f"before it trains (model.learning_starts = model.num_timesteps + {max(rb.n_steps, 1) * 10})")
         beta = rb.beta_for_learner(self._current_progress_remaining)
-        self.last_beta = rb.buffer.beta if beta is None else beta
+        self.last_beta = rb.buffer.beta if beta is None else beta  # what rb.beta reads too
         return rb.sample(batch_size, env=self._vec_normalize_env, beta=beta)
 
     def _per_write_back(self, data, td: th.Tensor) -> None:
@@ -152,16 +204,19 @@ class PrioritizedAlgorithm:
         data, where = read_pickle(path)
         state = peek_state(data, where)
         check_fits(state, where, self)
+        # A run folder moved or copied with the pickle: the snapshot beside it, and the live path with it.
+        state, live = beside_the_pickle(state, where) if isinstance(path, (str, os.PathLike)) else (state, None)
         checked_snapshot(state)
         old = self.replay_buffer
         ours = isinstance(old, PrioritizedReplayBuffer) and not old.closed
         if ours and old._live_path is not None and state.get("live_path") is not None \
                 and os.path.realpath(old._live_path) == os.path.realpath(state["live_path"]):
             old.close()  # the load restores into this path: its lock must be free
-        rb = pickle.loads(data)
-        if not isinstance(rb, PrioritizedReplayBuffer):  # peek_state saw the drop-in's class
-            raise IncompatibleSnapshotError(f"load_replay_buffer: {where} is not a bigper SB3 replay buffer")
+        # peek_state unpickled everything but the drop-in's class, whose state it kept
+        rb = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
+        rb._restore(state, live=live)
         if ours and not old.closed:
             old.close()
         rb.device = self.device
         self.replay_buffer = rb
+        self._resume_beta()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
 import os
 import pickle
 import re
@@ -55,8 +54,6 @@ from ..errors import (
 )
 from ..snapshot import describe
 from ..storage._files import read_regular, write_durable
-
-log = logging.getLogger("bigper")
 
 MANIFEST = "manifest.json"
 _SNAP = re.compile(r"^snap-\d{8}$")
@@ -90,8 +87,12 @@ def _gone(snap: Path) -> PathNotFoundError:
             f"place ({root} keeps only the snapshots of the last pickles written there; the newest is "
             f"{later[-1]}). Load the pickle written last at that path, or pickle with snapshot_dir= "
             "(a series bigper never prunes) to keep every pickle loadable")
-    return PathNotFoundError(f"this pickle's snapshot {snap} does not exist (its {MANIFEST} is missing): "
-                             "was it moved or deleted?")
+    return PathNotFoundError(
+        f"this pickle's snapshot {snap} does not exist (its {MANIFEST} is missing): was it moved or deleted? "
+        f"If the run folder was moved or copied with the pickle and its {root.name}/ folder beside it, load "
+        "it with the load_replay_buffer(<the pickle's new path>) of bigper's PrioritizedDQN (or PrioritizedSAC, "
+        "...): it finds the snapshot beside the pickle (pickle.loads and plain SB3 cannot know where the pickle "
+        f"was). Otherwise put {root} back where it was")
 
 
 def write_snapshot(buf: CoreBuffer, root: Path, keep: int | None) -> tuple[str, str]:
@@ -134,13 +135,14 @@ def _core_kwargs(cfg: Config) -> dict:
     return kw
 
 
-def _what_is_live(snap: Path, info: dict) -> tuple[int | None, str | None, str | None]:
-    """The snapshot's transition count, the live path it loads into (the one
-    it recorded, absolute), and what that path holds when it differs from the
-    snapshot (None when it holds nothing, or the same count).
+def _what_is_live(snap: Path, info: dict, live: str | None = None) -> tuple[int | None, str | None, str | None]:
+    """The snapshot's transition count, the live path it loads into (``live``,
+    else the one it recorded, absolute), and what that path holds when it
+    differs from the snapshot (None when it holds nothing, or the same count).
     ``StorageLockedError`` when a live writer holds it: nothing to replace."""
     n_snap = info.get("count")
-    live = (info.get("storage") or {}).get("path")
+    if live is None:
+        live = (info.get("storage") or {}).get("path")
     if not isinstance(live, str) or info["config"].get("storage", "memory") == "memory" \
             or not os.path.lexists(live):
         return n_snap, live, None
@@ -180,25 +182,48 @@ def checked_snapshot(state: dict) -> Path:
     return snap
 
 
-def open_snapshot(state: dict, *, capacity: int, n_envs: int) -> CoreBuffer:
+def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None = None) -> CoreBuffer:
     """The bigper buffer a pickle's ``state`` names: its manifest hash checked,
     its shape checked against the pickle's (``capacity``, ``n_envs``), loaded
-    into the live path it was saved from, with a ``UserWarning`` saying what
-    that path held when it had moved on."""
+    into ``live`` (default: the live path it was saved from), with a
+    ``UserWarning`` saying what that path held when it had moved on."""
     snap = checked_snapshot(state)
     info = describe(snap)
     cfg = info["config"]
     if cfg.get("capacity") != capacity or cfg.get("num_envs", 1) != n_envs:
         raise IncompatibleSnapshotError(f"{snap} holds capacity {cfg.get('capacity')} for {cfg.get('num_envs', 1)} "
                                         f"env(s), the pickle says {capacity // max(n_envs, 1)} x {n_envs}")
-    n_snap, live, replaced = _what_is_live(snap, info)
-    buf = CoreBuffer.load(snap)
-    if replaced is not None:
-        msg = (f"loading this pickle restored {snap} ({n_snap} transitions) into the live path {live}, "
-               f"replacing what it held: {replaced}")
-        log.warning("bigper: %s", msg)
-        warnings.warn(msg, UserWarning, stacklevel=3)
+    n_snap, into, replaced = _what_is_live(snap, info, live)
+    buf = CoreBuffer.load(snap, path=live)
+    if replaced is not None:  # said once, as a warning (not also a log line)
+        warnings.warn(f"loading this pickle restored {snap} ({n_snap} transitions) into the live path {into}, "
+                      f"replacing what it held: {replaced}", UserWarning, stacklevel=3)
     return buf
+
+
+def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
+    """A pickle written by ``save_replay_buffer(path)`` beside its snapshot
+    folder (``<path>.bigper/``), read from a run folder that was moved or
+    copied since: its state naming the snapshot beside it, and the live path
+    moved with the folder (where the live path was inside it; else None: it
+    loads into the live path it recorded). Anything else: ``state`` and None."""
+    snap, p = state.get("snapshot"), Path(pickle_path)
+    if not isinstance(snap, str):
+        return state, None
+    snap = Path(snap)
+    names = {f"{p.name}.bigper"} | ({f"{p.stem}.bigper"} if p.suffix == ".pkl" else set())
+    here = p.parent / snap.parent.name / snap.name
+    if snap.parent.name not in names or not _SNAP.match(snap.name) or not os.path.lexists(here / MANIFEST):
+        return state, None
+    was, now = snap.parent.parent, p.parent.resolve()
+    if os.path.realpath(was) == os.fspath(now):
+        return state, None  # read where it was written
+    state = dict(state, snapshot=os.fspath(now / snap.parent.name / snap.name))
+    recorded = (describe(here).get("storage") or {}).get("path")
+    if not isinstance(recorded, str) or os.path.commonpath([os.path.abspath(recorded), was]) != os.fspath(was):
+        return state, None
+    live = os.fspath(now / os.path.relpath(recorded, was))
+    return dict(state, live_path=live), live
 
 
 # A replay-buffer pickle holds spaces and paths, never transitions: a few KB.

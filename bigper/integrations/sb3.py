@@ -62,7 +62,8 @@ def __getattr__(name: str) -> Any:
         try:
             import sb3_contrib  # noqa: F401
         except ImportError:
-            raise ImportError(f"{name} needs sb3-contrib: pip install 'bigper[sb3-contrib]'") from None
+            raise ImportError(f"{name} needs sb3-contrib: in a bigper checkout, pip install -e '.[sb3-contrib]' "
+                              "(from an index: pip install 'bigper[sb3-contrib]')") from None
     return getattr(import_module(f"{__package__}.{mod}"), name)
 
 
