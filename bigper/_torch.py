@@ -327,33 +327,43 @@ def _from_numpy(torch, key: str, arr):
         raise InvalidTypeError(f"field {key!r} has dtype {np.asarray(arr).dtype}, which torch cannot hold") from None
 
 
-_LAYOUTS: OrderedDict = OrderedDict()  # specs signature -> _layout's result (a sampler repeats one)
+_LAYOUTS: OrderedDict = OrderedDict()  # specs signature -> its _Layout (a sampler repeats one)
 
 
-def _layout(specs: dict) -> tuple[list, int]:
+class _Layout:
+    """One staging block's layout for ``specs`` (``key -> (shape, dtype)``, a
+    key may be ``(key, sub-key)``): the arrays grouped by dtype, each group at
+    an aligned offset, its arrays back to back. ``parts``: ``[(dtype, torch
+    dtype, offset, elements, [(key, shape, elements)])]``."""
+
+    __slots__ = ("sig", "parts", "size")
+
+    def __init__(self, torch, sig: tuple, specs: dict):
+        self.sig = sig
+        groups: dict = {}
+        for key, (shape, dtype) in specs.items():
+            shape = tuple(shape)
+            groups.setdefault(np.dtype(dtype).newbyteorder("=").str, []).append(
+                (key, shape, int(np.prod(shape, dtype=np.int64))))
+        self.parts, off = [], 0
+        for dt, members in groups.items():
+            dt = np.dtype(dt)
+            n = sum(m[2] for m in members)
+            key = members[0][0]
+            self.parts.append((dt, _torch_dtype(torch, dt, key if isinstance(key, str) else f"{key[0]}[{key[1]}]"),
+                               off, n, members))
+            off += -(-n * dt.itemsize // ALIGN) * ALIGN
+        self.size = max(off, ALIGN)
+
+
+def _layout(torch, specs: dict) -> _Layout:
     sig = tuple((key, tuple(shape), np.dtype(dtype).str) for key, (shape, dtype) in specs.items())
     got = _LAYOUTS.get(sig)
     if got is None:
-        got = _LAYOUTS[sig] = _layout_of(specs)
+        got = _LAYOUTS[sig] = _Layout(torch, sig, specs)
         while len(_LAYOUTS) > MAX_KEYS:
             _LAYOUTS.popitem(last=False)
     return got
-
-
-def _layout_of(specs: dict) -> tuple[list, int]:
-    """The parts of one staging block for ``specs`` (``key -> (shape, dtype)``,
-    a key may be ``(key, sub-key)``): ``[(dtype, offset, [(key, shape)])]``,
-    grouped by dtype (each group at an aligned offset, its arrays back to
-    back), and the block's size in bytes."""
-    groups: dict = {}
-    for key, (shape, dtype) in specs.items():
-        groups.setdefault(np.dtype(dtype).newbyteorder("=").str, []).append((key, tuple(shape)))
-    parts, off = [], 0
-    for dt, members in groups.items():
-        dt = np.dtype(dt)
-        parts.append((dt, off, members))
-        off += -(-sum(int(np.prod(shape, dtype=np.int64)) for _, shape in members) * dt.itemsize // ALIGN) * ALIGN
-    return parts, max(off, ALIGN)
 
 
 def _flat(arrays: dict) -> dict:
@@ -377,17 +387,15 @@ class Staged:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.torch, self.dev = torch, dev
-        self.parts, size = _layout(specs)
-        self.tdts = [_torch_dtype(torch, dt, str(members[0][0])) for dt, _, members in self.parts]
-        self.key = (dev.index, tuple((key, shape, dt.str) for dt, _, members in self.parts for key, shape in members))
-        self.slot = _POOL.acquire(self.key, (size,), torch.uint8)
+        self.layout = lay = _layout(torch, specs)
+        self.key = (dev.index, lay.sig)
+        self.slot = _POOL.acquire(self.key, (lay.size,), torch.uint8)
         if self.slot.views is None:
             views = {}
-            for dt, off, members in self.parts:
-                for key, shape in members:
-                    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-                    views[key] = self.slot.view[off:off + n].view(dt).reshape(shape)
-                    off += n
+            for dt, _, off, _, members in lay.parts:
+                for key, shape, n in members:
+                    views[key] = self.slot.view[off:off + n * dt.itemsize].view(dt).reshape(shape)
+                    off += n * dt.itemsize
             self.slot.views = views
         self.views = self.slot.views
 
@@ -397,7 +405,7 @@ class Staged:
         if self.dev.type != "cuda":  # (the same layout on another device: a copy, no events)
             block = self.slot.host.to(self.dev, copy=True)
             _POOL.release(self.key, self.slot, None)
-            return _unpack(block, self.parts, self.tdts)
+            return _unpack(block, self.layout)
         stream = torch.cuda.current_stream(self.dev)
         try:
             block = self.slot.host.to(self.dev, non_blocking=non_blocking)
@@ -408,20 +416,19 @@ class Staged:
             _POOL.release(self.key, self.slot, None)
             raise
         _POOL.release(self.key, self.slot, event)
-        return _unpack(block, self.parts, self.tdts)
+        return _unpack(block, self.layout)
 
     def drop(self) -> None:
         """Give the block back unused."""
         _POOL.release(self.key, self.slot, None)
 
 
-def _unpack(block, parts: list, tdts: list) -> dict:
+def _unpack(block, lay: _Layout) -> dict:
     out: dict = {}
-    for (dt, off, members), tdt in zip(parts, tdts):
-        sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in members]
-        flat = block[off:off + sum(sizes) * dt.itemsize].view(tdt)
-        pieces = flat.split(sizes) if len(members) > 1 else (flat,)
-        for (key, shape), t in zip(members, pieces):
+    for dt, tdt, off, n, members in lay.parts:
+        flat = block[off:off + n * dt.itemsize].view(tdt)
+        pieces = flat.split([m[2] for m in members]) if len(members) > 1 else (flat,)
+        for (key, shape, _), t in zip(members, pieces):
             if len(shape) != 1:
                 t = t.view(shape)
             if isinstance(key, tuple):
