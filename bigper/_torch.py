@@ -319,6 +319,13 @@ def stacks_from(torch, frames, index):
 
 
 def _from_numpy(torch, key: str, arr):
+    if type(arr) is np.ndarray and arr.flags.writeable and arr.dtype.isnative:
+        try:  # the common case: shared as it is
+            return torch.from_numpy(arr)
+        except ValueError:  # negative strides: copied below
+            pass
+        except TypeError:
+            raise InvalidTypeError(f"field {key!r} has dtype {arr.dtype}, which torch cannot hold") from None
     if isinstance(arr, dict):  # a sequence batch's frame indices, by stack name
         return {n: _from_numpy(torch, key, a) for n, a in arr.items()}
     try:
