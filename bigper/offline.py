@@ -156,7 +156,9 @@ def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, 
     if pmeta:
         meta["prioritization"] = pmeta
     arrays.update(parrays)
-    meta["max_leaf"] = max(1.0, float(keys[live].max(initial=0.0)))
+    # every key the state holds counts (pending ones a writer recorded too: checked against it)
+    held = [keys[live]] + [np.asarray(arrays[k], dtype=np.float64) for k in ("pending", "seq_pending") if k in arrays]
+    meta["max_leaf"] = max(1.0, *(float(a.max(initial=0.0)) for a in held))
     return meta, arrays
 
 
