@@ -108,14 +108,41 @@ def steps(spec: dict):
     return out
 
 
-def feed(buf, spec: dict) -> None:
-    """Add ``steps(spec)``; halfway and at the end, sample and update the priorities of the batch."""
+def feed(buf, spec: dict, start: int = 0, stop: int | None = None, said=None) -> None:
+    """Add ``steps(spec)[start:stop]``; halfway and at the end, sample and update the priorities of
+    the batch. ``said(i)`` is called after step ``i``."""
     todo = steps(spec)
     for i, step in enumerate(todo):
+        if i < start or (stop is not None and i >= stop):
+            continue
         buf.add(**step)
+        if said is not None:
+            said(i)
         if i in (len(todo) // 2, len(todo) - 1):
             try:
                 b = buf.sample(4)
             except bigper.BigperError:  # nothing sampleable yet: the same in every buffer of the spec
                 continue
             buf.update_priorities(b, np.arange(1, 5, dtype=np.float64) * 1.5 + i)
+
+
+# A writer in its own interpreter: argv spec (JSON), storage path, snapshot path, how it ends:
+# "exit" feeds every step and returns without close(); "kill" feeds half, saves a snapshot,
+# then feeds the rest saying each step, and waits to be killed.
+CHILD = """
+import json, sys, time
+from tests._roundtrip import build, feed
+spec, path, snap, how = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+buf = build(spec, spec["storage"], None if spec["storage"] == "memory" else path)
+if how == "exit":
+    feed(buf, spec)
+    print("exiting without close", flush=True)
+else:
+    half = spec["steps"] // 2
+    feed(buf, spec, stop=half)
+    buf.save(snap)
+    print("saved", flush=True)
+    feed(buf, spec, start=half, said=lambda i: print("step", i, flush=True))
+    print("done", flush=True)
+    time.sleep(600)
+"""

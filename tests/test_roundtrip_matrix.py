@@ -228,6 +228,97 @@ def roundtrip(spec: dict, writer: str) -> None:
 WRITERS = ["close", "save", "snapshots"]
 
 
+def child(spec: dict, d: Path, how: str) -> subprocess.Popen:
+    from ._roundtrip import CHILD
+
+    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec), str(storage_path(spec, d)),
+                             str(d / "snap"), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=d)
+
+
+def command(*args) -> subprocess.CompletedProcess:
+    """The real ``bigper`` command, in its own interpreter."""
+    return subprocess.run([sys.executable, "-m", "bigper", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def exit_without_close(spec: dict) -> None:
+    """An interpreter that feeds the buffer and ends without close(): the path resumes exactly
+    (promise 13), and ``bigper verify`` and ``bigper info`` (the real command) say so."""
+    with tempfile.TemporaryDirectory() as d, build(spec) as ref:
+        d = Path(d)
+        feed(ref, spec)
+        p = child(spec, d, "exit")
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and "exiting without close" in out, err[-3000:]
+        assert "could not close" not in err, err
+        path = storage_path(spec, d)
+        for what in ("verify", "info"):
+            r = command(what, path)
+            assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        read_storage(spec, path, ref)
+
+
+def killed(spec: dict, rng) -> None:
+    """kill -9 at a step the writer reports, after a snapshot: the snapshot loads exactly as the
+    buffer was when it was saved; the storage is either verified and opened by every reader, or
+    refused by each with a bigper error (a killed writer's storage is unclean)."""
+    half = spec["steps"] // 2
+    with tempfile.TemporaryDirectory() as d, build(spec) as ref:
+        d = Path(d)
+        feed(ref, spec, stop=half)
+        p = child(spec, d, "kill")
+        try:
+            line = p.stdout.readline()
+            assert line.strip() == "saved", line + (p.stderr.read()[-3000:] if p.poll() is not None else "")
+            for _ in range(rng.randrange(spec["steps"] - half + 1)):
+                line = p.stdout.readline()
+                assert line.startswith(("step", "done")), line
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+            p.stderr.close()
+        again = d / "again" / storage_path(spec, d).name if spec["storage"] != "memory" else None
+        with bigper.PrioritizedReplayBuffer.load(d / "snap", path=again) as b:
+            same_as(b, ref)
+        if spec["storage"] == "memory":
+            return
+        path = storage_path(spec, d)
+        rc, said = cli("verify", path)
+        readers = [lambda: build(spec, spec["storage"], path, mode="resume", read_only=True)]
+        if spec["storage"] == "hdf5":
+            readers.append(lambda: bigper.PrioritizedReplayBuffer.from_hdf5(path))
+        for reader in readers:
+            try:
+                reader().close()
+            except bigper.BigperError as e:
+                assert rc != 0, f"verify passed ({said}) what a reader refuses: {e}"
+                assert str(path) in str(e) or path.name in str(e), e
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(spec=specs(storages=("memmap", "hdf5")), rng=st.randoms(use_true_random=False))
+def test_a_writer_in_another_interpreter_that_exits_or_is_killed(how, spec, rng):
+    if how == "kill":
+        assume(spec["steps"] >= 2)
+    buildable(spec)
+    exit_without_close(spec) if how == "exit" else killed(spec, rng)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "kill"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(spec=specs(storages=("memory", "memmap", "hdf5")), rng=st.randoms(use_true_random=False))
+def test_a_writer_in_another_interpreter_that_exits_or_is_killed_many(how, spec, rng):
+    assume(how == "kill" or spec["storage"] != "memory")
+    if how == "kill":
+        assume(spec["steps"] >= 2)
+    buildable(spec)
+    exit_without_close(spec) if how == "exit" else killed(spec, rng)
+
+
 @pytest.mark.parametrize("writer", WRITERS)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(spec=specs())
