@@ -189,9 +189,15 @@ def read_convert(spec: dict, path: Path, ref) -> None:
     for name in got:  # convert keeps the fields and successors (not discount, a sample-time value)
         if name != "discount":
             assert got[name].tobytes() == want[name].tobytes(), name
+    again = path.with_name("again.h5")  # a converted file converts again, to the same transitions
+    convert(dst, again, progress=False)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(again) as ds:
+        twice, _ = held(ds)
+    assert {k: v.tobytes() for k, v in twice.items()} == {k: v.tobytes() for k, v in got.items()}
     with bigper.PrioritizedReplayBuffer(**kwargs_of(cfg), storage="hdf5", path=dst, mode="resume") as b:
         assert len(b) == live
-    os.unlink(dst)
+    for p in (dst, again):
+        os.unlink(p)
 
 
 # -- the writers -------------------------------------------------------------------------------
@@ -298,7 +304,7 @@ def killed(spec: dict, rng) -> None:
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(spec=specs(storages=("memmap", "hdf5")), rng=st.randoms(use_true_random=False))
 def test_a_writer_in_another_interpreter_that_exits_or_is_killed(how, spec, rng):
     if how == "kill":
@@ -320,7 +326,7 @@ def test_a_writer_in_another_interpreter_that_exits_or_is_killed_many(how, spec,
 
 
 @pytest.mark.parametrize("writer", WRITERS)
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(spec=specs())
 def test_what_a_writer_wrote_every_reader_opens_exactly(writer, spec):
     if writer == "close":
