@@ -303,47 +303,54 @@ def killed(spec: dict, rng) -> None:
                 assert str(path) in str(e) or path.name in str(e), e
 
 
+def examples(n: int):
+    """Hypothesis settings of these tests: ``n`` examples, no deadline (real files and processes)."""
+    return settings(max_examples=n, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def interpreter_case(how: str, spec: dict, rng) -> None:
+    assume(how == "kill" or spec["storage"] != "memory")  # (a memory buffer that exits leaves nothing)
+    if how == "kill":
+        assume(spec["steps"] >= 2)
+    buildable(spec)
+    exit_without_close(spec) if how == "exit" else killed(spec, rng)
+
+
+def writer_case(writer: str, spec: dict) -> None:
+    assume(writer != "close" or spec["storage"] != "memory")
+    buildable(spec)
+    roundtrip(spec, writer)
+
+
 @pytest.mark.parametrize("how", ["exit", "kill"])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@examples(4)
 @given(spec=specs(storages=("memmap", "hdf5")), rng=st.randoms(use_true_random=False))
 def test_a_writer_in_another_interpreter_that_exits_or_is_killed(how, spec, rng):
-    if how == "kill":
-        assume(spec["steps"] >= 2)
-    buildable(spec)
-    exit_without_close(spec) if how == "exit" else killed(spec, rng)
+    interpreter_case(how, spec, rng)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "kill"])
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(spec=specs(storages=("memory", "memmap", "hdf5")), rng=st.randoms(use_true_random=False))
+@examples(30)
+@given(spec=specs(), rng=st.randoms(use_true_random=False))
 def test_a_writer_in_another_interpreter_that_exits_or_is_killed_many(how, spec, rng):
-    assume(how == "kill" or spec["storage"] != "memory")
-    if how == "kill":
-        assume(spec["steps"] >= 2)
-    buildable(spec)
-    exit_without_close(spec) if how == "exit" else killed(spec, rng)
+    interpreter_case(how, spec, rng)
 
 
 @pytest.mark.parametrize("writer", WRITERS)
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@examples(20)
 @given(spec=specs())
 def test_what_a_writer_wrote_every_reader_opens_exactly(writer, spec):
-    if writer == "close":
-        assume(spec["storage"] != "memory")
-    buildable(spec)
-    roundtrip(spec, writer)
+    writer_case(writer, spec)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("writer", WRITERS)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@examples(150)
 @given(spec=specs())
 def test_what_a_writer_wrote_every_reader_opens_exactly_many(writer, spec):
-    if writer == "close":
-        assume(spec["storage"] != "memory")
-    buildable(spec)
-    roundtrip(spec, writer)
+    writer_case(writer, spec)
 
 
 # -- what the matrix leaves to branch h33a (issue 33 causes 2 and 3), as strict xfails ------------
