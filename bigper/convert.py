@@ -13,7 +13,10 @@ each distinct frame is stored once, compressed, and every transition comes
 back byte for byte. The priority keys the source opens with (its sidecar's,
 else 1.0) become the new buffer's.
 
-Nothing is ever written to the source. The new file is written as
+Nothing is ever written to the source. Before anything at the destination
+changes, ``convert`` takes the lock a buffer there would hold (``<dst>.lock``):
+a live writer's file is ``StorageLockedError``, never replaced under it. The
+new file is written as
 ``<dst>.partial`` beside the destination (a bigper storage: its lock keeps a
 second convert to the same destination out, and a leftover of a killed run
 is replaced by the next one) and renamed into place only when it is complete

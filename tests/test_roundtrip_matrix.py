@@ -22,7 +22,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import bigper
 from bigper.cli import main as cli_main
 from bigper.convert import convert
 
-from ._roundtrip import DTYPES, batch_bytes, build, buffer_kwargs, feed, held, kwargs_of
+from ._roundtrip import DTYPES, batch_bytes, build, feed, held, kwargs_of
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 5
