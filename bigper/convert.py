@@ -15,12 +15,12 @@ else 1.0) become the new buffer's.
 
 Nothing is ever written to the source. Before anything at the destination
 changes, ``convert`` takes the lock a buffer there would hold (``<dst>.lock``):
-a live writer's file is ``StorageLockedError``, never replaced under it. The
-new file is written as
-``<dst>.partial`` beside the destination (a bigper storage: its lock keeps a
-second convert to the same destination out, and a leftover of a killed run
-is replaced by the next one) and renamed into place only when it is complete
-and closed: a crash or kill -9 midway leaves no destination.
+a live writer's file is ``StorageLockedError``, never replaced under it.
+The new file is written as ``<dst>.partial`` beside the destination (a
+bigper storage: its lock keeps a leftover of a killed run from a live one,
+and the leftover is replaced by the next run) and renamed into place only
+when it is complete and closed: a crash or kill -9 midway leaves no
+destination.
 """
 
 from __future__ import annotations
