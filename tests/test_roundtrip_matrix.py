@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import bigper
@@ -43,17 +43,21 @@ B = 5
 
 
 @st.composite
-def specs(draw, storages=("memory", "memmap", "hdf5")):
-    storage = draw(st.sampled_from(storages))
-    k = draw(st.one_of(st.none(), st.integers(1, 4)))
-    h, w = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+def specs(draw, storages=("memory", "memmap", "hdf5"), convertible=False):
+    """A spec (see ``_roundtrip``); ``convertible``: one ``convert`` takes (an HDF5 storage of one
+    stream of one-step transitions with frame stacks of at least 64 bytes a frame)."""
+    storage = "hdf5" if convertible else draw(st.sampled_from(storages))
+    k = draw(st.integers(1, 4) if convertible else st.one_of(st.none(), st.integers(1, 4)))
+    low = 8 if convertible else 1
+    h, w = draw(st.integers(low, 12)), draw(st.integers(low, 12))
     odt = "uint8" if k else draw(st.sampled_from(DTYPES))
     obs = [k, h, w] if k else draw(st.sampled_from([[h, w], [h], []]))
     extra = draw(st.dictionaries(st.sampled_from(["a", "b"]),
                                  st.tuples(st.sampled_from([[], [2], [1, 3]]), st.sampled_from(DTYPES)), max_size=2))
     fields = {"obs": [obs, odt], **{n: [list(s), d] for n, (s, d) in extra.items()}}
-    sequence = draw(st.one_of(st.none(), st.tuples(st.integers(1, 4), st.integers(0, 2))))
-    n_step = 1 if sequence else draw(st.integers(1, 3))  # (a sequence's learner makes its own n-step targets)
+    sequence = None if convertible else draw(st.one_of(st.none(), st.tuples(st.integers(1, 4), st.integers(0, 2))))
+    # (a sequence's learner makes its own n-step targets)
+    n_step = 1 if sequence or convertible else draw(st.integers(1, 3))
     if n_step > 1 or draw(st.booleans()):  # n-step returns sum a scalar reward
         fields["reward"] = [[], draw(st.sampled_from(["float16", "float32", "float64"]))]
     compression = draw(st.sampled_from([None, "zstd"])) if k else None
@@ -65,7 +69,7 @@ def specs(draw, storages=("memory", "memmap", "hdf5")):
         # to the strict xfails below; here, budgets that hold a frame.
         budget = draw(st.sampled_from([None, row]))
         assume(budget is not None or row >= 64)
-    num_envs = draw(st.integers(1, 3))
+    num_envs = 1 if convertible else draw(st.integers(1, 3))
     spec = {"storage": storage, "capacity": draw(st.integers(6, 40)), "fields": fields, "frame_stack": k,
             "n_step": n_step, "num_envs": num_envs,
             "prioritization": draw(st.sampled_from(["proportional", "rank"])), "compression": compression,
@@ -174,6 +178,7 @@ def read_convert(spec: dict, path: Path, ref) -> None:
         why = "no sampleable transition" if live == 0 else None
         if live and int(np.prod(shape[1:])) < 64:
             return  # issue 33 cause 2 (branch h33a): see test_convert_of_frames_under_64_bytes_reopens
+    event(f"convert: {why or 'converted'}")
     if why is not None:
         with pytest.raises(bigper.InvalidArgumentError, match=why):
             convert(path, dst, progress=False)
@@ -317,7 +322,7 @@ def interpreter_case(how: str, spec: dict, rng) -> None:
 
 
 def writer_case(writer: str, spec: dict) -> None:
-    assume(writer != "close" or spec["storage"] != "memory")
+    assume(writer != "close" or spec["storage"] != "memory")  # (close leaves no file of a memory buffer)
     buildable(spec)
     roundtrip(spec, writer)
 
@@ -344,12 +349,25 @@ def test_what_a_writer_wrote_every_reader_opens_exactly(writer, spec):
     writer_case(writer, spec)
 
 
+@examples(8)
+@given(spec=specs(convertible=True))
+def test_what_convert_wrote_every_reader_opens_exactly(spec):
+    writer_case("close", spec)  # the storage's readers, then convert's file into every reader
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("writer", WRITERS)
 @examples(150)
 @given(spec=specs())
 def test_what_a_writer_wrote_every_reader_opens_exactly_many(writer, spec):
     writer_case(writer, spec)
+
+
+@pytest.mark.slow
+@examples(80)
+@given(spec=specs(convertible=True))
+def test_what_convert_wrote_every_reader_opens_exactly_many(spec):
+    writer_case("close", spec)
 
 
 # -- what the matrix leaves to branch h33a (issue 33 causes 2 and 3), as strict xfails ------------
