@@ -13,11 +13,14 @@ each distinct frame is stored once, compressed, and every transition comes
 back byte for byte. The priority keys the source opens with (its sidecar's,
 else 1.0) become the new buffer's.
 
-Nothing is ever written to the source. The new file is written as
-``<dst>.partial`` beside the destination (a bigper storage: its lock keeps a
-second convert to the same destination out, and a leftover of a killed run
-is replaced by the next one) and renamed into place only when it is complete
-and closed: a crash or kill -9 midway leaves no destination.
+Nothing is ever written to the source. Before anything at the destination
+changes, ``convert`` takes the lock a buffer there would hold (``<dst>.lock``):
+a live writer's file is ``StorageLockedError``, never replaced under it.
+The new file is written as ``<dst>.partial`` beside the destination (a
+bigper storage: its lock keeps a leftover of a killed run from a live one,
+and the leftover is replaced by the next run) and renamed into place only
+when it is complete and closed: a crash or kill -9 midway leaves no
+destination.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
 from ._layout import storage_specs
 from .config import Config
 from .frames import frame_capacity, require_compression
-from .storage._files import fsync_dir, real_names
+from .storage._files import FileLock, fsync_dir, real_names
 from .storage.hdf5 import HDF5Storage
 from .segments import geometry
 
@@ -109,6 +112,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
     partial = dst.with_name(dst.name + ".partial")
     _check_dst(dst, overwrite)
     source = PrioritizedReplayBuffer.from_hdf5(src, layout=layout, allow_external=allow_external)
+    lock = None
     try:
         store = source.storage
         _check_not_source(store, dst, partial)
@@ -117,6 +121,10 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         n = int(order.shape[0])
         if n == 0:
             raise InvalidArgumentError(f"{store.path} has no sampleable transition to convert")
+        # dst's own lock, the one a writer or reader of a buffer there holds, before anything
+        # at dst changes (promises 5 and 11): a live buffer's file is never replaced under it
+        lock = _DstLock(dst)
+        _check_dst(dst, overwrite)  # again, under the lock
         keys = source.leaves(order)
         made = []  # set once the partial file is ours (its lock taken, its record written)
         try:
@@ -153,9 +161,13 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
                 _remove(partial)
             raise real_names(e, where=partial)  # the path as given, not /proc/self/fd/N
         src_bytes = store.nbytes()
+        _publish(partial, dst, overwrite)
     finally:
-        source.close()
-    _publish(partial, dst, overwrite)
+        try:
+            source.close()
+        finally:
+            if lock is not None:
+                lock.release()
     return {"transitions": n, "skipped": int(store.n) - n if store.recorded is None else
             int((np.asarray(store.status) != 0).sum()) - n,
             "frame_stack": cfg["frame_stack"], "src_bytes": int(src_bytes),
@@ -202,6 +214,24 @@ def _open_partial(partial: Path, cfg: Config) -> PrioritizedReplayBuffer:
     except BaseException:
         store.abort()
         raise
+
+
+class _DstLock:
+    """The lock of a bigper HDF5 storage at ``dst`` (``<dst>.lock``), held
+    exclusively: ``StorageLockedError`` while a buffer writes or reads there.
+    A lock file this convert made is removed (while still held) at release."""
+
+    def __init__(self, dst: Path):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        path = dst.with_name(dst.name + ".lock")
+        made = not os.path.lexists(path)
+        self._lock = FileLock(path, owner=dst)
+        self._made = made
+
+    def release(self) -> None:
+        if self._made:
+            _remove(self._lock.path)
+        self._lock.release()
 
 
 def _row_bytes(cfg: dict) -> int:

@@ -386,7 +386,8 @@ class FrameStore:
         if self.log is not None:
             ids = self._refs(name, slots).ravel()
             dest = self._out((ids.shape[0], *self.frame_shape)) if out is None else out
-            self.log.decode(ids, dest.reshape(ids.shape[0], -1).view(np.uint8))
+            if ids.shape[0]:  # (no slot: nothing to decode, and no row to reshape into)
+                self.log.decode(ids, dest.reshape(ids.shape[0], -1).view(np.uint8))
             return dest.reshape((slots.shape[0], self.k, *self.frame_shape))
         rows = (self._refs(name, slots) % self.F).ravel()
         arrays = getattr(self.store, "arrays", None)
@@ -460,7 +461,8 @@ class FrameStore:
         out = self._out((ids.shape[0], *self.frame_shape)) if out is None else \
             out.reshape((ids.shape[0], *self.frame_shape))
         if self.log is not None:
-            self.log.decode(ids, out.reshape(ids.shape[0], -1).view(np.uint8))
+            if ids.shape[0]:
+                self.log.decode(ids, out.reshape(ids.shape[0], -1).view(np.uint8))
         else:
             out = _take_rows(arrays["frames"], ids % self.F, out)
         out = out.reshape((b, k + 1, *self.frame_shape))

@@ -33,6 +33,7 @@ from .prioritization import make as make_prioritization
 from .schedules import schedule_from_dict
 from ._layout import storage_specs
 from ._statecheck import RING_ARRAYS
+from .sequences import ITEM_ARRAYS
 from .storage.h5source import LIVE, H5Source, OfflineDatasetError
 from .errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
                      PathNotFoundError)
@@ -143,8 +144,10 @@ def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, 
                   "pending": np.zeros(n if cfg.n_step > 1 else 0, dtype=np.float64)}
     else:
         meta = dict(src.recorded[1], rng=fresh, beta_step=0)
-        arrays = {k: v for k, v in src.recorded[2].items() if k in RING_ARRAYS}
-    live = np.asarray(arrays["status"]) == LIVE
+        # the ring and, with sequences, the item tables (items hold the keys there)
+        carried = RING_ARRAYS + (ITEM_ARRAYS if cfg.sequence else ())
+        arrays = {k: v for k, v in src.recorded[2].items() if k in carried}
+    live = np.asarray(arrays["seq_status" if cfg.sequence else "status"]) == LIVE
     prio = _strategy(cfg)
     keys = _initial_keys(cfg, prio, live, sidecar)
     prio.assign(keys, live)
@@ -153,7 +156,9 @@ def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, 
     if pmeta:
         meta["prioritization"] = pmeta
     arrays.update(parrays)
-    meta["max_leaf"] = max(1.0, float(keys[live].max(initial=0.0)))
+    # every key the state holds counts (pending ones a writer recorded too: checked against it)
+    held = [keys[live]] + [np.asarray(arrays[k], dtype=np.float64) for k in ("pending", "seq_pending") if k in arrays]
+    meta["max_leaf"] = max(1.0, *(float(a.max(initial=0.0)) for a in held))
     return meta, arrays
 
 

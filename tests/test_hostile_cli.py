@@ -189,35 +189,42 @@ def test_reprioritize_with_a_score_file_that_is_not_python(world, tmp_path, cont
     assert fingerprint(world, tmp_path) == before
 
 
+# Root reads any file (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH): as root, the CLI runs as root
+# without those two capabilities, so a mode-000 file is refused to it as to any user, while
+# the checkout, the interpreter and the temporary folders (all root's) stay reachable
+# wherever they are (a clone in a 0700 folder, an interpreter under /root).
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+          "--inh-caps=-dac_override,-dac_read_search"]
+
+
+def unprivileged(cmd: list) -> list:
+    return [*NO_DAC, *cmd] if os.geteuid() == 0 else cmd
+
+
 @pytest.fixture
-def unreadable(world):
-    """Copies of a snapshot, a storage and a dataset whose key file is mode 000,
-    in a directory another user can enter; root reads any file, so the CLI runs
-    as the user nobody (setpriv) when the tests run as root."""
-    import tempfile
-
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        pytest.skip("running as root without setpriv: no way to be refused a read")
-    d = Path(tempfile.mkdtemp(prefix="bigper-unreadable-"))
-    try:
-        os.chmod(d, 0o755)
-        shutil.copytree(world / "snap", d / "snap")
-        shutil.copytree(world / "mm", d / "mm")
-        shutil.copy(world / "ds.h5", d / "ds.h5")
-        shutil.copy(world / "score.py", d / "score.py")
-        (d / "numba").mkdir(mode=0o777)
-        os.chmod(d / "numba", 0o777)
-        for f in ("snap/manifest.json", "mm/meta.json", "ds.h5"):
-            os.chmod(d / f, 0)
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def cli_unprivileged(d: Path, *args):
-    cmd = [sys.executable, "-m", "bigper", *map(str, args)]
+def unreadable(world, tmp_path):
+    """Copies of a snapshot, a storage and a dataset whose key file is mode 000."""
     if os.geteuid() == 0:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        probe = tmp_path / "probe"
+        probe.write_bytes(b"x")
+        os.chmod(probe, 0)
+        if shutil.which("setpriv") is None or subprocess.run(
+                unprivileged(["cat", str(probe)]), capture_output=True).returncode == 0:
+            pytest.skip("running as root without a way to drop CAP_DAC_OVERRIDE: no way to be refused a read")
+    d = tmp_path / "unreadable"
+    d.mkdir()
+    shutil.copytree(world / "snap", d / "snap")
+    shutil.copytree(world / "mm", d / "mm")
+    shutil.copy(world / "ds.h5", d / "ds.h5")
+    shutil.copy(world / "score.py", d / "score.py")
+    (d / "numba").mkdir()
+    for f in ("snap/manifest.json", "mm/meta.json", "ds.h5"):
+        os.chmod(d / f, 0)
+    yield d
+
+
+def cli_unprivileged(d: Path, *args, code=None):
+    cmd = unprivileged([sys.executable, *(["-c", code] if code else ["-m", "bigper"]), *map(str, args)])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(d / "numba")}
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=d)
@@ -225,6 +232,11 @@ def cli_unprivileged(d: Path, *args):
         pytest.fail(f"bigper {' '.join(map(str, args))} still ran after 60 s")
     assert "Traceback" not in r.stderr, r.stderr
     return r
+
+
+def test_the_unprivileged_cli_runs_the_checkout_under_test(unreadable):
+    r = cli_unprivileged(unreadable, code="import bigper; print(bigper.__file__)")
+    assert r.returncode == 0 and r.stdout.strip() == str(ROOT / "bigper" / "__init__.py"), r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("command", ["info", "verify", "reprioritize"])

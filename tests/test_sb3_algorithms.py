@@ -10,16 +10,57 @@ seeds) are behind the ``slow`` marker.
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import os
+import re
 import warnings
 
 import numpy as np
 import pytest
 
-th = pytest.importorskip("torch")
-gym = pytest.importorskip("gymnasium")
-pytest.importorskip("stable_baselines3")
+
+def _dev_extra() -> list[str]:
+    """The distributions bigper's ``dev`` extra pins (its installed metadata)."""
+    try:
+        reqs = importlib.metadata.requires("bigper") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return [re.match(r"[A-Za-z0-9_.\-]+", r).group(0) for r in reqs if re.search(r"extra\s*==\s*.dev.", r)]
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+_SB3 = {"stable-baselines3": "stable_baselines3", "sb3-contrib": "sb3_contrib"}
+_DEV = _dev_extra()
+# The dev suite: every other package the dev extra pins is installed. There, a missing SB3
+# extra is a broken install, and the tests that need it fail (loudly), never skip.
+DEV_SUITE = bool(_DEV) and all(_installed(d) for d in _DEV if d not in _SB3)
+MISSING = [d for d in _DEV if d in _SB3 and not _importable(_SB3[d])] if DEV_SUITE else []
+
+
+def _need(module: str):
+    return importlib.import_module(module) if DEV_SUITE else pytest.importorskip(module)
+
+
+th = _need("torch")
+gym = _need("gymnasium")
+_need("stable_baselines3")
 
 from gymnasium import spaces  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
@@ -37,7 +78,12 @@ try:
 except ImportError:
     HAVE_CONTRIB = False
 
-contrib = pytest.mark.skipif(not HAVE_CONTRIB, reason="needs the sb3-contrib extra")
+contrib = pytest.mark.skipif(not HAVE_CONTRIB and not DEV_SUITE, reason="needs the sb3-contrib extra")
+
+
+def test_a_dev_install_has_every_sb3_extra_it_pins():
+    assert not MISSING, (f"the dev extra pins {MISSING}, which is not installed: reinstall with "
+                         "pip install -e '.[dev]' (its tests would otherwise skip quietly)")
 CONTINUOUS = ["PrioritizedSAC", "PrioritizedTD3", "PrioritizedDDPG",
               pytest.param("PrioritizedTQC", marks=contrib)]
 DISCRETE = ["PrioritizedDQN", pytest.param("PrioritizedQRDQN", marks=contrib)]

@@ -218,6 +218,8 @@ def _find_runs(col: Column, mm) -> None:
 def _read_runs(col: Column, row: np.ndarray, pread, unique: bool) -> np.ndarray:
     n = row.shape[0]
     out = np.empty((n,) + col.shape, dtype=col.dtype)
+    if n == 0:  # (gather of no index: nothing to read)
+        return out
     if len(col.runs) == 1:
         groups = [(0, 0, n)]
     else:  # rows are sorted: one group per run they fall in
