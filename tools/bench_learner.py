@@ -17,7 +17,8 @@ FILE.npy`` to bring them where ALE is not installed). For B = 32 and 256,
   zstd tier   the same with the device tier (raw frames on the device)
 
 and the buffer alone per feed (sample, to the device, a priority update from
-a device tensor; synchronized once at the end), beside the floor: frames
+a device tensor; synchronized once at the end), the share of a draw that
+holds the GIL (``gil_share``: what a learner's thread cannot run meanwhile), beside the floor: frames
 stored once in device memory, the sampled indices sent up, one gather of
 k + 1 frames a row, priorities back with one copy. Then sequences, 32 x (40 +
 80) steps with their stacks, to the device: the host path and the tier.
@@ -100,6 +101,34 @@ def timed(torch, device, fn, iters: int, warmup: int) -> float:
         fn()
     sync(torch, device)
     return (time.perf_counter() - t0) / iters * 1e6
+
+
+def gil_share(draw, seconds: float = 1.0) -> float:
+    """The share of the time ``draw()`` holds the GIL while it runs in a loop
+    in a thread: a pure-Python counter in this thread counts ``r1`` a second
+    beside it against ``r0`` alone; the GIL was held by the draws ``1 - r1/r0``
+    of the time (a thread that releases the GIL in its kernels and copies leaves it to the learner)."""
+    import threading
+
+    def count(t):
+        n, end = 0, time.perf_counter() + t
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    r0 = count(seconds)
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            draw()
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+    time.sleep(0.05)
+    r1 = count(seconds)
+    stop.set()
+    th.join()
+    return max(0.0, 1.0 - r1 / r0)
 
 
 def fill(bigper, stream: Stream, n: int, **kw):
@@ -243,15 +272,22 @@ def main(args) -> int:
             _ = s[:, :K], s[:, 1:]
             back.copy_(td, non_blocking=True)
         alone["floor"] = timed(torch, device, floor, args.iters, 10)
+        # What share of a draw holds the GIL (what a learner thread cannot have meanwhile).
+        gil = {}
+        for name, key in (("sample", "sample"), ("tier", "tier"), ("zstd", "zstd")):
+            if key in bufs:
+                gil[name] = gil_share(lambda buf=bufs[key]: buf._sample_for(b, device, {}).to_torch(device), 0.5)
+        results.setdefault("gil", {})[b] = gil
         results["feeds"][b] = feeds
         results["alone"][b] = alone
         ceiling = feeds["ceiling"]
         for name, us in feeds.items():
             rows_table.append([f"{name}", str(b), f"{us:,.0f}", f"{100 * ceiling / us:.0f}%",
-                               f"{alone[name]:,.0f}" if name in alone else ""])
-        rows_table.append(["floor (buffer alone)", str(b), "", "", f"{alone['floor']:,.0f}"])
+                               f"{alone[name]:,.0f}" if name in alone else "",
+                               f"{100 * gil[name]:.0f}%" if name in gil else ""])
+        rows_table.append(["floor (buffer alone)", str(b), "", "", f"{alone['floor']:,.0f}", ""])
     print()
-    print_table(["feed", "B", "µs per update", "share of ceiling", "buffer alone µs"], rows_table)
+    print_table(["feed", "B", "µs per update", "share of ceiling", "buffer alone µs", "draw holds GIL"], rows_table)
 
     # Sequences: 32 x (40 + 80) with stacks, to the device.
     if want("sequences"):
