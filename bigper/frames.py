@@ -242,7 +242,7 @@ class FrameStore:
         self.ptr = np.arange(self.num_envs, dtype=np.int64)
         self.minref = np.zeros(cfg.capacity, dtype=np.int64)
         self._expired = np.empty(cfg.capacity, dtype=np.int64)  # scratch for expire()
-        self._outs = ReusedArrays(depth=4, max_keys=2)  # gathers' outputs (pair's and stacks' shapes)
+        self._outs = ReusedArrays(depth=4, max_keys=4)  # gathers' outputs (pair's, stacks', rows_of's shapes)
         self._ring_of = self._ring = None  # the storage's frames array, and it as (F, words)
         self._args = None  # kernel_args' ring part
 
@@ -425,6 +425,15 @@ class FrameStore:
         if not every:
             out[~real] = 0
         return out
+
+    def expand(self, frames: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """``(B, T, k, *frame)`` stacks from each row's distinct ``frames``
+        ``(B, n, *frame)``: ``index`` ``(B, T, k)`` positions in the rows
+        (``seqframes.distinct_frames``), gathered into a reused output."""
+        b, n = frames.shape[0], frames.shape[1]
+        rows = (index + (np.arange(b, dtype=np.int64) * n)[:, None, None]).reshape(-1)
+        out = _take_rows(frames.reshape(b * n, *self.frame_shape), rows, self._out((rows.shape[0], *self.frame_shape)))
+        return out.reshape((*index.shape, *self.frame_shape))
 
     def oldest_frame(self) -> int:
         """The oldest frame id still stored (``fw - F`` for the ring; the log's oldest when compressed)."""
