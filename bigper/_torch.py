@@ -35,7 +35,7 @@ import numpy as np
 
 from ._reuse import ReusedArrays
 from .seqframes import distinct_frames, frames_of_stacks
-from .errors import InvalidTypeError
+from .errors import InvalidArgumentError, InvalidTypeError
 
 # Pinned blocks a layout keeps at most; beyond it the oldest one's event is waited on.
 POOL_DEPTH = 6  # (a sampler's batches in flight: prefetch + the learner's + the one being made)
@@ -66,7 +66,17 @@ class TensorBatch(dict):
 
     def __init__(self, tensors: dict, host: dict):
         super().__init__(tensors)
+        # The host copies stand for these very tensors: a key the caller replaced is read as given.
+        host.setdefault("of", (tensors.get("indices"), tensors.get("generations")))
         self.host = host
+
+    def host_target(self):
+        """``(indices, generations, mask)`` as host arrays when the dict still
+        holds the tensors they were made with, else None (read the dict as it is)."""
+        idx, gen = self.host["of"]
+        if idx is None or self.get("indices") is not idx or self.get("generations") is not gen:
+            return None
+        return self.host["indices"], self.host["generations"], self.host["mask"]
 
 
 class _Slot:
@@ -228,8 +238,34 @@ def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
 
 
 def _host_of(batch) -> dict:
-    return {"indices": np.asarray(batch.indices), "generations": np.asarray(batch.generations),
-            "mask": getattr(batch, "mask", None)}
+    """The host copies ``update_priorities`` reads: copies (the tensors of a CPU
+    batch share the batch's arrays, which a learner may change in place)."""
+    mask = getattr(batch, "mask", None)
+    return {"indices": np.array(batch.indices, dtype=np.int64), "generations": np.array(batch.generations, np.int64),
+            "mask": None if mask is None else np.array(mask)}
+
+
+def as_device(device):
+    """``device`` as a ``torch.device`` the feed supports ("cpu", "cuda",
+    "cuda:N"); ``InvalidArgumentError`` naming it otherwise (an unknown name, a
+    device type this torch has no backend for, ``"meta"``: tensors without data)."""
+    torch = _torch()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu'), "
+                                   f"got {device!r} ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device={device!r}: bigper feeds 'cpu' and 'cuda' devices, got type {dev.type!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device={device!r}: this torch has no CUDA device "
+                                       f"(torch {torch.__version__})")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
 
 
 def _torch_dtype(torch, dtype: np.dtype, key: str):
@@ -260,6 +296,8 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
         bool flags stay bool), shape ``(B, ...)``, on ``device``.
     """
     torch = _torch()
+    if device is not None:
+        device = as_device(device)
     staged = batch.__dict__.pop("_staged", None)
     if staged is not None and device is not None and torch.device(device) == staged.dev:
         return send_staged(batch, staged, non_blocking)
@@ -267,9 +305,9 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
         staged.drop()
     ready = batch.__dict__.get("_tensors")
     if ready is not None:  # a device tier's batch: its tensors are on its device already
-        if device is None or torch.device(device) == next(iter(ready.values())).device:
-            return ready
-        return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, ready.host)
+        if device is None or device == next(iter(ready.values())).device:
+            return TensorBatch(ready, dict(ready.host))  # (a dict of its own: the caller may change it)
+        return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, dict(ready.host))
     dev = torch.device("cpu") if device is None else torch.device(device)
     arrays, derived = _fields(batch, copies=dev.type != "cpu")
     return TensorBatch(_derive(torch, move(torch, arrays, dev, non_blocking), derived), _host_of(batch))
@@ -493,7 +531,7 @@ def as_array(x, what: str) -> np.ndarray:
     ragged list, an object whose ``__array__`` fails), not numpy's own error."""
     try:
         return np.asarray(as_numpy(x))
-    except (ValueError, TypeError, OverflowError) as e:
+    except (ValueError, TypeError, OverflowError, NotImplementedError, RuntimeError) as e:  # (a meta tensor: no data)
         raise InvalidTypeError(f"{what} is not an array of numbers ({type(e).__name__}: {str(e)[:120]})") from None
 
 

@@ -139,7 +139,12 @@ def _entry(method):
             self._in_call = name if outer is None else outer
             try:
                 if self._deferred and name != "update_priorities":
-                    self._settle()  # updates from device tensors, in order, before anything reads the tree
+                    # Updates from device tensors, in order, before anything reads the tree. The
+                    # sampler's draws keep an invalid one's error for the learner's next call.
+                    self._settle(keep=name == "_sample_for")
+                if self._deferred_error is not None and name != "_sample_for":
+                    e, self._deferred_error = self._deferred_error, None
+                    raise e
                 return method(self, *args, **kwargs)
             except (OSError, BigperError) as e:
                 raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
@@ -154,7 +159,7 @@ def _read(method):
     def entry(self, *args, **kwargs):
         with self._lock:
             if not self._closed and getattr(self, "_deferred", None):
-                self._settle()
+                self._settle(keep=True)  # (a reader reports nobody's error: the next call does)
             return method(self, *args, **kwargs)
     return entry
 
@@ -410,6 +415,7 @@ class PrioritizedReplayBuffer:
         self._beta_step = 0
         self._mirror = mirror
         self._deferred = Deferred()
+        self._deferred_error = None  # an invalid deferred update's error, for the next call to raise
         self._rng = np.random.default_rng(cfg.seed)
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
         self._closed = False
@@ -663,6 +669,8 @@ class PrioritizedReplayBuffer:
         sampler is closed (its lock released) when the last of them is collected.
         """
         check_batch_size(batch_size)
+        if device is not None:
+            device = _check_device(device)  # (a bad one refused here, not in the thread)
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
             raise InvalidArgumentError(f"prefetch must be an int in [0, 1024], got {prefetch!r}")
         unknown = sorted(set(sample_kw) - {"beta", "stratified"})
@@ -707,9 +715,10 @@ class PrioritizedReplayBuffer:
         mask = None
         if isinstance(target, Batch):
             idx, stamps, use, mask = target.indices, target.generations, True, target.mask
-        elif isinstance(target, TensorBatch):  # to_torch's dict: its host copies (no read from the device)
-            host = target.host
-            idx, stamps, use, mask = as_index(host["indices"]), as_index(host["generations"]), True, host["mask"]
+        elif isinstance(target, TensorBatch) and target.host_target() is not None:
+            # to_torch's dict as it gave it: its host copies (no read from the device)
+            idx, stamps, mask = target.host_target()
+            use = True
         elif isinstance(target, Mapping):
             if "indices" not in target:
                 raise InvalidTypeError("target is a mapping without 'indices'; pass a Batch, the dict "
@@ -745,10 +754,11 @@ class PrioritizedReplayBuffer:
         self._check_indices(idx)
         self._deferred.push(idx.copy(), stamps.copy(), use, None if mask is None else np.array(mask), priorities)
 
-    def _settle(self) -> None:
+    def _settle(self, keep: bool = False) -> None:
         """Apply the updates from device tensors, oldest first (waiting for
         their copies). One whose values are not valid priorities changes
-        nothing and is reported here, after the valid ones are applied."""
+        nothing and is reported here, after the valid ones are applied (with
+        ``keep``: by the next public call other than a sampler's draw)."""
         first = None
         while True:
             got = self._deferred.pop()
@@ -760,8 +770,13 @@ class PrioritizedReplayBuffer:
             except BigperError as e:
                 first = first or e
         if first is not None:
-            raise InvalidArgumentError(f"an earlier update_priorities call with priorities on a device was not "
-                                       f"applied (nothing of it changed): {first}") from first
+            e = InvalidArgumentError(f"an earlier update_priorities call with priorities on a device was not "
+                                     f"applied (nothing of it changed): {first}")
+            e.__cause__ = first
+            if keep:
+                self._deferred_error = self._deferred_error or e
+            else:
+                raise e
 
     def _update(self, idx, stamps, use: bool, mask, priorities) -> None:
         items = self._items
@@ -966,7 +981,8 @@ class PrioritizedReplayBuffer:
         **kwargs
             As ``bigper.offline.open_dataset`` takes them: ``alpha``, ``eps``,
             ``max_priority``, ``beta``, ``prioritization``, ``seed``,
-            ``priorities`` (the sidecar's path), ``allow_external``, ...
+            ``priorities`` (the sidecar's path), ``allow_external``, ...; and
+            ``device`` (the device tier, built from the file).
 
         Returns
         -------
@@ -974,9 +990,12 @@ class PrioritizedReplayBuffer:
         """
         from .offline import open_dataset, watch_priorities  # h5py-heavy: loaded on first use
 
+        device = kwargs.pop("device", None)
+        if device is not None:
+            _check_device(device)
         cfg, src, state = open_dataset(dataset, **kwargs)
         try:
-            buf = cls.from_parts(cfg, src, state)
+            buf = cls.from_parts(cfg, src, state, device=device)
             watch_priorities(src, cfg, weakref.WeakMethod(buf._all_leaves))
         except BaseException:
             src.close()
@@ -1240,9 +1259,13 @@ class PrioritizedReplayBuffer:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"len={len(self)}"
+        # Read without settling updates in flight: a repr (a log line, a debugger) reports nobody's error.
+        with self._lock:
+            state = "closed" if self._closed else f"len={min(self._count, self.config.capacity)}"
+            total = self._prio.total
+        pending = f", {len(self._deferred)} update(s) in flight" if getattr(self, "_deferred", None) else ""
         return (f"PrioritizedReplayBuffer({state}, capacity={self.capacity}, "
-                f"storage={self.config.storage!r}, total_priority={self.total_priority:.6g})")
+                f"storage={self.config.storage!r}, total_priority={total:.6g}{pending})")
 
 
 # Devices whose sampler batches are gathered straight into one staging block
@@ -1250,10 +1273,10 @@ class PrioritizedReplayBuffer:
 _STAGED = ("cuda",)
 
 
-def _check_device(device) -> None:
-    from .device.mirror import as_device
+def _check_device(device):
+    from ._torch import as_device
 
-    as_device(device)
+    return as_device(device)
 
 
 def _mirror(cfg: Config, device):

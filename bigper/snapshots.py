@@ -15,6 +15,7 @@ from typing import Any
 
 from .buffer import PrioritizedReplayBuffer
 from .errors import (
+    InvalidArgumentError,
     CorruptSnapshotError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -228,7 +229,7 @@ class Snapshots:
 
     # -- loading ------------------------------------------------------------------
     def load_latest(self, *, path: str | os.PathLike[str] | None = None,
-                    with_info: bool = False) -> Any:
+                    with_info: bool = False, device: Any = None) -> Any:
         """Load the newest snapshot that verifies; an older one, with a warning,
         when a newer one is corrupt. ``last_loaded`` then tells which.
 
@@ -238,6 +239,9 @@ class Snapshots:
             Where a disk storage keeps its live data (see ``PrioritizedReplayBuffer.load``).
         with_info : bool
             Return ``(buffer, SnapshotInfo)`` instead of the buffer alone.
+        device : str or torch.device, optional
+            The device tier of the loaded buffer (``PrioritizedReplayBuffer.load``);
+            not with a ``loader``.
 
         Returns
         -------
@@ -252,6 +256,9 @@ class Snapshots:
         CorruptSnapshotError
             Every snapshot is corrupt.
         """
+        if device is not None and self.loader is not None:
+            raise InvalidArgumentError("device= is for PrioritizedReplayBuffer snapshots; this series loads "
+                                       f"with its own loader ({self.loader!r})")
         with self._locked(shared=True):
             entries = [p for p in reversed(self._entries()) if (p / MANIFEST).exists()] \
                 or list(reversed(self._entries()))
@@ -265,7 +272,7 @@ class Snapshots:
                         info = SnapshotInfo(path=p, number=seq_of(p), created=None, metadata=None)
                     else:
                         info = snapshot_info(p)
-                        buf = PrioritizedReplayBuffer.load(p, path=path)
+                        buf = PrioritizedReplayBuffer.load(p, path=path, device=device)
                 except CorruptSnapshotError as e:
                     problems.append(str(e))
                     if i + 1 < len(entries):

@@ -319,8 +319,14 @@ def test_update_priorities_takes_to_torch_dicts_without_reading_the_device():
     t = b.to_torch()
     assert isinstance(t, T.TensorBatch) and isinstance(t, dict)
     np.testing.assert_array_equal(t.host["indices"], b.indices)
-    t["indices"] = torch.full((8,), 10**9)  # the host copies count, not a tensor the learner may change
-    buf.update_priorities(t, np.ones(8))
+    buf.update_priorities(t, np.ones(8))  # from the host copies
+    t["indices"] = torch.full((8,), 10**9)  # a key the caller replaced is read as given: never redirected
+    with pytest.raises(bigper.InvalidIndexError):
+        buf.update_priorities(t, np.ones(8))
+    drawn = b.indices.copy()
+    t = b.to_torch()
+    t["indices"].zero_()  # (a CPU tensor shares the batch's array; the host copies are the batch's as drawn)
+    np.testing.assert_array_equal(t.host["indices"], drawn)
     # A plain dict of tensors still works (read from the tensors).
     buf.update_priorities(dict(b.to_torch()), torch.ones(8))
     with pytest.raises(bigper.InvalidArgumentError):

@@ -19,10 +19,12 @@ is the one that counts; a resumed or loaded buffer rebuilds the mirror from it
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._layout import plain_fields
-from .._torch import TensorBatch, _torch, move
+from .._torch import TensorBatch, _torch, as_device, move
 from ..batch import Batch
 from ..errors import InvalidArgumentError
 from ..frames import frame_capacity
@@ -41,13 +43,13 @@ def need(plain: dict, capacity: int, frames: tuple | None) -> int:
     """Bytes of device memory a mirror takes: ``plain`` ``name -> (shape,
     dtype)`` of the per-transition fields, ``frames`` ``(F, frame shape,
     dtype)`` of the frame ring or None."""
-    total = 0
+    total = 0  # Python ints: a crafted shape must not wrap to a small number
     for shape, dtype in plain.values():
-        total += (capacity + 1) * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        total += (capacity + 1) * math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
     if frames is not None:
         f, shape, dtype = frames
-        total += (f + 1) * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return int(total)
+        total += (f + 1) * math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+    return total
 
 
 def need_of(cfg) -> int:
@@ -67,25 +69,6 @@ def describe_need(cfg) -> str:
     """One line for ``bigper info``: what the device tier of ``cfg`` takes."""
     n = need_of(cfg)
     return f"device tier (device=...): {_gib(n)} ({n:,} bytes) of device memory, raw frames"
-
-
-def as_device(device):
-    """``device`` as a ``torch.device`` (``InvalidArgumentError`` naming it when torch refuses it)."""
-    torch = _torch()
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu'), "
-                                   f"got {device!r} ({e})") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidArgumentError(f"device={device!r}: this torch has no CUDA device "
-                                       f"(torch {torch.__version__})")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.index >= torch.cuda.device_count():
-            raise InvalidArgumentError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
-    return dev
 
 
 class Mirror:
@@ -124,7 +107,7 @@ class Mirror:
             self.frame_shape = tuple(frames[1]) if frames is not None else ()
             self.frames = None if frames is None else torch.zeros(
                 (self.F + 1, *self.frame_shape), dtype=_dtype(torch, frames[2], "obs"), device=device)
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        except (RuntimeError, MemoryError, ImportError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise InvalidArgumentError(f"device={str(device)!r} could not allocate this buffer's data "
                                        f"({_gib(self.nbytes)}, {self.nbytes} bytes): {str(e)[:200]}") from None
         self.count = 0  # transitions added when last synced
@@ -212,7 +195,8 @@ class Mirror:
         tensors["weights"], tensors["indices"], tensors["generations"] = t["weights"], t["indices"], t["generations"]
         if mask is not None:
             tensors["mask"] = t["mask"]
-        b.__dict__["_tensors"] = TensorBatch(tensors, {"indices": idx, "generations": gen, "mask": mask})
+        b.__dict__["_tensors"] = TensorBatch(tensors, {"indices": idx.copy(), "generations": gen.copy(),
+                                                       "mask": None if mask is None else mask.copy()})
         return b
 
 
