@@ -22,8 +22,9 @@ holds the GIL (``gil_share``: what a learner's thread cannot run meanwhile), bes
 stored once in device memory, the sampled indices sent up, one gather of
 k + 1 frames a row, priorities back with one copy. Then sequences, 32 x (40 +
 80) steps with their stacks, to the device: the host path and the tier.
-TorchRL's ``PrioritizedReplayBuffer`` runs where it imports (LazyMemmapStorage,
-pinned). Each feed is printed as a share of the ceiling, then a JSON line.
+TorchRL's ``TensorDictPrioritizedReplayBuffer`` runs where it imports
+(LazyMemmapStorage, pinned; its CPU sampler); where it does not, the JSON
+says why (``torchrl_error``). Each feed is printed as a share of the ceiling, then a JSON line.
 
 Usage::
 
@@ -131,6 +132,37 @@ def gil_share(draw, seconds: float = 1.0) -> float:
     return max(0.0, 1.0 - r1 / r0)
 
 
+def torchrl_buffers(torch, stream: Stream, n: int, tmp: Path, device):
+    """TorchRL's prioritized buffer over LazyMemmapStorage (pinned), filled with the same stream."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, TensorDictPrioritizedReplayBuffer
+
+    rb = TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, priority_key="td_error",
+                                           storage=LazyMemmapStorage(n, scratch_dir=str(tmp / "torchrl")),
+                                           pin_memory=device.type == "cuda")
+    for g in range(0, n, 1000):
+        m = min(1000, n - g)
+        steps = [stream.step(g + i) for i in range(m)]
+        rb.extend(TensorDict({
+            "obs": torch.from_numpy(np.stack([s[0] for s in steps])),
+            "next_obs": torch.from_numpy(np.stack([s[1] for s in steps])),
+            "action": torch.from_numpy(np.array([s[2] for s in steps])),
+            "reward": torch.from_numpy(np.array([s[3] for s in steps])),
+            "discount": torch.from_numpy(np.where([s[4] for s in steps], 0.0, 0.99).astype(np.float32)),
+        }, batch_size=[m]))
+    return rb
+
+
+def torchrl_feed(torch, rb, b: int, device, step):
+    def f():
+        s = rb.sample(b)
+        t = {k: s.get(k).to(device, non_blocking=True) for k in ("obs", "next_obs", "action", "reward", "discount")}
+        t["weights"] = s.get("_weight").to(device, non_blocking=True)
+        s.set("td_error", step(t).cpu())
+        rb.update_tensordict_priority(s)
+    return f
+
+
 def fill(bigper, stream: Stream, n: int, **kw):
     buf = bigper.PrioritizedReplayBuffer(
         capacity=n, fields={"obs": ((K, H, W), np.uint8), "action": ((), np.int64), "reward": ((), np.float32)},
@@ -200,6 +232,14 @@ def main(args) -> int:
                        "reward": stream.reward[np.arange(m) % stream.period],
                        "discount": np.where(stream.term[np.arange(m) % stream.period], 0.0, 0.99).astype(np.float32)}
 
+    trl = None
+    if want("torchrl"):
+        try:
+            trl = torchrl_buffers(torch, stream, min(n, 100_000), tmp, device)
+        except Exception as e:  # noqa: BLE001 (not installed, or its extension does not load: reported)
+            results["torchrl_error"] = short_error(e)
+            say(f"  TorchRL unavailable: {short_error(e)}")
+
     rows_table = []
     for b in sizes:
         say(f"B = {b}")
@@ -243,6 +283,8 @@ def main(args) -> int:
                 f, it = with_sampler(bufs[key])
                 feeds[name] = timed(torch, device, f, args.iters, 10)
                 it.close()
+        if trl is not None:
+            feeds["torchrl"] = timed(torch, device, torchrl_feed(torch, trl, b, device, step), args.iters, 10)
         if "tier" in bufs and want("tier sample"):
             feeds["tier sample"] = timed(torch, device, plain(bufs["tier"]), args.iters, 10)
 
