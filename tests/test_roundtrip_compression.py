@@ -9,6 +9,7 @@ guide says; retraining resumes after a candidate that did not pay.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_train_dictionary_survives_every_small_shape_count_and_size(tmp_path):
     # In a child: a crash inside libzstd (SIGSEGV with 8 or 9 one-byte frames, SIGFPE with 10)
     # shows as its signal and the case it died on instead of killing the test run.
     r = subprocess.run([sys.executable, "-c", _SWEEP], capture_output=True, text=True, cwd=tmp_path,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     lines = r.stdout.splitlines()
     assert r.returncode == 0, (r.returncode, lines[-1:], r.stderr[-2000:])
     assert len(lines) == 22 * 8 * 3 * 3 and all(x.endswith(("refused", "trained")) for x in lines)
