@@ -23,6 +23,7 @@ import math
 from ._zstd import bound
 
 MAX_SEG = 1 << 20  # bytes of one segment at most (the log grows in segments past that)
+MAX_RATIO = 2  # a budget is at most this many times a frame's largest zstd frame
 
 
 def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
@@ -61,7 +62,9 @@ def budget_range(F: int, row_bytes: int, need: int) -> tuple[int, int]:
     zstd frame (a larger budget is never needed), or ``lo`` where that is
     more (a small ring of many envs). ``kept`` is not monotone in the budget
     (a segment one block longer can leave one segment fewer), so a budget in
-    ``lo..hi`` is valid only where ``fits`` says so."""
+    ``lo..hi`` is valid only where ``fits`` says so. A config whose ``lo``
+    is more than ``MAX_RATIO`` frames' largest zstd frames is refused
+    (``too_small``): its log would outgrow the raw frames it stands for."""
     big = bound(row_bytes)
     # A budget this large has segments of at most max(MAX_SEG, a frame and a block)
     # and more than need + 1 of them: it keeps need frames.
@@ -74,6 +77,13 @@ def budget_range(F: int, row_bytes: int, need: int) -> tuple[int, int]:
         else:
             a = mid + 1
     return a, max(big, a)
+
+
+def too_small(F: int, row_bytes: int, need: int) -> bool:
+    """No budget up to ``MAX_RATIO`` frames keeps ``need`` frames: the ring
+    is too small for one item of every env (n_step or num_envs too large for
+    the capacity)."""
+    return budget_range(F, row_bytes, need)[0] > MAX_RATIO * bound(row_bytes)
 
 
 def fits(F: int, row_bytes: int, need: int, budget: int) -> bool:

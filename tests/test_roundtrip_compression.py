@@ -80,8 +80,12 @@ _DTYPES = st.sampled_from([np.uint8, np.int16, np.float32])
 def test_every_default_budget_passes_the_check_of_its_recorded_config(shape, dtype, k, n_step, num_envs,
                                                                        capacity):
     fields = {"obs": ((k, *shape), dtype), "reward": ((), np.float32)}
-    cfg = Config.build(capacity=capacity, fields=fields, frame_stack=k, n_step=n_step, num_envs=num_envs,
-                       compression="zstd")
+    try:
+        cfg = Config.build(capacity=capacity, fields=fields, frame_stack=k, n_step=n_step, num_envs=num_envs,
+                           compression="zstd")
+    except InvalidArgumentError as e:  # only a ring smaller than one item of every env is refused
+        assert f"capacity={capacity} is too small" in str(e) and capacity < (k + n_step) * num_envs, str(e)
+        return
     again = Config.from_dict(cfg.to_dict())  # what resume, load and from_hdf5 check it by
     assert again.compression_budget == cfg.compression_budget
     # and given back explicitly, as a user copying it from `bigper info` would
@@ -138,6 +142,14 @@ def test_convert_of_a_d4rl_file_of_4x4_frames_opens_with_from_hdf5(tmp_path):
 
 # -- cause 3: a budget that keeps nothing sampleable is refused when the buffer is made --------
 
+def test_a_ring_too_small_for_one_item_of_every_env_is_refused_naming_capacity():
+    # n_step far beyond the capacity: a log that kept its frames would be larger than the raw
+    # frames (the budget has no bound then); refused, never a huge allocation
+    with pytest.raises(InvalidArgumentError, match=r"capacity=1 is too small for compression='zstd'.*536870916"):
+        bigper.PrioritizedReplayBuffer(capacity=1, fields={"obs": ((4, 84, 84), np.uint8), "reward": ((), np.float32)},
+                                       frame_stack=4, n_step=2**29, compression="zstd")
+
+
 def test_a_budget_whose_log_keeps_no_stack_is_refused_naming_one_that_does(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"compression_budget=1 is too small") as e:
         make("memory", tmp_path, (84, 84), k=4, capacity=40, budget=1)
@@ -155,9 +167,10 @@ def test_a_budget_whose_log_keeps_no_stack_is_refused_naming_one_that_does(tmp_p
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=st.sampled_from([(1, 1), (3, 5), (8, 8), (20, 20)]), k=st.integers(1, 4), n_step=st.integers(1, 3),
-       num_envs=st.integers(1, 3), capacity=st.integers(1, 60))
+       num_envs=st.integers(1, 3), extra=st.integers(0, 40))
 def test_the_default_budget_keeps_transitions_of_frames_that_do_not_compress(shape, k, n_step, num_envs,
-                                                                             capacity, tmp_path):
+                                                                             extra, tmp_path):
+    capacity = (k + n_step) * num_envs + extra
     buf = bigper.PrioritizedReplayBuffer(
         capacity=capacity, fields={"obs": ((k, *shape), np.uint8), "step": ((), np.int64), "reward": ((), np.float32)},
         frame_stack=k, n_step=n_step, num_envs=num_envs, compression="zstd")
