@@ -23,7 +23,6 @@ import math
 from ._zstd import bound
 
 MAX_SEG = 1 << 20  # bytes of one segment at most (the log grows in segments past that)
-MAX_RATIO = 2  # a budget is at most this many times a frame's largest zstd frame
 
 
 def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
@@ -42,11 +41,13 @@ def geometry(F: int, row_bytes: int, budget: int) -> tuple[int, int, int]:
     return block, seg, max(3, math.ceil(total / seg))
 
 
-def frames_needed(k: int, n_step: int, num_envs: int, steps: int = 1) -> int:
+def frames_needed(F: int, k: int, n_step: int, num_envs: int, steps: int = 1) -> int:
     """Frames one item of every env spans: its ``k``-frame stack and the
     ``max(n_step, steps)`` frames after its first (``steps``: a sequence's
-    ``burn_in + length``)."""
-    return (k + max(n_step, steps)) * num_envs
+    ``burn_in + length``); at most the ``F`` frames the ring holds (more
+    would not be sampleable raw either, and would ask for a log of any size:
+    a recorded n_step of 2**29)."""
+    return min((k + max(n_step, steps)) * num_envs, F)
 
 
 def kept(F: int, row_bytes: int, budget: int) -> int:
@@ -62,9 +63,7 @@ def budget_range(F: int, row_bytes: int, need: int) -> tuple[int, int]:
     zstd frame (a larger budget is never needed), or ``lo`` where that is
     more (a small ring of many envs). ``kept`` is not monotone in the budget
     (a segment one block longer can leave one segment fewer), so a budget in
-    ``lo..hi`` is valid only where ``fits`` says so. A config whose ``lo``
-    is more than ``MAX_RATIO`` frames' largest zstd frames is refused
-    (``too_small``): its log would outgrow the raw frames it stands for."""
+    ``lo..hi`` is valid only where ``fits`` says so."""
     big = bound(row_bytes)
     # A budget this large has segments of at most max(MAX_SEG, a frame and a block)
     # and more than need + 1 of them: it keeps need frames.
@@ -77,13 +76,6 @@ def budget_range(F: int, row_bytes: int, need: int) -> tuple[int, int]:
         else:
             a = mid + 1
     return a, max(big, a)
-
-
-def too_small(F: int, row_bytes: int, need: int) -> bool:
-    """No budget up to ``MAX_RATIO`` frames keeps ``need`` frames: the ring
-    is too small for one item of every env (n_step or num_envs too large for
-    the capacity)."""
-    return budget_range(F, row_bytes, need)[0] > MAX_RATIO * bound(row_bytes)
 
 
 def fits(F: int, row_bytes: int, need: int, budget: int) -> bool:

@@ -87,13 +87,7 @@ def _compression(compression, budget, frame_stack, specs, *, capacity, n_step, n
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dt).itemsize
     F = _budget.frame_capacity(capacity, frame_stack, num_envs)
     steps = 1 if sequence is None else sequence["burn_in"] + sequence["length"]
-    need = _budget.frames_needed(frame_stack, n_step, num_envs, steps)
-    what = "(frame_stack + n_step)" if sequence is None else "(frame_stack + burn_in + length)"
-    if _budget.too_small(F, row_bytes, need):
-        raise InvalidArgumentError(
-            f"capacity={capacity} is too small for compression={compression!r}: one transition of every env "
-            f"spans {what} * num_envs = {need} frames, more than a log of {_budget.MAX_RATIO} times a frame's "
-            f"largest zstd frame keeps for a frame ring of {F}; give a larger capacity (or no compression)")
+    need = _budget.frames_needed(F, frame_stack, n_step, num_envs, steps)
     if budget is None:
         return compression, _budget.default_budget(F, row_bytes, need)
     lo, hi = _budget.budget_range(F, row_bytes, need)
@@ -102,6 +96,7 @@ def _compression(compression, budget, frame_stack, specs, *, capacity, n_step, n
             f"compression_budget must be an int of bytes a frame in 1..{hi} (a frame's largest zstd frame), "
             f"got {budget!r}")
     if not _budget.fits(F, row_bytes, need, int(budget)):
+        what = "(frame_stack + n_step)" if sequence is None else "(frame_stack + burn_in + length)"
         raise InvalidArgumentError(
             f"compression_budget={budget} is too small for frames that do not compress: its log keeps "
             f"{_budget.kept(F, row_bytes, int(budget))} such frames of {row_bytes} bytes at its emptiest, and one "
