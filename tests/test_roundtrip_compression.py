@@ -258,7 +258,6 @@ def test_retraining_resumes_after_a_candidate_that_did_not_pay(monkeypatch):
     buf.close()
 
 
-@pytest.mark.slow
 def test_retraining_follows_content_that_changes_every_1200_frames():
     # The case as it was reported: capacity 1,500, the content changing every
     # 1,200 frames, looks every 1,000: a dictionary is adopted for content after content
