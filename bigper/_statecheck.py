@@ -336,3 +336,6 @@ def _check_dictionaries(fm: dict, d) -> None:
     if base is not None and not (isinstance(base, (int, float)) and not isinstance(base, bool)
                                  and np.isfinite(base) and base >= 0):
         _bad(f"frames.dict_base must be null or a finite number >= 0, got {base!r:.80}")
+    retry = fm.get("dict_retry", [0, 0])  # (absent from states recorded before it was)
+    if not isinstance(retry, list) or len(retry) != 2 or not all(_is_int(v, 0, _BIG) for v in retry):
+        _bad(f"frames.dict_retry must be [next frame, wait] of two ints >= 0, got {retry!r:.80}")

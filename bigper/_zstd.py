@@ -256,14 +256,33 @@ class Codec:
             pass
 
 
+# What ZDICT_trainFromBuffer needs, checked before the call: it crashes on less instead of
+# returning an error (SIGSEGV with 8 or 9 samples of one byte, SIGFPE with 10: zstd issues
+# #3599 and #4499; its fastCover hashes d = 6 or 8 bytes at a time and reads past shorter
+# samples). Its own command line refuses fewer than 5 samples ("nb of samples too low").
+TRAIN_MIN_SAMPLES = 10
+TRAIN_MIN_SAMPLE_BYTES = 8
+TRAIN_MAX_BYTES = 2000 << 20  # ZDICT_MAX_SAMPLES_SIZE: more is refused (or cut) by the trainer
+DICT_MIN_BYTES = 256  # ZDICT_DICTSIZE_MIN
+
+
+def trainable(m: int, n: int) -> bool:
+    """``m`` samples of ``n`` bytes are what the trainer takes without crashing."""
+    return m >= TRAIN_MIN_SAMPLES and n >= TRAIN_MIN_SAMPLE_BYTES and m * n <= TRAIN_MAX_BYTES and m < 1 << 32
+
+
 def train(samples: np.ndarray, size: int = 16384) -> np.ndarray | None:
-    """A zstd dictionary of at most ``size`` bytes trained on ``samples``
-    (m, n) uint8 rows; None when training fails (too few or too uniform samples)."""
+    """A zstd dictionary of at most ``size`` bytes (``DICT_MIN_BYTES`` or
+    more) trained on ``samples`` (m, n) uint8 rows; None when training fails
+    (too few or too uniform samples), and without calling the trainer when
+    the samples are fewer or shorter than it takes (``trainable``)."""
+    if not DICT_MIN_BYTES <= size:
+        raise ValueError(f"a zstd dictionary takes at least {DICT_MIN_BYTES} bytes, got size={size}")
+    m, n = samples.shape
+    if not trainable(m, n):
+        return None
     c = lib()
     samples = np.ascontiguousarray(samples, dtype=np.uint8)
-    m, n = samples.shape
-    if m >= 1 << 32:  # ZDICT counts samples in an unsigned int
-        raise ValueError(f"zstd trains on fewer than 2**32 samples, got {m}")
     sizes = np.full(m, n, dtype=np.uintp)
     out = np.empty(size, dtype=np.uint8)
     got = c.ZDICT_trainFromBuffer(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _budget
 from .schedules import ConstantSchedule, LinearSchedule, as_schedule, schedule_from_dict
 from .errors import BigperError, InvalidArgumentError, InvalidTypeError
 
@@ -67,9 +68,12 @@ def _number(value, name, *, lo=None, lo_open=False, hi=None, none_ok=False):
     return v
 
 
-def _compression(compression, budget, frame_stack, specs) -> tuple:
+def _compression(compression, budget, frame_stack, specs, *, capacity, n_step, num_envs, sequence) -> tuple:
     """``compression`` and its log budget (bytes a frame), checked; the
-    budget defaults to a sixteenth of a frame."""
+    budget defaults to a sixteenth of a frame. Default and check follow one
+    rule (``_budget``): a budget is valid when its log keeps the frames of
+    one item of every env even when no frame compresses, so the default
+    always passes the check it meets on resume, ``load`` and ``from_hdf5``."""
     if compression not in COMPRESSIONS:
         raise InvalidArgumentError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if compression is None:
@@ -81,11 +85,23 @@ def _compression(compression, budget, frame_stack, specs) -> tuple:
             f"compression={compression!r} compresses the frames of frame stacks: it needs frame_stack")
     shape, dt = specs["obs"]
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dt).itemsize
+    F = _budget.frame_capacity(capacity, frame_stack, num_envs)
+    steps = 1 if sequence is None else sequence["burn_in"] + sequence["length"]
+    need = _budget.frames_needed(F, frame_stack, n_step, num_envs, steps)
     if budget is None:
-        return compression, max(64, row_bytes // 16)
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= row_bytes:
+        return compression, _budget.default_budget(F, row_bytes, need)
+    lo, hi = _budget.budget_range(F, row_bytes, need)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= hi:
         raise InvalidArgumentError(
-            f"compression_budget must be an int of bytes a frame in 1..{row_bytes} (a frame's bytes), got {budget!r}")
+            f"compression_budget must be an int of bytes a frame in 1..{hi} (a frame's largest zstd frame), "
+            f"got {budget!r}")
+    if not _budget.fits(F, row_bytes, need, int(budget)):
+        what = "(frame_stack + n_step)" if sequence is None else "(frame_stack + burn_in + length)"
+        raise InvalidArgumentError(
+            f"compression_budget={budget} is too small for frames that do not compress: its log keeps "
+            f"{_budget.kept(F, row_bytes, int(budget))} such frames of {row_bytes} bytes at its emptiest, and one "
+            f"transition of every env needs {what} * num_envs = {need}, so none would ever be sampleable; "
+            f"compression_budget={lo} keeps them (or leave it unset: the default does)")
     return compression, int(budget)
 
 
@@ -273,9 +289,11 @@ class Config:
         if prioritization not in PRIORITIZATIONS:
             raise InvalidArgumentError(
                 f"prioritization must be one of {PRIORITIZATIONS}, got {prioritization!r}")
-        compression, compression_budget = _compression(compression, compression_budget, frame_stack, specs)
         if sequence is not None:
             sequence = _sequence(sequence, capacity=capacity, n_step=n_step, num_envs=num_envs, fields=specs)
+        compression, compression_budget = _compression(compression, compression_budget, frame_stack, specs,
+                                                       capacity=capacity, n_step=n_step, num_envs=num_envs,
+                                                       sequence=sequence)
         return cls(capacity=capacity, fields=specs, frame_stack=frame_stack, n_step=n_step,
                    gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority,
                    beta=as_schedule(beta).to_dict(), weight_norm=weight_norm, next_of=next_of,

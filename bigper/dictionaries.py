@@ -13,7 +13,11 @@ compared with what the current dictionary gave when it was adopted
 (``base``); only when it grew by ``DRIFT`` is a candidate trained (on the
 frames before the newest, so the comparison is on frames it never saw) and
 adopted when it takes at least ``PAYS`` fewer bytes than the current one on
-the newest frames. Measured on the real ALE pool (tools/bench_codec_frames.py,
+the newest frames. A candidate that does not pay leaves ``base`` as it was
+(one trained on frames from before a change of content cannot pay; the next
+one can), and the next try waits ``TRAIN_FRAMES``, then twice as long after
+each candidate that does not pay either, until one is adopted or the frames
+shrink back. Measured on the real ALE pool (tools/bench_codec_frames.py,
 3,000 frames a game, dictionaries trained on 1,000 frames, compared on 1,000
 later ones): a candidate of the same game saves -30% .. +14% (Qbert's levels
 change), one after a switch of game saves +26% .. +90%; 10% adopts every
@@ -42,7 +46,8 @@ def train_dictionary(frames, size: int = 16384) -> np.ndarray:
     ----------
     frames : array_like, (m, ...) numeric
         Frames like those the buffer will store (each row one frame); a few
-        hundred to a few thousand.
+        hundred to a few thousand (at least 10, of at least 8 bytes each:
+        zstd's trainer crashes on less, so less is refused before the call).
     size : int
         The dictionary's largest size in bytes (256 .. 1 MiB).
 
@@ -58,11 +63,12 @@ def train_dictionary(frames, size: int = 16384) -> np.ndarray:
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 256 <= size <= DICT_LIMIT:
         raise InvalidArgumentError(f"size must be an int of bytes in 256..{DICT_LIMIT}, got {size!r}")
     a = np.asarray(frames)
-    if a.ndim < 2 or a.shape[0] < 2 or a.dtype.kind not in "biuf" or a[0].nbytes == 0:
-        raise InvalidArgumentError(f"frames must be a numeric array of at least 2 frames (m, ...), got "
-                                   f"{a.dtype} {a.shape}")
+    least, short = _zstd.TRAIN_MIN_SAMPLES, _zstd.TRAIN_MIN_SAMPLE_BYTES
+    if a.ndim < 2 or a.dtype.kind not in "biuf" or a.shape[0] < least or a[0].nbytes < short:
+        raise InvalidArgumentError(f"frames must be a numeric array (m, ...) of at least {least} frames of at "
+                                   f"least {short} bytes each (what zstd's trainer takes), got {a.dtype} {a.shape}")
     m, row = a.shape[0], a[0].nbytes
-    keep = min(m, max(2, TRAIN_BYTES // row))  # (zstd also counts samples in 32 bits)
+    keep = min(m, max(least, TRAIN_BYTES // row))  # (zstd also counts samples in 32 bits)
     if keep < m:  # pick the rows before any copy: a view of 2**31 frames is not copied whole
         a = a[np.linspace(0, m - 1, keep).round().astype(np.int64)]
     rows = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
@@ -109,6 +115,9 @@ class Dictionaries:
         self.lo = 1
         self.dicts: list[np.ndarray] = [] if first is None else [first]
         self.base: float | None = None  # bytes a frame the current dictionary gave when adopted
+        # After a candidate that did not pay: no other before frame ``retry``, and the wait
+        # doubles with each one that does not (training costs seconds a thousand frames).
+        self.retry, self.wait = 0, 0
         self._codec = None
 
     @property
@@ -147,7 +156,8 @@ class Dictionaries:
         return True
 
     def state(self) -> tuple[dict, np.ndarray]:
-        meta = {"dicts_first": self.lo, "dict_sizes": [int(d.size) for d in self.dicts], "dict_base": self.base}
+        meta = {"dicts_first": self.lo, "dict_sizes": [int(d.size) for d in self.dicts], "dict_base": self.base,
+                "dict_retry": [self.retry, self.wait]}
         return meta, (np.concatenate(self.dicts) if self.dicts else np.zeros(0, dtype=np.uint8))
 
     def restore(self, meta: dict, blob: np.ndarray) -> None:
@@ -159,6 +169,7 @@ class Dictionaries:
             lo, sizes, base = int(meta["dicts_first"]), [int(s) for s in meta["dict_sizes"]], meta["dict_base"]
         else:
             lo, sizes, base = 1, ([blob.size] if blob.size > 1 else []), None
+        retry, wait = (int(v) for v in meta.get("dict_retry", (0, 0)))  # (none before it was recorded)
         bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         dicts = [blob[a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])]
         codec = _zstd.Codec(level=3)  # built here once: a dictionary zstd refuses fails the restore
@@ -173,6 +184,7 @@ class Dictionaries:
             raise
         self.close()
         self.lo, self.dicts, self.base = lo, dicts, None if base is None else float(base)
+        self.retry, self.wait = retry, wait
         self._codec = codec
 
     def close(self) -> None:

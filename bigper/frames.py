@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _zstd
+from ._budget import frame_capacity  # (config.py sizes the compressed log by it too)
 from ._kernels import kernel
 from ._pool import for_ranges, workers
 from ._reuse import ReusedArrays
@@ -37,12 +38,6 @@ def require_compression() -> None:
 
 ALL_VALID = np.ones(256, dtype=np.bool_)
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
-
-
-def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
-    """Frames in the ring: one a step, plus room for episode starts (about
-    1.6%) and for the stacks of every env in flight."""
-    return capacity + capacity // 64 + (k + 1) * num_envs + 1
 
 
 @kernel

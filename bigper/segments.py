@@ -50,6 +50,7 @@ import math
 import numpy as np
 
 from . import _zstd, dictionaries
+from ._budget import geometry  # (the rule config.py checks budgets by: one place)
 from ._kernels import kernel
 from ._pool import for_ranges
 from .dictionaries import MAX_DICTS, Dictionaries
@@ -59,25 +60,9 @@ log = logging.getLogger("bigper")
 
 DICT_BYTES = 16384
 TRAIN_FRAMES = 1000  # frames between two looks at the dictionary (and the frames a candidate is measured on)
-MAX_SEG = 1 << 20
+MIN_LOOK = 64  # frames in the log at least for a look (half to train a candidate on, half to measure it)
 LEN_MASK = (1 << 32) - 1
 DECODE_CHUNK = 32  # frames per thread at least in a decode
-
-
-def geometry(F: int, row_bytes: int, budget: int) -> tuple[int, int, int]:
-    """``(BLOCK, SEG, S)``: block and segment bytes and segments for ``F``
-    frames of ``row_bytes`` at ``budget`` bytes a frame."""
-    block = min(4096, 1 << max(6, (row_bytes - 1).bit_length()))
-    total = max(F * budget, 1)
-    per = max(math.ceil(_zstd.bound(row_bytes) / block), min(MAX_SEG // block, total // 16 // block))
-    seg = per * block
-    return block, seg, max(3, math.ceil(total / seg))
-
-
-def default_budget(row_bytes: int) -> int:
-    """Log bytes a frame by default: a sixteenth of the frame (real Atari
-    frames compress 15-75x with a dictionary)."""
-    return max(64, row_bytes // 16)
 
 
 @kernel
@@ -239,13 +224,18 @@ class SegmentLog:
         W = TRAIN_FRAMES
         if fw // W <= fw0 // W:
             return
+        # On the frames still in the log, however few the budget keeps: frames that compress
+        # worse than the budget leave fewer than W in it until a dictionary makes them small.
         lo = max(fw - 2 * W, self.oldest(), fw - self.F, 0)
-        if fw - lo < W // 2:
+        if fw - lo < min(W // 2, MIN_LOOK):
             return
         ev = max(lo + (fw - lo) // 2, fw - W)  # measured on [ev, fw), trained on [lo, ev)
         ds = self.dicts
         if ds.base is not None and self._lengths(np.arange(ev, fw, dtype=np.int64)).mean() \
                 <= ds.base * (1 + dictionaries.DRIFT) + 8:
+            ds.retry = ds.wait = 0  # back to the size of the last adoption: no wait for the next drift
+            return
+        if fw < ds.retry:  # candidates since the drift did not pay: wait before the next
             return
         # Retraining only saves bytes: it runs after the add's frames were written, so
         # a failure in it (no memory, a candidate zstd refuses) skips it, changing nothing.
@@ -266,17 +256,22 @@ class SegmentLog:
             # sample and verify report it)
             log.warning("bigper: retraining the zstd dictionary at frame %d failed, skipped: %r", fw, e)
             return
-        ds.base = now / test.shape[0]
-        if new is None or new > (1 - dictionaries.PAYS) * now:
-            return
-        oldest = self._entries(np.array([max(self.oldest(), fw - self.F, 0)], dtype=np.int64))[0, 1] >> 32
-        try:
-            adopted = ds.adopt(cand, int(oldest))  # (all or nothing)
-        except (MemoryError, ValueError, RuntimeError) as e:
-            log.warning("bigper: adopting a new zstd dictionary at frame %d failed, skipped: %r", fw, e)
-            return
+        adopted = False
+        if new is not None and new <= (1 - dictionaries.PAYS) * now:
+            oldest = self._entries(np.array([max(self.oldest(), fw - self.F, 0)], dtype=np.int64))[0, 1] >> 32
+            try:
+                adopted = ds.adopt(cand, int(oldest))  # (all or nothing)
+            except (MemoryError, ValueError, RuntimeError) as e:
+                log.warning("bigper: adopting a new zstd dictionary at frame %d failed, skipped: %r", fw, e)
+                return
         if adopted:
             ds.base = new / test.shape[0]
+            ds.retry = ds.wait = 0
+        elif ds.base is None:  # no dictionary was adopted yet: drift is measured from these frames
+            ds.base = now / test.shape[0]
+        else:  # the size at the last adoption stays the reference: try again, later
+            ds.wait = W if ds.wait == 0 else 2 * ds.wait
+            ds.retry = fw + ds.wait
 
     def _entries(self, ids: np.ndarray) -> np.ndarray:
         """Index entries (n, 2) of frames ``ids`` (live)."""

@@ -16,7 +16,7 @@ import bigper
 import bigper.dictionaries
 import bigper.segments
 from bigper import _zstd
-from bigper.errors import CorruptSnapshotError
+from bigper.errors import CorruptSnapshotError, InvalidArgumentError
 
 from ._hostile_snapshot_cases import refused
 from .test_compression import ATARI, Feed, check_all_live, check_sample, make
@@ -409,15 +409,17 @@ def test_a_retrain_that_runs_out_of_memory_loses_nothing(where, tmp_path, monkey
 
 # -- a log too small for one stack of frames that do not compress ----------------------
 
-@pytest.mark.xfail(strict=True, reason="segments.geometry sizes the log from compression_budget only: with S=3 "
-                   "segments of one incompressible frame each, no stack of k+1 frames is ever live, every "
-                   "transition is dropped silently and sample says 'no sampleable transition'. Fix (a layout "
-                   "change, for the lead): S >= ceil((k+1)*num_envs / (seg // max_len)) + 1, or refuse the budget")
 @pytest.mark.parametrize("kind", ["memory", "memmap"])
 def test_a_log_holds_at_least_one_stack_of_frames_that_do_not_compress(kind, tmp_path):
     from .test_compression import noise
 
-    buf = make(kind, tmp_path, (84, 84), k=4, capacity=40, budget=64)
+    # A budget whose log of 3 one-frame segments keeps no stack of k + 1 frames is refused (it
+    # used to be taken, and every transition dropped silently); the one the error names works.
+    with pytest.raises(InvalidArgumentError, match="compression_budget=64 is too small") as e:
+        make(kind, tmp_path, (84, 84), k=4, capacity=40, budget=64)
+    assert not (tmp_path / "buf").exists()
+    fits = int(str(e.value).rsplit("compression_budget=", 1)[1].split()[0])
+    buf = make(kind, tmp_path, (84, 84), k=4, capacity=40, budget=fits)
     feed = Feed(noise(np.random.default_rng(0), 300, (84, 84), np.uint8), 4)
     feed.run(buf, 100)
     assert (buf._status == 1).sum() >= 1  # the newest transition at least

@@ -250,7 +250,7 @@ def test_a_full_disk_right_after_a_retrain_is_an_oserror_with_nothing_changed(sm
     _always_retrain(monkeypatch)
     buf = bigper.PrioritizedReplayBuffer(
         60, {"obs": ((K, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=K, storage=storage,
-        compression="zstd", compression_budget=600, seed=0,
+        compression="zstd", compression_budget=700, seed=0,  # (600 keeps no stack of K + 1 raw frames)
         path=small_tmpfs / ("r.h5" if storage == "hdf5" else "r"))
     feed = Feed(POOL, K)
     feed.run(buf, 70)
