@@ -131,6 +131,10 @@ def _int(value, name, lo, hi=None):
     return int(value)
 
 
+# n-step returns over more steps than this are refused: a batch's window is a
+# (B, n) array, and a recorded n_step of 2**29 asked load for 16 GiB.
+MAX_N_STEP = 4096
+
 # The item kernels (sequences.py) keep positions, periods and step numbers in
 # int64: a Sequence's ints stay well inside it.
 _SEQ_MAX = 1 << 62
@@ -274,7 +278,7 @@ class Config:
                 raise InvalidArgumentError(
                     f"frame_stack={frame_stack} needs fields['obs'] of shape ({frame_stack}, ...) "
                     f"with the stack on axis 0, got {obs_shape}")
-        n_step = _int(n_step, "n_step", 1)
+        n_step = _int(n_step, "n_step", 1, MAX_N_STEP)
         gamma = _number(gamma, "gamma", lo=0.0, hi=1.0)
         alpha = _number(alpha, "alpha", lo=0.0)
         eps = _number(eps, "eps", lo=0.0)

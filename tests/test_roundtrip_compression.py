@@ -140,12 +140,14 @@ def test_convert_of_a_d4rl_file_of_4x4_frames_opens_with_from_hdf5(tmp_path):
 
 def test_a_huge_n_step_on_a_small_ring_gets_a_log_the_size_of_its_raw_frames():
     # One transition spans more frames than the ring holds (never sampleable, raw or not): the
-    # budget keeps the ring's frames, not 2**29 of them (a log of 2**49 bytes)
+    # budget keeps the ring's frames, not n_step of them (with 2**29: a log of 2**49 bytes; n_step is
+    # now at most config.MAX_N_STEP, still far past this ring's 7 frames)
     from bigper import _zstd
+    from bigper.config import MAX_N_STEP
 
     buf = bigper.PrioritizedReplayBuffer(capacity=1, fields={"obs": ((4, 84, 84), np.uint8),
                                                              "reward": ((), np.float32)},
-                                         frame_stack=4, n_step=2**29, compression="zstd")
+                                         frame_stack=4, n_step=MAX_N_STEP, compression="zstd")
     raw = buf._frames.F * 84 * 84
     assert buf._frames.log.log_bytes <= 4 * raw and buf.config.compression_budget <= 4 * _zstd.bound(84 * 84)
     buf.close()

@@ -370,16 +370,13 @@ def test_what_convert_wrote_every_reader_opens_exactly_many(spec):
     writer_case("close", spec)
 
 
-# -- what the matrix leaves to branch h33a (issue 33 causes 2 and 3), as strict xfails ------------
+# -- issue 33 causes 2 and 3 (the budget rule), held here too ------------------------------------
 def tiny_frames_spec(storage: str) -> dict:
     return {"storage": storage, "capacity": 30, "fields": {"obs": [[4, 2, 2], "uint8"]}, "frame_stack": 4,
             "n_step": 1, "num_envs": 1, "prioritization": "proportional", "compression": "zstd", "budget": None,
             "sequence": None, "seed": 0, "data_seed": 1, "steps": 25, "p_end": 0.1, "levels": 256}
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="issue 33 cause 2 (branch h33a): frames under 64 bytes get the default budget 64, which "
-                          "resume, load and from_hdf5 refuse ('1..4, got 64')")
 @pytest.mark.parametrize("writer", ["close", "save"])
 def test_compressed_frames_under_64_bytes_without_a_budget_reopen(writer):
     spec = tiny_frames_spec("hdf5")
@@ -405,9 +402,6 @@ def test_convert_of_frames_under_64_bytes_reopens(tmp_path):
         assert len(ds) == 40
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33 cause 3 (branch h33a): compression_budget=1 with incompressible "
-                                       "frames and frame_stack=4 keeps no sampleable transition, and is not refused "
-                                       "at construction")
 def test_a_budget_either_is_refused_or_keeps_transitions():
     spec = dict(tiny_frames_spec("memory"), fields={"obs": [[4, 8, 8], "uint8"]}, budget=1, steps=40, p_end=0.0)
     try:

@@ -369,3 +369,13 @@ def test_linear_schedule_rejects(args, names):
         bigper.LinearSchedule(*args)
     for part in names:
         assert part in str(info.value)
+
+
+def test_n_step_is_bounded_so_a_recorded_one_cannot_ask_for_gigabytes():
+    from bigper.config import MAX_N_STEP, Config
+
+    with pytest.raises(bigper.InvalidArgumentError, match="n_step"):
+        bigper.PrioritizedReplayBuffer(8, {"reward": ((), np.float32)}, n_step=MAX_N_STEP + 1)
+    cfg = Config.build(capacity=8, fields={"reward": ((), np.float32)}, n_step=3).to_dict()
+    with pytest.raises(bigper.InvalidArgumentError, match="n_step"):
+        Config.from_dict(dict(cfg, n_step=2**29))  # (a resigned manifest's n_step: 16 GiB at the first sample)
