@@ -1244,3 +1244,125 @@ def test_a_script_ending_without_close_leaves_a_tier_buffer_that_resumes(tmp_pat
     _check(outs[0], outs[1], n=3, b=4)
     for b in outs:
         b.close()
+
+
+# -- the mirror's sync in small chunks, big extends, other storages -----------------------------
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap", "hdf5"])
+def test_sync_in_tiny_chunks_with_extends_past_capacity(tmp_path, monkeypatch, storage):
+    from bigper.device import mirror
+
+    monkeypatch.setattr(mirror, "CHUNK", 3)
+    monkeypatch.setattr(mirror, "PROGRESS_ROWS", 0)  # the progress bar on every rebuild
+    kw = dict(capacity=11, fields={"obs": ((2, 2), np.uint8), "a": ((), np.int64), "reward": ((), np.float32)},
+              frame_stack=2, n_step=2, num_envs=2, seed=6, storage=storage)
+    if storage != "memory":
+        host = bigper.PrioritizedReplayBuffer(**kw, path=tmp_path / "h")
+        tier = bigper.PrioritizedReplayBuffer(**kw, path=tmp_path / "t", device="cpu")
+    else:
+        host, tier = _pair(**kw)
+    rng = np.random.default_rng(11)
+    for r in range(12):
+        n = int(rng.integers(1, 30))  # up to almost 3x the capacity at once
+        obs = rng.integers(0, 250, (n, 2, 2, 2), dtype=np.uint8)
+        nxt = np.concatenate([obs[:, :, 1:], rng.integers(0, 250, (n, 2, 1, 2), dtype=np.uint8)], axis=2)
+        data = {"obs": obs, "next_obs": nxt, "a": rng.integers(0, 99, (n, 2)),
+                "reward": rng.standard_normal((n, 2)).astype(np.float32),
+                "terminated": rng.random((n, 2)) < 0.1}
+        _both(host, tier, "extend", data)
+        _check(host, tier, n=1, b=7, seed=r)
+        if r == 6:
+            tier.load_state(*_copy_state(tier.state_dict()))  # a rebuild in tiny chunks
+            host.load_state(*_copy_state(host.state_dict()))
+    if storage != "memory":
+        host.close()
+        tier.close()
+
+
+def test_sample_arguments_on_the_tier():
+    host, tier = _pair(capacity=20, fields={"x": ((2,), np.float64)}, seed=4, weight_norm="batch",
+                       beta=bigper.LinearSchedule(0.2, 1.0, 10))
+    for t in range(25):
+        _both(host, tier, "add", x=np.full(2, t * 0.5))
+    for kw in ({}, {"beta": 0.7}, {"stratified": False}, {"beta": 1.0, "stratified": False}):
+        _same(host.sample(9, **kw), tier.sample(9, **kw))
+    assert host.beta == tier.beta
+
+
+@needs_cuda
+def test_cuda_to_torch_of_odd_arrays():
+    base = np.arange(6 * 4, dtype=np.int32).reshape(6, 4)
+    ro = base.copy()
+    ro.flags.writeable = False
+    data = {"ro": ro, "be": base.astype(">i4"), "neg": base[::-1], "nc": base[:, ::2],
+            "bool": base % 2 == 0, "c": (base + 1j).astype(np.complex64), "h": base.astype(np.float16),
+            "u64": base.astype(np.uint64)}
+    t = _batch(data, 6).to_torch("cuda")
+    for k, v in data.items():
+        np.testing.assert_array_equal(_np(t[k]), v, err_msg=k)
+    e = _batch({"x": np.zeros((0, 3), np.float32)}, 0).to_torch("cuda")
+    assert e["x"].shape == (0, 3) and e["x"].is_cuda
+
+
+@needs_cuda
+def test_cuda_sampler_batches_read_on_the_learners_side_stream():
+    """The sampler's thread copies on its own (default) stream; a learner on a side stream reads the
+    batch there. Its data must be the host batch's even when the default stream is busy."""
+    ref = _filled(None)
+    buf = _filled("cuda")
+    s = torch.cuda.Stream()
+    torch.cuda._sleep(200_000_000)  # the default stream busy for a while
+    it = buf.sampler(8, prefetch=1, device="cuda")
+    t = next(it)
+    with torch.cuda.stream(s):
+        got = t["x"].clone()
+    s.synchronize()
+    want = ref.sample(8)
+    np.testing.assert_array_equal(got.cpu().numpy(), want["x"])
+    it.close()
+
+
+@needs_cuda
+def test_cuda_deferred_update_recorded_on_a_side_stream():
+    ref, buf = _filled(None), _filled(None)
+    rng = np.random.default_rng(0)
+    s = torch.cuda.Stream()
+    for _ in range(10):
+        x, y = ref.sample(8), buf.sample(8)
+        p = np.abs(rng.standard_normal(8)) + 0.1
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(2_000_000)
+            td = torch.from_numpy(p).to("cuda", non_blocking=True) * 1.0  # made on s, behind the sleep
+            buf.update_priorities(y.to_torch("cuda"), td)
+        ref.update_priorities(x, p)
+    _same_state(_state(ref), _state(buf))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float16, torch.bfloat16])
+def test_cuda_deferred_update_of_other_dtypes_equals_the_host(dtype):
+    ref, buf = _filled(None), _filled(None)
+    x, y = ref.sample(8), buf.sample(8)
+    p = torch.arange(8).remainder(2 if dtype == torch.bool else 8).to(dtype)
+    ref.update_priorities(x, p)
+    buf.update_priorities(y.to_torch("cuda"), p.cuda())
+    _same_state(_state(ref), _state(buf))
+
+
+@needs_cuda
+def test_cuda_tier_sequences_equal_the_host():
+    a = _seq()
+    b = bigper.PrioritizedReplayBuffer(capacity=37, fields={"obs": ((3, 2, 3), np.uint8), "r": ((), np.int32)},
+                                       frame_stack=3, sequence=bigper.Sequence(6, burn_in=2), seed=0, device="cuda")
+    rng = np.random.default_rng(0)
+    t = 0
+    for n in [1, 2, 3, 5, 8, 13, 1, 4, 6, 2, 9, 7, 1, 1, 3, 11] * 3:
+        obs = np.repeat(rng.integers(1, 255, (1, 2, 3), dtype=np.uint8), 3, axis=0)
+        for i in range(n):
+            nxt = np.concatenate([obs[1:], rng.integers(1, 255, (1, 2, 3), dtype=np.uint8)])
+            b.add(obs=obs, next_obs=nxt, r=np.int32(t), terminated=i == n - 1)
+            obs = nxt
+            t += 1
+    for _ in range(5):
+        _same(a.sample(8), b.sample(8))
