@@ -371,7 +371,7 @@ def test_bad_device_values_refused_by_name_nothing_on_disk_path_usable(tmp_path,
 
 
 @pytest.mark.xfail(strict=True, reason="device='hpu' (a device type torch names but cannot allocate on here): "
-                   "Mirror.__init__ (bigper/device/mirror.py:103) catches only RuntimeError/MemoryError, so "
+                   "Mirror.__init__ (bigper/device/mirror.py:106) catches only RuntimeError/MemoryError, so "
                    "torch.zeros raises a raw ModuleNotFoundError: No module named 'torch.hpu'")
 def test_a_device_type_whose_backend_is_missing_is_an_invalid_argument(tmp_path):
     kw = dict(capacity=8, fields={"x": ((), np.float32)}, storage="memmap", path=tmp_path / "p")
@@ -382,7 +382,7 @@ def test_a_device_type_whose_backend_is_missing_is_an_invalid_argument(tmp_path)
 
 @pytest.mark.xfail(strict=True, reason="device='meta' is accepted: the tier is built of meta tensors (no data), "
                    "and sample() hands back meta tensors whose values do not exist (as_device in "
-                   "bigper/device/mirror.py:52 accepts any torch.device)")
+                   "bigper/device/mirror.py:51 accepts any torch.device)")
 def test_meta_device_is_refused():
     with pytest.raises(bigper.InvalidArgumentError, match="meta"):
         buf = bigper.PrioritizedReplayBuffer(capacity=8, fields={"x": ((), np.float32)}, device="meta")
@@ -416,7 +416,7 @@ def test_load_with_an_unusable_device_makes_nothing_and_the_path_stays_usable(tm
 # -- sizes ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="need() (bigper/device/mirror.py:42) multiplies with np.prod(dtype=int64), "
+@pytest.mark.xfail(strict=True, reason="need() (bigper/device/mirror.py:44) multiplies with np.prod(dtype=int64), "
                    "which wraps: need({'x': ((2**40, 2**40), float64)}, 10, None) == 0, so the memory check passes "
                    "and the refusal names '0 bytes'; use math.prod (Python ints)")
 def test_need_does_not_overflow_on_huge_shapes(tmp_path):
@@ -438,7 +438,7 @@ def test_sizes_past_memory_are_refused_naming_the_bytes(tmp_path, capacity, shap
 
 
 @pytest.mark.xfail(strict=True, reason="a field of shape (2**32, 2**32) uint8: need() wraps to 0 (np.prod int64, "
-                   "bigper/device/mirror.py:42), the check passes, torch.zeros fails and the refusal says "
+                   "bigper/device/mirror.py:44), the check passes, torch.zeros fails and the refusal says "
                    "'could not allocate this buffer's data (0.0 MiB, 0 bytes)': the bytes named are wrong")
 def test_a_field_whose_bytes_overflow_int64_is_refused_naming_the_real_bytes(tmp_path):
     shape = (2**32, 2**32)
@@ -485,10 +485,10 @@ def test_to_torch_of_odd_arrays():
 
 @pytest.mark.parametrize("dev", [None, "cpu"])
 @pytest.mark.xfail(strict=True, reason="to_torch()'s CPU 'indices' tensor shares memory with batch.indices and "
-                   "with TensorBatch.host['indices'] (bigper/_torch.py:189 astype(copy=False) + from_numpy; "
-                   "_host_of :199 keeps the same array; the tier: mirror.py:183 np.asarray(idx) and :205): "
-                   "t['indices'].zero_() redirects update_priorities(t, p) (and (batch, p)) to slot 0, state "
-                   "differs from the host run")
+                   "with TensorBatch.host['indices'] (bigper/_torch.py:214 astype(copy=False) + from_numpy; "
+                   "_host_of :222 keeps the same array; the tier: mirror.py:183 np.asarray(idx) and :205): "
+                   "t['indices'].zero_() changes batch.indices and the host copy, so update_priorities(t, p) goes to "
+                   "slot 0 (skipped there by its generation): leaves differ from the host run. CPU tensors only")
 def test_scribbling_on_to_torch_indices_does_not_redirect_the_update(dev):
     ref = _filled(None)
     buf = _filled(dev)
@@ -556,7 +556,7 @@ def test_a_held_cpu_tensor_is_not_overwritten_by_later_samples():
 
 
 @pytest.mark.xfail(strict=True, reason="a tier batch's to_torch() returns the batch's own cached TensorBatch "
-                   "(bigper/_torch.py:240 'return ready'): deleting a key from one result removes it from every "
+                   "(bigper/_torch.py:258 'return ready'): deleting a key from one result removes it from every "
                    "later to_torch() of that batch (KeyError 'weights'); the host path returns a fresh dict")
 def test_tier_to_torch_results_are_independent_dicts():
     buf = bigper.PrioritizedReplayBuffer(capacity=8, fields={"x": ((), np.float32)}, device="cpu")
@@ -671,7 +671,7 @@ def test_stale_to_torch_dicts_skip_overwritten_slots(dev):
 
 
 @pytest.mark.xfail(strict=True, reason="update_priorities(TensorBatch) reads the hidden host copies "
-                   "(bigper/buffer.py:672-674): after the user replaces tensors['indices'] with other slots, the "
+                   "(bigper/buffer.py:673-675): after the user replaces tensors['indices'] with other slots, the "
                    "update silently goes to the old slots (no error, no read of the new tensor). Conflicts with "
                    "the lead's test_update_priorities_takes_to_torch_dicts_without_reading_the_device")
 def test_a_tensor_batch_with_replaced_indices_is_not_silently_redirected():
@@ -1000,7 +1000,7 @@ def test_fake_device_tensors_take_the_deferred_path():
 
 @pytest.mark.xfail(strict=True, reason="repr(buf) after an invalid deferred update raises InvalidArgumentError "
                    "('an earlier update_priorities call with priorities on a device was not applied ...'): "
-                   "__repr__ reads total_priority, a @_read that settles (bigper/buffer.py:155-157); a repr "
+                   "__repr__ (buffer.py:1205) reads total_priority, a @_read that settles (buffer.py:156-157); a repr "
                    "(logging, a debugger) must not report another call's error")
 def test_repr_after_an_invalid_deferred_update_does_not_raise():
     buf = _filled(None)
@@ -1026,7 +1026,7 @@ def test_invalid_deferred_update_changes_nothing_and_is_reported_once(bad):
 
 
 @pytest.mark.xfail(strict=True, reason="an invalid update from a device tensor is raised inside the sampler's "
-                   "thread (its draw settles: bigper/buffer.py:141 via _sample_for), which ends the sampler for good "
+                   "thread (its draw settles: bigper/buffer.py:141-142 via _sample_for), which ends the sampler for good "
                    "(bigper/prefetch.py:54-66): after the error, next(it) raises StopIteration. The same update from "
                    "a host array raises in update_priorities and the sampler goes on")
 def test_an_invalid_deferred_update_does_not_end_a_running_sampler():
@@ -1187,7 +1187,7 @@ def test_deferred_update_to_a_closed_buffer_is_refused():
 
 
 @pytest.mark.xfail(strict=True, reason="update_priorities with a meta tensor (is_device_tensor excludes 'meta', "
-                   "bigper/_torch.py:385) goes to as_numpy and raises a raw NotImplementedError: Cannot copy out "
+                   "bigper/_torch.py:386-390) goes to as_numpy and raises a raw NotImplementedError: Cannot copy out "
                    "of meta tensor; no data!, not a BigperError")
 def test_meta_priorities_are_a_bigper_error():
     buf = _filled(None)
@@ -1201,7 +1201,7 @@ def test_meta_priorities_are_a_bigper_error():
 
 @pytest.mark.skipif(CUDA, reason="needs a torch without CUDA")
 @pytest.mark.xfail(strict=True, reason="Batch.to_torch('cuda') on a torch without CUDA raises a raw "
-                   "AssertionError: Torch not compiled with CUDA enabled (bigper/_torch.py:298 "
+                   "AssertionError: Torch not compiled with CUDA enabled (bigper/_torch.py:336 "
                    "torch.cuda.current_device()); the constructor's device= says InvalidArgumentError for it")
 def test_to_torch_cuda_without_cuda_is_an_invalid_argument():
     buf = _filled(None)
