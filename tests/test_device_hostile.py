@@ -1542,3 +1542,61 @@ def test_read_only_open_with_a_tier_makes_no_file_and_equals_the_host(tmp_path, 
     host.close()
     tier.close()
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("num_envs", [1, 3])
+def test_one_step_episodes_with_distinct_reset_frames(compression, num_envs):
+    """Every step is an episode whose obs stack holds k distinct frames: k + 1 new frames a transition,
+    far past the ring's 1.6% room for episode starts."""
+    k = 4
+    kw = dict(capacity=16, fields={"obs": ((k, 3, 3), np.uint8), "a": ((), np.int64)}, frame_stack=k,
+              num_envs=num_envs, compression=compression, seed=2)
+    host, tier = _pair(**kw)
+    rng = np.random.default_rng(12)
+    lead = (num_envs,) if num_envs > 1 else ()
+    for t in range(80):
+        obs = rng.integers(0, 255, (*lead, k, 3, 3), dtype=np.uint8)
+        nxt = np.concatenate([obs[..., 1:, :, :], rng.integers(0, 255, (*lead, 1, 3, 3), dtype=np.uint8)], axis=-3)
+        _both(host, tier, "add", obs=obs, next_obs=nxt, a=np.full(lead, t) if lead else t,
+              terminated=np.ones(lead, bool) if lead else True)
+        if t % 5 == 0:
+            _check(host, tier, n=1, b=6, seed=t)
+    _check(host, tier, n=4, b=12)
+    b = tier.sample(12)
+    g = tier.gather(b.indices)
+    np.testing.assert_array_equal(_np(b["obs"]), g["obs"])
+    np.testing.assert_array_equal(_np(b["next_obs"]), g["next_obs"])
+
+
+@pytest.mark.parametrize("next_of", [(), ("obs",), ("obs", "r"), ("r",)])
+def test_sequences_with_other_next_of(next_of):
+    k = 2
+    kw = dict(capacity=29, fields={"obs": ((k, 2, 3), np.uint8), "r": ((2,), np.int32)}, frame_stack=k,
+              sequence=bigper.Sequence(4, burn_in=1), next_of=next_of, seed=3)
+    host, tier = _pair(**kw)
+    twin = bigper.PrioritizedReplayBuffer(**kw)
+    rng = np.random.default_rng(13)
+    t = 0
+    for n in [1, 3, 2, 7, 1, 5, 4, 9, 2, 1] * 3:
+        obs = np.repeat(rng.integers(1, 255, (1, 2, 3), dtype=np.uint8), k, axis=0)
+        for i in range(n):
+            nxt = np.concatenate([obs[1:], rng.integers(1, 255, (1, 2, 3), dtype=np.uint8)])
+            step = dict(obs=obs, r=np.array([t, -t], np.int32), terminated=i == n - 1)
+            if "obs" in next_of:
+                step["next_obs"] = nxt
+            if "r" in next_of:
+                step["next_r"] = np.array([t + 1, -t - 1], np.int32)
+            for b in (host, tier, twin):
+                b.add(**step)
+            obs = nxt
+            t += 1
+    for _ in range(4):
+        want = host.sample(8)
+        _same(want, tier.sample(8))
+        got = twin._sample_for(8, "cuda", {})  # the frames-once path, rebuilt on the CPU
+        arrays, derived = T._fields(got, copies=True)
+        out = T._derive(torch, T.move(torch, arrays, torch.device("cpu")), derived)
+        assert set(out) >= set(want)
+        for name in want:
+            np.testing.assert_array_equal(_np(out[name]), want[name], err_msg=name)
