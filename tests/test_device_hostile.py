@@ -1600,3 +1600,27 @@ def test_sequences_with_other_next_of(next_of):
         assert set(out) >= set(want)
         for name in want:
             np.testing.assert_array_equal(_np(out[name]), want[name], err_msg=name)
+
+
+@pytest.mark.xfail(strict=True, reason="the SB3 drop-in over a tier buffer: from_buffer takes it, then sample() "
+                   "raises a raw AttributeError: 'Tensor' object has no attribute 'astype' "
+                   "(bigper/integrations/_sb3_buffer.py:393 batch['reward'].astype on the tier's tensors); "
+                   "refuse a tier buffer in from_buffer, or take tensors in _samples")
+def test_sb3_drop_in_over_a_tier_buffer():
+    pytest.importorskip("stable_baselines3")
+    gym = pytest.importorskip("gymnasium")
+    from bigper.integrations.sb3 import PrioritizedReplayBuffer as SB3Buffer
+
+    obs_space = gym.spaces.Box(0, 1, (3,), np.float32)
+    act_space = gym.spaces.Discrete(4)
+    core = bigper.PrioritizedReplayBuffer(capacity=16, fields={"obs": ((3,), "<f4"), "action": ((1,), "<i8"),
+                                                               "reward": ((), "<f4")}, device="cpu")
+    for t in range(10):
+        core.add(obs=np.full(3, t, np.float32), next_obs=np.full(3, t + 1, np.float32), action=np.array([t % 4]),
+                 reward=np.float32(t))
+    try:
+        rb = SB3Buffer.from_buffer(core, obs_space, act_space, device="cpu")
+    except bigper.InvalidArgumentError:
+        return  # a refusal naming the tier is fine
+    s = rb.sample(4)
+    np.testing.assert_array_equal(_np(s.next_observations)[:, 0], _np(s.observations)[:, 0] + 1)
