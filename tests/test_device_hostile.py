@@ -1624,3 +1624,24 @@ def test_sb3_drop_in_over_a_tier_buffer():
         return  # a refusal naming the tier is fine
     s = rb.sample(4)
     np.testing.assert_array_equal(_np(s.next_observations)[:, 0], _np(s.observations)[:, 0] + 1)
+
+
+def test_deferred_sequence_update_shapes_agree_with_the_immediate_path():
+    buf = _seq()
+    b = buf.sample(8)
+    T_ = b.mask.shape[1]
+    items = buf._items
+    for shape in ((8,), (8, 1), (8, T_), (8, items.length), (8, items.T), (8, T_ - 1), (8, T_ + 1), (8, 2),
+                  (8, T_, 1)):
+        try:
+            buf.update_priorities(b, np.ones(shape))
+            immediate = None
+        except bigper.BigperError as e:
+            immediate = type(e)
+        if immediate is None:
+            buf.update_priorities(b, _dev(np.ones(shape)))
+            buf.sample(2)  # applied without a late error
+            continue
+        with pytest.raises(immediate):
+            buf.update_priorities(b, _dev(np.ones(shape)))
+        assert not buf._deferred, shape
