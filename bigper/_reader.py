@@ -252,7 +252,7 @@ class Reader:
                         up[f"_{name}"] = (r if pad is None else np.where(pad[:, None], -1, r)).reshape(*shape, -1)
                         stacks[name] = (f"_{name}", None)
         order = list(self.plain) + list(stacks)
-        order += [n for n in ("reward", "terminated", "truncated", "discount") if n not in order]
+        order += [n for n in ("reward", "terminated", "truncated", "discount") if n not in order and n in up]
         return {"up": up, "take": take, "stacks": stacks, "order": order}
 
     def _read(self, name: str, rows: np.ndarray) -> np.ndarray:

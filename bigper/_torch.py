@@ -71,10 +71,11 @@ class TensorBatch(dict):
         self.host = host
 
     def host_target(self):
-        """``(indices, generations, mask)`` as host arrays when the dict still
-        holds the tensors they were made with, else None (read the dict as it is)."""
+        """``(indices, generations, mask)`` as host arrays while the dict holds
+        the tensors they were made with (a key deleted keeps its host copy);
+        None once the caller replaced one (the dict is then read as it is)."""
         idx, gen = self.host["of"]
-        if idx is None or self.get("indices") is not idx or self.get("generations") is not gen:
+        if idx is None or self.get("indices") is not idx or self.get("generations", gen) is not gen:
             return None
         return self.host["indices"], self.host["generations"], self.host["mask"]
 
@@ -228,10 +229,11 @@ def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
             arrays["_pair"] = base
             derived["obs"] = ("_pair", "first")
             derived["next_obs"] = ("_pair", "last")
-    arrays["weights"] = np.asarray(batch.weights).astype(np.float32, copy=False)
-    arrays["indices"] = np.asarray(batch.indices).astype(np.int64, copy=False)
+    # Copies (B numbers): a learner's in-place op on its tensors never reaches the batch.
+    arrays["weights"] = np.array(batch.weights, dtype=np.float32)
+    arrays["indices"] = np.array(batch.indices, dtype=np.int64)
     # With the indices, update_priorities(tensors, td) skips slots overwritten since sampling.
-    arrays["generations"] = np.asarray(batch.generations).astype(np.int64, copy=False)
+    arrays["generations"] = np.array(batch.generations, dtype=np.int64)
     if getattr(batch, "mask", None) is not None:  # sequences: which steps are real
         arrays["mask"] = batch.mask
     return arrays, derived

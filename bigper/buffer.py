@@ -464,6 +464,12 @@ class PrioritizedReplayBuffer:
         return self._prio.total
 
     @property
+    def device(self) -> Any:
+        """The ``torch.device`` of the device tier (``device=``), or None without one."""
+        mirror = getattr(self, "_mirror", None)
+        return None if mirror is None else mirror.device
+
+    @property
     @_read
     def beta(self) -> float:
         """The beta the next ``sample`` call will use."""

@@ -171,7 +171,7 @@ class Mirror:
                 ids = up[key]
                 up[key] = np.where(ids >= 0, ids % F, F) if ids.min() < 0 else ids % F
         tw = w.astype(np.float32, copy=False)
-        up["weights"], up["indices"], up["generations"] = tw, idx, gen
+        up["weights"], up["indices"], up["generations"] = tw.copy(), idx.copy(), gen.copy()  # (the tensors' own)
         if mask is not None:
             up["mask"] = mask
         t = move(torch, up, self.device, True)

@@ -252,6 +252,10 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                                        f"got {type(buffer).__name__}")
         if buffer.closed:
             raise BufferClosedError("from_buffer: the bigper buffer is closed")
+        if buffer.device is not None:
+            raise InvalidArgumentError(
+                f"from_buffer: this bigper buffer has a device tier (device={str(buffer.device)!r}); the SB3 "
+                "drop-in gathers on the host and hands SB3 its own tensors: open the buffer without device=")
         cfg = buffer.config
         _transitions_only(cfg, "from_buffer")
         if cfg.capacity % cfg.num_envs:
