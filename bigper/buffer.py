@@ -157,6 +157,9 @@ def _read(method):
     """A public reader that also answers on a closed buffer (its last values), under the lock."""
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
+        deferred = getattr(self, "_deferred", None)
+        if deferred:
+            deferred.wait()  # (outside the lock, as for every entry point)
         with self._lock:
             if not self._closed and getattr(self, "_deferred", None):
                 self._settle(keep=True)  # (a reader reports nobody's error: the next call does)
@@ -173,7 +176,11 @@ def _sample_in(ref, size: int, device, sample_kw: dict):
         raise BufferClosedError("the buffer of this sampler was dropped")
     batch = buf._sample_for(size, device, sample_kw)
     del buf
-    return batch if device is None else batch.to_torch(device)
+    if device is None:
+        return batch
+    from ._torch import mark_ready
+
+    return mark_ready(batch.to_torch(device))
 
 
 class PrioritizedReplayBuffer:
@@ -685,7 +692,10 @@ class PrioritizedReplayBuffer:
         produce = functools.partial(_sample_in, weakref.ref(self), int(batch_size), device, dict(sample_kw))
         if prefetch == 0:
             return (produce() for _ in iter(int, 1))
-        it = Prefetcher(produce, int(prefetch), self._lock, prepare=self._deferred.wait)
+        handover = None
+        if device is not None and device.type == "cuda":
+            from ._torch import handover
+        it = Prefetcher(produce, int(prefetch), self._lock, prepare=self._deferred.wait, finish=handover)
         self._samplers.add(it)
         return it
 

@@ -82,10 +82,14 @@ class Prefetcher:
         The thread's name.
     prepare : callable, optional
         Called in the thread before each ``produce()``, without the lock.
+    finish : callable, optional
+        ``finish(item)`` in the consumer's thread as it takes an item (a CUDA
+        batch: the consumer's stream waits for the thread's copies).
     """
 
     def __init__(self, produce: Callable[[], Any], depth: int, lock, name: str = "bigper-prefetch",
-                 prepare: Callable[[], None] | None = None):
+                 prepare: Callable[[], None] | None = None, finish: Callable[[Any], Any] | None = None):
+        self._finish = finish
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -112,7 +116,7 @@ class Prefetcher:
             self._done = True
             self.close()
             raise item.exc
-        return item
+        return item if self._finish is None else self._finish(item)
 
     @property
     def ready(self) -> int:
