@@ -893,10 +893,10 @@ def test_cuda_deferred_update_after_the_target_batch_slots_are_overwritten():
     torch.cuda._sleep(5_000_000)
     p = np.linspace(1, 5, 8)
     buf.update_priorities(t, torch.from_numpy(p).cuda())  # in flight
+    ref.update_priorities(r, p)  # the same order: the next call (an add) applies the update first
     for x in (buf, ref):
         for s in range(40, 60):
             x.add(x=np.full(2, s, np.float32), a=s)
-    ref.update_priorities(r, p)
     _same_state(_state(ref), _state(buf))
 
 
@@ -1276,8 +1276,8 @@ def test_cuda_sampler_batches_read_on_the_learners_side_stream():
     s = torch.cuda.Stream()
     torch.cuda._sleep(200_000_000)  # the default stream busy for a while
     it = buf.sampler(8, prefetch=1, device="cuda")
-    t = next(it)
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(s):  # a batch is ready on the stream that is current when next() takes it
+        t = next(it)
         got = t["x"].clone()
     s.synchronize()
     want = ref.sample(8)
