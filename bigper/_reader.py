@@ -82,13 +82,13 @@ class Reader:
         framed = self.frames is not None
         # Compressed frames: decode each row's distinct frames once and build the stacks from them
         # (a row of T steps names about T + k frames, its stacks 2 T k).
-        once_first = framed and (not stacks or self.frames.log is not None)
+        once_first = framed and b > 0 and (not stacks or self.frames.log is not None)
         flat = self.gather(flat_slots, None, None, fused, stacks="refs" if once_first else True)
         pad = ~mask
         some = bool(pad.any())
         once = None
         if once_first:
-            refs = {name: flat.pop(f"_{name}_ref").reshape(b, t, -1) for name in ("obs", "next_obs")
+            refs = {name: flat.pop(f"_{name}_ref").reshape(b, t, self.frames.k) for name in ("obs", "next_obs")
                     if f"_{name}_ref" in flat}
             once = ("frames", *self.frames_once(refs, mask))
             if stacks:  # the stacks where gather puts them: after the per-row fields
@@ -96,10 +96,11 @@ class Reader:
                 for name, ix in once[2].items():
                     flat[name] = self.frames.expand(once[1], ix).reshape(b * t, *ix.shape[2:], *once[1].shape[2:])
                 flat.update(rest)
-        elif framed:
-            refs = {"obs": self.frames.refs("obs_ref", flat_slots).reshape(b, t, -1)}
+        elif framed and b > 0:
+            k = self.frames.k
+            refs = {"obs": self.frames.refs("obs_ref", flat_slots).reshape(b, t, k)}
             if "obs" in self.cfg.next_of:
-                refs["next_obs"] = self.frames.refs("next_obs_ref", flat_slots).reshape(b, t, -1)
+                refs["next_obs"] = self.frames.refs("next_obs_ref", flat_slots).reshape(b, t, k)
             once = ("refs", refs)
         data = {}
         for name, v in flat.items():

@@ -488,3 +488,10 @@ def test_sampler_batches_gathered_into_one_staging_block(monkeypatch, n_step, fr
         a.update_priorities(want, p)
         b.update_priorities(got, torch.from_numpy(p))
     assert a.total_priority == b.total_priority
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_gather_of_no_sequence_item(compression):
+    buf = _seq_buffer(compression=compression) if compression else _seq_buffer()
+    got = buf.gather(np.zeros(0, np.int64))
+    assert got["obs"].shape == (0, 9, 3, 4, 5) and got["mask"].shape == (0, 9)
