@@ -25,7 +25,7 @@ from numba import types
 from ._kernels import kernel
 from .errors import CompressionUnavailableError
 
-EXTRA = "pip install 'bigper[compression]'"
+EXTRA = "in a bigper checkout, pip install -e '.[compression]' (from an index: pip install 'bigper[compression]')"
 _LOCK = threading.Lock()
 _LIB = None
 _C_LEVEL, _C_CHECKSUM = 100, 201  # ZSTD_c_compressionLevel, ZSTD_c_checksumFlag

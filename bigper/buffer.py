@@ -232,11 +232,14 @@ class PrioritizedReplayBuffer:
     compression : {None, "zstd"}
         With ``frame_stack``: store each frame compressed (zstd, a dictionary
         trained on the first frames) in a ring of segments, decompressed at
-        sample time (``bigper.segments``); needs ``pip install 'bigper[compression]'``.
+        sample time (``bigper.segments``); needs the ``compression`` extra (in a
+        checkout: ``pip install -e '.[compression]'``).
     compression_budget : int, optional
-        Bytes of log a frame (default a sixteenth of a frame): the log is
-        preallocated at ``budget`` times the frame ring's size, and when
-        frames compress worse the oldest segment goes sooner.
+        Bytes of log a frame (default a sixteenth of a frame, at least 64, and
+        raised on small buffers to what keeps one transition of every env of
+        frames that do not compress; a smaller budget is refused naming one
+        that works): the log is preallocated at ``budget`` times the frame
+        ring's size, and when frames compress worse the oldest segment goes sooner.
     compression_dictionary : bytes or (n,) uint8 array, optional
         A zstd dictionary (e.g. ``bigper.train_dictionary(frames)``) used from
         the first frame instead of one trained on the first frames; retrained
@@ -599,9 +602,9 @@ class PrioritizedReplayBuffer:
             try:
                 b = float(beta)
             except (TypeError, ValueError):
-                raise InvalidTypeError(f"beta must be a number >= 0, got {beta!r}") from None
-            if not (b >= 0 and b < np.inf):
-                raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
+                raise InvalidTypeError(f"beta must be a number in [0, 1], got {beta!r}") from None
+            if not (0 <= b <= 1):  # (as the schedules: 1 corrects the sampling bias fully)
+                raise InvalidArgumentError(f"beta must be a number in [0, 1], got {beta!r}")
         if not self._prio.sampleable:
             raise InvalidArgumentError(
                 f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "

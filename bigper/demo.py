@@ -134,7 +134,7 @@ def run(args) -> int:
         from .examples._atari import make_env, q_network
         from .examples._dqn import DoubleDQN
     except ImportError as e:
-        print(f"bigper demo: {e} (pip install 'bigper[torch,atari]')", file=sys.stderr)
+        print(f"bigper demo: {e} (in a bigper checkout: ./run.sh demo, or pip install -e '.[torch,atari]')", file=sys.stderr)
         return 2
     run_dir = Path(args.path).absolute()  # printed paths (and the rm -r line) work from any directory
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -281,7 +281,7 @@ def test_sample_rejects_a_bad_batch_size(bad):
     check_rejected(make(), lambda b: b.sample(bad), (ValueError, TypeError), "batch_size", repr(bad))
 
 
-@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf])
+@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf, 1.5])
 def test_sample_rejects_a_bad_beta_override(bad):
     check_rejected(make(), lambda b: b.sample(4, beta=bad), ValueError, "beta", repr(bad))
 

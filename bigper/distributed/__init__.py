@@ -69,7 +69,8 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "bigper.distributed needs Ray, which is not installed; "
-        "install the extra with: pip install 'bigper[ray]'") from _exc
+        "install the extra: in a bigper checkout, pip install -e '.[ray]' (from an index: "
+        "pip install 'bigper[ray]')") from _exc
 
 from .ray import ShardedPrioritizedBuffer
 from ._writer import ShardWriter
