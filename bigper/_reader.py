@@ -150,20 +150,11 @@ class Reader:
             np.copyto(o, v)
             return o
 
-        if cfg.n_step == 1:
-            last = idx
-            if meta is None:
-                e = self.ends.take(idx)
-                term, trunc, disc = _TERM.take(e), _TRUNC.take(e), self.discount1.take(e)
-            else:
-                term, trunc, disc = meta
-        else:
-            slots, disc, term, trunc = nstep.nstep_view(
-                self.gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self.ends, self.gamma)
-            last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
+        last, ends = self.window_ends(idx, meta)
         data = {}
         for name in self.plain:
-            data[name] = read(name, last if name in self.successors else idx, out.get(name))
+            data[name] = ends[name] if name in ends else \
+                read(name, last if name in self.successors else idx, out.get(name))
         if self.frames is not None and stacks == "refs":
             data["_obs_ref"] = self.frames.refs("obs_ref", idx)
             if "obs" in cfg.next_of:
@@ -179,13 +170,27 @@ class Reader:
             else:
                 data["obs"] = self.frames.stacks("obs_ref", idx)
                 data["next_obs"] = self.frames.stacks("next_obs_ref", last)
-        if cfg.n_step > 1:
-            rewards = read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
-            rdt = cfg.dtype("reward")
-            data["reward"] = nstep.discounted_sum(rewards, slots, self.gamma).astype(
-                rdt if rdt.kind == "f" else np.float32)
-        data["terminated"], data["truncated"], data["discount"] = term, trunc, disc
+        data.update(ends)
         return _into(data, out)
+
+    def window_ends(self, idx: np.ndarray, meta=None) -> tuple[np.ndarray, dict]:
+        """``(last, ends)`` of the transitions at slots ``idx``: the slot their
+        successor fields read (the last of each n-step window) and, by name,
+        their end flags, discount and, with n-step, discounted reward.
+        ``meta``: ``(terminated, truncated, discount)`` already computed."""
+        cfg = self.cfg
+        if cfg.n_step == 1:
+            if meta is None:
+                e = self.ends.take(idx)
+                meta = _TERM.take(e), _TRUNC.take(e), self.discount1.take(e)
+            return idx, dict(zip(("terminated", "truncated", "discount"), meta))
+        slots, disc, term, trunc = nstep.nstep_view(
+            self.gid[idx], cfg.capacity, cfg.num_envs, cfg.n_step, self.ends, self.gamma)
+        last = slots[np.arange(idx.shape[0]), (slots >= 0).sum(axis=1) - 1]
+        rewards = self._read("reward", np.where(slots >= 0, slots, idx[:, None]).ravel()).reshape(slots.shape)
+        rdt = cfg.dtype("reward")
+        reward = nstep.discounted_sum(rewards, slots, self.gamma).astype(rdt if rdt.kind == "f" else np.float32)
+        return last, {"reward": reward, "terminated": term, "truncated": trunc, "discount": disc}
 
     def plan(self, idx: np.ndarray, mask: np.ndarray | None = None) -> dict:
         """The host half of a batch whose data a device holds (``device.Mirror``).
@@ -206,21 +211,7 @@ class Reader:
         cfg = self.cfg
         shape = idx.shape
         flat = idx.reshape(-1)
-        b = flat.shape[0]
-        if cfg.n_step == 1:
-            last = flat
-            gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
-            disc = np.empty(b, np.float32)
-            batch_meta(flat, self.ends, self.gid, self.discount1, gen, term, trunc, disc)
-            up = {"terminated": term, "truncated": trunc, "discount": disc}
-        else:
-            slots, disc, term, trunc = nstep.nstep_view(
-                self.gid[flat], cfg.capacity, cfg.num_envs, cfg.n_step, self.ends, self.gamma)
-            last = slots[np.arange(b), (slots >= 0).sum(axis=1) - 1]
-            rewards = self._read("reward", np.where(slots >= 0, slots, flat[:, None]).ravel()).reshape(slots.shape)
-            rdt = cfg.dtype("reward")
-            up = {"reward": nstep.discounted_sum(rewards, slots, self.gamma).astype(
-                rdt if rdt.kind == "f" else np.float32), "terminated": term, "truncated": trunc, "discount": disc}
+        last, up = self.window_ends(flat)
         pad = None if mask is None or mask.all() else ~mask.reshape(-1)
         if pad is not None:
             up = {n: np.where(pad, 0, v).astype(v.dtype) for n, v in up.items()}

@@ -24,9 +24,9 @@ import math
 import numpy as np
 
 from .._layout import plain_fields
-from .._torch import TensorBatch, _torch, as_device, move
+from .._torch import TensorBatch, _torch, _torch_dtype, as_device, move
 from ..batch import Batch
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidTypeError
 from ..frames import frame_capacity
 
 # Rows a rebuild copies at a time (bounded host memory; progress bar steps).
@@ -224,10 +224,9 @@ def _take(src, rows):
 
 def _dtype(torch, dtype, name: str):
     try:
-        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype).newbyteorder("="))).dtype
-    except TypeError:
-        raise InvalidArgumentError(f"field {name!r} has dtype {np.dtype(dtype)}, which torch cannot hold, "
-                                   "so it cannot live on a device") from None
+        return _torch_dtype(torch, np.dtype(dtype), name)
+    except InvalidTypeError as e:  # (a layout the buffer was given: an argument, not a value's type)
+        raise InvalidArgumentError(f"{e}, so it cannot live on a device") from None
 
 
 def _ranges(lo: int, hi: int, n: int):
