@@ -84,6 +84,3 @@ class Deferred:
         values = held.view.copy()
         _POOL.release(key, held, None)
         return p, values
-
-    def clear(self) -> None:
-        self._q.clear()
