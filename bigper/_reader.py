@@ -23,7 +23,7 @@ def _into(data: dict, out: dict) -> dict:
     """Copy into the ``out`` arrays the fields not already gathered into them
     (``_pair``: the frame gather of ``obs``/``next_obs``, filled or not by ``pair``)."""
     for name, o in out.items():
-        if name != "_pair" and data[name] is not o:
+        if name != ".pair" and data[name] is not o:
             np.copyto(o, data[name])
             data[name] = o
     return data
@@ -88,8 +88,8 @@ class Reader:
         some = bool(pad.any())
         once = None
         if once_first:
-            refs = {name: flat.pop(f"_{name}_ref").reshape(b, t, self.frames.k) for name in ("obs", "next_obs")
-                    if f"_{name}_ref" in flat}
+            refs = {name: flat.pop(f".{name}_ref").reshape(b, t, self.frames.k) for name in ("obs", "next_obs")
+                    if f".{name}_ref" in flat}
             once = ("frames", *self.frames_once(refs, mask))
             if stacks:  # the stacks where gather puts them: after the per-row fields
                 rest = {n: flat.pop(n) for n in list(flat) if n not in self.plain}
@@ -156,9 +156,9 @@ class Reader:
             data[name] = ends[name] if name in ends else \
                 read(name, last if name in self.successors else idx, out.get(name))
         if self.frames is not None and stacks == "refs":
-            data["_obs_ref"] = self.frames.refs("obs_ref", idx)
+            data[".obs_ref"] = self.frames.refs("obs_ref", idx)
             if "obs" in cfg.next_of:
-                data["_next_obs_ref"] = self.frames.refs("next_obs_ref", last)
+                data[".next_obs_ref"] = self.frames.refs("next_obs_ref", last)
         elif self.frames is not None:
             if "obs" not in cfg.next_of:
                 data["obs"] = self.frames.stacks("obs_ref", idx, out.get("obs"))
@@ -166,7 +166,7 @@ class Reader:
                 data["obs"] = self.frames.stacks("obs_ref", idx, out.get("obs"))
                 data["next_obs"] = self.frames.stacks("next_obs_ref", last, out.get("next_obs"))
             elif last is idx:
-                data["obs"], data["next_obs"] = self.frames.pair(idx, out.get("_pair"))
+                data["obs"], data["next_obs"] = self.frames.pair(idx, out.get(".pair"))
             else:
                 data["obs"] = self.frames.stacks("obs_ref", idx)
                 data["next_obs"] = self.frames.stacks("next_obs_ref", last)
@@ -222,27 +222,27 @@ class Reader:
             if name in up:
                 continue
             if name in self.successors and last is not flat:
-                take[name] = "_last"
+                take[name] = ".last"
             elif pad is not None:
-                take[name] = "_slots"
+                take[name] = ".slots"
             else:
-                take[name] = "indices" if len(shape) == 1 else "_slots"
-        if "_last" in take.values():
-            up["_last"] = last if pad is None else np.where(pad, -1, last)
-        if "_slots" in take.values():
-            up["_slots"] = (flat if pad is None else np.where(pad, -1, flat)).reshape(shape)
+                take[name] = "indices" if len(shape) == 1 else ".slots"
+        if ".last" in take.values():
+            up[".last"] = last if pad is None else np.where(pad, -1, last)
+        if ".slots" in take.values():
+            up[".slots"] = (flat if pad is None else np.where(pad, -1, flat)).reshape(shape)
         stacks = {}
         if self.frames is not None:
             ro = self.frames.refs("obs_ref", flat)
             rn = self.frames.refs("next_obs_ref", last) if "obs" in cfg.next_of else None
             if rn is not None and pad is None and len(shape) == 1 and (rn[:, :-1] == ro[:, 1:]).all():
-                up["_pair"] = np.concatenate([ro, rn[:, -1:]], axis=1)  # obs, next_obs: one (B, k + 1) gather
-                stacks = {"obs": ("_pair", slice(None, -1)), "next_obs": ("_pair", slice(1, None))}
+                up[".pair"] = np.concatenate([ro, rn[:, -1:]], axis=1)  # obs, next_obs: one (B, k + 1) gather
+                stacks = {"obs": (".pair", slice(None, -1)), "next_obs": (".pair", slice(1, None))}
             else:
                 for name, r in (("obs", ro), ("next_obs", rn)):
                     if r is not None:
-                        up[f"_{name}"] = (r if pad is None else np.where(pad[:, None], -1, r)).reshape(*shape, -1)
-                        stacks[name] = (f"_{name}", None)
+                        up[f".{name}"] = (r if pad is None else np.where(pad[:, None], -1, r)).reshape(*shape, -1)
+                        stacks[name] = (f".{name}", None)
         order = list(self.plain) + list(stacks)
         order += [n for n in ("reward", "terminated", "truncated", "discount") if n not in order and n in up]
         return {"up": up, "take": take, "stacks": stacks, "order": order}
@@ -265,7 +265,7 @@ class Reader:
         if self.frames is not None and "next_obs" in specs and self.cfg.n_step == 1:
             shape = specs.pop("obs")[0]
             del specs["next_obs"]
-            specs["_pair"] = ((b, shape[1] + 1, *shape[2:]), self.frames.dtype)
+            specs[".pair"] = ((b, shape[1] + 1, *shape[2:]), self.frames.dtype)
         specs.update(terminated=((b,), np.dtype(bool)), truncated=((b,), np.dtype(bool)),
                      discount=((b,), np.dtype(np.float32)), weights=((b,), np.dtype(np.float32)),
                      indices=((b,), np.dtype(np.int64)), generations=((b,), np.dtype(np.int64)))

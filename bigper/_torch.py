@@ -74,10 +74,13 @@ class TensorBatch(dict):
         """``(indices, generations, mask)`` as host arrays while the dict holds
         the tensors they were made with (a key deleted keeps its host copy);
         None once the caller replaced one (the dict is then read as it is)."""
-        idx, gen = self.host["of"]
+        host = getattr(self, "host", None)
+        if not isinstance(host, dict) or not isinstance(host.get("of"), tuple) or len(host["of"]) != 2:
+            return None  # (host copies the caller changed: the dict is read as it is)
+        idx, gen = host["of"]
         if idx is None or self.get("indices") is not idx or self.get("generations", gen) is not gen:
             return None
-        return self.host["indices"], self.host["generations"], self.host["mask"]
+        return host.get("indices"), host.get("generations"), host.get("mask")
 
 
 class _Slot:
@@ -199,6 +202,8 @@ def pair_base(obs: np.ndarray, nxt: np.ndarray) -> np.ndarray | None:
                                            writeable=False)
 
 
+# Keys of what travels besides the batch's own (a frame gather, its indices) start with "." so that
+# no field can take them (a field name starts with a letter or "_": config.check_name).
 def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
     """``(arrays, derived)``: the arrays that travel (by key), and how the
     keys that do not travel are rebuilt from them on the device
@@ -216,19 +221,19 @@ def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
             frames = frames_of_stacks([arrays[name] for name in index], first)
         else:
             _, frames, index = seq
-        arrays["_frames"] = frames
-        arrays["_frame_index"] = index
+        arrays[".frames"] = frames
+        arrays[".frame_index"] = index
         for name in ("obs", "next_obs"):
             if name in index:
                 arrays.pop(name, None)
-                derived[name] = ("_frames", name)
+                derived[name] = (".frames", name)
     elif copies and "obs" in arrays and "next_obs" in arrays:
         base = pair_base(arrays["obs"], arrays["next_obs"])
         if base is not None:  # obs and next_obs: two views of one (B, k + 1) gather, sent once
             del arrays["obs"], arrays["next_obs"]
-            arrays["_pair"] = base
-            derived["obs"] = ("_pair", "first")
-            derived["next_obs"] = ("_pair", "last")
+            arrays[".pair"] = base
+            derived["obs"] = (".pair", "first")
+            derived["next_obs"] = (".pair", "last")
     # Copies (B numbers): a learner's in-place op on its tensors never reaches the batch.
     arrays["weights"] = np.array(batch.weights, dtype=np.float32)
     arrays["indices"] = np.array(batch.indices, dtype=np.int64)
@@ -335,8 +340,8 @@ def _derive(torch, out: dict, derived: dict) -> dict:
     if not derived:
         return out
     res = {}
-    src = out.pop("_pair", None)
-    frames, index = out.pop("_frames", None), out.pop("_frame_index", None)
+    src = out.pop(".pair", None)
+    frames, index = out.pop(".frames", None), out.pop(".frame_index", None)
     for name, (_, rule) in derived.items():
         if rule == "first":
             res[name] = src[:, :-1]
@@ -509,15 +514,15 @@ def send_staged(batch, staged: "Staged", non_blocking: bool = True) -> TensorBat
         if key in staged.views:
             if data[key] is not staged.views[key]:
                 rest[key] = data[key]
-    if "_pair" in staged.views:
+    if ".pair" in staged.views:
         base = pair_base(data["obs"], data["next_obs"])
-        if base is not None and base.ctypes.data == staged.views["_pair"].ctypes.data:
-            derived = {"obs": ("_pair", "first"), "next_obs": ("_pair", "last")}
+        if base is not None and base.ctypes.data == staged.views[".pair"].ctypes.data:
+            derived = {"obs": (".pair", "first"), "next_obs": (".pair", "last")}
         else:
             rest["obs"], rest["next_obs"] = data["obs"], data["next_obs"]
     out = staged.send(non_blocking)
-    if "_pair" not in derived.get("obs", ("",)):
-        out.pop("_pair", None)
+    if ".pair" not in derived.get("obs", ("",)):
+        out.pop(".pair", None)
     if rest:
         out.update(_to_cuda(torch, rest, staged.dev, non_blocking))
     out = _derive(torch, out, derived)

@@ -50,7 +50,7 @@ from .prefetch import Prefetcher
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
 from .storage._files import real_names
-from .schedules import ConstantSchedule, LinearSchedule
+from .schedules import ConstantSchedule, LinearSchedule, as_beta
 from .storage.base import Storage
 from .sequences import Items
 
@@ -596,15 +596,7 @@ class PrioritizedReplayBuffer:
                                            f"tier (device={str(self._mirror.device)!r}) and gathers there")
             out = self._reader.check_out(out, int(batch_size))
             self._check_not_mine(out)
-        if beta is None:
-            b = self._cfg_beta(self._beta_step)
-        else:
-            try:
-                b = float(beta)
-            except (TypeError, ValueError):
-                raise InvalidTypeError(f"beta must be a number in [0, 1], got {beta!r}") from None
-            if not (0 <= b <= 1):  # (as the schedules: 1 corrects the sampling bias fully)
-                raise InvalidArgumentError(f"beta must be a number in [0, 1], got {beta!r}")
+        b = self._cfg_beta(self._beta_step) if beta is None else as_beta(beta)
         if not self._prio.sampleable:
             raise InvalidArgumentError(
                 f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
@@ -735,9 +727,12 @@ class PrioritizedReplayBuffer:
         if isinstance(target, Batch):
             idx, stamps, use, mask = target.indices, target.generations, True, target.mask
         elif isinstance(target, TensorBatch) and target.host_target() is not None:
-            # to_torch's dict as it gave it: its host copies (no read from the device)
+            # to_torch's dict as it gave it: its host copies (no read from the device), checked as any
             idx, stamps, mask = target.host_target()
-            use = True
+            idx, stamps, use = as_index(idx), as_index(stamps), True
+            if stamps.shape != idx.shape:
+                raise InvalidArgumentError(f"target.host['generations'] has shape {stamps.shape}, "
+                                           f"expected {idx.shape} like its indices")
         elif isinstance(target, Mapping):
             if "indices" not in target:
                 raise InvalidTypeError("target is a mapping without 'indices'; pass a Batch, the dict "
@@ -1206,7 +1201,7 @@ class PrioritizedReplayBuffer:
         if not ok.all():
             bad = int(np.flatnonzero(~ok)[0])
             raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
-        idx, prob, w = self._prio.sample_at(t, beta=float(beta))
+        idx, prob, w = self._prio.sample_at(t, beta=as_beta(beta))
         return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
 
     @property

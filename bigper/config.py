@@ -17,7 +17,8 @@ from .errors import BigperError, InvalidArgumentError, InvalidTypeError
 
 # Per-transition flags every buffer stores, and keys that sampling produces.
 BUILTIN = ("terminated", "truncated")
-RESERVED = BUILTIN + ("discount", "priorities")
+# (weights, indices, generations and mask are keys of every to_torch dict beside the fields.)
+RESERVED = BUILTIN + ("discount", "priorities", "weights", "indices", "generations", "mask")
 STORAGES = ("memory", "memmap", "hdf5")
 WEIGHT_NORMS = ("global", "batch")
 PRIORITIZATIONS = ("proportional", "rank")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+import numbers
+
 from .errors import InvalidArgumentError, InvalidTypeError
 
 
@@ -74,14 +76,24 @@ class ConstantSchedule:
         return {"kind": "constant", "value": self.value}
 
 
+def as_beta(v: object, what: str = "beta") -> float:
+    """``v`` as a beta: a real number (Python or numpy, not a bool or a
+    string) in [0, 1]; ``InvalidTypeError`` / ``InvalidArgumentError`` naming ``what`` otherwise."""
+    if getattr(v, "shape", None) == () and hasattr(v, "item"):  # a 0-d array or tensor: its number
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise InvalidTypeError(f"{what} must be a number in [0, 1], got {v!r}")
+    if not _is_beta(float(v)):
+        raise InvalidArgumentError(f"{what} must be a number in [0, 1], got {v!r}")
+    return float(v)
+
+
 def as_schedule(beta: float | LinearSchedule | ConstantSchedule) -> LinearSchedule | ConstantSchedule:
-    """A schedule from a float or a schedule; raises for anything else."""
+    """A schedule from a number (``as_beta``) or a schedule; raises for anything else."""
     if isinstance(beta, (LinearSchedule, ConstantSchedule)):
         return beta
-    if isinstance(beta, (int, float)) and not isinstance(beta, bool):
-        if not _is_beta(float(beta)):
-            raise InvalidArgumentError(f"beta must be a number in [0, 1] or a schedule, got {beta!r}")
-        return ConstantSchedule(float(beta))
+    if isinstance(beta, numbers.Real) and not isinstance(beta, bool):
+        return ConstantSchedule(as_beta(beta))
     raise InvalidTypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
 
 

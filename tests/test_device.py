@@ -294,7 +294,7 @@ def test_sequence_frames_once_rebuild_the_stacks_exactly():
             np.testing.assert_array_equal(t[name].numpy(), b[name])
             assert (b[name][~b.mask] == 0).all()  # padded steps: zeros
         arrays, derived = T._fields(b, copies=True)
-        assert "obs" not in arrays and derived["obs"][0] == "_frames"  # what travels: the distinct frames
+        assert "obs" not in arrays and derived["obs"][0] == ".frames"  # what travels: the distinct frames
         # The stacks are the batch's own: writing into them never reaches the buffer.
         again = buf.gather(b.indices)
         b["obs"][:] = 77

@@ -163,7 +163,7 @@ class Mirror:
         torch = _torch()
         up = plan["up"]
         c, F = self.capacity, self.F
-        for key in ("_slots", "_last"):
+        for key in (".slots", ".last"):
             if key in up and up[key].min() < 0:  # padded steps: the zero row
                 up[key] = np.where(up[key] >= 0, up[key], c)
         for key, _ in plan["stacks"].values():
