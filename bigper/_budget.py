@@ -7,6 +7,14 @@ segment log (``segments.py``) is made with. A default derived elsewhere
 would drift from the check (issue 33: a default of 64 bytes that the
 validator then refused for frames under 64 bytes).
 
+Since issue 34 a budget is optional, and a cap: without one (the default)
+the log grows by segments as its frames need them (``grow_geometry``), up to
+the segments ``F`` frames that do not compress would take, so a buffer keeps
+``capacity`` sampleable transitions whatever its frames compress to. With
+one, the log has the fixed size below (every file a budget ever made keeps
+loading as it was), and frames that compress worse than it release the
+oldest segment early.
+
 A budget is valid when the log it gives keeps, at its emptiest, the frames
 one sampleable item needs even when no frame compresses: at the moment a
 segment opens and the oldest is released, only ``S - 1`` sealed segments of
@@ -23,6 +31,8 @@ import math
 from ._zstd import bound
 
 MAX_SEG = 1 << 20  # bytes of one segment at most (the log grows in segments past that)
+PAGE = 4096  # a growing log's segments are whole pages: each is one chunk file of a memmap storage
+HINT = 64  # a growing log's segments: about 1/HINT of what F frames take at a sixteenth of a frame each
 
 
 def frame_capacity(capacity: int, k: int, num_envs: int) -> int:
@@ -39,6 +49,27 @@ def geometry(F: int, row_bytes: int, budget: int) -> tuple[int, int, int]:
     per = max(math.ceil(bound(row_bytes) / block), min(MAX_SEG // block, total // 16 // block))
     seg = per * block
     return block, seg, max(3, math.ceil(total / seg))
+
+
+def grow_geometry(F: int, row_bytes: int) -> tuple[int, int, int]:
+    """``(BLOCK, SEG, S)`` of a log that grows (no budget): segments of
+    whole pages, about a 64th of what ``F`` frames take at a sixteenth of a
+    frame (small segments keep the bytes held beyond the frames' own small:
+    the open segment's free tail, the oldest one's expired head, one spare),
+    between one largest zstd frame and ``MAX_SEG``; ``S`` segments at most:
+    enough for ``F`` frames that do not compress, each segment holding at
+    least ``SEG // bound`` of them, with the open one and the oldest one's
+    expired part on top."""
+    block = min(4096, 1 << max(6, (row_bytes - 1).bit_length()))
+    big = bound(row_bytes)
+    typical = F * max(64, row_bytes // 16) // HINT
+    seg = -(-max(big, min(MAX_SEG, typical)) // PAGE) * PAGE
+    return block, seg, -(-F // (seg // big)) + 2
+
+
+def log_geometry(F: int, row_bytes: int, budget: int | None) -> tuple[int, int, int]:
+    """The geometry of a log: fixed by ``budget`` (``geometry``), or growing (None)."""
+    return grow_geometry(F, row_bytes) if budget is None else geometry(F, row_bytes, budget)
 
 
 def frames_needed(F: int, k: int, n_step: int, num_envs: int, steps: int = 1) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 
 from .config import BUILTIN, Config
 from .frames import FrameStore
+from .storage.base import fits_spec  # noqa: F401  (where a storage and a load check recorded arrays)
 
 FRAMED = ("obs", "next_obs")  # with frame stacks these go to the frame ring, not a per-row array
 
@@ -28,3 +29,22 @@ def storage_specs(cfg: Config, frames: FrameStore | None = None) -> dict:
     if cfg.frame_stack:
         specs.update((frames if frames is not None else FrameStore(cfg, None)).specs())
     return specs
+
+
+def storage_growth(cfg: Config, frames: FrameStore | None = None) -> dict:
+    """``name -> rows of one step`` of the arrays of ``storage_specs`` that
+    start with one step and grow (the compressed log, unless capped by a
+    budget); their spec's rows are the most they reach."""
+    if not cfg.frame_stack:
+        return {}
+    return (frames if frames is not None else FrameStore(cfg, None)).growth()
+
+
+
+def allocate(store, cfg: Config, frames: FrameStore | None = None) -> None:
+    """``store.allocate`` of what a buffer of ``cfg`` keeps (the arrays that
+    grow, from one step); then the log takes the segments the storage holds."""
+    specs, growth = storage_specs(cfg, frames), storage_growth(cfg, frames)
+    store.allocate(specs, growth) if growth else store.allocate(specs)
+    if frames is not None:
+        frames.attach()

@@ -41,9 +41,10 @@ _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
 _EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")
 _FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr", "frames_minref")
-_SEGMENTS = ("frames_seg_first", "frames_dict")  # with compression (segments.py)
+_SEGMENTS = ("frames_seg_first", "frames_dict")  # with compression (segments.py); and when the log grows:
+_GROWS = ("frames_seg_slot",)
 # The buffer's own arrays whatever the prioritization (its strategy adds its own).
-RING_ARRAYS = tuple(n for n in _BASE if n != "leaves") + _FRAMES + _SEGMENTS
+RING_ARRAYS = tuple(n for n in _BASE if n != "leaves") + _FRAMES + _SEGMENTS + _GROWS
 
 
 def _bad(what: str):
@@ -124,8 +125,10 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
         _bad(f"meta and arrays must be a dict, got {type(meta).__name__} and {type(arrays).__name__}")
     c, envs = cfg.capacity, cfg.num_envs
     kind = getattr(cfg, "prioritization", "proportional")
+    compressed = getattr(cfg, "compression", None)
     want = set(_BASE) | (set(_FRAMES) if cfg.frame_stack else set()) \
-        | (set(_SEGMENTS) if getattr(cfg, "compression", None) else set())
+        | (set(_SEGMENTS) if compressed else set()) \
+        | ({"frames_seg_slot"} if compressed and getattr(cfg, "compression_budget", 0) is None else set())
     want |= set(ITEM_ARRAYS) if getattr(cfg, "sequence", None) else set()
     have = set(arrays)
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
@@ -291,21 +294,32 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
 
 def _check_segments(cfg, fm: dict, arrays: dict, fw: int, row_bytes: int) -> int:
     """The segment log's state (``segments.py`` ``SegmentLog.state``); returns
-    the oldest frame still in the log."""
-    from .segments import geometry
+    the oldest frame still in the log. (The slots against the storage's:
+    ``SegmentLog.restore``.)"""
+    from .segments import log_geometry
 
     F = frame_capacity(cfg.capacity, cfg.frame_stack, cfg.num_envs)
-    _block, seg, S = geometry(F, row_bytes, cfg.compression_budget)
+    _block, seg, S = log_geometry(F, row_bytes, cfg.compression_budget)
     g = _int(fm, "seg", 0, fw + 1, where="frames.")  # a segment opens only for a frame
     _int(fm, "pos", 0, seg + 1, where="frames.")
     first = _array(arrays, "frames_seg_first", np.int64, (S,))
     _check_dictionaries(fm, arrays.get("frames_dict"))
-    rows = [(g - a) % S for a in range(min(S, g + 1))]
-    seq = first[rows[::-1]]
+    if cfg.compression_budget is None:  # a log that grows: its oldest live segment, each one's slot
+        lo = _int(fm, "seg_lo", max(0, g - S + 1), g + 1, where="frames.")
+        slots = _array(arrays, "frames_seg_slot", np.int64, (S,))[np.arange(lo, g + 1) % S]
+        if (slots < 0).any() or (slots >= S).any() or np.unique(slots).size != slots.size:
+            _bad(f"frames_seg_slot: the live segments {lo}..{g} lie in slots {slots[:8].tolist()}, not "
+                 f"distinct ones in [0, {S})")
+    else:
+        lo = max(0, g - S + 1)
+    seq = first[np.arange(lo, g + 1) % S]
+    if lo == 0:
+        seq = seq.copy()
+        seq[0] = 0  # (segment 0 starts at frame 0, whatever its row says)
     if seq.size and ((seq < 0).any() or (seq > fw).any() or (np.diff(seq) < 0).any()):
         _bad(f"frames_seg_first: the live segments' first frames {seq[:8].tolist()} are not "
              f"increasing within [0, {fw}]")
-    return int(seq[0]) if g >= S - 1 and seq.size else 0
+    return int(seq[0]) if lo > 0 else 0
 
 
 def _check_dictionaries(fm: dict, d) -> None:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from . import snapshot as _snapshot
 from ._ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
-from ._layout import plain_fields, storage_specs
+from ._layout import allocate, plain_fields, storage_specs
 from ._opening import held, open_path
 from ._reader import Reader
 from ._statecheck import check_state
@@ -328,7 +328,7 @@ class PrioritizedReplayBuffer:
                 check_state(cfg, *state)
                 self.resumed = held(recorded)
             frames = FrameStore(cfg, store, compression_dictionary) if cfg.frame_stack else None
-            store.allocate(storage_specs(cfg, frames))
+            allocate(store, cfg, frames)
             self._setup(cfg, store, frames, mirror)
             if state is not None:
                 self._restore(*state, reseed=cfg.seed != old.seed)
@@ -374,8 +374,10 @@ class PrioritizedReplayBuffer:
         buf._pid = os.getpid()
         buf.resumed = None
         try:
-            buf._setup(config, store, FrameStore(config, store) if config.frame_stack else None,
-                       _mirror(config, device))
+            frames = FrameStore(config, store) if config.frame_stack else None
+            if frames is not None:
+                frames.attach()
+            buf._setup(config, store, frames, _mirror(config, device))
             if state is not None:
                 buf._restore(*state)
         except BaseException:

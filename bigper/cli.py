@@ -184,20 +184,24 @@ def _ratio(cfg: dict, state: dict) -> str:
     log bytes they took, segment tails included), from a recorded state."""
     from .config import Config
     from .frames import frame_capacity
-    from .segments import geometry
+    from .segments import log_geometry
 
     try:
         c = Config.from_dict(cfg)
         fm = state.get("frames") or {}
         row = int(np.prod(c.shape("obs")[1:])) * c.dtype("obs").itemsize
-        _, seg, S = geometry(frame_capacity(c.capacity, c.frame_stack, c.num_envs), row, c.compression_budget)
+        _, seg, S = log_geometry(frame_capacity(c.capacity, c.frame_stack, c.num_envs), row, c.compression_budget)
         fw, g, pos = (int(fm[k]) for k in ("fw", "seg", "pos"))
         used = g * seg + pos
+        held = (g - int(fm.get("seg_lo", max(0, g - S + 1)))) * seg + pos
     except Exception as e:  # noqa: BLE001 (a record this bigper cannot read: said, not raised)
         return f"ratio unknown ({type(e).__name__})"
     ratio = f"{fw * row / used:.1f}x" if used > 0 else "no frames yet"
-    return (f"{c.compression_budget} log bytes a frame budgeted ({S} segments of {seg:,} bytes); "
-            f"frames written so far compress {ratio}")
+    size = (f"a log that grows as its frames need, by segments of {seg:,} bytes ({S} at most), "
+            f"now spanning {held:,} bytes" if c.compression_budget is None else
+            f"a log capped at {c.compression_budget} bytes a frame by compression_budget ({S} segments of "
+            f"{seg:,} bytes; frames that compress to more cost capacity)")
+    return f"{size}; frames written so far compress {ratio}"
 
 
 def _info(args) -> int:
@@ -388,11 +392,11 @@ def _verify_frames(cfg, store, state_meta: dict, arrays: dict) -> int:
     size and checksum of each); the count checked."""
     if not cfg.compression:
         return 0
-    from ._layout import storage_specs
+    from ._layout import allocate
     from .frames import FrameStore
 
     frames = FrameStore(cfg, store)
-    store.allocate(storage_specs(cfg, frames))
+    allocate(store, cfg, frames)
     frames.restore(state_meta["frames"], arrays)
     try:
         return frames.check_live(arrays["status"])
@@ -492,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--frame-stack", type=int, metavar="K",
                    help="frames per obs stack (default: axis 0 of (K, H, W) obs, or what a bigper file recorded)")
     c.add_argument("--budget", type=int, metavar="BYTES",
-                   help="compression_budget: log bytes a frame (default: a sixteenth of a frame)")
+                   help="compression_budget: a cap of log bytes a frame (default: none, the log grows as frames need)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing file at DST")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--layout", default="auto", choices=("auto", "d4rl", "minari", "bigper"))

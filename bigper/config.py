@@ -70,11 +70,12 @@ def _number(value, name, *, lo=None, lo_open=False, hi=None, none_ok=False):
 
 
 def _compression(compression, budget, frame_stack, specs, *, capacity, n_step, num_envs, sequence) -> tuple:
-    """``compression`` and its log budget (bytes a frame), checked; the
-    budget defaults to a sixteenth of a frame. Default and check follow one
-    rule (``_budget``): a budget is valid when its log keeps the frames of
-    one item of every env even when no frame compresses, so the default
-    always passes the check it meets on resume, ``load`` and ``from_hdf5``."""
+    """``compression`` and its log budget (bytes a frame), checked. No
+    budget (the default) is a log that grows as its frames need
+    (``_budget.grow_geometry``); a budget caps the log at that many bytes a
+    frame, and is valid when its log keeps the frames of one item of every
+    env even when no frame compresses (``_budget``: the same check on
+    resume, ``load`` and ``from_hdf5``)."""
     if compression not in COMPRESSIONS:
         raise InvalidArgumentError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if compression is None:
@@ -90,7 +91,7 @@ def _compression(compression, budget, frame_stack, specs, *, capacity, n_step, n
     steps = 1 if sequence is None else sequence["burn_in"] + sequence["length"]
     need = _budget.frames_needed(F, frame_stack, n_step, num_envs, steps)
     if budget is None:
-        return compression, _budget.default_budget(F, row_bytes, need)
+        return compression, None
     lo, hi = _budget.budget_range(F, row_bytes, need)
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= hi:
         raise InvalidArgumentError(
@@ -102,7 +103,7 @@ def _compression(compression, budget, frame_stack, specs, *, capacity, n_step, n
             f"compression_budget={budget} is too small for frames that do not compress: its log keeps "
             f"{_budget.kept(F, row_bytes, int(budget))} such frames of {row_bytes} bytes at its emptiest, and one "
             f"transition of every env needs {what} * num_envs = {need}, so none would ever be sampleable; "
-            f"compression_budget={lo} keeps them (or leave it unset: the default does)")
+            f"compression_budget={lo} keeps them (or leave it unset: the log then grows as its frames need)")
     return compression, int(budget)
 
 

@@ -34,12 +34,12 @@ import numpy as np
 
 from .buffer import PrioritizedReplayBuffer
 from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
-from ._layout import storage_specs
+from ._layout import allocate
 from .config import Config
 from .frames import frame_capacity, require_compression
 from .storage._files import FileLock, fsync_dir, real_names
 from .storage.hdf5 import HDF5Storage
-from .segments import geometry
+from .segments import log_geometry
 
 __all__ = ["convert", "infer_frame_stack"]
 
@@ -84,7 +84,8 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         Frames per ``obs`` stack; default: axis 0 of ``obs`` rows of shape ``(K, H, W)``
         (for bigper's layout, its recorded ``frame_stack``).
     budget : int, optional
-        ``compression_budget``: log bytes a frame (default a sixteenth of a frame).
+        ``compression_budget``: a cap of log bytes a frame (default: none, the log grows as the
+        frames need).
     overwrite : bool
         Replace an existing regular file at ``dst`` (else ``PathExistsError``).
     progress : bool
@@ -135,14 +136,11 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
             for _ in range(1 if given else 3):
                 if kept == n:
                     break
-                # The frames (short episodes: each start adds frames) or their compressed bytes
-                # (frames that compress worse than the default budget) outgrew the rings: once
-                # more, with a frame ring that holds every frame and, unless given, a log that
-                # holds every byte (frames that do not compress at all: a full frame's budget,
-                # and more frame slots). Slots past n stay empty (never sampled).
+                # The frames (short episodes: each start adds frames) outgrew the frame ring, or
+                # their compressed bytes (frames that compress worse than a given budget) the
+                # log: once more, with a frame ring that holds every frame (a log without a
+                # budget grows to hold every byte). Slots past n stay empty (never sampled).
                 cap = max(cap, n + max(0, fw + 1 - frame_capacity(n, cfg["frame_stack"], 1)))
-                if not given:
-                    budget, cap = _fit(used, cfg, cap)
                 kept, used, fw = _write(source, partial, cfg, cap, order, keys, budget, chunk, progress,
                                         store.path.name, made)
             if kept < n:
@@ -193,8 +191,8 @@ def _write(source, partial: Path, cfg: dict, cap: int, order, keys, budget, chun
         out.raise_max_leaf(float(keys.max()))
         meta, _ = out.state_dict()
         fm = meta["frames"]
-        _, seg, _ = geometry(frame_capacity(cap, cfg["frame_stack"], 1), _row_bytes(cfg),
-                             out.config.compression_budget)
+        _, seg, _ = log_geometry(frame_capacity(cap, cfg["frame_stack"], 1), _row_bytes(cfg),
+                                 out.config.compression_budget)
         return int(live.sum()), int(fm["seg"]) * seg + int(fm["pos"]), int(fm["fw"])
     finally:
         out.close()  # a complete record even of a partial file: the next convert replaces it
@@ -209,7 +207,7 @@ def _open_partial(partial: Path, cfg: Config) -> PrioritizedReplayBuffer:
     store = HDF5Storage(partial, takeover=True)
     store.open(cfg.to_dict())
     try:
-        store.allocate(storage_specs(cfg))
+        allocate(store, cfg)
         return PrioritizedReplayBuffer.from_parts(cfg, store)
     except BaseException:
         store.abort()

@@ -281,11 +281,16 @@ class FrameStore:
         fw0 = self.fw
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
+        saved = self._save(env, slots) if self.log is not None else None
         fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
                          fw0, self.has_next, obs_ref, next_ref, new, slots, self.minref)
         n_new = fw - fw0
         if n_new and self.log is not None:
-            self.log.append(fw0, new[:n_new].view(np.uint8).reshape(n_new, self.row_bytes), rw)
+            try:
+                self.log.append(fw0, new[:n_new].view(np.uint8).reshape(n_new, self.row_bytes), rw)
+            except BaseException:
+                self._undo(saved, slots)  # (the log is as it was: what failed ran before it changed)
+                raise
             if n_new > self.F:
                 self.fw = fw  # (only the newest F frames are indexed; older are expired below)
         elif n_new:
@@ -307,6 +312,28 @@ class FrameStore:
                 self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
         if self.log is not None:
             self.log.maybe_train(fw0, fw)
+
+    def _save(self, env: np.ndarray, slots) -> tuple:
+        """What ``assign_refs`` changes for rows of ``env`` at ``slots``: the
+        streams of those envs and the slots' oldest references (a compressed
+        append that fails, for want of disk, puts them back: ``_undo``)."""
+        envs = env if env.shape[0] < self.num_envs else slice(None)
+        return (envs, self.last_frames[envs].copy(), self.last_ref[envs].copy(), self.has_last[envs].copy(),
+                self.minref[slots].copy())
+
+    def _undo(self, saved: tuple, slots) -> None:
+        envs, frames, ref, has, minref = saved
+        self.last_frames[envs], self.last_ref[envs], self.has_last[envs] = frames, ref, has
+        self.minref[slots] = minref
+
+    def growth(self) -> dict:
+        """Arrays that grow (the compressed log): name -> rows of one step."""
+        return {} if self.log is None else self.log.growth()
+
+    def attach(self) -> None:
+        """After the storage allocated the arrays: the log takes the segments it holds."""
+        if self.log is not None:
+            self.log.attach()
 
     def _inputs(self, rows: dict, g0: int, m: int):
         """The rows' obs and next_obs stacks as words, and each row's env."""
@@ -357,7 +384,7 @@ class FrameStore:
         frames = slice(first, first + most) if first + most <= self.F else \
             np.arange(self.fw, self.fw + most) % self.F
         if self.log is not None:
-            out = {"obs_ref": where, "frame_index": frames, "frame_log": self.log.touched(2 * m * self.k)}
+            out = {"obs_ref": where, "frame_index": frames, "frame_log": self.log.touched()}
         else:
             out = {"obs_ref": where, "frames": frames}
         if self.has_next:

@@ -31,7 +31,7 @@ from ._torch import as_numpy
 from .config import Config
 from .prioritization import make as make_prioritization
 from .schedules import schedule_from_dict
-from ._layout import storage_specs
+from ._layout import allocate
 from ._statecheck import RING_ARRAYS
 from .sequences import ITEM_ARRAYS
 from .storage.h5source import LIVE, H5Source, OfflineDatasetError
@@ -90,7 +90,7 @@ def open_dataset(dataset, *, layout: str = "auto", priorities=None, prioritizati
         where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
         sidecar = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
         sidecar.load()
-        src.allocate(storage_specs(cfg))
+        allocate(src, cfg)
         state = _initial_state(cfg, src, sidecar)
         src.sidecar = sidecar
     except BaseException:

@@ -1,39 +1,48 @@
-"""Compressed frames in a ring of segments, with random access by frame id.
+"""Compressed frames in a log of segments, with random access by frame id.
 
 With ``compression="zstd"`` the frame ring holds no raw frames. Each new frame
 is compressed on its own (zstd, level 3, a content checksum, a dictionary
-once one is trained) and appended to a log of ``S`` segments of ``SEG`` bytes,
+once one is trained) and appended to a log of segments of ``SEG`` bytes,
 written in order; a frame never straddles two segments. Frame ``f``'s index
 row ``f % F`` says where it is::
 
-    frame_log    (S * SEG / BLOCK, BLOCK) uint8   the segments, BLOCK bytes a row
+    frame_log    (A * SEG / BLOCK, BLOCK) uint8   A allocated segment slots, BLOCK bytes a row
     frame_index  (F, 2) int64                     [byte offset in the log, length | dict id << 32]
 
-    segment:  g-S+1   g-S+2  ...  g (open)
-              [sealed][sealed]... [f f f f ....free....]
+    segments (ids):  lo    lo+1   ...   g (open)
+    their slots:     [3]   [0]    ...   [5: f f f f ....free....]     free slots: 1, 4
 
-When a frame does not fit in the open segment ``g``, segment ``g + 1`` opens
-in row ``(g + 1) % S`` and the segment that lived there (``g + 1 - S``) is
-released whole: its frames are gone, and the frame ring's expiry
-(``frames.expire``) makes the transitions that referenced them unsampleable.
+Segment ``g`` lives in slot ``seg_slot[g % S]`` and starts with frame
+``seg_first[g % S]``. When a frame does not fit in the open segment, segment
+``g + 1`` opens in the lowest free slot. Which slots are free follows from
+the frames the ring still holds: segment ``lo`` is released once every frame
+in it is older than the newest ``F`` (its transitions expired with them), so
+a log that grows (no ``compression_budget``, the default) keeps every frame a
+sampleable transition needs, whatever the frames compress to: ``capacity``
+is a promise. Without a free slot it allocates one (``SegmentLog.reserve``:
+the storage grows by one segment, really reserved on disk, so a full disk is
+an ``OSError`` naming the file before anything changed), up to the ``S``
+slots ``F`` frames that do not compress would need. A log with a budget has
+``S`` slots from its creation and never grows: slot ``g % S``, and the
+segment that lived there is released whole when ``g`` opens, expired or not
+(frames that compress worse than the budget cost capacity then: said once).
+
 Sealed segments never change, so a snapshot of a memmap storage hard-links
-their chunk files, and copy-on-write touches only the open segment's chunk.
+their chunk files, and copy-on-write touches only the segments written.
 
-The log is preallocated at the storage's creation (``budget`` bytes a frame),
-so a full disk is an ``OSError`` when the buffer is made, never later. A
-frame that does not shrink is a zstd frame too (raw blocks, a few bytes more
-than the frame, ``_zstd.bound``), so every frame carries its checksum.
+A frame that does not shrink is a zstd frame too (raw blocks, a few bytes
+more than the frame, ``_zstd.bound``), so every frame carries its checksum.
 
 Everything read back from the index is checked before the log is touched:
-an offset or a length outside the log or across a segment's end fails the
-read with ``CorruptSnapshotError``, as does a frame that does not decompress
-to exactly its bytes (or whose checksum fails). When a buffer is restored
-(``load``, resume, ``bigper verify``) the whole live index is checked against
-the segment state (``check_index``): each frame in the segment ``seg_first``
-puts it in, right after the frame before it, the open segment ending at
-``pos``; the dictionary generations the frames name must be recorded ones,
-non-decreasing in frame order, each one zstd accepts and that decodes the
-frames that name it.
+an offset or a length outside the allocated log or across a segment's end
+fails the read with ``CorruptSnapshotError``, as does a frame that does not
+decompress to exactly its bytes (or whose checksum fails). When a buffer is
+restored (``load``, resume, ``bigper verify``) the whole live index is checked
+against the segment state (``check_index``): each frame in the segment
+``seg_first`` puts it in, right after the frame before it, the open segment
+ending at ``pos``; the dictionary generations the frames name must be
+recorded ones, non-decreasing in frame order, each one zstd accepts and that
+decodes the frames that name it.
 
 Dictionaries (``dictionaries.py``): one given by the user is generation 1
 from the first frame; else one is trained on the first ``TRAIN_FRAMES``
@@ -45,12 +54,12 @@ generation they were written with.
 from __future__ import annotations
 
 import logging
-import math
+import warnings
 
 import numpy as np
 
 from . import _zstd, dictionaries
-from ._budget import geometry  # (the rule config.py checks budgets by: one place)
+from ._budget import geometry, log_geometry  # noqa: F401  (geometry: the rule config.py checks budgets by)
 from ._kernels import kernel
 from ._pool import for_ranges
 from .dictionaries import MAX_DICTS, Dictionaries
@@ -65,43 +74,70 @@ LEN_MASK = (1 << 32) - 1
 DECODE_CHUNK = 32  # frames per thread at least in a decode
 
 
+# The log's counters, one int64 array (``SegmentLog.st``) that ``place`` updates in place.
+POS, G, LO, A = 0, 1, 2, 3  # bytes used in the open segment, its id, the oldest live one's, slots allocated
+
+
 @kernel
-def place(lengths, pos, g, seg, S, seg_first, f0, offsets):
+def place(lengths, f0, F, seg, capped, st, seg_first, seg_slot, used, offsets):
     """Offsets in the log of frames ``f0, f0 + 1, ...`` of ``lengths``,
-    appended from ``pos`` in segment ``g``; opening a segment records its first
-    frame in ``seg_first``. Returns the new ``(pos, g)``."""
+    appended from the open segment; a frame that does not fit opens the next
+    segment (see the module docstring): expired segments are released (not
+    when ``capped``), the lowest free slot taken, else slot ``st[A]`` (the
+    log grows: ``st[A] + 1`` slots), else (capped, or all ``S`` slots in use)
+    the oldest segment's. Updates ``st``, ``seg_first``, ``seg_slot``,
+    ``used``; returns how many segments were released while they still held
+    one of the newest ``F`` frames (the capacity a capped log cost)."""
+    S = seg_first.shape[0]
+    pos, g, lo, n = st[POS], st[G], st[LO], st[A]
+    forced = 0
     for i in range(lengths.shape[0]):
         ln = lengths[i]
         if pos + ln > seg:
+            f = f0 + i  # the frame that opens segment g + 1
+            if not capped:
+                while lo < g and seg_first[(lo + 1) % S] <= f + 1 - F:
+                    used[seg_slot[lo % S]] = 0
+                    lo += 1
+            s = -1
+            for j in range(n):
+                if used[j] == 0:
+                    s = j
+                    break
+            if s < 0:
+                if n < S and not capped:
+                    s = n
+                    n += 1
+                else:
+                    if seg_first[(lo + 1) % S] > f + 1 - F:
+                        forced += 1
+                    s = seg_slot[lo % S]
+                    used[s] = 0
+                    lo += 1
             g += 1
+            seg_first[g % S] = f
+            seg_slot[g % S] = s
+            used[s] = 1
             pos = 0
-            seg_first[g % S] = f0 + i
-        offsets[i] = (g % S) * seg + pos
+        offsets[i] = seg_slot[g % S] * seg + pos
         pos += ln
-    return pos, g
+    st[POS], st[G], st[LO], st[A] = pos, g, lo, n
+    return forced
 
 
 @kernel
-def append_rows(cctx, frames, scratch, lengths, log, index, F, f0, did, pos, g, seg, S, seg_first):
-    """Compress frames ``f0, f0 + 1, ...`` (rows of ``frames``) into
-    ``scratch``, then place them in the log from ``pos`` in segment ``g`` and
-    write their index rows (``index[f % F]``; of more than ``F`` frames the
-    newest win). Nothing changes when a frame fails to compress: returns
-    ``(-1 - r, g)`` for row r then, else the new ``(pos, g)``."""
-    used = _zstd.compress_rows(cctx, frames, scratch, lengths)
-    if used < 0:
-        return used, g
-    offsets = np.empty(frames.shape[0], dtype=np.int64)
-    pos, g = place(lengths, pos, g, seg, S, seg_first, f0, offsets)
+def put_rows(scratch, lengths, offsets, log, index, F, f0, did):
+    """The compressed frames in ``scratch`` (one after another) at their
+    ``offsets`` in the log, and their index rows ``index[f % F]`` (of more
+    than ``F`` frames the newest win)."""
     src = 0
-    for i in range(frames.shape[0]):
+    for i in range(lengths.shape[0]):
         o, ln = offsets[i], lengths[i]
         log[o:o + ln] = scratch[src:src + ln]
         r = (f0 + i) % F
         index[r, 0] = o
         index[r, 1] = ln | (did << 32)
         src += ln
-    return pos, g
 
 
 @kernel
@@ -129,20 +165,55 @@ def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets
 class SegmentLog:
     """The compressed frames of one buffer (see the module docstring)."""
 
-    def __init__(self, F: int, row_bytes: int, budget: int, store, dictionary: np.ndarray | None = None):
+    def __init__(self, F: int, row_bytes: int, budget: int | None, store, dictionary: np.ndarray | None = None):
         self.F, self.row_bytes, self.store = F, row_bytes, store
-        self.block, self.seg, self.S = geometry(F, row_bytes, budget)
+        self.capped = budget is not None  # a fixed log of S slots; else it grows as frames need
+        self.block, self.seg, self.S = log_geometry(F, row_bytes, budget)
         self.max_len = _zstd.bound(row_bytes)  # a frame's largest zstd frame
-        self.log_bytes = self.S * self.seg
-        self.g = 0  # the open segment
-        self.pos = 0  # bytes used in it
-        self.seg_first = np.zeros(self.S, dtype=np.int64)  # first frame of each segment row
+        self.seg_rows = self.seg // self.block
+        self.st = np.zeros(4, dtype=np.int64)  # POS, G, LO, A (``place``)
+        self.st[A] = self.S if self.capped else 1
+        self.seg_first = np.zeros(self.S, dtype=np.int64)  # first frame of segment g, at g % S
+        self.seg_slot = np.zeros(self.S, dtype=np.int64)  # slot of segment g, at g % S
+        self.used = np.zeros(self.S, dtype=np.uint8)  # slots holding a live segment
+        self.used[0] = 1  # segment 0, open in slot 0
+        self.warned = False  # a capped log said once that its cap costs capacity
         self.dicts = Dictionaries(dictionary)  # the given one (generation 1) or none yet
         self._scratch = np.empty(0, dtype=np.uint8)  # append's compressed frames, before they are placed
 
+    @property
+    def g(self) -> int:
+        """The open segment."""
+        return int(self.st[G])
+
+    @property
+    def pos(self) -> int:
+        """Bytes used in the open segment."""
+        return int(self.st[POS])
+
+    @property
+    def slots(self) -> int:
+        """Segment slots allocated (the storage holds ``slots * seg`` log bytes)."""
+        return int(self.st[A])
+
+    @property
+    def log_bytes(self) -> int:
+        """Bytes of the log the storage holds (what an index entry may point into)."""
+        return self.slots * self.seg
+
     def specs(self) -> dict:
-        return {"frame_log": (self.log_bytes // self.block, (self.block,), np.dtype(np.uint8)),
+        return {"frame_log": (self.S * self.seg_rows, (self.block,), np.dtype(np.uint8)),
                 "frame_index": (self.F, (2,), np.dtype(np.int64))}
+
+    def growth(self) -> dict:
+        """Arrays that grow, by the rows of one step: ``frame_log`` one segment
+        at a time (none for a capped log, allocated whole)."""
+        return {} if self.capped else {"frame_log": self.seg_rows}
+
+    def attach(self) -> None:
+        """Take the slots the storage holds (a reopened or loaded log may have grown)."""
+        if not self.capped:
+            self.st[A] = _rows(self.store, "frame_log") // self.seg_rows
 
     @property
     def codec(self) -> _zstd.Codec:
@@ -150,45 +221,53 @@ class SegmentLog:
 
     def oldest(self) -> int:
         """The first frame still in the log (the first of the oldest live segment)."""
-        first = self.g - self.S + 1
-        return 0 if first <= 0 else int(self.seg_first[first % self.S])
+        lo = int(self.st[LO])
+        return 0 if lo == 0 else int(self.seg_first[lo % self.S])
+
+    def held_bytes(self) -> int:
+        """Log bytes the live segments span (the open one to ``pos``)."""
+        return (self.g - int(self.st[LO])) * self.seg + self.pos
 
     # -- writing ---------------------------------------------------------------
-    def touched(self, n_frames: int) -> np.ndarray:
-        """Log rows that appending ``n_frames`` frames may write (an upper bound)."""
-        per_seg = self.seg // self.block
-        fit = max(1, self.seg - self.max_len + 1)  # bytes a sealed segment holds at least
-        segs = 1 + min(n_frames, math.ceil(n_frames * self.max_len / fit))
-        segs = min(self.S, segs)
-        first = (self.g % self.S) * per_seg + self.pos // self.block
-        last = (self.g + segs - 1) % self.S * per_seg + per_seg  # exclusive, in its segment
-        if segs == self.S:
-            return np.arange(self.log_bytes // self.block, dtype=np.int64)
-        span = (last - first) % (self.log_bytes // self.block) or self.log_bytes // self.block
-        return (first + np.arange(span, dtype=np.int64)) % (self.log_bytes // self.block)
+    def touched(self) -> np.ndarray:
+        """Log rows an append writes before it opens a segment: the open
+        segment's rest (``append`` makes the segments it opens writable itself)."""
+        first = int(self.seg_slot[self.g % self.S]) * self.seg_rows
+        return np.arange(first + self.pos // self.block, first + self.seg_rows, dtype=np.int64)
 
     def append(self, f0: int, frames: np.ndarray, rw: dict | None) -> None:
-        """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8)."""
+        """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).
+
+        What can fail (zstd, the segments to open: the storage grown,
+        copy-on-write) happens before the log changes: an ``OSError`` (a full
+        disk, naming the file) leaves it as it was."""
         m = frames.shape[0]
         if m == 0:
             return
         did = self.dicts.hi  # the generation the frames name
         slot = self.dicts.slot(did)
-        if rw is not None:  # the storage's arrays: one kernel call compresses and places every frame
+        if rw is not None:  # the storage's arrays: compressed straight into one scratch block
             need = m * self.max_len
             if self._scratch.shape[0] < need:
                 self._scratch = np.empty(need, dtype=np.uint8)
             lengths = np.empty(m, dtype=np.int64)
-            pos, g = append_rows(self.codec.cctx[slot], frames, self._scratch, lengths,
-                                 rw["frame_log"].reshape(-1), rw["frame_index"], self.F, f0, did, self.pos,
-                                 self.g, self.seg, self.S, self.seg_first)
-            if pos < 0:
-                raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes (row {-1 - pos})")
-            self.pos, self.g = pos, g
-            return
-        data, lengths = self.codec.compress(frames, slot)
+            used = _zstd.compress_rows(self.codec.cctx[slot], frames, self._scratch, lengths)
+            if used < 0:
+                raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes (row {-1 - used})")
+            data = self._scratch
+        else:
+            data, lengths = self.codec.compress(frames, slot)
         offsets = np.empty(m, dtype=np.int64)
-        self.pos, self.g = place(lengths, self.pos, self.g, self.seg, self.S, self.seg_first, f0, offsets)
+        if self.pos + int(lengths.sum()) > self.seg:  # segments open: make them writable first
+            self._open_ahead(f0, lengths, offsets)
+        forced = place(lengths, f0, self.F, self.seg, self.capped, self.st, self.seg_first, self.seg_slot,
+                       self.used, offsets)
+        if forced and not self.warned:
+            self._warn_cap()
+        if rw is not None:
+            put_rows(data, lengths, offsets, self.store.writable_arrays["frame_log"].reshape(-1),
+                     rw["frame_index"], self.F, f0, did)
+            return
         # Storages without arrays (HDF5): runs of frames contiguous in the log, one write each.
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
@@ -203,6 +282,35 @@ class SegmentLog:
         if m > self.F:
             rows, entries = rows[-self.F:], entries[-self.F:]
         self.store.write("frame_index", rows, entries)
+
+    def _open_ahead(self, f0: int, lengths: np.ndarray, offsets: np.ndarray) -> None:
+        """Before an append that opens segments: place it on copies of the
+        state to learn which slots it opens, grow the storage by the new ones
+        and make the others writable (copy-on-write). Changes no state."""
+        st, used, slot_of = self.st.copy(), self.used.copy(), self.seg_slot.copy()
+        place(lengths, f0, self.F, self.seg, self.capped, st, self.seg_first.copy(), slot_of, used, offsets)
+        if st[A] > self.st[A]:
+            grow = getattr(self.store, "grow", None)
+            if grow is None:
+                raise RuntimeError(f"a storage without grow() holds only {self.slots} log segments")
+            grow("frame_log", int(st[A]) * self.seg_rows)  # (all or nothing: an OSError changes nothing)
+            self.st[A] = st[A]
+        prepare = getattr(self.store, "prepare", None)
+        if prepare is not None and getattr(self.store, "shared_chunks", 1):
+            opened = slot_of[np.arange(self.g + 1, int(st[G]) + 1) % self.S]
+            opened = opened[opened < self.slots]
+            if opened.size:
+                prepare({"frame_log": (opened[:, None] * self.seg_rows
+                                       + np.arange(self.seg_rows)).reshape(-1)})
+
+    def _warn_cap(self) -> None:
+        self.warned = True
+        msg = (f"bigper: the compressed log's cap (compression_budget, {self.S} segments of {self.seg:,} bytes) "
+               "now released frames of transitions still in the ring: frames compress to more than the budget, "
+               "so the buffer holds fewer sampleable transitions than its capacity (`bigper info` says how "
+               "many); leave compression_budget unset and the log grows as its frames need")
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     def _write_bytes(self, start: int, data: np.ndarray) -> None:
         """Bytes at ``start`` in the log, through the storage's block reads and writes."""
@@ -339,14 +447,35 @@ class SegmentLog:
     # -- state ---------------------------------------------------------------
     def state(self) -> tuple[dict, dict]:
         dmeta, blob = self.dicts.state()
-        return ({"seg": self.g, "pos": self.pos, **dmeta},
-                {"frames_seg_first": self.seg_first, "frames_dict": blob})
+        meta = {"seg": self.g, "pos": self.pos, **dmeta}
+        arrays = {"frames_seg_first": self.seg_first, "frames_dict": blob}
+        if not self.capped:  # (a capped log's slots and oldest segment follow from g, as format 1 wrote it)
+            meta["seg_lo"] = int(self.st[LO])
+            arrays["frames_seg_slot"] = self.seg_slot
+        return meta, arrays
 
     def restore(self, meta: dict, arrays: dict) -> None:
         """Take a recorded state (checked by ``_statecheck``) and check the
-        live index and the dictionaries against it: ``CorruptSnapshotError``."""
-        self.g, self.pos = int(meta["seg"]), int(meta["pos"])
+        slots, the live index and the dictionaries against it and the storage:
+        ``CorruptSnapshotError``."""
+        g = int(meta["seg"])
+        self.st[G], self.st[POS] = g, int(meta["pos"])
         self.seg_first[:] = arrays["frames_seg_first"]
+        if self.capped:
+            lo = max(0, g - self.S + 1)
+            self.seg_slot[:] = np.arange(self.S)  # segment g in slot g % S
+        else:
+            lo = int(meta["seg_lo"])
+            self.seg_slot[:] = arrays["frames_seg_slot"]
+            self.attach()
+        self.st[LO] = lo
+        live = self.seg_slot[np.arange(lo, g + 1) % self.S]
+        if live.size and (live.max() >= self.slots or np.unique(live).size != live.size):
+            raise CorruptSnapshotError(
+                f"frames_seg_slot: the live segments {lo}..{g} lie in slots {live[:8].tolist()}, which are not "
+                f"distinct slots of the {self.slots} the log holds")
+        self.used[:] = 0
+        self.used[live] = 1
         self.dicts.restore(meta, arrays["frames_dict"])
         self.check_index(int(meta["fw"]))
 
@@ -367,10 +496,10 @@ class SegmentLog:
         entries = self._entries(ids)
         o, v = entries[:, 0], entries[:, 1]
         ln, d = v & LEN_MASK, v >> 32
-        segs = np.arange(max(0, self.g - self.S + 1), self.g + 1, dtype=np.int64)
+        segs = np.arange(int(self.st[LO]), self.g + 1, dtype=np.int64)
         firsts = np.where(segs == 0, 0, self.seg_first[segs % self.S])
         s = segs[np.clip(np.searchsorted(firsts, ids, side="right") - 1, 0, segs.size - 1)]
-        start = (s % self.S) * self.seg
+        start = self.seg_slot[s % self.S] * self.seg
         prev_end = np.empty_like(o)
         prev_end[1:] = o[:-1] + ln[:-1]
         opens = np.zeros(ids.shape[0], dtype=np.bool_)
@@ -382,7 +511,8 @@ class SegmentLog:
         ok = (o >= start) & (ln >= 1) & (ln <= self.max_len) & (o <= start + self.seg - ln) & (o == want) \
             & ((d == 0) | ((d >= glo) & (d <= ghi)))
         ok[1:] &= d[1:] >= d[:-1]  # generations never go back in frame order
-        if ok.all() and o[-1] + ln[-1] != (self.g % self.S) * self.seg + self.pos:
+        end = int(self.seg_slot[self.g % self.S]) * self.seg + self.pos
+        if ok.all() and o[-1] + ln[-1] != end:
             ok[-1] = False
         if not ok.all():
             i = int(np.argmin(ok))
@@ -397,3 +527,9 @@ class SegmentLog:
 
     def close(self) -> None:
         self.dicts.close()
+
+
+def _rows(store, name: str) -> int:
+    """Rows the storage holds of array ``name``."""
+    arrays = getattr(store, "dsets", None) or store.arrays
+    return int(arrays[name].shape[0])

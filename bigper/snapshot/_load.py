@@ -41,7 +41,8 @@ from ..errors import (
     InvalidTypeError,
     PathExistsError,
 )
-from .._layout import storage_specs
+from .._layout import allocate, storage_growth, storage_specs
+from ..storage.base import fits_spec
 from .._statecheck import check_state
 from ..storage._state import npy_from_bytes
 from ._manifest import check_file, check_files, member_sizes, read_manifest
@@ -108,7 +109,7 @@ def _check_sizes(body: dict, snap, cfg: Config, layouts: dict) -> None:
         raise CorruptSnapshotError(
             f"{snap}: its config declares capacity {cfg.capacity}, but its recorded status "
             f"({status!r}) does not hold {cfg.capacity} slots")
-    _compare_specs(_needed_specs(cfg), layouts, snap, cfg)
+    _compare_specs(_needed_specs(cfg), layouts, snap, cfg, storage_growth(cfg))
 
 
 def _fill(store, snap: Path, body: dict, layouts: dict) -> None:
@@ -157,16 +158,28 @@ def _release(store) -> None:
 
 
 def _allocate(cfg: Config, store) -> None:
-    store.allocate(storage_specs(cfg))
+    allocate(store, cfg)
 
 
 def _check_specs(store, layouts: dict, snap, cfg: Config) -> None:
+    """The arrays just allocated are the snapshot's (an array that grows,
+    grown first to the rows the snapshot holds of it: checked against the
+    config before, ``_check_sizes``)."""
+    have = specs_of(store)
+    for name in storage_growth(cfg):
+        if name in layouts and name in have and layouts[name][0] > have[name][0]:
+            store.grow(name, layouts[name][0])
     _compare_specs(specs_of(store), layouts, snap, cfg)
 
 
-def _compare_specs(have: dict, layouts: dict, snap, cfg: Config) -> None:
-    if have != layouts:
-        n = next(n for n in sorted(set(have) | set(layouts)) if have.get(n) != layouts.get(n))
+def _compare_specs(have: dict, layouts: dict, snap, cfg: Config, growth=None) -> None:
+    """``have`` (what the config or the storage holds) against the
+    snapshot's ``layouts``; with ``growth``, ``have`` gives the most rows of
+    an array that grows (``storage.base.fits_spec``)."""
+    growth = growth or {}
+    if set(have) != set(layouts) or not all(fits_spec(n, layouts[n], have[n], growth) for n in have):
+        n = next(n for n in sorted(set(have) | set(layouts))
+                 if n not in have or n not in layouts or not fits_spec(n, layouts[n], have[n], growth))
         fmt = lambda v: "absent" if v is None else f"{v[0]} rows of {v[1]} {v[2]}"  # noqa: E731
         raise IncompatibleSnapshotError(
             f"{snap}: its data does not fit the buffer its config builds (capacity {cfg.capacity}, "
@@ -182,7 +195,7 @@ def _load_memmap(cfg, body, snap, live, layouts):
     store.open(cfg.to_dict())
     try:
         _check_previous(store.previous, cfg, live)
-        native = store.layout(layouts)
+        native = store.layout(layouts, storage_growth(cfg))
         if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):
             store.adopt({n: {**native[n], "files": [(snap / m, body["files"][m]["xxh3_64"])
                                                     for m in body["data"][n]["files"]]}

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IncompatibleSnapshotError
-from ._files import open_regular
+from ._files import open_regular, preallocate
 from ._region import PAGE, Region, round_up
 
 CHUNK_BYTES = 4 << 20
@@ -33,23 +33,32 @@ def chunk_rows_for(rows: int, row_bytes: int, chunk_bytes: int = CHUNK_BYTES) ->
 class _Array:
     """One array: its chunk files, their mapping and their shared/private state."""
 
-    def __init__(self, root: Path, name: str, rec: dict):
+    def __init__(self, root: Path, name: str, rec: dict, most: int | None = None):
         self.name = name
         self.rows, self.shape = int(rec["rows"]), tuple(rec["shape"])
+        self.most = self.rows if most is None else max(int(most), self.rows)  # rows it may grow to
         self.dtype = np.dtype(rec["dtype"])
         self.row_bytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self.chunk_rows = int(rec["chunk_rows"])
-        self.n = -(-self.rows // self.chunk_rows)
         self.dir = root / "data"
         self.chunk_bytes = self.chunk_rows * self.row_bytes  # a page multiple unless n == 1
-        self.sizes = [min(self.chunk_rows, self.rows - k * self.chunk_rows) * self.row_bytes
-                      for k in range(self.n)]
-        self.shared = np.zeros(self.n, dtype=bool)
+        self.n, self.sizes = 0, []
+        self.shared = np.zeros(0, dtype=bool)
         self.nshared = 0  # shared.sum(), kept as it changes: writes ask it every time
-        self.digests: list = [None] * self.n  # xxh3 of a shared chunk (files that never change)
-        self.inodes = [0] * self.n
+        self.digests: list = []  # xxh3 of a shared chunk (files that never change)
+        self.inodes: list = []
+        self._count(self.rows)
         self.region = None  # the mapping that writes and whole-chunk reads go through
         self.reader = None  # the same files again, read-only, for random rows (see map)
+
+    def _count(self, rows: int) -> None:
+        """Chunks (and their sizes) for ``rows`` rows; a grown array keeps its first ones."""
+        n0 = self.n
+        self.rows, self.n = rows, -(-rows // self.chunk_rows)
+        self.sizes = [min(self.chunk_rows, rows - k * self.chunk_rows) * self.row_bytes for k in range(self.n)]
+        self.shared = np.concatenate([self.shared, np.zeros(self.n - n0, dtype=bool)])
+        self.digests += [None] * (self.n - n0)
+        self.inodes += [0] * (self.n - n0)
 
     def path(self, k: int) -> Path:
         return self.dir / chunk_name(self.name, k)
@@ -65,17 +74,50 @@ class _Array:
         random: a row read from disk then costs its own pages, not the 128 KB
         read-ahead around each. Both share the page cache and see each other's
         writes at once."""
-        size = self.offset(self.n - 1) + round_up(self.sizes[-1])
+        # An array that may grow reserves the address space of its most rows now: its
+        # views stay where they are as chunks are mapped in after them (``grow``).
+        size = max(self.offset(self.n - 1) + round_up(self.sizes[-1]), round_up(self.most * self.row_bytes))
         self.region = Region(size)
         self.reader = Region(size) if random_reads else None
         for k in range(self.n):
             self._map_chunk(k, writable, known.get(str(k)))
+        self._views()
+
+    def _views(self) -> None:
         self.flat = self.region.array(self.region.size)
         shape = (self.rows, *self.shape)
         self.rw = self.flat[:self.rows * self.row_bytes].view(self.dtype).reshape(shape)
         reads = self.flat if self.reader is None else self.reader.array(self.reader.size)
         self.ro = reads[:self.rows * self.row_bytes].view(self.dtype).reshape(shape)
         self.ro.flags.writeable = False
+
+    def mapped_bytes(self) -> int:
+        """Bytes of the region its chunks cover (the rest is reserved only)."""
+        return self.offset(self.n - 1) + round_up(self.sizes[-1])
+
+    def grow(self, rows: int, writable: bool) -> list:
+        """``rows`` rows from now on (whole chunks, ``most`` at most): the new
+        chunk files made, really reserved on disk (a full disk is an
+        ``OSError`` naming the file, and every file this call made goes
+        again), then mapped. Returns the paths made."""
+        if rows <= self.rows or rows > self.most or rows % self.chunk_rows or self.rows % self.chunk_rows:
+            raise ValueError(f"{self.name}: cannot grow from {self.rows} to {rows} rows "
+                             f"(chunks of {self.chunk_rows}, {self.most} at most)")
+        first, last = self.n, -(-rows // self.chunk_rows)
+        made = []
+        try:
+            for k in range(first, last):
+                made.append(self.path(k))
+                preallocate(self.path(k), self.chunk_bytes)
+        except BaseException:
+            for p in made:
+                p.unlink(missing_ok=True)
+            raise
+        self._count(rows)
+        for k in range(first, last):
+            self._map_chunk(k, writable)
+        self._views()
+        return made
 
     def _map(self, k: int, fd: int, writable: bool) -> None:
         self.region.map_file(self.offset(k), self.sizes[k], fd, writable=writable)

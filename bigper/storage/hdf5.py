@@ -16,6 +16,7 @@ with compression a full disk surfaces later, as an error from h5py.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -28,6 +29,7 @@ import numpy as np
 
 from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
+from .base import fits_spec
 from ._state import check_meta
 from ..errors import (
     CorruptSnapshotError,
@@ -189,22 +191,29 @@ class HDF5Storage:
             raise CorruptSnapshotError(f"not a bigper HDF5 storage: {e}") from None
         return f
 
-    def allocate(self, specs) -> None:
+    def allocate(self, specs, growth=None) -> None:
+        """Create (or attach to) the arrays of ``specs``; one of ``growth``
+        (name -> rows of a step) starts with one step and grows by ``grow``
+        up to its spec's rows, a chunk a step."""
+        growth = growth or {}
         try:
             if self._pending:
                 self._swap()
             f = self._file
             if not self._meta["arrays"]:
                 h5py, reserve = _h5py(), self.compression is None
-                for name, (rows, shape, dtype) in specs.items():
+                for name, (most, shape, dtype) in specs.items():
                     row_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                    chunk_rows = int(max(1, min(rows, CHUNK_BYTES // max(row_bytes, 1))))
+                    rows = min(int(most), growth[name]) if name in growth else most
+                    chunk_rows = growth[name] if name in growth else \
+                        int(max(1, min(rows, CHUNK_BYTES // max(row_bytes, 1))))
                     early = {}
                     if reserve:  # every chunk placed now; never written with fill values
                         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
                         dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
                         early = {"dcpl": dcpl, "fill_time": "never"}
                     f.create_dataset(name, shape=(rows, *shape), dtype=dtype,
+                                     maxshape=(int(most), *shape) if name in growth else None,
                                      chunks=(chunk_rows, *shape), compression=self.compression,
                                      fillvalue=np.zeros((), dtype=dtype), **early)
                     self._meta["arrays"][name] = {"rows": rows, "shape": list(shape),
@@ -213,7 +222,7 @@ class HDF5Storage:
                 if reserve:
                     preallocate(self._fp, os.stat(self._fp).st_size)
             else:
-                self._check_arrays(specs)
+                self._check_arrays(specs, growth)
                 if not self.read_only:
                     self._meta["clean"] = False
                     self._write_meta()
@@ -226,7 +235,31 @@ class HDF5Storage:
             self._trash = None
             fsync_dir(self._dir.root)
 
-    def _check_arrays(self, specs) -> None:
+    def grow(self, name: str, rows: int) -> None:
+        """Array ``name`` (one allocated with ``growth``) holds ``rows`` rows
+        from now on, their chunks written (zeros) and the file's new bytes
+        really reserved: a full disk is an ``OSError`` naming the file, with
+        the dataset and the record as they were."""
+        if self.read_only:
+            raise InvalidArgumentError(f"{self.path} is open read_only")
+        d = self.dsets[name]
+        before = int(d.shape[0])
+        try:
+            d.resize(int(rows), axis=0)
+            d[before:int(rows)] = 0
+            self._meta["arrays"][name]["rows"] = int(rows)
+            self._write_meta()
+            preallocate(self._fp, os.stat(self._fp).st_size)
+        except BaseException as e:
+            self._meta["arrays"][name]["rows"] = before
+            with contextlib.suppress(Exception):
+                d.resize(before, axis=0)
+                self._write_meta()
+            if isinstance(e, OSError) and not e.filename:
+                raise OSError(e.errno, f"{e.strerror or e} (growing {name} to {rows:,} rows)", str(self.path)) from e
+            raise
+
+    def _check_arrays(self, specs, growth=None) -> None:
         """A reopened file's recorded arrays and its datasets must be what ``specs`` asks for
         (rows, row shape, dtype), before anything is written: a crafted or foreign record
         must not let rows land outside a dataset or in another one."""
@@ -236,10 +269,14 @@ class HDF5Storage:
             got = sorted(arrays) if isinstance(arrays, dict) else arrays
             raise IncompatibleSnapshotError(f"{self.path} records arrays {got!r:.200}; this buffer has "
                                             f"{sorted(specs)}")
+        growth = growth or {}
         for name, (rows, shape, dtype) in specs.items():
             d = self._file.get(name)
             want = ((int(rows), *map(int, shape)), np.dtype(dtype))
-            if not isinstance(d, h5py.Dataset) or (d.shape, d.dtype) != want:
+            if not isinstance(d, h5py.Dataset) or not fits_spec(
+                    name, (d.shape[0], d.shape[1:], d.dtype), (want[0][0], want[0][1:], want[1]), growth) \
+                    or (name in growth and (d.chunks is None or d.chunks[0] != growth[name]
+                                            or (d.maxshape[0] or 0) < int(rows))):
                 have = (d.shape, d.dtype) if isinstance(d, h5py.Dataset) else type(d).__name__
                 raise IncompatibleSnapshotError(f"{self.path}: array {name!r} is {have}; this buffer needs "
                                                 f"{want}")

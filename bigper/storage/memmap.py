@@ -54,6 +54,7 @@ from ..errors import (
 )
 from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
 from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
+from .base import fits_spec
 from ._state import STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
@@ -304,22 +305,30 @@ class MemmapStorage:
         write_json(self._root / "meta.json", self._meta)
         self._marked = True
 
-    def layout(self, specs) -> dict:
-        """The chunk layout this storage gives ``specs`` (``name -> (rows, shape, dtype)``)."""
+    def layout(self, specs, growth=None) -> dict:
+        """The chunk layout this storage gives ``specs`` (``name -> (rows, shape,
+        dtype)``); an array of ``growth`` (name -> rows of a step) has one chunk a step."""
+        growth = growth or {}
         out = {}
         for name, (rows, shape, dtype) in specs.items():
             row_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            per = int(growth[name]) if name in growth else chunk_rows_for(int(rows), row_bytes, self.chunk_bytes)
             out[name] = {"rows": int(rows), "shape": [int(s) for s in shape], "dtype": np.dtype(dtype).str,
-                         "chunk_rows": chunk_rows_for(int(rows), row_bytes, self.chunk_bytes)}
+                         "chunk_rows": per}
         return out
 
-    def allocate(self, specs) -> None:
+    def allocate(self, specs, growth=None) -> None:
+        """Create (or attach to) the arrays of ``specs``; one of ``growth``
+        (name -> rows of a step) starts with one step, grows by ``grow`` up to
+        its spec's rows, and has a chunk file a step."""
+        growth = growth or {}
         fresh = not self._meta["arrays"]
         try:
             if self.takeover:
                 self._wipe()
             if fresh:
-                layout = self.layout(specs)
+                layout = self.layout({n: (min(int(r), growth[n]) if n in growth else r, sh, dt)
+                                      for n, (r, sh, dt) in specs.items()}, growth)
                 self._meta["arrays"].update(layout)
                 write_json(self._root / "meta.json", self._meta)  # names every file before it exists
                 data = self._root / "data"
@@ -330,13 +339,17 @@ class MemmapStorage:
                         preallocate(a.path(k), a.sizes[k])
                 fsync_dir(data)
             else:
-                want = self.layout(specs)
-                have = {n: {k: r[k] for k in ("rows", "shape", "dtype")} for n, r in self._meta["arrays"].items()}
-                if have != {n: {k: r[k] for k in ("rows", "shape", "dtype")} for n, r in want.items()}:
+                want = self.layout(specs, growth)
+                rec = self._meta["arrays"]
+                key = lambda r: (r["rows"], tuple(r["shape"]), r["dtype"])  # noqa: E731
+                if set(rec) != set(want) or not all(
+                        fits_spec(n, key(rec[n]), key(want[n]), growth)
+                        and (n not in growth or rec[n]["chunk_rows"] == want[n]["chunk_rows"]) for n in want):
                     raise IncompatibleSnapshotError(
-                        f"{self.path} holds arrays {have}, but the buffer needs {want}")
+                        f"{self.path} holds arrays {rec}, but the buffer needs {want}")
             known = self._meta.get("shared_digests") or {}
-            arrays = {name: _Array(self._root, name, rec) for name, rec in self._meta["arrays"].items()}
+            arrays = {name: _Array(self._root, name, rec, specs[name][0] if name in growth else None)
+                      for name, rec in self._meta["arrays"].items()}
             random = self.random_reads
             if random is None:
                 random = random_reads_pay(sum(sum(a.sizes) for a in arrays.values()))
@@ -454,10 +467,32 @@ class MemmapStorage:
                 self._renamed |= a.thaw(int(k))
                 self._nshared -= 1
 
+    def grow(self, name: str, rows: int) -> None:
+        """Array ``name`` (one allocated with ``growth``) holds ``rows`` rows
+        from now on: meta.json names the new chunk files first (so they are
+        provably bigper's), then each is made and really reserved on disk. A
+        full disk is an ``OSError`` naming the file, with every file this call
+        made gone again and the record as it was."""
+        if self.read_only:
+            raise InvalidArgumentError(f"{self.path} is open read_only")
+        a = self._arr[name]
+        rec = self._meta["arrays"][name]
+        before = rec["rows"]
+        rec["rows"] = int(rows)
+        try:
+            write_json(self._root / "meta.json", self._meta)
+            a.grow(int(rows), True)
+            fsync_dir(self._root / "data")
+        except BaseException:
+            rec["rows"] = before
+            write_json(self._root / "meta.json", self._meta)
+            raise
+        self._rw[name], self.arrays[name] = a.rw, a.ro
+
     def flush(self) -> None:
         if not self.read_only:
             for a in self._arr.values():
-                a.region.sync(0, a.region.size)
+                a.region.sync(0, a.mapped_bytes())
             if self._renamed:  # copies that replaced shared chunk files
                 fsync_dir(self._root / "data")
                 self._renamed = False

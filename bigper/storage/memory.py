@@ -15,13 +15,35 @@ class MemoryStorage:
     def open(self, config):
         return None
 
-    def allocate(self, specs):
+    def allocate(self, specs, growth=None):
+        """One array per spec; those named in ``growth`` (name -> rows of a
+        step) start with one step and grow (``grow``)."""
+        growth = growth or {}
+        self._room = {}
         for name, (rows, shape, dtype) in specs.items():
+            n = min(int(rows), growth[name]) if name in growth else rows
             # Touched now rather than page by page on the hot path (and the
             # memory is there, or MemoryError, when the buffer is created).
-            a = np.empty((rows, *shape), dtype=dtype)
+            a = np.empty((n, *shape), dtype=dtype)
             a.fill(0)
             self.arrays[name] = a
+            if name in growth:
+                self._room[name] = (a, int(rows))
+
+    def grow(self, name: str, rows: int) -> None:
+        """Array ``name`` holds ``rows`` rows from now on (more; the new ones
+        zero), in a block that doubles as it fills (one copy per doubling)."""
+        block, most = self._room[name]
+        old = self.arrays[name]
+        if rows <= old.shape[0] or rows > most:
+            raise ValueError(f"grow({name!r}, {rows}): it holds {old.shape[0]} rows, {most} at most")
+        if rows > block.shape[0]:
+            bigger = np.empty((min(most, max(rows, 2 * block.shape[0])), *block.shape[1:]), dtype=block.dtype)
+            bigger[:old.shape[0]] = old
+            bigger[old.shape[0]:].fill(0)
+            block = bigger
+            self._room[name] = (block, most)
+        self.arrays[name] = block[:rows]
 
     @property
     def writable_arrays(self) -> dict:
