@@ -238,13 +238,13 @@ class Writer:
         s0 = int(slots[0])
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
         rw = getattr(self.store, "writable_arrays", None) if self.fused else None
+        if self.frames is not None:  # first: a compressed log that must grow and cannot fails before any write
+            self.frames.write(rows, g0, slots, where, ends, valid, rw)
         for name in self.plain:
             if rw is None:
                 self.store.write(name, where, rows[name][0] if m == 1 else rows[name])
             else:
                 rw[name][where] = rows[name][0] if m == 1 else rows[name]
-        if self.frames is not None:
-            self.frames.write(rows, g0, slots, where, ends, valid, rw)
         if keys is None:
             keys = np.array((self.max_leaf,)) if m == 1 else np.full(m, self.max_leaf)
         else:

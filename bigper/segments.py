@@ -213,7 +213,7 @@ class SegmentLog:
     def attach(self) -> None:
         """Take the slots the storage holds (a reopened or loaded log may have grown)."""
         if not self.capped:
-            self.st[A] = _rows(self.store, "frame_log") // self.seg_rows
+            self.st[A] = self.store.rows("frame_log") // self.seg_rows
 
     @property
     def codec(self) -> _zstd.Codec:
@@ -310,7 +310,7 @@ class SegmentLog:
                "so the buffer holds fewer sampleable transitions than its capacity (`bigper info` says how "
                "many); leave compression_budget unset and the log grows as its frames need")
         log.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warnings.warn(msg, RuntimeWarning, stacklevel=_caller_level())
 
     def _write_bytes(self, start: int, data: np.ndarray) -> None:
         """Bytes at ``start`` in the log, through the storage's block reads and writes."""
@@ -332,8 +332,8 @@ class SegmentLog:
         W = TRAIN_FRAMES
         if fw // W <= fw0 // W:
             return
-        # On the frames still in the log, however few the budget keeps: frames that compress
-        # worse than the budget leave fewer than W in it until a dictionary makes them small.
+        # On the frames still in the log, however few a capped log keeps: frames that compress
+        # worse than its budget leave fewer than W in it until a dictionary makes them small.
         lo = max(fw - 2 * W, self.oldest(), fw - self.F, 0)
         if fw - lo < min(W // 2, MIN_LOOK):
             return
@@ -529,7 +529,13 @@ class SegmentLog:
         self.dicts.close()
 
 
-def _rows(store, name: str) -> int:
-    """Rows the storage holds of array ``name``."""
-    arrays = getattr(store, "dsets", None) or store.arrays
-    return int(arrays[name].shape[0])
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning that names the caller's line outside bigper."""
+    import sys
+
+    here = __file__.rsplit("/", 1)[0]
+    level, f = 1, sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(here):
+        level += 1
+        f = f.f_back
+    return level

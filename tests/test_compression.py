@@ -332,6 +332,7 @@ def test_cli_info_shows_the_ratio_and_verify_decompresses_every_live_frame(tmp_p
     live = np.flatnonzero(buf._status == 1)
     victim = int(buf._frames._refs("obs_ref", live[-1:])[0, 0])
     off, ln = buf._frames.store.arrays["frame_index"][victim % buf._frames.F]
+    seg = buf._frames.log.seg  # (a log that grows has a chunk file a segment)
     buf.close()
     run = lambda *a: subprocess.run([sys.executable, "-m", "bigper", *a, str(tmp_path / "buf")],  # noqa: E731
                                     capture_output=True, text=True,
@@ -340,8 +341,10 @@ def test_cli_info_shows_the_ratio_and_verify_decompresses_every_live_frame(tmp_p
     assert info.returncode == 0 and "compression zstd" in info.stdout and "compress " in info.stdout
     ok = run("verify")
     assert ok.returncode == 0 and "compressed frames decompressed and checked" in ok.stdout, ok.stdout
-    log = np.memmap(tmp_path / "buf" / "data" / "frame_log.bin", mode="r+", dtype=np.uint8)
-    log[int(off) + (int(ln) & 0xFFFFFFFF) // 2] ^= 0x04
+    k, off = divmod(int(off), seg)
+    name = "frame_log.bin" if k == 0 else f"frame_log.{k:06d}.bin"
+    log = np.memmap(tmp_path / "buf" / "data" / name, mode="r+", dtype=np.uint8)
+    log[off + (int(ln) & 0xFFFFFFFF) // 2] ^= 0x04
     log.flush()
     del log
     bad = run("verify")

@@ -149,8 +149,14 @@ def test_a_huge_n_step_on_a_small_ring_gets_a_log_the_size_of_its_raw_frames():
                                                              "reward": ((), np.float32)},
                                          frame_stack=4, n_step=MAX_N_STEP, compression="zstd")
     raw = buf._frames.F * 84 * 84
-    assert buf._frames.log.log_bytes <= 4 * raw and buf.config.compression_budget <= 4 * _zstd.bound(84 * 84)
+    log = buf._frames.log  # (a log that grows: the most it may hold, from the ring's frames)
+    assert buf.config.compression_budget is None and log.S * log.seg <= 4 * raw + 4 * _zstd.bound(84 * 84) * 8
     buf.close()
+    capped = bigper.PrioritizedReplayBuffer(capacity=1, fields={"obs": ((4, 84, 84), np.uint8),
+                                                                "reward": ((), np.float32)}, frame_stack=4,
+                                            n_step=MAX_N_STEP, compression="zstd", compression_budget=8193)
+    assert capped._frames.log.log_bytes <= 4 * raw
+    capped.close()
 
 
 def test_a_budget_whose_log_keeps_no_stack_is_refused_naming_one_that_does(tmp_path):
@@ -266,7 +272,12 @@ def test_retraining_follows_content_that_changes_every_1200_frames():
     # (it used to stop at the first candidate that did not pay: one or two in 8,000 frames).
     from .test_compression_dicts import run
 
-    buf = make("memory", None, (84, 84), k=4, capacity=1500)
+    # A log capped at a sixteenth of a frame (the default before issue 34): it keeps
+    # the newest ~500 frames of this stream, so each look trains on the content now
+    # playing. (A log that grows keeps all 1,548 and trains on the 2W frames before the
+    # newest W, like any large buffer: content that changes faster than that is not
+    # followed look by look; see the next test.)
+    buf = make("memory", None, (84, 84), k=4, capacity=1500, budget=84 * 84 // 16)
     feed, gens = None, []
     for game in ["Pong", "MsPacman", "Qbert", "SpaceInvaders", "Seaquest", "Breakout", "Qbert", "MsPacman"]:
         feed = run(buf, GAMES[game], 1100, feed)

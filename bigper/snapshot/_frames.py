@@ -39,6 +39,10 @@ class _ChunkFiles:
                 chunks.append(np.frombuffer(m if m is not None else b"", dtype=dtype).reshape(-1, *shape))
             self._arrays[name] = (chunks, per)
 
+    def rows(self, name: str) -> int:
+        chunks, _ = self._arrays[name]
+        return sum(c.shape[0] for c in chunks)
+
     def read(self, name: str, rows) -> np.ndarray:
         chunks, per = self._arrays[name]
         if isinstance(rows, slice):

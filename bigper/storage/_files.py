@@ -3,6 +3,8 @@ untrusted files, locks, durable JSON, preallocation."""
 
 from __future__ import annotations
 
+import contextlib
+
 import errno
 import fcntl
 import json
@@ -296,8 +298,12 @@ def write_durable(path: Path, data: bytes) -> None:
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-    finally:
+    except BaseException:  # (a full disk: the file as it was, and no half-written copy beside it)
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

@@ -37,6 +37,9 @@ class Storage(Protocol):
     def write(self, name: str, rows: int | slice | np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` at ``rows`` (an int, a slice or an int64 array)."""
 
+    def rows(self, name: str) -> int:
+        """Rows array ``name`` holds (one of ``growth``: what it grew to)."""
+
     def grow(self, name: str, rows: int) -> None:
         """Array ``name`` of ``growth`` holds ``rows`` rows from now on (whole
         steps; the new rows zero and really reserved: a full disk is an

@@ -50,6 +50,7 @@ from ..errors import (
     UnknownFieldError,
 )
 from ._files import open_regular
+from .base import fits_spec
 from ._h5guard import check_links
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
 from ._h5map import map_column, read_column, row_order
@@ -199,16 +200,23 @@ class H5Source(Layouts):
     def saved_state(self):
         return ({}, {}) if self.recorded is None else (self.recorded[1], self.recorded[2])
 
-    def allocate(self, specs) -> None:
+    def allocate(self, specs, growth=None) -> None:
+        """Check the dataset holds ``specs`` (an array of ``growth``: whole steps, at most its rows)."""
+        growth = growth or {}
         for name, (rows, shape, dtype) in specs.items():
             if name in ("terminated", "truncated"):
                 continue
             col = self.columns.get(name)
             want = None if col is None else (int(col.seg_rows.sum()) if self.recorded else self.n)
-            if col is None or rows != want or tuple(shape) != col.shape:
+            if col is None or not fits_spec(name, (want, tuple(col.shape)), (rows, tuple(shape)), growth):
                 have = None if col is None else (want, col.shape)
                 raise OfflineDatasetError(f"{self.file_path}: the buffer asks for {name!r} "
                                           f"{(rows, tuple(shape))}, the dataset has {have}")
+
+    def rows(self, name: str) -> int:
+        """Rows the dataset holds of array ``name``."""
+        col = self.columns[name]
+        return int(col.seg_rows.sum()) if self.recorded else self.n
 
     def read(self, name, rows):
         rows = np.asarray(rows)

@@ -235,6 +235,10 @@ class HDF5Storage:
             self._trash = None
             fsync_dir(self._dir.root)
 
+    def rows(self, name: str) -> int:
+        """Rows array ``name`` holds (an array that grows: what it grew to)."""
+        return int(self.dsets[name].shape[0])
+
     def grow(self, name: str, rows: int) -> None:
         """Array ``name`` (one allocated with ``growth``) holds ``rows`` rows
         from now on, their chunks written (zeros) and the file's new bytes

@@ -478,16 +478,29 @@ class MemmapStorage:
         a = self._arr[name]
         rec = self._meta["arrays"][name]
         before = rec["rows"]
+        what = f"growing {name} from {before:,} to {int(rows):,} rows"
         rec["rows"] = int(rows)
         try:
-            write_json(self._root / "meta.json", self._meta)
+            write_json(self._root / "meta.json", self._meta)  # (atomic: as it was when it fails)
+        except OSError as e:
+            rec["rows"] = before
+            raise OSError(e.errno, f"{e.strerror or e} ({what})", str(self._root / "meta.json")) from None
+        try:
             a.grow(int(rows), True)
             fsync_dir(self._root / "data")
-        except BaseException:
+        except BaseException as e:
             rec["rows"] = before
-            write_json(self._root / "meta.json", self._meta)
+            # (a record naming files that are not there is still bigper's: close rewrites it)
+            with contextlib.suppress(OSError):
+                write_json(self._root / "meta.json", self._meta)
+            if isinstance(e, OSError) and not e.filename:
+                raise OSError(e.errno, f"{e.strerror or e} ({what})", str(self._root / "data")) from None
             raise
         self._rw[name], self.arrays[name] = a.rw, a.ro
+
+    def rows(self, name: str) -> int:
+        """Rows array ``name`` holds (an array that grows: what it grew to)."""
+        return int(self._arr[name].rows)
 
     def flush(self) -> None:
         if not self.read_only:

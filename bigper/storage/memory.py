@@ -45,6 +45,9 @@ class MemoryStorage:
             self._room[name] = (block, most)
         self.arrays[name] = block[:rows]
 
+    def rows(self, name: str) -> int:
+        return int(self.arrays[name].shape[0])
+
     @property
     def writable_arrays(self) -> dict:
         """Arrays a buffer may write rows into directly (all of them, in memory)."""
