@@ -173,7 +173,7 @@ def test_a_full_disk_when_the_log_grows_is_an_oserror_naming_the_file_and_change
     buf.close()
     again = bigper.PrioritizedReplayBuffer(  # resumed, the log as it grew
         capacity=150, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
-        storage="memmap", path=live, compression="zstd", seed=0)
+        storage="memmap", path=live, compression="zstd", seed=0, mode="resume")
     assert again.resumed
     check_all_live(again, feed)
     again.close()
