@@ -231,15 +231,17 @@ class PrioritizedReplayBuffer:
         Seed of the one ``numpy.random.Generator`` that draws every uniform.
     compression : {None, "zstd"}
         With ``frame_stack``: store each frame compressed (zstd, a dictionary
-        trained on the first frames) in a ring of segments, decompressed at
-        sample time (``bigper.segments``); needs the ``compression`` extra (in a
-        checkout: ``pip install -e '.[compression]'``).
+        trained on the first frames) in a log of segments that grows as the
+        frames need (``capacity`` is held whatever they compress to),
+        decompressed at sample time (``bigper.segments``); needs the
+        ``compression`` extra (in a checkout: ``pip install -e '.[compression]'``).
     compression_budget : int, optional
-        Bytes of log a frame (default a sixteenth of a frame, at least 64, and
-        raised on small buffers to what keeps one transition of every env of
-        frames that do not compress; a smaller budget is refused naming one
-        that works): the log is preallocated at ``budget`` times the frame
-        ring's size, and when frames compress worse the oldest segment goes sooner.
+        A cap: bytes of log a frame, preallocated at creation (default: none,
+        the log grows). Frames that compress worse than it release the oldest
+        segment early, so fewer than ``capacity`` transitions stay sampleable
+        (said once, with a ``RuntimeWarning``). A budget whose log could not
+        keep one transition of every env of frames that do not compress is
+        refused naming one that works.
     compression_dictionary : bytes or (n,) uint8 array, optional
         A zstd dictionary (e.g. ``bigper.train_dictionary(frames)``) used from
         the first frame instead of one trained on the first frames; retrained

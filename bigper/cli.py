@@ -164,8 +164,8 @@ def _info_storage(path: Path, args) -> int:
     print(f"{path}: a live {meta.get('format')} storage, version {meta.get('version')}, "
           f"{'closed cleanly' if meta.get('clean') else 'OPEN or its writer died (resume from a snapshot)'}")
     prio = cfg.get("prioritization", "proportional")
-    print(f"  capacity {cap:,}; {n:,} transitions at the last close; {size / 1e6:,.1f} MB of data; "
-          f"{prio if isinstance(prio, str) else '?'} prioritization")
+    print(f"  capacity {cap:,}; {n:,} transitions at the last close{_sampleable(path, cap)}; "
+          f"{size / 1e6:,.1f} MB of data; {prio if isinstance(prio, str) else '?'} prioritization")
     if cfg.get("compression") is not None:
         print(f"  compression {cfg.get('compression')!s:.20}: {_ratio(cfg, state)}")
     for name, a in meta.get("arrays", {}).items():
@@ -177,6 +177,21 @@ def _info_storage(path: Path, args) -> int:
         print(f"  data/ also holds {len(stray)} entr{'y' if len(stray) == 1 else 'ies'} that bigper does not "
               f"read (not regular files): {', '.join(stray[:5])}")
     return 0
+
+
+def _sampleable(path: Path, cap: int) -> str:
+    """``", N sampleable"`` from the status recorded at the last close (a
+    compressed log capped by its budget may hold fewer than the ring); empty
+    when there is none or it cannot be read."""
+    from .storage._state import load_state_dir
+
+    try:
+        status = load_state_dir(path / "state", ["status"]).get("status")
+    except Exception:  # noqa: BLE001 (info reports what it can read)
+        return ""
+    if not isinstance(status, np.ndarray) or status.shape != (cap,):
+        return ""
+    return f", {int((status == 1).sum()):,} of them sampleable"
 
 
 def _ratio(cfg: dict, state: dict) -> str:

@@ -125,7 +125,7 @@ def child(capacity: int, steps: int, compression: str | None, root: Path, game: 
         res["disk_per_live"] = res["disk_bytes"] / max(res["live"], 1)
         if compression:
             fs = buf._frames
-            res["budget"] = fs.log.seg * fs.log.S / fs.F
+            res["budget"] = fs.log.seg * fs.log.slots / fs.F  # log bytes allocated a frame
         warm = rounds(buf, 2000)
         res["warm_us"] = float(np.median(warm[200:])) * 1e6
         res["rss_anon_end"] = proc_status().get("RssAnon", 0)
