@@ -258,7 +258,8 @@ class SegmentLog:
         else:
             data, lengths = self.codec.compress(frames, slot)
         offsets = np.empty(m, dtype=np.int64)
-        if self.pos + int(lengths.sum()) > self.seg:  # segments open: make them writable first
+        opens = self.pos + int(lengths.sum()) > self.seg
+        if opens:  # segments open: make them writable first
             self._open_ahead(f0, lengths, offsets)
         forced = place(lengths, f0, self.F, self.seg, self.capped, self.st, self.seg_first, self.seg_slot,
                        self.used, offsets)
@@ -267,8 +268,15 @@ class SegmentLog:
         if rw is not None:
             put_rows(data, lengths, offsets, self.store.writable_arrays["frame_log"].reshape(-1),
                      rw["frame_index"], self.F, f0, did)
-            return
-        # Storages without arrays (HDF5): runs of frames contiguous in the log, one write each.
+        else:
+            self._put_through(data, lengths, offsets, f0, did)
+        if opens and not self.capped:
+            self._trim()
+
+    def _put_through(self, data, lengths, offsets, f0: int, did: int) -> None:
+        """The frames and their index rows through the storage's writes
+        (storages without arrays, HDF5): frames contiguous in the log, one write a run."""
+        m = lengths.shape[0]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
         bounds = np.concatenate([[0], breaks, [m]])
@@ -302,6 +310,23 @@ class SegmentLog:
             if opened.size:
                 prepare({"frame_log": (opened[:, None] * self.seg_rows
                                        + np.arange(self.seg_rows)).reshape(-1)})
+
+    def _trim(self) -> None:
+        """Give the storage back the free slots at the top of the log, all but
+        one (the frames once took more room: those before the first dictionary,
+        a stretch that compressed worse). Best effort: a failure keeps them."""
+        keep = n = self.slots
+        while keep > 2 and self.used[keep - 1] == 0 and self.used[keep - 2] == 0:
+            keep -= 1
+        shrink = getattr(self.store, "shrink", None)
+        if keep == n or shrink is None:
+            return
+        try:
+            shrink("frame_log", keep * self.seg_rows)
+        except OSError as e:
+            log.warning("bigper: giving back %d free log segments failed, kept: %r", n - keep, e)
+        finally:  # the slots the storage holds, whatever happened (reads are bounded by them)
+            self.st[A] = self.store.rows("frame_log") // self.seg_rows
 
     def _warn_cap(self) -> None:
         self.warned = True

@@ -52,13 +52,16 @@ class _Array:
         self.reader = None  # the same files again, read-only, for random rows (see map)
 
     def _count(self, rows: int) -> None:
-        """Chunks (and their sizes) for ``rows`` rows; a grown array keeps its first ones."""
+        """Chunks (and their sizes) for ``rows`` rows; an array that grows or
+        shrinks keeps its first ones."""
         n0 = self.n
         self.rows, self.n = rows, -(-rows // self.chunk_rows)
         self.sizes = [min(self.chunk_rows, rows - k * self.chunk_rows) * self.row_bytes for k in range(self.n)]
-        self.shared = np.concatenate([self.shared, np.zeros(self.n - n0, dtype=bool)])
-        self.digests += [None] * (self.n - n0)
-        self.inodes += [0] * (self.n - n0)
+        if self.n < n0:
+            self.nshared -= int(self.shared[self.n:].sum())
+        self.shared = np.concatenate([self.shared, np.zeros(max(0, self.n - n0), dtype=bool)])[:self.n]
+        self.digests = (self.digests + [None] * max(0, self.n - n0))[:self.n]
+        self.inodes = (self.inodes + [0] * max(0, self.n - n0))[:self.n]
 
     def path(self, k: int) -> Path:
         return self.dir / chunk_name(self.name, k)
@@ -94,6 +97,26 @@ class _Array:
     def mapped_bytes(self) -> int:
         """Bytes of the region its chunks cover (the rest is reserved only)."""
         return self.offset(self.n - 1) + round_up(self.sizes[-1])
+
+    def shrink(self, rows: int) -> int:
+        """``rows`` rows from now on (fewer, whole chunks): the chunks past
+        them are unmapped, then their files deleted (a snapshot's links keep
+        its copies). Returns the chunks let go (their shared ones: the caller's
+        count goes down by ``shared`` before this)."""
+        if rows >= self.rows or rows < self.chunk_rows or rows % self.chunk_rows:
+            raise ValueError(f"{self.name}: cannot shrink from {self.rows} to {rows} rows "
+                             f"(chunks of {self.chunk_rows})")
+        first, last = rows // self.chunk_rows, self.n
+        for k in range(first, last):
+            self.region.unmap(self.offset(k), self.sizes[k])
+            if self.reader is not None:
+                self.reader.unmap(self.offset(k), self.sizes[k])
+        paths = [self.path(k) for k in range(first, last)]
+        self._count(rows)
+        self._views()
+        for p in paths:
+            p.unlink(missing_ok=True)
+        return last - first
 
     def grow(self, rows: int, writable: bool) -> list:
         """``rows`` rows from now on (whole chunks, ``most`` at most): the new

@@ -85,6 +85,17 @@ class Region:
         if got != want:  # cannot happen with MAP_FIXED; never write through a stray mapping
             raise OSError(f"mmap placed a chunk at {got:#x}, expected {want:#x}")
 
+    def unmap(self, offset: int, length: int) -> None:
+        """Give the range back to the reservation (``PROT_NONE``, nothing
+        committed): the file mapped there is let go."""
+        if offset % PAGE or length < 1 or offset + round_up(length) > self.size:
+            raise InvalidArgumentError(f"bad range: offset {offset}, length {length}, region {self.size}")
+        want = self.addr + offset
+        got = _libc.mmap(want, round_up(length), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+                         -1, 0)
+        if got is None or got == _MAP_FAILED or got != want:
+            _fail("unmapping a chunk")
+
     def populate_write(self, offset: int, length: int) -> bool:
         """Fault the range in for writing now (``MADV_POPULATE_WRITE``), so the
         writes that follow take no page fault each (on ext4 a write fault on a

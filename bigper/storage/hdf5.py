@@ -239,6 +239,15 @@ class HDF5Storage:
         """Rows array ``name`` holds (an array that grows: what it grew to)."""
         return int(self.dsets[name].shape[0])
 
+    def shrink(self, name: str, rows: int) -> None:
+        """Array ``name`` holds ``rows`` rows from now on (fewer: HDF5 frees
+        the chunks past them for its later allocations)."""
+        if self.read_only:
+            raise InvalidArgumentError(f"{self.path} is open read_only")
+        self.dsets[name].resize(int(rows), axis=0)
+        self._meta["arrays"][name]["rows"] = int(rows)
+        self._write_meta()
+
     def grow(self, name: str, rows: int) -> None:
         """Array ``name`` (one allocated with ``growth``) holds ``rows`` rows
         from now on, their chunks written (zeros) and the file's new bytes

@@ -498,6 +498,21 @@ class MemmapStorage:
             raise
         self._rw[name], self.arrays[name] = a.rw, a.ro
 
+    def shrink(self, name: str, rows: int) -> None:
+        """Array ``name`` (one allocated with ``growth``) holds ``rows`` rows
+        from now on (fewer): the chunk files past them go, then meta.json
+        stops naming them (named and missing is still provably bigper's)."""
+        if self.read_only:
+            raise InvalidArgumentError(f"{self.path} is open read_only")
+        a = self._arr[name]
+        shared = int(a.shared[int(rows) // a.chunk_rows:].sum())
+        a.shrink(int(rows))
+        self._nshared -= shared
+        fsync_dir(self._root / "data")
+        self._meta["arrays"][name]["rows"] = int(rows)
+        write_json(self._root / "meta.json", self._meta)
+        self._rw[name], self.arrays[name] = a.rw, a.ro
+
     def rows(self, name: str) -> int:
         """Rows array ``name`` holds (an array that grows: what it grew to)."""
         return int(self._arr[name].rows)

@@ -48,6 +48,10 @@ class MemoryStorage:
     def rows(self, name: str) -> int:
         return int(self.arrays[name].shape[0])
 
+    def shrink(self, name: str, rows: int) -> None:
+        """Array ``name`` holds ``rows`` rows from now on (fewer; its block is kept)."""
+        self.arrays[name] = self._room[name][0][:rows]
+
     @property
     def writable_arrays(self) -> dict:
         """Arrays a buffer may write rows into directly (all of them, in memory)."""
