@@ -281,7 +281,9 @@ class FrameStore:
         fw0 = self.fw
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
-        saved = self._save(env, slots) if self.log is not None else None
+        # What the log may fail at (a full disk when it grows) runs after assign_refs: keep what
+        # assign_refs changes to put it back then (rarely needed: see may_fail).
+        saved = self._save(env, slots) if self.log is not None and self.log.may_fail(2 * m * self.k) else None
         fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
                          fw0, self.has_next, obs_ref, next_ref, new, slots, self.minref)
         n_new = fw - fw0
@@ -289,7 +291,8 @@ class FrameStore:
             try:
                 self.log.append(fw0, new[:n_new].view(np.uint8).reshape(n_new, self.row_bytes), rw)
             except BaseException:
-                self._undo(saved, slots)  # (the log is as it was: what failed ran before it changed)
+                if saved is not None:
+                    self._undo(saved, slots)  # (the log is as it was: what failed ran before it changed)
                 raise
             if n_new > self.F:
                 self.fw = fw  # (only the newest F frames are indexed; older are expired below)

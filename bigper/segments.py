@@ -235,6 +235,20 @@ class SegmentLog:
         first = int(self.seg_slot[self.g % self.S]) * self.seg_rows
         return np.arange(first + self.pos // self.block, first + self.seg_rows, dtype=np.int64)
 
+    def may_fail(self, n_frames: int) -> bool:
+        """Whether appending ``n_frames`` frames may have to do what can fail
+        for want of disk (grow the storage, copy a segment a snapshot shares):
+        cheap, an upper bound. Mostly False: the frames fit in the open
+        segment, or one segment opens and a free slot is there for it."""
+        ub = n_frames * self.max_len
+        if self.pos + ub <= self.seg:
+            return False
+        opens = 1 if ub <= self.seg else 1 + -(-ub // (self.seg - self.max_len + 1))
+        free = self.slots - (self.g - int(self.st[LO]) + 1)
+        if opens > free and not self.capped:
+            return True
+        return bool(getattr(self.store, "prepare", None) is not None and getattr(self.store, "shared_chunks", 1))
+
     def append(self, f0: int, frames: np.ndarray, rw: dict | None) -> None:
         """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).
 
@@ -258,7 +272,7 @@ class SegmentLog:
         else:
             data, lengths = self.codec.compress(frames, slot)
         offsets = np.empty(m, dtype=np.int64)
-        opens = self.pos + int(lengths.sum()) > self.seg
+        opens = self.st[POS] + (lengths[0] if m == 1 else lengths.sum()) > self.seg
         if opens:  # segments open: make them writable first
             self._open_ahead(f0, lengths, offsets)
         forced = place(lengths, f0, self.F, self.seg, self.capped, self.st, self.seg_first, self.seg_slot,
