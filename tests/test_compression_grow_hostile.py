@@ -1,0 +1,256 @@
+"""Issue 34 attacks: a compressed log that grows by segments (no
+compression_budget). Crafted snapshots and live folders claiming rows, slots
+or segments the log does not hold are refused with a bigper error and
+nothing changed on disk; growing under threads, in big extends, on a full
+disk, through HDF5 and convert keeps every live transition exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bigper
+from bigper.errors import CorruptSnapshotError, IncompatibleSnapshotError
+from bigper.snapshot._manifest import digest
+
+from ._hostile_snapshot_cases import fingerprint, put_state, refused, resign
+from .conftest import fill_disk
+from .test_compression import Feed, check_all_live, check_sample, make, noise
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD = (CorruptSnapshotError, IncompatibleSnapshotError)
+SHAPE = (32, 32)  # 1 KB frames of noise: 4 a segment, so the log grows by many segments
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+_PRISTINE: dict = {}
+
+
+def grown(kind: str, tmp: Path, steps=100) -> tuple[Path, dict]:
+    """A copy of a snapshot of a grown log (noise frames) and facts about it."""
+    key = (kind, steps)
+    if key not in _PRISTINE:
+        import tempfile
+        where = Path(tempfile.mkdtemp(prefix="bigper-grow-"))
+        buf = make(kind, where, SHAPE, k=2, capacity=30, name="live")
+        Feed(noise(np.random.default_rng(0), 300, SHAPE, np.uint8), 2).run(buf, steps)
+        lg = buf._frames.log
+        facts = {"S": lg.S, "slots": lg.slots, "seg_rows": lg.seg_rows, "g": lg.g, "lo": int(lg.st[2]),
+                 "seg_slot": lg.seg_slot.copy(), "seg_first": lg.seg_first.copy(), "block": lg.block}
+        assert lg.slots > 2 and lg.g > lg.S  # grown, and wrapped around its segment ring
+        _PRISTINE[key] = (buf.save(where / "snap"), facts)
+        buf.close()
+    src, facts = _PRISTINE[key]
+    dst = tmp / "snap"
+    shutil.copytree(src, dst)
+    return dst, facts
+
+
+def _meta(snap: Path, **frames) -> None:
+    def change(b):
+        for k, v in frames.items():
+            if v is None:
+                b["state"]["meta"]["frames"].pop(k, None)
+            else:
+                b["state"]["meta"]["frames"][k] = v
+    resign(snap, change)
+
+
+def _log_rows(snap: Path, rows: int, facts: dict) -> None:
+    """Claim ``rows`` rows of frame_log (memory snapshot: one data file, resized to match)."""
+    member = "data/frame_log.bin"
+    raw = (snap / member).read_bytes()
+    want = rows * facts["block"]
+    raw = raw[:want] + b"\0" * max(0, want - len(raw))
+    os.unlink(snap / member)
+    (snap / member).write_bytes(raw)
+
+    def change(b):
+        b["data"]["frame_log"]["rows"] = rows
+        b["data"]["frame_log"]["chunk_rows"] = rows
+        b["files"][member] = {"size": len(raw), "xxh3_64": digest(raw)}
+    resign(snap, change)
+
+
+def _slot(facts, change):
+    s = facts["seg_slot"].copy()
+    change(s, facts)
+    return s
+
+
+def _live(facts):
+    return [g % facts["S"] for g in range(facts["lo"], facts["g"] + 1)]
+
+
+# -- 1. crafted snapshots ------------------------------------------------------
+
+LOG_ROWS = {
+    "not_a_segment_multiple": lambda f: f["slots"] * f["seg_rows"] + 1,
+    "one_segment_short_of_live": lambda f: (f["slots"] - 1) * f["seg_rows"],
+    "one_segment": lambda f: f["seg_rows"],
+    "zero": lambda f: 0,
+    "over_the_most": lambda f: (f["S"] + 1) * f["seg_rows"],
+    "half_a_segment": lambda f: f["seg_rows"] // 2,
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOG_ROWS))
+def test_snapshot_log_rows_refused(case, tmp_path):
+    snap, facts = grown("memory", tmp_path)
+    rows = LOG_ROWS[case](facts)
+    if case == "one_segment_short_of_live":
+        assert max(facts["seg_slot"][_live(facts)]) == facts["slots"] - 1  # the last slot is live
+    _log_rows(snap, rows, facts)
+    refused(BAD, snap)
+
+
+def test_snapshot_log_rows_more_than_grown_but_allowed_loads_exact(tmp_path):
+    """Spare (zero) segments beyond what the log used are within the rules: the load keeps them, exact."""
+    snap, facts = grown("memory", tmp_path)
+    _log_rows(snap, facts["S"] * facts["seg_rows"], facts)
+    buf = bigper.PrioritizedReplayBuffer.load(snap)
+    assert buf._frames.log.slots == facts["S"]
+    buf.sample(8)
+    Feed(noise(np.random.default_rng(9), 50, SHAPE, np.uint8), 2).run(buf, 60)
+    buf.sample(8)
+    buf.close()
+
+
+SLOT_CASES = {
+    "duplicate": lambda s, f: s.__setitem__(_live(f)[0], s[_live(f)[1]]),
+    "negative": lambda s, f: s.__setitem__(_live(f)[0], -1),
+    "huge_negative": lambda s, f: s.__setitem__(_live(f)[0], np.iinfo(np.int64).min),
+    "at_S": lambda s, f: s.__setitem__(_live(f)[0], f["S"]),
+    "huge": lambda s, f: s.__setitem__(_live(f)[-1], np.iinfo(np.int64).max),
+    "beyond_grown": lambda s, f: s.__setitem__(_live(f)[-1], f["slots"]),
+    "swapped": lambda s, f: s.__setitem__(_live(f)[:2], s[_live(f)[:2]][::-1]),
+}
+
+
+@pytest.mark.parametrize("kind", ["memory", "memmap"])
+@pytest.mark.parametrize("case", sorted(SLOT_CASES))
+def test_snapshot_seg_slot_refused(kind, case, tmp_path):
+    snap, facts = grown(kind, tmp_path)
+    put_state(snap, "frames_seg_slot", _slot(facts, SLOT_CASES[case]))
+    refused(BAD, snap, path=None if kind == "memory" else tmp_path / "out")
+
+
+BAD_ARRAYS = {
+    "wrong_dtype": lambda f: f["seg_slot"].astype(np.int32),
+    "float": lambda f: f["seg_slot"].astype(np.float64),
+    "short": lambda f: f["seg_slot"][:-1],
+    "long": lambda f: np.concatenate([f["seg_slot"], [0]]),
+    "2d": lambda f: f["seg_slot"][None],
+    "scalar": lambda f: np.int64(0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARRAYS))
+def test_snapshot_seg_slot_array_refused(case, tmp_path):
+    snap, facts = grown("memory", tmp_path)
+    put_state(snap, "frames_seg_slot", BAD_ARRAYS[case](facts))
+    refused(BAD, snap)
+
+
+def test_snapshot_seg_slot_missing_refused(tmp_path):
+    snap, facts = grown("memory", tmp_path)
+
+    def change(b):
+        b["state"]["arrays"].pop("frames_seg_slot")
+        b["files"].pop("state/frames_seg_slot.npy")
+    os.unlink(snap / "state/frames_seg_slot.npy")
+    resign(snap, change)
+    refused(BAD, snap)
+
+
+SEG_LO = {
+    "above_g": lambda f: f["g"] + 1,
+    "below_window": lambda f: f["g"] - f["S"],
+    "negative": lambda f: -1,
+    "huge": lambda f: 2 ** 63 - 1,
+    "too_huge": lambda f: 2 ** 70,
+    "float": lambda f: float(f["lo"]),
+    "string": lambda f: str(f["lo"]),
+    "bool": lambda f: True,
+    "list": lambda f: [f["lo"]],
+    "null": lambda f: None,  # (removed)
+    "one_older": lambda f: f["lo"] - 1,  # claims an expired segment is still live
+    "one_newer": lambda f: f["lo"] + 1,  # drops a live segment
+    "g": lambda f: f["g"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEG_LO))
+def test_snapshot_seg_lo_refused(case, tmp_path):
+    snap, facts = grown("memory", tmp_path)
+    _meta(snap, seg_lo=SEG_LO[case](facts))
+    refused(BAD, snap)
+
+
+@pytest.mark.parametrize("seg", ["g_plus_one", "g_minus_one", "huge"])
+def test_snapshot_seg_refused(seg, tmp_path):
+    snap, facts = grown("memory", tmp_path)
+    v = {"g_plus_one": facts["g"] + 1, "g_minus_one": facts["g"] - 1, "huge": 2 ** 62}[seg]
+    _meta(snap, seg=v)
+    refused(BAD, snap)
+
+
+def test_snapshot_budget_config_with_grown_state_refused(tmp_path):
+    """A config that says capped (a budget) over the state and data of a grown log."""
+    snap, facts = grown("memory", tmp_path)
+    resign(snap, lambda b: b["config"].__setitem__("compression_budget", 300))
+    refused(BAD, snap)
+
+
+def test_snapshot_budget_config_same_geometry_grown_state_refused(tmp_path):
+    """A budget that gives the same S as the grown log's most (so the rows fit): the
+    slots the state records are not the capped log's ``g % S`` ones."""
+    snap, facts = grown("memory", tmp_path)
+    _log_rows(snap, facts["S"] * facts["seg_rows"], facts)
+    from bigper._budget import log_geometry
+    budget = None
+    for b in range(1, 1092):
+        try:
+            if log_geometry(34, 1024, b)[2] == facts["S"]:
+                budget = b
+                break
+        except Exception:
+            continue
+    if budget is None:
+        pytest.skip("no budget gives this S")
+    resign(snap, lambda b: b["config"].__setitem__("compression_budget", budget))
+    before = fingerprint(snap)
+    try:
+        buf = bigper.PrioritizedReplayBuffer.load(snap)
+    except BAD:
+        assert fingerprint(snap) == before
+        return
+    # accepted: then it must be exact (every live transition decodes to what was added)
+    fs = buf._frames
+    live = np.flatnonzero(buf._status == 1)
+    fs.stacks("obs_ref", live)  # raises CorruptSnapshotError at worst, never garbage
+    buf.close()
+
+
+def test_snapshot_capped_state_under_growing_config_refused(tmp_path):
+    """A capped log's snapshot (no seg_lo, no frames_seg_slot) with its budget removed from the config."""
+    import tempfile
+    where = Path(tempfile.mkdtemp(prefix="bigper-cap-"))
+    buf = make("memory", where, SHAPE, k=2, capacity=30, budget=300)
+    with pytest.warns(RuntimeWarning):
+        Feed(noise(np.random.default_rng(0), 300, SHAPE, np.uint8), 2).run(buf, 100)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    resign(snap, lambda b: b["config"].__setitem__("compression_budget", None))
+    refused(BAD, snap)
