@@ -254,3 +254,104 @@ def test_snapshot_capped_state_under_growing_config_refused(tmp_path):
     buf.close()
     resign(snap, lambda b: b["config"].__setitem__("compression_budget", None))
     refused(BAD, snap)
+
+
+# -- 2. a live memmap folder whose record and chunk files disagree -----------------
+
+_RESUME = """
+import sys, numpy as np
+from pathlib import Path
+from tests.test_compression import make
+from bigper.errors import CorruptSnapshotError, IncompatibleSnapshotError, BigperError
+tmp = Path(sys.argv[1])
+try:
+    buf = make("memmap", tmp, (32, 32), k=2, capacity=30, name="live", mode="resume")
+except BigperError as e:
+    print("REFUSED", type(e).__name__, str(e)[:300]); sys.exit(0)
+live = np.flatnonzero(buf._status == 1)
+buf._frames.stacks("obs_ref", live); buf._frames.stacks("next_obs_ref", live)
+print("OPENED", buf._frames.log.slots); buf.close()
+"""
+
+
+def _live_folder(tmp: Path, steps=100) -> tuple[Path, dict]:
+    buf = make("memmap", tmp, SHAPE, k=2, capacity=30, name="live")
+    feed = Feed(noise(np.random.default_rng(0), 300, SHAPE, np.uint8), 2)
+    feed.run(buf, steps)
+    lg = buf._frames.log
+    facts = {"slots": lg.slots, "seg_rows": lg.seg_rows, "S": lg.S,
+             "feed": feed, "live_slots": sorted(int(x) for x in lg.seg_slot[np.arange(int(lg.st[2]), lg.g + 1) % lg.S])}
+    buf.close()
+    return tmp / "live", facts
+
+
+def _resume(tmp: Path) -> str:
+    r = subprocess.run([sys.executable, "-c", _RESUME, str(tmp)], capture_output=True, text=True, env=_env(),
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, f"resume crashed (rc {r.returncode}): {r.stderr[-2000:]}"
+    return r.stdout
+
+
+def _chunk(live: Path, k: int) -> Path:
+    return live / "data" / ("frame_log.bin" if k == 0 else f"frame_log.{k:06d}.bin")
+
+
+def _set_meta(live: Path, change) -> None:
+    meta = json.loads((live / "meta.json").read_text())
+    change(meta["arrays"]["frame_log"])
+    (live / "meta.json").write_text(json.dumps(meta))
+
+
+LIVE_CASES = {
+    "live_chunk_missing": lambda live, f: _chunk(live, f["live_slots"][-1]).unlink(),
+    "live_chunk_short": lambda live, f: os.truncate(_chunk(live, f["live_slots"][-1]), 100),
+    "live_chunk_empty": lambda live, f: os.truncate(_chunk(live, f["live_slots"][0]), 0),
+    "first_chunk_short": lambda live, f: os.truncate(_chunk(live, 0), 4000),
+    "rows_claim_one_more_no_file": lambda live, f: _set_meta(
+        live, lambda a: a.__setitem__("rows", a["rows"] + f["seg_rows"])),
+    "rows_not_a_segment_multiple": lambda live, f: _set_meta(live, lambda a: a.__setitem__("rows", a["rows"] - 1)),
+    "rows_fewer_than_live": lambda live, f: _set_meta(
+        live, lambda a: a.__setitem__("rows", a["rows"] - f["seg_rows"])),
+    "rows_over_the_most": lambda live, f: _set_meta(
+        live, lambda a: a.__setitem__("rows", (f["S"] + 1) * f["seg_rows"])),
+    "rows_zero": lambda live, f: _set_meta(live, lambda a: a.__setitem__("rows", 0)),
+    "rows_negative": lambda live, f: _set_meta(live, lambda a: a.__setitem__("rows", -f["seg_rows"])),
+    "chunk_rows_changed": lambda live, f: _set_meta(live, lambda a: a.__setitem__("chunk_rows", 2 * a["chunk_rows"])),
+    "chunk_is_a_symlink": lambda live, f: (_chunk(live, 1).unlink(), _chunk(live, 1).symlink_to(_chunk(live, 2))),
+    "chunk_is_a_fifo": lambda live, f: (_chunk(live, 1).unlink(), os.mkfifo(_chunk(live, 1))),
+    "chunk_is_a_dir": lambda live, f: (_chunk(live, 1).unlink(), _chunk(live, 1).mkdir()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIVE_CASES))
+def test_live_folder_refused_on_resume(case, tmp_path):
+    live, facts = _live_folder(tmp_path)
+    assert facts["slots"] > 3 and facts["live_slots"][-1] > 0
+    LIVE_CASES[case](live, facts)
+    before = _prints(live) if case != "chunk_is_a_fifo" else None
+    out = _resume(tmp_path)
+    assert out.startswith("REFUSED"), out
+    if before is not None:
+        assert _prints(live) == before
+
+
+def _prints(live: Path) -> dict:
+    out = {k: v for k, v in fingerprint(live).items() if not k.endswith("/.lock")}  # (the lock names a pid)
+    out[str(live / "meta.json")] = json.loads((live / "meta.json").read_text())  # (as recorded, not its bytes)
+    return out
+
+
+def test_live_folder_spare_chunk_file_beyond_rows(tmp_path):
+    """A stray chunk file after the recorded rows (a grow that crashed after the file, before the record)."""
+    live, facts = _live_folder(tmp_path)
+    extra = _chunk(live, facts["slots"])
+    extra.write_bytes(b"\xff" * 4096)
+    out = _resume(tmp_path)
+    assert out.startswith(("OPENED", "REFUSED")), out
+    if out.startswith("OPENED"):  # then it grows over it with zeros, exactly
+        buf = make("memmap", tmp_path, SHAPE, k=2, capacity=30, name="live", mode="resume")
+        feed = facts["feed"]
+        check_all_live(buf, feed)
+        feed.run(buf, 200)
+        check_all_live(buf, feed)
+        buf.close()
