@@ -355,3 +355,93 @@ def test_live_folder_spare_chunk_file_beyond_rows(tmp_path):
         feed.run(buf, 200)
         check_all_live(buf, feed)
         buf.close()
+
+
+# -- 3. threads on a growing log ----------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["memmap", "memory"])
+def test_threads_add_while_sample_save_update_on_a_growing_log(kind, tmp_path):
+    buf = make(kind, tmp_path, SHAPE, k=2, capacity=200, name="live")
+    feed = Feed(noise(np.random.default_rng(1), 900, SHAPE, np.uint8), 2, seed=1)
+    feed.run(buf, 10)
+    errors, stop = [], threading.Event()
+
+    def writer():
+        try:
+            for _ in range(60):
+                o, o2, term, g = zip(*[feed.step() for _ in range(8)])
+                buf.extend({"obs": np.concatenate(o), "next_obs": np.concatenate(o2),
+                            "step": np.concatenate(g), "terminated": np.concatenate(term),
+                            "truncated": np.zeros(8, bool)})
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def reader():
+        k = 0
+        try:
+            while not stop.is_set():
+                b = check_sample(buf, feed, 16)
+                buf.update_priorities(b, np.random.default_rng(k).random(16) + 0.1)
+                if k % 10 == 0:
+                    buf.save(tmp_path / f"snap{k}")
+                k += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert buf._frames.log.slots > 2
+    check_all_live(buf, feed)
+    snaps = sorted(tmp_path.glob("snap*"))
+    assert snaps
+    for s in snaps[-2:]:  # each snapshot loads and decodes whatever it holds
+        b2 = bigper.PrioritizedReplayBuffer.load(s, path=None if kind == "memory" else tmp_path / f"re{s.name}")
+        check_all_live(b2, feed)
+        b2.close()
+    buf.close()
+
+
+# -- 4. big extends, many segments opened at once; against an uncompressed twin -------
+
+def _twin_run(tmp, kind, num_envs, n_step, chunks, capacity, seed):
+    fields = {"obs": ((2, *SHAPE), np.uint8), "step": ((), np.int64), "reward": ((), np.float32)}
+    kw = dict(capacity=capacity, fields=fields, frame_stack=2, num_envs=num_envs, n_step=n_step, seed=seed)
+    z = bigper.PrioritizedReplayBuffer(compression="zstd", storage=kind,
+                                       path=None if kind == "memory" else (tmp / ("z.h5" if kind == "hdf5" else "z")),
+                                       **kw)
+    raw = bigper.PrioritizedReplayBuffer(**kw)
+    rng = np.random.default_rng(seed)
+    frames = np.concatenate([noise(rng, 300, SHAPE, np.uint8), np.zeros((100, *SHAPE), np.uint8)])
+    feeds = [Feed(frames, 2, seed=seed, num_envs=num_envs) for _ in range(2)]
+    for n in chunks:
+        for buf, feed in zip((z, raw), feeds):
+            steps = [feed.step() for _ in range(n)]
+            o, o2, term, g = (np.stack(x) for x in zip(*steps))
+            if num_envs == 1:
+                o, o2, term, g = o[:, 0], o2[:, 0], term[:, 0], g[:, 0]
+            buf.extend({"obs": o, "next_obs": o2, "step": g, "reward": g.astype(np.float32),
+                        "terminated": term, "truncated": np.zeros_like(term)})
+        np.testing.assert_array_equal(z._status, raw._status)
+    if (raw._status == 1).any():
+        a, b = z.sample(32), raw.sample(32)
+        for key in ("obs", "next_obs", "step", "reward"):
+            np.testing.assert_array_equal(a[key], b[key])
+        np.testing.assert_array_equal(a.weights, b.weights)
+        assert check_all_live(z, feeds[0]) == int((raw._status == 1).sum())
+    return z, raw
+
+
+@pytest.mark.parametrize("kind", ["memory", "memmap", "hdf5"])
+@pytest.mark.parametrize("num_envs,n_step", [(1, 1), (3, 1), (1, 3), (4, 2)])
+def test_extend_many_segments_at_once_matches_raw_twin(kind, num_envs, n_step, tmp_path):
+    # one extend bigger than the ring (frames beyond F overwrite within the call), then small and mid ones
+    z, raw = _twin_run(tmp_path, kind, num_envs, n_step, [1, 120, 3, 57, 200, 1, 1, 64], capacity=60, seed=7)
+    assert z._frames.log.slots > 4
+    z.close()
+    raw.close()
