@@ -445,3 +445,109 @@ def test_extend_many_segments_at_once_matches_raw_twin(kind, num_envs, n_step, t
     assert z._frames.log.slots > 4
     z.close()
     raw.close()
+
+
+# -- 5. HDF5 growth; convert of frames that do not compress -------------------------
+
+def _noise_d4rl(path: Path, n=400, k=4, seed=0):
+    import h5py
+    rng = np.random.default_rng(seed)
+    frames = noise(rng, n + k, SHAPE, np.uint8)
+    idx = np.arange(n)[:, None] + np.arange(k)[None]
+    term = np.zeros(n, bool)
+    term[rng.choice(n, 5, replace=False)] = True
+    trunc = np.zeros(n, bool)
+    trunc[-1] = True
+    with h5py.File(path, "w") as f:
+        f["observations"] = frames[idx]
+        f["next_observations"] = frames[idx + 1]
+        f["actions"] = rng.integers(0, 4, n).astype(np.int64)
+        f["rewards"] = rng.random(n).astype(np.float32)
+        f["terminals"], f["timeouts"] = term, trunc
+
+
+def test_convert_of_frames_that_do_not_compress_keeps_every_transition(tmp_path):
+    from bigper.convert import convert
+
+    from .test_convert import assert_same_transitions
+    src, dst = tmp_path / "src.h5", tmp_path / "z.h5"
+    _noise_d4rl(src)
+    convert(src, dst, progress=False)
+    a = assert_same_transitions(src, dst)
+    assert len(a["obs"]) > 380
+    with bigper.PrioritizedReplayBuffer.from_hdf5(dst) as b:
+        b.sample(16)
+
+
+def test_convert_cli_of_noise_frames_then_from_hdf5(tmp_path):
+    from .test_convert import assert_same_transitions, cli
+    src, dst = tmp_path / "src.h5", tmp_path / "z.h5"
+    _noise_d4rl(src, n=300, seed=3)
+    r = cli("convert", src, dst)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_same_transitions(src, dst)
+
+
+def test_hdf5_grown_log_resumes_and_goes_on_exact(tmp_path):
+    path = tmp_path / "z.h5"
+    buf = make("hdf5", tmp_path, SHAPE, k=2, capacity=40, name="z")
+    feed = Feed(noise(np.random.default_rng(2), 500, SHAPE, np.uint8), 2, seed=2)
+    feed.run(buf, 90)
+    slots = buf._frames.log.slots
+    assert slots > 3
+    buf.close()
+    buf = make("hdf5", tmp_path, SHAPE, k=2, capacity=40, name="z", mode="resume")
+    assert buf._frames.log.slots == slots
+    check_all_live(buf, feed)
+    feed.run(buf, 200)
+    check_all_live(buf, feed)
+    check_sample(buf, feed, 32)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    b2 = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "re.h5")
+    check_all_live(b2, feed)
+    b2.close()
+
+
+# -- 6. a full disk during an extend that opens several segments ------------------------
+
+@pytest.mark.parametrize("rows", [6, 40])
+def test_full_disk_during_an_extend_that_grows_several_segments(rows, small_tmpfs):
+    from .test_compression_hostile import _full_fingerprint
+    from .test_validation import assert_same
+
+    live = small_tmpfs / "live"
+    kw = dict(capacity=150, fields={"obs": ((2, *SHAPE), np.uint8), "step": ((), np.int64)}, frame_stack=2,
+              storage="memmap", path=live, compression="zstd", seed=0)
+    buf = bigper.PrioritizedReplayBuffer(**kw)
+    feed = Feed(noise(np.random.default_rng(5), 600, SHAPE, np.uint8), 2, seed=5)
+    feed.run(buf, 5)
+    filler = small_tmpfs / "filler"
+    fill_disk(filler)
+    failed = False
+    for _ in range(30):
+        before = _full_fingerprint(buf, live)
+        g0, added0 = feed.g, dict(feed.added)
+        state0 = (feed.pos[:], feed.t[:], feed.rng.bit_generator.state)
+        steps = [feed.step() for _ in range(rows)]
+        o, o2, term, g = (np.concatenate(x) for x in zip(*steps))
+        data = {"obs": o, "next_obs": o2, "step": g, "terminated": term, "truncated": np.zeros_like(term)}
+        try:
+            buf.extend(data)
+        except OSError as e:
+            assert "frame_log" in str(e) or str(live) in str(e), e
+            failed = True
+            break
+    assert failed, "extends of noise on a full disk never failed"
+    assert_same(before, _full_fingerprint(buf, live))
+    check_all_live(buf, feed)  # what it held, still exact
+    buf.sample(8)
+    filler.unlink()
+    buf.extend(data)  # the same rows, now that there is room
+    feed.run(buf, 100)
+    check_all_live(buf, feed)
+    check_sample(buf, feed, 32)
+    buf.close()
+    again = bigper.PrioritizedReplayBuffer(**kw, mode="resume")
+    check_all_live(again, feed)
+    again.close()
