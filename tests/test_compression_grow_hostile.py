@@ -551,3 +551,132 @@ def test_full_disk_during_an_extend_that_grows_several_segments(rows, small_tmpf
     again = bigper.PrioritizedReplayBuffer(**kw, mode="resume")
     check_all_live(again, feed)
     again.close()
+
+
+# -- 1b. a memmap snapshot: one chunk file a segment ------------------------------
+
+def _flog(snap: Path, change) -> None:
+    def ch(b):
+        change(b["data"]["frame_log"], b["files"])
+    resign(snap, ch)
+
+
+def _add_file(snap, name, raw):
+    (snap / name).write_bytes(raw)
+    return {"size": len(raw), "xxh3_64": digest(raw)}
+
+
+def _mm_one_more_row_no_file(d, files):
+    d["rows"] += 4
+
+
+def _mm_one_file_too_many(d, files):
+    d["rows"] -= 4
+
+
+def _mm_duplicate_file(d, files):
+    d["files"][2] = d["files"][1]
+
+
+def _mm_not_a_multiple(d, files):
+    d["rows"] -= 1
+
+
+def _mm_files_reordered(d, files):
+    d["files"][1], d["files"][2] = d["files"][2], d["files"][1]
+
+
+MM_CASES = {"one_more_segment_no_file": _mm_one_more_row_no_file, "one_file_too_many": _mm_one_file_too_many,
+            "duplicate_file": _mm_duplicate_file, "rows_not_a_multiple": _mm_not_a_multiple,
+            }
+
+
+@pytest.mark.parametrize("case", sorted(MM_CASES))
+def test_memmap_snapshot_log_files_refused(case, tmp_path):
+    snap, facts = grown("memmap", tmp_path)
+    _flog(snap, MM_CASES[case])
+    refused(BAD, snap, path=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_memmap_snapshot_with_a_spare_zero_segment_loads_exact(tmp_path):
+    """One more segment, its file named and zero: within the rules (a log that grew ahead)."""
+    snap, facts = grown("memmap", tmp_path)
+    n = len(json.loads("[]")) or facts["slots"]
+    name = f"data/frame_log.{n:06d}.bin"
+    rec = _add_file(snap, name, b"\0" * facts["seg_rows"] * facts["block"])
+
+    def change(d, files):
+        d["rows"] += facts["seg_rows"]
+        d["files"].append(name)
+        files[name] = rec
+    _flog(snap, change)
+    try:
+        buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "out")
+    except BAD:
+        return
+    assert buf._frames.log.slots == facts["slots"] + 1
+    live = np.flatnonzero(buf._status == 1)
+    buf._frames.stacks("obs_ref", live)
+    Feed(noise(np.random.default_rng(3), 300, SHAPE, np.uint8), 2, seed=3).run(buf, 100)
+    buf.sample(8)
+    buf.close()
+
+
+def test_memmap_snapshot_merged_chunks_of_two_segments(tmp_path):
+    """The log's files regrouped two segments a file (chunk_rows 8): loaded exactly or refused, never garbage."""
+    snap, facts = grown("memmap", tmp_path)
+    body_files = None
+
+    def change(d, files):
+        nonlocal body_files
+        old = d["files"]
+        raws = [(snap / f).read_bytes() for f in old]
+        for f in old:
+            os.unlink(snap / f)
+            files.pop(f)
+        new = []
+        for i in range(0, len(raws), 2):
+            name = "data/frame_log.bin" if i == 0 else f"data/frame_log.{i // 2:06d}.bin"
+            files[name] = _add_file(snap, name, b"".join(raws[i:i + 2]))
+            new.append(name)
+        d["files"], d["chunk_rows"] = new, 8
+        body_files = new
+    _flog(snap, change)
+    before = fingerprint(snap)
+    try:
+        buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "out")
+    except BAD:
+        assert fingerprint(snap) == before
+        return
+    live = np.flatnonzero(buf._status == 1)
+    buf._frames.stacks("obs_ref", live)
+    Feed(noise(np.random.default_rng(3), 300, SHAPE, np.uint8), 2, seed=3).run(buf, 100)
+    buf.sample(8)
+    buf.close()
+
+
+def test_memmap_snapshot_log_files_swapped_never_garbage(tmp_path):
+    """Two live segments' files swapped in the list (re-signed): the list says which file is
+    segment slot k, so a load takes it (the index is where it should be). Frames of noise
+    all have the same length, so each offset in one slot is a whole, checksummed frame in the
+    other: the read decodes other frames of the log, not damage (as swapped rows of an
+    uncompressed field in a re-signed snapshot would be). What is asked: no crash, the
+    frames' shape, and a CorruptSnapshotError where a frame does not decode."""
+    snap, facts = grown("memmap", tmp_path)
+    good = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "good")
+    live = np.flatnonzero(good._status == 1)
+    want = good._frames.stacks("obs_ref", live)
+    good.close()
+    _flog(snap, _mm_files_reordered)
+    try:
+        buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "out")
+    except BAD:
+        return
+    try:
+        got = buf._frames.stacks("obs_ref", live)
+    except CorruptSnapshotError:
+        return
+    finally:
+        buf.close()
+    assert got.shape == want.shape and got.dtype == want.dtype
