@@ -680,3 +680,31 @@ def test_memmap_snapshot_log_files_swapped_never_garbage(tmp_path):
     finally:
         buf.close()
     assert got.shape == want.shape and got.dtype == want.dtype
+
+
+# -- 4b. sequences with frame stacks: a growing log against an uncompressed twin ------
+
+@pytest.mark.parametrize("storage", ["memory", "memmap"])
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+def test_sequences_on_a_growing_log_match_the_raw_twin(storage, chunk, tmp_path):
+    from ._sequence_reference import Ref
+    from .test_sequences import build, check_against, feed
+
+    refs = [Ref(0, 2, 3, 2, 2, frame_stack=2, seed=1) for _ in range(2)]
+    for r in refs:
+        r.c = 48
+    z = build(refs[0], 48, storage=storage, path=None if storage == "memory" else tmp_path / "z",
+              compression="zstd", seed=3)
+    raw = build(refs[1], 48, seed=3)
+    rng = np.random.default_rng(2)
+    ends = [[int(x) for x in rng.choice(3, 2, p=[0.8, 0.1, 0.1])] for _ in range(160)]
+    feed(z, refs[0], ends, chunk=chunk)
+    feed(raw, refs[1], ends, chunk=chunk)
+    np.testing.assert_array_equal(z.status, raw.status)
+    assert z._frames.log.slots > 1
+    a, b = z.sample(8), raw.sample(8)
+    for key in a.keys():
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+    check_against(z, refs[0])
+    z.close()
+    raw.close()
