@@ -708,3 +708,63 @@ def test_sequences_on_a_growing_log_match_the_raw_twin(storage, chunk, tmp_path)
     check_against(z, refs[0])
     z.close()
     raw.close()
+
+
+# -- 7. snapshots between extends that grow and reuse slots: each one stays exact -----------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_snapshots_between_growing_and_reusing_extends_stay_exact(seed, tmp_path):
+    rng = np.random.default_rng(seed)
+    buf = make("memmap", tmp_path, SHAPE, k=2, capacity=50, name="live", seed=seed)
+    frames = np.concatenate([noise(rng, 200, SHAPE, np.uint8), np.zeros((200, *SHAPE), np.uint8)])
+    feed = Feed(frames, 2, seed=seed)
+    snaps = []
+    for i in range(12):
+        n = int(rng.choice([1, 3, 17, 60]))
+        steps = [feed.step() for _ in range(n)]
+        o, o2, term, g = (np.concatenate(x) for x in zip(*steps))
+        buf.extend({"obs": o, "next_obs": o2, "step": g, "terminated": term, "truncated": np.zeros_like(term)})
+        if i % 3 == 2:
+            snaps.append(buf.save(tmp_path / f"s{i}"))
+    check_all_live(buf, feed)
+    buf.close()
+    for s in snaps:
+        b = bigper.PrioritizedReplayBuffer.load(s, path=tmp_path / f"re{s.name}")
+        check_all_live(b, feed)
+        b.close()
+
+
+# -- 8. overwrite a grown folder: no chunk file of the old log stays behind -----------------
+
+def test_overwrite_of_a_grown_folder_leaves_no_stale_segment_files(tmp_path):
+    live, facts = _live_folder(tmp_path)
+    assert len(list((live / "data").glob("frame_log*"))) == facts["slots"]
+    buf = make("memmap", tmp_path, SHAPE, k=2, capacity=30, name="live", mode="overwrite")
+    feed = Feed(noise(np.random.default_rng(8), 100, SHAPE, np.uint8), 2, seed=8)
+    feed.run(buf, 3)
+    n = buf._frames.log.slots
+    check_all_live(buf, feed)
+    buf.close()
+    assert len(list((live / "data").glob("frame_log*"))) == n, sorted(os.listdir(live / "data"))
+    again = make("memmap", tmp_path, SHAPE, k=2, capacity=30, name="live", mode="resume")
+    check_all_live(again, feed)
+    feed.run(again, 100)
+    check_all_live(again, feed)
+    again.close()
+
+
+# -- 9. bigper verify on a crafted grown snapshot -------------------------------------------
+
+@pytest.mark.parametrize("case", ["seg_lo", "slot", "rows"])
+def test_verify_cli_refuses_a_crafted_grown_snapshot(case, tmp_path):
+    snap, facts = grown("memory", tmp_path)
+    if case == "seg_lo":
+        _meta(snap, seg_lo=facts["g"] + 1)
+    elif case == "slot":
+        put_state(snap, "frames_seg_slot", _slot(facts, SLOT_CASES["duplicate"]))
+    else:
+        _log_rows(snap, (facts["slots"] - 1) * facts["seg_rows"], facts)
+    r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode not in (0, -11, -7) and r.returncode > 0, (r.returncode, r.stdout, r.stderr[-1500:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
