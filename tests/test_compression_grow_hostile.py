@@ -768,3 +768,44 @@ def test_verify_cli_refuses_a_crafted_grown_snapshot(case, tmp_path):
                        env=_env(), timeout=120)
     assert r.returncode not in (0, -11, -7) and r.returncode > 0, (r.returncode, r.stdout, r.stderr[-1500:])
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+# -- 5b. from_hdf5 and convert of an HDF5 buffer file whose compressed log grew ---------------
+
+def _grown_h5(tmp_path, steps=150):
+    buf = make("hdf5", tmp_path, SHAPE, k=2, capacity=40, name="z")
+    feed = Feed(noise(np.random.default_rng(6), 500, SHAPE, np.uint8), 2, seed=6)
+    feed.run(buf, steps)
+    assert buf._frames.log.slots > 3
+    live = np.flatnonzero(buf._status == 1)
+    want = {int(buf._gid[s]) for s in live}
+    buf.close()
+    return tmp_path / "z.h5", feed, want
+
+
+def _all_of(b):
+    live = np.flatnonzero(b.status == 1)
+    return b.gather(live)
+
+
+def test_from_hdf5_of_a_buffer_file_whose_log_grew_is_exact(tmp_path):
+    path, feed, want = _grown_h5(tmp_path)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(path) as b:
+        data = _all_of(b)
+        assert {int(s) for s in data["step"]} == want
+        for i, s in enumerate(data["step"]):
+            o, o2 = feed.added[int(s)]
+            np.testing.assert_array_equal(data["obs"][i], o)
+            np.testing.assert_array_equal(data["next_obs"][i], o2)
+        b.sample(8)
+
+
+def test_convert_of_a_buffer_file_whose_log_grew_is_exact(tmp_path):
+    from bigper.convert import convert
+
+    from .test_convert import assert_same_transitions
+    path, feed, want = _grown_h5(tmp_path)
+    dst = tmp_path / "c.h5"
+    convert(path, dst, progress=False)
+    a = assert_same_transitions(path, dst)
+    assert {int(s) for s in a["step"]} == want
