@@ -809,3 +809,39 @@ def test_convert_of_a_buffer_file_whose_log_grew_is_exact(tmp_path):
     convert(path, dst, progress=False)
     a = assert_same_transitions(path, dst)
     assert {int(s) for s in a["step"]} == want
+
+
+# -- 5c. a live HDF5 file whose grown frame_log was resized behind bigper's back --------------
+
+def _h5_resize(path: Path, rows_of, meta_too: bool):
+    import h5py
+    with h5py.File(path, "r+") as f:
+        d = f["frame_log"]
+        rows = rows_of(int(d.shape[0]))
+        d.resize(rows, axis=0)
+        if meta_too:
+            m = json.loads(f["_bigper"].attrs["meta"])
+            m["arrays"]["frame_log"]["rows"] = rows
+            f["_bigper"].attrs["meta"] = json.dumps(m)
+
+
+@pytest.mark.parametrize("meta_too", [False, True])
+@pytest.mark.parametrize("case", ["one_segment_fewer", "one_row_fewer", "zero", "one_segment_more"])
+def test_hdf5_resized_log_on_resume(case, meta_too, tmp_path):
+    path, feed, want = _grown_h5(tmp_path)
+    import h5py
+    with h5py.File(path, "r") as f:
+        seg_rows = f["frame_log"].chunks[0]
+    change = {"one_segment_fewer": lambda r: r - seg_rows, "one_row_fewer": lambda r: r - 1,
+              "zero": lambda r: 0, "one_segment_more": lambda r: r + seg_rows}[case]
+    _h5_resize(path, change, meta_too)
+    try:
+        buf = make("hdf5", tmp_path, SHAPE, k=2, capacity=40, name="z", mode="resume")
+    except BAD:
+        assert case != "one_segment_more" or not meta_too, "a spare zero segment is within the rules"
+        return
+    assert case == "one_segment_more", f"{case} was not refused"
+    check_all_live(buf, feed)
+    feed.run(buf, 100)
+    check_all_live(buf, feed)
+    buf.close()
