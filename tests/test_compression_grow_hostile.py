@@ -845,3 +845,12 @@ def test_hdf5_resized_log_on_resume(case, meta_too, tmp_path):
     feed.run(buf, 100)
     check_all_live(buf, feed)
     buf.close()
+
+
+def test_full_disk_at_creation_of_a_growing_log_is_an_oserror_and_nothing_is_made(small_tmpfs):
+    fill_disk(small_tmpfs / "filler")
+    before = fingerprint(small_tmpfs)
+    with pytest.raises(OSError):
+        bigper.PrioritizedReplayBuffer(capacity=8000, fields={"obs": ((4, 84, 84), np.uint8)}, frame_stack=4,
+                                       storage="memmap", path=small_tmpfs / "live", compression="zstd")
+    assert fingerprint(small_tmpfs) == before
