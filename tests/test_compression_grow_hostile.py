@@ -854,3 +854,47 @@ def test_full_disk_at_creation_of_a_growing_log_is_an_oserror_and_nothing_is_mad
         bigper.PrioritizedReplayBuffer(capacity=8000, fields={"obs": ((4, 84, 84), np.uint8)}, frame_stack=4,
                                        storage="memmap", path=small_tmpfs / "live", compression="zstd")
     assert fingerprint(small_tmpfs) == before
+
+
+# -- 10. kill -9 while the live log grows: the folder is refused as unclean, then overwritable ---
+
+_GROWER = """
+import sys, numpy as np
+from pathlib import Path
+from tests.test_compression import make, Feed, noise
+buf = make("memmap", Path(sys.argv[1]), (32, 32), k=2, capacity=3000, name="live")
+feed = Feed(noise(np.random.default_rng(0), 4000, (32, 32), np.uint8), 2)
+print("ready", flush=True)
+while True:
+    feed.run(buf, 50)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.6])
+def test_kill_9_while_the_live_log_grows_then_resume_and_overwrite(delay, tmp_path):
+    import time
+    p = subprocess.Popen([sys.executable, "-c", _GROWER, str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
+    time.sleep(delay)
+    p.kill()
+    p.wait()
+    p.stdout.close()
+    p.stderr.close()
+    from bigper.errors import UncleanStorageError
+    with pytest.raises(UncleanStorageError):  # refused, never another error (a missing or short chunk file)
+        make("memmap", tmp_path, SHAPE, k=2, capacity=3000, name="live", mode="resume")
+    # taken over by a snapshot's load (the documented way back): no chunk file of the dead log stays
+    other = make("memmap", tmp_path, SHAPE, k=2, capacity=3000, name="o")
+    feed = Feed(noise(np.random.default_rng(1), 300, SHAPE, np.uint8), 2, seed=1)
+    feed.run(other, 40)
+    snap = other.save(tmp_path / "snap")
+    other.close()
+    buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "live")
+    check_all_live(buf, feed)
+    feed.run(buf, 40)
+    check_all_live(buf, feed)
+    n = buf._frames.log.slots
+    buf.close()
+    assert len(list((tmp_path / "live" / "data").glob("frame_log*"))) == n, sorted(
+        os.listdir(tmp_path / "live" / "data"))
