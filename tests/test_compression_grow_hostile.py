@@ -898,3 +898,30 @@ def test_kill_9_while_the_live_log_grows_then_resume_and_overwrite(delay, tmp_pa
     buf.close()
     assert len(list((tmp_path / "live" / "data").glob("frame_log*"))) == n, sorted(
         os.listdir(tmp_path / "live" / "data"))
+
+
+# -- 9b. bigper info on crafted grown snapshots: a line, never a traceback ---------------------
+
+INFO_CASES = {
+    "seg_lo_huge": lambda snap, f: _meta(snap, seg_lo=2 ** 63 - 1),
+    "seg_lo_string": lambda snap, f: _meta(snap, seg_lo="x"),
+    "seg_lo_missing": lambda snap, f: _meta(snap, seg_lo=None),
+    "seg_negative": lambda snap, f: _meta(snap, seg=-5),
+    "pos_huge": lambda snap, f: _meta(snap, pos=2 ** 70),
+    "slot_huge": lambda snap, f: put_state(snap, "frames_seg_slot", _slot(f, SLOT_CASES["huge"])),
+    "slot_float": lambda snap, f: put_state(snap, "frames_seg_slot", BAD_ARRAYS["float"](f)),
+    "rows_zero": lambda snap, f: _log_rows(snap, 0, f),
+    "rows_not_multiple": lambda snap, f: _log_rows(snap, f["slots"] * f["seg_rows"] + 1, f),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INFO_CASES))
+def test_info_and_verify_on_crafted_grown_snapshots_say_a_line(case, tmp_path):
+    snap, facts = grown("memory", tmp_path)
+    INFO_CASES[case](snap, facts)
+    for cmd in ("info", "verify"):
+        r = subprocess.run([sys.executable, "-m", "bigper", cmd, str(snap)], capture_output=True, text=True,
+                           env=_env(), timeout=120)
+        assert r.returncode >= 0 and "Traceback" not in r.stderr, (cmd, r.returncode, r.stderr[-2000:])
+        if cmd == "verify":
+            assert r.returncode != 0, (r.stdout, r.stderr)
