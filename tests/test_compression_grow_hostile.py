@@ -925,3 +925,44 @@ def test_info_and_verify_on_crafted_grown_snapshots_say_a_line(case, tmp_path):
         assert r.returncode >= 0 and "Traceback" not in r.stderr, (cmd, r.returncode, r.stderr[-2000:])
         if cmd == "verify":
             assert r.returncode != 0, (r.stdout, r.stderr)
+
+
+# -- 6b. a disk with room for meta.json but not for the next segment's chunk file ------------
+
+@pytest.mark.parametrize("leave", [4096, 8192, 12288, 20480])
+def test_room_for_the_record_but_not_the_segment(leave, small_tmpfs):
+    from ._hostile_snapshot_cases import fill
+    from .test_compression_hostile import _full_fingerprint
+    from .test_validation import assert_same
+
+    live = small_tmpfs / "live"
+    kw = dict(capacity=150, fields={"obs": ((2, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=2,
+              storage="memmap", path=live, compression="zstd", seed=0)
+    buf = bigper.PrioritizedReplayBuffer(**kw)
+    feed = Feed(noise(np.random.default_rng(5), 400, (84, 84), np.uint8), 2, seed=5)
+    feed.run(buf, 3)
+    fill(small_tmpfs, leave)
+    for _ in range(300):
+        before = _full_fingerprint(buf, live)
+        chunks = sorted(os.listdir(live / "data"))
+        o, o2, term, g = feed.step()
+        try:
+            buf.add(obs=o[0], next_obs=o2[0], step=g[0], terminated=term[0], truncated=False)
+        except OSError as e:
+            err = str(e)
+            break
+    else:
+        pytest.fail("300 adds of noise never filled the disk")
+    assert "frame_log" in err and str(live) in err, err  # (the segment file, or meta.json naming it)
+    assert_same(before, _full_fingerprint(buf, live))
+    assert sorted(os.listdir(live / "data")) == chunks  # no chunk file of the failed segment stays
+    rec = json.loads((live / "meta.json").read_text())["arrays"]["frame_log"]
+    assert rec["rows"] == buf._frames.log.slots * buf._frames.log.seg_rows
+    os.unlink(small_tmpfs / "filler")
+    buf.add(obs=o[0], next_obs=o2[0], step=g[0], terminated=term[0], truncated=False)
+    feed.run(buf, 30)
+    check_all_live(buf, feed)
+    buf.close()
+    again = bigper.PrioritizedReplayBuffer(**kw, mode="resume")
+    check_all_live(again, feed)
+    again.close()
