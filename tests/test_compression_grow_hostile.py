@@ -1003,3 +1003,24 @@ def test_hdf5_full_disk_while_the_log_grows(leave, small_tmpfs):
     again = bigper.PrioritizedReplayBuffer(**kw, mode="resume")
     check_all_live(again, feed)
     again.close()
+
+
+@pytest.mark.parametrize("leave", [0, 16384, 40960])
+def test_load_of_a_grown_snapshot_onto_a_full_disk(leave, tmp_path, small_tmpfs):
+    from ._hostile_snapshot_cases import fill
+    snap, facts = grown("memmap", tmp_path)
+    fill(small_tmpfs, leave)
+    before = fingerprint(snap)
+    out = small_tmpfs / "out"
+    try:
+        buf = bigper.PrioritizedReplayBuffer.load(snap, path=out)
+    except OSError:
+        assert not out.exists() or not any(out.iterdir()), sorted(os.listdir(out))
+        assert fingerprint(snap) == before
+        os.unlink(small_tmpfs / "filler")
+        buf = bigper.PrioritizedReplayBuffer.load(snap, path=out)
+    assert buf._frames.log.slots == facts["slots"]
+    live = np.flatnonzero(buf._status == 1)
+    buf._frames.stacks("obs_ref", live)
+    buf.close()
+    assert fingerprint(snap) == before
