@@ -1024,3 +1024,12 @@ def test_load_of_a_grown_snapshot_onto_a_full_disk(leave, tmp_path, small_tmpfs)
     buf._frames.stacks("obs_ref", live)
     buf.close()
     assert fingerprint(snap) == before
+
+
+@pytest.mark.parametrize("case", sorted(MM_CASES))
+def test_verify_cli_on_memmap_snapshot_log_files(case, tmp_path):
+    snap, facts = grown("memmap", tmp_path)
+    _flog(snap, MM_CASES[case])
+    r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode > 0 and "Traceback" not in r.stderr, (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
