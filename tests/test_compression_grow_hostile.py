@@ -1033,3 +1033,18 @@ def test_verify_cli_on_memmap_snapshot_log_files(case, tmp_path):
     r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
                        env=_env(), timeout=120)
     assert r.returncode > 0 and "Traceback" not in r.stderr, (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
+
+
+def test_read_only_open_of_a_grown_folder_is_exact_and_refuses_adds(tmp_path):
+    live, facts = _live_folder(tmp_path)
+    feed = facts["feed"]
+    before = _prints(live)
+    buf = make("memmap", tmp_path, SHAPE, k=2, capacity=30, name="live", mode="resume", read_only=True)
+    assert buf._frames.log.slots == facts["slots"]
+    check_all_live(buf, feed)
+    check_sample(buf, feed, 16)
+    o, o2, term, g = feed.step()
+    with pytest.raises(bigper.errors.BigperError):
+        buf.add(obs=o[0], next_obs=o2[0], step=g[0], terminated=term[0], truncated=False)
+    buf.close()
+    assert _prints(live) == before
