@@ -1048,3 +1048,47 @@ def test_read_only_open_of_a_grown_folder_is_exact_and_refuses_adds(tmp_path):
         buf.add(obs=o[0], next_obs=o2[0], step=g[0], terminated=term[0], truncated=False)
     buf.close()
     assert _prints(live) == before
+
+
+# -- 11. random crafted segment states: refused, or loaded and exact ---------------------------
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_segment_state_is_refused_or_exact(seed, tmp_path):
+    rng = np.random.default_rng(seed)
+    snap, facts = grown("memory", tmp_path)
+    good = bigper.PrioritizedReplayBuffer.load(snap)
+    live = np.flatnonzero(good._status == 1)
+    want = good._frames.stacks("obs_ref", live)
+    good.close()
+    S, g, lo = facts["S"], facts["g"], facts["lo"]
+    slot = facts["seg_slot"].copy()
+    first = facts["seg_first"].copy()
+    for _ in range(int(rng.integers(1, 4))):
+        what = rng.integers(0, 4)
+        i = int(rng.integers(0, S))
+        if what == 0:
+            slot[i] = int(rng.integers(-2, facts["slots"] + 2))
+        elif what == 1:
+            j = int(rng.integers(0, S))
+            slot[i], slot[j] = slot[j], slot[i]
+        elif what == 2:
+            first[i] += int(rng.integers(-3, 4))
+        else:
+            lo = int(rng.integers(g - S - 1, g + 2))
+    put_state(snap, "frames_seg_slot", slot)
+    put_state(snap, "frames_seg_first", first)
+    _meta(snap, seg_lo=lo)
+    before = fingerprint(snap)
+    try:
+        buf = bigper.PrioritizedReplayBuffer.load(snap)
+    except BAD:
+        assert fingerprint(snap) == before
+        return
+    try:
+        got = buf._frames.stacks("obs_ref", np.flatnonzero(buf._status == 1))
+    except CorruptSnapshotError:
+        return
+    finally:
+        buf.close()
+    if got.shape == want.shape:
+        np.testing.assert_array_equal(got, want)
