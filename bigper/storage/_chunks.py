@@ -150,7 +150,11 @@ class _Array:
 
     def _map_chunk(self, k: int, writable: bool, known=None) -> None:
         p = self.path(k)
-        fd = open_regular(p, os.O_RDONLY)  # never a FIFO (a hang) or a symlink out of data/
+        try:
+            fd = open_regular(p, os.O_RDONLY)  # never a FIFO (a hang) or a symlink out of data/
+        except FileNotFoundError:  # (a record naming rows, e.g. of a grown log, whose chunk file is gone)
+            raise IncompatibleSnapshotError(
+                f"chunk file {p} is missing: the record names {self.rows} rows of {self.name}") from None
         try:
             st = os.fstat(fd)
             if st.st_size < self.sizes[k]:  # mapping past the end would SIGBUS on access

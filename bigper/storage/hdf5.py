@@ -257,6 +257,23 @@ class HDF5Storage:
             raise InvalidArgumentError(f"{self.path} is open read_only")
         d = self.dsets[name]
         before = int(d.shape[0])
+        # The new chunks' bytes (and room for HDF5's metadata) reserved past the end of the
+        # file before HDF5 writes them: HDF5 places them at its end of allocation, inside what
+        # is reserved, so a full disk is an OSError here with nothing changed. (An ENOSPC
+        # inside HDF5 leaves the library's state broken: every later flush fails.)
+        size = os.stat(self._fp).st_size
+        extra = (int(rows) - before) * int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize + (1 << 16)
+        try:
+            fd = open_regular(self._fp, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, size, extra)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.truncate(self._fp, size)
+            raise OSError(e.errno, f"{e.strerror or e} (growing {name} to {int(rows):,} rows: reserving "
+                          f"{extra:,} bytes)", str(self.path)) from None
         try:
             d.resize(int(rows), axis=0)
             d[before:int(rows)] = 0
