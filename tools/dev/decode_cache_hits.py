@@ -14,9 +14,13 @@ their ids matter here, and they are bigper's own (``FrameStore.refs``).
 Priorities (``|TD|`` handed to ``update_priorities``), three models:
 
 - ``decaying``: each transition has an error drawn at its add (lognormal,
-  sigma 1); every time it is drawn the learner reports it times U(0.5, 1.5)
+  sigma 1, ``--sigma``); every time it is drawn the learner reports it times U(0.5, 1.5)
   and learning shrinks it by 0.7 (the transitions drawn most are the ones
   learned from, as in a real run);
+- ``floor``: as ``decaying``, but an error never shrinks below a fifth of
+  the one drawn at its add (what a moving target leaves: errors that learning
+  drives to 0 make the newest transitions, which enter at the largest
+  priority, all that is drawn at a high replay ratio);
 - ``fresh``: every update draws a new ``|TD|`` (lognormal, sigma 1): a heavy
   tail without memory;
 - ``uniform``: alpha = 0 (the floor: no priority at all).
@@ -96,12 +100,14 @@ class Hits:
                 **{f"lru_{mb}mb": self.lru_hits[mb] / n for mb in LRU_MB}}
 
 
-def run(capacity: int, model: str, batches: int, learning_starts: int, adds_per_batch: int, seed: int) -> dict:
+def run(capacity: int, model: str, batches: int, learning_starts: int, adds_per_batch: int, seed: int,
+        sigma: float = 1.0) -> dict:
     bigper = import_bigper()
     buf = bigper.PrioritizedReplayBuffer(capacity=capacity, fields={"obs": ((K, 1, 8), np.uint8)}, frame_stack=K,
                                          alpha=0.0 if model == "uniform" else 0.6, seed=seed)
     rng = np.random.default_rng(seed)
-    err = rng.lognormal(0.0, 1.0, capacity)  # each slot's current error (decaying model)
+    err = rng.lognormal(0.0, sigma, capacity)  # each slot's current error (decaying, floor)
+    floor = err * 0.2  # the error learning does not remove (floor)
     fs = buf._frames
     steps = capacity + batches * adds_per_batch  # full, then the measured batches
     measure_from = steps - batches * adds_per_batch
@@ -118,7 +124,8 @@ def run(capacity: int, model: str, batches: int, learning_starts: int, adds_per_
             new = np.array([frame], dtype=np.uint64).view(np.uint8).reshape(1, 1, 8)
             nxt = np.concatenate([stack[1:], new])
             buf.add(obs=stack, next_obs=nxt, terminated=i == length - 1, truncated=False)
-            err[t % capacity] = rng.lognormal(0.0, 1.0)
+            err[t % capacity] = rng.lognormal(0.0, sigma)
+            floor[t % capacity] = err[t % capacity] * 0.2
             stack = nxt
             t += 1
             if t >= learning_starts and t % adds_per_batch == 0:
@@ -126,36 +133,37 @@ def run(capacity: int, model: str, batches: int, learning_starts: int, adds_per_
                 if t > measure_from:
                     ro, rn = fs.refs("obs_ref", b.indices), fs.refs("next_obs_ref", b.indices)
                     hits.batch(np.concatenate([ro, rn[:, -1:]], axis=1).ravel())
-                if model == "decaying":
+                if model in ("decaying", "floor"):
                     e = err[b.indices]
                     p = e * rng.uniform(0.5, 1.5, BATCH)
-                    err[b.indices] = e * 0.7
+                    err[b.indices] = e * 0.7 if model == "decaying" else np.maximum(e * 0.7, floor[b.indices])
                 else:
-                    p = rng.lognormal(0.0, 1.0, BATCH)
+                    p = rng.lognormal(0.0, sigma, BATCH)
                 buf.update_priorities(b, p)
             if t % 200_000 == 0:
                 say(f"    {capacity:,} {model}: {t:,} of {steps:,} steps, {time.perf_counter() - t0:.0f} s")
             if t == steps:
                 break
     buf.close()
-    return {"capacity": capacity, "model": model, **hits.result()}
+    return {"capacity": capacity, "model": model, "sigma": sigma, **hits.result()}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--capacities", default="20000,1000000")
-    ap.add_argument("--models", default="decaying,fresh,uniform")
+    ap.add_argument("--models", default="decaying,floor,fresh,uniform")
     ap.add_argument("--batches", type=int, default=20_000, help="batches measured, after the buffer is full")
     ap.add_argument("--learning-starts", type=int, default=20_000)
     ap.add_argument("--adds-per-batch", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sigma", type=float, default=1.0, help="the errors' lognormal sigma (their tail)")
     args = ap.parse_args()
     out = []
     for cap in (int(c) for c in args.capacities.split(",")):
         for model in args.models.split(","):
             say(f"[decode-cache-hits] capacity {cap:,}, {model} ...")
             out.append(run(cap, model, args.batches, min(args.learning_starts, cap), args.adds_per_batch,
-                           args.seed))
+                           args.seed, args.sigma))
     rows = [[f"{r['capacity']:,}", r["model"], f"{r['distinct_share']:.1%}",
              *(f"{r[f'last_{w}']:.2%}" for w in WINDOWS), *(f"{r[f'lru_{mb}mb']:.2%}" for mb in LRU_MB)]
             for r in out]
@@ -164,6 +172,7 @@ def main() -> int:
     print(f"  B={BATCH}, k={K}: a batch's {BATCH * (K + 1)} pair ids; 'in last W': share of its distinct frames "
           f"decoded in the W batches before it; LRU: hit rate of a cache of decoded 84x84 frames of that size")
     print(json.dumps({"bench": "decode-cache-hits", "batch": BATCH, "k": K, "adds_per_batch": args.adds_per_batch,
+                      "sigma": args.sigma,
                       "results": out}, separators=(",", ":")))
     return 0
 
