@@ -185,6 +185,89 @@ def expire(ptr, count, capacity, k_envs, oldest_frame, minref, gid, status, out)
     return n
 
 
+@kernel
+def distinct_ids(ids, uniq, src):
+    """Where each distinct frame id of ``ids`` ``(n,)`` is decoded, once.
+
+    Returns ``u``, the count of distinct ids >= 0, and fills ``uniq[:u]``:
+    the ids to decode into rows ``0 .. u - 1`` of the output, and ``src``
+    ``(n,)``: the row (< ``u``) that holds the frame of ``ids[i]``, or -1 for
+    an id < 0 (a zero frame). An id's first occurrence at a position ``i < u``
+    is decoded in place (``src[i] == i``); the first occurrences past ``u``
+    are decoded into the holes below ``u`` (positions of repeats or of
+    zeros), so ``spread_rows`` moves about two rows a repeat, not every row
+    after it. ``u == n``: every id is distinct and >= 0, ``uniq`` is ``ids``.
+    """
+    n = ids.shape[0]
+    # First occurrences through an open-addressing table of positions (2 to 4 slots an id,
+    # Fibonacci hashing): one pass, no sort (a sort took twice as long for a batch of 160).
+    bits = 4
+    while (1 << bits) < 2 * n:
+        bits += 1
+    size = 1 << bits
+    shift = np.uint64(64 - bits)
+    table = np.full(size, -1, dtype=np.int64)
+    head = np.empty(n, dtype=np.int64)  # each position's first occurrence (-1: a zero frame)
+    u = 0
+    for i in range(n):
+        v = ids[i]
+        if v < 0:
+            head[i] = -1
+            continue
+        j = np.int64((np.uint64(v) * np.uint64(0x9E3779B97F4A7C15)) >> shift)
+        while True:
+            p = table[j]
+            if p < 0:
+                table[j] = i
+                head[i] = i
+                u += 1
+                break
+            if ids[p] == v:
+                head[i] = p
+                break
+            j = (j + 1) & (size - 1)
+    h = 0  # the next hole below u
+    for i in range(n):
+        if head[i] != i:
+            continue
+        if i < u:
+            uniq[i] = ids[i]
+            src[i] = i
+        else:  # (there are as many holes below u as first occurrences at or past it)
+            while head[h] == h:
+                h += 1
+            uniq[h] = ids[i]
+            src[i] = h
+            h += 1
+    for i in range(n):
+        if head[i] != i:
+            src[i] = -1 if head[i] < 0 else src[head[i]]
+    return u
+
+
+@kernel
+def spread_rows(rows, src, u):
+    """Row ``i`` of ``rows`` ``(n, words)`` becomes row ``src[i]`` (zeros for
+    -1), in place, after ``distinct_ids`` put the distinct frames in rows
+    ``0 .. u - 1``: first the rows past ``u`` (read from rows below ``u``,
+    not yet changed), then the holes below ``u`` (read from first
+    occurrences decoded in place, which never change)."""
+    for i in range(u, rows.shape[0]):
+        _row_from(rows, i, src[i])
+    for i in range(u):
+        if src[i] != i:
+            _row_from(rows, i, src[i])
+
+
+@kernel
+def _row_from(rows, i, s):
+    if s < 0:
+        for w in range(rows.shape[1]):
+            rows[i, w] = 0
+    else:
+        _copy(rows[i], rows[s])
+
+
 # Frames per thread at least in a gather (about 0.9 MB of 84x84 frames), and the
 # threads it takes to pay: on 2 shared cores, measured, a split gather was 1.3x slower
 # (the copy is bound by memory bandwidth, which two cores already saturate).
@@ -411,8 +494,7 @@ class FrameStore:
         if self.log is not None:
             ids = self._refs(name, slots).ravel()
             dest = self._out((ids.shape[0], *self.frame_shape)) if out is None else out
-            if ids.shape[0]:  # (no slot: nothing to decode, and no row to reshape into)
-                self.log.decode(ids, dest.reshape(ids.shape[0], -1).view(np.uint8))
+            self._decode(ids, dest)
             return dest.reshape((slots.shape[0], self.k, *self.frame_shape))
         rows = (self._refs(name, slots) % self.F).ravel()
         arrays = getattr(self.store, "arrays", None)
@@ -430,23 +512,17 @@ class FrameStore:
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """The frames of global frame ids ``ids`` ``(n,)``, as ``(n, *frame)``
         (a reused output array); an id of -1 gives a zero frame."""
-        real = ids >= 0
-        every = bool(real.all())
         out = self._out((ids.shape[0], *self.frame_shape))
         if self.log is not None:
-            if every:
-                self.log.decode(ids, out.reshape(ids.shape[0], -1).view(np.uint8))
-            else:
-                some = np.empty((int(real.sum()), self.row_bytes), dtype=np.uint8)
-                self.log.decode(ids[real], some)
-                out.reshape(ids.shape[0], -1).view(np.uint8)[real] = some
+            return self._decode(ids, out)
+        real = ids >= 0
+        every = bool(real.all())
+        rows = np.where(real, ids % self.F, 0)
+        arrays = getattr(self.store, "arrays", None)
+        if arrays is None:
+            np.copyto(out, self.store.read("frames", rows))
         else:
-            rows = np.where(real, ids % self.F, 0)
-            arrays = getattr(self.store, "arrays", None)
-            if arrays is None:
-                np.copyto(out, self.store.read("frames", rows))
-            else:
-                _take_rows(arrays["frames"], rows, out)
+            _take_rows(arrays["frames"], rows, out)
         if not every:
             out[~real] = 0
         return out
@@ -488,19 +564,50 @@ class FrameStore:
         ro = self._refs("obs_ref", slots)
         rn = self._refs("next_obs_ref", slots)
         arrays = getattr(self.store, "arrays", None)
-        if (arrays is None and self.log is None) or not (rn[:, :-1] == ro[:, 1:]).all():
-            return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", slots)
         b, k = slots.shape[0], self.k
+        if (arrays is None and self.log is None) or not (rn[:, :-1] == ro[:, 1:]).all():
+            if self.log is None:
+                return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", slots)
+            # Compressed: both stacks from one decode of their frames (they still share most).
+            both = self._decode(np.concatenate([ro.ravel(), rn.ravel()]),
+                                self._out((2 * b * k, *self.frame_shape))).reshape((2, b, k, *self.frame_shape))
+            return both[0], both[1]
         ids = np.concatenate([ro, rn[:, -1:]], axis=1).ravel()
         out = self._out((ids.shape[0], *self.frame_shape)) if out is None else \
             out.reshape((ids.shape[0], *self.frame_shape))
         if self.log is not None:
-            if ids.shape[0]:
-                self.log.decode(ids, out.reshape(ids.shape[0], -1).view(np.uint8))
+            self._decode(ids, out)
         else:
             out = _take_rows(arrays["frames"], ids % self.F, out)
         out = out.reshape((b, k + 1, *self.frame_shape))
         return out[:, :k], out[:, 1:]
+
+    def _decode(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Frames ``ids`` ``(n,)`` from the compressed log into ``out`` (a
+        C-contiguous array of ``n`` frames), each distinct id decoded once (the
+        stacks of neighbouring transitions, a sequence's steps and a batch's
+        repeated draws share frames); an id of -1 gives a zero frame.
+
+        The distinct frames are decoded into the first rows of ``out``, most
+        where they belong, and copied to the others in place (``distinct_ids``,
+        ``spread_rows``): no scratch array, about two row copies a repeat, and
+        a batch without a repeat (the usual prioritized draw from a large
+        buffer) is one ``decode`` of ``ids``, as before."""
+        n = ids.shape[0]
+        if n == 0:  # (nothing to decode, and no row to reshape into)
+            return out
+        rows = out.reshape(n, -1).view(np.uint8)  # (n, row_bytes)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        uniq = np.empty(n, dtype=np.int64)
+        src = np.empty(n, dtype=np.int64)
+        u = distinct_ids(ids, uniq, src)
+        if u == n:
+            self.log.decode(ids, rows)
+            return out
+        if u:
+            self.log.decode(uniq[:u], rows[:u])
+        spread_rows(rows.view(self.word), src, u)
+        return out
 
     def _out(self, shape: tuple) -> np.ndarray:
         """An output array for a gather (``_reuse``: no page faults for a fresh one)."""

@@ -44,13 +44,17 @@ Usage::
     python tools/bench.py atari [--quick] [--size 100000] [--million] [--repeat R]
                                 [--peers numpy,bigper-memory,...] [--malloc default|tuned] [--dir DIR]
     python tools/bench.py atari --compression zstd [--million N] [--sweep [--sweep-max 23]] [--game G]
+    python tools/bench.py atari --compression zstd --games [--capacity 20000] [--cases Pong,noise]
 
 Prints a table and, last, one JSON line ``{"bench": "atari", ...}``.
 ``--million`` also fills a 1M-capacity bigper memmap buffer with 1M steps of
 the same stream (about 7.3 GB on disk, deleted afterwards). ``--compression
 zstd`` runs compressed frames at scale instead (tools/bench_atari_scale.py):
 ``--million 10`` fills 10M transitions, ``--sweep`` compares compressed and
-raw frames against capacity with the page cache dropped.
+raw frames against capacity with the page cache dropped; ``--games``
+reports six games of real play and two synthetic streams at the default
+settings (tools/bench_atari_games.py: disk bytes a transition, sampleable
+transitions against capacity, warm and cold rounds, adds/s against raw).
 
 Layout: this file runs the comparison (one child process per library and
 run, medians, ratios); the children run tools/bench_atari_child.py; the
@@ -204,13 +208,20 @@ def run(quick: bool, size: int, million: bool, repeat: int, peers: tuple[str, ..
 
 
 def cmd_atari(args) -> int:
-    if args.compression or args.sweep:
-        import bench_atari_scale
-
+    if args.compression or args.sweep or args.games:
         if not args.compression:
-            raise SystemExit("--sweep needs --compression zstd")
+            raise SystemExit(f"{'--games' if args.games else '--sweep'} needs --compression zstd")
         print_header("atari --compression")
-        return bench_atari_scale.main(args)
+        rc = 0
+        if args.games:  # the six games and two synthetic streams at the defaults (tools/bench_atari_games.py)
+            import bench_atari_games
+
+            rc = bench_atari_games.main(args)
+        if args.million or args.sweep or not args.games:
+            import bench_atari_scale
+
+            rc = bench_atari_scale.main(args) or rc
+        return rc
     peers = tuple(s.strip() for s in args.peers.split(",")) if args.peers else PEERS
     unknown = [p for p in peers if p not in MAKERS]
     if unknown:
@@ -241,6 +252,12 @@ def add_arguments(p) -> None:
                         "dropping the page cache (root)")
     p.add_argument("--sweep-min", type=int, default=20, help="smallest capacity of --sweep, as a power of 2")
     p.add_argument("--sweep-max", type=int, default=23, help="largest capacity of --sweep, as a power of 2")
+    p.add_argument("--games", action="store_true",
+                   help="with --compression: six games of real ALE play and two synthetic streams (noise, half "
+                        "noise) at the default settings, memmap: disk bytes a transition, sampleable transitions "
+                        "against capacity, warm and cold rounds, adds/s against raw (tools/bench_atari_games.py)")
+    p.add_argument("--capacity", type=int, default=20_000, help="with --games: each buffer's capacity")
+    p.add_argument("--cases", help="with --games: a comma-separated subset of the games, noise and half")
     p.add_argument("--game", default="MsPacman", help="with --compression: the game whose real frames fill it")
     p.add_argument("--budget", type=int, help="with --compression: compression_budget (log bytes a frame)")
     p.add_argument("--repeat", type=int, default=1, help="runs per library (rotating order); medians reported")
