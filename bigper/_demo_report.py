@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .status import LIVE
+
 NAIVE_BYTES = 2 * 4 * 84 * 84  # obs and next_obs, four 84x84 frames each, per transition
 
 
@@ -140,7 +142,7 @@ def plot(buf, trace, png: Path, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    live = np.flatnonzero(np.asarray(buf.status) == 1)  # sampleable slots
+    live = np.flatnonzero(np.asarray(buf.status) == LIVE)  # sampleable slots
     keys = buf.leaves(live)
     rank = args.prioritization == "rank"
     entry = buf.max_leaf

@@ -19,6 +19,8 @@ the children ``j*FANOUT .. j*FANOUT+FANOUT-1`` of level ``l+1``.
 import numpy as np
 from numba import njit
 
+from .status import DEAD, EMPTY, LIVE, PENDING
+
 # One decorator so that every kernel shares the same options and lands in the
 # same on-disk cache entries in every process.
 kernel = njit(cache=True, nogil=True)
@@ -396,7 +398,7 @@ def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
         s = idx[i]
         if s < 0 or s >= n:
             return 2, i, 0.0
-        if status[s] == 0:
+        if status[s] == EMPTY:
             return 3, i, 0.0
     keep = np.empty(m, dtype=np.bool_)
     route = np.empty(m, dtype=np.uint8)
@@ -407,10 +409,10 @@ def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
         if use_stamps and gid[s] != stamps[i]:
             st = 0
         route[i] = st
-        keep[i] = st == 1
-        if st == 2:
+        keep[i] = st == LIVE
+        if st == PENDING:
             pending[s] = leaves[i]
-        if st != 1:
+        if st != LIVE:
             all_tree = False
     kept_idx = idx
     if not all_tree:
@@ -461,4 +463,4 @@ def commit_rows(g0, slots, ends, valid, state, gid, ends_arr, status):
         s = slots[r]
         gid[s] = g0 + r
         ends_arr[s] = ends[r]
-        status[s] = 3 if use_valid and not valid[r] else state
+        status[s] = DEAD if use_valid and not valid[r] else state

@@ -35,8 +35,8 @@ import numpy as np
 from .errors import CorruptSnapshotError
 from .frames import frame_capacity
 from .sequences import ITEM_ARRAYS, item_truth
+from .status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
-EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3  # buffer.py's slot status values
 _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
 _EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")

@@ -26,7 +26,7 @@ from ._kernels import commit_rows, kernel, ring_rows, tree_set
 from .errors import InvalidArgumentError
 from .frames import ALL_VALID, expire, write_direct
 from .nstep import complete
-from .prioritization.base import DEAD, LIVE, PENDING
+from .status import DEAD, LIVE, PENDING
 
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
@@ -73,7 +73,7 @@ def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt,
             env[r] = (g0 + r) % num_envs
         fw = write_direct(ow, nw, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
                           oref, nref, ring, slots, minref, F)
-    commit_rows(g0, slots, ends, valid, 1 if n_step == 1 else 2, gid, ends_arr, status)
+    commit_rows(g0, slots, ends, valid, LIVE if n_step == 1 else PENDING, gid, ends_arr, status)
     for r in range(m):
         env_ended[(g0 + r) % num_envs] = ends[r] != 0 or not valid[r]
     leaves = np.zeros(m, dtype=np.float64)
@@ -95,7 +95,7 @@ def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt,
         if nr > 0:
             vals = np.empty(nr, dtype=np.float64)
             for i in range(nr):
-                status[ready[i]] = 1
+                status[ready[i]] = LIVE
                 vals[i] = pending[ready[i]]
             tree_set(sums, mins, offsets, ready[:nr], vals)
     if framed and fw - F > 0:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .status import LIVE
+
 
 def _bench(args) -> int:
     script = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
@@ -74,7 +76,7 @@ def _reprioritize(args) -> int:
             print(f"bigper reprioritize: {why}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
         dt = time.perf_counter() - t0
-        n = int((buf.status == 1).sum())
+        n = int((buf.status == LIVE).sum())
         print(f"scored {n:,} transitions of {args.dataset} in {dt:.1f} s ({n / max(dt, 1e-9):,.0f}/s); "
               f"priorities in {buf.storage.sidecar.path}")
     return 0
@@ -191,7 +193,7 @@ def _sampleable(path: Path, cap: int) -> str:
         return ""
     if not isinstance(status, np.ndarray) or status.shape != (cap,):
         return ""
-    return f", {int((status == 1).sum()):,} of them sampleable"
+    return f", {int((status == LIVE).sum()):,} of them sampleable"
 
 
 def _ratio(cfg: dict, state: dict) -> str:

@@ -40,6 +40,7 @@ from .frames import frame_capacity, require_compression
 from .storage._files import FileLock, fsync_dir, real_names
 from .storage.hdf5 import HDF5Storage
 from .segments import log_geometry
+from .status import EMPTY
 
 __all__ = ["convert", "infer_frame_stack"]
 
@@ -167,7 +168,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
             if lock is not None:
                 lock.release()
     return {"transitions": n, "skipped": int(store.n) - n if store.recorded is None else
-            int((np.asarray(store.status) != 0).sum()) - n,
+            int((np.asarray(store.status) != EMPTY).sum()) - n,
             "frame_stack": cfg["frame_stack"], "src_bytes": int(src_bytes),
             "dst_bytes": int(os.stat(dst).st_size), "dst": str(dst)}
 

@@ -29,6 +29,7 @@ from ._kernels import kernel
 from ._pool import for_ranges, workers
 from ._reuse import ReusedArrays
 from .segments import SegmentLog
+from .status import DEAD, LIVE, PENDING
 
 
 def require_compression() -> None:
@@ -176,8 +177,8 @@ def expire(ptr, count, capacity, k_envs, oldest_frame, minref, gid, status, out)
             s = g % capacity
             if gid[s] == g and minref[s] >= oldest_frame:
                 break
-            if gid[s] == g and (status[s] == 1 or status[s] == 2):
-                status[s] = 3
+            if gid[s] == g and (status[s] == LIVE or status[s] == PENDING):
+                status[s] = DEAD
                 out[n] = s
                 n += 1
             g += k_envs
@@ -619,7 +620,7 @@ class FrameStore:
         first that fails. Returns how many frames were checked."""
         if self.log is None:
             return 0
-        slots = np.flatnonzero((status == 1) | (status == 2))
+        slots = np.flatnonzero((status == LIVE) | (status == PENDING))
         ids = [self._refs("obs_ref", slots)]
         if self.has_next:
             ids.append(self._refs("next_obs_ref", slots))

@@ -11,6 +11,7 @@ terminated and bit 1 truncated of the transition in that slot.
 import numpy as np
 
 from ._kernels import kernel
+from .status import PENDING
 
 TERMINATED = 1
 TRUNCATED = 2
@@ -23,7 +24,7 @@ def complete(first, count, capacity, k, n, ends, gid, status, out):
     m = 0
     for g in range(first, count):
         s = g % capacity
-        if status[s] != 2 or gid[s] != g:
+        if status[s] != PENDING or gid[s] != g:
             continue
         done = g + (n - 1) * k < count
         if not done:

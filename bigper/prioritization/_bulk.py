@@ -31,6 +31,7 @@ import numpy as np
 
 from .._kernels import kernel
 from .._pool import for_ranges
+from ..status import EMPTY, LIVE, PENDING
 
 
 @kernel
@@ -82,9 +83,9 @@ def scan_range(p, idx, stamps, use_stamps, gid, status, alpha, eps, max_priority
             s = idx[i]
             if s < 0 or s >= n:
                 bad_row, code = i, 2
-            elif status[s] == 0:
+            elif status[s] == EMPTY:
                 bad_row, code = i, 3
-            elif status[s] == 1 and (not use_stamps or gid[s] == stamps[i]):
+            elif status[s] == LIVE and (not use_stamps or gid[s] == stamps[i]):
                 kept += 1
     return -1, top, bad_row, code, kept
 
@@ -101,11 +102,11 @@ def write_last_first(sums, leaf_off, idx, keys, stamps, use_stamps, gid, status,
     for i in range(idx.shape[0] - 1, -1, -1):
         s = idx[i]
         st = status[s]
-        if (st != 1 and st != 2) or seen[s] or (use_stamps and gid[s] != stamps[i]):
+        if (st != LIVE and st != PENDING) or seen[s] or (use_stamps and gid[s] != stamps[i]):
             continue
         seen[s] = True
         v = keys[i]
-        if st == 1:
+        if st == LIVE:
             sums[leaf_off + s] = v
         else:
             pending[s] = v

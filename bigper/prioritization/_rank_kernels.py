@@ -25,6 +25,7 @@ given the largest priority seen goes to position 0 (rank 1).
 import numpy as np
 
 from .._kernels import kernel
+from ..status import EMPTY, LIVE, PENDING
 # Constants only: numba's cache does not notice when another file's kernel
 # changes, so no kernel here calls one from another file.
 from ._rank_sort import SLOT_BITS, SLOT_MASK
@@ -172,7 +173,7 @@ def first_bad_row(idx, p, status):
         s = idx[i]
         if s < 0 or s >= cap:
             return 2, i
-        if status[s] == 0:
+        if status[s] == EMPTY:
             return 3, i
     return 0, -1
 
@@ -206,10 +207,10 @@ def rank_update(heap, spos, n, tick, idx, p, stamps, use_stamps, gid, status, pe
         st = status[s]
         if use_stamps and gid[s] != stamps[i]:
             continue
-        if st == 1:
+        if st == LIVE:
             n = _write(heap, spos, n, s, bits[i], tick)
             tick += 1
-        elif st == 2:
+        elif st == PENDING:
             pending[s] = keys[i]
         else:
             continue

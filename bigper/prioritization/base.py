@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-EMPTY, LIVE, PENDING, DEAD = 0, 1, 2, 3
+from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401  (the slot status codes, re-exported)
 
 
 class Prioritization(ABC):

@@ -12,6 +12,7 @@ from ..errors import InvalidArgumentError, InvalidIndexError
 from ..tree import PriorityTree
 from . import _bulk
 from .base import Prioritization
+from ..status import LIVE
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _BULK = 4096  # above this many rows the keys are computed in threads first
@@ -178,6 +179,6 @@ class Proportional(Prioritization):
             problems.append(f"a leaf exceeds float max / capacity ({self.limit:.6g})")
         if not math.isfinite(self.total):
             problems.append("the total is not finite")
-        if np.any(leaves[status != 1] != 0):
+        if np.any(leaves[status != LIVE] != 0):
             problems.append("a slot that is not sampleable has a non-zero leaf")
         return problems

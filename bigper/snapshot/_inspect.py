@@ -13,8 +13,8 @@ from ..errors import BigperError, CorruptSnapshotError
 from ._frames import check_frames
 from ._load import _config, _state_arrays, inspect
 from ._manifest import check_files, read_manifest
+from ..status import LIVE
 
-LIVE = 1  # the buffer's slot status of a sampleable transition (buffer.py)
 
 
 def kind_of(cfg: dict) -> str:

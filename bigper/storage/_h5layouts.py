@@ -23,8 +23,8 @@ from ..errors import OfflineDatasetError, StorageLockedError
 from ._files import open_regular, read_regular
 from ._h5guard import check_row_bytes, check_rows
 from ._h5map import Column
+from ..status import DEAD, LIVE
 
-LIVE, DEAD = 1, 3  # the buffer's slot status codes
 _RESERVED = {"terminated", "truncated", "discount", "priorities"}
 _FLAG_BLOCK = 1 << 20
 _MAX_DEPTH = 32  # nested observation groups deeper than this are not a Minari space

@@ -1,21 +1,42 @@
-"""The Storage protocol: named 2-D-or-more arrays with a fixed number of rows.
+"""The Storage protocol: named arrays of rows, and every call the core makes on them.
 
 A buffer asks its storage for arrays by name (``allocate``), writes rows and
-reads rows back. Memory and memmap storages hand out numpy arrays (``arrays``)
-that the buffer indexes directly; HDF5 reads through h5py.
+reads rows back. This file lists every call bigper makes on a storage, so a
+new storage's author reads one file:
+
+- ``Storage``: what every storage has (memory, memmap, HDF5).
+- ``InPlace``: numpy arrays the core indexes directly instead of ``read`` /
+  ``write`` (memory, memmap). Without ``arrays`` a storage is read through
+  ``read`` and written through ``write`` (HDF5). ``prepare`` and
+  ``shared_chunks``: copy-on-write storages (memmap, after a snapshot).
+- ``Growing``: ``rows``, ``grow``, ``shrink`` for the arrays ``allocate`` was
+  told grow (the compressed frame log, ``segments.py``).
+- ``OnDisk``: what snapshots, loads and ``bigper info`` ask of a storage at a
+  path: ``path``, ``read_only``, ``abort`` (let go, recording nothing),
+  ``check_present``. The memmap storage adds its chunk files
+  (``chunk_table``, ``chunk_view``, ``mark_shared``, ``layout``, ``adopt``,
+  ``replace``: ``snapshot/_save.py`` and ``_load.py``), the HDF5 one ``dsets``.
+
+The core tells these apart with ``getattr(store, name, default)`` where a
+member is optional; the defaults are the ones below (no ``arrays``: read and
+write; no ``prepare``: nothing to make writable; no ``grow``: the arrays
+were allocated whole).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+Specs = dict[str, tuple[int, tuple[int, ...], np.dtype[Any]]]  # name -> (rows, row shape, dtype)
 
 
 class Storage(Protocol):
     """Where a buffer keeps its arrays: memory, memmap files or one HDF5 file."""
 
-    kind: str
+    kind: str  # "memory", "memmap" or "hdf5": recorded in the config and snapshots
 
     def open(self, config: dict[str, Any]) -> dict[str, Any] | None:
         """Lock the location; return its recorded metadata (``config``,
@@ -24,29 +45,17 @@ class Storage(Protocol):
     def saved_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """``(meta, arrays)`` of the buffer's bookkeeping, recorded at the last close."""
 
-    def allocate(self, specs: dict[str, tuple[int, tuple[int, ...], np.dtype[Any]]],
-                 growth: dict[str, int] | None = None) -> None:
+    def allocate(self, specs: Specs, growth: dict[str, int] | None = None) -> None:
         """Create (or attach to) one array per name: ``name -> (rows, shape, dtype)``.
         An array named in ``growth`` (name -> rows of a step) starts with one
         step and grows by ``grow`` up to its spec's rows (a reopened one holds
-        what it grew to)."""
+        what it grew to). A storage that cannot grow allocates it whole."""
 
     def read(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows ``rows`` (int64, any order, duplicates allowed) of array ``name``."""
 
     def write(self, name: str, rows: int | slice | np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` at ``rows`` (an int, a slice or an int64 array)."""
-
-    def rows(self, name: str) -> int:
-        """Rows array ``name`` holds (one of ``growth``: what it grew to)."""
-
-    def grow(self, name: str, rows: int) -> None:
-        """Array ``name`` of ``growth`` holds ``rows`` rows from now on (whole
-        steps; the new rows zero and really reserved: a full disk is an
-        ``OSError`` here, with nothing changed)."""
-
-    # Optional: ``writable_arrays`` (name -> numpy array written in place, after
-    # ``prepare`` where the storage has it); storages without it (HDF5) get ``write``.
 
     def flush(self) -> None:
         """Make written rows durable (a no-op in memory)."""
@@ -57,6 +66,56 @@ class Storage(Protocol):
 
     def nbytes(self) -> int:
         """Bytes the arrays take (on disk for disk storages)."""
+
+
+class InPlace(Protocol):
+    """A storage whose arrays the core indexes directly (memory, memmap)."""
+
+    arrays: dict[str, np.ndarray]  # name -> array, read only where a snapshot shares it
+
+    @property
+    def writable_arrays(self) -> dict[str, np.ndarray]:
+        """name -> array written in place (after ``prepare``, where there is one)."""
+
+    def prepare(self, writes: dict[str, Any]) -> None:
+        """Make writable now every row ``writes`` (name -> rows) will touch
+        (copy-on-write of what a snapshot shares): a full disk fails here,
+        before any write. Optional."""
+
+    @property
+    def shared_chunks(self) -> int:
+        """Chunks a snapshot still shares (0: writes need no ``prepare``). Optional."""
+
+
+class Growing(Protocol):
+    """A storage whose ``growth`` arrays change their rows (optional: without
+    it they are allocated whole, and the compressed log never grows)."""
+
+    def rows(self, name: str) -> int:
+        """Rows array ``name`` holds (one of ``growth``: what it grew to)."""
+
+    def grow(self, name: str, rows: int) -> None:
+        """Array ``name`` of ``growth`` holds ``rows`` rows from now on (whole
+        steps; the new rows zero and really reserved: a full disk is an
+        ``OSError`` here naming the file, with nothing changed)."""
+
+    def shrink(self, name: str, rows: int) -> None:
+        """Array ``name`` of ``growth`` holds ``rows`` rows from now on (fewer,
+        whole steps; the rows past them are given back). Optional."""
+
+
+class OnDisk(Protocol):
+    """A storage at a path (memmap, HDF5): what loads, snapshots and the CLI ask."""
+
+    path: Path
+    read_only: bool
+
+    def abort(self) -> None:
+        """Release without recording anything (a location this storage created goes)."""
+
+    def check_present(self, what: str = "cannot go on") -> None:
+        """``PathNotFoundError`` when the location was deleted while open
+        (memmap; optional: ``save`` asks it before it links the files)."""
 
 
 def fits_spec(name: str, have: tuple, want: tuple, growth: dict) -> bool:
