@@ -186,3 +186,20 @@ def test_bench_help_lists_every_workload():
     assert p.returncode == 0, p.stderr
     for name in ("tree", "atari", "storage", "snapshot", "offline", "ray", "sb3"):
         assert f"    {name} " in p.stdout, p.stdout
+
+
+def test_the_development_map_names_every_module_and_package_and_nothing_else():
+    """docs/development.md's "Files" map: one line per module and package
+    directly under bigper/, each naming one that exists."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "development.md").read_text()
+    block = text[text.index("```\nbigper/\n") + len("```\nbigper/\n"):]
+    block = block[:block.index("\ntests/")]
+    named = [m.group(1) for m in re.finditer(r"^  (\S+)", block, re.M)]
+    have = sorted([p.name for p in (root / "bigper").glob("*.py")]
+                  + [p.name + "/" for p in (root / "bigper").iterdir()
+                     if p.is_dir() and (p / "__init__.py").exists()])
+    assert sorted(named) == have, (sorted(set(have) - set(named)), sorted(set(named) - set(have)))
