@@ -42,7 +42,7 @@ case "$cmd" in
   docs)   install "torch,atari,ray,sb3,sb3-contrib,docs"; cd "$here"
           rm -rf docs/_build
           "$venv/bin/python" -m sphinx -E -W --keep-going -n -b html docs docs/_build/html "$@"
-          "$venv/bin/python" tools/check_site.py docs/_build/html
-          exec "$venv/bin/python" tools/verify_types.py ;;
+          "$venv/bin/python" tools/dev/check_site.py docs/_build/html
+          exec "$venv/bin/python" tools/dev/verify_types.py ;;
   *) echo "usage: ./run.sh demo|test|bigper|docs [ARGS...]" >&2; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""Kill -9 at random moments of a loop on Snapshots.save (tools/crash_test.py):
+"""Kill -9 at random moments of a loop on Snapshots.save (tools/dev/crash_test.py):
 every time, the snapshots present verify and load_latest resumes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "crash_test.py"
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "dev" / "crash_test.py"
 TRIALS = 50
 
 
@@ -26,7 +26,7 @@ def _tool():
 @pytest.fixture
 def workdir(tmp_path):
     # kill -9 loses no page cache, so a tmpfs tests the same thing as a disk, without
-    # paying for its fsyncs; tools/crash_test.py runs 1,000 trials on a real disk.
+    # paying for its fsyncs; tools/dev/crash_test.py runs 1,000 trials on a real disk.
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         d = Path(tempfile.mkdtemp(prefix="bigper-crash-", dir=shm))

@@ -46,6 +46,8 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "sb3": ("bench_sb3", "the Stable-Baselines3 drop-in beside SB3's own replay buffer"),
     "learner": ("bench_learner", "a Nature-CNN DQN learner fed by each feed (ceiling, numpy, sample, sampler, "
                                  "device tier, zstd), B 32 and 256, as a share of its ceiling; sequences to the device"),
+    "codecs": ("bench_codecs", "which codec for compressed frames: zstd (bigper's numba kernel), lz4, blosc2 and "
+                               "the zstandard package on real ALE frames: ratio, one frame, a batch of 160"),
     "sequences": ("bench_sequences", "prioritized sequences (R2D2: 32 x 40+80 steps) on Atari-shaped steps: "
                                      "add with/without, sample + update, bytes; flashbax, TorchRL"),
 }

@@ -27,7 +27,7 @@ Reported:
 - ``add/s``: one ``add`` a step, after the first 3,000, against the raw buffer's.
 
 Prints a table and, last, one JSON line ``{"bench": "atari-games", ...}``.
-``python tools/bench_compression.py`` is the same run.
+(It replaced tools/bench_compression.py.)
 """
 
 from __future__ import annotations

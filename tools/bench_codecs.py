@@ -4,7 +4,7 @@ Per game (tools/bench_codec_frames.py, 3,000 frames, random play): the ratio of
 each codec compressing frames one by one, the time to decode one frame, and a
 batch of 160 random frames (a batch of 32 one-step transitions, 4-frame
 stacks plus the next frame) into one output array, on 1 and 2 threads where
-the codec offers threads. Run: ``python tools/bench_codecs.py``.
+the codec offers threads. Run: ``python tools/bench.py codecs``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def best(fn, reps=REPS):
     return float(np.median(ts)) * 1e6
 
 
-def main() -> None:
+def main(args=None) -> int:
     import blosc2
     import lz4.block
     import zstandard
@@ -103,6 +103,8 @@ def main() -> None:
             print(f"{g:14s} {name:22s} {ratio:6.1f} {one:10.1f} {t1:10.1f} {t2:10.1f}")
         sys.stdout.flush()
 
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

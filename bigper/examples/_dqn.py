@@ -1,6 +1,6 @@
 """A Double DQN learner that reads bigper batches, and its state without pickle.
 
-Shared by ``dqn_atari``, ``resume`` and ``tools/learning_check.py``. The
+Shared by ``dqn_atari``, ``resume`` and ``tools/dev/learning_check.py``. The
 update, for a batch of n-step transitions ``(s, a, R, discount, s')``::
 
     a* = argmax_a Q_online(s', a)                  (Double DQN: online net picks,

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCOPE = ("bigper.buffer", "bigper.batch", "bigper.schedules", "bigper.snapshots",
          "bigper.snapshot._series", "bigper.errors", "bigper.config", "bigper.storage.base",
          "bigper.prioritization.base", "bigper.distributed", "bigper.integrations")

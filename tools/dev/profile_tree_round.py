@@ -22,7 +22,7 @@ on these kernels and numpy gathers would pay on this machine.
 
 Usage::
 
-    python tools/profile_tree_round.py [--batch 32] [--capacity-log2 20]
+    python tools/dev/profile_tree_round.py [--batch 32] [--capacity-log2 20]
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from benchkit import import_bigper
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: benchkit
+from benchkit import import_bigper  # noqa: E402
 
 
 def _time(fn, calls: int = 20_000, repeats: int = 7) -> tuple[float, float]:
