@@ -118,7 +118,7 @@ class OnDisk(Protocol):
         (memmap; optional: ``save`` asks it before it links the files)."""
 
 
-def fits_spec(name: str, have: tuple, want: tuple, growth: dict) -> bool:
+def fits_spec(name: str, have: tuple[Any, ...], want: tuple[Any, ...], growth: dict[str, int]) -> bool:
     """Whether an array recorded as ``have`` (rows, shape, dtype) is the one
     spec ``want`` asks for: equal, or, for an array that grows, whole steps of
     ``growth[name]`` rows, one at least, ``want``'s rows at most."""
