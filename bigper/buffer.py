@@ -3,14 +3,13 @@ points to snapshots and offline datasets.
 
 Every public method is an *entry point*: it runs under the buffer's one
 re-entrant lock and, unless it is marked otherwise below, refuses a closed
-buffer inside it (``_entry``). Nothing reads or changes the buffer's state
+buffer inside it (``_lifecycle.entry_point``). Nothing reads or changes the buffer's state
 outside that lock, so two threads calling any two methods are serialized,
 and a write never lands on a buffer another thread closed.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -24,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import snapshot as _snapshot
+from ._lifecycle import OPEN, entry_point, reader, run_first_at_exit
 from ._ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
 from ._layout import allocate, plain_fields, storage_specs
 from ._opening import held, open_path
@@ -55,117 +55,6 @@ from .storage.base import Storage
 from .sequences import Items
 
 log: logging.Logger = logging.getLogger("bigper")
-
-# Buffers still open at interpreter exit are closed cleanly (state recorded),
-# so a script that ends without close() leaves a folder that resumes.
-_OPEN: "weakref.WeakSet[PrioritizedReplayBuffer]" = weakref.WeakSet()
-
-
-def _close_all_at_exit() -> None:
-    for buf in list(_OPEN):
-        try:
-            buf.close()
-        except Exception as e:  # noqa: BLE001 (exit must go on; say what was lost)
-            log.warning("bigper: could not close %r at exit: %s", buf, e)
-
-
-def _run_first_at_exit() -> None:
-    """(Re-)register the exit handler so that it runs before every handler
-    registered so far: atexit runs last-registered first, and h5py tears its
-    objects down in its own handler, registered when h5py is first imported
-    (after bigper's). An HDF5 storage's state must be recorded before that."""
-    atexit.unregister(_close_all_at_exit)
-    atexit.register(_close_all_at_exit)
-
-
-atexit.register(_close_all_at_exit)
-
-
-# fork(): the child gets a copy of every open buffer, but not the threads that
-# may hold their locks, and shares the parent's files, mappings and flocks.
-# Before a fork every open buffer's lock is taken (no method half-way through
-# in the copy); in the child, each gets a fresh lock, and a disk buffer is
-# closed there without touching anything (its exit must not record state
-# into, or release the lock of, the parent's live path).
-_FORK_WAIT_S = 10.0
-_held_for_fork: list = []
-
-
-def _before_fork() -> None:
-    for buf in list(_OPEN):
-        lock = getattr(buf, "_lock", None)
-        if lock is not None and lock.acquire(timeout=_FORK_WAIT_S):
-            _held_for_fork.append(lock)
-
-
-def _after_fork_in_parent() -> None:
-    while _held_for_fork:
-        _held_for_fork.pop().release()
-
-
-def _after_fork_in_child() -> None:
-    _held_for_fork.clear()
-    for buf in list(_OPEN):
-        buf._lock = threading.RLock()
-        buf._samplers = weakref.WeakSet()  # their threads are the parent's
-        if buf._store.kind != "memory":
-            buf._closed = True
-            buf._closed_why = (f"it was opened in process {buf._pid} and this is a forked child, which shares "
-                               "its files and lock; open the path here (read_only=True to sample)")
-            _OPEN.discard(buf)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                        after_in_child=_after_fork_in_child)
-
-
-def _entry(method):
-    """A public method: runs under the buffer's lock, on an open buffer.
-    ``_in_call`` names it while it runs, so that a ``close()`` reached from
-    inside it (an input's ``__array__``, a callback) is refused, not run under it."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def entry(self, *args, **kwargs):
-        deferred = getattr(self, "_deferred", None)
-        if deferred and name != "update_priorities":
-            deferred.wait()  # device copies still running: waited for before the lock, not under it
-        with self._lock:
-            if self._closed:
-                raise BufferClosedError(f"this buffer is closed ({name} needs an open one)"
-                                        + (f": {self._closed_why}" if self._closed_why else ""))
-            outer = self._in_call
-            self._in_call = name if outer is None else outer
-            try:
-                if self._deferred and name != "update_priorities":
-                    # Updates from device tensors, in order, before anything reads the tree. The
-                    # sampler's draws keep an invalid one's error for the learner's next call.
-                    self._settle(keep=name == "_sample_for")
-                if self._deferred_error is not None and name != "_sample_for":
-                    e, self._deferred_error = self._deferred_error, None
-                    raise e
-                return method(self, *args, **kwargs)
-            except (OSError, BigperError) as e:
-                raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
-            finally:
-                self._in_call = outer
-    return entry
-
-
-def _read(method):
-    """A public reader that also answers on a closed buffer (its last values), under the lock."""
-    @functools.wraps(method)
-    def entry(self, *args, **kwargs):
-        deferred = getattr(self, "_deferred", None)
-        if deferred:
-            deferred.wait()  # (outside the lock, as for every entry point)
-        with self._lock:
-            if not self._closed and getattr(self, "_deferred", None):
-                self._settle(keep=True)  # (a reader reports nobody's error: the next call does)
-            return method(self, *args, **kwargs)
-    return entry
-
 
 def _sample_in(ref, size: int, device, sample_kw: dict):
     """One batch of the buffer behind the weak reference ``ref`` (a sampler
@@ -433,15 +322,15 @@ class PrioritizedReplayBuffer:
         self._rng = np.random.default_rng(cfg.seed)
         self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
         self._closed = False
-        _OPEN.add(self)
+        OPEN.add(self)
         if store.kind == "hdf5":
-            _run_first_at_exit()
+            run_first_at_exit()
 
     def _forget(self) -> None:
         """Mark a buffer whose construction failed closed, so that nothing
         (its finalizer, the exit handler) records state into its storage."""
         self._closed = True
-        _OPEN.discard(self)
+        OPEN.discard(self)
 
     # The ring's counters live in the writer (the write path's room).
     _count = property(lambda self: self._writer.count, lambda self, v: setattr(self._writer, "count", v))
@@ -466,13 +355,13 @@ class PrioritizedReplayBuffer:
         """Transitions held at most, across all envs."""
         return self.config.capacity
 
-    @_read
+    @reader
     def __len__(self) -> int:
         """Transitions held (sampleable or waiting for their n-step window)."""
         return min(self._count, self.config.capacity)
 
     @property
-    @_read
+    @reader
     def total_priority(self) -> float:
         """Sum of all leaves: ``P(i) = leaf_i / total_priority``."""
         return self._prio.total
@@ -484,13 +373,13 @@ class PrioritizedReplayBuffer:
         return None if mirror is None else mirror.device
 
     @property
-    @_read
+    @reader
     def beta(self) -> float:
         """The beta the next ``sample`` call will use."""
         return self._cfg_beta(self._beta_step)
 
     # -- writing ---------------------------------------------------------------
-    @_entry
+    @entry_point
     def add(self, *, priorities: npt.ArrayLike | None = None, valid: npt.ArrayLike | None = None,
             **step: npt.ArrayLike) -> None:
         """Add one env step (with ``num_envs > 1``: one step of every env).
@@ -518,7 +407,7 @@ class PrioritizedReplayBuffer:
         rows, leaves, valid = self._ingest.step(step, priorities, valid)
         self._writer.write(rows, leaves, valid)
 
-    @_entry
+    @entry_point
     def extend(self, data: Mapping[str, npt.ArrayLike], priorities: npt.ArrayLike | None = None,
                valid: npt.ArrayLike | None = None) -> None:
         """Add many steps at once, as many ``add`` calls would.
@@ -538,7 +427,7 @@ class PrioritizedReplayBuffer:
         self._writer.write(rows, leaves, valid)
 
     # -- sampling --------------------------------------------------------------
-    @_entry
+    @entry_point
     def sample(self, batch_size: int, *, beta: float | None = None, stratified: bool = True,
                out: Mapping[str, np.ndarray] | None = None) -> Batch:
         """Draw ``batch_size`` transitions with replacement, ``P(i) = leaf_i / total``.
@@ -566,7 +455,7 @@ class PrioritizedReplayBuffer:
         """
         return self._draw(batch_size, beta, stratified, out, True)
 
-    @_entry
+    @entry_point
     def _sample_for(self, batch_size: int, device, sample_kw: dict) -> Batch:
         """``sample`` for a sampler: a batch bound for a CUDA device leaves the
         stacks of a sequence batch to be rebuilt there from its distinct frames."""
@@ -640,7 +529,7 @@ class PrioritizedReplayBuffer:
                 raise InvalidArgumentError(f"out[{name!r}] shares memory with the buffer's own arrays "
                                            "(its storage, state or tree); pass arrays of your own")
 
-    @_entry
+    @entry_point
     def sampler(self, batch_size: int, prefetch: int = 2, device: Any = None,
                 **sample_kw: Any) -> Iterator[Any]:
         """An endless iterator of batches, the next ones prepared in a background thread.
@@ -699,7 +588,7 @@ class PrioritizedReplayBuffer:
         return it
 
     # -- priorities ------------------------------------------------------------
-    @_entry
+    @entry_point
     def update_priorities(self, target: Batch | Mapping[str, Any] | npt.ArrayLike,
                           priorities: npt.ArrayLike) -> None:
         """Set the priorities of sampled transitions.
@@ -809,7 +698,7 @@ class PrioritizedReplayBuffer:
         if top > self._max_leaf:
             self._max_leaf = top
 
-    @_entry
+    @entry_point
     def assign_priorities(self, priorities: npt.ArrayLike) -> None:
         """Set the priority of every slot at once in O(N) (a dataset's scores).
 
@@ -835,7 +724,7 @@ class PrioritizedReplayBuffer:
             self._max_leaf = max(self._max_leaf, float(keys[live].max()))
 
     # -- state (close/reopen and snapshots) --------------------------------------
-    @_read
+    @reader
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """``(meta, arrays)``: JSON-able counters and RNG state, and the
         bookkeeping arrays (views of the live ones: copy before changing);
@@ -857,7 +746,7 @@ class PrioritizedReplayBuffer:
             arrays.update(self._items.state())
         return meta, arrays
 
-    @_entry
+    @entry_point
     def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Replace the bookkeeping with a recorded ``state_dict`` (checked first;
         ``CorruptSnapshotError`` on anything a buffer could not have written).
@@ -901,7 +790,7 @@ class PrioritizedReplayBuffer:
             self._mirror.sync(self._store, self._frames, self._count, progress=True)
 
     # -- snapshots -------------------------------------------------------------
-    @_entry
+    @entry_point
     def save(self, snapshot: str | os.PathLike[str], *, metadata: Any = None,
              files: Mapping[str, str | os.PathLike[str]] | None = None) -> Path:
         """Write a crash-consistent snapshot of tree, data and state to the
@@ -1020,7 +909,7 @@ class PrioritizedReplayBuffer:
             raise
         return buf
 
-    @_entry
+    @entry_point
     def reprioritize(self, score_fn: Callable[[Batch], npt.ArrayLike], batch_size: int = 4096,
                      progress: bool = True, *,
                      restart: bool = False, commit_seconds: float = 2.0) -> None:
@@ -1068,32 +957,32 @@ class PrioritizedReplayBuffer:
 
     # -- for the rooms above (shards, integrations) ------------------------------
     @property
-    @_read
+    @reader
     def storage(self) -> Storage:
         """The storage object (``kind``, ``path``, ``read``/``write``)."""
         return self._store
 
     @property
-    @_read
+    @reader
     def prioritization(self) -> Prioritization:
         """The prioritization strategy (``bigper.prioritization``)."""
         return self._prio
 
     @property
-    @_entry
+    @entry_point
     def status(self) -> np.ndarray:
         """Slot status, a read-only copy (uint8: 0 empty, 1 sampleable, 2 waiting
         for its n-step window, 3 dead)."""
         return _frozen(self._status)
 
     @property
-    @_entry
+    @entry_point
     def generations(self) -> np.ndarray:
         """How many transitions had been added when each slot was last written
         (int64, -1 for never), a read-only copy; ``Batch.generations`` are these."""
         return _frozen(self._gid)
 
-    @_entry
+    @entry_point
     def gather(self, indices: npt.ArrayLike) -> dict[str, np.ndarray]:
         """The data of the transitions at ``indices`` as ``sample`` returns it
         (no draw, no weights).
@@ -1127,7 +1016,7 @@ class PrioritizedReplayBuffer:
             raise InvalidIndexError(f"indices must be in [0, {self.capacity}), got {idx.min()}..{idx.max()}")
         return idx
 
-    @_entry
+    @entry_point
     def leaves(self, indices: npt.ArrayLike) -> np.ndarray:
         """Stored priority keys (float64) at ``indices``: 0 for slots not sampleable.
 
@@ -1143,12 +1032,12 @@ class PrioritizedReplayBuffer:
         return self._prio.key_at(self._check_indices(indices))
 
     @property
-    @_entry
+    @entry_point
     def max_leaf(self) -> float:
         """The largest key so far: what a new transition enters with."""
         return self._max_leaf
 
-    @_entry
+    @entry_point
     def raise_max_leaf(self, value: float) -> None:
         """Let new transitions enter at ``value`` if it is larger (for shards
         that share the largest key any of them has seen).
@@ -1167,12 +1056,12 @@ class PrioritizedReplayBuffer:
         self._max_leaf = max(self._max_leaf, v)
 
     @property
-    @_entry
+    @entry_point
     def min_leaf(self) -> float:
         """Smallest non-zero key (``inf`` when nothing is sampleable)."""
         return self._prio.min_key
 
-    @_entry
+    @entry_point
     def sample_at(self, targets: npt.ArrayLike, *, beta: float) -> Batch:
         """Sample the leaves at the given prefix-sum ``targets`` in ``[0, total_priority)``.
 
@@ -1247,7 +1136,7 @@ class PrioritizedReplayBuffer:
             if not self._closed:
                 state = None if self._store.read_only else self.state_dict()
                 self._closed = True
-                _OPEN.discard(self)
+                OPEN.discard(self)
                 try:
                     self._store.close(state)
                 except (OSError, BigperError) as e:  # paths as the user gave them, not /proc/self/fd/N
