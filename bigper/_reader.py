@@ -165,11 +165,8 @@ class Reader:
             elif "obs" in out or "next_obs" in out:  # each straight into its own array
                 data["obs"] = self.frames.stacks("obs_ref", idx, out.get("obs"))
                 data["next_obs"] = self.frames.stacks("next_obs_ref", last, out.get("next_obs"))
-            elif last is idx:
-                data["obs"], data["next_obs"] = self.frames.pair(idx, out.get(".pair"))
-            else:
-                data["obs"] = self.frames.stacks("obs_ref", idx)
-                data["next_obs"] = self.frames.stacks("next_obs_ref", last)
+            else:  # (n-step: next_obs at each window's last slot; compressed, one decode for both)
+                data["obs"], data["next_obs"] = self.frames.pair(idx, out.get(".pair"), last)
         data.update(ends)
         return _into(data, out)
 

@@ -552,8 +552,10 @@ class FrameStore:
             return self.store.read(name, slots)
         return arrays[name].take(slots, axis=0)  # take() beats fancy indexing for a batch
 
-    def pair(self, slots: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``obs`` and ``next_obs`` stacks of the transitions at ``slots``.
+    def pair(self, slots: np.ndarray, out: np.ndarray | None = None,
+             last: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``obs`` stacks at ``slots`` and ``next_obs`` stacks at ``last`` (the
+        last slot of each n-step window; default ``slots``).
 
         When every next_obs stack is its obs stack moved on by one frame (a
         batch without episode starts), both are views of one gather of
@@ -562,13 +564,14 @@ class FrameStore:
         *frame)`` array for that gather (say, in pinned memory); unused when
         the stacks are not such a pair.
         """
+        last = slots if last is None else last
         ro = self._refs("obs_ref", slots)
-        rn = self._refs("next_obs_ref", slots)
+        rn = self._refs("next_obs_ref", last)
         arrays = getattr(self.store, "arrays", None)
         b, k = slots.shape[0], self.k
         if (arrays is None and self.log is None) or not (rn[:, :-1] == ro[:, 1:]).all():
             if self.log is None:
-                return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", slots)
+                return self.stacks("obs_ref", slots), self.stacks("next_obs_ref", last)
             # Compressed: both stacks from one decode of their frames (they still share most).
             both = self._decode(np.concatenate([ro.ravel(), rn.ravel()]),
                                 self._out((2 * b * k, *self.frame_shape))).reshape((2, b, k, *self.frame_shape))

@@ -223,6 +223,24 @@ def test_each_distinct_frame_of_a_batch_is_decoded_once(capacity, batch, p_jump)
         z.close()
 
 
+@pytest.mark.parametrize("n_step", [2, 3])
+def test_each_distinct_frame_of_an_n_step_batch_is_decoded_once(n_step):
+    # obs at the drawn slots, next_obs at each window's last slot: one decode for both
+    k = 4
+    raw, z = twins(500, k, SHAPE8, 0, n_step=n_step)
+    try:
+        fill((raw, z), Stream(1, k, SHAPE8, 50, 0.02, 0.0), 700)
+        count = Counting(z._frames.log)
+        for _ in range(10):
+            b = z.sample(64)
+            got = count.take()
+            assert got.size == np.unique(got).size, "a frame was decoded twice in one batch"
+            same_batch(raw.sample(64), b)
+    finally:
+        raw.close()
+        z.close()
+
+
 def test_each_distinct_frame_of_a_sequence_batch_is_decoded_once():
     k = 4
     _, z = twins(64, k, SHAPE8, 0, sequence=bigper.Sequence(8, burn_in=4, period=2))
