@@ -116,16 +116,14 @@ class Writer:
     plain : dict
         The fields stored row by row (name -> (shape, dtype)).
     prio : Prioritization
-    gid, status, ends, pending : np.ndarray
-        The buffer's ring arrays (changed in place).
+    ring : Ring
+        The buffer's slot bookkeeping and counters (changed in place).
     """
 
-    def __init__(self, cfg, store, frames, plain: dict, prio, gid, status, ends, pending):
-        self.cfg, self.store, self.frames, self.plain, self.prio = cfg, store, frames, plain, prio
-        self.gid, self.status, self.ends, self.pending = gid, status, ends, pending
-        self.count = 0
-        self.max_leaf = 1.0
-        self.env_ended = np.ones(cfg.num_envs, dtype=bool)  # no episode in progress
+    def __init__(self, cfg, store, frames, plain: dict, prio, ring):
+        self.cfg, self.store, self.frames, self.plain, self.prio, self.ring = cfg, store, frames, plain, prio, ring
+        self.gid, self.status, self.ends, self.pending = ring.gid, ring.status, ring.ends, ring.pending
+        self.env_ended = ring.env_ended  # (its values change, never the array)
         # False: the general path (staged storage writes, one numpy call a step).
         self.fused = True
         self._prepare = getattr(store, "prepare", None)  # copy-on-write storages
@@ -147,7 +145,7 @@ class Writer:
             if bad.size:
                 r = int(bad[0])
                 raise InvalidArgumentError(
-                    f"valid is False for env {(self.count + r) % cfg.num_envs} at row {r}, "
+                    f"valid is False for env {(self.ring.count + r) % cfg.num_envs} at row {r}, "
                     "but that env's previous step did not end an episode; valid=False is for the "
                     "reset step of next-step autoreset")
         keys = None if priorities is None else self.prio.keys(priorities)
@@ -155,7 +153,7 @@ class Writer:
         if self._prepare is not None and getattr(self.store, "shared_chunks", 1):
             # Copy-on-write storages make every row this write touches writable
             # first: running out of space then fails before anything changed.
-            first = self.count % c
+            first = self.ring.count % c
             where = slice(0, c) if m >= c else (
                 first if m == 1 else (slice(first, first + m) if first + m <= c else
                                       (np.arange(first, first + m) % c)))
@@ -167,7 +165,7 @@ class Writer:
                 and (self.frames is None or self.frames.in_place):
             rw = getattr(self.store, "writable_arrays", None)
             if rw:
-                g0, top = self.count, self.max_leaf
+                g0, top = self.ring.count, self.ring.max_leaf
                 self._write_one_call(rows, keys, valid, rw)
                 if self.items is not None:  # the leaves it set per step go; items get theirs
                     self._items_after(rows, g0, np.full(m, top) if keys is None else keys, valid)
@@ -193,11 +191,11 @@ class Writer:
         m = keys.shape[0]
         slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
         ring_rows(g0, self.cfg.capacity, rows["terminated"], rows["truncated"], slots, ends)
-        self.items.write(self.prio, g0, slots, ends, valid, keys, self.count)
+        self.items.write(self.prio, g0, slots, ends, valid, keys, self.ring.count)
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
         m = rows["terminated"].shape[0]
-        g0 = self.count
+        g0 = self.ring.count
         c = self.cfg.capacity
         s0 = g0 % c
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else np.arange(g0, g0 + m) % c)
@@ -217,18 +215,18 @@ class Writer:
                           cfg.num_envs, self.pending) + ring
             self._args_of = ring
         fw, top = write_rows(g0, rows["terminated"], rows["truncated"], ok, _NO_KEYS if keys is None else keys,
-                             self.max_leaf, self.env_ended, fw, *stacks, *self._args)
-        self.count = g0 + m
+                             self.ring.max_leaf, self.env_ended, fw, *stacks, *self._args)
+        self.ring.count = g0 + m
         if frames is not None:
             frames.fw = fw
-        if top > self.max_leaf:
-            self.max_leaf = top
+        if top > self.ring.max_leaf:
+            self.ring.max_leaf = top
 
     def _write_chunk(self, rows: dict, keys, valid) -> None:
         cfg = self.cfg
         c = cfg.capacity
         m = rows["terminated"].shape[0]
-        g0 = self.count
+        g0 = self.ring.count
         if self.fused:
             slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
             ring_rows(g0, c, rows["terminated"], rows["truncated"], slots, ends)
@@ -246,12 +244,12 @@ class Writer:
             else:
                 rw[name][where] = rows[name][0] if m == 1 else rows[name]
         if keys is None:
-            keys = np.array((self.max_leaf,)) if m == 1 else np.full(m, self.max_leaf)
+            keys = np.array((self.ring.max_leaf,)) if m == 1 else np.full(m, self.ring.max_leaf)
         else:
             # Only values that become keys count toward the largest one.
             counted = keys if valid is None else keys[valid]
             if counted.shape[0]:
-                self.max_leaf = max(self.max_leaf, float(counted.max()))
+                self.ring.max_leaf = max(self.ring.max_leaf, float(counted.max()))
         state = LIVE if cfg.n_step == 1 else PENDING
         if self.fused:
             commit_rows(g0, slots, ends, _NO_VALID if valid is None else valid, state,
@@ -260,7 +258,7 @@ class Writer:
             self.gid[slots] = np.arange(g0, g0 + m, dtype=np.int64)
             self.ends[slots] = ends
             self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
-        self.count = g0 + m
+        self.ring.count = g0 + m
         prio = self.prio
         if self.items is not None:
             pass  # items are recorded below, once the frames' expiry is known
@@ -274,16 +272,16 @@ class Writer:
             prio.remove(slots)  # waiting for their windows now
             self.pending[slots] = keys
             first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
-            ready = np.empty(self.count - first, dtype=np.int64)
-            r = nstep.complete(first, self.count, c, cfg.num_envs, cfg.n_step, self.ends,
+            ready = np.empty(self.ring.count - first, dtype=np.int64)
+            r = nstep.complete(first, self.ring.count, c, cfg.num_envs, cfg.n_step, self.ends,
                                self.gid, self.status, ready)
             if r:
                 ready = ready[:r]
                 self.status[ready] = LIVE
                 prio.insert(ready, self.pending[ready])
         if self.frames is not None:
-            dead = self.frames.expire(self.count, self.gid, self.status)
+            dead = self.frames.expire(self.ring.count, self.gid, self.status)
             if dead.shape[0] and self.items is None:
                 prio.remove(dead)
         if self.items is not None:
-            self.items.write(prio, g0, slots, ends, valid, keys, self.count, self.fused)
+            self.items.write(prio, g0, slots, ends, valid, keys, self.ring.count, self.fused)

@@ -47,6 +47,7 @@ from .dictionaries import as_dictionary
 from .frames import FrameStore, require_compression
 from .device.deferred import Deferred
 from .prefetch import Prefetcher
+from .ring import Ring
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
 from .storage._files import real_names
@@ -304,16 +305,13 @@ class PrioritizedReplayBuffer:
         self._plain = plain_fields(cfg)
         self._prio = make_prioritization(cfg.prioritization, c, alpha=cfg.alpha, eps=cfg.eps,
                                          max_priority=self._maxp, weight_norm=cfg.weight_norm)
-        self._gid = np.full(c, -1, dtype=np.int64)
-        self._status = np.zeros(c, dtype=np.uint8)
-        self._ends = np.zeros(c, dtype=np.uint8)
-        self._pending = np.zeros(c if cfg.n_step > 1 else 0, dtype=np.float64)
-        self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, self._ends, self._gid)
-        # The writer keeps the ring's counters: transitions added, largest key, envs whose episode ended.
-        self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, self._gid, self._status,
-                              self._ends, self._pending)
+        # The slots' bookkeeping and counters (ring.py); its arrays are changed in place, never replaced.
+        self._ring = ring = Ring(c, cfg.num_envs, cfg.n_step)
+        self._gid, self._status, self._ends, self._pending = ring.gid, ring.status, ring.ends, ring.pending
+        self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, ring.ends, ring.gid)
+        self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, ring)
         # With sequences, items (start steps) hold the leaves; their tables live in sequences.Items.
-        self._items = Items(cfg, self._gid, self._status, self._ends) if cfg.sequence else None
+        self._items = Items(cfg, ring.gid, ring.status, ring.ends) if cfg.sequence else None
         self._writer.items = self._reader.items = self._items
         self._beta_step = 0
         self._mirror = mirror
@@ -332,12 +330,10 @@ class PrioritizedReplayBuffer:
         self._closed = True
         OPEN.discard(self)
 
-    # The ring's counters live in the writer (the write path's room).
-    _count = property(lambda self: self._writer.count, lambda self, v: setattr(self._writer, "count", v))
-    _max_leaf = property(lambda self: self._writer.max_leaf,
-                         lambda self, v: setattr(self._writer, "max_leaf", v))
-    _env_ended = property(lambda self: self._writer.env_ended,
-                          lambda self, v: setattr(self._writer, "env_ended", v))
+    # The ring's counters, by the names the buffer's methods use.
+    _count = property(lambda self: self._ring.count, lambda self, v: setattr(self._ring, "count", v))
+    _max_leaf = property(lambda self: self._ring.max_leaf, lambda self, v: setattr(self._ring, "max_leaf", v))
+    _env_ended = property(lambda self: self._ring.env_ended)
 
     @property
     def _fused(self) -> bool:
@@ -730,14 +726,12 @@ class PrioritizedReplayBuffer:
         bookkeeping arrays (views of the live ones: copy before changing);
         with the storage's data, everything to resume. Answers on a closed
         buffer too (what it recorded at close)."""
-        meta = {"count": self._count, "max_leaf": self._max_leaf, "beta_step": self._beta_step,
-                "rng": self._rng.bit_generator.state, "env_ended": self._env_ended.tolist()}
+        meta, ring = self._ring.state()
+        meta.update({"beta_step": self._beta_step, "rng": self._rng.bit_generator.state})
         pmeta, arrays = self._prio.state()
         if pmeta:
             meta["prioritization"] = pmeta
-        arrays = dict(arrays)
-        arrays.update({"gid": self._gid, "status": self._status, "ends": self._ends,
-                       "pending": self._pending})
+        arrays = {**arrays, **ring}
         if self._frames is not None:
             fmeta, farrays = self._frames.state()
             meta["frames"] = fmeta
@@ -771,14 +765,8 @@ class PrioritizedReplayBuffer:
                     f"expected {want}")
         self._prio.restore(meta.get("prioritization", {}), arrays,
                            arrays["status"] if self._items is None else arrays["seq_status"])
-        self._gid[:] = arrays["gid"]
-        self._status[:] = arrays["status"]
-        self._ends[:] = arrays["ends"]
-        self._pending[:] = arrays.get("pending", self._pending)
-        self._count = int(meta["count"])
-        self._max_leaf = float(meta["max_leaf"])
+        self._ring.restore(meta, arrays)
         self._beta_step = int(meta["beta_step"])
-        self._env_ended[:] = meta["env_ended"]
         if not reseed:  # a new seed on resume starts a new random stream
             self._rng.bit_generator.state = meta["rng"]
         if self._frames is not None:

@@ -367,10 +367,10 @@ def test_a_forked_child_samples_a_memory_buffer_even_when_a_thread_held_its_lock
 
     def long_call():  # stands for a method half-way through a change, under the lock
         with buf._lock:
-            buf._writer.count += 1000
+            buf._ring.count += 1000
             inside.set()
             time.sleep(0.3)
-            buf._writer.count -= 1000
+            buf._ring.count -= 1000
         done.set()
 
     def child():

@@ -1,0 +1,55 @@
+"""The ring: the bookkeeping of a buffer's ``capacity`` slots, and its counters.
+
+Transition ``g`` (the ``g``-th row ever written, over every env) lives in
+slot ``g % capacity``; each slot records::
+
+    gid      the transition it holds (-1: none yet)      int64
+    status   EMPTY, LIVE, PENDING or DEAD (``status.py``)  uint8
+    ends     bit 0 terminated, bit 1 truncated            uint8
+    pending  the key of a PENDING transition (n_step > 1)  float64
+
+and the ring counts the rows written (``count``), remembers the largest key
+given (``max_leaf``, what a new transition gets) and whether each env's last
+row ended its episode (``env_ended``). The writer, the reader and the
+sequence items change and read these in place; the ring alone records and
+restores them (``state``/``restore``, checked before by ``_statecheck``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Ring:
+    """The slots' bookkeeping of one buffer (see the module docstring)."""
+
+    ARRAYS = ("gid", "status", "ends", "pending")
+
+    def __init__(self, capacity: int, num_envs: int, n_step: int):
+        self.capacity, self.num_envs = capacity, num_envs
+        self.gid = np.full(capacity, -1, dtype=np.int64)
+        self.status = np.zeros(capacity, dtype=np.uint8)
+        self.ends = np.zeros(capacity, dtype=np.uint8)
+        self.pending = np.zeros(capacity if n_step > 1 else 0, dtype=np.float64)
+        self.count = 0
+        self.max_leaf = 1.0
+        self.env_ended = np.ones(num_envs, dtype=bool)  # no episode in progress
+
+    def __len__(self) -> int:
+        """Transitions held (written, at most ``capacity``)."""
+        return min(self.count, self.capacity)
+
+    def state(self) -> tuple[dict, dict]:
+        """``(meta, arrays)``: the counters and the slot arrays (the live ones: copy before changing)."""
+        meta = {"count": self.count, "max_leaf": self.max_leaf, "env_ended": self.env_ended.tolist()}
+        return meta, {name: getattr(self, name) for name in self.ARRAYS}
+
+    def restore(self, meta: dict, arrays: dict) -> None:
+        """Take a recorded state (checked by ``_statecheck`` first); arrays are copied in."""
+        self.gid[:] = arrays["gid"]
+        self.status[:] = arrays["status"]
+        self.ends[:] = arrays["ends"]
+        self.pending[:] = arrays.get("pending", self.pending)  # (early format-1 writers did not record it)
+        self.count = int(meta["count"])
+        self.max_leaf = float(meta["max_leaf"])
+        self.env_ended[:] = meta["env_ended"]
