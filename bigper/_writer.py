@@ -31,8 +31,8 @@ from .status import DEAD, LIVE, PENDING
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
 
-# For a buffer without frame stacks (never read): the rows' frame arguments of
-# write_rows, and the ring's (FrameStore.kernel_args gives both otherwise).
+# For a buffer without frame stacks (never read): write_rows' ``stacks`` and
+# ``frames`` groups (FrameStore.kernel_args gives both otherwise, in this order).
 _NO_STACKS = (np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1, 1), np.uint8))
 _NO_RING = (False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), False,
             np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.uint8),
@@ -40,24 +40,36 @@ _NO_RING = (False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np
 
 
 @kernel
-def write_rows(g0, term, trunc, valid, keys, max_leaf, env_ended, fw, obs, nxt,
-               gid, ends_arr, status, sums, mins, offsets, n_step, num_envs, pending,
-               framed, last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, ptr, expired):
+def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     """Record ``m`` rows numbered from ``g0`` (distinct slots, ``m <= capacity``):
-    the bookkeeping of a whole write in one call.
+    the bookkeeping of a whole write in one call. Grouped arguments:
+
+    - ``rows``: ``(terminated, truncated, valid)`` of the rows; ``stacks``: their
+      ``(obs, next_obs)`` frame stacks (C-contiguous ``(m, k, *frame)``).
+    - ``book``: the ring's bookkeeping ``(gid, ends, status, pending, env_ended)``.
+    - ``tree``: ``(sums, mins, offsets)``; ``sizes``: ``(n_step, num_envs)``.
+    - ``frames``: the frame ring's (``FrameStore.kernel_args``): ``(framed,
+      last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, ptr,
+      expired)``.
 
     Rows with ``valid`` False are recorded dead (leaf 0). Keys are ``keys``
     (or ``max_leaf`` for every row when ``keys`` is empty). With ``n_step`` 1
     they become the rows' leaves; else they wait in ``pending`` (leaf 0) and
     every transition whose window this write completes (``nstep.complete``)
-    becomes sampleable with its pending key. With ``framed``, frames (the
-    C-contiguous stacks ``obs`` and ``nxt``, ``(m, k, *frame)``) and
+    becomes sampleable with its pending key. With ``framed``, frames and
     references go straight into the ring (``frames.write_direct``) and
     transitions whose oldest frame the ring has overwritten are expired
     (leaf 0). ``env_ended[e]`` becomes whether env ``e``'s last row ended its
     episode (or was not valid). Returns ``(frames written, largest key of a
-    valid row)``. Arguments from ``capacity`` on are the same every call.
+    valid row)``. ``book``, ``tree``, ``sizes`` and ``frames`` are the same
+    every call.
     """
+    term, trunc, valid = rows
+    obs, nxt = stacks
+    gid, ends_arr, status, pending, env_ended = book
+    sums, mins, offsets = tree
+    n_step, num_envs = sizes
+    framed, last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, ptr, expired = frames
     m = term.shape[0]
     capacity = gid.shape[0]
     F = ring.shape[0]
@@ -211,11 +223,11 @@ class Writer:
             fw = frames.fw
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
-            self._args = (self.gid, self.ends, self.status, t.sums, t.mins, t.offsets, cfg.n_step,
-                          cfg.num_envs, self.pending) + ring
+            self._args = ((self.gid, self.ends, self.status, self.pending, self.env_ended),
+                          (t.sums, t.mins, t.offsets), (cfg.n_step, cfg.num_envs), ring)
             self._args_of = ring
-        fw, top = write_rows(g0, rows["terminated"], rows["truncated"], ok, _NO_KEYS if keys is None else keys,
-                             self.ring.max_leaf, self.env_ended, fw, *stacks, *self._args)
+        fw, top = write_rows(g0, (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys,
+                             self.ring.max_leaf, fw, stacks, *self._args)
         self.ring.count = g0 + m
         if frames is not None:
             frames.fw = fw

@@ -323,7 +323,7 @@ class FrameStore:
         self._expired = np.empty(cfg.capacity, dtype=np.int64)  # scratch for expire()
         self._outs = ReusedArrays(depth=4, max_keys=4)  # gathers' outputs (pair's, stacks', rows_of's shapes)
         self._ring_of = self._ring = None  # the storage's frames array, and it as (F, words)
-        self._args = None  # kernel_args' ring part
+        self._args = self._args_of = None  # kernel_args' ring part, and the arrays it was made of
 
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
@@ -457,10 +457,11 @@ class FrameStore:
             if not nxt.flags.c_contiguous:
                 nxt = np.ascontiguousarray(nxt)
         ring, oref, nref = self._in_place(rw)
-        if self._args is None or self._args[7] is not ring or self._args[5] is not oref \
-                or self._args[6] is not nref:
+        made_of = self._args_of  # the storage's arrays the tuple holds (new ones after a copy-on-write)
+        if made_of is None or made_of[0] is not ring or made_of[1] is not oref or made_of[2] is not nref:
             self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, oref, nref,
                           ring, self.minref, self.ptr, self._expired)
+            self._args_of = (ring, oref, nref)
         return (obs, nxt), self._args
 
     def rows_touched(self, m: int, where) -> dict:
