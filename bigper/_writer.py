@@ -83,8 +83,8 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
         env = np.empty(m, dtype=np.int64)
         for r in range(m):
             env[r] = (g0 + r) % num_envs
-        fw = write_direct(ow, nw, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
-                          oref, nref, ring, slots, minref, F)
+        fw = write_direct((ow, nw, env, ends, valid), (last_frames, last_ref, has_last), fw, has_next,
+                          oref, nref, ring, slots, minref)
     commit_rows(g0, slots, ends, valid, LIVE if n_step == 1 else PENDING, gid, ends_arr, status)
     for r in range(m):
         env_ended[(g0 + r) % num_envs] = ends[r] != 0 or not valid[r]

@@ -80,15 +80,16 @@ def _new_frame(src, dst, n_new, fw, ring):
 
 
 @kernel
-def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
-                obs_ref, next_ref, new_frames, slots, minref, ring=0):
+def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, ring=0):
     """Frame references for ``m`` transitions, in order.
 
-    ``obs``, ``nxt``: (m, k, P) uint8 bytes of the stacks; ``env``: (m,) env
-    of each row; ``last_*``: per env, the bytes and refs of the stack the
-    next step should continue (the previous next_obs, or the previous obs
-    shifted by one when next_obs is not stored) and whether the stream goes
-    on (no episode end since). A frame reuses a reference when its bytes
+    ``rows``: ``(obs, nxt, env, ends, valid)``: (m, k, P) uint8 bytes of the
+    stacks, the env of each row, its end flags and whether it is valid.
+    ``stream``: ``(last_frames, last_ref, has_last)``: per env, the bytes and
+    refs of the stack the next step should continue (the previous next_obs,
+    or the previous obs shifted by one when next_obs is not stored) and
+    whether the stream goes on (no episode end since). ``refs``: ``(obs_ref,
+    next_ref)``, (m, k) outputs. A frame reuses a reference when its bytes
     equal the frame it continues or the frame before it in the same stack;
     otherwise it is copied into ``new_frames`` and numbered from ``fw``.
     Rows with ``valid`` False (reset steps of next-step autoreset) store
@@ -98,6 +99,9 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
     written straight to its row: frames are compared with the input and with
     ``last_frames``, never read back from the ring, so the result is the same.
     """
+    obs, nxt, env, ends, valid = rows
+    last_frames, last_ref, has_last = stream
+    obs_ref, next_ref = refs
     m, k = obs.shape[0], obs.shape[1]
     n_new = 0
     shift = 0 if has_next else 1
@@ -144,15 +148,14 @@ def assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw,
 
 
 @kernel
-def write_direct(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
-                  oref, nref, ring, slots, minref, F):
-    """``assign_refs`` writing new frames into the ring and the references of
-    row ``r`` into ``oref[slots[r]]``/``nref[slots[r]]``; returns the new frame count."""
-    m, k = obs.shape[0], obs.shape[1]
+def write_direct(rows, stream, fw, has_next, oref, nref, ring, slots, minref):
+    """``assign_refs`` writing new frames into the ring (``ring.shape[0]``
+    rows) and the references of row ``r`` into ``oref[slots[r]]`` /
+    ``nref[slots[r]]``; returns the new frame count."""
+    m, k = rows[0].shape[0], rows[0].shape[1]
     obs_ref = np.empty((m, k), dtype=np.int64)
     next_ref = np.empty((m, k), dtype=np.int64)
-    fw = assign_refs(obs, nxt, env, ends, valid, last_frames, last_ref, has_last, fw, has_next,
-                     obs_ref, next_ref, ring, slots, minref, F)
+    fw = assign_refs(rows, stream, fw, has_next, (obs_ref, next_ref), ring, slots, minref, ring.shape[0])
     for r in range(m):
         s = slots[r]
         for j in range(k):
@@ -356,8 +359,8 @@ class FrameStore:
                 if valid is None else valid
             ring, oref, nref = self._in_place(rw)
             # Rows go straight to their slots: refs are written row by row at slots[r].
-            self.fw = write_direct(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
-                                    self.fw, self.has_next, oref, nref, ring, slots, self.minref, self.F)
+            self.fw = write_direct((obs, nxt, env, ends, ok), (self.last_frames, self.last_ref, self.has_last),
+                                   self.fw, self.has_next, oref, nref, ring, slots, self.minref)
             return
         obs_ref = np.empty((m, self.k), dtype=np.int64)
         next_ref = np.empty((m, self.k), dtype=np.int64)
@@ -368,8 +371,8 @@ class FrameStore:
         # What the log may fail at (a full disk when it grows) runs after assign_refs: keep what
         # assign_refs changes to put it back then (rarely needed: see may_fail).
         saved = self._save(env, slots) if self.log is not None and self.log.may_fail(2 * m * self.k) else None
-        fw = assign_refs(obs, nxt, env, ends, ok, self.last_frames, self.last_ref, self.has_last,
-                         fw0, self.has_next, obs_ref, next_ref, new, slots, self.minref)
+        fw = assign_refs((obs, nxt, env, ends, ok), (self.last_frames, self.last_ref, self.has_last),
+                         fw0, self.has_next, (obs_ref, next_ref), new, slots, self.minref)
         n_new = fw - fw0
         if n_new and self.log is not None:
             try:
