@@ -47,12 +47,17 @@ Positions = np.ndarray  # int64 (C,): a step's position in its episode, -1 for a
 
 
 @kernel
-def write_items(g0, slots, ends, valid, keys, capacity, num_envs, length, period,
-                next_pos, pos_arr, status, pending, gid, ready):
+def write_items(g0, rows, sizes, tables, gid, ready):
     """Record rows ``g0 ..`` (already committed to ``gid``/``ends``): each
     valid row's position, a pending item where it starts one (with key
     ``keys[r]``), and the items it completes (made live, their slots written
-    to ``ready``). Returns how many are in ``ready``."""
+    to ``ready``). Returns how many are in ``ready``. Grouped arguments:
+    ``rows`` ``(slots, ends, valid, keys)``; ``sizes`` ``(capacity,
+    num_envs, length, period, burn_in)``; ``tables``, the items' ``(next_pos,
+    pos, status, pending, ptr, dead)`` (``Items.tables``)."""
+    slots, ends, valid, keys = rows
+    capacity, num_envs, length, period, _burn_in = sizes
+    next_pos, pos_arr, status, pending, _ptr, _dead = tables
     nr = 0
     for r in range(slots.shape[0]):
         g = g0 + r
@@ -114,16 +119,21 @@ def kill_items(ptr, count, capacity, num_envs, burn_in, period, pos_arr, gid, st
 
 
 @kernel
-def write_items_tree(g0, slots, ends, valid, keys, capacity, num_envs, length, period, burn_in, count,
-                     next_pos, pos_arr, status, pending, gid, step_status, ptr, dead, sums, mins, offsets):
+def write_items_tree(g0, count, rows, sizes, tables, book, tree):
     """``write_items`` and ``kill_items`` with the leaves set in the sum tree
     (proportional) in the same call: the written slots' leaves go, the dead
     items' go, the completed items get their keys. The same leaves as
-    ``Items.write``'s general path, in one call."""
+    ``Items.write``'s general path, in one call. ``book``: the ring's
+    ``(gid, step status)``; ``tree``: ``(sums, mins, offsets)``; the rest as
+    ``write_items``."""
+    slots = rows[0]
+    capacity, num_envs, length, period, burn_in = sizes
+    next_pos, pos_arr, status, pending, ptr, dead = tables
+    gid, step_status = book
+    sums, mins, offsets = tree
     m = slots.shape[0]
     ready = np.empty(m + num_envs * (length // period + 2), dtype=np.int64)
-    nr = write_items(g0, slots, ends, valid, keys, capacity, num_envs, length, period,
-                     next_pos, pos_arr, status, pending, gid, ready)
+    nr = write_items(g0, rows, sizes, tables, gid, ready)
     nd = kill_items(ptr, count, capacity, num_envs, burn_in, period, pos_arr, gid, step_status, status, dead)
     tree_set(sums, mins, offsets, slots, np.zeros(m, dtype=np.float64))
     if nd > 0:
@@ -220,6 +230,11 @@ class Items:
         self._dead = np.empty(c, dtype=np.int64)       # scratch for kill_items
         self._ones = np.ones(256, dtype=np.bool_)       # valid rows of a small write
         self._ready = np.empty(256 + k * (self.length // self.period + 2), dtype=np.int64)  # scratch
+        self.sizes = (self.capacity, self.num_envs, self.length, self.period, self.burn_in)  # (write_items)
+
+    def tables(self) -> tuple:
+        """The items' arrays the write kernels change: ``(next_pos, pos, status, pending, ptr, dead)``."""
+        return self.next_pos, self.pos, self.status, self.pending, self.ptr, self._dead
 
     # -- writes ------------------------------------------------------------------
     def write(self, prio, g0: int, slots: np.ndarray, ends: np.ndarray, valid, keys: np.ndarray,
@@ -238,10 +253,8 @@ class Items:
         m = slots.shape[0]
         ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
             else valid
-        write_items_tree(g0, slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64), self.capacity,
-                         self.num_envs, self.length, self.period, self.burn_in, count, self.next_pos, self.pos,
-                         self.status, self.pending, self.gid, self.step_status, self.ptr, self._dead,
-                         t.sums, t.mins, t.offsets)
+        write_items_tree(g0, count, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
+                         self.tables(), (self.gid, self.step_status), (t.sums, t.mins, t.offsets))
 
     def _write_general(self, prio, g0, slots, ends, valid, keys, count) -> None:
         m = slots.shape[0]
@@ -249,9 +262,8 @@ class Items:
             else valid
         need = m + self.num_envs * (self.length // self.period + 2)
         ready = self._ready if need <= self._ready.shape[0] else np.empty(need, dtype=np.int64)
-        nr = write_items(g0, slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64), self.capacity,
-                         self.num_envs, self.length, self.period, self.next_pos, self.pos, self.status,
-                         self.pending, self.gid, ready)
+        nr = write_items(g0, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
+                         self.tables(), self.gid, ready)
         nd = kill_items(self.ptr, count, self.capacity, self.num_envs, self.burn_in, self.period, self.pos,
                         self.gid, self.step_status, self.status, self._dead)
         prio.remove(slots)  # whatever these slots held is gone
