@@ -357,17 +357,19 @@ def cast_finite(src, out):
 
 
 @kernel
-def update_kernel(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
-                  pending, alpha, eps, max_priority):
-    """``update_capped`` without a cap on the leaves."""
-    return update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
-                         pending, alpha, eps, max_priority, np.inf, False)
+def update_kernel(tree, rows, book, keying):
+    """``update_capped`` without a cap on the leaves (``keying``: ``(alpha, eps, max_priority)``)."""
+    alpha, eps, max_priority = keying
+    return update_capped(tree, rows, book, (alpha, eps, max_priority, np.inf), False)
 
 
 @kernel
-def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps, gid, status,
-                  pending, alpha, eps, max_priority, limit, defer_build):
+def update_capped(tree, rows, book, keying, defer_build):
     """A whole priority update in one call: check, route, transform, set.
+
+    Grouped arguments: ``tree`` ``(sums, mins, offsets, sizes)``; ``rows``
+    ``(idx, p, leaves, stamps, use_stamps)``; ``book``, the ring's ``(gid,
+    status, pending)``; ``keying`` ``(alpha, eps, max_priority, limit)``.
 
     Nothing is written unless every row passes. Returns ``(code, position,
     top)``: code 0 (done; ``top`` is the largest value set), 1 (a NaN,
@@ -383,6 +385,10 @@ def update_capped(sums, mins, offsets, sizes, idx, p, leaves, stamps, use_stamps
     writes the leaves only and returns position -2: the caller then rebuilds
     the internal nodes (``tree_level`` over every level, bottom up).
     """
+    sums, mins, offsets, sizes = tree
+    idx, p, leaves, stamps, use_stamps = rows
+    gid, status, pending = book
+    alpha, eps, max_priority, limit = keying
     n = gid.shape[0]
     m = idx.shape[0]
     if leaves.shape[0] != m and first_bad_priority(p) < 0:

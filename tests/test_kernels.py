@@ -384,8 +384,8 @@ def test_update_kernel(data, n, use, precomputed, alpha, eps, maxp):
     want, outcome = reference_update(idx, p, stamps, use, gid, status, n, alpha, eps, maxp)
     with np.errstate(invalid="ignore"):
         pre = np.power(np.minimum(p, maxp) + eps, alpha) if precomputed and want[0] == 0 else np.zeros(0)
-    code, pos, top = K.update_kernel(sums, mins, offsets, sizes, idx, p, pre, stamps, use, gid, status,
-                                     pending, alpha, eps, maxp)
+    code, pos, top = K.update_kernel((sums, mins, offsets, sizes), (idx, p, pre, stamps, use),
+                                     (gid, status, pending), (alpha, eps, maxp))
     assert (code, pos) == want
     if code:  # nothing written
         for a, b in zip((sums, mins, pending), before):

@@ -94,9 +94,8 @@ class Proportional(Prioritization):
         t = self.tree
         if not self.fused:  # the general path: keys first, then the kernel
             pre = self.keys(p) if K.first_bad_priority(p) < 0 else _EMPTY
-            code, pos, top = K.update_kernel(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
-                                             use_stamps, gid, status, pending, self.alpha, self.eps,
-                                             self.max_priority)
+            code, pos, top = K.update_kernel((t.sums, t.mins, t.offsets, t.sizes), (idx, p, pre, stamps, use_stamps),
+                                             (gid, status, pending), (self.alpha, self.eps, self.max_priority))
             return self._raise(code, pos, idx, p) if code else top
         pre = _EMPTY
         if p.shape[0] > _BULK:  # checks, keys and routing counts in one threaded pass
@@ -114,9 +113,9 @@ class Proportional(Prioritization):
                     t.rebuild()
                     return top
                 pre = keys
-        code, pos, top = K.update_capped(t.sums, t.mins, t.offsets, t.sizes, idx, p, pre, stamps,
-                                         use_stamps, gid, status, pending, self.alpha, self.eps,
-                                         self.max_priority, self.limit, True)
+        code, pos, top = K.update_capped((t.sums, t.mins, t.offsets, t.sizes), (idx, p, pre, stamps, use_stamps),
+                                         (gid, status, pending), (self.alpha, self.eps, self.max_priority, self.limit),
+                                         True)
         if code == 0 and pos == -2:  # a bulk update wrote the leaves; the nodes in threads
             t.rebuild()
         return self._raise(code, pos, idx, p) if code else top

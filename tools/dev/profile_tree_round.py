@@ -129,8 +129,8 @@ def main() -> int:
     def floor_round(i):
         bt = floor_sample(i)
         t = tree
-        K.update_capped(t.sums, t.mins, t.offsets, t.sizes, bt.indices, pool[i % 64], np.empty(0), bt.generations,
-                        True, buf._gid, buf._status, buf._pending, 0.6, 1e-6, np.inf, buf._prio.limit, True)
+        K.update_capped((t.sums, t.mins, t.offsets, t.sizes), (bt.indices, pool[i % 64], np.empty(0), bt.generations,
+                        True), (buf._gid, buf._status, buf._pending), (0.6, 1e-6, np.inf, buf._prio.limit), True)
 
     idx, prob, w = np.empty(b, np.int64), np.empty(b, np.float64), np.empty(b, np.float32)
     gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
@@ -149,8 +149,9 @@ def main() -> int:
                                                 disc),
         "takes (numpy)": lambda i: [arrays[n].take(fresh[i % 4096], axis=0, mode="clip") for n in names],
         "update (kernel)": lambda i: K.update_capped(
-            tree.sums, tree.mins, tree.offsets, tree.sizes, fresh[i % 4096], pool[i % 64], np.empty(0),
-            fresh[i % 4096], False, buf._gid, buf._status, buf._pending, 0.6, 1e-6, np.inf, buf._prio.limit, True),
+            (tree.sums, tree.mins, tree.offsets, tree.sizes), (fresh[i % 4096], pool[i % 64], np.empty(0),
+            fresh[i % 4096], False), (buf._gid, buf._status, buf._pending), (0.6, 1e-6, np.inf, buf._prio.limit),
+            True),
         "uniforms (numpy)": lambda i: g.random(b),
     }
     out = {}
