@@ -239,36 +239,14 @@ def test_kill_9_while_the_log_grows_then_resume_is_exact(tmp_path):
     allocate) a segment: a kill lands in one often. Resume from the latest
     snapshot, four times over, and every live transition is exact."""
     import random
-    import time
 
-    from .test_compression_hostile import _env
+    from .test_compression_hostile import kill_at_random
 
     rng = random.Random(9)
     root, live = tmp_path / "snaps", tmp_path / "live"
     code = _CHILD.format(root=str(ROOT), root_dir=str(root), live=str(live))
 
-    def said(p, want: str) -> None:
-        line = p.stdout.readline()
-        if line.strip() != want:
-            p.kill()
-            p.wait()
-            pytest.fail(f"the child said {line!r}, not {want!r}: {p.stderr.read()[-3000:]}")
-
-    for _ in range(4):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=_env())
-        said(p, "ready")
-        said(p, "added")
-        said(p, "saved")
-        for _ in range(rng.randrange(3)):
-            said(p, "added")
-            said(p, "saved")
-        time.sleep(rng.uniform(0.0, 0.03))
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        p.kill()
-        p.wait()
-        p.stdout.close()
-        p.stderr.close()
+    kill_at_random(code, rng, max_sleep=0.03)
     snaps = bigper.Snapshots(root, keep=2)
     buf = snaps.load_latest(path=tmp_path / "check")
     feed = Feed(frames_of("mixed", 400, seed=3), 4, seed=11)

@@ -33,6 +33,43 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+def _said(p, want: str) -> None:
+    line = p.stdout.readline()
+    if line.strip() != want:
+        p.kill()
+        p.wait()
+        pytest.fail(f"the child said {line!r}, not {want!r}: {p.stderr.read()[-3000:]}")
+
+
+def kill_at_random(code: str, rng, trials: int = 4, max_sleep: float = 0.05) -> None:
+    """Run ``code`` (a child that prints "ready", then "added" and "saved" each
+    round) ``trials`` times, each killed with SIGKILL at a random moment. The
+    kill lands at a point the child reports, however slow the machine (a cold
+    numba cache makes the first snapshot take seconds): after its first
+    snapshot (so that there is always one to resume: a live folder without one
+    is unclean), then during a random later add or save, a random fraction of a
+    round into it."""
+    import time
+
+    for _ in range(trials):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=_env())
+        _said(p, "ready")
+        _said(p, "added")
+        _said(p, "saved")
+        for _ in range(rng.randrange(3)):
+            _said(p, "added")
+            _said(p, "saved")
+        if rng.random() < 0.5:
+            _said(p, "added")  # killed during a save, else during an add
+        time.sleep(rng.uniform(0.0, max_sleep))
+        assert p.poll() is None, p.stderr.read()[-3000:]  # it was still working: no error in its loop
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()
+
+
 def put_data(snap: Path, name: str, arr: np.ndarray) -> None:
     """Replace data file ``data/<name>.bin`` with ``arr``'s bytes and re-sign (an attacker's snapshot)."""
     raw = np.ascontiguousarray(arr).tobytes()
@@ -441,7 +478,6 @@ while True:
 
 def test_kill_9_during_add_and_save_then_resume_is_exact(tmp_path):
     import random
-    import time
 
     from .test_compression import check_all_live
 
@@ -449,34 +485,7 @@ def test_kill_9_during_add_and_save_then_resume_is_exact(tmp_path):
     root, live = tmp_path / "snaps", tmp_path / "live"
     code = _CHILD.format(root=str(ROOT), root_dir=str(root), live=str(live))
 
-    def said(p, want: str) -> None:
-        line = p.stdout.readline()
-        if line.strip() != want:
-            p.kill()
-            p.wait()
-            pytest.fail(f"the child said {line!r}, not {want!r}: {p.stderr.read()[-3000:]}")
-
-    for trial in range(4):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=_env())
-        said(p, "ready")
-        # The kill lands at a point the child reports, however slow the machine (a cold numba
-        # cache makes the first snapshot take seconds): after its first snapshot (so that there
-        # is always one to resume: a live folder without one is unclean), then during a random
-        # later add or save, a random fraction of a round into it.
-        said(p, "added")
-        said(p, "saved")
-        for _ in range(rng.randrange(3)):
-            said(p, "added")
-            said(p, "saved")
-        if rng.random() < 0.5:
-            said(p, "added")  # killed during a save, else during an add
-        time.sleep(rng.uniform(0.0, 0.05))
-        assert p.poll() is None, p.stderr.read()[-3000:]  # it was still working: no error in its loop
-        p.kill()
-        p.wait()
-        p.stdout.close()
-        p.stderr.close()
+    kill_at_random(code, rng, max_sleep=0.05)
     snaps = bigper.Snapshots(root, keep=2)
     assert snaps.latest() is not None
     buf = snaps.load_latest(path=tmp_path / "check")

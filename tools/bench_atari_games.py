@@ -40,13 +40,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_atari_scale import rounds  # (sample(32) + update, each timed)
 from bench_storage_data import drop_page_cache
 from benchkit import disk_bytes, import_bigper, print_table, say
 
 GAMES = ("Pong", "Breakout", "MsPacman", "Seaquest", "SpaceInvaders", "Qbert")  # (bench_codec_frames.GAMES)
 SYNTHETIC = ("noise", "half")
 FIELDS = {"obs": ((4, 84, 84), np.uint8), "action": ((), np.int64), "reward": ((), np.float32)}
-BATCH = 32
 WARM_ADDS = 3000  # adds before the rate is timed (compilation, the dictionary's first training)
 
 
@@ -89,18 +89,6 @@ def fill(buf, case: str, steps: int) -> float:
                 break
         spent += time.perf_counter() - t0
     return (steps - warm) / spent
-
-
-def rounds(buf, n: int) -> np.ndarray:
-    """Seconds of each of ``n`` sample(32) + update_priorities."""
-    rng = np.random.default_rng(3)
-    out = np.empty(n)
-    for i in range(n):
-        t = time.perf_counter()
-        b = buf.sample(BATCH)
-        buf.update_priorities(b, rng.random(BATCH) + 0.01)
-        out[i] = time.perf_counter() - t
-    return out
 
 
 def frame_bytes(buf) -> float | None:
