@@ -312,6 +312,7 @@ class SegmentLog:
         and make the others writable (copy-on-write). Changes no state."""
         st, used, slot_of = self.st.copy(), self.used.copy(), self.seg_slot.copy()
         place(lengths, f0, self.F, self.seg, self.capped, st, self.seg_first.copy(), slot_of, used, offsets)
+        had = self.slots  # (slots allocated now are new files: nothing to copy)
         if st[A] > self.st[A]:
             grow = getattr(self.store, "grow", None)
             if grow is None:
@@ -321,7 +322,7 @@ class SegmentLog:
         prepare = getattr(self.store, "prepare", None)
         if prepare is not None and getattr(self.store, "shared_chunks", 1):
             opened = slot_of[np.arange(self.g + 1, int(st[G]) + 1) % self.S]
-            opened = opened[opened < self.slots]
+            opened = opened[opened < had]
             if opened.size:
                 prepare({"frame_log": (opened[:, None] * self.seg_rows
                                        + np.arange(self.seg_rows)).reshape(-1)})
