@@ -1,11 +1,10 @@
 """The compressed frame log's size: its geometry and the budget rule.
 
 One rule, used by everything that meets a ``compression_budget``: the
-default a new config gets, the validator a config meets when it is built or
-read back from disk (resume, ``load``, ``from_hdf5``), and the layout the
-segment log (``segments.py``) is made with. A default derived elsewhere
-would drift from the check (issue 33: a default of 64 bytes that the
-validator then refused for frames under 64 bytes).
+validator a config meets when it is built or read back from disk (resume,
+``load``, ``from_hdf5``), and the layout the segment log (``segments.py``)
+is made with (``log_geometry``: a fixed log for a budget, a growing one
+without).
 
 Since issue 34 a budget is optional, and a cap: without one (the default)
 the log grows by segments as its frames need them (``grow_geometry``), up to
@@ -114,14 +113,3 @@ def fits(F: int, row_bytes: int, need: int, budget: int) -> bool:
     ``need`` frames that do not compress."""
     return 1 <= budget <= budget_range(F, row_bytes, need)[1] and kept(F, row_bytes, budget) >= need
 
-
-def default_budget(F: int, row_bytes: int, need: int) -> int:
-    """Log bytes a frame by default: a sixteenth of the frame (real Atari
-    frames compress 15-75x with a dictionary), at least 64, raised to the
-    first budget that ``fits`` (the check the recorded value meets later)."""
-    lo, hi = budget_range(F, row_bytes, need)
-    d = max(lo, 64, row_bytes // 16)
-    # (a dip of kept() ends once the log grew by one segment: at most MAX_SEG / F + 1 steps)
-    while d <= hi and kept(F, row_bytes, d) < need:
-        d += 1
-    return d if d <= hi else lo

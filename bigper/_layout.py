@@ -8,7 +8,6 @@ import numpy as np
 
 from .config import BUILTIN, Config
 from .frames import FrameStore
-from .storage.base import fits_spec  # noqa: F401  (where a storage and a load check recorded arrays)
 
 FRAMED = ("obs", "next_obs")  # with frame stacks these go to the frame ring, not a per-row array
 

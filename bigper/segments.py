@@ -59,7 +59,7 @@ import warnings
 import numpy as np
 
 from . import _zstd, dictionaries
-from ._budget import geometry, log_geometry  # noqa: F401  (geometry: the rule config.py checks budgets by)
+from ._budget import log_geometry
 from ._kernels import kernel
 from ._pool import for_ranges
 from .dictionaries import MAX_DICTS, Dictionaries
