@@ -1,0 +1,242 @@
+"""Hostile cases for the compressed log giving back its top segments (trim),
+the ring's state, ``bigper info``'s sampleable count, n-step pair decoding and
+write_durable's cleanup. References: an uncompressed twin fed the same steps,
+and every live transition checked against the stacks it was fed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bigper
+
+from .conftest import fill_disk
+from .test_compression import Feed, check_all_live, check_sample, make
+from .test_compression_capacity import frames_of, twins
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def phased(kinds, n, seed=0):
+    """Frames in blocks of ``n``: each block noise or compressible (atari)."""
+    return np.concatenate([frames_of(k, n, seed + i) for i, k in enumerate(kinds)])
+
+
+def phase(buf, feed, kind, n, seed=0):
+    """Steps until every env starts an episode, then ``n`` steps of ``kind`` frames."""
+    while any(feed.t):
+        feed.run(buf, 1)
+    feed.frames = frames_of(kind, 1000, seed)
+    feed.run(buf, n)
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "bigper", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def same_batch(a, b):
+    assert set(a.data) == set(b.data)
+    for name in a.data:
+        np.testing.assert_array_equal(a.data[name], b.data[name], err_msg=name)
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.weights, b.weights)
+
+
+def grow_then_trim(buf, feed, n=260):
+    """Noise grows the log, compressible frames let it trim: the slots seen."""
+    seen = []
+    for i, kind in enumerate(["noise", "atari", "noise", "atari"]):
+        phase(buf, feed, kind, n, seed=i)
+        seen.append(buf._frames.log.slots)
+    return seen
+
+
+# -- 1. trims against snapshots, twins, threads, resume, the CLI, a full disk --
+
+@pytest.mark.parametrize("kind", ["memmap", "hdf5", "memory"])
+def test_snapshot_before_trim_loads_every_live_transition(kind, tmp_path):
+    buf = make(kind, tmp_path, (84, 84), k=4, capacity=200)
+    feed = Feed(phased(["noise", "atari", "noise", "atari"], 300, seed=3), 4, seed=4)
+    phase(buf, feed, "noise", 280, 1)  # noise: the log grew
+    grown = buf._frames.log.slots
+    buf.save(tmp_path / "snap")  # hard links to the top chunks (memmap)
+    saved_n, saved_live = buf._count, int((buf._status == 1).sum())
+    phase(buf, feed, "atari", 300, 2)
+    assert buf._frames.log.slots < grown
+    phase(buf, feed, "noise", 300, 3)  # regrown
+    check_all_live(buf, feed)
+    buf.save(tmp_path / "snap2")
+    phase(buf, feed, "atari", 300, 4)  # compressible: trimmed again under snap2's links
+    check_all_live(buf, feed)
+    for snap in ("snap", "snap2"):
+        got = bigper.PrioritizedReplayBuffer.load(tmp_path / snap,
+                                                  path=None if kind == "memory" else tmp_path / f"live-{snap}")
+        if snap == "snap":
+            assert got._count == saved_n and int((got._status == 1).sum()) == saved_live
+        assert check_all_live(got, feed) > 0
+        check_sample(got, feed, 32)
+        feed2 = Feed(frames_of("atari", 200, 9), 4, seed=9)  # the loaded buffer goes on and trims
+        feed2.g = feed.g + 10_000
+        feed2.run(got, 150)
+        got.close()
+    buf.close()
+
+
+@pytest.mark.parametrize("kind", ["memmap", "hdf5", "memory"])
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_grow_trim_grow_equals_the_uncompressed_twin(kind, num_envs, tmp_path):
+    z, raw = twins(kind, tmp_path, 150, num_envs=num_envs)
+    frames = phased(["noise", "atari", "noise", "half", "atari"], 240, seed=11)
+    feed, twin = Feed(frames, 4, seed=12, num_envs=num_envs), Feed(frames, 4, seed=12, num_envs=num_envs)
+    slots = []
+    for i, k in enumerate(["noise", "atari", "noise", "half", "atari"]):
+        while any(feed.t):
+            feed.run(z, 1)
+            twin.run(raw, 1)
+        feed.frames = twin.frames = frames_of(k, 1000, i)
+        feed.run(z, 240 // num_envs)
+        twin.run(raw, 240 // num_envs)
+        slots.append(z._frames.log.slots)
+        np.testing.assert_array_equal(z._status, raw._status)
+        same_batch(z.sample(32), raw.sample(32))
+        assert check_all_live(z, feed) == int((raw._status == 1).sum())
+    assert slots[1] < slots[0] and slots[2] > slots[1], slots  # it really grew and gave back
+    z.close()
+    raw.close()
+
+
+def test_trim_gives_back_the_chunk_files(tmp_path):
+    buf = make("memmap", tmp_path, (84, 84), k=4, capacity=200)
+    feed = Feed(frames_of("noise", 1000, 1), 4, seed=1)
+    counts = []
+    for kind in ("noise", "noise", "atari", "atari", "atari"):
+        phase(buf, feed, kind, 100, seed=len(counts))
+        counts.append(len(list((tmp_path).rglob("frame_log*"))))
+    assert counts[-1] < max(counts), counts
+    rows = buf._frames.log.store.rows("frame_log")
+    assert rows == buf._frames.log.slots * buf._frames.log.seg_rows
+    check_all_live(buf, feed)
+    buf.close()
+
+
+SAMPLER_RACE = r"""
+import sys, threading, numpy as np, bigper
+from pathlib import Path
+from tests.test_compression import Feed, make
+from tests.test_compression_capacity import frames_of
+tmp = Path(sys.argv[1]); kind = sys.argv[2]
+buf = make(kind, tmp, (84, 84), k=4, capacity=200)
+frames = np.concatenate([frames_of(k, 200, i) for i, k in enumerate(["noise", "atari"] * 4)])
+feed = Feed(frames, 4, seed=3)
+feed.run(buf, 60)
+added = feed.added
+stop = threading.Event(); errors = []
+def read():
+    try:
+        it = buf.sampler(32, prefetch=2)
+        n = 0
+        while not stop.is_set():
+            b = next(it)
+            for i in range(32):
+                o, o2 = added[int(b["step"][i])]
+                if not (np.array_equal(b["obs"][i], o) and np.array_equal(b["next_obs"][i], o2)):
+                    errors.append(("mismatch", int(b["step"][i]))); return
+            n += 1
+        errors.append(("batches", n))
+    except Exception as e:
+        errors.append(("raised", repr(e)))
+t = threading.Thread(target=read); t.start()
+seen = set()
+for _ in range(16 if kind == "memmap" else 5):
+    feed.run(buf, 100)
+    seen.add(buf._frames.log.slots)
+stop.set(); t.join(30)
+print("SLOTS", sorted(seen)); print("ERR", errors)
+buf.close()
+assert len(errors) == 1 and errors[0][0] == "batches" and errors[0][1] > 0, errors
+assert len(seen) > 1, seen
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("kind", ["memmap"])  # (the storage whose trim unmaps what a read may touch)
+def test_sampler_thread_reads_while_the_writer_trims(kind, tmp_path):
+    r = subprocess.run([sys.executable, "-c", SAMPLER_RACE, str(tmp_path), kind], capture_output=True,
+                       text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("kind", ["memmap", "hdf5"])
+def test_resume_read_only_and_cli_after_trims(kind, tmp_path):
+    buf = make(kind, tmp_path, (84, 84), k=4, capacity=200)
+    feed = Feed(phased(["noise", "atari", "noise", "atari"], 300, seed=5), 4, seed=6)
+    seen = grow_then_trim(buf, feed, 270)
+    assert seen[0] > seen[1], seen
+    path = buf.path if hasattr(buf, "path") else None
+    status = buf._status.copy()
+    slots = buf._frames.log.slots
+    buf.save(tmp_path / "snap")
+    buf.close()
+    live = tmp_path / ("buf" if kind == "memmap" else "buf.h5")
+    if path is not None:
+        live = Path(path)
+    kw = dict(capacity=200, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
+              storage=kind, path=live, compression="zstd")
+    ro = bigper.PrioritizedReplayBuffer(**kw, read_only=True)
+    np.testing.assert_array_equal(ro._status, status)
+    assert ro._frames.log.slots == slots
+    check_all_live(ro, feed)
+    check_sample(ro, feed, 32)
+    ro.close()
+    again = bigper.PrioritizedReplayBuffer(**kw, mode="resume")
+    np.testing.assert_array_equal(again._status, status)
+    check_all_live(again, feed)
+    grow_then_trim(again, feed, 150)  # grows and trims after a resume
+    check_all_live(again, feed)
+    check_sample(again, feed, 32)
+    again.close()
+    v = cli("verify", tmp_path / "snap")
+    assert v.returncode == 0, v.stdout + v.stderr
+    i = cli("info", tmp_path / "snap")
+    assert i.returncode == 0 and f"{int((status == 1).sum()):,} sampleable" in i.stdout, i.stdout + i.stderr
+    if kind == "memmap":
+        i = cli("info", live)
+        assert i.returncode == 0 and "of them sampleable" in i.stdout, i.stdout + i.stderr
+
+
+def test_full_disk_while_growing_and_trimming(small_tmpfs):
+    live = small_tmpfs / "live"
+    buf = bigper.PrioritizedReplayBuffer(
+        capacity=60, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
+        storage="memmap", path=live, compression="zstd", seed=0)
+    feed = Feed(phased(["atari", "noise", "atari", "noise", "atari"], 200, seed=2), 4, seed=2)
+    feed.run(buf, 100)
+    filler = small_tmpfs / "filler"
+    fill_disk(filler)
+    failed = 0
+    for _ in range(800):
+        try:
+            feed.run(buf, 1)
+        except OSError:
+            failed += 1
+            feed.g -= 1  # that step was not added: the feed steps on (its frames move on)
+        check_all_live(buf, feed) if _ % 100 == 0 else None
+    check_all_live(buf, feed)
+    filler.unlink()
+    feed.run(buf, 80)
+    check_all_live(buf, feed)
+    check_sample(buf, feed, 16)
+    buf.close()
+    again = bigper.PrioritizedReplayBuffer(
+        capacity=60, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
+        storage="memmap", path=live, compression="zstd", seed=0, mode="resume")
+    check_all_live(again, feed)
+    again.close()
