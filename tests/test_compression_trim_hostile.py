@@ -214,31 +214,40 @@ def test_resume_read_only_and_cli_after_trims(kind, tmp_path):
 
 def test_full_disk_while_growing_and_trimming(small_tmpfs):
     live = small_tmpfs / "live"
-    buf = bigper.PrioritizedReplayBuffer(
-        capacity=60, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
-        storage="memmap", path=live, compression="zstd", seed=0)
-    feed = Feed(phased(["atari", "noise", "atari", "noise", "atari"], 200, seed=2), 4, seed=2)
-    feed.run(buf, 100)
-    filler = small_tmpfs / "filler"
-    fill_disk(filler)
+    kw = dict(capacity=60, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
+              storage="memmap", path=live, compression="zstd", seed=0)
+    buf = bigper.PrioritizedReplayBuffer(**kw)
+    feed = Feed(frames_of("noise", 1000, 0), 4, seed=2)
+    phase(buf, feed, "noise", 100, 1)  # grown
+    grown = buf._frames.log.slots
+    phase(buf, feed, "atari", 150, 2)  # trimmed: disk given back
+    assert buf._frames.log.slots < grown
+    fill_disk(small_tmpfs / "filler")
+    phase(buf, feed, "atari", 150, 3)  # compressible frames go on in the log it kept
+    check_all_live(buf, feed)
+    feed.frames = frames_of("noise", 1000, 4)
     failed = 0
-    for _ in range(800):
+    for _ in range(60):  # noise on a full disk: the log cannot grow, each add fails and changes nothing
+        while any(feed.t):
+            feed.t = [0] * feed.num_envs  # (start episodes: not added, nothing to continue)
         try:
             feed.run(buf, 1)
-        except OSError:
+        except OSError as e:
+            assert "frame_log" in str(e), e
             failed += 1
-            feed.g -= 1  # that step was not added: the feed steps on (its frames move on)
-        check_all_live(buf, feed) if _ % 100 == 0 else None
-    check_all_live(buf, feed)
-    filler.unlink()
-    feed.run(buf, 80)
+            feed.g -= 1
+            feed.added.pop(feed.g, None)
+    assert failed > 0
     check_all_live(buf, feed)
     check_sample(buf, feed, 16)
+    (small_tmpfs / "filler").unlink()
+    phase(buf, feed, "noise", 60, 5)
+    phase(buf, feed, "atari", 100, 6)
+    check_all_live(buf, feed)
     buf.close()
-    again = bigper.PrioritizedReplayBuffer(
-        capacity=60, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
-        storage="memmap", path=live, compression="zstd", seed=0, mode="resume")
+    again = bigper.PrioritizedReplayBuffer(**kw, mode="resume")
     check_all_live(again, feed)
+    check_sample(again, feed, 16)
     again.close()
 
 
