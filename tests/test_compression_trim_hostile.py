@@ -439,3 +439,33 @@ def test_write_durable_removes_its_tmp_on_a_full_disk(small_tmpfs):
     (small_tmpfs / "filler").unlink()
     write_durable(target, b"new")
     assert target.read_bytes() == b"new" and sorted(p.name for p in small_tmpfs.iterdir()) == ["x.json"]
+
+
+@pytest.mark.parametrize("keep", [1, None])
+def test_numbered_snapshots_across_grow_and_trim(keep, tmp_path):
+    from bigper import Snapshots
+    from bigper.snapshot import verify
+
+    buf = make("memmap", tmp_path, (84, 84), k=4, capacity=150)
+    feed = Feed(frames_of("noise", 1000, 0), 4, seed=3)
+    snaps = Snapshots(tmp_path / "snaps", keep=keep)
+    saved = []
+    for i, kind in enumerate(["noise", "atari", "noise", "atari", "atari"]):
+        phase(buf, feed, kind, 120, i)
+        s = snaps.save(buf)
+        saved.append((s, buf._status.copy(), buf._frames.log.slots))
+    assert len({n for _, _, n in saved}) > 2, [n for _, _, n in saved]
+    buf.close()
+    for s, status, _ in saved:
+        if not s.exists():
+            continue
+        verify(s)
+        got = bigper.PrioritizedReplayBuffer.load(s, path=tmp_path / f"live-{s.name}")
+        np.testing.assert_array_equal(got._status, status)
+        check_all_live(got, feed)
+        check_sample(got, feed, 16)
+        got.close()
+    latest = snaps.load_latest(path=tmp_path / "latest")
+    np.testing.assert_array_equal(latest._status, saved[-1][1])
+    check_all_live(latest, feed)
+    latest.close()
