@@ -469,3 +469,48 @@ def test_numbered_snapshots_across_grow_and_trim(keep, tmp_path):
     np.testing.assert_array_equal(latest._status, saved[-1][1])
     check_all_live(latest, feed)
     latest.close()
+
+
+@pytest.mark.parametrize("slack", [s * 4096 for s in range(13, 19)])
+def test_trim_on_a_full_disk_whose_chunks_a_snapshot_holds(slack, small_tmpfs, caplog):
+    """The trimmed chunks are linked by a snapshot: unlinking them frees
+    nothing, so rewriting meta.json can fail; the storage must still describe
+    what it maps, and the buffer go on, close and resume."""
+    live = small_tmpfs / "live"
+    kw = dict(capacity=60, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
+              storage="memmap", path=live, compression="zstd", seed=0)
+    buf = bigper.PrioritizedReplayBuffer(**kw)
+    feed = Feed(frames_of("noise", 1000, 0), 4, seed=2)
+    phase(buf, feed, "noise", 100, 1)
+    grown = buf._frames.log.slots
+    buf.save(small_tmpfs / "snap")
+    status = buf._status.copy()
+    fill_disk(small_tmpfs / "filler")
+    os.truncate(small_tmpfs / "filler", os.path.getsize(small_tmpfs / "filler") - slack)
+    while any(feed.t):
+        feed.t = [0] * feed.num_envs
+    feed.frames = frames_of("atari", 1000, 2)
+    failed = 0
+    for _ in range(150):
+        try:
+            feed.run(buf, 1)
+        except OSError:  # (a full disk may refuse a copy-on-write of a shared chunk: allowed)
+            failed += 1
+            feed.g -= 1
+            feed.added.pop(feed.g, None)
+    store = buf._store
+    rows = store.rows("frame_log")
+    assert store.arrays["frame_log"].shape[0] == rows, (store.arrays["frame_log"].shape, rows, grown)
+    assert store.writable_arrays["frame_log"].shape[0] == rows
+    check_all_live(buf, feed)
+    (small_tmpfs / "filler").unlink()
+    phase(buf, feed, "atari", 100, 3)
+    check_all_live(buf, feed)
+    buf.close()
+    again = bigper.PrioritizedReplayBuffer(**kw, mode="resume")
+    check_all_live(again, feed)
+    again.close()
+    got = bigper.PrioritizedReplayBuffer.load(small_tmpfs / "snap", path=small_tmpfs / "l2")
+    np.testing.assert_array_equal(got._status, status)
+    check_all_live(got, feed)
+    got.close()
