@@ -10,6 +10,7 @@ and a write never lands on a buffer another thread closed.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -752,7 +753,15 @@ class PrioritizedReplayBuffer:
         arrays : dict of str to numpy.ndarray
             Its arrays.
         """
-        self._restore(meta, arrays)
+        # All or nothing: some checks (the frame log's slots, its index, the
+        # dictionaries) can only run inside the restore, after the ring and
+        # the priorities were replaced; a refused state puts the old one back.
+        before = copy.deepcopy(self.state_dict())
+        try:
+            self._restore(meta, arrays)
+        except BaseException:
+            self._restore(*before)
+            raise
 
     def _restore(self, meta: dict, arrays: dict, reseed: bool = False) -> None:
         check_state(self.config, meta, arrays)

@@ -508,10 +508,13 @@ class MemmapStorage:
         shared = int(a.shared[int(rows) // a.chunk_rows:].sum())
         a.shrink(int(rows))
         self._nshared -= shared
-        fsync_dir(self._root / "data")
-        self._meta["arrays"][name]["rows"] = int(rows)
-        write_json(self._root / "meta.json", self._meta)
+        # The views first: the chunks past ``rows`` are unmapped now, whatever
+        # the writes below do (a full disk fails meta.json's rewrite after the
+        # files went, and the old views would reach into unmapped memory).
         self._rw[name], self.arrays[name] = a.rw, a.ro
+        self._meta["arrays"][name]["rows"] = int(rows)
+        fsync_dir(self._root / "data")
+        write_json(self._root / "meta.json", self._meta)
 
     def rows(self, name: str) -> int:
         """Rows array ``name`` holds (an array that grows: what it grew to)."""
