@@ -340,7 +340,8 @@ class SegmentLog:
         try:
             shrink("frame_log", keep * self.seg_rows)
         except OSError as e:
-            log.warning("bigper: giving back %d free log segments failed, kept: %r", n - keep, e)
+            log.warning("bigper: giving back %d free log segments did not complete (the log holds what the "
+                        "storage does): %r", n - keep, e)
         finally:  # the slots the storage holds, whatever happened (reads are bounded by them)
             self.st[A] = self.store.rows("frame_log") // self.seg_rows
 
