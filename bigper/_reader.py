@@ -42,14 +42,9 @@ class Reader:
         self.gamma = cfg.gamma
         self.discount1 = np.array([cfg.gamma, 0.0, cfg.gamma, 0.0], dtype=np.float32)
         self.successors = {f"next_{n}" for n in cfg.next_of}
-        self.items = None  # with sequence=...: the buffer's sequences.Items
 
-    def batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out, fused: bool,
-              stacks: bool = True) -> Batch:
-        """The batch at ``idx``; ``stacks=False``: a sequence batch without its
-        ``obs``/``next_obs`` stacks, for ``to_torch`` to rebuild on a device."""
-        if self.items is not None:
-            return self.sequences(idx, w, prob, fused, stacks)
+    def transitions(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out, fused: bool) -> Batch:
+        """The batch of the transitions at ``idx``."""
         if self.cfg.n_step == 1 and fused:
             # Generations, end flags and discounts in one kernel call.
             b = idx.shape[0]
@@ -59,24 +54,15 @@ class Reader:
             return Batch.make(self.gather(idx, (term, trunc, disc), out, fused), idx, w, prob, gen)
         return Batch.make(self.gather(idx, None, out, fused), idx, w, prob, self.gid[idx])
 
-    def sequences(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, fused: bool,
-                  stacks: bool = True) -> Batch:
-        """A batch of the sequence items at ``idx``: every field ``(B, T, ...)``,
-        padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""
-        data, mask, once = self.windows(idx, fused, stacks)
-        b = Batch.make(data, idx, w, prob, self.gid[idx], mask, self.items.burn_in)
-        if once is not None:
-            b.__dict__["_seq_frames"] = once  # how to_torch moves each row's frames once
-        return b
-
-    def windows(self, idx: np.ndarray, fused: bool, stacks: bool = True) -> tuple[dict, np.ndarray, tuple | None]:
-        """``(data, mask, once)`` of the sequence items at ``idx`` (live). With
+    def windows(self, slots: np.ndarray, mask: np.ndarray, fused: bool,
+                stacks: bool = True) -> tuple[dict, np.ndarray, tuple | None]:
+        """``(data, mask, once)`` of the steps at ``slots`` (``(B, T)``, real
+        where ``mask``: the windows of sequence items, ``Items.window``). With
         frame stacks, ``once`` says how each row's distinct frames travel once:
         ``("refs", refs)``, the stacks' frame ids (``to_torch`` takes the
         distinct frames from the batch's own stacks), or with ``stacks=False``
         ``("frames", frames, index)`` (``frames_once``; ``obs``/``next_obs``
         are then left out of ``data``: a device rebuilds them)."""
-        slots, mask = self.items.window(idx)
         b, t = mask.shape
         flat_slots = slots.reshape(-1)
         framed = self.frames is not None
@@ -274,9 +260,6 @@ class Reader:
         writable, no two sharing memory."""
         if out is None:
             return {}
-        if self.items is not None:
-            raise InvalidArgumentError("sample(out=...) is not available with sequence=...: a batch of "
-                                       "sequences is gathered by windows")
         if not isinstance(out, Mapping):
             raise InvalidTypeError(f"out must be a dict name -> array, got {type(out).__name__}")
         specs = dict(self.stored)

@@ -130,10 +130,13 @@ class Writer:
     prio : Prioritization
     ring : Ring
         The buffer's slot bookkeeping and counters (changed in place).
+    unit : units.SampleUnit
+        What a leaf stands for: it sets the leaves a write makes sampleable.
     """
 
-    def __init__(self, cfg, store, frames, plain: dict, prio, ring):
+    def __init__(self, cfg, store, frames, plain: dict, prio, ring, unit):
         self.cfg, self.store, self.frames, self.plain, self.prio, self.ring = cfg, store, frames, plain, prio, ring
+        self.unit = unit
         self.gid, self.status, self.ends, self.pending = ring.gid, ring.status, ring.ends, ring.pending
         self.env_ended = ring.env_ended  # (its values change, never the array)
         # False: the general path (staged storage writes, one numpy call a step).
@@ -142,7 +145,6 @@ class Writer:
         tree = getattr(prio, "tree", None)
         self._tree = tree if getattr(prio, "kind", "") == "proportional" else None
         self._args = self._args_of = None  # write_rows' fixed arguments, and the ring arrays they hold
-        self.items = None  # with sequence=...: sequences.Items, which keeps the leaves (at item starts)
 
     def write(self, rows: dict, priorities, valid=None) -> None:
         """Write checked ``rows`` (``name -> (m, ...)``) with their priorities
@@ -179,8 +181,8 @@ class Writer:
             if rw:
                 g0, top = self.ring.count, self.ring.max_leaf
                 self._write_one_call(rows, keys, valid, rw)
-                if self.items is not None:  # the leaves it set per step go; items get theirs
-                    self._items_after(rows, g0, np.full(m, top) if keys is None else keys, valid)
+                self.unit.committed(self.prio, rows, g0, np.full(m, top) if keys is None else keys, valid,
+                                    self.ring.count)
                 return
         ended = rows["terminated"] | rows["truncated"]
         if valid is not None:
@@ -197,13 +199,6 @@ class Writer:
             self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
                               None if keys is None else keys[lo:hi],
                               None if valid is None else valid[lo:hi])
-
-    def _items_after(self, rows: dict, g0: int, keys, valid) -> None:
-        """Sequence items of rows ``g0 ..`` that ``write_rows`` recorded as transitions."""
-        m = keys.shape[0]
-        slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
-        ring_rows(g0, self.cfg.capacity, rows["terminated"], rows["truncated"], slots, ends)
-        self.items.write(self.prio, g0, slots, ends, valid, keys, self.ring.count)
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
         m = rows["terminated"].shape[0]
@@ -271,29 +266,4 @@ class Writer:
             self.ends[slots] = ends
             self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
         self.ring.count = g0 + m
-        prio = self.prio
-        if self.items is not None:
-            pass  # items are recorded below, once the frames' expiry is known
-        elif cfg.n_step == 1:
-            if valid is None:
-                prio.insert(slots, keys)  # replaces what the slots held
-            else:
-                prio.remove(slots[~valid])
-                prio.insert(slots[valid], keys[valid])
-        else:
-            prio.remove(slots)  # waiting for their windows now
-            self.pending[slots] = keys
-            first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
-            ready = np.empty(self.ring.count - first, dtype=np.int64)
-            r = nstep.complete(first, self.ring.count, c, cfg.num_envs, cfg.n_step, self.ends,
-                               self.gid, self.status, ready)
-            if r:
-                ready = ready[:r]
-                self.status[ready] = LIVE
-                prio.insert(ready, self.pending[ready])
-        if self.frames is not None:
-            dead = self.frames.expire(self.ring.count, self.gid, self.status)
-            if dead.shape[0] and self.items is None:
-                prio.remove(dead)
-        if self.items is not None:
-            self.items.write(prio, g0, slots, ends, valid, keys, self.ring.count, self.fused)
+        self.unit.commit(self.prio, g0, slots, ends, valid, keys, self.ring.count, self.fused, self.frames)

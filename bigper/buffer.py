@@ -54,7 +54,7 @@ from .prioritization.base import LIVE, Prioritization
 from .storage._files import real_names
 from .schedules import ConstantSchedule, LinearSchedule, as_beta
 from .storage.base import Storage
-from .sequences import Items
+from .units import unit_for
 
 log: logging.Logger = logging.getLogger("bigper")
 
@@ -309,11 +309,10 @@ class PrioritizedReplayBuffer:
         # The slots' bookkeeping and counters (ring.py); its arrays are changed in place, never replaced.
         self._ring = ring = Ring(c, cfg.num_envs, cfg.n_step)
         self._gid, self._status, self._ends, self._pending = ring.gid, ring.status, ring.ends, ring.pending
+        # What a leaf stands for (a transition, a sequence item): everything that depends on it.
+        self._unit = unit_for(cfg, ring)
         self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, ring.ends, ring.gid)
-        self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, ring)
-        # With sequences, items (start steps) hold the leaves; their tables live in sequences.Items.
-        self._items = Items(cfg, ring.gid, ring.status, ring.ends) if cfg.sequence else None
-        self._writer.items = self._reader.items = self._items
+        self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, ring, self._unit)
         self._beta_step = 0
         self._mirror = mirror
         self._deferred = Deferred()
@@ -460,7 +459,7 @@ class PrioritizedReplayBuffer:
         beta, stratified = sample_kw.get("beta"), sample_kw.get("stratified", True)
         if not cuda or self._mirror is not None:
             return self._draw(batch_size, beta, stratified, None, True)
-        if self._items is not None:  # the stacks rebuilt on the device from each row's distinct frames
+        if not self._unit.staged:  # the stacks rebuilt on the device from each row's distinct frames
             return self._draw(batch_size, beta, stratified, None, False)
         from ._torch import Staged, _torch
 
@@ -484,33 +483,24 @@ class PrioritizedReplayBuffer:
             if self._mirror is not None:
                 raise InvalidArgumentError("sample(out=...) gathers into host arrays; this buffer has a device "
                                            f"tier (device={str(self._mirror.device)!r}) and gathers there")
-            out = self._reader.check_out(out, int(batch_size))
+            out = self._unit.check_out(self._reader, out, int(batch_size))
             self._check_not_mine(out)
         b = self._cfg_beta(self._beta_step) if beta is None else as_beta(beta)
         if not self._prio.sampleable:
-            raise InvalidArgumentError(
-                f"cannot sample: no sampleable transition (len={len(self)}; with n_step > 1 a "
-                "transition becomes sampleable once its window completes or its episode ends)"
-                if self._items is None else
-                f"cannot sample: no sampleable sequence item (len={len(self)} steps; an item becomes "
-                f"sampleable once its length={self._items.length} steps are written or its episode ends, "
-                "and valid=False rows start none)")
+            raise InvalidArgumentError(self._unit.unsampleable(len(self)))
         idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
                                          stratified=bool(stratified), beta=b)
         self._beta_step += 1
         if self._mirror is not None:
             return self._device_batch(idx, w, prob)
-        return self._reader.batch(idx, w, prob, into if into is not None else out, self._writer.fused, stacks)
+        return self._unit.batch(self._reader, idx, w, prob, into if into is not None else out, self._writer.fused,
+                                stacks)
 
     def _device_batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
         """The batch at ``idx`` gathered on the device tier: the host computes
         the small values and frame ids, the device gathers the data."""
         self._mirror.sync(self._store, self._frames, self._count)
-        if self._items is None:
-            return self._mirror.batch(self._reader.plan(idx), idx, w, prob, self._gid[idx])
-        slots, mask = self._items.window(idx)
-        return self._mirror.batch(self._reader.plan(slots, mask), idx, w, prob, self._gid[idx], mask,
-                                  self._items.burn_in)
+        return self._unit.device_batch(self._reader, self._mirror, idx, w, prob)
 
     def _check_not_mine(self, out: dict) -> None:
         """Refuse ``out`` arrays that share memory with anything the buffer
@@ -644,17 +634,11 @@ class PrioritizedReplayBuffer:
         the host can without reading them, applied by ``_settle``."""
         n = idx.shape[0]
         shape = tuple(priorities.shape)
-        ok = shape in ((n,), (n, 1))
-        if self._items is not None:
-            ok = ok or shape in ((n, self._items.T), (n, self._items.length))
-        if not ok:
+        if shape not in self._unit.priority_shapes(n):
             raise InvalidArgumentError(f"priorities must have shape ({n},) to match the indices, got {shape}")
         if priorities.is_complex():
             raise InvalidTypeError(f"priorities must be real numbers, got dtype {priorities.dtype}")
-        if self._items is not None:
-            if shape[1:] not in ((), (1,)):
-                self._items.reduce(np.zeros(shape), None if mask is None else np.asarray(mask), n)  # mask checks
-            self._items.check_starts(idx, stamps, use)
+        self._unit.check_update(idx, stamps, use, mask, shape)
         self._check_indices(idx)
         self._deferred.push(idx.copy(), stamps.copy(), use, None if mask is None else np.array(mask), priorities)
 
@@ -683,15 +667,9 @@ class PrioritizedReplayBuffer:
                 raise e
 
     def _update(self, idx, stamps, use: bool, mask, priorities) -> None:
-        items = self._items
-        if items is not None:
-            p = items.reduce(priorities, mask, idx.shape[0])
-            p = as_priorities(priorities if p is None else p, idx.shape[0])
-            items.check_starts(idx, stamps, use)
-            top = self._prio.update(idx, p, stamps, use, self._gid, items.status, items.pending)
-        else:
-            p = as_priorities(priorities, idx.shape[0])
-            top = self._prio.update(idx, p, stamps, use, self._gid, self._status, self._pending)
+        unit = self._unit
+        p = unit.priorities(priorities, mask, idx, stamps, use)
+        top = self._prio.update(idx, p, stamps, use, self._gid, unit.status, unit.pending)
         if top > self._max_leaf:
             self._max_leaf = top
 
@@ -711,7 +689,7 @@ class PrioritizedReplayBuffer:
         self._assign(as_priorities(priorities, self.capacity))
 
     def _assign(self, p: np.ndarray) -> None:
-        live = (self._status if self._items is None else self._items.status) == LIVE
+        live = self._unit.status == LIVE
         bad = np.flatnonzero(live & ~((p >= 0) & (p < np.inf)))
         if bad.size:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad[0]]} at position {bad[0]}")
@@ -737,8 +715,7 @@ class PrioritizedReplayBuffer:
             fmeta, farrays = self._frames.state()
             meta["frames"] = fmeta
             arrays.update(farrays)
-        if self._items is not None:
-            arrays.update(self._items.state())
+        arrays.update(self._unit.state())
         return meta, arrays
 
     @entry_point
@@ -773,15 +750,14 @@ class PrioritizedReplayBuffer:
                     f"recorded state array {name!r} has shape {None if got is None else got.shape}, "
                     f"expected {want}")
         self._prio.restore(meta.get("prioritization", {}), arrays,
-                           arrays["status"] if self._items is None else arrays["seq_status"])
+                           arrays[self._unit.status_key])
         self._ring.restore(meta, arrays)
         self._beta_step = int(meta["beta_step"])
         if not reseed:  # a new seed on resume starts a new random stream
             self._rng.bit_generator.state = meta["rng"]
         if self._frames is not None:
             self._frames.restore(meta["frames"], arrays)
-        if self._items is not None:
-            self._items.restore(arrays)
+        self._unit.restore(arrays)
         if self._mirror is not None:  # the device copy is rebuilt from the storage
             self._mirror.forget()
             self._mirror.sync(self._store, self._frames, self._count, progress=True)
@@ -994,18 +970,10 @@ class PrioritizedReplayBuffer:
         dict of str to numpy.ndarray
         """
         idx = self._check_indices(indices)
-        status = self._status if self._items is None else self._items.status
-        bad = np.flatnonzero(status[idx] != LIVE)
+        bad = np.flatnonzero(self._unit.status[idx] != LIVE)
         if bad.size:
-            what = "transition" if self._items is None else "sequence item"
-            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable {what}")
-        return self._gather(idx)
-
-    def _gather(self, idx: np.ndarray) -> dict:
-        if self._items is not None:  # sequences: (B, T, ...) fields and their mask
-            data, mask, _ = self._reader.windows(idx, self._fused)
-            return {**data, "mask": mask}
-        return self._reader.gather(idx, None, None, self._fused)
+            raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable {self._unit.noun}")
+        return self._unit.gather(self._reader, idx, self._fused)
 
     def _check_indices(self, indices) -> np.ndarray:
         idx = as_index(indices)
@@ -1078,7 +1046,7 @@ class PrioritizedReplayBuffer:
         -------
         Batch
         """
-        if self._items is not None:
+        if not self._unit.shardable:
             raise InvalidArgumentError("sample_at is not available with sequence=... (sharded buffers "
                                        "do not serve sequences)")
         t = np.ascontiguousarray(targets, dtype=np.float64)
@@ -1092,7 +1060,7 @@ class PrioritizedReplayBuffer:
             bad = int(np.flatnonzero(~ok)[0])
             raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
         idx, prob, w = self._prio.sample_at(t, beta=as_beta(beta))
-        return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+        return Batch(self._unit.gather(self._reader, idx, self._fused), idx, w, prob, self._gid[idx])
 
     @property
     def _tree(self):

@@ -1584,7 +1584,7 @@ def test_deferred_sequence_update_shapes_agree_with_the_immediate_path():
     buf = _seq()
     b = buf.sample(8)
     T_ = b.mask.shape[1]
-    items = buf._items
+    items = buf._unit.items
     for shape in ((8,), (8, 1), (8, T_), (8, items.length), (8, items.T), (8, T_ - 1), (8, T_ + 1), (8, 2),
                   (8, T_, 1)):
         try:

@@ -188,7 +188,7 @@ def batch_ids(buf, b) -> np.ndarray:
     fs = buf._frames
     idx = b.indices if b.mask is None else None
     if idx is None:  # sequences: the window's real steps
-        slots, mask = buf._items.window(b.indices)
+        slots, mask = buf._unit.items.window(b.indices)
         idx = slots[mask]
     ids = [fs.refs("obs_ref", idx).ravel()]
     if b.mask is None and buf.config.n_step == 1:

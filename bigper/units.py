@@ -1,0 +1,246 @@
+"""Sample units: what one leaf of the prioritization stands for.
+
+A buffer holds one unit and asks it everything that depends on what a leaf
+is; the buffer, the reader and the writer never ask which one they hold.
+
+- ``Transitions``: a leaf per step (the default), sampleable once its n-step
+  window completes (or at once with ``n_step=1``).
+- ``Sequences``: a leaf per sequence item (``sequence=bigper.Sequence(...)``),
+  at the item's start step; its tables and kernels are ``sequences.Items``.
+
+A unit answers (``SampleUnit``): which leaves exist (``status``, ``pending``),
+what a write makes sampleable or kills (``commit``, ``committed``), how a
+batch is gathered (``batch``, ``gather``, ``device_batch``, ``check_out``),
+how priorities reduce to one a leaf (``priorities``, ``check_update``), and
+its recorded state (``state``, ``restore``). A third unit (whole episodes)
+is a class here and one line in ``unit_for``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from . import nstep
+from ._ingest import as_priorities
+from ._kernels import ring_rows
+from .batch import Batch
+from .errors import InvalidArgumentError
+from .sequences import Items
+from .status import LIVE
+
+
+class SampleUnit(Protocol):
+    """What a buffer asks of its sample unit (see the module's docstring)."""
+
+    noun: str               # "transition", "sequence item": for messages
+    status: np.ndarray      # (capacity,) uint8: each leaf slot's status (bigper.status)
+    pending: np.ndarray     # (capacity,) float64: the keys of pending leaves
+    status_key: str         # the name of ``status`` in a recorded state
+    staged: bool            # a CUDA-bound batch is gathered into one pinned block (else the device rebuilds stacks)
+    shardable: bool         # ``sample_at`` (the Ray shards) serves it
+
+    def unsampleable(self, n: int) -> str:
+        """The message of a draw from a buffer of ``len`` ``n`` with no sampleable leaf."""
+
+    def commit(self, prio, g0: int, slots, ends, valid, keys, count: int, fused: bool, frames) -> None:
+        """Rows ``g0 .. count - 1`` were committed to the ring at ``slots``:
+        set the leaves they make sampleable and remove those they end (frames
+        that expired included)."""
+
+    def committed(self, prio, rows: dict, g0: int, keys, valid, count: int) -> None:
+        """The same after ``write_rows`` set the per-step leaves in one call."""
+
+    def batch(self, reader, idx, w, prob, out, fused: bool, stacks: bool) -> Batch:
+        """The batch of the leaves at ``idx`` (``stacks=False``: frame stacks left for a device to rebuild)."""
+
+    def gather(self, reader, idx, fused: bool) -> dict:
+        """The data of the leaves at ``idx`` as ``sample`` gives it."""
+
+    def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
+        """The batch at ``idx`` gathered by the device tier ``mirror``."""
+
+    def check_out(self, reader, out, b: int) -> dict:
+        """``sample(out=...)`` arrays checked for a batch of ``b``."""
+
+    def priority_shapes(self, n: int) -> tuple:
+        """The shapes ``update_priorities`` takes for ``n`` indices."""
+
+    def priorities(self, priorities, mask, idx, stamps, use: bool) -> np.ndarray:
+        """``(n,)`` float64 priorities of the leaves at ``idx``, checked."""
+
+    def check_update(self, idx, stamps, use: bool, mask, shape: tuple) -> None:
+        """What the host can check of an update whose values are on a device."""
+
+    def state(self) -> dict:
+        """The unit's own arrays in a recorded state (views)."""
+
+    def restore(self, arrays: dict) -> None:
+        """Take them back from a checked state."""
+
+
+class Transitions:
+    """A leaf per transition: the ring's own status and pending keys.
+
+    Parameters
+    ----------
+    cfg : Config
+    ring : Ring
+        The buffer's slot bookkeeping (its arrays are the unit's).
+    """
+
+    noun = "transition"
+    status_key = "status"
+    staged = True
+    shardable = True
+
+    def __init__(self, cfg, ring):
+        self.cfg, self.ring = cfg, ring
+        self.status, self.pending = ring.status, ring.pending
+
+    def unsampleable(self, n: int) -> str:
+        return (f"cannot sample: no sampleable transition (len={n}; with n_step > 1 a transition becomes "
+                "sampleable once its window completes or its episode ends)")
+
+    def commit(self, prio, g0, slots, ends, valid, keys, count, fused, frames) -> None:
+        cfg, ring = self.cfg, self.ring
+        if cfg.n_step == 1:
+            if valid is None:
+                prio.insert(slots, keys)  # replaces what the slots held
+            else:
+                prio.remove(slots[~valid])
+                prio.insert(slots[valid], keys[valid])
+        else:
+            prio.remove(slots)  # waiting for their windows now
+            self.pending[slots] = keys
+            first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
+            ready = np.empty(count - first, dtype=np.int64)
+            r = nstep.complete(first, count, cfg.capacity, cfg.num_envs, cfg.n_step, ring.ends,
+                               ring.gid, self.status, ready)
+            if r:
+                ready = ready[:r]
+                self.status[ready] = LIVE
+                prio.insert(ready, self.pending[ready])
+        if frames is not None:
+            dead = frames.expire(count, ring.gid, self.status)
+            if dead.shape[0]:
+                prio.remove(dead)
+
+    def committed(self, prio, rows, g0, keys, valid, count) -> None:
+        pass  # write_rows set every leaf
+
+    def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
+        return reader.transitions(idx, w, prob, out, fused)
+
+    def gather(self, reader, idx, fused) -> dict:
+        return reader.gather(idx, None, None, fused)
+
+    def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
+        return mirror.batch(reader.plan(idx), idx, w, prob, self.ring.gid[idx])
+
+    def check_out(self, reader, out, b) -> dict:
+        return reader.check_out(out, b)
+
+    def priority_shapes(self, n: int) -> tuple:
+        return (n,), (n, 1)
+
+    def priorities(self, priorities, mask, idx, stamps, use) -> np.ndarray:
+        return as_priorities(priorities, idx.shape[0])
+
+    def check_update(self, idx, stamps, use, mask, shape) -> None:
+        pass
+
+    def state(self) -> dict:
+        return {}  # status and pending are the ring's
+
+    def restore(self, arrays: dict) -> None:
+        pass
+
+
+class Sequences:
+    """A leaf per sequence item, at its start step (``sequences.Items``
+    keeps the tables).
+
+    Parameters
+    ----------
+    cfg : Config
+        With ``cfg.sequence`` set.
+    ring : Ring
+    """
+
+    noun = "sequence item"
+    status_key = "seq_status"
+    staged = False
+    shardable = False
+
+    def __init__(self, cfg, ring):
+        self.cfg, self.ring = cfg, ring
+        self.items = items = Items(cfg, ring.gid, ring.status, ring.ends)
+        self.status, self.pending = items.status, items.pending
+
+    def unsampleable(self, n: int) -> str:
+        return (f"cannot sample: no sampleable sequence item (len={n} steps; an item becomes sampleable once "
+                f"its length={self.items.length} steps are written or its episode ends, and valid=False rows "
+                "start none)")
+
+    def commit(self, prio, g0, slots, ends, valid, keys, count, fused, frames) -> None:
+        if frames is not None:  # steps whose frames expired: the items they belong to die with them
+            frames.expire(count, self.ring.gid, self.ring.status)
+        self.items.write(prio, g0, slots, ends, valid, keys, count, fused)
+
+    def committed(self, prio, rows, g0, keys, valid, count) -> None:
+        # write_rows set the leaves per step: the items' tables and leaves replace them
+        m = keys.shape[0]
+        slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
+        ring_rows(g0, self.cfg.capacity, rows["terminated"], rows["truncated"], slots, ends)
+        self.items.write(prio, g0, slots, ends, valid, keys, count)
+
+    def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
+        """Every field ``(B, T, ...)``, padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""
+        slots, mask = self.items.window(idx)
+        data, mask, once = reader.windows(slots, mask, fused, stacks)
+        b = Batch.make(data, idx, w, prob, self.ring.gid[idx], mask, self.items.burn_in)
+        if once is not None:
+            b.__dict__["_seq_frames"] = once  # how to_torch moves each row's frames once
+        return b
+
+    def gather(self, reader, idx, fused) -> dict:
+        data, mask, _ = reader.windows(*self.items.window(idx), fused)
+        return {**data, "mask": mask}
+
+    def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
+        slots, mask = self.items.window(idx)
+        return mirror.batch(reader.plan(slots, mask), idx, w, prob, self.ring.gid[idx], mask, self.items.burn_in)
+
+    def check_out(self, reader, out, b) -> dict:
+        if out is None:
+            return {}
+        raise InvalidArgumentError("sample(out=...) is not available with sequence=...: a batch of "
+                                   "sequences is gathered by windows")
+
+    def priority_shapes(self, n: int) -> tuple:
+        return (n,), (n, 1), (n, self.items.T), (n, self.items.length)
+
+    def priorities(self, priorities, mask, idx, stamps, use) -> np.ndarray:
+        n = idx.shape[0]
+        p = self.items.reduce(priorities, mask, n)
+        p = as_priorities(priorities if p is None else p, n)
+        self.items.check_starts(idx, stamps, use)
+        return p
+
+    def check_update(self, idx, stamps, use, mask, shape) -> None:
+        if shape[1:] not in ((), (1,)):  # the mask's checks, on stand-in values
+            self.items.reduce(np.zeros(shape), None if mask is None else np.asarray(mask), idx.shape[0])
+        self.items.check_starts(idx, stamps, use)
+
+    def state(self) -> dict:
+        return self.items.state()
+
+    def restore(self, arrays: dict) -> None:
+        self.items.restore(arrays)
+
+
+def unit_for(cfg, ring) -> SampleUnit:
+    """The sample unit of a buffer of ``cfg`` over ``ring``."""
+    return Sequences(cfg, ring) if cfg.sequence else Transitions(cfg, ring)
