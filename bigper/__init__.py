@@ -2,7 +2,7 @@
 
 from .batch import Batch
 from .buffer import PrioritizedReplayBuffer
-from .dictionaries import train_dictionary
+from .frames.dictionaries import train_dictionary
 from .config import Sequence
 from .errors import (
     BigperError,

@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from ._reuse import ReusedArrays
-from .seqframes import distinct_frames, frames_of_stacks
+from .frames.distinct import distinct_frames, frames_of_stacks
 from .errors import InvalidArgumentError, InvalidTypeError
 
 # Pinned blocks a layout keeps at most; beyond it the oldest one's event is waited on.

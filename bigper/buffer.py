@@ -24,13 +24,13 @@ import numpy as np
 import numpy.typing as npt
 
 from . import snapshot as _snapshot
-from ._lifecycle import OPEN, entry_point, reader, run_first_at_exit
-from ._ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
-from ._layout import allocate, plain_fields, storage_specs
-from ._opening import held, open_path
-from ._reader import Reader
-from ._statecheck import check_state
-from ._writer import Writer
+from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
+from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
+from .core.layout import allocate, plain_fields, storage_specs
+from .core.opening import held, open_path
+from .core.reader import Reader
+from .core.statecheck import check_state
+from .core.writer import Writer
 from ._torch import TensorBatch, is_device_tensor
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
@@ -44,17 +44,17 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyBufferError,
 )
-from .dictionaries import as_dictionary
-from .frames import FrameStore, require_compression
+from .frames.dictionaries import as_dictionary
+from .frames.store import FrameStore, require_compression
 from .device.deferred import Deferred
-from .prefetch import Prefetcher
-from .ring import Ring
+from .core.prefetch import Prefetcher
+from .core.ring import Ring
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
 from .storage._files import real_names
 from .schedules import ConstantSchedule, LinearSchedule, as_beta
 from .storage.base import Storage
-from .units import unit_for
+from .core.units import unit_for
 
 log: logging.Logger = logging.getLogger("bigper")
 
@@ -117,14 +117,14 @@ class PrioritizedReplayBuffer:
     sequence : bigper.Sequence, optional
         Items are sequences of steps (recurrent agents): ``sample`` returns
         fields ``(B, burn_in + length, ...)`` with a ``mask``, and priorities
-        belong to items (``bigper.sequences``; README "Sequences").
+        belong to items (``bigper.core.sequences``; README "Sequences").
     seed : int, optional
         Seed of the one ``numpy.random.Generator`` that draws every uniform.
     compression : {None, "zstd"}
         With ``frame_stack``: store each frame compressed (zstd, a dictionary
         trained on the first frames) in a log of segments that grows as the
         frames need (``capacity`` is held whatever they compress to),
-        decompressed at sample time (``bigper.segments``); needs the
+        decompressed at sample time (``bigper.frames.segments``); needs the
         ``compression`` extra (in a checkout: ``pip install -e '.[compression]'``).
     compression_budget : int, optional
         A cap: bytes of log a frame, preallocated at creation (default: none,
@@ -306,7 +306,7 @@ class PrioritizedReplayBuffer:
         self._plain = plain_fields(cfg)
         self._prio = make_prioritization(cfg.prioritization, c, alpha=cfg.alpha, eps=cfg.eps,
                                          max_priority=self._maxp, weight_norm=cfg.weight_norm)
-        # The slots' bookkeeping and counters (ring.py); its arrays are changed in place, never replaced.
+        # The slots' bookkeeping and counters (core/ring.py); its arrays are changed in place, never replaced.
         self._ring = ring = Ring(c, cfg.num_envs, cfg.n_step)
         self._gid, self._status, self._ends, self._pending = ring.gid, ring.status, ring.ends, ring.pending
         # What a leaf stands for (a transition, a sequence item): everything that depends on it.
@@ -859,7 +859,7 @@ class PrioritizedReplayBuffer:
         dataset : str or Path
             The HDF5 file.
         **kwargs
-            As ``bigper.offline.open_dataset`` takes them: ``alpha``, ``eps``,
+            As ``bigper.offline.datasets.open_dataset`` takes them: ``alpha``, ``eps``,
             ``max_priority``, ``beta``, ``prioritization``, ``seed``,
             ``priorities`` (the sidecar's path), ``allow_external``, ...; and
             ``device`` (the device tier, built from the file).
@@ -868,7 +868,7 @@ class PrioritizedReplayBuffer:
         -------
         PrioritizedReplayBuffer
         """
-        from .offline import open_dataset, watch_priorities  # h5py-heavy: loaded on first use
+        from .offline.datasets import open_dataset, watch_priorities  # h5py-heavy: loaded on first use
 
         device = kwargs.pop("device", None)
         if device is not None:
@@ -909,7 +909,7 @@ class PrioritizedReplayBuffer:
         commit_seconds : float
             Longest time between two durable commits of scores.
         """
-        from .offline import finish_priorities, score_all
+        from .offline.datasets import finish_priorities, score_all
 
         src = self._store
         scores = score_all(src, np.flatnonzero(self._status == LIVE), self._scored_batch, score_fn,

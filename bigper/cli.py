@@ -36,7 +36,7 @@ def _line(e: BaseException) -> str:
 def _score_fn(spec: str):
     """``offline.load_score_fn``, with a path that is no Python file said so
     (``random.bin:f`` would otherwise be imported as the module ``random``)."""
-    from . import offline
+    from .offline import datasets as offline
     from .errors import InvalidArgumentError
 
     mod = str(spec).partition(":")[0]
@@ -200,8 +200,8 @@ def _ratio(cfg: dict, state: dict) -> str:
     """The compression ratio of the frames written so far (raw bytes over the
     log bytes they took, segment tails included), from a recorded state."""
     from .config import Config
-    from .frames import frame_capacity
-    from .segments import log_geometry
+    from .frames.store import frame_capacity
+    from .frames.segments import log_geometry
 
     try:
         c = Config.from_dict(cfg)
@@ -223,7 +223,7 @@ def _ratio(cfg: dict, state: dict) -> str:
 
 def _info(args) -> int:
     """Dispatch on what PATH is; anything that is not a snapshot or a storage
-    goes to ``bigper.offline.describe`` (HDF5 and Minari datasets)."""
+    goes to ``bigper.offline.datasets.describe`` (HDF5 and Minari datasets)."""
     from .errors import BigperError
 
     path = Path(args.path)
@@ -241,7 +241,7 @@ def _info(args) -> int:
         print(f"bigper info: {e}", file=sys.stderr)
         return 1
     try:
-        from .offline import describe
+        from .offline.datasets import describe
     except ImportError:
         describe = None
     if describe is None:
@@ -336,7 +336,7 @@ def _verify_storage(path: Path, kind: str) -> int:
     )
     from .storage import open_storage
     from .storage._files import FileLock
-    from ._statecheck import check_state
+    from .core.statecheck import check_state
 
     lock = path / ".lock" if kind == "memmap" else path.with_name(path.name + ".lock")
     pid = FileLock.holder_pid(lock)
@@ -409,8 +409,8 @@ def _verify_frames(cfg, store, state_meta: dict, arrays: dict) -> int:
     size and checksum of each); the count checked."""
     if not cfg.compression:
         return 0
-    from ._layout import allocate
-    from .frames import FrameStore
+    from .core.layout import allocate
+    from .frames.store import FrameStore
 
     frames = FrameStore(cfg, store)
     allocate(store, cfg, frames)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _budget
+from .frames import budget as _budget
 from .schedules import ConstantSchedule, LinearSchedule, as_schedule, schedule_from_dict
 from .errors import BigperError, InvalidArgumentError, InvalidTypeError
 
@@ -137,7 +137,7 @@ def _int(value, name, lo, hi=None):
 # (B, n) array, and a recorded n_step of 2**29 asked load for 16 GiB.
 MAX_N_STEP = 4096
 
-# The item kernels (sequences.py) keep positions, periods and step numbers in
+# The item kernels (core/sequences.py) keep positions, periods and step numbers in
 # int64: a Sequence's ints stay well inside it.
 _SEQ_MAX = 1 << 62
 
@@ -228,7 +228,7 @@ class Config:
     seed: int | None = 0
     storage: str = "memory"
     prioritization: str = "proportional"
-    compression: str | None = None  # frame stacks: None (raw frame ring) or "zstd" (segments.py)
+    compression: str | None = None  # frame stacks: None (raw frame ring) or "zstd" (frames/segments.py)
     compression_budget: int | None = None  # log bytes a frame (compressed), set with compression
     sequence: dict[str, Any] | None = None  # Sequence.to_dict(); None: items are transitions
 

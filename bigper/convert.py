@@ -34,12 +34,12 @@ import numpy as np
 
 from .buffer import PrioritizedReplayBuffer
 from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
-from ._layout import allocate
+from .core.layout import allocate
 from .config import Config
-from .frames import frame_capacity, require_compression
+from .frames.store import frame_capacity, require_compression
 from .storage._files import FileLock, fsync_dir, real_names
 from .storage.hdf5 import HDF5Storage
-from .segments import log_geometry
+from .frames.segments import log_geometry
 from .status import EMPTY
 
 __all__ = ["convert", "infer_frame_stack"]
@@ -252,7 +252,7 @@ def _fit(used: int, cfg: dict, cap: int) -> tuple[int, int]:
 
 
 def _check_dst(dst: Path, overwrite: bool) -> None:
-    from ._sidecar import Sidecar
+    from .offline.sidecar import Sidecar
 
     side = Sidecar.default_path(dst)
     if os.path.lexists(side):
@@ -272,7 +272,7 @@ def _check_dst(dst: Path, overwrite: bool) -> None:
 
 
 def _partial_sidecar(partial: Path) -> Path:
-    from ._sidecar import Sidecar
+    from .offline.sidecar import Sidecar
 
     return Sidecar.default_path(partial)
 
@@ -280,7 +280,7 @@ def _partial_sidecar(partial: Path) -> Path:
 def _drop_sidecar(path: Path) -> None:
     """Remove the sidecar directory this convert made beside its partial file
     (or a killed run's, under the partial's lock): bigper's own names only."""
-    from ._sidecar import _OURS
+    from .offline.sidecar import _OURS
 
     if not os.path.lexists(path) or not stat.S_ISDIR(os.lstat(path).st_mode):
         return
@@ -295,7 +295,7 @@ def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> N
     ``partial`` (``<dst>.partial.priorities``), made for ``dst``: what
     ``from_hdf5(dst)`` opens with (as if saved at close by a buffer of these
     parameters) once ``_publish`` has renamed it, before the file, into place."""
-    from ._sidecar import Sidecar
+    from .offline.sidecar import Sidecar
     from .storage.h5source import H5Source
 
     side = _partial_sidecar(partial)
@@ -377,7 +377,7 @@ def _publish(partial: Path, dst: Path, overwrite: bool) -> None:
     """``partial`` becomes ``dst``: renamed over it with ``overwrite``, else linked
     (which fails if something appeared at ``dst`` meanwhile) and unlinked; then
     the directory is synced and the partial's lock file removed."""
-    from ._sidecar import Sidecar
+    from .offline.sidecar import Sidecar
 
     if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
         _check_dst(dst, overwrite)

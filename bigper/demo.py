@@ -62,7 +62,7 @@ def add_arguments(p) -> None:
 
 def estimate_bytes(capacity: int) -> int:
     """Disk a demo buffer of ``capacity`` preallocates: frames, refs, the other fields."""
-    from .frames import frame_capacity
+    from .frames.store import frame_capacity
 
     frames = frame_capacity(capacity, 4, 1) * 84 * 84
     per = 2 * 4 * 8 + 8 + 4 + 1 + 1  # obs/next_obs refs, action, reward, flags

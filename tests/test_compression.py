@@ -1,4 +1,4 @@
-"""compression="zstd": frames compressed in a ring of segments (bigper/segments.py).
+"""compression="zstd": frames compressed in a ring of segments (bigper/frames/segments.py).
 
 Every test compares what sampling returns with what was added, byte for byte
 (each transition carries its own number in ``step``), and checks the segment
@@ -162,7 +162,7 @@ def test_segments_wrap_and_release_make_transitions_unsampleable_never_wrong(kin
 
 @pytest.mark.parametrize("game", ["Pong", "Breakout", "MsPacman", "Seaquest", "SpaceInvaders", "Qbert"])
 def test_real_atari_frames_round_trip_with_a_dictionary(game, tmp_path, monkeypatch):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 150)
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", 150)
     frames = np.load(ATARI)[game]
     buf = make("memory", tmp_path, (84, 84), k=4, capacity=250, budget=1500)
     feed = Feed(frames, 4)
@@ -285,7 +285,7 @@ def test_a_crafted_segment_state_in_a_snapshot_is_refused(tmp_path):
 
 def test_without_libzstd_the_error_names_the_extra_and_nothing_is_made(tmp_path):
     code = f"""
-import bigper, bigper._zstd as z, numpy as np
+import bigper, bigper.frames.zstd as z, numpy as np
 z._candidates = lambda: []
 try:
     bigper.PrioritizedReplayBuffer(capacity=8, fields={{"obs": ((2, 8, 8), np.uint8)}}, frame_stack=2,

@@ -1,5 +1,5 @@
 """zstd dictionaries of compressed frames: given by the user, retrained where
-it pays (bigper/dictionaries.py), every live one stored and checked."""
+it pays (bigper/frames/dictionaries.py), every live one stored and checked."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import bigper
-import bigper.dictionaries
-import bigper.segments
+import bigper.frames.dictionaries
+import bigper.frames.segments
 from bigper.errors import CorruptSnapshotError, InvalidArgumentError
 
 from ._hostile_snapshot_cases import fingerprint, put_state, refused, resign
@@ -31,7 +31,7 @@ def stored_lengths(log, ids):
 
 
 def test_a_game_switch_retrains_and_the_bytes_per_frame_drop(tmp_path, monkeypatch):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 150)
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", 150)
     buf = make("memory", tmp_path, (84, 84), k=4, capacity=400, budget=1500)
     feed = run(buf, GAMES["Pong"], 600)
     log = buf._frames.log
@@ -42,7 +42,7 @@ def test_a_game_switch_retrains_and_the_bytes_per_frame_drop(tmp_path, monkeypat
     fw = buf._frames.fw
     newest = np.arange(fw - 100, fw)
     frames = log.decode(newest)
-    c = bigper._zstd.Codec(3)
+    c = bigper.frames.zstd.Codec(3)
     c.set_dictionary(1, pong_dict)
     with_pong = int(c.compress(frames, 1)[1].sum())
     c.close()
@@ -54,7 +54,7 @@ def test_a_game_switch_retrains_and_the_bytes_per_frame_drop(tmp_path, monkeypat
 
 @pytest.mark.parametrize("game", ["Pong", "Breakout", "MsPacman"])
 def test_an_unchanging_stream_does_not_retrain(game, tmp_path, monkeypatch):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 150)
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", 150)
     buf = make("memory", tmp_path, (84, 84), k=4, capacity=400, budget=1500)
     run(buf, GAMES[game], 1500)
     assert buf._frames.fw > 9 * 150  # nine looks at the dictionary
@@ -63,9 +63,9 @@ def test_an_unchanging_stream_does_not_retrain(game, tmp_path, monkeypatch):
 
 
 def _always_retrain(monkeypatch, every=40):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", every)
-    monkeypatch.setattr(bigper.dictionaries, "PAYS", -100.0)  # every candidate adopted
-    monkeypatch.setattr(bigper.dictionaries, "DRIFT", -100.0)
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", every)
+    monkeypatch.setattr(bigper.frames.dictionaries, "PAYS", -100.0)  # every candidate adopted
+    monkeypatch.setattr(bigper.frames.dictionaries, "DRIFT", -100.0)
 
 
 @pytest.mark.parametrize("kind", ["memory", "memmap", "hdf5"])
@@ -78,9 +78,9 @@ def test_old_frames_stay_readable_across_retrains_and_slot_reuse(kind, tmp_path,
         feed = run(buf, GAMES[game], 90, feed)
         log = buf._frames.log
         seen.add(log.dicts.hi)
-        assert len(log.dicts.dicts) <= bigper.dictionaries.MAX_DICTS
+        assert len(log.dicts.dicts) <= bigper.frames.dictionaries.MAX_DICTS
         check_all_live(buf, feed)
-    assert log.dicts.hi > 2 * bigper.dictionaries.MAX_DICTS  # slots were reused
+    assert log.dicts.hi > 2 * bigper.frames.dictionaries.MAX_DICTS  # slots were reused
     check_sample(buf, feed, 64)
     buf.close()
 

@@ -1,5 +1,5 @@
-"""Attacks on the zstd dictionaries of compressed frames (bigper/dictionaries.py,
-the generations named in bigper/segments.py's frame index): crafted states
+"""Attacks on the zstd dictionaries of compressed frames (bigper/frames/dictionaries.py,
+the generations named in bigper/frames/segments.py's frame index): crafted states
 that every other check lets through, retrains around snapshots, kill -9 and
 the frames still in flight. Each is refused with bigper's error, or comes
 back byte for byte; never other bytes than the ones added."""
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import bigper
-import bigper.dictionaries
-import bigper.segments
-from bigper import _zstd
+import bigper.frames.dictionaries
+import bigper.frames.segments
+from bigper.frames import zstd as _zstd
 from bigper.errors import CorruptSnapshotError, InvalidArgumentError
 
 from ._hostile_snapshot_cases import refused
@@ -141,8 +141,8 @@ def test_snapshots_between_retrains_load_exactly_after_the_slots_were_reused(kin
             snaps.append((buf.save(tmp_path / f"snap{i}"),
                           {"kind": kind, "gids": sorted(int(g) for g in buf._gid[live]),
                            "hi": buf._frames.log.dicts.hi}))
-    assert buf._frames.log.dicts.hi > 2 * bigper.dictionaries.MAX_DICTS
-    assert snaps[-1][1]["hi"] - snaps[0][1]["hi"] > bigper.dictionaries.MAX_DICTS  # every slot reused since
+    assert buf._frames.log.dicts.hi > 2 * bigper.frames.dictionaries.MAX_DICTS
+    assert snaps[-1][1]["hi"] - snaps[0][1]["hi"] > bigper.frames.dictionaries.MAX_DICTS  # every slot reused since
     check_all_live(buf, feed)
     for j, (snap, expect) in enumerate(snaps):
         _check_loaded(snap, feed, tmp_path, f"r{j}", expect)
@@ -179,7 +179,7 @@ def _craft_meta(case, fm, blob):
     if v == "sizes_neg":
         return {"dict_sizes": [sizes[0] + sizes[1], -sizes[1], *sizes[2:]]}, None, ()
     if v == "sizes_nine":
-        n = bigper.dictionaries.MAX_DICTS + 1
+        n = bigper.frames.dictionaries.MAX_DICTS + 1
         parts = np.split(blob, np.cumsum(sizes)[:-1])
         extra = n - len(sizes)
         return {"dict_sizes": [sizes[0]] * extra + sizes}, np.concatenate([parts[0]] * extra + parts), ()
@@ -223,7 +223,7 @@ def test_a_crafted_frames_dict_array_is_refused_at_load(case, tmp_path, monkeypa
     blob = np.load(snap / "state" / "frames_dict.npy")
     new = {"int16": blob.astype(np.int16), "two_d": blob[:blob.size // 2 * 2].reshape(2, -1),
            "float": blob.astype(np.float32), "bool": blob.astype(bool),
-           "huge": np.zeros(bigper.dictionaries.MAX_DICTS * bigper.dictionaries.DICT_LIMIT + 1, np.uint8)}[case]
+           "huge": np.zeros(bigper.frames.dictionaries.MAX_DICTS * bigper.frames.dictionaries.DICT_LIMIT + 1, np.uint8)}[case]
     put_state(snap, "frames_dict", new)
     refused(CorruptSnapshotError, snap)
 
@@ -290,9 +290,9 @@ def test_a_dictionary_record_past_the_last_generation_is_refused_at_load(tmp_pat
 _CHILD = """
 import sys, numpy as np
 sys.path.insert(0, {root!r})
-import bigper, bigper.segments, bigper.dictionaries
-bigper.segments.TRAIN_FRAMES = 20  # a new dictionary every 20 frames: kills land right after retrains
-bigper.dictionaries.PAYS = bigper.dictionaries.DRIFT = -100.0
+import bigper, bigper.frames.segments, bigper.frames.dictionaries
+bigper.frames.segments.TRAIN_FRAMES = 20  # a new dictionary every 20 frames: kills land right after retrains
+bigper.frames.dictionaries.PAYS = bigper.frames.dictionaries.DRIFT = -100.0
 from pathlib import Path
 from tests.test_compression import ATARI, Feed
 games = np.load(ATARI)

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bigper
-import bigper.dictionaries
-import bigper.segments
+import bigper.frames.dictionaries
+import bigper.frames.segments
 from bigper import BigperError, BufferClosedError
 
 from .test_compression import ATARI, Feed
@@ -31,9 +31,9 @@ CAP = 120
 
 
 def _always_retrain(monkeypatch, every=24):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", every)
-    monkeypatch.setattr(bigper.dictionaries, "PAYS", -100.0)  # every candidate adopted
-    monkeypatch.setattr(bigper.dictionaries, "DRIFT", -100.0)
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", every)
+    monkeypatch.setattr(bigper.frames.dictionaries, "PAYS", -100.0)  # every candidate adopted
+    monkeypatch.setattr(bigper.frames.dictionaries, "DRIFT", -100.0)
 
 
 def _make(tmp, storage, name="r"):

@@ -218,7 +218,7 @@ def test_snapshot_budget_config_same_geometry_grown_state_refused(tmp_path):
     slots the state records are not the capped log's ``g % S`` ones."""
     snap, facts = grown("memory", tmp_path)
     _log_rows(snap, facts["S"] * facts["seg_rows"], facts)
-    from bigper._budget import log_geometry
+    from bigper.frames.budget import log_geometry
     budget = None
     for b in range(1, 1092):
         try:

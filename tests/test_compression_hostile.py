@@ -1,4 +1,4 @@
-"""Attacks on compression="zstd" (bigper/segments.py, bigper/_zstd.py).
+"""Attacks on compression="zstd" (bigper/frames/segments.py, bigper/frames/zstd.py).
 
 A frame index, a segment state, a dictionary or the log's bytes read from a
 snapshot or a live memmap folder are hostile input: a crafted one is refused
@@ -270,7 +270,7 @@ def test_a_frame_of_another_size_with_a_valid_checksum_is_refused(tmp_path):
 # -- the dictionary ------------------------------------------------------------------
 
 def _dict_snapshot(tmp_path, monkeypatch):
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", 150)
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", 150)
     snap, m = _snapshot("memory", tmp_path, np.load(ATARI)["Breakout"], capacity=200, budget=1500, steps=450,
                         shape=(84, 84), k=4)
     d = np.load(snap / "state" / "frames_dict.npy")
@@ -289,7 +289,7 @@ def test_a_crafted_dictionary_in_a_snapshot_is_refused_at_load(case, tmp_path, m
     elif case == "truncated":
         bad = d[:d.size // 2]
     elif case == "other_dictionary":
-        from bigper import _zstd
+        from bigper.frames import zstd as _zstd
         bad = _zstd.train(np.load(ATARI)["Qbert"][:200].reshape(200, -1), d.size)
     else:
         bad = np.zeros(0, np.uint8)

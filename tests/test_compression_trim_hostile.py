@@ -278,7 +278,7 @@ def _nstep_twins(tmp, kind, n_step, num_envs, capacity=60):
 
 @pytest.mark.parametrize("n_step", [1, 3])
 def test_ring_state_round_trip_into_itself_and_a_copy(n_step, tmp_path):
-    from bigper.ring import Ring
+    from bigper.core.ring import Ring
 
     z, raw = _nstep_twins(tmp_path, "memmap", n_step, 2)
     frames = frames_of("mixed", 400, 3)

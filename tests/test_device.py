@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import bigper  # noqa: E402
 from bigper import _torch as T  # noqa: E402
-from bigper.seqframes import distinct_frames, frames_of_stacks  # noqa: E402
+from bigper.frames.distinct import distinct_frames, frames_of_stacks  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])

@@ -1471,7 +1471,7 @@ def test_two_threads_any_two_methods_on_a_tier_buffer(tmp_path, pair):
 
 def test_bigper_info_names_the_device_memory_a_tier_needs(tmp_path):
     from bigper.device.mirror import need
-    from bigper.frames import frame_capacity
+    from bigper.frames.store import frame_capacity
 
     b = bigper.PrioritizedReplayBuffer(capacity=100, fields={"obs": ((4, 8, 8), np.uint8)}, frame_stack=4,
                                        storage="memmap", path=tmp_path / "live")

@@ -714,7 +714,7 @@ def test_two_threads(staged, tmp_path, x, y):
 
 # ---------------------------------------------------------------- 1c. field names that collide with the block's keys
 
-_BOOK = ("a field named like the block's bookkeeping: Reader.staging_specs (bigper/_reader.py:278) "
+_BOOK = ("a field named like the block's bookkeeping: Reader.staging_specs (bigper/core/reader.py:278) "
          "specs.update(weights=, indices=, generations=) replaces the field's spec, and send_staged "
          "(bigper/_torch.py:523-526) takes the field's own tensor (it lands in `rest`) for the key, so the "
          "sampler's {k!r} tensor is the (8, 2) field where to_torch gives the batch's {k} (8,)")
@@ -834,9 +834,9 @@ def test_constructor_takes_numpy_betas_like_sample(beta):
 
 
 _RINT = ("TypeError: Cannot cast array data from dtype('float32') to dtype('{d}') according to the rule 'safe' "
-         "at bigper/_reader.py:146 (arrays[name].take(rows, out=o)): with n_step > 1 and an integer reward, "
-         "staging_specs (_reader.py:271-273) makes out['reward'] float32 (the n-step return) but gather's loop "
-         "(_reader.py:165-166) reads the raw stored reward into out.get('reward'); sample(out=...) fails the same way")
+         "at bigper/core/reader.py:146 (arrays[name].take(rows, out=o)): with n_step > 1 and an integer reward, "
+         "staging_specs (core/reader.py:271-273) makes out['reward'] float32 (the n-step return) but gather's loop "
+         "(core/reader.py:165-166) reads the raw stored reward into out.get('reward'); sample(out=...) fails the same way")
 
 
 @pytest.mark.parametrize("rdt,n_step", [

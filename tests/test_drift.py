@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from bigper.tree import PriorityTree
+from bigper.prioritization.tree import PriorityTree
 
 N = 2**16
 BATCHES, BATCH = 10_000, 1_000

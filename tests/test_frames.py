@@ -118,7 +118,7 @@ def run_streams(buf, streams, steps, added, *, use_extend, rng):
 
 
 STORAGES = ["memory", "memmap", "hdf5"]
-COMPRESSIONS = [None, "zstd"]  # compression="zstd": frames in a ring of compressed segments (segments.py)
+COMPRESSIONS = [None, "zstd"]  # compression="zstd": frames in a ring of compressed segments (frames/segments.py)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import bigper
-from bigper.frames import distinct_ids, spread_rows
+from bigper.frames.store import distinct_ids, spread_rows
 
 SHAPE = (6, 7)  # 42 bytes a frame: not a multiple of 8 (frames as bytes, not words)
 SHAPE8 = (8, 8)  # 64 bytes: frames as 8-byte words

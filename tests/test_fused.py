@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bigper
-from bigper import frames as FR
-from bigper import tree as TR
+from bigper.frames import store as FR
+from bigper.prioritization import tree as TR
 from bigper.errors import BigperError
 
 FRAME = (3, 4)

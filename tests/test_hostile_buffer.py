@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bigper
-from bigper.tree import PriorityTree
+from bigper.prioritization.tree import PriorityTree
 
 from .conftest import fill_disk
 from .test_validation import CAP, FIELDS, assert_same, check_rejected, fingerprint, make, step

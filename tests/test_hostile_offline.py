@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import bigper
-from bigper.offline import OfflineDatasetError
+from bigper.offline.datasets import OfflineDatasetError
 from tests.test_offline import scores_of, write_d4rl
 
 PRB = bigper.PrioritizedReplayBuffer
@@ -124,7 +124,7 @@ def test_entry_names_outside_bigpers_own_are_refused(scored, key, name):
     with pytest.raises(bigper.CorruptSnapshotError, match="not one bigper writes"):
         PRB.from_hdf5(path)
     assert fingerprint(path, side, victim) == before
-    assert "unusable" in bigper.offline.describe(path)
+    assert "unusable" in bigper.offline.datasets.describe(path)
 
 
 def test_a_partial_entry_that_is_a_hard_link_to_the_dataset_is_never_written(tmp_path):
@@ -151,7 +151,7 @@ def test_a_partial_entry_that_is_a_hard_link_to_the_dataset_is_never_written(tmp
 
 def test_the_dataset_itself_is_never_opened_for_writing_by_the_sidecar(tmp_path):
     """Even with one link (the sidecar entry *is* the dataset's inode) the check holds."""
-    from bigper._sidecar import Sidecar
+    from bigper.offline.sidecar import Sidecar
 
     path = tmp_path / "d.hdf5"
     write_d4rl(path)
@@ -281,7 +281,7 @@ def test_a_scores_file_of_the_wrong_size_is_refused(scored):
 def test_resigned_scores_that_reprioritize_could_not_have_written_are_refused(scored, kind, bad, entry):
     """A scores file with a negative or non-finite score under a valid checksum: the
     file's error, naming it, never a leaf or a heap entry made of it."""
-    from bigper._sidecar import _xxh
+    from bigper.offline.sidecar import _xxh
 
     path, side, victim = scored
     meta = json.loads((side / "meta.json").read_text())
@@ -309,7 +309,7 @@ def test_resigned_scores_that_reprioritize_could_not_have_written_are_refused(sc
 def test_saved_keys_above_what_max_priority_gives_are_refused(tmp_path, kind):
     import io
 
-    from bigper._sidecar import _xxh
+    from bigper.offline.sidecar import _xxh
 
     path = tmp_path / "hopper.hdf5"
     write_d4rl(path)
@@ -378,7 +378,7 @@ def test_data_from_outside_the_file_needs_allow_external(tmp_path, kind):
         PRB.from_hdf5(path)
     assert fingerprint(tmp_path) == before
     with pytest.raises(OfflineDatasetError, match="allow_external"):
-        bigper.offline.describe(path)
+        bigper.offline.datasets.describe(path)
     with PRB.from_hdf5(path, allow_external=True) as buf:  # trusted: read as the user asked
         b = buf.sample(8)
         assert np.array_equal(b["obs"], np.arange(75, dtype=np.float32).reshape(25, 3)[b.indices])

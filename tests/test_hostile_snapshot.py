@@ -220,7 +220,7 @@ def test_a_pending_leaf_that_is_negative_or_not_finite_is_corrupt(value, where, 
 def test_a_live_transition_on_frames_the_ring_overwrote_is_corrupt(tmp_path):
     """``frames_minref`` of a live transition below ``fw - frame ring size`` names
     frames already overwritten: refused, like one beyond the frames written."""
-    from bigper.frames import frame_capacity
+    from bigper.frames.store import frame_capacity
 
     snap = small("memory", tmp_path, k=2)
     fw = decode((snap / MANIFEST).read_bytes(), snap)["state"]["meta"]["frames"]["fw"]
@@ -317,7 +317,7 @@ def test_every_state_a_buffer_writes_passes_check_state(envs, k, n_step, capacit
     """The checks are not stricter than the buffer: frame stacks that do and do
     not continue, episode ends, next-step autoreset rows (valid=False), n-step
     windows, wrap-around, priority updates of every magnitude."""
-    from bigper._statecheck import check_state
+    from bigper.core.statecheck import check_state
 
     rng = np.random.default_rng(seed)
     frame = (k, 2, 2) if k else (2, 2)

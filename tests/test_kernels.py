@@ -12,8 +12,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from bigper import _kernels as K
-from bigper.tree import _layout
+from bigper import kernels as K
+from bigper.prioritization.tree import _layout
 
 SETTINGS = settings(max_examples=60, deadline=None)
 F = K.FANOUT

@@ -381,7 +381,7 @@ def test_every_dtype_pair_at_its_edges(src, dst):
     """Each edge value of ``src`` alone (0-d), inside a 1-d array and inside a
     strided 2-d view, cast by ``cast_exact`` into ``dst``: stored as the oracle
     says or refused naming it and its position."""
-    from bigper._ingest import cast_exact
+    from bigper.core.ingest import cast_exact
     for y in _edges_of(src):
         x = y.item()
         for shape, pos in (((), ()), ((5,), (3,)), ((3, 4), (2, 1))):
@@ -435,7 +435,7 @@ def test_every_dtype_pair_in_the_other_byte_order(src, dst, order):
     """A big-endian array (from a file, a network buffer) or a big-endian field
     is stored as the oracle says or refused naming the value, never a raw
     error from a compiled kernel that takes native byte order only."""
-    from bigper._ingest import cast_exact
+    from bigper.core.ingest import cast_exact
     s = _swapped(src) if order != "big field" else src
     t = _swapped(dst) if order != "big source" else dst
     for y in _edges_of(src):

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 import bigper
-from bigper.offline import OfflineDatasetError, SidecarMismatchError, describe
+from bigper.offline.datasets import OfflineDatasetError, SidecarMismatchError, describe
 
 PRB = bigper.PrioritizedReplayBuffer
 

@@ -10,7 +10,7 @@ minari = pytest.importorskip("minari")
 gym = pytest.importorskip("gymnasium")
 
 import bigper  # noqa: E402
-from bigper.offline import OfflineDatasetError, describe  # noqa: E402
+from bigper.offline.datasets import OfflineDatasetError, describe  # noqa: E402
 
 PRB = bigper.PrioritizedReplayBuffer
 

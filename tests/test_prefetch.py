@@ -17,7 +17,7 @@ import pytest
 
 import bigper
 from bigper.errors import BufferClosedError, InvalidArgumentError
-from bigper.prefetch import Prefetcher
+from bigper.core.prefetch import Prefetcher
 
 FIELDS = {"obs": ((4, 6, 6), np.uint8), "action": ((), np.int64), "reward": ((), np.float32)}
 

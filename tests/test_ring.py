@@ -1,4 +1,4 @@
-"""The ring (bigper/ring.py): what it records is what it restores, and a
+"""The ring (bigper/core/ring.py): what it records is what it restores, and a
 buffer's state_dict is the ring's plus the rest."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bigper
-from bigper.ring import Ring
+from bigper.core.ring import Ring
 
 
 @settings(max_examples=50, deadline=None)

@@ -142,7 +142,7 @@ def test_a_huge_n_step_on_a_small_ring_gets_a_log_the_size_of_its_raw_frames():
     # One transition spans more frames than the ring holds (never sampleable, raw or not): the
     # budget keeps the ring's frames, not n_step of them (with 2**29: a log of 2**49 bytes; n_step is
     # now at most config.MAX_N_STEP, still far past this ring's 7 frames)
-    from bigper import _zstd
+    from bigper.frames import zstd as _zstd
     from bigper.config import MAX_N_STEP
 
     buf = bigper.PrioritizedReplayBuffer(capacity=1, fields={"obs": ((4, 84, 84), np.uint8),
@@ -233,9 +233,9 @@ def test_the_guides_buffer_trains_its_dictionary_once_1000_frames_were_written()
 # -- cause 5: retraining resumes after a candidate that did not pay ------------------------------
 
 def _look_every(monkeypatch, frames):
-    import bigper.segments
+    import bigper.frames.segments
 
-    monkeypatch.setattr(bigper.segments, "TRAIN_FRAMES", frames)
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", frames)
 
 
 def test_retraining_resumes_after_a_candidate_that_did_not_pay(monkeypatch):

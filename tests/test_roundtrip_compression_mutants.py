@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import bigper
-import bigper.dictionaries
+import bigper.frames.dictionaries
 from bigper.errors import CorruptSnapshotError
 from bigper.snapshot import verify
 
@@ -135,18 +135,18 @@ def test_train_dictionary_thins_many_frames_evenly_not_the_first(monkeypatch):
     # Each frame says which it is (its index in its first 4 bytes), over content that changes
     # along the array: the frames trained on must be spread over all of it, every k-th.
     m, row = 2000, 7056
-    monkeypatch.setattr(bigper.dictionaries, "TRAIN_BYTES", 200 * row)
+    monkeypatch.setattr(bigper.frames.dictionaries, "TRAIN_BYTES", 200 * row)
     pool = np.concatenate([GAMES[g] for g in ("Pong", "MsPacman", "Qbert", "Seaquest")])
     frames = pool[np.arange(m) * pool.shape[0] // m].copy()
     frames.reshape(m, -1)[:, :4] = np.arange(m, dtype=np.uint32).view(np.uint8).reshape(m, 4)
     seen = {}
-    real = bigper.dictionaries._zstd.train
+    real = bigper.frames.dictionaries._zstd.train
 
     def spy(samples, size):
         seen["ids"] = samples[:, :4].copy().view(np.uint32).ravel()
         return real(samples, size)
 
-    monkeypatch.setattr(bigper.dictionaries._zstd, "train", spy)
+    monkeypatch.setattr(bigper.frames.dictionaries._zstd, "train", spy)
     d = bigper.train_dictionary(frames, size=16384)
     ids = seen["ids"]
     assert ids.shape == (200,) and ids[0] == 0 and ids[-1] == m - 1

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from bigper.tree import FANOUT, PriorityTree
+from bigper.prioritization.tree import FANOUT, PriorityTree
 
 capacities = st.one_of(
     st.sampled_from([1, 2, 3, 15, 16, 17, 255, 256, 257, 4096, 4097, 5000]),

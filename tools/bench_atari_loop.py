@@ -165,7 +165,7 @@ def gather_threads(bigper, stream: Stream, cap: int, root: Path, iters: int) -> 
     """sample(B) for large B with the frame gather on 1 and on 2 threads, and Amdahl's projection to 16."""
     import os
 
-    from bigper import frames as FR
+    from bigper.frames import store as FR
 
     buf = _buffer(bigper, cap, root / "gather", 1)
     for g in range(cap):

@@ -18,7 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_codec_frames import GAMES, frames  # noqa: E402
 
-from bigper import _pool, _zstd  # noqa: E402
+from bigper import _pool
+from bigper.frames import zstd as _zstd
 
 BATCH = 160
 REPS = 200
@@ -79,7 +80,7 @@ def main(args=None) -> int:
             name = "zstandard" + (" +dict" if use_dict else "")
             print(f"{g:14s} {name + ' (loop)':22s} {ratio:6.1f} {one:10.1f} {bat:10.1f} {'-':>10s}")
             print(f"{g:14s} {name + ' (multi)':22s} {ratio:6.1f} {'':10s} {m1:10.1f} {m2:10.1f}")
-        # libzstd from numba (bigper._zstd), GIL released, split over the pool's threads
+        # libzstd from numba (bigper.frames.zstd), GIL released, split over the pool's threads
         for use_dict in (False, True):
             codec = _zstd.Codec(level=3)
             did = codec.add_dictionary(_zstd.train(fr[:1000])) if use_dict else 0

@@ -23,11 +23,11 @@ import math
 
 import numpy as np
 
-from .._layout import plain_fields
+from ..core.layout import plain_fields
 from .._torch import TensorBatch, _torch, _torch_dtype, as_device, move
 from ..batch import Batch
 from ..errors import InvalidArgumentError, InvalidTypeError
-from ..frames import frame_capacity
+from ..frames.store import frame_capacity
 
 # Rows a rebuild copies at a time (bounded host memory; progress bar steps).
 CHUNK = 8192

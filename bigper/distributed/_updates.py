@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._ingest import as_index, as_priorities
+from ..core.ingest import as_index, as_priorities
 from ..batch import Batch
 from ..errors import InvalidArgumentError, InvalidIndexError
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._ingest import Ingest
+from ..core.ingest import Ingest
 from ..config import Config
 from ..errors import InvalidArgumentError, ShardUnavailableError
 from ._routing import Router

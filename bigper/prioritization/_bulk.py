@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._kernels import kernel
+from ..kernels import kernel
 from .._pool import for_ranges
 from ..status import EMPTY, LIVE, PENDING
 

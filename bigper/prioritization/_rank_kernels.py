@@ -24,7 +24,7 @@ given the largest priority seen goes to position 0 (rank 1).
 
 import numpy as np
 
-from .._kernels import kernel
+from ..kernels import kernel
 from ..status import EMPTY, LIVE, PENDING
 # Constants only: numba's cache does not notice when another file's kernel
 # changes, so no kernel here calls one from another file.

@@ -13,7 +13,7 @@ Nothing here validates input.
 
 import numpy as np
 
-from .._kernels import kernel
+from ..kernels import kernel
 
 SLOT_BITS = 31
 SLOT_MASK = (1 << SLOT_BITS) - 1

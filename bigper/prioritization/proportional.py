@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 
-from .. import _kernels as K
+from .. import kernels as K
 from ..errors import InvalidArgumentError, InvalidIndexError
-from ..tree import PriorityTree
+from .tree import PriorityTree
 from . import _bulk
 from .base import Prioritization
 from ..status import LIVE

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BigperError
-from ..frames import FrameStore
+from ..frames.store import FrameStore
 from ..storage._files import open_regular
 
 

@@ -68,7 +68,7 @@ def _rank_invariants(body: dict, state: dict) -> list[str]:
 
 def _invariants(body: dict, state: dict) -> list[str]:
     """Problems of the recorded bookkeeping (empty when healthy)."""
-    from ..tree import PriorityTree
+    from ..prioritization.tree import PriorityTree
 
     if kind_of(body["config"]) == "rank":
         return _rank_invariants(body, state)

@@ -41,9 +41,9 @@ from ..errors import (
     InvalidTypeError,
     PathExistsError,
 )
-from .._layout import allocate, storage_growth, storage_specs
+from ..core.layout import allocate, storage_growth, storage_specs
 from ..storage.base import fits_spec
-from .._statecheck import check_state
+from ..core.statecheck import check_state
 from ..storage._state import npy_from_bytes
 from ._manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of

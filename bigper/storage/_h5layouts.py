@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from ..dictionaries import DICT_LIMIT, MAX_DICTS
+from ..frames.dictionaries import DICT_LIMIT, MAX_DICTS
 from ..errors import OfflineDatasetError, StorageLockedError
 from ._files import open_regular, read_regular
 from ._h5guard import check_row_bytes, check_rows

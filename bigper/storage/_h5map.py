@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._kernels import kernel
+from ..kernels import kernel
 from ..errors import OfflineDatasetError
 from ._h5guard import check_row_bytes
 

@@ -10,7 +10,7 @@ new storage's author reads one file:
   ``read`` and written through ``write`` (HDF5). ``prepare`` and
   ``shared_chunks``: copy-on-write storages (memmap, after a snapshot).
 - ``Growing``: ``rows``, ``grow``, ``shrink`` for the arrays ``allocate`` was
-  told grow (the compressed frame log, ``segments.py``).
+  told grow (the compressed frame log, ``frames/segments.py``).
 - ``OnDisk``: what snapshots, loads and ``bigper info`` ask of a storage at a
   path: ``path``, ``read_only``, ``abort`` (let go, recording nothing),
   ``check_present``. The memmap storage adds its chunk files

@@ -51,7 +51,7 @@ FIXTURES = {
     "memory": dict(capacity=24, num_envs=2, k=None, frame=(3, 3),
                    kw=dict(n_step=3, gamma=0.9, alpha=0.6, beta=bigper.LinearSchedule(0.4, 1.0, 100))),
     "memmap": dict(capacity=20, num_envs=1, k=2, frame=(4, 4), kw=dict(n_step=1, alpha=0.5, beta=0.5)),
-    # compression="zstd" (segments.py): a dictionary trained after 40 frames, segments wrapped
+    # compression="zstd" (frames/segments.py): a dictionary trained after 40 frames, segments wrapped
     "zstd-memmap": dict(capacity=30, num_envs=1, k=3, frame=(16, 16), storage="memmap", hi=4, train=40, n=90,
                         kw=dict(n_step=2, alpha=0.6, beta=0.5, compression="zstd", compression_budget=80)),
 }

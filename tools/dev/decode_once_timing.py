@@ -86,7 +86,7 @@ def case(buf, b: int, blocks: int) -> dict:
     uniq, src = np.empty(b * 5, np.int64), np.empty(b * 5, np.int64)
     fns = {"decode every id (before)": lambda ids, out: fs.log.decode(ids, out),
            "_decode (each distinct once)": fs._decode,
-           "distinct_ids alone": lambda ids, out: bigper.frames.distinct_ids(ids, uniq, src)}
+           "distinct_ids alone": lambda ids, out: bigper.frames.store.distinct_ids(ids, uniq, src)}
     res = {}
     for name, batches in (("drawn", every), ("without a repeat", plain[:50]), ("with a repeat", repeats[:50])):
         if batches:

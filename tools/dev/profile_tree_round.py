@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--capacity-log2", type=int, default=20)
     a = ap.parse_args()
     bigper = import_bigper()
-    from bigper import _kernels as K
+    from bigper import kernels as K
     from bigper.batch import Batch
 
     cap, b = 1 << a.capacity_log2, a.batch

@@ -3,7 +3,7 @@ storage) before any of it is used: everything read from disk is hostile
 until checked. Raises ``CorruptSnapshotError`` naming the field and value.
 
 What a buffer of config ``cfg`` can have written (``buffer.py`` ``_setup``,
-``_write_chunk``; ``frames.py`` ``state``)::
+``_write_chunk``; ``frames/store.py`` ``state``)::
 
     meta    count        int, 0 <= count < 2**62
             max_leaf     float, finite, > 0, >= every leaf
@@ -17,9 +17,9 @@ What a buffer of config ``cfg`` can have written (``buffer.py`` ``_setup``,
             status       uint8 (C,) in {empty, live, pending, dead}; empty iff gid < 0
             ends         uint8 (C,) in 0..3 (bit 0 terminated, bit 1 truncated)
             pending      float64 (C,) with n_step > 1 else (0,), finite, in [0, max_leaf]
-            frames_*     the frame ring's per-env stream state (see frames.py)
+            frames_*     the frame ring's per-env stream state (see frames/store.py)
             seq_*        with sequences: item positions, status, pending keys, each
-                         env's next position and item pointer (sequences.py);
+                         env's next position and item pointer (core/sequences.py);
                          the status must be exactly what positions and ring imply
 
 Every check is one numpy pass over the arrays (O(N)); nothing is allocated
@@ -32,16 +32,16 @@ import math
 
 import numpy as np
 
-from .errors import CorruptSnapshotError
-from .frames import frame_capacity
+from ..errors import CorruptSnapshotError
+from ..frames.store import frame_capacity
 from .sequences import ITEM_ARRAYS, item_truth
-from .status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
+from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
 _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
 _EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")
 _FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr", "frames_minref")
-_SEGMENTS = ("frames_seg_first", "frames_dict")  # with compression (segments.py); and when the log grows:
+_SEGMENTS = ("frames_seg_first", "frames_dict")  # with compression (frames/segments.py); and when the log grows:
 _GROWS = ("frames_seg_slot",)
 # The buffer's own arrays whatever the prioritization (its strategy adds its own).
 RING_ARRAYS = tuple(n for n in _BASE if n != "leaves") + _FRAMES + _SEGMENTS + _GROWS
@@ -261,7 +261,7 @@ def _check_leaves(leaves: np.ndarray, status: np.ndarray, top: float) -> None:
 
 
 def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray) -> None:
-    """The frame ring's stream state (``frames.py`` ``FrameStore.state``)."""
+    """The frame ring's stream state (``frames/store.py`` ``FrameStore.state``)."""
     k, envs, c = cfg.frame_stack, cfg.num_envs, cfg.capacity
     fm = meta.get("frames")
     if not isinstance(fm, dict):
@@ -293,10 +293,10 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
 
 
 def _check_segments(cfg, fm: dict, arrays: dict, fw: int, row_bytes: int) -> int:
-    """The segment log's state (``segments.py`` ``SegmentLog.state``); returns
+    """The segment log's state (``frames/segments.py`` ``SegmentLog.state``); returns
     the oldest frame still in the log. (The slots against the storage's:
     ``SegmentLog.restore``.)"""
-    from .segments import log_geometry
+    from ..frames.segments import log_geometry
 
     F = frame_capacity(cfg.capacity, cfg.frame_stack, cfg.num_envs)
     _block, seg, S = log_geometry(F, row_bytes, cfg.compression_budget)
@@ -326,7 +326,7 @@ def _check_dictionaries(fm: dict, d) -> None:
     """The dictionaries' record (``dictionaries.Dictionaries.state``): the
     bytes of generations ``dicts_first ..`` one after another, ``dict_sizes``
     each; a record of format 1 without them holds one dictionary or none."""
-    from .dictionaries import DICT_LIMIT, MAX_DICTS, MAX_GEN
+    from ..frames.dictionaries import DICT_LIMIT, MAX_DICTS, MAX_GEN
 
     if not isinstance(d, np.ndarray) or d.dtype != np.uint8 or d.ndim != 1 or d.size > MAX_DICTS * DICT_LIMIT:
         _bad(f"frames_dict must be uint8 of at most {MAX_DICTS * DICT_LIMIT} bytes, got "

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _zstd
-from ._budget import frame_capacity  # (config.py sizes the compressed log by it too)
-from ._kernels import kernel
-from ._pool import for_ranges, workers
-from ._reuse import ReusedArrays
+from . import zstd as _zstd
+from .budget import frame_capacity  # (config.py sizes the compressed log by it too)
+from ..kernels import kernel
+from .._pool import for_ranges, workers
+from .._reuse import ReusedArrays
 from .segments import SegmentLog
-from .status import DEAD, LIVE, PENDING
+from ..status import DEAD, LIVE, PENDING
 
 
 def require_compression() -> None:
@@ -312,7 +312,7 @@ class FrameStore:
         self.capacity = cfg.capacity
         self.F = frame_capacity(cfg.capacity, self.k, cfg.num_envs)
         self.store = store
-        # compression="zstd": frames live compressed in a segment log (segments.py), not in a ring.
+        # compression="zstd": frames live compressed in a segment log (frames/segments.py), not in a ring.
         self.log = SegmentLog(self.F, self.row_bytes, cfg.compression_budget, store, dictionary) \
             if cfg.compression else None
         self.in_place = self.log is None  # whether writes may go straight into the ring (_writer)

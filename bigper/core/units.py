@@ -23,12 +23,12 @@ from typing import Protocol
 import numpy as np
 
 from . import nstep
-from ._ingest import as_priorities
-from ._kernels import ring_rows
-from .batch import Batch
-from .errors import InvalidArgumentError
+from .ingest import as_priorities
+from ..kernels import ring_rows
+from ..batch import Batch
+from ..errors import InvalidArgumentError
 from .sequences import Items
-from .status import LIVE
+from ..status import LIVE
 
 
 class SampleUnit(Protocol):

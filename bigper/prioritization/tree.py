@@ -21,9 +21,9 @@ import mmap
 
 import numpy as np
 
-from . import _kernels as K
-from ._pool import for_ranges
-from .errors import InvalidArgumentError
+from .. import kernels as K
+from .._pool import for_ranges
+from ..errors import InvalidArgumentError
 
 FANOUT = K.FANOUT
 # Nodes of one level per thread in a rebuild, at least (below, one thread is faster).

@@ -2,7 +2,7 @@
 
 One rule, used by everything that meets a ``compression_budget``: the
 validator a config meets when it is built or read back from disk (resume,
-``load``, ``from_hdf5``), and the layout the segment log (``segments.py``)
+``load``, ``from_hdf5``), and the layout the segment log (``frames/segments.py``)
 is made with (``log_geometry``: a fixed log for a budget, a growing one
 without).
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from ._zstd import bound
+from .zstd import bound
 
 MAX_SEG = 1 << 20  # bytes of one segment at most (the log grows in segments past that)
 PAGE = 4096  # a growing log's segments are whole pages: each is one chunk file of a memmap storage

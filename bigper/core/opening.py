@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import Config
-from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
-from .storage import open_storage
+from ..config import Config
+from ..errors import InvalidArgumentError, InvalidTypeError, PathExistsError
+from ..storage import open_storage
 
 MODES = ("new", "resume", "overwrite")
 # The options each storage documents (README, "Storages"); anything else is refused by name,

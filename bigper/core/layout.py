@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import BUILTIN, Config
-from .frames import FrameStore
+from ..config import BUILTIN, Config
+from ..frames.store import FrameStore
 
 FRAMED = ("obs", "next_obs")  # with frame stacks these go to the frame ring, not a per-row array
 

@@ -44,7 +44,7 @@ ending at ``pos``; the dictionary generations the frames name must be
 recorded ones, non-decreasing in frame order, each one zstd accepts and that
 decodes the frames that name it.
 
-Dictionaries (``dictionaries.py``): one given by the user is generation 1
+Dictionaries (``frames/dictionaries.py``): one given by the user is generation 1
 from the first frame; else one is trained on the first ``TRAIN_FRAMES``
 frames, and every ``TRAIN_FRAMES`` frames after that a new one is trained
 and adopted only where it pays (``maybe_train``). Frames keep the
@@ -58,12 +58,13 @@ import warnings
 
 import numpy as np
 
-from . import _zstd, dictionaries
-from ._budget import log_geometry
-from ._kernels import kernel
-from ._pool import for_ranges
+from . import zstd as _zstd
+from . import dictionaries
+from .budget import log_geometry
+from ..kernels import kernel
+from .._pool import for_ranges
 from .dictionaries import MAX_DICTS, Dictionaries
-from .errors import CorruptSnapshotError
+from ..errors import CorruptSnapshotError
 
 log = logging.getLogger("bigper")
 
@@ -366,7 +367,7 @@ class SegmentLog:
     def maybe_train(self, fw0: int, fw: int) -> None:
         """After frames ``fw0 .. fw - 1`` were written: each time the count
         crosses a multiple of ``TRAIN_FRAMES``, look whether a new dictionary
-        pays (``dictionaries.py``): the newest ``W = TRAIN_FRAMES`` frames take
+        pays (``frames/dictionaries.py``): the newest ``W = TRAIN_FRAMES`` frames take
         ``DRIFT`` more bytes than at the last adoption (or none was tried),
         and a candidate trained on the frames before them takes ``PAYS``
         fewer bytes on them than the current dictionary. Frames after it use

@@ -16,8 +16,8 @@ import os
 import threading
 import weakref
 
-from .errors import BigperError, BufferClosedError
-from .storage._files import real_names
+from ..errors import BigperError, BufferClosedError
+from ..storage._files import real_names
 
 log: logging.Logger = logging.getLogger("bigper")
 

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CorruptSnapshotError, PathExistsError, SidecarMismatchError, StorageLockedError
-from .prioritization import KINDS
-from .storage._files import fsync_dir, open_regular, read_json, write_durable, write_json
+from ..errors import CorruptSnapshotError, PathExistsError, SidecarMismatchError, StorageLockedError
+from ..prioritization import KINDS
+from ..storage._files import fsync_dir, open_regular, read_json, write_durable, write_json
 
 FORMAT = "bigper-priorities"
 VERSION = 1

@@ -10,8 +10,8 @@ terminated and bit 1 truncated of the transition in that slot.
 
 import numpy as np
 
-from ._kernels import kernel
-from .status import PENDING
+from ..kernels import kernel
+from ..status import PENDING
 
 TERMINATED = 1
 TRUNCATED = 2

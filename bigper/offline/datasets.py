@@ -10,7 +10,7 @@
 
 The source file is never written (see ``storage/h5source.py`` for how each
 layout maps onto fields); priorities live in a sidecar directory beside it
-(``_sidecar.py``). ``add`` and ``extend`` fail: the data is read-only.
+(``offline/sidecar.py``). ``add`` and ``extend`` fail: the data is read-only.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ._kernels import first_bad_priority
-from ._sidecar import Sidecar, SidecarMismatchError, _xxh, key_params
-from ._torch import as_numpy
-from .config import Config
-from .prioritization import make as make_prioritization
-from .schedules import schedule_from_dict
-from ._layout import allocate
-from ._statecheck import RING_ARRAYS
-from .sequences import ITEM_ARRAYS
-from .storage.h5source import LIVE, H5Source, OfflineDatasetError
-from .errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
+from ..kernels import first_bad_priority
+from .sidecar import Sidecar, SidecarMismatchError, _xxh, key_params
+from .._torch import as_numpy
+from ..config import Config
+from ..prioritization import make as make_prioritization
+from ..schedules import schedule_from_dict
+from ..core.layout import allocate
+from ..core.statecheck import RING_ARRAYS
+from ..core.sequences import ITEM_ARRAYS
+from ..storage.h5source import LIVE, H5Source, OfflineDatasetError
+from ..errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
                      PathNotFoundError)
 
 __all__ = ["open_dataset", "score_all", "watch_priorities", "finish_priorities", "describe", "load_score_fn", "OfflineDatasetError",

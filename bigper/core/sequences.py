@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import kernel, tree_set
-from ._torch import as_array
-from .config import Config
-from .errors import InvalidArgumentError, InvalidTypeError
-from .status import DEAD, EMPTY, LIVE, PENDING
+from ..kernels import kernel, tree_set
+from .._torch import as_array
+from ..config import Config
+from ..errors import InvalidArgumentError, InvalidTypeError
+from ..status import DEAD, EMPTY, LIVE, PENDING
 
 # Names of the item tables in a buffer's recorded state (``state_dict``).
 ITEM_ARRAYS = ("seq_pos", "seq_status", "seq_pending", "seq_next", "seq_ptr")

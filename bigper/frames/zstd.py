@@ -22,8 +22,8 @@ import threading
 import numpy as np
 from numba import types
 
-from ._kernels import kernel
-from .errors import CompressionUnavailableError
+from ..kernels import kernel
+from ..errors import CompressionUnavailableError
 
 EXTRA = "in a bigper checkout, pip install -e '.[compression]' (from an index: pip install 'bigper[compression]')"
 _LOCK = threading.Lock()

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _kernels as K
-from ._torch import as_array, as_numpy
-from .config import BUILTIN, Config
-from .errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
+from .. import kernels as K
+from .._torch import as_array, as_numpy
+from ..config import BUILTIN, Config
+from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
 
 _OPTIONAL = set(BUILTIN)
 _MISSING = object()

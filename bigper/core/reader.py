@@ -9,10 +9,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import nstep
-from ._kernels import batch_meta
-from .batch import Batch
-from .seqframes import distinct_frames
-from .errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
+from ..kernels import batch_meta
+from ..batch import Batch
+from ..frames.distinct import distinct_frames
+from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
 
 # Lookup by the ends bits (1 terminated, 2 truncated): a take() beats a kernel call for a batch.
 _TERM = np.array([False, True, False, True])

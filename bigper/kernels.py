@@ -1,10 +1,10 @@
 """Compiled kernels: pure functions over flat arrays.
 
-Nothing here validates input: the Python layer (``tree.py``, ``buffer.py``)
+Nothing here validates input: the Python layer (``prioritization/tree.py``, ``buffer.py``)
 checks everything once at the public boundary and hands over arrays of the
 right dtype. Every kernel works on a whole batch per call.
 
-Tree layout (see ``tree.py`` for the picture): flat float64 arrays hold every
+Tree layout (see ``prioritization/tree.py`` for the picture): flat float64 arrays hold every
 level, the root first and the leaves last; ``offsets[l]`` is where level ``l``
 starts and ``sizes[l]`` how many nodes it has. Node ``j`` of level ``l`` has
 the children ``j*FANOUT .. j*FANOUT+FANOUT-1`` of level ``l+1``.

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _zstd
-from .errors import CorruptSnapshotError, InvalidArgumentError
+from . import zstd as _zstd
+from ..errors import CorruptSnapshotError, InvalidArgumentError
 
 MAX_DICTS = 8  # live dictionaries kept at most
 DICT_LIMIT = 1 << 20  # bytes of one dictionary at most (given or recorded)

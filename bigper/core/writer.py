@@ -22,11 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import nstep
-from ._kernels import commit_rows, kernel, ring_rows, tree_set
-from .errors import InvalidArgumentError
-from .frames import ALL_VALID, expire, write_direct
+from ..kernels import commit_rows, kernel, ring_rows, tree_set
+from ..errors import InvalidArgumentError
+from ..frames.store import ALL_VALID, expire, write_direct
 from .nstep import complete
-from .status import DEAD, LIVE, PENDING
+from ..status import DEAD, LIVE, PENDING
 
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
