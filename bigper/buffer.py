@@ -26,8 +26,8 @@ import numpy.typing as npt
 from . import snapshot as _snapshot
 from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
-from .core.layout import allocate, plain_fields, storage_specs
-from .core.opening import held, open_path
+from .core.layout import plain_fields, storage_specs
+from .core.opening import abort, check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
@@ -44,8 +44,7 @@ from .errors import (
     InvalidTypeError,
     ReadOnlyBufferError,
 )
-from .frames.dictionaries import as_dictionary
-from .frames.store import FrameStore, require_compression
+from .frames.store import FrameStore
 from .device.deferred import Deferred
 from .core.prefetch import Prefetcher
 from .core.ring import Ring
@@ -179,60 +178,19 @@ class PrioritizedReplayBuffer:
                  compression: Literal["zstd"] | None = None, compression_budget: int | None = None,
                  compression_dictionary: bytes | np.ndarray | None = None,
                  sequence: ReplaySequence | None = None, device: Any = None) -> None:
-        self._lock = threading.RLock()
-        self._closed = True  # until the storage is allocated
-        self._closed_why = self._in_call = None
-        self._pid = os.getpid()
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
                            next_of=next_of, num_envs=num_envs, seed=seed, storage=storage,
                            prioritization=prioritization, compression=compression,
                            compression_budget=compression_budget, sequence=sequence)
-        if cfg.compression is not None:
-            require_compression()  # before anything at the path: the extra's error, nothing made
-        if compression_dictionary is not None:
-            if cfg.compression is None:
-                raise InvalidArgumentError("compression_dictionary needs compression='zstd', got compression=None")
-            compression_dictionary = as_dictionary(compression_dictionary)
-        if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
-            raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
-                                       f"got fields {sorted(cfg.fields)}")
-        if cfg.storage == "memory" and (path is not None or read_only):
-            raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
+        dictionary = check_arguments(cfg, path, read_only, compression_dictionary)
         mirror = _mirror(cfg, device)  # device memory first: a refusal makes nothing on disk
-        try:
-            store, recorded = open_path(cfg, path, mode, read_only, storage_options)
-        except (OSError, BigperError) as e:
-            raise real_names(e)
-        self.resumed: int | None = None
-        state = None
-        try:
-            if recorded is not None:
-                old = Config.from_dict(recorded["config"])
-                diff = cfg.differences(old, ignore=(), only=LAYOUT_KEYS)
-                if diff:
-                    raise IncompatibleSnapshotError(
-                        f"{path} holds a buffer of another layout; differing key(s): " + "; ".join(diff)
-                        + " (the stored data depends on these; use another path or mode='overwrite')")
-                # Checked before the storage is attached (and marked in use), so a
-                # refused state leaves the directory as it was.
-                state = store.saved_state()
-                check_state(cfg, *state)
-                self.resumed = held(recorded)
-            frames = FrameStore(cfg, store, compression_dictionary) if cfg.frame_stack else None
-            allocate(store, cfg, frames)
-            self._setup(cfg, store, frames, mirror)
-            if state is not None:
-                self._restore(*state, reseed=cfg.seed != old.seed)
-        except BaseException as e:
-            real_names(e)
-            self._forget()
-            # Release without recording anything: a refused path stays as it was.
-            abort = getattr(store, "abort", None)
-            abort() if abort is not None else store.close()
-            raise
-        if recorded is not None:
+        store, frames, state, old = open_buffer(cfg, path, mode, read_only, storage_options, dictionary)
+        self._start(cfg, store, frames, mirror, state, reseed=old is not None and cfg.seed != old.seed,
+                    release=True)
+        self.resumed: int | None = None if old is None else min(self._count, cfg.capacity)
+        if old is not None:
             changed = cfg.differences(old, ignore=LAYOUT_KEYS)
             log.info("bigper: resumed %s with %d transitions%s", path, self.resumed,
                      "; new values for " + "; ".join(changed) if changed else "")
@@ -261,21 +219,10 @@ class PrioritizedReplayBuffer:
         PrioritizedReplayBuffer
         """
         buf = cls.__new__(cls)
-        buf._lock = threading.RLock()
-        buf._closed = True
-        buf._closed_why = buf._in_call = None
-        buf._pid = os.getpid()
-        buf.resumed = None
-        try:
-            frames = FrameStore(config, store) if config.frame_stack else None
-            if frames is not None:
-                frames.attach()
-            buf._setup(config, store, frames, _mirror(config, device))
-            if state is not None:
-                buf._restore(*state)
-        except BaseException:
-            buf._forget()
-            raise
+        frames = FrameStore(config, store) if config.frame_stack else None
+        if frames is not None:
+            frames.attach()
+        buf._start(config, store, frames, _mirror(config, device), state)
         return buf
 
     @classmethod
@@ -295,6 +242,26 @@ class PrioritizedReplayBuffer:
         return storage_specs(config)
 
     # -- construction ----------------------------------------------------------
+    def _start(self, cfg: Config, store, frames, mirror, state, reseed: bool = False, release: bool = False) -> None:
+        """Build the parts over an allocated ``store`` and take ``state``; on a
+        refusal the buffer is closed and, with ``release``, the storage let go
+        without recording anything (else it is the caller's)."""
+        self._lock = threading.RLock()
+        self._closed = True  # until the parts are built
+        self._closed_why = self._in_call = None
+        self._pid = os.getpid()
+        self.resumed = None
+        try:
+            self._setup(cfg, store, frames, mirror)
+            if state is not None:
+                self._restore(*state, reseed=reseed)
+        except BaseException as e:
+            real_names(e)
+            self._forget()
+            if release:
+                abort(store)
+            raise
+
     def _setup(self, cfg: Config, store, frames, mirror=None) -> None:
         self.config = cfg
         self._cfg_beta = cfg.schedule
@@ -973,6 +940,9 @@ class PrioritizedReplayBuffer:
         bad = np.flatnonzero(self._unit.status[idx] != LIVE)
         if bad.size:
             raise InvalidIndexError(f"indices[{bad[0]}] = {idx[bad[0]]} is not a sampleable {self._unit.noun}")
+        return self._gather(idx)
+
+    def _gather(self, idx: np.ndarray) -> dict:
         return self._unit.gather(self._reader, idx, self._fused)
 
     def _check_indices(self, indices) -> np.ndarray:
@@ -1060,7 +1030,7 @@ class PrioritizedReplayBuffer:
             bad = int(np.flatnonzero(~ok)[0])
             raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
         idx, prob, w = self._prio.sample_at(t, beta=as_beta(beta))
-        return Batch(self._unit.gather(self._reader, idx, self._fused), idx, w, prob, self._gid[idx])
+        return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
 
     @property
     def _tree(self):

@@ -13,9 +13,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..config import Config
-from ..errors import InvalidArgumentError, InvalidTypeError, PathExistsError
+from ..config import LAYOUT_KEYS, Config
+from ..errors import BigperError, IncompatibleSnapshotError, InvalidArgumentError, InvalidTypeError, PathExistsError
+from ..frames.dictionaries import as_dictionary
+from ..frames.store import FrameStore, require_compression
 from ..storage import open_storage
+from ..storage._files import real_names
+from .layout import allocate
+from .statecheck import check_state
 
 MODES = ("new", "resume", "overwrite")
 # The options each storage documents (README, "Storages"); anything else is refused by name,
@@ -77,3 +82,56 @@ def open_path(cfg: Config, path, mode: str, read_only: bool, storage_options_):
         store.abort()
         raise
     return store, None
+
+
+def check_arguments(cfg: Config, path, read_only: bool, dictionary):
+    """The constructor's checks that need more than one argument; returns the
+    dictionary as the frame store takes it."""
+    if cfg.compression is not None:
+        require_compression()  # before anything at the path: the extra's error, nothing made
+    if dictionary is not None:
+        if cfg.compression is None:
+            raise InvalidArgumentError("compression_dictionary needs compression='zstd', got compression=None")
+        dictionary = as_dictionary(dictionary)
+    if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
+        raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
+                                   f"got fields {sorted(cfg.fields)}")
+    if cfg.storage == "memory" and (path is not None or read_only):
+        raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
+    return dictionary
+
+
+def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictionary):
+    """``(store, frames, state, old)`` of a new buffer of ``cfg``: its storage
+    opened at ``path`` as ``mode`` says and allocated, its frame store (or
+    None), and, when it resumes, the recorded state (checked before the
+    storage is attached, so a refused state leaves the path as it was) and
+    the recorded config. On a refusal the storage is released without
+    recording anything."""
+    try:
+        store, recorded = open_path(cfg, path, mode, read_only, options)
+    except (OSError, BigperError) as e:
+        raise real_names(e)
+    state = old = None
+    try:
+        if recorded is not None:
+            old = Config.from_dict(recorded["config"])
+            diff = cfg.differences(old, ignore=(), only=LAYOUT_KEYS)
+            if diff:
+                raise IncompatibleSnapshotError(
+                    f"{path} holds a buffer of another layout; differing key(s): " + "; ".join(diff)
+                    + " (the stored data depends on these; use another path or mode='overwrite')")
+            state = store.saved_state()
+            check_state(cfg, *state)
+        frames = FrameStore(cfg, store, dictionary) if cfg.frame_stack else None
+        allocate(store, cfg, frames)
+    except BaseException as e:
+        real_names(e)
+        abort(store)
+        raise
+    return store, frames, state, old
+
+
+def abort(store) -> None:
+    """Release ``store`` without recording anything: a refused path stays as it was."""
+    store.abort()

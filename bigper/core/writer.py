@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import nstep
 from ..kernels import commit_rows, kernel, ring_rows, tree_set
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from ..core.layout import plain_fields
-from .._torch import TensorBatch, _torch, _torch_dtype, as_device, move
+from .._torch import TensorBatch, _torch, _torch_dtype, move
 from ..batch import Batch
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..frames.store import frame_capacity

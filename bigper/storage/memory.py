@@ -70,5 +70,8 @@ class MemoryStorage:
     def close(self, state=None):
         pass
 
+    def abort(self) -> None:
+        pass
+
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
