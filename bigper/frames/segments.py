@@ -580,7 +580,7 @@ def _caller_level() -> int:
     """The ``stacklevel`` of a warning that names the caller's line outside bigper."""
     import sys
 
-    here = __file__.rsplit("/", 1)[0]
+    here = __file__.rsplit("/", 2)[0] + "/"  # the bigper package (this file is bigper/frames/segments.py)
     level, f = 1, sys._getframe(1)
     while f is not None and f.f_code.co_filename.startswith(here):
         level += 1
