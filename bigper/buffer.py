@@ -476,7 +476,7 @@ class PrioritizedReplayBuffer:
         owned = [a for a in self.state_dict()[1].values() if isinstance(a, np.ndarray)]
         for holder in (self._prio, getattr(self._prio, "tree", None), self._writer, self._reader):
             owned += [v for v in vars(holder).values() if isinstance(v, np.ndarray)] if holder is not None else []
-        for arrays in (getattr(self._store, "arrays", None), getattr(self._store, "writable_arrays", None)):
+        for arrays in (self._store.arrays, self._store.writable_arrays):
             owned += [v for v in (arrays or {}).values() if isinstance(v, np.ndarray)]
         for name, arr in out.items():
             if any(np.may_share_memory(arr, a) for a in owned):
@@ -758,9 +758,8 @@ class PrioritizedReplayBuffer:
         Path
             The snapshot's absolute path.
         """
-        check_present = getattr(self._store, "check_present", None)
-        if check_present is not None:  # its folder deleted while open: say so, not a raw ENOENT
-            check_present(f"save({str(snapshot)!r}) cannot link its data into a snapshot")
+        # its folder deleted while open: say so, not a raw ENOENT
+        self._store.check_present(f"save({str(snapshot)!r}) cannot link its data into a snapshot")
         summary = {"len": len(self), "capacity": self.capacity, "total_priority": self.total_priority}
         try:
             return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
@@ -1045,8 +1044,8 @@ class PrioritizedReplayBuffer:
 
     def _check_writable(self, what: str = "data"):
         store = self._store
-        if store.read_only and not (what == "priorities" and getattr(store, "priorities_writable", False)):
-            where = getattr(store, "path", None) or getattr(store, "file_path", "")
+        if store.read_only and not (what == "priorities" and store.priorities_writable):
+            where = store.path or ""
             raise ReadOnlyBufferError(f"this buffer is read-only ({what}): opened read_only at {where}")
 
     def close(self) -> None:
@@ -1075,7 +1074,7 @@ class PrioritizedReplayBuffer:
                 try:
                     self._store.close(state)
                 except (OSError, BigperError) as e:  # paths as the user gave them, not /proc/self/fd/N
-                    raise real_names(e, where=getattr(self._store, "path", None))
+                    raise real_names(e, where=self._store.path)
 
     def _refuse_inside(self, what: str) -> None:
         # Under the lock: a method still running can only be this thread's own.

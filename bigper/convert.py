@@ -324,7 +324,7 @@ def _check_not_source(store, dst: Path, partial: Path) -> None:
                                        "convert never writes its source")
     # The source's priorities sidecar (a directory that from_hdf5 reads): a file made
     # there, or beside it as the partial's sidecar, would change how the source opens.
-    side = getattr(store, "sidecar", None)
+    side = store.sidecar
     if side is not None:
         theirs = os.path.realpath(side.path)
         for p in (dst, partial, _partial_sidecar(partial)):

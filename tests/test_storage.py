@@ -276,15 +276,18 @@ def test_files_are_preallocated_and_never_truncated(kind, tmp_path):
     assert len(stream.added) == 16
 
 
-def test_a_storage_with_prepare_and_no_shared_chunks_is_prepared_before_every_write():
-    """``prepare`` is optional in storage/base.py and ``shared_chunks`` is not part of the
-    protocol: a storage that has only ``prepare`` gets it called with the rows of each write."""
+@pytest.mark.parametrize("shared", [0, 2])
+def test_a_storage_that_shares_chunks_is_prepared_before_every_write(shared):
+    """storage/base.py: ``prepare`` is called with the rows of each write while
+    ``shared_chunks`` says a snapshot shares some (never when it is 0, the default)."""
     from bigper.config import Config
     from bigper.storage.memory import MemoryStorage
 
     calls = []
 
     class Prepared(MemoryStorage):
+        shared_chunks = shared
+
         def prepare(self, writes):
             calls.append(sorted(writes))
 
@@ -294,7 +297,7 @@ def test_a_storage_with_prepare_and_no_shared_chunks_is_prepared_before_every_wr
     buf = bigper.PrioritizedReplayBuffer.from_parts(cfg, store)
     buf.add(obs=np.zeros(3, np.float32), next_obs=np.ones(3, np.float32))
     buf.extend({"obs": np.zeros((3, 3), np.float32), "next_obs": np.ones((3, 3), np.float32)})
-    assert len(buf) == 4 and calls == [["next_obs", "obs"], ["next_obs", "obs"]]
+    assert len(buf) == 4 and calls == ([["next_obs", "obs"], ["next_obs", "obs"]] if shared else [])
     assert np.array_equal(buf.gather(np.arange(4))["next_obs"], np.ones((4, 3), np.float32))
 
 

@@ -125,7 +125,7 @@ class Reader:
             data["terminated"], data["truncated"], data["discount"] = meta
             return _into(data, out)
         store = self.store
-        arrays = getattr(store, "arrays", None) if fused else None
+        arrays = store.arrays if fused else None
 
         def read(name, rows, o=None):
             if arrays is not None:  # take() beats fancy indexing for a batch of rows
@@ -231,7 +231,7 @@ class Reader:
         return {"up": up, "take": take, "stacks": stacks, "order": order}
 
     def _read(self, name: str, rows: np.ndarray) -> np.ndarray:
-        arrays = getattr(self.store, "arrays", None)
+        arrays = self.store.arrays
         if arrays is not None:
             return arrays[name].take(rows, axis=0, mode="clip")
         return self.store.read(name, rows)

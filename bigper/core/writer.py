@@ -140,7 +140,6 @@ class Writer:
         self.env_ended = ring.env_ended  # (its values change, never the array)
         # False: the general path (staged storage writes, one numpy call a step).
         self.fused = True
-        self._prepare = getattr(store, "prepare", None)  # copy-on-write storages
         tree = getattr(prio, "tree", None)
         self._tree = tree if getattr(prio, "kind", "") == "proportional" else None
         self._args = self._args_of = None  # write_rows' fixed arguments, and the ring arrays they hold
@@ -163,7 +162,7 @@ class Writer:
                     "reset step of next-step autoreset")
         keys = None if priorities is None else self.prio.keys(priorities)
         c = cfg.capacity
-        if self._prepare is not None and getattr(self.store, "shared_chunks", 1):
+        if self.store.shared_chunks:
             # Copy-on-write storages make every row this write touches writable
             # first: running out of space then fails before anything changed.
             first = self.ring.count % c
@@ -173,10 +172,10 @@ class Writer:
             writes = {name: where for name in self.plain}
             if self.frames is not None:
                 writes.update(self.frames.rows_touched(m, where))
-            self._prepare(writes)
+            self.store.prepare(writes)
         if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c) \
                 and (self.frames is None or self.frames.in_place):
-            rw = getattr(self.store, "writable_arrays", None)
+            rw = self.store.writable_arrays
             if rw:
                 g0, top = self.ring.count, self.ring.max_leaf
                 self._write_one_call(rows, keys, valid, rw)
@@ -241,7 +240,7 @@ class Writer:
             ends = rows["terminated"].astype(np.uint8) | (rows["truncated"].astype(np.uint8) << 1)
         s0 = int(slots[0])
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
-        rw = getattr(self.store, "writable_arrays", None) if self.fused else None
+        rw = self.store.writable_arrays if self.fused else None
         if self.frames is not None:  # first: a compressed log that must grow and cannot fails before any write
             self.frames.write(rows, g0, slots, where, ends, valid, rw)
         for name in self.plain:

@@ -236,7 +236,7 @@ def _ranges(lo: int, hi: int, n: int):
 
 
 def _rows(store, name: str, a: int, b: int) -> np.ndarray:
-    arrays = getattr(store, "arrays", None)
+    arrays = store.arrays
     if arrays is not None:
         return arrays[name][a:b]
     return store.read(name, np.arange(a, b, dtype=np.int64))

@@ -249,7 +249,7 @@ class SegmentLog:
         free = self.slots - (self.g - int(self.st[LO]) + 1)
         if opens > free and not self.capped:
             return True
-        return bool(getattr(self.store, "prepare", None) is not None and getattr(self.store, "shared_chunks", 1))
+        return bool(self.store.shared_chunks)
 
     def append(self, f0: int, frames: np.ndarray, rw: dict | None) -> None:
         """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).
@@ -315,17 +315,13 @@ class SegmentLog:
         place(lengths, f0, self.F, self.seg, self.capped, st, self.seg_first.copy(), slot_of, used, offsets)
         had = self.slots  # (slots allocated now are new files: nothing to copy)
         if st[A] > self.st[A]:
-            grow = getattr(self.store, "grow", None)
-            if grow is None:
-                raise RuntimeError(f"a storage without grow() holds only {self.slots} log segments")
-            grow("frame_log", int(st[A]) * self.seg_rows)  # (all or nothing: an OSError changes nothing)
+            self.store.grow("frame_log", int(st[A]) * self.seg_rows)  # (all or nothing: an OSError changes nothing)
             self.st[A] = st[A]
-        prepare = getattr(self.store, "prepare", None)
-        if prepare is not None and getattr(self.store, "shared_chunks", 1):
+        if self.store.shared_chunks:
             opened = slot_of[np.arange(self.g + 1, int(st[G]) + 1) % self.S]
             opened = opened[opened < had]
             if opened.size:
-                prepare({"frame_log": (opened[:, None] * self.seg_rows
+                self.store.prepare({"frame_log": (opened[:, None] * self.seg_rows
                                        + np.arange(self.seg_rows)).reshape(-1)})
 
     def _trim(self) -> None:
@@ -335,11 +331,10 @@ class SegmentLog:
         keep = n = self.slots
         while keep > 2 and self.used[keep - 1] == 0 and self.used[keep - 2] == 0:
             keep -= 1
-        shrink = getattr(self.store, "shrink", None)
-        if keep == n or shrink is None:
+        if keep == n:
             return
         try:
-            shrink("frame_log", keep * self.seg_rows)
+            self.store.shrink("frame_log", keep * self.seg_rows)
         except OSError as e:
             log.warning("bigper: giving back %d free log segments did not complete (the log holds what the "
                         "storage does): %r", n - keep, e)
@@ -430,7 +425,7 @@ class SegmentLog:
 
     def _entries(self, ids: np.ndarray) -> np.ndarray:
         """Index entries (n, 2) of frames ``ids`` (live)."""
-        arrays = getattr(self.store, "arrays", None)
+        arrays = self.store.arrays
         rows = ids % self.F
         if arrays is not None:
             return np.asarray(arrays["frame_index"])[rows]
@@ -449,7 +444,7 @@ class SegmentLog:
         offsets = np.empty(n, dtype=np.int64)
         lengths = np.empty(n, dtype=np.int64)
         dicts = np.empty(n, dtype=np.int64)
-        arrays = getattr(self.store, "arrays", None)
+        arrays = self.store.arrays
         if arrays is not None:
             index, rows = arrays["frame_index"], ids % self.F
         else:

@@ -502,7 +502,7 @@ class FrameStore:
             self._decode(ids, dest)
             return dest.reshape((slots.shape[0], self.k, *self.frame_shape))
         rows = (self._refs(name, slots) % self.F).ravel()
-        arrays = getattr(self.store, "arrays", None)
+        arrays = self.store.arrays
         dest = None if out is None else out.reshape((rows.shape[0], *self.frame_shape))
         if arrays is None:
             frames = self.store.read("frames", rows)
@@ -523,7 +523,7 @@ class FrameStore:
         real = ids >= 0
         every = bool(real.all())
         rows = np.where(real, ids % self.F, 0)
-        arrays = getattr(self.store, "arrays", None)
+        arrays = self.store.arrays
         if arrays is None:
             np.copyto(out, self.store.read("frames", rows))
         else:
@@ -551,7 +551,7 @@ class FrameStore:
         return self._refs(name, slots)
 
     def _refs(self, name: str, slots: np.ndarray) -> np.ndarray:
-        arrays = getattr(self.store, "arrays", None)
+        arrays = self.store.arrays
         if arrays is None:
             return self.store.read(name, slots)
         return arrays[name].take(slots, axis=0)  # take() beats fancy indexing for a batch
@@ -571,7 +571,7 @@ class FrameStore:
         last = slots if last is None else last
         ro = self._refs("obs_ref", slots)
         rn = self._refs("next_obs_ref", last)
-        arrays = getattr(self.store, "arrays", None)
+        arrays = self.store.arrays
         b, k = slots.shape[0], self.k
         if (arrays is None and self.log is None) or not (rn[:, :-1] == ro[:, 1:]).all():
             if self.log is None:

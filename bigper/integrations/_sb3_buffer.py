@@ -276,7 +276,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if dict(cfg.fields) != want:
             raise InvalidArgumentError(f"from_buffer: the buffer's fields {cfg.fields} are not the ones "
                                        f"these spaces need {want}")
-        storage_path = getattr(buffer.storage, "path", None)
+        storage_path = buffer.storage.path
         self._core, self._core_args = buffer, None
         self._live_path = None if storage_path is None else os.fspath(storage_path)
         schedule = cfg.schedule
@@ -651,7 +651,7 @@ def _say_where(core: CoreBuffer, what: str) -> None:
     """One line on a disk buffer's files: where and how big (when it is opened,
     and what is ``left`` at close). Logged to the ``bigper`` logger at INFO,
     printed to stderr where nothing handles that logger."""
-    path = getattr(core.storage, "path", None)
+    path = core.storage.path
     if path is None:
         return
     path = Path(path)

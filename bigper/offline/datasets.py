@@ -257,7 +257,7 @@ def score_all(src, live: np.ndarray, read_batch, score_fn, *, batch_size: int = 
     """
     if not isinstance(src, H5Source):
         raise InvalidTypeError("reprioritize works on buffers opened with PrioritizedReplayBuffer.from_hdf5; "
-                               f"this one has storage {getattr(src, 'kind', type(src).__name__)!r}")
+                               f"this one has storage {src.kind!r}")
     if not callable(score_fn):
         raise InvalidTypeError(f"score_fn must be callable, got {score_fn!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:

@@ -16,9 +16,10 @@ import numpy as np
 from ..errors import BigperError
 from ..frames.store import FrameStore
 from ..storage._files import open_regular
+from ..storage.base import StorageBase
 
 
-class _ChunkFiles:
+class _ChunkFiles(StorageBase):
     """A read-only storage over a snapshot's chunk files (``read`` only)."""
 
     def __init__(self, snap: Path, data: dict, names):

@@ -152,9 +152,7 @@ def _check_previous(meta, cfg: Config, live) -> None:
 def _release(store) -> None:
     """Let go of a storage that failed to load, recording nothing: a disk
     location stays marked unclean (or is removed if this load created it)."""
-    release = getattr(store, "abort", None) or getattr(store, "_abort", None)
-    if release is not None:
-        release()
+    store.abort()
 
 
 def _allocate(cfg: Config, store) -> None:

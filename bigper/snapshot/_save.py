@@ -190,14 +190,14 @@ def _npy(arr: np.ndarray) -> memoryview:
 
 def specs_of(store) -> dict:
     """name -> (rows, shape, dtype) of every array a storage holds."""
-    arrays = getattr(store, "dsets", None) or store.arrays
+    arrays = store.dsets or store.arrays
     return {n: (int(a.shape[0]), tuple(int(d) for d in a.shape[1:]), np.dtype(a.dtype))
             for n, a in arrays.items()}
 
 
 def _rows(store, name: str, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of array ``name``, straight from the storage's arrays."""
-    arrays = getattr(store, "dsets", None) or store.arrays
+    arrays = store.dsets or store.arrays
     return arrays[name][start:stop]
 
 
@@ -268,7 +268,7 @@ def _copy_rows(tx: Transaction, store) -> dict:
 
 
 def _storage_record(store) -> dict:
-    path = getattr(store, "path", None)
+    path = store.path
     options = {}
     if store.kind == "memmap":
         options["chunk_bytes"] = store.chunk_bytes
@@ -358,7 +358,7 @@ def save(snapshot, *, config, state, storage, summary, metadata=None, files=None
     from .._version import __version__
 
     store = storage
-    kind = getattr(store, "kind", None)
+    kind = store.kind
     if kind not in ("memory", "memmap", "hdf5"):
         raise InvalidArgumentError(
             f"snapshots hold buffers on memory, memmap or hdf5 storage; this buffer's storage is "

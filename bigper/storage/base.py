@@ -17,10 +17,11 @@ new storage's author reads one file:
   (``chunk_table``, ``chunk_view``, ``mark_shared``, ``layout``, ``adopt``,
   ``replace``: ``snapshot/_save.py`` and ``_load.py``), the HDF5 one ``dsets``.
 
-The core tells these apart with ``getattr(store, name, default)`` where a
-member is optional; the defaults are the ones below (no ``arrays``: read and
-write; no ``prepare``: nothing to make writable; no ``grow``: the arrays
-were allocated whole).
+Every storage subclasses ``StorageBase``, which gives the optional members
+their defaults (no ``arrays``: read and write; ``shared_chunks`` 0: nothing
+to make writable; ``grow`` refused: the arrays were allocated whole;
+``shrink``, ``check_present`` and ``abort`` no-ops), so the core calls them
+all directly and never asks a storage what it has.
 """
 
 from __future__ import annotations
@@ -116,6 +117,43 @@ class OnDisk(Protocol):
     def check_present(self, what: str = "cannot go on") -> None:
         """``PathNotFoundError`` when the location was deleted while open
         (memmap; optional: ``save`` asks it before it links the files)."""
+
+
+class StorageBase:
+    """The optional members of the protocols above, at their defaults: a
+    storage overrides what it has."""
+
+    kind = ""
+    path: Path | None = None        # OnDisk: its location (None in memory)
+    read_only = False
+    priorities_writable = False     # read_only data whose priorities may change (an offline dataset)
+    arrays: dict[str, np.ndarray] | None = None  # InPlace: None, read and written through read/write
+    dsets: dict[str, Any] | None = None          # HDF5: the datasets (snapshots copy from them)
+    sidecar: Any = None             # an offline dataset's priorities sidecar (convert keeps clear of it)
+    shared_chunks = 0               # rows a snapshot shares: prepare before writing them
+
+    @property
+    def writable_arrays(self) -> dict[str, np.ndarray] | None:
+        """InPlace: arrays written in place; None: write through ``write``."""
+        return None
+
+    def prepare(self, writes: dict[str, Any]) -> None:
+        """Nothing is shared with a snapshot: every row is writable."""
+
+    def rows(self, name: str) -> int:
+        raise NotImplementedError(f"a {self.kind or type(self).__name__} storage does not count rows")
+
+    def grow(self, name: str, rows: int) -> None:
+        raise RuntimeError(f"a {self.kind or type(self).__name__} storage cannot grow {name!r} to {rows} rows")
+
+    def shrink(self, name: str, rows: int) -> None:
+        """Keeps every row (``rows`` tells what it holds)."""
+
+    def check_present(self, what: str = "cannot go on") -> None:
+        """Nothing at a path to lose."""
+
+    def abort(self) -> None:
+        """Nothing to let go."""
 
 
 def fits_spec(name: str, have: tuple[Any, ...], want: tuple[Any, ...], growth: dict[str, int]) -> bool:

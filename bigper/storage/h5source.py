@@ -50,7 +50,7 @@ from ..errors import (
     UnknownFieldError,
 )
 from ._files import open_regular
-from .base import fits_spec
+from .base import StorageBase, fits_spec
 from ._h5guard import check_links
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
 from ._h5map import map_column, read_column, row_order
@@ -60,7 +60,7 @@ __all__ = ["H5Source", "OfflineDatasetError", "LAYOUTS", "LIVE", "DEAD"]
 LAYOUTS = ("auto", "d4rl", "minari", "bigper")
 
 
-class H5Source(Layouts):
+class H5Source(Layouts, StorageBase):
     """A read-only storage over an HDF5 dataset; see the module docstring.
 
     Parameters

@@ -29,7 +29,7 @@ import numpy as np
 
 from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
-from .base import fits_spec
+from .base import StorageBase, fits_spec
 from ._state import check_meta
 from ..errors import (
     CorruptSnapshotError,
@@ -58,7 +58,7 @@ def _h5py():
     return h5py
 
 
-class HDF5Storage:
+class HDF5Storage(StorageBase):
     kind = "hdf5"
 
     def __init__(self, path, *, read_only: bool = False, compression=None, takeover: bool = False):

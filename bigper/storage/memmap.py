@@ -54,7 +54,7 @@ from ..errors import (
 )
 from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
 from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
-from .base import fits_spec
+from .base import StorageBase, fits_spec
 from ._state import STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
@@ -79,7 +79,7 @@ def random_reads_pay(data_bytes: int) -> bool:
     return data_bytes > ram // 2
 
 
-class MemmapStorage:
+class MemmapStorage(StorageBase):
     kind = "memmap"
 
     def __init__(self, path, *, read_only: bool = False, takeover: bool = False,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .base import StorageBase
 
-class MemoryStorage:
+
+class MemoryStorage(StorageBase):
     kind = "memory"
     read_only = False
 
