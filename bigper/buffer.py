@@ -25,13 +25,13 @@ import numpy.typing as npt
 
 from . import snapshot as _snapshot
 from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
-from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size
+from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
 from .core.layout import plain_fields, storage_specs
 from .core.opening import abort, check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
-from ._torch import TensorBatch, is_device_tensor
+from ._torch import as_device, is_device_tensor
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .config import Sequence as ReplaySequence  # (typing's Sequence is used here too)
@@ -525,7 +525,7 @@ class PrioritizedReplayBuffer:
         """
         check_batch_size(batch_size)
         if device is not None:
-            device = _check_device(device)  # (a bad one refused here, not in the thread)
+            device = as_device(device)  # (a bad one refused here, not in the thread)
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or not 0 <= prefetch <= 1024:
             raise InvalidArgumentError(f"prefetch must be an int in [0, 1024], got {prefetch!r}")
         unknown = sorted(set(sample_kw) - {"beta", "stratified"})
@@ -560,41 +560,13 @@ class PrioritizedReplayBuffer:
             the real steps after the burn-in (``sequences.reduce_errors``).
         """
         self._check_writable("priorities")
-        idx, stamps, use, mask = self._target(target)
+        idx, stamps, use, mask = update_target(target)
         if is_device_tensor(priorities):
             self._defer(idx, stamps, use, mask, priorities)
             return
         if self._deferred:
             self._settle()
         self._update(idx, stamps, use, mask, priorities)
-
-    def _target(self, target) -> tuple:
-        """``(indices, generations, use them, mask)`` of an ``update_priorities`` target."""
-        mask = None
-        if isinstance(target, Batch):
-            idx, stamps, use, mask = target.indices, target.generations, True, target.mask
-        elif isinstance(target, TensorBatch) and target.host_target() is not None:
-            # to_torch's dict as it gave it: its host copies (no read from the device), checked as any
-            idx, stamps, mask = target.host_target()
-            idx, stamps, use = as_index(idx), as_index(stamps), True
-            if stamps.shape != idx.shape:
-                raise InvalidArgumentError(f"target.host['generations'] has shape {stamps.shape}, "
-                                           f"expected {idx.shape} like its indices")
-        elif isinstance(target, Mapping):
-            if "indices" not in target:
-                raise InvalidTypeError("target is a mapping without 'indices'; pass a Batch, the dict "
-                                       f"Batch.to_torch() gives, or an index array (keys: {sorted(target)[:8]})")
-            idx = as_index(target["indices"])
-            gens = target.get("generations")
-            stamps, use = (idx, False) if gens is None else (as_index(gens), True)
-            if use and stamps.shape != idx.shape:
-                raise InvalidArgumentError(f"target['generations'] has shape {stamps.shape}, "
-                                           f"expected {idx.shape} like target['indices']")
-            mask = target.get("mask")
-        else:
-            idx = as_index(target)
-            stamps, use = idx, False
-        return idx, stamps, use, mask
 
     def _defer(self, idx, stamps, use: bool, mask, priorities) -> None:
         """Keep an update whose values are on a device: checked here as far as
@@ -614,20 +586,8 @@ class PrioritizedReplayBuffer:
         their copies). One whose values are not valid priorities changes
         nothing and is reported here, after the valid ones are applied (with
         ``keep``: by the next public call other than a sampler's draw)."""
-        first = None
-        while True:
-            got = self._deferred.pop()
-            if got is None:
-                break
-            p, values = got
-            try:
-                self._update(p.indices, p.stamps, p.use_stamps, p.mask, values)
-            except BigperError as e:
-                first = first or e
-        if first is not None:
-            e = InvalidArgumentError(f"an earlier update_priorities call with priorities on a device was not "
-                                     f"applied (nothing of it changed): {first}")
-            e.__cause__ = first
+        e = self._deferred.settle(self._update)
+        if e is not None:
             if keep:
                 self._deferred_error = self._deferred_error or e
             else:
@@ -799,7 +759,7 @@ class PrioritizedReplayBuffer:
             A live writer holds ``path``.
         """
         if device is not None:
-            _check_device(device)  # before anything at the path is made
+            as_device(device)  # before anything at the path is made
         try:
             parts = _snapshot.load(snapshot, path=path)
         except (OSError, BigperError) as e:
@@ -838,7 +798,7 @@ class PrioritizedReplayBuffer:
 
         device = kwargs.pop("device", None)
         if device is not None:
-            _check_device(device)
+            as_device(device)
         cfg, src, state = open_dataset(dataset, **kwargs)
         try:
             buf = cls.from_parts(cfg, src, state, device=device)
@@ -1114,17 +1074,11 @@ class PrioritizedReplayBuffer:
 _STAGED = ("cuda",)
 
 
-def _check_device(device):
-    from ._torch import as_device
-
-    return as_device(device)
-
-
 def _mirror(cfg: Config, device):
     """The device tier of a buffer of ``cfg`` on ``device`` (None: none)."""
     if device is None:
         return None
-    from .device.mirror import Mirror, as_device, frames_of
+    from .device.mirror import Mirror, frames_of
 
     return Mirror(as_device(device), cfg.capacity, plain_fields(cfg), frames_of(cfg))
 

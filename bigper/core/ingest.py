@@ -11,11 +11,13 @@ A value already of the field's dtype is taken as it is: casting it first
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 
 import numpy as np
 
 from .. import kernels as K
-from .._torch import as_array, as_numpy
+from .._torch import TensorBatch, as_array, as_numpy
+from ..batch import Batch
 from ..config import BUILTIN, Config
 from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
 
@@ -392,3 +394,32 @@ def as_priorities(x, n: int) -> np.ndarray:
     if p.ndim != 1 or p.shape[0] != n:
         raise InvalidArgumentError(f"priorities must have shape ({n},) to match the indices, got {p.shape}")
     return p
+
+
+def update_target(target) -> tuple:
+    """``(indices, generations, use them, mask)`` of an ``update_priorities`` target."""
+    mask = None
+    if isinstance(target, Batch):
+        idx, stamps, use, mask = target.indices, target.generations, True, target.mask
+    elif isinstance(target, TensorBatch) and target.host_target() is not None:
+        # to_torch's dict as it gave it: its host copies (no read from the device), checked as any
+        idx, stamps, mask = target.host_target()
+        idx, stamps, use = as_index(idx), as_index(stamps), True
+        if stamps.shape != idx.shape:
+            raise InvalidArgumentError(f"target.host['generations'] has shape {stamps.shape}, "
+                                       f"expected {idx.shape} like its indices")
+    elif isinstance(target, Mapping):
+        if "indices" not in target:
+            raise InvalidTypeError("target is a mapping without 'indices'; pass a Batch, the dict "
+                                   f"Batch.to_torch() gives, or an index array (keys: {sorted(target)[:8]})")
+        idx = as_index(target["indices"])
+        gens = target.get("generations")
+        stamps, use = (idx, False) if gens is None else (as_index(gens), True)
+        if use and stamps.shape != idx.shape:
+            raise InvalidArgumentError(f"target['generations'] has shape {stamps.shape}, "
+                                       f"expected {idx.shape} like target['indices']")
+        mask = target.get("mask")
+    else:
+        idx = as_index(target)
+        stamps, use = idx, False
+    return idx, stamps, use, mask

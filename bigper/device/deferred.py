@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._torch import _POOL, _torch
+from ..errors import BigperError, InvalidArgumentError
 
 
 @dataclass
@@ -84,3 +85,22 @@ class Deferred:
         values = held.view.copy()
         _POOL.release(key, held, None)
         return p, values
+
+    def settle(self, apply) -> BigperError | None:
+        """Apply every update in flight, oldest first (waiting for its copy),
+        with ``apply(indices, stamps, use_stamps, mask, values)``. One whose
+        values ``apply`` refuses changes nothing; the error of the first is
+        returned (after the valid ones are applied) for the buffer to report."""
+        first = None
+        while (got := self.pop()) is not None:
+            p, values = got
+            try:
+                apply(p.indices, p.stamps, p.use_stamps, p.mask, values)
+            except BigperError as e:
+                first = first or e
+        if first is None:
+            return None
+        e = InvalidArgumentError(f"an earlier update_priorities call with priorities on a device was not "
+                                 f"applied (nothing of it changed): {first}")
+        e.__cause__ = first
+        return e
