@@ -53,6 +53,7 @@ from .prioritization.base import LIVE, Prioritization
 from .storage._files import real_names
 from .schedules import ConstantSchedule, LinearSchedule, as_beta
 from .storage.base import Storage
+from .core.shardview import ShardView
 from .core.units import unit_for
 
 log: logging.Logger = logging.getLogger("bigper")
@@ -926,70 +927,11 @@ class PrioritizedReplayBuffer:
         return self._prio.key_at(self._check_indices(indices))
 
     @property
-    @entry_point
-    def max_leaf(self) -> float:
-        """The largest key so far: what a new transition enters with."""
-        return self._max_leaf
-
-    @entry_point
-    def raise_max_leaf(self, value: float) -> None:
-        """Let new transitions enter at ``value`` if it is larger (for shards
-        that share the largest key any of them has seen).
-
-        Parameters
-        ----------
-        value : float
-            A key: finite, > 0.
-        """
-        try:
-            v = float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise InvalidTypeError(f"value must be a number, got {value!r}") from None
-        if not (v > 0 and v <= getattr(self._prio, "limit", np.inf) and v < np.inf):
-            raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r}")
-        self._max_leaf = max(self._max_leaf, v)
-
-    @property
-    @entry_point
-    def min_leaf(self) -> float:
-        """Smallest non-zero key (``inf`` when nothing is sampleable)."""
-        return self._prio.min_key
-
-    @entry_point
-    def sample_at(self, targets: npt.ArrayLike, *, beta: float) -> Batch:
-        """Sample the leaves at the given prefix-sum ``targets`` in ``[0, total_priority)``.
-
-        For coordinators that draw the uniforms themselves (the Ray shards):
-        the RNG and the beta schedule are not touched; probabilities and
-        weights are local to this buffer (weights normalized by the batch max).
-        Proportional prioritization only; not with sequences.
-
-        Parameters
-        ----------
-        targets : array-like of float
-            Prefix sums, each in ``[0, total_priority)``.
-        beta : float
-            The IS exponent.
-
-        Returns
-        -------
-        Batch
-        """
-        if not self._unit.shardable:
-            raise InvalidArgumentError("sample_at is not available with sequence=... (sharded buffers "
-                                       "do not serve sequences)")
-        t = np.ascontiguousarray(targets, dtype=np.float64)
-        if t.ndim != 1 or t.shape[0] < 1:
-            raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
-        total = self._prio.total
-        if not self._prio.sampleable:
-            raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={len(self)})")
-        ok = np.isfinite(t) & (t >= 0) & (t < total)
-        if not ok.all():
-            bad = int(np.flatnonzero(~ok)[0])
-            raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
-        idx, prob, w = self._prio.sample_at(t, beta=as_beta(beta))
-        return Batch(self._gather(idx), idx, w, prob, self._gid[idx])
+    def shard(self) -> ShardView:
+        """What a coordinator of shards asks of this buffer (``bigper.distributed``):
+        ``sample_at`` given prefix sums, ``max_leaf``/``raise_max_leaf``/``min_leaf``
+        (``bigper.core.shardview``)."""
+        return ShardView(self)  # (made per call: a view held by the buffer would keep it alive)
 
     @property
     def _tree(self):

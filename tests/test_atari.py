@@ -126,7 +126,7 @@ def check_all_sampleable(buf, added: list[dict], capacity: int) -> int:
     # frame a step (two at an episode start) that is a few per wrap at most.
     assert live.size >= len(held) - capacity // 4, f"{live.size} sampleable of {len(held)} held"
     targets = np.cumsum(leaves)[live] - leaves[live] / 2
-    return check(buf.sample_at(targets, beta=0.4), added, capacity)
+    return check(buf.shard.sample_at(targets, beta=0.4), added, capacity)
 
 
 @pytest.mark.parametrize("game", list(GAMES))

@@ -413,7 +413,7 @@ def test_nstep_pair_decoding_equals_the_uncompressed_twin(kind, n_step, num_envs
         z.update_priorities(a, p)
         raw.update_priorities(b, p)
         t = np.minimum(rng.random(17) * raw.total_priority, np.nextafter(raw.total_priority, 0))
-        same_batch(z.sample_at(t, beta=0.4), raw.sample_at(t, beta=0.4))
+        same_batch(z.shard.sample_at(t, beta=0.4), raw.shard.sample_at(t, beta=0.4))
     sa, sb = z.sampler(16, prefetch=2), raw.sampler(16, prefetch=0)
     for _ in range(3):
         same_batch(next(sa), next(sb))

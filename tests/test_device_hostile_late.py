@@ -810,13 +810,13 @@ _SA = ("sample_at (bigper/buffer.py:1209) passes float(beta) to the strategy unc
 def test_sample_at_beta_checked_like_sample(beta):
     b = _small()
     with pytest.raises(BigperError):
-        b.sample_at(np.array([0.5]), beta=beta)
+        b.shard.sample_at(np.array([0.5]), beta=beta)
 
 
 def test_sample_at_beta_in_range():
     b = _small()
-    b.sample_at(np.array([0.5]), beta=1.0)
-    b.sample_at(np.array([0.5]), beta=0)
+    b.shard.sample_at(np.array([0.5]), beta=1.0)
+    b.shard.sample_at(np.array([0.5]), beta=0)
 
 
 _CTOR = ("InvalidTypeError: beta must be a float or a schedule ... got np.float32(0.5): schedules.as_schedule "

@@ -120,7 +120,7 @@ def test_transitions_equal_the_uncompressed_twin(capacity, k, batch, shape, n_di
             z.update_priorities(b, p)
         t = rng.random(batch) * raw.total_priority
         t = np.minimum(t, np.nextafter(raw.total_priority, 0))
-        same_batch(raw.sample_at(t, beta=0.4), z.sample_at(t, beta=0.4))
+        same_batch(raw.shard.sample_at(t, beta=0.4), z.shard.sample_at(t, beta=0.4))
         live = np.flatnonzero(raw.status == 1)
         ga, gb = raw.gather(live), z.gather(live)
         for name in ga:

@@ -72,7 +72,7 @@ def same_state(a, b):
     for key in aa:
         assert np.array_equal(np.asarray(aa[key]), np.asarray(ab[key])), key
     sa, sb = a.storage, b.storage
-    for name, arr in getattr(sa, "arrays", {}).items():
+    for name, arr in (sa.arrays or {}).items():
         assert np.array_equal(arr, sb.arrays[name]), name
     assert a.total_priority == b.total_priority
 

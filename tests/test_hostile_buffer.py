@@ -38,7 +38,7 @@ def test_priorities_whose_leaf_or_total_overflow_are_refused(alpha, p):
     check_rejected(buf, lambda b: b.update_priorities(np.array([0, 1]), np.array(p)),
                    bigper.InvalidArgumentError, "priorities[", "leaf")
     check_rejected(buf, lambda b: b.add(**step(9), priorities=max(p)), bigper.InvalidArgumentError, "leaf")
-    assert math.isfinite(buf.total_priority) and math.isfinite(buf.max_leaf)
+    assert math.isfinite(buf.total_priority) and math.isfinite(buf.shard.max_leaf)
 
 
 @settings(max_examples=60, deadline=None)
@@ -60,7 +60,7 @@ def test_any_finite_priority_leaves_sampling_exact_or_is_refused(alpha, p, norm)
         assert_same(before, fingerprint(buf))
         return
     leaves = buf.leaves(np.arange(CAP))
-    assert np.all(np.isfinite(leaves)) and math.isfinite(buf.total_priority) and math.isfinite(buf.max_leaf)
+    assert np.all(np.isfinite(leaves)) and math.isfinite(buf.total_priority) and math.isfinite(buf.shard.max_leaf)
     if buf.total_priority == 0:
         return
     batch = buf.sample(16, beta=0.5)
@@ -78,19 +78,19 @@ def test_any_finite_priority_leaves_sampling_exact_or_is_refused(alpha, p, norm)
 
 def test_a_duplicate_index_losing_value_does_not_raise_the_largest_leaf():
     buf = make(fill=CAP)
-    top = buf.max_leaf
+    top = buf.shard.max_leaf
     buf.update_priorities(np.array([0, 0]), np.array([100.0, 1.0]))
     assert buf.leaves(np.array([0]))[0] == pytest.approx(leaf(1.0))
-    assert buf.max_leaf == max(top, leaf(1.0))
+    assert buf.shard.max_leaf == max(top, leaf(1.0))
     buf.add(**step(20))
-    assert buf.leaves(np.array([CAP % CAP]))[0] == buf.max_leaf
+    assert buf.leaves(np.array([CAP % CAP]))[0] == buf.shard.max_leaf
 
 
 def test_a_pending_slot_counts_its_last_value_only():
     buf = bigper.PrioritizedReplayBuffer(CAP, FIELDS, n_step=3, seed=0)
     buf.add(**step(0, terminated=False))
     buf.update_priorities(np.array([0, 0]), np.array([100.0, 5.0]))  # slot 0 waits for its window
-    assert buf.max_leaf == pytest.approx(leaf(5.0))
+    assert buf.shard.max_leaf == pytest.approx(leaf(5.0))
     buf.add(**step(1, terminated=False))
     buf.add(**step(2, terminated=False))
     # Window complete: the raw-index update was kept, not dropped.
@@ -103,7 +103,7 @@ def test_a_placeholder_rows_priority_does_not_raise_the_largest_leaf():
     two["terminated"] = np.array([False, True])
     buf.add(**two)
     buf.add(**two, valid=np.array([True, False]), priorities=np.array([1.0, 1e6]))
-    assert buf.max_leaf == pytest.approx(max(1.0, leaf(1.0)))
+    assert buf.shard.max_leaf == pytest.approx(max(1.0, leaf(1.0)))
 
 
 # -- item 10: weights of leaves far apart -------------------------------------------
@@ -281,7 +281,7 @@ def test_a_new_seed_on_resume_starts_a_new_random_stream(tmp_path):
     (lambda b: b.sample(0), ValueError),
     (lambda b: b.sample(2, beta=-1.0), ValueError),
     (lambda b: b.leaves(np.array([-1])), IndexError),
-    (lambda b: b.raise_max_leaf(float("inf")), ValueError),
+    (lambda b: b.shard.raise_max_leaf(float("inf")), ValueError),
     (lambda b: b.update_priorities({"weights": 1}, np.array([1.0])), TypeError),
 ])
 def test_every_refusal_is_a_bigper_error_with_its_builtin_base(call, base):
@@ -323,7 +323,7 @@ def test_the_max_priority_clip_holds_on_every_path(m):
     q = rng.uniform(0, 10, m)
     buf.update_priorities(np.arange(m), q)
     np.testing.assert_allclose(buf.leaves(np.arange(m)), (np.minimum(q, 2.0) + 1e-6) ** 0.7, rtol=1e-12)
-    assert buf.max_leaf == pytest.approx(max((min(x, 2.0) + 1e-6) ** 0.7 for x in np.concatenate([p, q])))
+    assert buf.shard.max_leaf == pytest.approx(max((min(x, 2.0) + 1e-6) ** 0.7 for x in np.concatenate([p, q])))
 
 
 def test_next_obs_that_does_not_continue_obs_comes_back_exactly():

@@ -130,7 +130,7 @@ def test_d4rl_timeouts_keep_bootstrap(d4rl):
     path, data = d4rl
     with PRB.from_hdf5(path, gamma=0.9) as buf:
         idx = np.flatnonzero(data["timeouts"])
-        b = buf.sample_at(np.cumsum(buf._tree.leaves)[idx] - 0.5, beta=0.4)
+        b = buf.shard.sample_at(np.cumsum(buf._tree.leaves)[idx] - 0.5, beta=0.4)
         assert np.array_equal(b.indices, idx)
         assert b["truncated"].all() and not b["terminated"].any()
         assert np.allclose(b["discount"], 0.9)

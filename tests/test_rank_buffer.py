@@ -87,4 +87,4 @@ def test_sharded_buffers_refuse_rank_clearly():
     buf = bigper.PrioritizedReplayBuffer(8, {"x": ((), np.float32)}, prioritization="rank")
     buf.add(x=np.float32(1))
     with pytest.raises(bigper.InvalidArgumentError, match="proportional"):
-        buf.sample_at(np.array([0.1]), beta=0.4)
+        buf.shard.sample_at(np.array([0.1]), beta=0.4)

@@ -127,7 +127,7 @@ class SequenceMachine(RuleBasedStateMachine):
         for g in live:
             if g % self.ref.c in got:
                 assert math.isclose(leaves[g % self.ref.c], self.keys[g], rel_tol=1e-12), g
-        assert math.isclose(self.buf.max_leaf, self.max_key, rel_tol=1e-12)
+        assert math.isclose(self.buf.shard.max_leaf, self.max_key, rel_tol=1e-12)
 
 
 SequenceMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,

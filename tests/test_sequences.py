@@ -382,7 +382,7 @@ def test_an_index_that_starts_no_item_is_refused():
 def test_sample_out_and_sample_at_are_refused():
     buf, ref = _used()
     check_rejected(buf, lambda x: x.sample(2, out={}), bigper.InvalidArgumentError, "out=")
-    check_rejected(buf, lambda x: x.sample_at(np.array([0.5]), beta=0.4), bigper.InvalidArgumentError,
+    check_rejected(buf, lambda x: x.shard.sample_at(np.array([0.5]), beta=0.4), bigper.InvalidArgumentError,
                    "sequence")
 
 
@@ -733,7 +733,7 @@ def test_priorities_given_to_extend_belong_to_the_items_starting_at_those_steps(
     buf.extend({**data, "terminated": np.zeros(8, bool)}, priorities=np.arange(8.0) + 1)
     # items start at steps 0, 2, 4, 6 (each with its 2 steps written); odd steps start none
     np.testing.assert_array_equal(buf.leaves(np.arange(8)), [1, 0, 3, 0, 5, 0, 7, 0])
-    assert buf.max_leaf == 8.0  # every given priority counts toward the largest seen
+    assert buf.shard.max_leaf == 8.0  # every given priority counts toward the largest seen
 
 
 def test_mask_has_one_spelling_for_the_batch_and_its_tensors():

@@ -71,7 +71,7 @@ class Calls:
                 pass  # overwritten between the two calls: a refusal, never wrong bytes
 
     def read(self, buf, k):
-        len(buf), buf.total_priority, buf.max_leaf, buf.min_leaf, buf.leaves(np.arange(CAP)), buf.beta
+        len(buf), buf.total_priority, buf.shard.max_leaf, buf.shard.min_leaf, buf.leaves(np.arange(CAP)), buf.beta
 
     def state(self, buf, k):
         buf.state_dict()
@@ -79,10 +79,10 @@ class Calls:
     def sample_at(self, buf, k):
         if self.prio == "proportional":
             t = buf.total_priority
-            buf.sample_at(np.array([0.0, t / 2]) if t > 0 else np.array([0.0]), beta=0.4)
+            buf.shard.sample_at(np.array([0.0, t / 2]) if t > 0 else np.array([0.0]), beta=0.4)
 
     def raise_max(self, buf, k):
-        buf.raise_max_leaf(1.5)
+        buf.shard.raise_max_leaf(1.5)
 
     def save(self, buf, k):
         buf.save(self.tmp / f"snap-{next(self.saves)}")

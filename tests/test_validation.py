@@ -51,7 +51,7 @@ def fingerprint(buf):
                 fp[prefix + k] = v.copy()
             elif isinstance(v, (bool, int, float, str, type(None))):
                 fp[prefix + k] = v
-    for name, arr in getattr(buf._store, "arrays", {}).items():
+    for name, arr in (buf._store.arrays or {}).items():
         fp["data." + name] = arr.copy()
     meta, arrays = buf.state_dict()
     fp["meta"] = repr(meta)  # count, max leaf, beta step, rng state

@@ -87,7 +87,7 @@ def run_storages(quick: bool, root: Path, say=print) -> dict:
             buf.extend(steps.chunk(i))
         ext_s = time.perf_counter() - t0
         n = len(buf)
-        path = getattr(buf._store, "path", None)
+        path = buf._store.path
         close_s = None
         if path:  # close: flush, fsync, state; what was added is on disk now
             t0 = time.perf_counter()

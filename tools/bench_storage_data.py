@@ -98,7 +98,7 @@ def touch_pages(buf) -> None:
     """Read one byte of every page of a memory-mapped storage: the page cache
     is warm, but a fresh mapping still takes a (minor) fault on the first
     touch of each page, a cost a long run pays once, not every round."""
-    for a in getattr(buf._store, "arrays", {}).values():
+    for a in (buf._store.arrays or {}).values():
         flat = a.reshape(-1).view(np.uint8) if a.flags.c_contiguous else None
         if flat is not None:
             int(flat[::4096].sum())

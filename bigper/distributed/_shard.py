@@ -56,10 +56,7 @@ def _reconstructed() -> bool:
 
 def _leaves(buf, batch) -> np.ndarray:
     """The sampled leaves, exactly (``probabilities * total`` can be off by an ulp)."""
-    tree = getattr(buf, "_tree", None)
-    if tree is not None:
-        return tree.leaves[batch.indices]
-    return batch.probabilities * buf.total_priority
+    return buf.leaves(batch.indices)
 
 
 class Shard:
@@ -141,10 +138,11 @@ class Shard:
                 slots, stamps, priorities = slots[keep], stamps[keep], priorities[keep]
             if slots.shape[0]:
                 b.update_priorities(Batch({}, slots, None, None, stamps & GID_MASK), priorities)
-        if max_leaf_hint > b.max_leaf:
+        view = b.shard
+        if max_leaf_hint > view.max_leaf:
             # New transitions get the largest leaf seen on any shard.
-            b.raise_max_leaf(max_leaf_hint)
-        return (b.total_priority, b.min_leaf, len(b), b.max_leaf, self.epoch)
+            view.raise_max_leaf(max_leaf_hint)
+        return (b.total_priority, view.min_leaf, len(b), view.max_leaf, self.epoch)
 
     def stats(self, updates=None, max_leaf_hint: float = 0.0):
         return None, self._apply(updates, max_leaf_hint)
@@ -209,7 +207,7 @@ class Shard:
             scale = seen_total / total
             targets = targets / scale
         targets = np.minimum(targets, np.nextafter(total, 0.0))
-        batch = b.sample_at(targets, beta=beta)
+        batch = b.shard.sample_at(targets, beta=beta)
         part = {"data": batch.data, "slots": batch.indices, "leaves": _leaves(b, batch),
                 "scale": scale, "gens": batch.generations | (self.epoch << EPOCH_SHIFT)}
         return part, stats

@@ -141,9 +141,11 @@ class StorageBase:
         """Nothing is shared with a snapshot: every row is writable."""
 
     def rows(self, name: str) -> int:
+        """Growing only: the rows of a ``growth`` array."""
         raise NotImplementedError(f"a {self.kind or type(self).__name__} storage does not count rows")
 
     def grow(self, name: str, rows: int) -> None:
+        """Refused: the arrays were allocated whole."""
         raise RuntimeError(f"a {self.kind or type(self).__name__} storage cannot grow {name!r} to {rows} rows")
 
     def shrink(self, name: str, rows: int) -> None:
