@@ -145,7 +145,7 @@ def plot(buf, trace, png: Path, args) -> None:
     live = np.flatnonzero(np.asarray(buf.status) == LIVE)  # sampleable slots
     keys = buf.leaves(live)
     rank = args.prioritization == "rank"
-    entry = buf.max_leaf
+    entry = buf.shard.max_leaf
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
     pos = keys[keys > 0]
     if pos.size:

@@ -189,7 +189,7 @@ def _write(source, partial: Path, cfg: dict, cap: int, order, keys, budget, chun
         full = np.zeros(cap, dtype=np.float64)
         full[:n] = keys
         out.prioritization.assign(full, live)
-        out.raise_max_leaf(float(keys.max()))
+        out.shard.raise_max_leaf(float(keys.max()))  # new rows enter at the source's largest key
         meta, _ = out.state_dict()
         fm = meta["frames"]
         _, seg, _ = log_geometry(frame_capacity(cap, cfg["frame_stack"], 1), _row_bytes(cfg),
