@@ -50,7 +50,7 @@ from .core.prefetch import Prefetcher
 from .core.ring import Ring
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
-from .storage._files import real_names
+from .storage.files import real_names
 from .schedules import ConstantSchedule, LinearSchedule, as_beta
 from .storage.base import Storage
 from .core.shardview import ShardView

@@ -28,7 +28,7 @@ def _bench(args) -> int:
 
 def _line(e: BaseException) -> str:
     """An error as one line (its message names the path)."""
-    from .storage._files import real_names
+    from .storage.files import real_names
 
     return " ".join(str(real_names(e)).split("\n")) or type(e).__name__
 
@@ -102,7 +102,7 @@ def _print_json(obj) -> None:
 
 def _info_snapshot(path: Path, args) -> int:
     from .snapshot import describe
-    from .snapshot._inspect import format_description
+    from .snapshot.inspect import format_description
 
     d = describe(path)
     _print_json(d) if args.json else print(format_description(d) + _device_line(d.get("config")))
@@ -137,13 +137,13 @@ def _info_series(path: Path, args) -> int:
 
 
 def _info_storage(path: Path, args) -> int:
-    from .storage._files import read_json
+    from .storage.files import read_json
 
     meta = read_json(path / "meta.json")  # a regular file only: never hangs on a FIFO
     if not isinstance(meta, dict):
         print(f"bigper info: {path}/meta.json is not a bigper storage record", file=sys.stderr)
         return 1
-    from .storage._state import check_arrays
+    from .storage.state import check_arrays
 
     check_arrays(meta.get("arrays", {}), path)  # CorruptSnapshotError for a crafted record
     if args.json:
@@ -185,7 +185,7 @@ def _sampleable(path: Path, cap: int) -> str:
     """``", N sampleable"`` from the status recorded at the last close (a
     compressed log capped by its budget may hold fewer than the ring); empty
     when there is none or it cannot be read."""
-    from .storage._state import load_state_dir
+    from .storage.state import load_state_dir
 
     try:
         status = load_state_dir(path / "state", ["status"]).get("status")
@@ -286,7 +286,7 @@ def _storage_kind(path: Path):
     if path.is_file() and os.path.lexists(path.with_name(path.name + ".lock")):
         return "hdf5"
     if path.is_file():  # an HDF5 file without its lock file (a copy, a read-only filesystem)
-        from .storage._files import open_regular
+        from .storage.files import open_regular
 
         try:
             fd = open_regular(path, follow=True)
@@ -304,8 +304,8 @@ def _storage_kind(path: Path):
 def _check_chunks(path: Path, meta: dict) -> None:
     """Every chunk file a memmap storage records: a regular file of at least its size."""
     from .errors import CorruptSnapshotError
-    from .storage._chunks import _Array
-    from .storage._files import open_regular
+    from .storage.chunks import _Array
+    from .storage.files import open_regular
 
     for name, rec in meta["arrays"].items():
         a = _Array(path, name, rec)
@@ -335,7 +335,7 @@ def _verify_storage(path: Path, kind: str) -> int:
         UncleanStorageError,
     )
     from .storage import open_storage
-    from .storage._files import FileLock
+    from .storage.files import FileLock
     from .core.statecheck import check_state
 
     lock = path / ".lock" if kind == "memmap" else path.with_name(path.name + ".lock")
@@ -346,8 +346,8 @@ def _verify_storage(path: Path, kind: str) -> int:
               "while it runs, so only a snapshot can be verified: save one (buf.save or Snapshots.save) "
               "and verify that")
         if kind == "memmap":  # what does not change while it runs: the record of its layout
-            from .storage._files import read_json
-            from .storage._state import check_arrays
+            from .storage.files import read_json
+            from .storage.state import check_arrays
 
             try:
                 meta = read_json(path / "meta.json")

@@ -22,9 +22,9 @@ from .errors import (
     PathExistsError,
     PathNotFoundError,
 )
-from .snapshot._manifest import MANIFEST, read_manifest
-from .snapshot._series import DEL_PREFIX, LEFTOVER, NAME, SnapshotInfo, seq_of, snapshot_info
-from .storage._files import fsync_dir, open_regular
+from .snapshot.manifest import MANIFEST, read_manifest
+from .snapshot.series import DEL_PREFIX, LEFTOVER, NAME, SnapshotInfo, seq_of, snapshot_info
+from .storage.files import fsync_dir, open_regular
 
 
 class Snapshots:

@@ -17,7 +17,7 @@ import pytest
 import bigper
 
 load = bigper.PrioritizedReplayBuffer.load
-from bigper.snapshot._manifest import MANIFEST, decode, digest, encode
+from bigper.snapshot.manifest import MANIFEST, decode, digest, encode
 
 from ._snapshot_cases import Stream, feed, make
 

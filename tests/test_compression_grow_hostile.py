@@ -19,7 +19,7 @@ import pytest
 
 import bigper
 from bigper.errors import CorruptSnapshotError, IncompatibleSnapshotError
-from bigper.snapshot._manifest import digest
+from bigper.snapshot.manifest import digest
 
 from ._hostile_snapshot_cases import fingerprint, put_state, refused, resign
 from .conftest import fill_disk

@@ -20,7 +20,7 @@ import pytest
 
 import bigper
 from bigper.errors import CorruptSnapshotError
-from bigper.snapshot._manifest import digest
+from bigper.snapshot.manifest import digest
 
 from .conftest import fill_disk
 from ._hostile_snapshot_cases import deadline, fingerprint, put_state, refused, resign

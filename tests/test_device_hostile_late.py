@@ -916,7 +916,7 @@ def _snap(tmp_path):
 def test_info_device_line_on_resigned_snapshot(tmp_path, capsys, fields):
     """A crafted (re-signed) snapshot manifest: ``bigper info``'s device line adds nothing or a line, never a traceback."""
     from bigper import cli
-    from bigper.snapshot import _manifest as M
+    from bigper.snapshot import manifest as M
 
     snap = _snap(tmp_path)
     body = M.decode((snap / "manifest.json").read_bytes(), snap)
@@ -934,7 +934,7 @@ def test_info_device_line_on_resigned_snapshot(tmp_path, capsys, fields):
                                      ("n_step", 4097), ("config", None)])
 def test_info_device_line_on_resigned_snapshot_sizes(tmp_path, capsys, key, val):
     from bigper import cli
-    from bigper.snapshot import _manifest as M
+    from bigper.snapshot import manifest as M
 
     snap = _snap(tmp_path)
     body = M.decode((snap / "manifest.json").read_bytes(), snap)

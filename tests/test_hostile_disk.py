@@ -21,7 +21,7 @@ from bigper.errors import CorruptSnapshotError
 from bigper.snapshot import verify
 
 load = bigper.PrioritizedReplayBuffer.load
-from bigper.snapshot._manifest import digest
+from bigper.snapshot.manifest import digest
 
 from ._hostile_snapshot_cases import deadline, fingerprint as _fingerprint, refused, resign, small
 from ._snapshot_cases import Stream, feed, make
@@ -162,7 +162,7 @@ def test_a_sparse_state_file_is_refused_in_process(tmp_path):
 def test_size_check_and_checksum_check_each_refuse_a_sparse_member(terabyte):
     """Both readers of a member check it: the size check that runs before any
     allocation, and the checksum read (a file swapped in between is caught)."""
-    from bigper.snapshot._manifest import check_file, member_sizes, read_manifest
+    from bigper.snapshot.manifest import check_file, member_sizes, read_manifest
 
     body = read_manifest(terabyte)
     item = ("data/obs.bin", body["files"]["data/obs.bin"])
@@ -185,7 +185,7 @@ MIB = 1 << 20
 def test_check_dense_on_real_files(tmp_path, size_mib, hole_mib, refused_):
     """The threshold: holes beyond both half the size and HOLE_SLACK are refused,
     whatever st_size claims; written bytes count as data."""
-    from bigper.storage._files import HOLE_SLACK, check_dense
+    from bigper.storage.files import HOLE_SLACK, check_dense
 
     assert HOLE_SLACK == 64 * MIB
     p = tmp_path / "f"

@@ -27,7 +27,7 @@ from bigper.errors import BigperError, InvalidTypeError
 from bigper.snapshot import verify
 
 load = bigper.PrioritizedReplayBuffer.load
-from bigper.snapshot._manifest import MANIFEST, decode, digest, encode
+from bigper.snapshot.manifest import MANIFEST, decode, digest, encode
 
 from ._snapshot_cases import Stream, feed, make
 from ._hostile_snapshot_cases import (

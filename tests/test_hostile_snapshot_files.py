@@ -24,7 +24,7 @@ from bigper.errors import InvalidArgumentError, InvalidTypeError, PathNotFoundEr
 from bigper.snapshot import verify
 
 load = bigper.PrioritizedReplayBuffer.load
-from bigper.snapshot._manifest import MANIFEST, decode
+from bigper.snapshot.manifest import MANIFEST, decode
 
 from ._snapshot_cases import Stream, feed, make
 from ._hostile_snapshot_cases import (

@@ -11,7 +11,7 @@ import pytest
 
 import bigper
 from bigper.snapshot import describe, verify
-from bigper.snapshot._inspect import format_description
+from bigper.snapshot.inspect import format_description
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"obs": ((3,), np.float32), "action": ((), np.int64)}

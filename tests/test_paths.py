@@ -91,7 +91,7 @@ def test_the_recorded_path_of_a_snapshot_is_the_one_opened(kind, tmp_path, monke
         _add(buf, 6, 0)
         monkeypatch.chdir(tmp_path / "run2")
         buf.save(tmp_path / "snap")
-    from bigper.snapshot._manifest import read_manifest
+    from bigper.snapshot.manifest import read_manifest
 
     recorded = read_manifest(tmp_path / "snap")["storage"]["path"]
     assert recorded == str(tmp_path / "run1" / _name(kind))

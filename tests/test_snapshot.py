@@ -19,7 +19,7 @@ from bigper import CorruptSnapshotError, IncompatibleSnapshotError, Snapshots, S
 from bigper.snapshot import verify
 
 load = bigper.PrioritizedReplayBuffer.load
-from bigper.snapshot._manifest import MANIFEST, decode, encode
+from bigper.snapshot.manifest import MANIFEST, decode, encode
 
 from ._snapshot_cases import (KINDS, Stream, assert_same_runs, assert_same_state, feed, learn, make,
                              tree_hash, where)
@@ -425,7 +425,7 @@ def test_verify_reports_inconsistent_bookkeeping(tmp_path):
         bio = __import__("io").BytesIO()
         np.save(bio, leaves, allow_pickle=False)
         (snap / "state" / "leaves.npy").write_bytes(bio.getvalue())
-        from bigper.snapshot._manifest import digest
+        from bigper.snapshot.manifest import digest
 
         body["files"]["state/leaves.npy"] = {"size": len(bio.getvalue()), "xxh3_64": digest(bio.getvalue())}
     _rewrite_manifest(snap, bad)

@@ -9,7 +9,7 @@ import pytest
 
 import bigper
 from bigper import StorageLockedError
-from bigper.storage._state import UncleanStorageError
+from bigper.storage.state import UncleanStorageError
 from ._storage_cases import AGENT_FIELDS, DISK, AgentPool, open_buffer, where
 
 

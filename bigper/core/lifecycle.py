@@ -17,7 +17,7 @@ import threading
 import weakref
 
 from ..errors import BigperError, BufferClosedError
-from ..storage._files import real_names
+from ..storage.files import real_names
 
 log: logging.Logger = logging.getLogger("bigper")
 

@@ -18,7 +18,7 @@ from ..errors import BigperError, IncompatibleSnapshotError, InvalidArgumentErro
 from ..frames.dictionaries import as_dictionary
 from ..frames.store import FrameStore, require_compression
 from ..storage import open_storage
-from ..storage._files import real_names
+from ..storage.files import real_names
 from .layout import allocate
 from .statecheck import check_state
 

@@ -53,7 +53,7 @@ from ..errors import (
     UncleanStorageError,
 )
 from ..snapshot import describe
-from ..storage._files import read_regular, write_durable
+from ..storage.files import read_regular, write_durable
 
 MANIFEST = "manifest.json"
 _SNAP = re.compile(r"^snap-\d{8}$")

@@ -1,21 +1,21 @@
 """Snapshots: crash-consistent save, verified load and exact resume.
 
 ``save(snapshot, config=, state=, storage=, summary=)`` writes a directory
-(format in ``_manifest.py``) through a temporary directory and one rename
+(format in ``manifest.py``) through a temporary directory and one rename
 (``_save.py``); ``load(snapshot, path=)`` checks every byte and gives back
 the parts a buffer is built of, taking over the live location
 (``_load.py``); ``verify`` and ``describe`` look without loading
-(``_inspect.py``). They take and give plain state (a config, named arrays, a
+(``inspect.py``). They take and give plain state (a config, named arrays, a
 storage), so the buffer's ``save``/``load`` call them directly; the numbered
 series with retention is ``bigper.Snapshots`` (``bigper/snapshots.py``).
 
 ``SnapshotInfo`` is imported with ``bigper``; the rest on first use.
 """
 
-from ._series import SnapshotInfo, snapshot_info
+from .series import SnapshotInfo, snapshot_info
 
-_LAZY = {"save": "_save", "load": "_load", "verify": "_inspect", "describe": "_inspect",
-         "FORMAT": "_manifest", "MAGIC": "_manifest"}
+_LAZY = {"save": "_save", "load": "_load", "verify": "inspect", "describe": "inspect",
+         "FORMAT": "manifest", "MAGIC": "manifest"}
 
 __all__ = ["FORMAT", "MAGIC", "SnapshotInfo", "describe", "load", "save", "snapshot_info", "verify"]
 

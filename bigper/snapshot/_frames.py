@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import BigperError
 from ..frames.store import FrameStore
-from ..storage._files import open_regular
+from ..storage.files import open_regular
 from ..storage.base import StorageBase
 
 

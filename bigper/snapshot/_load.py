@@ -44,8 +44,8 @@ from ..errors import (
 from ..core.layout import allocate, storage_growth, storage_specs
 from ..storage.base import fits_spec
 from ..core.statecheck import check_state
-from ..storage._state import npy_from_bytes
-from ._manifest import check_file, check_files, member_sizes, read_manifest
+from ..storage.state import npy_from_bytes
+from .manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of
 
 

@@ -48,10 +48,10 @@ from ..errors import (
     PathExistsError,
     PathNotFoundError,
 )
-from ..storage._chunks import chunk_name, chunk_rows_for
-from ..storage._files import fsync_dir, open_regular
-from ._manifest import _PART, FORMAT, MAGIC, MANIFEST, READ_BLOCK, digest, encode
-from ._series import TMP_PREFIX
+from ..storage.chunks import chunk_name, chunk_rows_for
+from ..storage.files import fsync_dir, open_regular
+from .manifest import _PART, FORMAT, MAGIC, MANIFEST, READ_BLOCK, digest, encode
+from .series import TMP_PREFIX
 
 METADATA_LIMIT = 1 << 20  # bytes of JSON; metadata is for counters and names, files for the rest
 

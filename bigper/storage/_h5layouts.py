@@ -20,7 +20,7 @@ import numpy as np
 
 from ..frames.dictionaries import DICT_LIMIT, MAX_DICTS
 from ..errors import OfflineDatasetError, StorageLockedError
-from ._files import open_regular, read_regular
+from .files import open_regular, read_regular
 from ._h5guard import check_row_bytes, check_rows
 from ._h5map import Column
 from ..status import DEAD, LIVE
@@ -294,7 +294,7 @@ class Layouts:
     def _open_bigper(self, f) -> None:
         import h5py
 
-        from ._state import check_meta
+        from .state import check_meta
         from .hdf5 import FORMAT, VERSION
 
         lock = self.file_path.with_name(self.file_path.name + ".lock")

@@ -49,7 +49,7 @@ from ..errors import (
     UncleanStorageError,
     UnknownFieldError,
 )
-from ._files import open_regular
+from .files import open_regular
 from .base import StorageBase, fits_spec
 from ._h5guard import check_links
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
+from .files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from .base import StorageBase, fits_spec
-from ._state import check_meta
+from .state import check_meta
 from ..errors import (
     CorruptSnapshotError,
     IncompatibleSnapshotError,

@@ -52,10 +52,10 @@ from ..errors import (
     PathExistsError,
     PathNotFoundError,
 )
-from ._chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
-from ._files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
+from .chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
+from .files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
 from .base import StorageBase, fits_spec
-from ._state import STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir, save_state_dir
+from .state import STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir, save_state_dir
 
 FORMAT = "bigper-memmap"
 VERSION = 1  # chunk files arrived before any release; one chunk is the original layout

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCOPE = ("bigper.buffer", "bigper.batch", "bigper.schedules", "bigper.snapshots",
-         "bigper.snapshot._series", "bigper.errors", "bigper.config", "bigper.storage.base",
+         "bigper.snapshot.series", "bigper.errors", "bigper.config", "bigper.storage.base",
          "bigper.prioritization.base", "bigper.distributed", "bigper.integrations")
 PUBLIC = ("bigper.Batch", "bigper.PrioritizedReplayBuffer", "bigper.LinearSchedule", "bigper.ConstantSchedule",
           "bigper.Snapshots", "bigper.SnapshotInfo")

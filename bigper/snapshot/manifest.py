@@ -47,7 +47,7 @@ from ..errors import (
     InvalidArgumentError,
     PathNotFoundError,
 )
-from ..storage._files import check_dense, open_regular
+from ..storage.files import check_dense, open_regular
 
 MAGIC = "bigper-snapshot"
 FORMAT = 1

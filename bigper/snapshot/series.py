@@ -10,7 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from ._manifest import read_manifest
+from .manifest import read_manifest
 
 NAME = re.compile(r"^snap-(\d{8,})$")
 TMP_PREFIX = ".tmp-"  # a save in progress (or interrupted): <parent>/.tmp-<name>-<pid>-<rand>

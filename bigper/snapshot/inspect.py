@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import BigperError, CorruptSnapshotError
 from ._frames import check_frames
 from ._load import _config, _state_arrays, inspect
-from ._manifest import check_files, read_manifest
+from .manifest import check_files, read_manifest
 from ..status import LIVE
 
 
