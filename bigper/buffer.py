@@ -561,15 +561,15 @@ class PrioritizedReplayBuffer:
             the real steps after the burn-in (``sequences.reduce_errors``).
         """
         self._check_writable("priorities")
-        idx, stamps, use, mask = update_target(target)
+        idx, stamps, use_stamps, mask = update_target(target)
         if is_device_tensor(priorities):
-            self._defer(idx, stamps, use, mask, priorities)
+            self._defer(idx, stamps, use_stamps, mask, priorities)
             return
         if self._deferred:
             self._settle()
-        self._update(idx, stamps, use, mask, priorities)
+        self._update(idx, stamps, use_stamps, mask, priorities)
 
-    def _defer(self, idx, stamps, use: bool, mask, priorities) -> None:
+    def _defer(self, idx, stamps, use_stamps: bool, mask, priorities) -> None:
         """Keep an update whose values are on a device: checked here as far as
         the host can without reading them, applied by ``_settle``."""
         n = idx.shape[0]
@@ -578,9 +578,9 @@ class PrioritizedReplayBuffer:
             raise InvalidArgumentError(f"priorities must have shape ({n},) to match the indices, got {shape}")
         if priorities.is_complex():
             raise InvalidTypeError(f"priorities must be real numbers, got dtype {priorities.dtype}")
-        self._unit.check_update(idx, stamps, use, mask, shape)
+        self._unit.check_update(idx, stamps, use_stamps, mask, shape)
         self._check_indices(idx)
-        self._deferred.push(idx.copy(), stamps.copy(), use, None if mask is None else np.array(mask), priorities)
+        self._deferred.push(idx.copy(), stamps.copy(), use_stamps, None if mask is None else np.array(mask), priorities)
 
     def _settle(self, keep: bool = False) -> None:
         """Apply the updates from device tensors, oldest first (waiting for
@@ -594,10 +594,10 @@ class PrioritizedReplayBuffer:
             else:
                 raise e
 
-    def _update(self, idx, stamps, use: bool, mask, priorities) -> None:
+    def _update(self, idx, stamps, use_stamps: bool, mask, priorities) -> None:
         unit = self._unit
-        p = unit.priorities(priorities, mask, idx, stamps, use)
-        top = self._prio.update(idx, p, stamps, use, self._gid, unit.status, unit.pending)
+        p = unit.priorities(priorities, mask, idx, stamps, use_stamps)
+        top = self._prio.update(idx, p, stamps, use_stamps, self._gid, unit.status, unit.pending)
         if top > self._max_leaf:
             self._max_leaf = top
 

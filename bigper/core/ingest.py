@@ -397,14 +397,14 @@ def as_priorities(x, n: int) -> np.ndarray:
 
 
 def update_target(target) -> tuple:
-    """``(indices, generations, use them, mask)`` of an ``update_priorities`` target."""
+    """``(indices, generations, use_stamps, mask)`` of an ``update_priorities`` target."""
     mask = None
     if isinstance(target, Batch):
-        idx, stamps, use, mask = target.indices, target.generations, True, target.mask
+        idx, stamps, use_stamps, mask = target.indices, target.generations, True, target.mask
     elif isinstance(target, TensorBatch) and target.host_target() is not None:
         # to_torch's dict as it gave it: its host copies (no read from the device), checked as any
         idx, stamps, mask = target.host_target()
-        idx, stamps, use = as_index(idx), as_index(stamps), True
+        idx, stamps, use_stamps = as_index(idx), as_index(stamps), True
         if stamps.shape != idx.shape:
             raise InvalidArgumentError(f"target.host['generations'] has shape {stamps.shape}, "
                                        f"expected {idx.shape} like its indices")
@@ -414,12 +414,12 @@ def update_target(target) -> tuple:
                                    f"Batch.to_torch() gives, or an index array (keys: {sorted(target)[:8]})")
         idx = as_index(target["indices"])
         gens = target.get("generations")
-        stamps, use = (idx, False) if gens is None else (as_index(gens), True)
-        if use and stamps.shape != idx.shape:
+        stamps, use_stamps = (idx, False) if gens is None else (as_index(gens), True)
+        if use_stamps and stamps.shape != idx.shape:
             raise InvalidArgumentError(f"target['generations'] has shape {stamps.shape}, "
                                        f"expected {idx.shape} like target['indices']")
         mask = target.get("mask")
     else:
         idx = as_index(target)
-        stamps, use = idx, False
-    return idx, stamps, use, mask
+        stamps, use_stamps = idx, False
+    return idx, stamps, use_stamps, mask

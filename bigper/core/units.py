@@ -67,10 +67,10 @@ class SampleUnit(Protocol):
     def priority_shapes(self, n: int) -> tuple:
         """The shapes ``update_priorities`` takes for ``n`` indices."""
 
-    def priorities(self, priorities, mask, idx, stamps, use: bool) -> np.ndarray:
+    def priorities(self, priorities, mask, idx, stamps, use_stamps: bool) -> np.ndarray:
         """``(n,)`` float64 priorities of the leaves at ``idx``, checked."""
 
-    def check_update(self, idx, stamps, use: bool, mask, shape: tuple) -> None:
+    def check_update(self, idx, stamps, use_stamps: bool, mask, shape: tuple) -> None:
         """What the host can check of an update whose values are on a device."""
 
     def state(self) -> dict:
@@ -145,10 +145,10 @@ class Transitions:
     def priority_shapes(self, n: int) -> tuple:
         return (n,), (n, 1)
 
-    def priorities(self, priorities, mask, idx, stamps, use) -> np.ndarray:
+    def priorities(self, priorities, mask, idx, stamps, use_stamps) -> np.ndarray:
         return as_priorities(priorities, idx.shape[0])
 
-    def check_update(self, idx, stamps, use, mask, shape) -> None:
+    def check_update(self, idx, stamps, use_stamps, mask, shape) -> None:
         pass
 
     def state(self) -> dict:
@@ -222,17 +222,17 @@ class Sequences:
     def priority_shapes(self, n: int) -> tuple:
         return (n,), (n, 1), (n, self.items.T), (n, self.items.length)
 
-    def priorities(self, priorities, mask, idx, stamps, use) -> np.ndarray:
+    def priorities(self, priorities, mask, idx, stamps, use_stamps) -> np.ndarray:
         n = idx.shape[0]
         p = self.items.reduce(priorities, mask, n)
         p = as_priorities(priorities if p is None else p, n)
-        self.items.check_starts(idx, stamps, use)
+        self.items.check_starts(idx, stamps, use_stamps)
         return p
 
-    def check_update(self, idx, stamps, use, mask, shape) -> None:
+    def check_update(self, idx, stamps, use_stamps, mask, shape) -> None:
         if shape[1:] not in ((), (1,)):  # the mask's checks, on stand-in values
             self.items.reduce(np.zeros(shape), None if mask is None else np.asarray(mask), idx.shape[0])
-        self.items.check_starts(idx, stamps, use)
+        self.items.check_starts(idx, stamps, use_stamps)
 
     def state(self) -> dict:
         return self.items.state()
