@@ -1029,6 +1029,65 @@ def test_a_storage_on_storage_base_alone_works_through_from_parts_and_its_defaul
     assert store.closed_with[0]["count"] == 25
 
 
+class DuckStorage:
+    """Only what the ``Storage`` protocol lists (no StorageBase): what a
+    reader of ``from_parts(config, store: Storage)`` would write."""
+
+    kind, read_only = "duck", False
+
+    def __init__(self):
+        self.d = {}
+
+    def open(self, config):
+        return None
+
+    def allocate(self, specs, growth=None):
+        self.d = {n: np.zeros((rows, *shape), dtype) for n, (rows, shape, dtype) in specs.items()}
+
+    def read(self, name, rows):
+        return self.d[name][rows]
+
+    def write(self, name, rows, values):
+        self.d[name][rows] = values
+
+    def flush(self):
+        pass
+
+    def close(self, state=None):
+        pass
+
+    def nbytes(self):
+        return 0
+
+
+@pytest.mark.xfail(strict=True, reason="from_parts(config, store: Storage) takes a storage that implements "
+                   "only the Storage protocol (not StorageBase) and the first add fails deep in the writer "
+                   "with AttributeError: 'DuckStorage' object has no attribute 'shared_chunks' (the core calls "
+                   "the optional members directly); expected a refusal at from_parts naming StorageBase")
+def test_from_parts_refuses_a_storage_without_storage_base_up_front():
+    cfg = PRB(CAP, F).config
+    store = DuckStorage()
+    allocate(store, cfg)
+    with pytest.raises(InvalidTypeError, match="StorageBase"):
+        buf = PRB.from_parts(cfg, store)
+        _fill(buf, 1)
+
+
+def test_a_storage_without_storage_base_fails_its_first_add_before_changing_anything():
+    cfg = PRB(CAP, F).config
+    store = DuckStorage()
+    allocate(store, cfg)
+    try:
+        buf = PRB.from_parts(cfg, store)
+    except InvalidTypeError:
+        return  # refused up front (the fix of the xfail above)
+    before, data = _state(buf), {k: v.copy() for k, v in store.d.items()}
+    with pytest.raises(AttributeError):
+        _fill(buf, 1)
+    _same_state(before, _state(buf))
+    _same_data(data, store.d)
+
+
 # -- compressed frames on the user's storage ------------------------------------------------------
 
 ZF = {"obs": ((4, 84, 84), np.uint8), "action": ((), np.int64), "reward": ((), np.float32)}
