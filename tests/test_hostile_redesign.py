@@ -418,6 +418,24 @@ def test_sample_at_refuses_a_bad_beta_and_changes_nothing(beta):
     _same_state(before, _state(buf))
 
 
+class _ClosesOnArray:
+    def __init__(self, buf, value):
+        self.buf, self.value = buf, value
+
+    def __array__(self, dtype=None, copy=None):
+        self.buf.close()
+        return np.asarray(self.value, dtype=dtype)
+
+
+def test_sample_at_targets_that_close_the_buffer_are_refused_with_why_and_change_nothing():
+    buf = _used()
+    before = _state(buf)
+    with pytest.raises(InvalidArgumentError, match=r"close\(\) was called from inside this buffer's own sample_at"):
+        buf.shard.sample_at(_ClosesOnArray(buf, [0.1, 0.2]), beta=0.4)
+    assert not buf.closed
+    _same_state(before, _state(buf))
+
+
 @pytest.mark.xfail(strict=True, reason="sample_at converts targets with np.ascontiguousarray(dtype=float64): "
                    "strings are parsed, complex numbers lose their imaginary part (a ComplexWarning), "
                    "objects raise a raw TypeError; as_priorities refuses dtypes outside 'fiub' with "
@@ -588,6 +606,23 @@ def test_a_view_from_a_second_thread_against_add_sample_update_save_and_close(tm
     with PRB(64, F, storage="memmap", path=tmp_path / "live", mode="resume") as back:
         assert back.shard.max_leaf >= raised[0] and len(back) == 64
     assert bigper.snapshot.verify(tmp_path / "snap30")["problems"] == []
+
+
+def test_view_calls_between_a_prefetching_samplers_draws_do_not_change_its_stream():
+    buf, twin = _used(), _used()
+    it, it2 = buf.sampler(4, prefetch=2), twin.sampler(4, prefetch=2)
+    view = buf.shard
+    for i in range(10):
+        view.sample_at(np.linspace(0, buf.total_priority, 7, endpoint=False), beta=0.5)
+        view.raise_max_leaf(1.0 + i)
+        assert view.min_leaf > 0
+        _same_batch(next(it), next(it2))
+    buf.close()
+    twin.close()
+    with pytest.raises(BufferClosedError):
+        next(it)
+    with pytest.raises(BufferClosedError):
+        view.max_leaf
 
 
 # -- deferred updates and the view -----------------------------------------------------------------
