@@ -52,7 +52,7 @@ from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
 from .storage.files import real_names
 from .schedules import ConstantSchedule, LinearSchedule, as_beta
-from .storage.base import Storage
+from .storage.base import Storage, StorageBase
 from .core.shardview import ShardView
 from .core.units import unit_for
 
@@ -219,6 +219,9 @@ class PrioritizedReplayBuffer:
         -------
         PrioritizedReplayBuffer
         """
+        if not isinstance(store, StorageBase):
+            raise InvalidTypeError(f"store must be a storage (a subclass of bigper.storage.base.StorageBase, which "
+                                   f"gives the optional calls their defaults), got {type(store).__name__}")
         buf = cls.__new__(cls)
         frames = FrameStore(config, store) if config.frame_stack else None
         if frames is not None:

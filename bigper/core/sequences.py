@@ -331,7 +331,8 @@ def reduce_errors(errors, mask, b: int, burn_in: int, length: int, eta: float):
     array (the usual ``(B,)`` checks then apply to it as it is)."""
     e = as_array(errors, "priorities")
     T = burn_in + length
-    if e.ndim != 2 or (e.shape[1] not in (T, length)) or (e.shape[1] == 1 and T == 1):
+    # (B, 1) is one value an item (with length 1 its one step after the burn-in is the start: the same).
+    if e.ndim != 2 or (e.shape[1] not in (T, length)) or e.shape[1] == 1:
         if e.ndim == 2 and e.shape[1] != 1:
             raise InvalidArgumentError(
                 f"priorities must have shape ({b},), ({b}, {T}) (every step) or ({b}, {length}) (the "

@@ -11,6 +11,7 @@ one of the buffer's public methods: under its lock, on an open buffer.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -37,12 +38,12 @@ class ShardView:
     @property
     def max_leaf(self) -> float:
         """The largest key so far: what a new transition enters with."""
-        return _max_leaf(self._buf)
+        return max_leaf(self._buf)
 
     @property
     def min_leaf(self) -> float:
         """Smallest non-zero key (``inf`` when nothing is sampleable)."""
-        return _min_leaf(self._buf)
+        return min_leaf(self._buf)
 
     def raise_max_leaf(self, value: float) -> None:
         """Let new transitions enter at ``value`` if it is larger (the largest
@@ -78,23 +79,29 @@ class ShardView:
 
 # The calls themselves, each run as the buffer's entry point (``self`` is the buffer).
 @entry_point
-def _max_leaf(self) -> float:
+def max_leaf(self) -> float:
     return self._ring.max_leaf
 
 
 @entry_point
-def _min_leaf(self) -> float:
+def min_leaf(self) -> float:
     return self._prio.min_key
 
 
 @entry_point
 def raise_max_leaf(self, value) -> None:
+    v = value.item() if getattr(value, "shape", None) == () and hasattr(value, "item") else value
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise InvalidTypeError(f"value must be a real number (a key), got {value!r:.80}")
     try:
-        v = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidTypeError(f"value must be a number, got {value!r}") from None
-    if not (v > 0 and v <= getattr(self._prio, "limit", np.inf) and v < np.inf):  # (rank has no limit)
-        raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r}")
+        v = float(v)
+    except OverflowError:  # an int past float's range
+        raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r:.80}") from None
+    prio, top = self._prio, getattr(self._prio, "limit", np.inf)  # (rank has no float limit)
+    if self.config.max_priority is not None:  # no priority gives a key above max_priority's
+        top = min(top, float(prio.keys(np.array([float(self.config.max_priority)]))[0]))
+    if not (0 < v <= top and v < np.inf):
+        raise InvalidArgumentError(f"value must be finite, > 0 and a valid key (at most {top!r}), got {value!r:.80}")
     self._ring.max_leaf = max(self._ring.max_leaf, v)
 
 
@@ -103,7 +110,10 @@ def sample_at(self, targets, beta) -> Batch:
     if not self._unit.shardable:
         raise InvalidArgumentError("sample_at is not available with sequence=... (sharded buffers "
                                    "do not serve sequences)")
-    t = np.ascontiguousarray(targets, dtype=np.float64)
+    t = np.asarray(targets)
+    if t.dtype.kind not in "fiu":
+        raise InvalidTypeError(f"targets must be real numbers, got dtype {t.dtype}")
+    t = np.ascontiguousarray(t, dtype=np.float64)
     if t.ndim != 1 or t.shape[0] < 1:
         raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
     prio = self._prio

@@ -29,6 +29,7 @@ from a recorded size before the recorded arrays are known to have it.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -148,6 +149,9 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     count = _int(meta, "count")
     _int(meta, "beta_step")
     top = _positive(meta, "max_leaf")
+    if cfg.prioritization == "proportional" and top > sys.float_info.max / c:
+        _bad(f"max_leaf {top!r} is above float max / capacity ({sys.float_info.max / c:.6g}): "
+             "a sum of capacity such leaves overflows")
     ended = meta.get("env_ended")
     if not isinstance(ended, list) or len(ended) != envs or not all(isinstance(e, bool) for e in ended):
         _bad(f"env_ended must be a list of {envs} bools, got {str(ended)[:80]}")

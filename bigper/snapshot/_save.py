@@ -364,6 +364,10 @@ def save(snapshot, *, config, state, storage, summary, metadata=None, files=None
             f"snapshots hold buffers on memory, memmap or hdf5 storage; this buffer's storage is "
             f"{kind!r} (a dataset opened in place is its own data, and reprioritize keeps its "
             "priorities in a sidecar beside it)")
+    if store.dsets is None and store.arrays is None:
+        raise InvalidArgumentError(
+            f"snapshots copy a storage's arrays (arrays, or an HDF5 file's dsets); this {kind} storage "
+            f"({type(store).__name__}) has neither, so it cannot be snapshotted (nothing was written)")
     target = Path(os.path.abspath(snapshot))
     if os.path.lexists(target):
         raise PathExistsError(f"snapshot {target} exists; snapshots are never overwritten "
