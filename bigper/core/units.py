@@ -49,8 +49,9 @@ class SampleUnit(Protocol):
         set the leaves they make sampleable and remove those they end (frames
         that expired included)."""
 
-    def committed(self, prio, rows: dict, g0: int, keys, valid, count: int) -> None:
-        """The same after ``write_rows`` set the per-step leaves in one call."""
+    def committed(self, prio, rows: dict, g0: int, keys, top: float, valid, count: int) -> None:
+        """The same after ``write_rows`` set the per-step leaves in one call
+        (``keys`` None: every row entered at ``top``, the largest key then)."""
 
     def batch(self, reader, idx, w, prob, out, fused: bool, stacks: bool) -> Batch:
         """The batch of the leaves at ``idx`` (``stacks=False``: frame stacks left for a device to rebuild)."""
@@ -127,7 +128,7 @@ class Transitions:
             if dead.shape[0]:
                 prio.remove(dead)
 
-    def committed(self, prio, rows, g0, keys, valid, count) -> None:
+    def committed(self, prio, rows, g0, keys, top, valid, count) -> None:
         pass  # write_rows set every leaf
 
     def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
@@ -189,9 +190,11 @@ class Sequences:
             frames.expire(count, self.ring.gid, self.ring.status)
         self.items.write(prio, g0, slots, ends, valid, keys, count, fused)
 
-    def committed(self, prio, rows, g0, keys, valid, count) -> None:
+    def committed(self, prio, rows, g0, keys, top, valid, count) -> None:
         # write_rows set the leaves per step: the items' tables and leaves replace them
-        m = keys.shape[0]
+        m = rows["terminated"].shape[0]
+        if keys is None:
+            keys = np.full(m, top)
         slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
         ring_rows(g0, self.cfg.capacity, rows["terminated"], rows["truncated"], slots, ends)
         self.items.write(prio, g0, slots, ends, valid, keys, count)

@@ -179,8 +179,7 @@ class Writer:
             if rw:
                 g0, top = self.ring.count, self.ring.max_leaf
                 self._write_one_call(rows, keys, valid, rw)
-                self.unit.committed(self.prio, rows, g0, np.full(m, top) if keys is None else keys, valid,
-                                    self.ring.count)
+                self.unit.committed(self.prio, rows, g0, keys, top, valid, self.ring.count)
                 return
         ended = rows["terminated"] | rows["truncated"]
         if valid is not None:
