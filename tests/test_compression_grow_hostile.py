@@ -21,6 +21,7 @@ import bigper
 from bigper.errors import CorruptSnapshotError, IncompatibleSnapshotError
 from bigper.snapshot._manifest import digest
 
+from ._child_batch import run_batch, selected
 from ._hostile_snapshot_cases import fingerprint, put_state, refused, resign
 from .conftest import fill_disk
 from .test_compression import Feed, check_all_live, check_sample, make, noise
@@ -323,13 +324,35 @@ LIVE_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def live_cases(request, tmp_path_factory):
+    """Every selected LIVE_CASES case's folder, made and broken as a case of its own, and
+    what resuming it printed: one child interpreter resumes them all, each case in its own
+    folder and reported apart (a child per case cost ~1.5 s of imports each)."""
+    prepared, errors = {}, {}
+    for case in selected(request, "test_live_folder_refused_on_resume", "case", sorted(LIVE_CASES)):
+        tmp = tmp_path_factory.mktemp(f"live-{case}")
+        try:
+            live, facts = _live_folder(tmp)
+            LIVE_CASES[case](live, facts)
+            prepared[case] = (tmp, live, facts, _prints(live) if case != "chunk_is_a_fifo" else None)
+        except Exception as e:  # noqa: BLE001 -- that case's test raises it
+            errors[case] = e
+    results = run_batch(_RESUME, {case: [tmp] for case, (tmp, *_) in prepared.items()}, env=_env(), cwd=ROOT,
+                        timeout=120)
+    return prepared, errors, results
+
+
 @pytest.mark.parametrize("case", sorted(LIVE_CASES))
-def test_live_folder_refused_on_resume(case, tmp_path):
-    live, facts = _live_folder(tmp_path)
+def test_live_folder_refused_on_resume(case, live_cases):
+    prepared, errors, results = live_cases
+    if case in errors:
+        raise errors[case]
+    tmp, live, facts, before = prepared[case]
     assert facts["slots"] > 3 and facts["live_slots"][-1] > 0
-    LIVE_CASES[case](live, facts)
-    before = _prints(live) if case != "chunk_is_a_fifo" else None
-    out = _resume(tmp_path)
+    r = results[case]
+    assert r.returncode == 0, f"resume crashed (rc {r.returncode}, timed out {r.timed_out}): {r.stderr[-2000:]}"
+    out = r.stdout
     assert out.startswith("REFUSED"), out
     if before is not None:
         assert _prints(live) == before
