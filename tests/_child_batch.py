@@ -149,3 +149,42 @@ def selected(request, test_name: str, argname: str, values) -> list:
               if getattr(item, "originalname", None) == test_name and getattr(item, "module", None) is request.module
               and argname in getattr(getattr(item, "callspec", None), "params", {})}
     return [v for v in values if v in chosen]
+
+
+# ``python -m bigper ARGS...`` as a batch script: the same __main__ run as -m runs it.
+BIGPER_CLI = "import runpy\nrunpy.run_module('bigper', run_name='__main__', alter_sys=True)\n"
+
+
+class Batch:
+    """What ``prepare_and_run`` made and what its child runs said, per case."""
+
+    def __init__(self, prepared: dict, errors: dict, results: dict[str, CaseResult]):
+        self.prepared, self.errors, self.results = prepared, errors, results
+
+    def case(self, case):
+        """What ``prepare`` returned for ``case`` (its exception, raised, where it failed)."""
+        if case in self.errors:
+            raise self.errors[case]
+        return self.prepared[case]
+
+    def result(self, case, call: str = "") -> CaseResult:
+        self.case(case)
+        return self.results[f"{case}.{call}" if call else str(case)]
+
+
+def prepare_and_run(request, tmp_path_factory, test_name: str, argname: str, values, prepare, calls,
+                    script: str = BIGPER_CLI, **kw) -> Batch:
+    """For a module-scoped fixture of a test parametrized over ``argname``: ``prepare(value, tmp)``
+    each selected value in a fresh folder of its own (as the test did in its ``tmp_path``), then
+    run every ``calls(value, prepared) -> {call name: argv}`` in one batch of children, in order."""
+    prepared, errors = {}, {}
+    for v in selected(request, test_name, argname, values):
+        try:
+            prepared[v] = prepare(v, tmp_path_factory.mktemp(f"{test_name[:40]}-{v}"))
+        except Exception as e:  # noqa: BLE001 -- raised by that case's test
+            errors[v] = e
+    runs = {}
+    for v, p in prepared.items():
+        for call, argv in calls(v, p).items():
+            runs[f"{v}.{call}" if call else str(v)] = argv
+    return Batch(prepared, errors, run_batch(script, runs, **kw) if runs else {})

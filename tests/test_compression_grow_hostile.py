@@ -21,7 +21,7 @@ import bigper
 from bigper.errors import CorruptSnapshotError, IncompatibleSnapshotError
 from bigper.snapshot._manifest import digest
 
-from ._child_batch import run_batch, selected
+from ._child_batch import prepare_and_run, run_batch, selected
 from ._hostile_snapshot_cases import fingerprint, put_state, refused, resign
 from .conftest import fill_disk
 from .test_compression import Feed, check_all_live, check_sample, make, noise
@@ -778,8 +778,7 @@ def test_overwrite_of_a_grown_folder_leaves_no_stale_segment_files(tmp_path):
 
 # -- 9. bigper verify on a crafted grown snapshot -------------------------------------------
 
-@pytest.mark.parametrize("case", ["seg_lo", "slot", "rows"])
-def test_verify_cli_refuses_a_crafted_grown_snapshot(case, tmp_path):
+def _crafted_for_verify(case, tmp_path):
     snap, facts = grown("memory", tmp_path)
     if case == "seg_lo":
         _meta(snap, seg_lo=facts["g"] + 1)
@@ -787,9 +786,21 @@ def test_verify_cli_refuses_a_crafted_grown_snapshot(case, tmp_path):
         put_state(snap, "frames_seg_slot", _slot(facts, SLOT_CASES["duplicate"]))
     else:
         _log_rows(snap, (facts["slots"] - 1) * facts["seg_rows"], facts)
-    r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
-                       env=_env(), timeout=120)
-    assert r.returncode not in (0, -11, -7) and r.returncode > 0, (r.returncode, r.stdout, r.stderr[-1500:])
+    return snap
+
+
+@pytest.fixture(scope="module")
+def verify_crafted(request, tmp_path_factory):
+    """Each case's crafted snapshot and its ``bigper verify``, all in one child (a batch)."""
+    return prepare_and_run(request, tmp_path_factory, "test_verify_cli_refuses_a_crafted_grown_snapshot", "case",
+                           ["seg_lo", "slot", "rows"], _crafted_for_verify,
+                           lambda case, snap: {"": ["verify", snap]}, env=_env(), timeout=120)
+
+
+@pytest.mark.parametrize("case", ["seg_lo", "slot", "rows"])
+def test_verify_cli_refuses_a_crafted_grown_snapshot(case, verify_crafted):
+    r = verify_crafted.result(case)
+    assert r.returncode not in (0, -11, -7, None) and r.returncode > 0, (r.returncode, r.stdout, r.stderr[-1500:])
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
@@ -938,14 +949,27 @@ INFO_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(INFO_CASES))
-def test_info_and_verify_on_crafted_grown_snapshots_say_a_line(case, tmp_path):
+def _crafted_for_info(case, tmp_path):
     snap, facts = grown("memory", tmp_path)
     INFO_CASES[case](snap, facts)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def info_crafted(request, tmp_path_factory):
+    """Each case's crafted snapshot, then ``bigper info`` and ``bigper verify`` of it, all in one child."""
+    return prepare_and_run(request, tmp_path_factory, "test_info_and_verify_on_crafted_grown_snapshots_say_a_line",
+                           "case", sorted(INFO_CASES), _crafted_for_info,
+                           lambda case, snap: {cmd: [cmd, snap] for cmd in ("info", "verify")}, env=_env(),
+                           timeout=120)
+
+
+@pytest.mark.parametrize("case", sorted(INFO_CASES))
+def test_info_and_verify_on_crafted_grown_snapshots_say_a_line(case, info_crafted):
     for cmd in ("info", "verify"):
-        r = subprocess.run([sys.executable, "-m", "bigper", cmd, str(snap)], capture_output=True, text=True,
-                           env=_env(), timeout=120)
-        assert r.returncode >= 0 and "Traceback" not in r.stderr, (cmd, r.returncode, r.stderr[-2000:])
+        r = info_crafted.result(case, cmd)
+        assert r.returncode is not None and r.returncode >= 0 and "Traceback" not in r.stderr, (
+            cmd, r.returncode, r.timed_out, r.stderr[-2000:])
         if cmd == "verify":
             assert r.returncode != 0, (r.stdout, r.stderr)
 
@@ -1049,13 +1073,25 @@ def test_load_of_a_grown_snapshot_onto_a_full_disk(leave, tmp_path, small_tmpfs)
     assert fingerprint(snap) == before
 
 
-@pytest.mark.parametrize("case", sorted(MM_CASES))
-def test_verify_cli_on_memmap_snapshot_log_files(case, tmp_path):
+def _crafted_log_files(case, tmp_path):
     snap, facts = grown("memmap", tmp_path)
     _flog(snap, MM_CASES[case])
-    r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
-                       env=_env(), timeout=120)
-    assert r.returncode > 0 and "Traceback" not in r.stderr, (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
+    return snap
+
+
+@pytest.fixture(scope="module")
+def verify_log_files(request, tmp_path_factory):
+    """Each case's snapshot with crafted log files and its ``bigper verify``, all in one child."""
+    return prepare_and_run(request, tmp_path_factory, "test_verify_cli_on_memmap_snapshot_log_files", "case",
+                           sorted(MM_CASES), _crafted_log_files, lambda case, snap: {"": ["verify", snap]},
+                           env=_env(), timeout=120)
+
+
+@pytest.mark.parametrize("case", sorted(MM_CASES))
+def test_verify_cli_on_memmap_snapshot_log_files(case, verify_log_files):
+    r = verify_log_files.result(case)
+    assert r.returncode is not None and r.returncode > 0 and "Traceback" not in r.stderr, (
+        r.returncode, r.timed_out, r.stdout[-1000:], r.stderr[-2000:])
 
 
 def test_read_only_open_of_a_grown_folder_is_exact_and_refuses_adds(tmp_path):
