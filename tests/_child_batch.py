@@ -1,8 +1,11 @@
 """Many child-interpreter cases in one child: the same script run once per case
-(its own ``sys.argv``, fresh globals, ``SystemExit`` as its exit status), each
-case's stdout and stderr kept apart, so that a test asserts on each case as if
-it had run in a fresh ``python -c SCRIPT ARGS...`` -- without paying an
-interpreter start and the imports of bigper, numba and the tests once per case.
+(its own ``sys.argv``, fresh globals, ``SystemExit`` as its exit status, and
+then what the exit would do: bigper's exit handler closes the buffers still
+open, open HDF5 files are closed; a script's ``after_exit()``, if it defines
+one, runs after that), each case's stdout and stderr kept apart, so that a
+test asserts on each case as if it had run in a fresh ``python -c SCRIPT
+ARGS...`` -- without paying an interpreter start and the imports of bigper,
+numba and the tests once per case.
 
 A case that crashes the child (a signal, ``os._exit``) or runs past ``timeout``
 is reported as that case's result (``returncode`` the child's, or None with
@@ -33,6 +36,21 @@ cases = json.load(open(cases_path))
 cwd, filters, argv0 = os.getcwd(), warnings.filters[:], sys.argv[0]
 
 
+def exit_like():
+    # What the interpreter's exit would do to what the case left open: the bigper buffers
+    # still open closed by bigper's own exit handler, HDF5 files still open closed.
+    import gc
+    gc.collect()
+    lifecycle = sys.modules.get("bigper._lifecycle")
+    if lifecycle is not None:
+        lifecycle._close_all_at_exit()
+    h5py = sys.modules.get("h5py")
+    if h5py is not None:
+        for fid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
+            h5py.File(fid).close()
+    gc.collect()
+
+
 def mark(what, name):
     for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
         stream.flush()
@@ -52,8 +70,9 @@ for name, argv in cases:
     sys.argv = [argv0, *argv]
     mark("BEGIN", name)
     rc = 0
+    g = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+        exec(code, g)
     except SystemExit as e:
         rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, (int, type(None))):
@@ -61,6 +80,14 @@ for name, argv in cases:
     except BaseException:
         traceback.print_exc()
         rc = 1
+    try:
+        exit_like()
+        if callable(g.get("after_exit")):  # the script's own check, after what its exit would have done
+            g["after_exit"]()
+    except BaseException:
+        traceback.print_exc()
+        rc = rc or 1
+    del g
     mark(f"END{rc}", name)
 """
 
