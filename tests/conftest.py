@@ -40,7 +40,7 @@ def fill_disk(path) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` (pyproject's addopts run the suite on 2 workers): each file on one
+    """``--dist loadfile`` (``./run.sh test`` runs the suite on 2 xdist workers): each file on one
     worker, so a module-scoped fixture (a Ray instance, a recording, a batch of child runs)
     is made once, and the Ray files on the same worker, so they share its local instance
     (tests/_ray_local.py) instead of each worker starting its own. Other --dist: xdist's own."""
