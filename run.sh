@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that sets everything up itself on a fresh machine with Python >= 3.10:
 #   ./run.sh demo [ARGS]   the main job (bigper demo)
-#   ./run.sh test [ARGS]   the test suite (pytest)
+#   ./run.sh test [ARGS]   the test suite (pytest, on 2 workers)
 #   ./run.sh bigper ARGS   any bigper command (bench, info, verify, ...)
 #   ./run.sh docs          the documentation site into docs/_build/html (warnings are errors),
 #                          its local links checked, and the public API's types (pyright --verifytypes)
@@ -37,7 +37,9 @@ install() {  # $1: the extras; skipped when they were installed already from thi
 
 case "$cmd" in
   demo)   install "torch,atari";         exec "$venv/bin/bigper" demo "$@" ;;
-  test)   install "torch,atari,ray,dev,compression";  cd "$here"; exec "$venv/bin/python" -m pytest "$@" ;;
+  # two pytest-xdist workers, each test file whole on one (tests/conftest.py); -n 0 after it: one process
+  test)   install "torch,atari,ray,dev,compression";  cd "$here"
+          exec "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@" ;;
   bigper) install "torch,atari,dev";      exec "$venv/bin/bigper" "$@" ;;
   docs)   install "torch,atari,ray,sb3,sb3-contrib,docs"; cd "$here"
           rm -rf docs/_build

@@ -36,3 +36,21 @@ def fill_disk(path) -> None:
                     f.write(b"\0" * size)
             except OSError:
                 pass
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (``./run.sh test`` runs the suite on 2 xdist workers): each file on one
+    worker, so a module-scoped fixture (a Ray instance, a recording, a batch of child runs)
+    is made once, and the Ray files on the same worker, so they share its local instance
+    (tests/_ray_local.py) instead of each worker starting its own. Other --dist: xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileRayTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/test_ray*" if os.path.basename(path).startswith("test_ray") else path
+
+    return LoadFileRayTogether(config, log)

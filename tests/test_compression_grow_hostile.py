@@ -21,6 +21,7 @@ import bigper
 from bigper.errors import CorruptSnapshotError, IncompatibleSnapshotError
 from bigper.snapshot.manifest import digest
 
+from ._child_batch import prepare_and_run, run_batch, selected
 from ._hostile_snapshot_cases import fingerprint, put_state, refused, resign
 from .conftest import fill_disk
 from .test_compression import Feed, check_all_live, check_sample, make, noise
@@ -323,13 +324,35 @@ LIVE_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def live_cases(request, tmp_path_factory):
+    """Every selected LIVE_CASES case's folder, made and broken as a case of its own, and
+    what resuming it printed: one child interpreter resumes them all, each case in its own
+    folder and reported apart (a child per case cost ~1.5 s of imports each)."""
+    prepared, errors = {}, {}
+    for case in selected(request, "test_live_folder_refused_on_resume", "case", sorted(LIVE_CASES)):
+        tmp = tmp_path_factory.mktemp(f"live-{case}")
+        try:
+            live, facts = _live_folder(tmp)
+            LIVE_CASES[case](live, facts)
+            prepared[case] = (tmp, live, facts, _prints(live) if case != "chunk_is_a_fifo" else None)
+        except Exception as e:  # noqa: BLE001 -- that case's test raises it
+            errors[case] = e
+    results = run_batch(_RESUME, {case: [tmp] for case, (tmp, *_) in prepared.items()}, env=_env(), cwd=ROOT,
+                        timeout=120)
+    return prepared, errors, results
+
+
 @pytest.mark.parametrize("case", sorted(LIVE_CASES))
-def test_live_folder_refused_on_resume(case, tmp_path):
-    live, facts = _live_folder(tmp_path)
+def test_live_folder_refused_on_resume(case, live_cases):
+    prepared, errors, results = live_cases
+    if case in errors:
+        raise errors[case]
+    tmp, live, facts, before = prepared[case]
     assert facts["slots"] > 3 and facts["live_slots"][-1] > 0
-    LIVE_CASES[case](live, facts)
-    before = _prints(live) if case != "chunk_is_a_fifo" else None
-    out = _resume(tmp_path)
+    r = results[case]
+    assert r.returncode == 0, f"resume crashed (rc {r.returncode}, timed out {r.timed_out}): {r.stderr[-2000:]}"
+    out = r.stdout
     assert out.startswith("REFUSED"), out
     if before is not None:
         assert _prints(live) == before
@@ -755,8 +778,7 @@ def test_overwrite_of_a_grown_folder_leaves_no_stale_segment_files(tmp_path):
 
 # -- 9. bigper verify on a crafted grown snapshot -------------------------------------------
 
-@pytest.mark.parametrize("case", ["seg_lo", "slot", "rows"])
-def test_verify_cli_refuses_a_crafted_grown_snapshot(case, tmp_path):
+def _crafted_for_verify(case, tmp_path):
     snap, facts = grown("memory", tmp_path)
     if case == "seg_lo":
         _meta(snap, seg_lo=facts["g"] + 1)
@@ -764,9 +786,21 @@ def test_verify_cli_refuses_a_crafted_grown_snapshot(case, tmp_path):
         put_state(snap, "frames_seg_slot", _slot(facts, SLOT_CASES["duplicate"]))
     else:
         _log_rows(snap, (facts["slots"] - 1) * facts["seg_rows"], facts)
-    r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
-                       env=_env(), timeout=120)
-    assert r.returncode not in (0, -11, -7) and r.returncode > 0, (r.returncode, r.stdout, r.stderr[-1500:])
+    return snap
+
+
+@pytest.fixture(scope="module")
+def verify_crafted(request, tmp_path_factory):
+    """Each case's crafted snapshot and its ``bigper verify``, all in one child (a batch)."""
+    return prepare_and_run(request, tmp_path_factory, "test_verify_cli_refuses_a_crafted_grown_snapshot", "case",
+                           ["seg_lo", "slot", "rows"], _crafted_for_verify,
+                           lambda case, snap: {"": ["verify", snap]}, env=_env(), timeout=120)
+
+
+@pytest.mark.parametrize("case", ["seg_lo", "slot", "rows"])
+def test_verify_cli_refuses_a_crafted_grown_snapshot(case, verify_crafted):
+    r = verify_crafted.result(case)
+    assert r.returncode not in (0, -11, -7, None) and r.returncode > 0, (r.returncode, r.stdout, r.stderr[-1500:])
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
@@ -915,14 +949,27 @@ INFO_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(INFO_CASES))
-def test_info_and_verify_on_crafted_grown_snapshots_say_a_line(case, tmp_path):
+def _crafted_for_info(case, tmp_path):
     snap, facts = grown("memory", tmp_path)
     INFO_CASES[case](snap, facts)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def info_crafted(request, tmp_path_factory):
+    """Each case's crafted snapshot, then ``bigper info`` and ``bigper verify`` of it, all in one child."""
+    return prepare_and_run(request, tmp_path_factory, "test_info_and_verify_on_crafted_grown_snapshots_say_a_line",
+                           "case", sorted(INFO_CASES), _crafted_for_info,
+                           lambda case, snap: {cmd: [cmd, snap] for cmd in ("info", "verify")}, env=_env(),
+                           timeout=120)
+
+
+@pytest.mark.parametrize("case", sorted(INFO_CASES))
+def test_info_and_verify_on_crafted_grown_snapshots_say_a_line(case, info_crafted):
     for cmd in ("info", "verify"):
-        r = subprocess.run([sys.executable, "-m", "bigper", cmd, str(snap)], capture_output=True, text=True,
-                           env=_env(), timeout=120)
-        assert r.returncode >= 0 and "Traceback" not in r.stderr, (cmd, r.returncode, r.stderr[-2000:])
+        r = info_crafted.result(case, cmd)
+        assert r.returncode is not None and r.returncode >= 0 and "Traceback" not in r.stderr, (
+            cmd, r.returncode, r.timed_out, r.stderr[-2000:])
         if cmd == "verify":
             assert r.returncode != 0, (r.stdout, r.stderr)
 
@@ -1026,13 +1073,25 @@ def test_load_of_a_grown_snapshot_onto_a_full_disk(leave, tmp_path, small_tmpfs)
     assert fingerprint(snap) == before
 
 
-@pytest.mark.parametrize("case", sorted(MM_CASES))
-def test_verify_cli_on_memmap_snapshot_log_files(case, tmp_path):
+def _crafted_log_files(case, tmp_path):
     snap, facts = grown("memmap", tmp_path)
     _flog(snap, MM_CASES[case])
-    r = subprocess.run([sys.executable, "-m", "bigper", "verify", str(snap)], capture_output=True, text=True,
-                       env=_env(), timeout=120)
-    assert r.returncode > 0 and "Traceback" not in r.stderr, (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
+    return snap
+
+
+@pytest.fixture(scope="module")
+def verify_log_files(request, tmp_path_factory):
+    """Each case's snapshot with crafted log files and its ``bigper verify``, all in one child."""
+    return prepare_and_run(request, tmp_path_factory, "test_verify_cli_on_memmap_snapshot_log_files", "case",
+                           sorted(MM_CASES), _crafted_log_files, lambda case, snap: {"": ["verify", snap]},
+                           env=_env(), timeout=120)
+
+
+@pytest.mark.parametrize("case", sorted(MM_CASES))
+def test_verify_cli_on_memmap_snapshot_log_files(case, verify_log_files):
+    r = verify_log_files.result(case)
+    assert r.returncode is not None and r.returncode > 0 and "Traceback" not in r.stderr, (
+        r.returncode, r.timed_out, r.stdout[-1000:], r.stderr[-2000:])
 
 
 def test_read_only_open_of_a_grown_folder_is_exact_and_refuses_adds(tmp_path):

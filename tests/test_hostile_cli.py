@@ -4,11 +4,17 @@ that is missing, a FIFO, a symlink loop, a dangling symlink, a directory
 where a file belongs, a file of random bytes, a truncated snapshot, a file
 it cannot read, with one line on stderr naming it and an exit status (2 for
 a path it cannot use; 1 where ``info``/``verify`` document "corrupt"),
-never a traceback or a hang, and with every file left as it was."""
+never a traceback or a hang, and with every file left as it was.
+
+The calls on the shared ``world`` run in one child interpreter between them
+(tests/_child_batch.py: each call its own ``python -m bigper`` run, reported
+apart, with the world's fingerprint right before it and right after what its
+exit does); the others each in a child of their own."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -18,6 +24,7 @@ import h5py
 import numpy as np
 import pytest
 
+from ._child_batch import run_batch
 from ._hostile_snapshot_cases import fingerprint
 from ._snapshot_cases import Stream, feed, make
 
@@ -78,85 +85,149 @@ def world(tmp_path_factory):
 
 
 BAD = ["missing", "fifo", "loop1", "dangling", "emptydir", "random.bin"]
+NO_SIDECAR = ["userdir", "ds.h5", "fifo", "loop1", "dangling", "random.bin"]
+BAD_RUN_DIR = ["fifo", "loop1", "dangling", "random.bin", "random.bin/sub", "userdir"]
+BAD_BENCH_DIR = ["fifo", "loop1", "dangling", "random.bin"]
+
+# Every call on ``world`` of the tests below: (test, its parameters) -> (argv, timeout).
+WORLD_CALLS = {
+    ("info_dangling_in_data",): (lambda w: ["info", w / "mm-dangling"], 60),
+    **{("no_sidecar", bad): (lambda w, bad=bad: [
+        "reprioritize", w / "ds.h5", "--score", f"{w / 'score.py'}:score", "--priorities", w / bad, "--no-progress"],
+        60) for bad in NO_SIDECAR},
+    **{("info", bad): (lambda w, bad=bad: ["info", w / bad], 60) for bad in BAD},
+    **{("verify", bad): (lambda w, bad=bad: ["verify", w / bad], 60) for bad in BAD},
+    **{("truncated", command): (lambda w, command=command: [command, w / "truncated"], 60)
+       for command in ["info", "verify"]},
+    **{("reprioritize", bad, where): (lambda w, bad=bad, where=where: [
+        "reprioritize", w / bad if where == "dataset" else w / "ds.h5",
+        "--score", f"{w / 'score.py'}:score" if where == "dataset" else f"{w / bad}:score", "--no-progress"], 60)
+       for bad in BAD for where in ["dataset", "score"]},
+    **{("demo", bad): (lambda w, bad=bad: [
+        "demo", "--path", w / bad, "--steps", "10", "--capacity", "1000", "--no-progress"], 120)
+       for bad in BAD_RUN_DIR},
+    **{("bench", bad): (lambda w, bad=bad: ["bench", "snapshot", "--dir", w / bad], 120) for bad in BAD_BENCH_DIR},
+}
+
+# ``python -m bigper ARGS`` with ``world``'s fingerprint taken right before the call and
+# right after what its exit does (pickled to a file of the parent's).
+WORLD_CLI = """
+import pickle, runpy, sys
+from tests._hostile_snapshot_cases import fingerprint
+world, prints = sys.argv[1], sys.argv[2]
+del sys.argv[1:3]
+before = fingerprint(world)
 
 
-def test_info_on_a_storage_with_a_dangling_symlink_in_data(world):
-    before = fingerprint(world)
-    r = cli("info", world / "mm-dangling")
+def after_exit():
+    with open(prints, "wb") as f:
+        pickle.dump((before, fingerprint(world)), f)
+
+
+runpy.run_module("bigper", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def world_cli(world, tmp_path_factory):
+    """Every call of WORLD_CALLS, run by one child interpreter (a batch: each call reported
+    apart, a hang or a crash ends only its own call): key -> (result, world's fingerprint
+    before and after the call)."""
+    prints = tmp_path_factory.mktemp("prints")
+    names = {key: "-".join(key).replace("/", "_") for key in WORLD_CALLS}
+    world_before = fingerprint(world)
+    results = {}
+    for timeout in sorted({t for _, t in WORLD_CALLS.values()}):
+        results.update(run_batch(WORLD_CLI, {names[k]: [world, prints / names[k], *argv(world)]
+                                             for k, (argv, t) in WORLD_CALLS.items() if t == timeout},
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=timeout))
+    world_after = fingerprint(world)
+    out = {}
+    for key, name in names.items():
+        f = prints / name
+        out[key] = (results[name], pickle.loads(f.read_bytes()) if f.exists() else None)
+    return out, world_before, world_after
+
+
+def world_call(world_cli, *key):
+    """The result of the batched call ``key``, checked as ``cli`` checks a call; the world's
+    fingerprints right before and after it (the exit's effects included)."""
+    calls, world_before, world_after = world_cli
+    r, prints = calls[key]
+    argv, timeout = WORLD_CALLS[key]
+    if r.timed_out:
+        pytest.fail(f"bigper {' '.join(map(str, argv(Path('WORLD'))))} still ran after {timeout} s (a hang)")
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    assert prints is not None, (r.returncode, r.stdout, r.stderr)
+    assert world_after == world_before  # and the whole batch changed nothing either
+    return r, prints
+
+
+def test_info_on_a_storage_with_a_dangling_symlink_in_data(world_cli):
+    r, (before, after) = world_call(world_cli, "info_dangling_in_data")
     assert r.returncode == 0, r.stderr
     assert "capacity 16" in r.stdout and "zz.bin" in r.stdout  # the stray entry is named, not followed
-    assert fingerprint(world) == before
+    assert after == before
 
 
-@pytest.mark.parametrize("bad", ["userdir", "ds.h5", "fifo", "loop1", "dangling", "random.bin"])
-def test_reprioritize_priorities_that_are_no_sidecar(world, bad):
-    before = fingerprint(world)
-    r = cli("reprioritize", world / "ds.h5", "--score", f"{world / 'score.py'}:score",
-            "--priorities", world / bad, "--no-progress")
+@pytest.mark.parametrize("bad", NO_SIDECAR)
+def test_reprioritize_priorities_that_are_no_sidecar(world, world_cli, bad):
+    r, (before, after) = world_call(world_cli, "no_sidecar", bad)
     assert r.returncode == 2, r.stdout + r.stderr
     one_line(r, world / bad)
-    assert fingerprint(world) == before
+    assert after == before
 
 
 @pytest.mark.parametrize("bad", BAD)
-def test_info_on_a_bad_path(world, bad):
-    before = fingerprint(world)
-    r = cli("info", world / bad)
+def test_info_on_a_bad_path(world, world_cli, bad):
+    r, (before, after) = world_call(world_cli, "info", bad)
     assert r.returncode == 2, r.stdout + r.stderr
     one_line(r, world / bad)
-    assert fingerprint(world) == before
+    assert after == before
 
 
 @pytest.mark.parametrize("bad", BAD)
-def test_verify_on_a_bad_path(world, bad):
-    before = fingerprint(world)
-    r = cli("verify", world / bad)
+def test_verify_on_a_bad_path(world, world_cli, bad):
+    r, (before, after) = world_call(world_cli, "verify", bad)
     if bad == "emptydir":  # a directory is an incomplete snapshot: verify's documented "corrupt"
         assert r.returncode == 1 and r.stdout.startswith("CORRUPT"), r.stdout + r.stderr
     else:
         assert r.returncode == 2, r.stdout + r.stderr
         assert str(world / bad) in r.stdout + r.stderr
-    assert fingerprint(world) == before
+    assert after == before
 
 
 @pytest.mark.parametrize("command", ["info", "verify"])
-def test_a_truncated_snapshot_is_corrupt(world, command):
-    before = fingerprint(world)
-    r = cli(command, world / "truncated")
+def test_a_truncated_snapshot_is_corrupt(world_cli, command):
+    r, (before, after) = world_call(world_cli, "truncated", command)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "manifest.json" in r.stdout + r.stderr
-    assert fingerprint(world) == before
+    assert after == before
 
 
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("where", ["dataset", "score"])
-def test_reprioritize_on_a_bad_path(world, bad, where):
-    before = fingerprint(world)
-    dataset = world / bad if where == "dataset" else world / "ds.h5"
-    score = f"{world / 'score.py'}:score" if where == "dataset" else f"{world / bad}:score"
-    r = cli("reprioritize", dataset, "--score", score, "--no-progress")
+def test_reprioritize_on_a_bad_path(world, world_cli, bad, where):
+    r, (before, after) = world_call(world_cli, "reprioritize", bad, where)  # (WORLD_CALLS: the call)
     assert r.returncode == 2, r.stdout + r.stderr
     one_line(r, world / bad)
-    assert fingerprint(world) == before
+    assert after == before
 
 
-@pytest.mark.parametrize("bad", ["fifo", "loop1", "dangling", "random.bin", "random.bin/sub", "userdir"])
-def test_demo_on_a_bad_run_directory(world, bad):
-    before = fingerprint(world)
-    r = cli("demo", "--path", world / bad, "--steps", "10", "--capacity", "1000", "--no-progress",
-            timeout=120)
+@pytest.mark.parametrize("bad", BAD_RUN_DIR)
+def test_demo_on_a_bad_run_directory(world, world_cli, bad):
+    r, (before, after) = world_call(world_cli, "demo", bad)
     assert r.returncode == 2, r.stdout + r.stderr
     one_line(r, world / bad)
-    assert fingerprint(world) == before
+    assert after == before
 
 
-@pytest.mark.parametrize("bad", ["fifo", "loop1", "dangling", "random.bin"])
-def test_bench_on_a_bad_directory(world, bad):
-    before = fingerprint(world)
-    r = cli("bench", "snapshot", "--dir", world / bad, timeout=120)
+@pytest.mark.parametrize("bad", BAD_BENCH_DIR)
+def test_bench_on_a_bad_directory(world, world_cli, bad):
+    r, (before, after) = world_call(world_cli, "bench", bad)
     assert r.returncode == 2, r.stdout + r.stderr
     one_line(r, world / bad)
-    assert fingerprint(world) == before
+    assert after == before
 
 
 def test_a_snapshot_member_that_cannot_be_read(world, tmp_path):

@@ -246,10 +246,14 @@ def child(spec: dict, d: Path, how: str) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=d)
 
 
-def command(*args) -> subprocess.CompletedProcess:
-    """The real ``bigper`` command, in its own interpreter."""
-    return subprocess.run([sys.executable, "-m", "bigper", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def commands(*calls) -> list:
+    """The real ``bigper`` command, each call ``python -m bigper ARGS`` of its own, all in one
+    other interpreter (tests/_child_batch.py: each reported apart, one after another)."""
+    from ._child_batch import BIGPER_CLI, run_batch
+
+    out = run_batch(BIGPER_CLI, {str(i): list(args) for i, args in enumerate(calls)},
+                    env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    return [out[str(i)] for i in range(len(calls))]
 
 
 def exit_without_close(spec: dict) -> None:
@@ -263,8 +267,7 @@ def exit_without_close(spec: dict) -> None:
         assert p.returncode == 0 and "exiting without close" in out, err[-3000:]
         assert "could not close" not in err, err
         path = storage_path(spec, d)
-        for what in ("verify", "info"):
-            r = command(what, path)
+        for r in commands(("verify", path), ("info", path)):
             assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
         read_storage(spec, path, ref)
 

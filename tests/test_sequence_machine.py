@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -20,6 +21,17 @@ from ._sequence_reference import Ref, assert_window
 from .test_sequences import build, feed
 
 ends = st.sampled_from([0, 0, 0, 0, 1, 2])
+_TMP: list[Path] = []  # the folder the examples save into (pytest's temporary directory)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _snapshots_under_pytest_tmp(tmp_path_factory):
+    """Each example saves under pytest's temporary directory, which pytest itself removes
+    in a later session, instead of a mkdtemp folder removed example by example (their ~12k
+    snapshot files' unlinks took about as long as the examples themselves)."""
+    _TMP.append(tmp_path_factory.mktemp("seqm"))
+    yield
+    _TMP.pop()
 
 
 class SequenceMachine(RuleBasedStateMachine):
@@ -31,7 +43,7 @@ class SequenceMachine(RuleBasedStateMachine):
         self.ref.c = (burn_in + length) * num_envs + extra
         self.eta = eta
         self.buf = build(self.ref, self.ref.c, alpha=1.0, eps=0.0, eta=eta, seed=seed)
-        self.tmp = Path(tempfile.mkdtemp(prefix="bigper-seqm-"))
+        self.tmp = Path(tempfile.mkdtemp(prefix="bigper-seqm-", dir=_TMP[-1] if _TMP else None))
         self.saves = 0
         self.max_key = 1.0
         self.keys = {}  # g (start row) -> key, for items not yet gone
@@ -40,7 +52,8 @@ class SequenceMachine(RuleBasedStateMachine):
     def teardown(self):
         if hasattr(self, "buf"):
             self.buf.close()
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if not _TMP:  # run outside pytest: nobody else removes it
+                shutil.rmtree(self.tmp, ignore_errors=True)
 
     # -- the model's bookkeeping ---------------------------------------------------
     def _after_add(self, first):
