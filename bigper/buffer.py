@@ -309,7 +309,7 @@ class PrioritizedReplayBuffer:
     @property
     def _fused(self) -> bool:
         """False: every call takes the general path (staged storage writes, one
-        numpy call a step); tests/test_fused.py hold the fused paths to it, bit for bit."""
+        numpy call a step); tests/core/test_fused.py hold the fused paths to it, bit for bit."""
         return self._writer.fused
 
     @_fused.setter

@@ -19,7 +19,7 @@ import bigper
 load = bigper.PrioritizedReplayBuffer.load
 from bigper.snapshot.manifest import MANIFEST, decode, digest, encode
 
-from ._snapshot_cases import Stream, feed, make
+from tests._snapshot_cases import Stream, feed, make
 
 def fingerprint(*roots) -> dict:
     """path -> (kind, bytes or link target) for every entry under ``roots`` (lstat: links not followed)."""

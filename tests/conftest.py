@@ -51,6 +51,6 @@ def pytest_xdist_make_scheduler(config, log):
     class LoadFileRayTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/test_ray*" if os.path.basename(path).startswith("test_ray") else path
+            return "tests/distributed" if path.startswith("tests/distributed/") else path
 
     return LoadFileRayTogether(config, log)

@@ -11,7 +11,7 @@ frames written into the ring, generations and status, the leaves with their
 tree ancestors (or, with n-step, the pending keys and the windows this write
 completes), and the expiry of transitions whose frames were overwritten.
 Any other write takes the general path (a few kernel and numpy calls a
-chunk); ``tests/test_fused.py`` holds the two equal, bit for bit.
+chunk); ``tests/core/test_fused.py`` holds the two equal, bit for bit.
 
 The writer owns the ring's counters (``count``, ``max_leaf``, ``env_ended``);
 the buffer owns the arrays and hands them over at construction.

@@ -29,7 +29,7 @@ long ago from making a shard look older than it is, which had made eviction
 close to random with small chunks. In simulation (100 configurations, chunks
 of 1-8 rows) the newer half of the last ``capacity`` rows now loses 0 rows
 against the older half's 241; before, 183 against 1,534
-(``tests/test_ray_routing.py``). Without cuts (episode mode) a shard can overflow by less than one chunk
+(``tests/distributed/test_ray_routing.py``). Without cuts (episode mode) a shard can overflow by less than one chunk
 while another has room: the buffer then holds ``min(added, capacity)`` minus
 less than one chunk per shard.
 

@@ -16,7 +16,7 @@ as the keys' ``pow``. Here the same update takes two passes:
    value the largest-key read-back of the in-order path would see.
 
 Then the caller rebuilds the tree's internal nodes (O(N), threaded). The
-result is the in-order kernel's, bit for bit (``tests/test_fused.py``).
+result is the in-order kernel's, bit for bit (``tests/core/test_fused.py``).
 Anything else (a bad priority, few rows bound for the tree) goes to the
 in-order kernel, which reports errors in its row order.
 

@@ -6,7 +6,7 @@ Writes ``tests/data/snapshot-v1-<kind>/`` (a snapshot) and
 ``snapshot-v1-<kind>.expected.json`` (what loading it must give: length,
 total priority, and the first batches sampled after the load, with the
 updates that follow each). A fixture is written once, by the format version
-it names, and then kept: ``tests/test_snapshot.py`` checks that this bigper
+it names, and then kept: ``tests/snapshot/test_snapshot.py`` checks that this bigper
 still loads it and resumes it exactly. Do not regenerate one to make a test
 pass; a new format version gets new fixtures beside the old ones.
 """

@@ -8,7 +8,7 @@ frame stacks of 2, episodes of varied length, length 4 + burn-in 2, period
 3, priorities updated per step) and ``snapshot-v1-sequence.expected.json``
 (what loading it must give: length, total priority, and the first batches
 sampled after the load with their masks and a digest of every field).
-Written once and kept: ``tests/test_sequences.py`` checks that this bigper
+Written once and kept: ``tests/core/test_sequences.py`` checks that this bigper
 still loads it and resumes it exactly. Do not regenerate it to make a test pass.
 """
 

@@ -15,7 +15,7 @@ wrapped its ring and had priorities updated) and
 with that code, namely the length and total priority, the first batches
 sampled after the load with the priority updates that follow each, then a
 few more steps added (recorded in the file) and the batches after those.
-``tests/test_fixture_compat.py`` checks that the current code gives the same,
+``tests/snapshot/test_fixture_compat.py`` checks that the current code gives the same,
 bit for bit. Do not regenerate a fixture to make a test pass.
 """
 

@@ -19,7 +19,7 @@ sleeps a random time, sends SIGKILL, and checks:
 
 The child writes what it is doing into a page shared with the parent (phase,
 and the last file operation it started), so the report says where the kills
-landed. ``tests/test_snapshot_crash.py`` runs 50 trials of this in CI.
+landed. ``tests/snapshot/test_snapshot_crash.py`` runs 50 trials of this in CI.
 """
 
 from __future__ import annotations

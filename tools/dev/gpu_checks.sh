@@ -12,8 +12,8 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 t0=$(date +%s)
-timeout "${TEST_S:-170}" python3 -m pytest -p no:cacheprovider -q -rfE tests/test_device.py tests/test_torch.py \
-    tests/test_device_hostile.py -k "not sb3" 2>&1 | tee "$OUT/tests.log" | tail -20
+timeout "${TEST_S:-170}" python3 -m pytest -p no:cacheprovider -q -rfE tests/device/test_device.py tests/device/test_torch.py \
+    tests/device/test_hostile_device.py -k "not sb3" 2>&1 | tee "$OUT/tests.log" | tail -20
 echo "tests took $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
 frames=()

@@ -1,0 +1,205 @@
+"""The house rules of the code layout: one direction of imports, checked.
+
+- bigper/: the import-linter contracts in ``.importlinter`` (layers, ray and
+  torch confined to their rooms), run with the venv's ``lint-imports``; its
+  report is the failure message.
+- ``import bigper`` and every core module stay light: no torch, Ray, SB3,
+  Gymnasium or matplotlib in a fresh interpreter.
+- tools/: no import cycle between its scripts (imports inside functions
+  included), no file over 400 lines, and ``tools/bench.py`` imports a
+  workload's module only when that workload runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "tools"
+MAX_LINES = 400
+
+
+def _run(code: str, *args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# -- bigper/ --------------------------------------------------------------------------
+
+
+def test_import_linter_contracts_hold():
+    exe = Path(sys.executable).with_name("lint-imports")
+    if not exe.exists():
+        pytest.fail(f"{exe} is not installed: import-linter is in the dev extra (pip install -e '.[dev]')")
+    p = subprocess.run([str(exe), "--no-cache", "--config", str(ROOT / ".importlinter")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, f"lint-imports exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
+    assert "BROKEN" not in p.stdout
+
+
+def test_contract_file_names_every_top_level_module():
+    """The layers contract is exhaustive for bigper's direct children; this
+    test says which module is missing in words a reader of a failure needs."""
+    text = (ROOT / ".importlinter").read_text()
+    block = text.split("layers =", 1)[1].split("\n[", 1)[0]
+    placed = {name.strip() for line in block.splitlines() for name in line.split("|") if name.strip()}
+    pkg = ROOT / "bigper"
+    children = {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
+    children |= {p.parent.name for p in pkg.glob("*/__init__.py")}
+    assert children - placed == set(), f"modules of bigper/ not placed in .importlinter's layers: " \
+                                       f"{sorted(children - placed)}"
+    assert placed - children == set(), f".importlinter places modules that do not exist: {sorted(placed - children)}"
+
+
+CORE_LIGHT = """
+import importlib, pathlib, sys
+import bigper
+heavy = ("torch", "ray", "stable_baselines3", "gymnasium", "matplotlib", "ale_py", "cv2")
+skip = ("bigper.__main__", "bigper.distributed", "bigper.integrations", "bigper.examples")
+root = pathlib.Path(bigper.__file__).parent
+# a walk of the files, not pkgutil.walk_packages: that imports every package it enters
+names = sorted(".".join(("bigper",) + p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+               for p in root.rglob("*.py"))
+names = [n for n in names if not n.startswith(skip)]
+for name in names:
+    importlib.import_module(name)
+print(len(names), sorted(k for k in heavy if k in sys.modules))
+"""
+
+
+def test_core_imports_no_heavy_extra():
+    """Every module outside distributed/integrations/examples imports without
+    torch, Ray, SB3, Gymnasium or matplotlib: those load inside the functions
+    that need them (DESIGN: ``import bigper`` stays light)."""
+    p = _run(CORE_LIGHT)
+    assert p.returncode == 0, p.stderr
+    count, loaded = p.stdout.strip().split(" ", 1)
+    assert int(count) > 20, p.stdout
+    assert loaded == "[]", f"heavy extras imported at module level: {loaded}"
+
+
+# -- tools/ ---------------------------------------------------------------------------
+
+
+def _tools_graph() -> dict[str, set[str]]:
+    """script -> the tools/ scripts it imports, from the AST (every import
+    statement, inside functions too)."""
+    names = {p.stem for p in TOOLS.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(TOOLS.glob("*.py")):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                deps.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" \
+                    and node.args and isinstance(node.args[0], ast.Constant):
+                deps.add(str(node.args[0].value).split(".")[0])
+        graph[path.stem] = (deps & names) - {path.stem}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_tools_have_no_import_cycle():
+    graph = _tools_graph()
+    assert "benchkit" in graph and graph["benchkit"] == set(), graph.get("benchkit")
+    cyc = _cycle(graph)
+    assert cyc is None, f"import cycle in tools/: {' -> '.join(cyc)}"
+    # the command line imports no workload at module level (it dispatches, by
+    # importlib), and no script imports the command line back
+    assert {m for m in graph["bench"] if m.startswith("bench_")} == set(), graph["bench"]
+    assert sorted(n for n, deps in graph.items() if "bench" in deps) == []
+
+
+def test_tools_files_stay_small():
+    long = {p.name: n for p in TOOLS.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"files in tools/ over {MAX_LINES} lines (split them by job): {long}"
+
+
+BENCH_LAZY = """
+import sys
+sys.path.insert(0, "tools")
+import bench
+bench.build_parser()
+before = sorted(m for m in sys.modules if m.startswith("bench"))
+bench.build_parser("tree")
+after = sorted(m for m in sys.modules if m.startswith("bench"))
+bench.WORKLOADS["nosuch"] = ("bench_nosuch_workload", "a workload whose module is not there")
+rc = bench.main(["nosuch"])
+print(before, after, rc)
+"""
+
+
+def test_bench_imports_a_workload_only_to_run_it():
+    p = _run(BENCH_LAZY)
+    assert p.returncode == 0, p.stderr
+    before, rest = p.stdout.strip().split("] ", 1)
+    assert before == "['bench'", p.stdout
+    assert "'bench_tree'" in rest and "'bench_atari'" not in rest and "'bench_storage'" not in rest, p.stdout
+    assert rest.endswith(" 2"), p.stdout
+    assert "bench nosuch: its module" in p.stderr and "bench_nosuch_workload.py is not there" in p.stderr, p.stderr
+
+
+def test_bench_help_lists_every_workload():
+    p = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for name in ("tree", "atari", "storage", "snapshot", "offline", "ray", "sb3"):
+        assert f"    {name} " in p.stdout, p.stdout
+
+
+def test_the_development_map_names_every_module_and_package_and_nothing_else():
+    """docs/development.md's "Files" map: one line per module and package
+    directly under bigper/, each naming one that exists."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "development.md").read_text()
+    block = text[text.index("```\nbigper/\n") + len("```\nbigper/\n"):]
+    block = block[:block.index("\ntests/")]
+    named = [m.group(1) for m in re.finditer(r"^  (\S+)", block, re.M)]
+    have = sorted([p.name for p in (root / "bigper").glob("*.py")]
+                  + [p.name + "/" for p in (root / "bigper").iterdir()
+                     if p.is_dir() and (p / "__init__.py").exists()])
+    assert sorted(named) == have, (sorted(set(have) - set(named)), sorted(set(named) - set(have)))
