@@ -936,11 +936,6 @@ class PrioritizedReplayBuffer:
         (``bigper.core.shardview``)."""
         return ShardView(self)  # (made per call: a view held by the buffer would keep it alive)
 
-    @property
-    def _tree(self):
-        # Transitional: the proportional strategy's tree, for rooms not yet on the public protocol.
-        return self._prio.tree
-
     # -- lifecycle -------------------------------------------------------------
     @property
     def closed(self) -> bool:

@@ -16,12 +16,12 @@ import weakref
 
 import numpy as np
 import pytest
+from tests import hook
 
 torch = pytest.importorskip("torch")
 
 import bigper  # noqa: E402
 from bigper import _torch as T  # noqa: E402
-from tests import hook
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a GPU machine)")

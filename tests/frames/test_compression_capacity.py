@@ -218,7 +218,7 @@ snaps = bigper.Snapshots(root, keep=2)
 feed = Feed(frames_of("mixed", 400, seed=3), 4, seed=11)
 if snaps.latest() is not None:
     buf = snaps.load_latest(path=live)
-    for _ in range(hook.ring(buf).count):
+    for _ in range(buf._ring.count):
         feed.step()
 else:
     buf = bigper.PrioritizedReplayBuffer(

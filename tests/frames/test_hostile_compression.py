@@ -25,6 +25,7 @@ from bigper.snapshot.manifest import digest
 from tests.conftest import fill_disk
 from tests._hostile_snapshot_cases import deadline, fingerprint, put_state, refused, resign
 from tests.frames.test_compression import ATARI, Feed, check_sample, make, noise
+from tests import hook
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -188,10 +189,9 @@ sys.path.insert(0, {str(ROOT)!r})
 from tests.frames.test_compression import Feed, make
 from bigper.errors import CorruptSnapshotError
 from pathlib import Path
-from tests import hook
 buf = make("memory", Path("."), capacity=40, budget=24)
 Feed(np.random.default_rng(0).integers(0, 4, (100, 8, 8), dtype=np.uint8), 3).run(buf, 30)
-idx = hook.frames(buf).store.arrays["frame_index"]
+idx = buf._frames.store.arrays["frame_index"]
 ln = idx[:, 1] & 0xFFFFFFFF
 idx[:, 0] = {BIG} - ln // 2
 try:
@@ -459,7 +459,7 @@ snaps = bigper.Snapshots(root, keep=2)
 feed = Feed(np.load(ATARI)["Pong"], 4, seed=11)
 if snaps.latest() is not None:
     buf = snaps.load_latest(path=live)
-    for _ in range(hook.ring(buf).count):
+    for _ in range(buf._ring.count):
         feed.step()
 else:
     buf = bigper.PrioritizedReplayBuffer(

@@ -302,7 +302,7 @@ snaps = bigper.Snapshots(root, keep=2)
 feed = Feed(games["Pong"], 4, seed=11)
 if snaps.latest() is not None:
     buf = snaps.load_latest(path=live)
-    for _ in range(hook.ring(buf).count):
+    for _ in range(buf._ring.count):
         feed.step()
 else:
     buf = bigper.PrioritizedReplayBuffer(
@@ -312,7 +312,7 @@ else:
 print("ready", flush=True)
 names = list(games)
 while True:
-    feed.frames = games[names[(hook.ring(buf).count // 23) % len(names)]]
+    feed.frames = games[names[(buf._ring.count // 23) % len(names)]]
     feed.run(buf, 7)
     snaps.save(buf)
 """

@@ -271,8 +271,8 @@ try:
 except BigperError as e:
     print("REFUSED", type(e).__name__, str(e)[:300]); sys.exit(0)
 live = np.flatnonzero(buf.status == 1)
-hook.frames(buf).stacks("obs_ref", live); hook.frames(buf).stacks("next_obs_ref", live)
-print("OPENED", hook.log(buf).slots); buf.close()
+buf._frames.stacks("obs_ref", live); buf._frames.stacks("next_obs_ref", live)
+print("OPENED", buf._frames.log.slots); buf.close()
 """
 
 

@@ -20,6 +20,7 @@ from tests._child_batch import run_batch
 from tests.conftest import fill_disk
 from tests.frames.test_compression import Feed, check_all_live, check_sample, make
 from tests.frames.test_compression_capacity import frames_of, twins
+from tests import hook
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -133,7 +134,6 @@ import sys, threading, numpy as np, bigper
 from pathlib import Path
 from tests.frames.test_compression import Feed, make
 from tests.frames.test_compression_capacity import frames_of
-from tests import hook
 tmp = Path(sys.argv[1]); kind = sys.argv[2]
 buf = make(kind, tmp, (84, 84), k=4, capacity=200)
 frames = np.concatenate([frames_of(k, 200, i) for i, k in enumerate(["noise", "atari"] * 4)])
@@ -159,7 +159,7 @@ t = threading.Thread(target=read); t.start()
 seen = set()
 for _ in range(16 if kind == "memmap" else 5):
     feed.run(buf, 100)
-    seen.add(hook.log(buf).slots)
+    seen.add(buf._frames.log.slots)
 stop.set(); t.join(30)
 print("SLOTS", sorted(seen)); print("ERR", errors)
 buf.close()
@@ -524,10 +524,10 @@ tmp = Path(sys.argv[1])
 buf = make(sys.argv[2], tmp, (84, 84), k=4, capacity=200)
 feed = Feed(np.zeros((10, 84, 84), np.uint8), 4, seed=1)
 phase(buf, feed, "noise", 280, 1)
-grown = hook.log(buf).slots
+grown = buf._frames.log.slots
 meta, arrays = copy.deepcopy(buf.state_dict())
 phase(buf, feed, "atari", 300, 2)
-assert hook.log(buf).slots < grown
+assert buf._frames.log.slots < grown
 try:
     buf.load_state(meta, arrays)  # a state of the grown log, on the trimmed one
 except (bigper.errors.BigperError if hasattr(bigper.errors, "BigperError") else Exception) as e:
@@ -537,7 +537,7 @@ except (bigper.errors.BigperError if hasattr(bigper.errors, "BigperError") else 
     phase(buf, feed, "noise", 100, 3)
     check_all_live(buf, feed)
 else:
-    print("TAKEN", hook.log(buf).slots)
+    print("TAKEN", buf._frames.log.slots)
     for _ in range(5):
         buf.sample(64)  # (stale bookkeeping: any frames, but no crash)
     phase(buf, feed, "noise", 100, 3)

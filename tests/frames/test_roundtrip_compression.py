@@ -24,6 +24,7 @@ from bigper.config import Config
 from bigper.errors import InvalidArgumentError
 
 from tests.frames.test_compression import Feed, check_sample, make, noise
+from tests import hook
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,6 @@ import sys
 import numpy as np
 import bigper
 from bigper.errors import InvalidArgumentError
-from tests import hook
 
 for m in list(range(1, 21)) + [32, 64]:
     for shape, dtype in (((1,), np.uint8), ((2,), np.uint8), ((3,), np.uint8), ((7,), np.uint8),

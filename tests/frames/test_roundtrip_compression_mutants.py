@@ -20,6 +20,7 @@ from bigper.snapshot import verify
 
 from tests.frames.test_compression import make, noise
 from tests.frames.test_hostile_compression import put_data
+from tests import hook
 
 ROOT = Path(__file__).resolve().parents[2]
 GAMES = np.load(Path(__file__).parents[1] / "data" / "atari_frames.npz")
@@ -42,9 +43,9 @@ import numpy as np
 from bigper.errors import CorruptSnapshotError
 from tests.frames.test_compression import Feed, make
 buf = make("memory", None, capacity=40, budget=24)
-assert hook.log(buf).seg == 128, hook.log(buf).seg
+assert buf._frames.log.seg == 128, buf._frames.log.seg
 Feed(np.random.default_rng(0).integers(0, 4, (100, 8, 8), dtype=np.uint8), 3).run(buf, 30)
-idx = hook.frames(buf).store.arrays["frame_index"]
+idx = buf._frames.store.arrays["frame_index"]
 ln = idx[:, 1] & 0xFFFFFFFF
 idx[:, 0] = np.iinfo(np.int64).max - ln + 1  # exactly 2**63 - ln
 try:
@@ -98,13 +99,12 @@ def test_the_first_write_into_a_new_segment_after_a_snapshot_is_copy_on_write(tm
 import numpy as np
 import bigper
 from pathlib import Path
-from tests import hook
 rng = np.random.default_rng(0)
 frames = rng.integers(0, 256, (400, 84, 84), dtype=np.uint8)  # incompressible: about 9 a segment
 buf = bigper.PrioritizedReplayBuffer(
     capacity=1000, fields={"obs": ((4, 84, 84), np.uint8)}, frame_stack=4, storage="memmap",
     path=Path("live"), compression="zstd", compression_budget=1030, storage_options={"chunk_bytes": 4096})
-log = hook.log(buf)
+log = buf._frames.log
 assert log.seg == 65536, log.seg
 t, crossed = 0, 0
 def add():
@@ -112,7 +112,7 @@ def add():
     buf.add(obs=frames[t:t + 4], next_obs=frames[t + 1:t + 5], terminated=False, truncated=False)
     t += 1
 add()
-L = int(log._lengths(np.array([hook.frames(buf).fw - 1]))[0])  # every noise frame takes as many bytes
+L = int(log._lengths(np.array([buf._frames.fw - 1]))[0])  # every noise frame takes as many bytes
 for n in range(3):
     while log.pos + L <= log.seg:  # fill the open segment until the next frame cannot fit
         add()

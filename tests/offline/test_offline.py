@@ -254,7 +254,7 @@ def test_saved_leaves_need_the_same_transform(d4rl, tmp_path):
     with pytest.warns(UserWarning, match="alpha=0.6.*not used with alpha=0.9"):
         other = PRB.from_hdf5(path, alpha=0.9)
     with other:  # neither scores nor usable leaves: uniform
-        assert np.array_equal(other.prioritization.tree.leaves, (buf.status == 1).astype(float))
+        assert np.array_equal(other.prioritization.tree.leaves, (other.status == 1).astype(float))
     (tmp_path / "afile").write_text("")
     with pytest.raises(SidecarMismatchError, match="is a file"):
         PRB.from_hdf5(path, priorities=tmp_path / "afile")

@@ -5,13 +5,13 @@ import warnings
 
 import numpy as np
 import pytest
+from tests import hook
 
 minari = pytest.importorskip("minari")
 gym = pytest.importorskip("gymnasium")
 
 import bigper  # noqa: E402
 from bigper.offline.datasets import OfflineDatasetError, describe  # noqa: E402
-from tests import hook
 
 PRB = bigper.PrioritizedReplayBuffer
 
