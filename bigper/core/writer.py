@@ -1,4 +1,4 @@
-"""The write path: checked rows (``_ingest``) become transitions in the ring.
+"""The write path: checked rows (``ingest``) become transitions in the ring.
 
 Everything that can fail runs first: the ``valid`` rule, the priority keys,
 and the storage's copy-on-write ``prepare`` over every row the write touches
@@ -13,19 +13,20 @@ completes), and the expiry of transitions whose frames were overwritten.
 Any other write takes the general path (a few kernel and numpy calls a
 chunk); ``tests/core/test_fused.py`` holds the two equal, bit for bit.
 
-The writer owns the ring's counters (``count``, ``max_leaf``, ``env_ended``);
-the buffer owns the arrays and hands them over at construction.
+The ring (``core/ring.py``) owns the bookkeeping arrays and counters; the
+writer changes them in place. What a write makes sampleable is the sample
+unit's to say (``unit.commit``, ``unit.committed``: ``core/units.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import commit_rows, kernel, ring_rows, tree_set
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
-from .nstep import complete
+from ..kernels import commit_rows, kernel, ring_rows, tree_set
 from ..status import DEAD, LIVE, PENDING
+from .nstep import complete
 
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
