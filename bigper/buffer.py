@@ -27,7 +27,7 @@ from . import snapshot as _snapshot
 from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
 from .core.layout import plain_fields, storage_specs
-from .core.opening import abort, check_arguments, open_buffer
+from .core.opening import check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
@@ -263,7 +263,7 @@ class PrioritizedReplayBuffer:
             real_names(e)
             self._forget()
             if release:
-                abort(store)
+                store.abort()  # recording nothing: a refused path stays as it was
             raise
 
     def _setup(self, cfg: Config, store, frames, mirror=None) -> None:

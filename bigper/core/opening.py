@@ -127,11 +127,6 @@ def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictiona
         allocate(store, cfg, frames)
     except BaseException as e:
         real_names(e)
-        abort(store)
+        store.abort()  # released recording nothing: a refused path stays as it was
         raise
     return store, frames, state, old
-
-
-def abort(store) -> None:
-    """Release ``store`` without recording anything: a refused path stays as it was."""
-    store.abort()

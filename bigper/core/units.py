@@ -217,8 +217,6 @@ class Sequences:
         return mirror.batch(reader.plan(slots, mask), idx, w, prob, self.ring.gid[idx], mask, self.items.burn_in)
 
     def check_out(self, reader, out, b) -> dict:
-        if out is None:
-            return {}
         raise InvalidArgumentError("sample(out=...) is not available with sequence=...: a batch of "
                                    "sequences is gathered by windows")
 
