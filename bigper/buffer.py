@@ -105,6 +105,14 @@ class PrioritizedReplayBuffer:
     mode : {"new", "resume", "overwrite"}
         For a ``path`` that already holds a buffer: refuse (``PathExistsError``),
         continue it, or replace it (only what bigper proves it created).
+    continue_episodes : bool
+        With ``mode="resume"``: whether each env's episode that was open when
+        the buffer was last recorded goes on with the next ``add``. Default
+        False: after a crash or a restart the environment that was mid-episode
+        is gone, so each open episode ends at its last recorded step as
+        truncated (its n-step windows and sequence items complete with what
+        they have and bootstrap there; none joins the new episode). Pass True
+        only when the environments' own state was restored too.
     read_only : bool
         Open an existing disk buffer to sample from it without writing.
     storage_options : dict, optional
@@ -178,7 +186,8 @@ class PrioritizedReplayBuffer:
                  read_only: bool = False, storage_options: Mapping[str, Any] | None = None,
                  compression: Literal["zstd"] | None = None, compression_budget: int | None = None,
                  compression_dictionary: bytes | np.ndarray | None = None,
-                 sequence: ReplaySequence | None = None, device: Any = None) -> None:
+                 sequence: ReplaySequence | None = None, device: Any = None,
+                 continue_episodes: bool = False) -> None:
         cfg = Config.build(capacity=capacity, fields=fields, frame_stack=frame_stack,
                            n_step=n_step, gamma=gamma, alpha=alpha, eps=eps,
                            max_priority=max_priority, beta=beta, weight_norm=weight_norm,
@@ -186,6 +195,7 @@ class PrioritizedReplayBuffer:
                            prioritization=prioritization, compression=compression,
                            compression_budget=compression_budget, sequence=sequence)
         dictionary = check_arguments(cfg, path, read_only, compression_dictionary)
+        _check_continue(continue_episodes)
         mirror = _mirror(cfg, device)  # device memory first: a refusal makes nothing on disk
         store, frames, state, old = open_buffer(cfg, path, mode, read_only, storage_options, dictionary)
         self._start(cfg, store, frames, mirror, state, reseed=old is not None and cfg.seed != old.seed,
@@ -195,6 +205,18 @@ class PrioritizedReplayBuffer:
             changed = cfg.differences(old, ignore=LAYOUT_KEYS)
             log.info("bigper: resumed %s with %d transitions%s", path, self.resumed,
                      "; new values for " + "; ".join(changed) if changed else "")
+            if not read_only:
+                self._resume_episodes(continue_episodes)
+
+    def _resume_episodes(self, go_on: bool) -> None:
+        """After a resume or a load: end every env's open episode (truncated)
+        unless the caller's environments go on with it (``continue_episodes``)."""
+        if go_on:
+            return
+        ended = self._writer.end_episodes()
+        if ended.size:
+            log.info("bigper: ended the open episode of env(s) %s at the resume point (truncated); pass "
+                     "continue_episodes=True when the environments were restored too", ended.tolist())
 
     @classmethod
     def from_parts(cls, config: Config, store: Storage,
@@ -733,7 +755,8 @@ class PrioritizedReplayBuffer:
 
     @classmethod
     def load(cls, snapshot: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = None,
-             device: Any = None) -> "PrioritizedReplayBuffer":
+             device: Any = None, continue_episodes: bool = False,
+             rewind: bool = False) -> "PrioritizedReplayBuffer":
         """Resume the buffer saved in ``snapshot``.
 
         Parameters
@@ -741,12 +764,28 @@ class PrioritizedReplayBuffer:
         snapshot : str or Path
             A snapshot directory (``save``, ``Snapshots.save``).
         path : str or Path, optional
-            Where a disk storage keeps its live data (default: the path
-            recorded in the snapshot). A buffer bigper closed there is
-            replaced; anything else there is refused and left as it was.
+            Where a disk storage keeps its live data. Default: the path
+            recorded in the snapshot; for a snapshot read from elsewhere than
+            where it was written (a copied or moved run folder: a fork), the
+            same place relative to it, so a fork never writes into the
+            original run's folder. What a crashed writer left there is
+            replaced, and so is a buffer bigper closed there holding no more
+            transitions than the snapshot; one holding more is refused
+            (``PathExistsError``) unless ``rewind``; anything else there is
+            refused and left as it was.
         device : str or torch.device, optional
             Keep a copy of the data on this torch device (the device tier),
             rebuilt from the snapshot's data (a progress bar for large buffers).
+        continue_episodes : bool
+            Whether each env's episode open at the snapshot goes on with the
+            next ``add`` (only when the environments were restored to the
+            snapshot's point too). Default False: each ends there as
+            truncated, so no n-step window or sequence item mixes the two
+            sides of the resume (see the constructor).
+        rewind : bool
+            Replace a buffer closed at the live path with more transitions
+            than the snapshot (what was added and updated since is lost).
+            Default False: refused, nothing changed.
 
         Returns
         -------
@@ -762,14 +801,18 @@ class PrioritizedReplayBuffer:
         StorageLockedError
             A live writer holds ``path``.
         """
+        _check_continue(continue_episodes)
+        _check_continue(rewind, "rewind")
         if device is not None:
             as_device(device)  # before anything at the path is made
         try:
-            parts = _snapshot.load(snapshot, path=path)
+            parts = _snapshot.load(snapshot, path=path, rewind=bool(rewind))
         except (OSError, BigperError) as e:
             raise real_names(e)
         try:
-            return cls.from_parts(parts.config, parts.storage, (parts.meta, parts.arrays), device=device)
+            buf = cls.from_parts(parts.config, parts.storage, (parts.meta, parts.arrays), device=device)
+            buf._resume_episodes(continue_episodes)
+            return buf
         except BigperError:
             parts.release()
             raise
@@ -1012,6 +1055,11 @@ class PrioritizedReplayBuffer:
 # Devices whose sampler batches are gathered straight into one staging block
 # (on the CPU torch shares the host arrays instead; tests add "cpu" to check the path).
 _STAGED = ("cuda",)
+
+
+def _check_continue(value, name: str = "continue_episodes") -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r:.80}")
 
 
 def _mirror(cfg: Config, device):

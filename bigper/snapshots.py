@@ -229,7 +229,8 @@ class Snapshots:
 
     # -- loading ------------------------------------------------------------------
     def load_latest(self, *, path: str | os.PathLike[str] | None = None,
-                    with_info: bool = False, device: Any = None) -> Any:
+                    with_info: bool = False, device: Any = None, continue_episodes: bool = False,
+                    rewind: bool = False) -> Any:
         """Load the newest snapshot that verifies; an older one, with a warning,
         when a newer one is corrupt. ``last_loaded`` then tells which.
 
@@ -242,6 +243,11 @@ class Snapshots:
         device : str or torch.device, optional
             The device tier of the loaded buffer (``PrioritizedReplayBuffer.load``);
             not with a ``loader``.
+        continue_episodes, rewind : bool
+            As ``PrioritizedReplayBuffer.load`` takes them: the episodes open at
+            the snapshot end there (truncated) unless ``continue_episodes``; a
+            live path holding newer data is refused unless ``rewind``. Not with
+            a ``loader``.
 
         Returns
         -------
@@ -256,9 +262,11 @@ class Snapshots:
         CorruptSnapshotError
             Every snapshot is corrupt.
         """
-        if device is not None and self.loader is not None:
-            raise InvalidArgumentError("device= is for PrioritizedReplayBuffer snapshots; this series loads "
-                                       f"with its own loader ({self.loader!r})")
+        for name, v, default in (("device", device, None), ("continue_episodes", continue_episodes, False),
+                                 ("rewind", rewind, False)):
+            if v is not default and self.loader is not None:
+                raise InvalidArgumentError(f"{name}= is for PrioritizedReplayBuffer snapshots; this series loads "
+                                           f"with its own loader ({self.loader!r})")
         with self._locked(shared=True):
             entries = [p for p in reversed(self._entries()) if (p / MANIFEST).exists()] \
                 or list(reversed(self._entries()))
@@ -272,7 +280,8 @@ class Snapshots:
                         info = SnapshotInfo(path=p, number=seq_of(p), created=None, metadata=None)
                     else:
                         info = snapshot_info(p)
-                        buf = PrioritizedReplayBuffer.load(p, path=path, device=device)
+                        buf = PrioritizedReplayBuffer.load(p, path=path, device=device,
+                                                           continue_episodes=continue_episodes, rewind=rewind)
                 except CorruptSnapshotError as e:
                     problems.append(str(e))
                     if i + 1 < len(entries):

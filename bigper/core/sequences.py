@@ -275,6 +275,24 @@ class Items:
             if ready.shape[0]:
                 prio.insert(ready, self.pending[ready])
 
+    def end(self, last: np.ndarray) -> np.ndarray:
+        """Rows ``last`` (an env's last row each) now end their episodes: the
+        items of those episodes still pending become live (as an episode end
+        written with the row makes them) and each env's next step starts at
+        position 0. Returns the slots made live."""
+        ready = []
+        for g in last.tolist():
+            s = g % self.capacity
+            pos = int(self.pos[s])
+            self.next_pos[g % self.num_envs] = 0
+            for j in range(min(pos, self.length - 1) + 1):  # as write_items does at an episode end
+                st = g - j * self.num_envs
+                ss = st % self.capacity
+                if (pos - j) % self.period == 0 and self.gid[ss] == st and self.status[ss] == PENDING:
+                    self.status[ss] = LIVE
+                    ready.append(ss)
+        return np.array(ready, dtype=np.int64)
+
     # -- reads -------------------------------------------------------------------
     def window(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, mask)``, both ``(B, T)``: the step slots of the items at

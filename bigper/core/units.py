@@ -53,6 +53,11 @@ class SampleUnit(Protocol):
         """The same after ``write_rows`` set the per-step leaves in one call
         (``keys`` None: every row entered at ``top``, the largest key then)."""
 
+    def episodes_ended(self, prio, last, count: int) -> None:
+        """Rows ``last`` (one an env, the last written) were marked truncated
+        after the fact (``Writer.end_episodes``): make sampleable what their
+        episodes' ends complete."""
+
     def batch(self, reader, idx, w, prob, out, fused: bool, stacks: bool) -> Batch:
         """The batch of the leaves at ``idx`` (``stacks=False``: frame stacks left for a device to rebuild)."""
 
@@ -131,6 +136,19 @@ class Transitions:
     def committed(self, prio, rows, g0, keys, top, valid, count) -> None:
         pass  # write_rows set every leaf
 
+    def episodes_ended(self, prio, last, count) -> None:
+        cfg = self.cfg
+        if cfg.n_step == 1:
+            return  # every written transition is sampleable already
+        first = max(0, int(last.min()) - (cfg.n_step - 1) * cfg.num_envs)
+        ready = np.empty(count - first, dtype=np.int64)
+        r = nstep.complete(first, count, cfg.capacity, cfg.num_envs, cfg.n_step, self.ring.ends,
+                           self.ring.gid, self.status, ready)
+        if r:
+            ready = ready[:r]
+            self.status[ready] = LIVE
+            prio.insert(ready, self.pending[ready])
+
     def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
         return reader.transitions(idx, w, prob, out, fused)
 
@@ -198,6 +216,11 @@ class Sequences:
         slots, ends = np.empty(m, np.int64), np.empty(m, np.uint8)
         ring_rows(g0, self.cfg.capacity, rows["terminated"], rows["truncated"], slots, ends)
         self.items.write(prio, g0, slots, ends, valid, keys, count)
+
+    def episodes_ended(self, prio, last, count) -> None:
+        ready = self.items.end(last)
+        if ready.shape[0]:
+            prio.insert(ready, self.pending[ready])
 
     def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
         """Every field ``(B, T, ...)``, padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""

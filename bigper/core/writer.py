@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
 from ..kernels import commit_rows, kernel, ring_rows, tree_set
 from ..status import DEAD, LIVE, PENDING
-from .nstep import complete
+from .nstep import TRUNCATED, complete
 
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid
 _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
@@ -197,6 +197,28 @@ class Writer:
             self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
                               None if keys is None else keys[lo:hi],
                               None if valid is None else valid[lo:hi])
+
+    def end_episodes(self) -> np.ndarray:
+        """End every env's open episode at its last row, as truncated (a resume
+        whose environment did not survive: the next row of that env starts a new
+        episode, so no n-step window, frame stack or sequence item may join the
+        two). Its windows complete with what they have and bootstrap there.
+        Returns the envs whose episode was ended."""
+        ring, k, c = self.ring, self.cfg.num_envs, self.cfg.capacity
+        count = ring.count
+        envs = np.flatnonzero(~ring.env_ended)
+        last = count - 1 - ((count - 1 - envs) % k)  # each env's last row (rows go round the envs)
+        held = (last >= 0) & (last >= count - c)
+        envs, last = envs[held], last[held]
+        if not envs.size:
+            return envs
+        slots = last % c
+        ring.ends[slots] |= TRUNCATED
+        ring.env_ended[envs] = True
+        if self.frames is not None:
+            self.frames.has_last[envs] = False  # the next row's frames start a new stream
+        self.unit.episodes_ended(self.prio, last, count)
+        return envs
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
         m = rows["terminated"].shape[0]

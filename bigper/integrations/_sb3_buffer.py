@@ -23,7 +23,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 from .. import PrioritizedReplayBuffer as CoreBuffer
 from ..batch import Batch
 from ..config import Config
-from ..errors import BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError
+from ..errors import BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError, PathExistsError
 from ..schedules import ConstantSchedule, LinearSchedule, as_schedule
 from ._layout import StackLayout
 from ._sb3_pickle import KEEP_AT_PATH, open_snapshot, write_snapshot
@@ -217,7 +217,16 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         """The bigper buffer behind this one."""
         if self._core is None:
             capacity, fields, kwargs = self._core_args
-            self._core = CoreBuffer(capacity, fields, **kwargs)
+            try:
+                self._core = CoreBuffer(capacity, fields, **kwargs)
+            except PathExistsError as e:
+                if "mode='resume'" not in str(e):
+                    raise
+                raise PathExistsError(
+                    f"{e} (with Stable-Baselines3 the buffer's options go in replay_buffer_kwargs: "
+                    f"replay_buffer_kwargs={{'path': {kwargs.get('path')!r}, 'mode': 'resume', ...}} when "
+                    "building or loading the model, e.g. PrioritizedDQN.load(model_path, "
+                    "replay_buffer_kwargs=...))") from None
             self._count_steps()  # a resumed buffer holds what it held
             _say_where(self._core, "holds")
         return self._core
@@ -524,9 +533,11 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._restore(state)
 
-    def _restore(self, state: dict[str, Any], live: str | None = None) -> None:
+    def _restore(self, state: dict[str, Any], live: str | None = None, rewind: bool = False,
+                 continue_episodes: bool = False) -> None:
         """The buffer a pickle's ``state`` describes, its snapshot loaded into
-        ``live`` (default: the live path it recorded)."""
+        ``live`` (default: the live path it recorded; see ``open_snapshot`` for
+        ``rewind`` and ``continue_episodes``)."""
         if not isinstance(state, dict) or state.get("format") != _PICKLE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise IncompatibleSnapshotError(f"not a bigper SB3 replay buffer pickle ({_PICKLE_FORMAT}), got {got!r}")
@@ -534,7 +545,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if missing:
             raise IncompatibleSnapshotError(f"bigper SB3 replay buffer pickle lacks {missing}")
         buf = open_snapshot(state, capacity=state["buffer_size"] * state["n_envs"], n_envs=state["n_envs"],
-                            live=live)
+                            live=live, rewind=rewind, continue_episodes=continue_episodes)
         super(ReplayBuffer, self).__init__(state["buffer_size"], state["observation_space"],
                                            state["action_space"], state["device"], n_envs=state["n_envs"])
         self.buffer_size = state["buffer_size"]

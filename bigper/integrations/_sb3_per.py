@@ -27,7 +27,7 @@ import os
 import numpy as np
 import torch as th
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidTypeError
 from ._sb3_buffer import DEFER_OPEN, PrioritizedReplayBuffer, annealed_beta, one_n_steps
 from ._sb3_pickle import beside_the_pickle, check_fits, checked_snapshot, peek_state, read_pickle, save_pickle
 
@@ -104,6 +104,15 @@ class PrioritizedAlgorithm:
         self.last_beta = None
         super().__init__(policy, env, *args, replay_buffer_class=replay_buffer_class,
                          replay_buffer_kwargs=rb_kwargs, **kwargs)
+
+    def learn(self, *args, **kwargs):
+        """SB3's ``learn``, with the replay buffer's storage opened first: a path
+        that cannot be opened (one that holds a buffer while ``mode`` is "new")
+        is refused before any step is collected."""
+        rb = self.replay_buffer
+        if isinstance(rb, PrioritizedReplayBuffer) and not rb.closed:
+            rb.buffer  # noqa: B018 (opens a storage deferred by load)
+        return super().learn(*args, **kwargs)
 
     @classmethod
     def load(cls, *args, **kwargs):
@@ -194,13 +203,24 @@ class PrioritizedAlgorithm:
             raise InvalidArgumentError("save_replay_buffer: this model has no replay buffer yet")
         save_pickle(rb, path)
 
-    def load_replay_buffer(self, path, truncate_last_traj: bool = True) -> None:
+    def load_replay_buffer(self, path, truncate_last_traj: bool = True, rewind: bool = False) -> None:
         """Replace the replay buffer by the pickled one. The file is read and
         checked first (a missing file, a FIFO, another algorithm's pickle, a
         snapshot that is gone are refused with the model's buffer as it was);
         the current buffer is closed before the load only where the pickle
         restores into the live path it holds (its lock must be free), else
-        after the load succeeded."""
+        after the load succeeded.
+
+        ``truncate_last_traj`` (SB3's meaning): each env's episode open at the
+        pickle's snapshot ends there, as truncated, so no n-step window joins
+        it to the episode the environment starts next; False only when the
+        environments were restored to that point too. A pickle read from a
+        copied run folder (a fork) loads into the copy's live path, never the
+        original's; a live path holding more transitions than the pickle's
+        snapshot is refused unless ``rewind=True``."""
+        for name, v in (("truncate_last_traj", truncate_last_traj), ("rewind", rewind)):
+            if not isinstance(v, (bool, np.bool_)):
+                raise InvalidTypeError(f"load_replay_buffer: {name} must be True or False, got {v!r:.80}")
         data, where = read_pickle(path)
         state = peek_state(data, where)
         check_fits(state, where, self)
@@ -214,7 +234,7 @@ class PrioritizedAlgorithm:
             old.close()  # the load restores into this path: its lock must be free
         # peek_state unpickled everything but the drop-in's class, whose state it kept
         rb = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
-        rb._restore(state, live=live)
+        rb._restore(state, live=live, rewind=bool(rewind), continue_episodes=not truncate_last_traj)
         if ours and not old.closed:
             old.close()
         rb.device = self.device

@@ -17,11 +17,16 @@ each pickle keeps its word on:
   that series keeps two (the one the file names, and the one before in case
   the new file never lands). A copy of an older pickle made outside bigper
   then names a snapshot that is gone, and loading it says it was superseded.
-- **A live path is never rewound silently.** Loading restores the snapshot
-  into the live path the buffer used. When that path holds a buffer that moved
-  on (more or fewer transitions than the snapshot, or a writer that died
-  without closing), loading says what it replaced in a ``UserWarning``; a path
-  a live writer holds is refused (``StorageLockedError``) and left as it was.
+- **A live path is never rewound without being asked.** Loading restores the
+  snapshot into the live path the buffer used, or, for a pickle read from a
+  copied or moved run folder (a fork), into that path's counterpart in the
+  copy (``bigper.snapshot.counterpart``): a fork never writes into the
+  original run. A live path holding a buffer closed with more transitions
+  than the snapshot is refused unless ``load_replay_buffer(path,
+  rewind=True)``; when the load replaces something (fewer transitions, a
+  writer that died without closing, or a rewind), a ``UserWarning`` at the
+  caller's line says what. A path a live writer holds is refused
+  (``StorageLockedError``) and left as it was.
 - **A failed save loses nothing.** ``save_pickle`` refuses a closed buffer
   before any file is opened and writes the pickle through a temporary file,
   fsync and rename, so the previous pickle at that path survives any failure.
@@ -52,7 +57,7 @@ from ..errors import (
     StorageLockedError,
     UncleanStorageError,
 )
-from ..snapshot import describe
+from ..snapshot import counterpart, default_live_path, describe
 from ..storage.files import read_regular, write_durable
 
 MANIFEST = "manifest.json"
@@ -141,8 +146,9 @@ def _what_is_live(snap: Path, info: dict, live: str | None = None) -> tuple[int 
     differs from the snapshot (None when it holds nothing, or the same count).
     ``StorageLockedError`` when a live writer holds it: nothing to replace."""
     n_snap = info.get("count")
-    if live is None:
-        live = (info.get("storage") or {}).get("path")
+    if live is None and info["config"].get("storage", "memory") != "memory":
+        at = default_live_path(snap, info)
+        live = None if at is None else os.fspath(at)
     if not isinstance(live, str) or info["config"].get("storage", "memory") == "memory" \
             or not os.path.lexists(live):
         return n_snap, live, None
@@ -182,11 +188,15 @@ def checked_snapshot(state: dict) -> Path:
     return snap
 
 
-def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None = None) -> CoreBuffer:
+def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None = None, rewind: bool = False,
+                  continue_episodes: bool = False) -> CoreBuffer:
     """The bigper buffer a pickle's ``state`` names: its manifest hash checked,
     its shape checked against the pickle's (``capacity``, ``n_envs``), loaded
-    into ``live`` (default: the live path it was saved from), with a
-    ``UserWarning`` saying what that path held when it had moved on."""
+    into ``live`` (default: the live path it was saved from, or its
+    counterpart in a copied run folder), with a ``UserWarning`` saying what
+    that path held when it had moved on. A path holding newer data is
+    refused unless ``rewind``; the episodes open at the snapshot end there
+    unless ``continue_episodes`` (``PrioritizedReplayBuffer.load``)."""
     snap = checked_snapshot(state)
     info = describe(snap)
     cfg = info["config"]
@@ -194,19 +204,41 @@ def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None =
         raise IncompatibleSnapshotError(f"{snap} holds capacity {cfg.get('capacity')} for {cfg.get('num_envs', 1)} "
                                         f"env(s), the pickle says {capacity // max(n_envs, 1)} x {n_envs}")
     n_snap, into, replaced = _what_is_live(snap, info, live)
-    buf = CoreBuffer.load(snap, path=live)
+    try:
+        buf = CoreBuffer.load(snap, path=into, rewind=rewind, continue_episodes=continue_episodes)
+    except PathExistsError as e:
+        if "rewind=True" not in str(e):
+            raise
+        raise PathExistsError(f"loading the replay buffer pickle of {snap}: {e} (for SB3: "
+                              "model.load_replay_buffer(path, rewind=True), or resume the live buffer with "
+                              "replay_buffer_kwargs={'mode': 'resume', ...})") from None
     if replaced is not None:  # said once, as a warning (not also a log line)
         warnings.warn(f"loading this pickle restored {snap} ({n_snap} transitions) into the live path {into}, "
-                      f"replacing what it held: {replaced}", UserWarning, stacklevel=3)
+                      f"replacing what it held: {replaced}", UserWarning, stacklevel=user_level())
     return buf
+
+
+def user_level() -> int:
+    """The ``stacklevel`` of a warning that names the user's line: the first
+    frame outside bigper, Stable-Baselines3 and the pickle machinery."""
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the bigper package
+    level, f = 1, sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(here) or f"{os.sep}stable_baselines3{os.sep}"
+                             in f.f_code.co_filename or f.f_code.co_filename.endswith(f"{os.sep}pickle.py")):
+        level += 1
+        f = f.f_back
+    return level
 
 
 def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
     """A pickle written by ``save_replay_buffer(path)`` beside its snapshot
     folder (``<path>.bigper/``), read from a run folder that was moved or
     copied since: its state naming the snapshot beside it, and the live path
-    moved with the folder (where the live path was inside it; else None: it
-    loads into the live path it recorded). Anything else: ``state`` and None."""
+    at its counterpart in the copy (inside the run folder or beside the
+    pickle's folder: ``bigper.snapshot.counterpart``; else None: it loads into
+    the live path it recorded). Anything else: ``state`` and None."""
     snap, p = state.get("snapshot"), Path(pickle_path)
     if not isinstance(snap, str):
         return state, None
@@ -218,12 +250,13 @@ def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
     was, now = snap.parent.parent, p.parent.resolve()
     if os.path.realpath(was) == os.fspath(now):
         return state, None  # read where it was written
-    state = dict(state, snapshot=os.fspath(now / snap.parent.name / snap.name))
+    moved = now / snap.parent.name / snap.name
+    state = dict(state, snapshot=os.fspath(moved))
     recorded = (describe(here).get("storage") or {}).get("path")
-    if not isinstance(recorded, str) or os.path.commonpath([os.path.abspath(recorded), was]) != os.fspath(was):
+    live = None if not isinstance(recorded, str) else counterpart(os.path.abspath(recorded), snap, moved)
+    if live is None:
         return state, None
-    live = os.fspath(now / os.path.relpath(recorded, was))
-    return dict(state, live_path=live), live
+    return dict(state, live_path=os.fspath(live)), os.fspath(live)
 
 
 # A replay-buffer pickle holds spaces and paths, never transitions: a few KB.

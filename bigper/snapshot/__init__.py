@@ -15,9 +15,11 @@ series with retention is ``bigper.Snapshots`` (``bigper/snapshots.py``).
 from .series import SnapshotInfo, snapshot_info
 
 _LAZY = {"save": "_save", "load": "_load", "verify": "inspect", "describe": "inspect",
+         "counterpart": "_load", "default_live_path": "_load",
          "FORMAT": "manifest", "MAGIC": "manifest"}
 
-__all__ = ["FORMAT", "MAGIC", "SnapshotInfo", "describe", "load", "save", "snapshot_info", "verify"]
+__all__ = ["FORMAT", "MAGIC", "SnapshotInfo", "counterpart", "default_live_path", "describe", "load", "save",
+           "snapshot_info", "verify"]
 
 
 def __getattr__(name):

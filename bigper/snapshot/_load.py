@@ -10,6 +10,13 @@ changes; then the live location is taken over:
   live buffer copies a chunk before its first write into it;
 - hdf5: a new file at ``path`` receives the rows.
 
+A snapshot read where it was written loads into the live path it recorded;
+one read elsewhere (its run folder copied or moved: a fork) loads into the
+same place relative to it (``counterpart``), never into the original run's
+folder. A live path that holds a buffer closed with more transitions than
+the snapshot is refused unless the caller asks for a ``rewind`` by name: a
+load never discards newer data by default (promise 18).
+
 Taking over ``path`` replaces whatever a dead writer left there. A path
 whose writer is alive raises ``StorageLockedError``; a path that holds a
 buffer of another config raises ``IncompatibleSnapshotError`` (nothing is
@@ -26,6 +33,7 @@ every member's size on disk, the state arrays and their invariants
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -47,6 +55,8 @@ from ..core.statecheck import check_state
 from ..storage.state import npy_from_bytes
 from .manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of
+
+log = logging.getLogger("bigper")
 
 
 def _config(body: dict, snap) -> Config:
@@ -149,6 +159,68 @@ def _check_previous(meta, cfg: Config, live) -> None:
             "key(s): " + "; ".join(diff) + ". Pass another path= (or remove that buffer first).")
 
 
+def counterpart(live, saved_at, now_at) -> Path | None:
+    """Where ``live`` (recorded by a snapshot written at ``saved_at``) lies for
+    the same snapshot read at ``now_at``: the folders the two locations share
+    at their end are the same folders, so the tree above them moved (a copy
+    of a run folder, a moved one). None when nothing moved, or when ``live``
+    is not inside the tree that moved (the recorded path then stands).
+
+    ::
+
+        saved_at /runs/a/ckpt/snap-3    live /runs/a/replay
+        now_at   /runs/b/ckpt/snap-3    ->   /runs/b/replay
+    """
+    a, b = Path(saved_at).parts, Path(now_at).parts
+    k = 0
+    while k < min(len(a), len(b)) and a[len(a) - 1 - k] == b[len(b) - 1 - k]:
+        k += 1
+    old, new = Path(*a[:len(a) - k]), Path(*b[:len(b) - k])
+    if k == 0 or old == new:
+        return None
+    try:
+        rel = Path(live).relative_to(old)
+    except ValueError:
+        return None
+    return new / rel
+
+
+def default_live_path(snap: Path, body: dict) -> Path | None:
+    """The live path a load of ``snap`` (manifest ``body``) takes without
+    ``path=``: the recorded one, or its ``counterpart`` when the snapshot was
+    written elsewhere (None: it records none)."""
+    sto = body.get("storage") or {}
+    live = sto.get("path")
+    if not isinstance(live, str):
+        return None
+    live = Path(os.path.abspath(live))
+    saved_at = sto.get("snapshot")
+    if isinstance(saved_at, str):
+        moved = counterpart(live, saved_at, os.path.join(os.path.realpath(snap.parent), snap.name))
+        if moved is not None:
+            log.info("bigper: %s was written at %s; it loads into %s, where %s was beside the original (which "
+                     "is not touched)", snap, saved_at, moved, live)
+            return moved
+    return live
+
+
+def _check_newer(previous, count: int, live, rewind: bool) -> None:
+    """A live path whose buffer was closed holding more transitions than the
+    snapshot (``count``) keeps them unless ``rewind``: loading would discard
+    newer data (a crashed writer's folder, unclean, records nothing newer that
+    could be resumed: it is taken over as before)."""
+    if rewind or not isinstance(previous, dict) or previous.get("clean") is not True:
+        return
+    st = previous.get("state")
+    held = st.get("count") if isinstance(st, dict) else None
+    if isinstance(held, int) and not isinstance(held, bool) and held > count:
+        raise PathExistsError(
+            f"path={str(live)!r} holds a buffer closed with {held} transitions written, newer than this "
+            f"snapshot's {count}: loading it there would discard the {held - count} transitions (and the "
+            "priority updates) since. Resume that buffer with mode='resume', load the snapshot into a new "
+            "path=, or pass rewind=True to replace it with the snapshot; nothing was changed")
+
+
 def _release(store) -> None:
     """Let go of a storage that failed to load, recording nothing: a disk
     location stays marked unclean (or is removed if this load created it)."""
@@ -185,7 +257,7 @@ def _compare_specs(have: dict, layouts: dict, snap, cfg: Config, growth=None) ->
             f"{n!r} is recorded as {fmt(layouts.get(n))}, the config needs {fmt(have.get(n))}")
 
 
-def _load_memmap(cfg, body, snap, live, layouts):
+def _load_memmap(cfg, body, snap, live, layouts, rewind):
     from ..storage.memmap import CHUNK_BYTES, MemmapStorage
 
     opts = body["storage"].get("options") or {}
@@ -193,6 +265,7 @@ def _load_memmap(cfg, body, snap, live, layouts):
     store.open(cfg.to_dict())
     try:
         _check_previous(store.previous, cfg, live)
+        _check_newer(store.previous, body["state"]["meta"]["count"], live, rewind)
         native = store.layout(layouts, storage_growth(cfg))
         if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):
             store.adopt({n: {**native[n], "files": [(snap / m, body["files"][m]["xxh3_64"])
@@ -235,7 +308,7 @@ def _check_space(where: Path, need: int) -> None:
                                     f"HDF5 file there needs about {want:,}", str(where))
 
 
-def _load_hdf5(cfg, body, snap, live, layouts):
+def _load_hdf5(cfg, body, snap, live, layouts, rewind):
     from ..storage.hdf5 import HDF5Storage
 
     # The storage takes the lock first, then looks at what is there (a live writer is
@@ -247,6 +320,7 @@ def _load_hdf5(cfg, body, snap, live, layouts):
     store.open(cfg.to_dict())
     try:
         _check_previous(store.previous, cfg, live)
+        _check_newer(store.previous, body["state"]["meta"]["count"], live, rewind)
         if opts.get("compression") is None:
             _check_space(live.parent, sum(body["files"][m]["size"] for rec in body["data"].values()
                                           for m in rec["files"]))
@@ -279,7 +353,7 @@ def inspect(snap: Path, problems: list | None = None):
     return body, cfg, layouts, state
 
 
-def load(snapshot, *, path=None) -> "Restored":
+def load(snapshot, *, path=None, rewind=False) -> "Restored":
     """The parts of the buffer saved in ``snapshot``, every byte checked:
     its config, its storage (allocated and filled, at ``path`` for disk
     storages) and its recorded state, for ``PrioritizedReplayBuffer.load``.
@@ -290,7 +364,11 @@ def load(snapshot, *, path=None) -> "Restored":
         A snapshot directory (from ``buf.save`` or ``Snapshots``).
     path : str or Path, optional
         Where a disk storage keeps its live data; default, the path recorded
-        in the snapshot. Whatever a dead writer left there is replaced.
+        in the snapshot, or its ``counterpart`` when the snapshot was copied
+        or moved since. Whatever a dead writer left there is replaced.
+    rewind : bool
+        Replace a buffer closed at ``path`` with more transitions than the
+        snapshot (refused by default: ``PathExistsError``).
 
     Raises
     ------
@@ -309,10 +387,9 @@ def load(snapshot, *, path=None) -> "Restored":
     body, cfg, layouts, state = inspect(snap)
     kind = cfg.storage
     if kind != "memory":
-        live = path if path is not None else body["storage"].get("path")
+        live = Path(os.path.abspath(path)) if path is not None else default_live_path(snap, body)
         if live is None:
             raise InvalidArgumentError(f"{snap} records no live path for its {kind} storage; pass path=")
-        live = Path(os.path.abspath(live))
         _check_apart(live, snap)
         # every byte checked before the live path changes
         check_files(snap, [(m, body["files"][m]) for rec in body["data"].values() for m in rec["files"]])
@@ -328,9 +405,9 @@ def load(snapshot, *, path=None) -> "Restored":
         _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
     elif kind == "memmap":
-        store = _load_memmap(cfg, body, snap, live, layouts)
+        store = _load_memmap(cfg, body, snap, live, layouts, rewind)
     else:
-        store = _load_hdf5(cfg, body, snap, live, layouts)
+        store = _load_hdf5(cfg, body, snap, live, layouts, rewind)
     return Restored(snap, cfg, store, body["state"]["meta"], state)
 
 

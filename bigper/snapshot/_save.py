@@ -267,14 +267,19 @@ def _copy_rows(tx: Transaction, store) -> dict:
     return out
 
 
-def _storage_record(store) -> dict:
+def _storage_record(store, target: Path) -> dict:
+    """Where the live data was, and where the snapshot itself was written
+    (``snapshot``): a copy of the tree read elsewhere loads into its own
+    counterpart of the live path (``_load.counterpart``), not the original's."""
     path = store.path
     options = {}
     if store.kind == "memmap":
         options["chunk_bytes"] = store.chunk_bytes
     elif store.kind == "hdf5":
         options["compression"] = store.compression
-    return {"kind": store.kind, "path": None if path is None else os.path.abspath(path), "options": options}
+    saved_at = os.path.join(os.path.realpath(target.parent), target.name)
+    return {"kind": store.kind, "path": None if path is None else os.path.abspath(path), "options": options,
+            "snapshot": saved_at}
 
 
 def _user_metadata(metadata):
@@ -399,7 +404,7 @@ def save(snapshot, *, config, state, storage, summary, metadata=None, files=None
             "magic": MAGIC, "format": FORMAT, "bigper_version": __version__,
             "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "config": config.to_dict(),
-            "storage": _storage_record(store),
+            "storage": _storage_record(store, target),
             "state": {"meta": meta, "arrays": state},
             "data": data,
             "summary": dict(summary),

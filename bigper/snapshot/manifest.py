@@ -13,7 +13,8 @@
 
     magic, format, bigper_version, created     what and who wrote it
     config                                     Config.to_dict()
-    storage      {kind, path, options}         where the live data was (the default load path)
+    storage      {kind, path, options,         where the live data was (the default load path),
+                  snapshot}                    and where this snapshot was written (optional)
     state        {meta, arrays: name -> file}  the buffer's state_dict
     data         name -> {rows, shape, dtype, chunk_rows, files: [file, ...]}
     files        file -> {size, xxh3_64}       every file but the manifest
@@ -157,6 +158,8 @@ def check_structure(body: dict, where) -> None:
     sto = body["storage"]
     _need(isinstance(sto.get("kind"), str), where, "storage kind must be a string")
     _need(sto.get("path") is None or isinstance(sto["path"], str), where, "storage path must be a string")
+    _need(sto.get("snapshot") is None or isinstance(sto["snapshot"], str), where,
+          "storage snapshot (where it was written) must be a string")
     opts = sto.get("options")
     _need(opts is None or isinstance(opts, dict), where, f"storage options must be a dict, got {str(opts)[:60]}")
     opts = opts or {}
