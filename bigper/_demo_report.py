@@ -111,6 +111,11 @@ class Trace:
         return float(np.mean(self.returns[-10:])) if self.returns else None
 
 
+def human(n: float) -> str:
+    """Bytes as GB, or MB below a tenth of a GB (a short run's buffer is a few MB)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def format_table(r: dict, args) -> str:
     rows = [
         ("env steps/s (ALE + preprocessing)", f"{r['env_steps_per_s']:,.0f}"),
@@ -121,8 +126,15 @@ def format_table(r: dict, args) -> str:
         ("learner step (tiny CPU Q-net), ms", f"{r['learner_ms']:,.1f}"),
         ("beta at the end", f"{r['beta_end']:.3f}  (0.4 -> 1.0 over the run's {r['sample_calls']:,} sample calls)"),
         ("whole loop, env steps/s", f"{r['loop_steps_per_s']:,.0f}"),
-        ("bytes on disk per transition", f"{r['bytes_per_transition']:,.0f}  "
-                                         f"(obs + next_obs stored naively: {NAIVE_BYTES:,})"),
+        ("disk allocated (preallocated)", f"{human(r['disk_bytes'])} for {r['capacity']:,} slots"
+                                          + ("  (sized to --steps)" if r.get("capacity_sized_to_steps")
+                                             and r["capacity"] == r["steps"] else "")),
+        ("bytes on disk per slot allocated", f"{r['bytes_per_slot']:,.0f}  "
+                                             f"(obs + next_obs stored naively: {NAIVE_BYTES:,})"),
+        ("bytes on disk per transition held", f"{r['bytes_per_transition_held']:,.0f}  "
+                                              f"({r['held']:,} held in {r['capacity']:,} slots)"),
+        ("disk the held transitions use", f"{human(r['disk_used_bytes'])}  "
+                                          f"({r['held'] / r['capacity']:.0%} of the slots)"),
         ("snapshot, s", f"{r['snapshot_s']:.2f}"),
         ("restore, s", f"{r['restore_s']:.2f}"),
         ("restored == original", f"{'yes' if r['verify_ok'] else 'NO'}: {r['verified_batches']} of "
@@ -130,7 +142,7 @@ def format_table(r: dict, args) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     title = (f"\nbigper demo: {r['steps']:,} steps of {r['game']}, {r['held']:,} transitions held "
-             f"(capacity {r['capacity']:,}, {r['disk_bytes'] / 1e9:.2f} GB on disk, "
+             f"(capacity {r['capacity']:,}, {human(r['disk_bytes'])} on disk, "
              f"{r['prioritization']} prioritization)")
     line = "-" * (w + 2 + max(len(v) for _, v in rows))
     return "\n".join([title, line, *(f"{k:<{w}}  {v}" for k, v in rows), line])

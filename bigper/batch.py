@@ -21,9 +21,19 @@ class Batch(Mapping[str, np.ndarray]):
     Data is reached by mapping access (``batch["obs"]``), so no data field can
     collide with ``indices`` or ``weights``.
 
+    With a device tier (a buffer made with ``device=...``), what a loss
+    reads is a ``torch.Tensor`` on that device: every field in ``data``,
+    ``weights`` (float32) and, with sequences, ``mask`` (bool). What names
+    the draw for the host's tree stays numpy: ``indices``, ``generations``
+    and ``probabilities``. So a loss written from the batch,
+    ``(batch.weights * td.pow(2)).mean()``, needs no conversion, and
+    ``update_priorities(batch, td)`` reads nothing back from the device.
+    The batch's tensors are its own: changing those of the ``to_torch()``
+    dict in place leaves them as drawn.
+
     Parameters
     ----------
-    data : dict[str, np.ndarray]
+    data : dict[str, np.ndarray or torch.Tensor]
         Every field with a leading batch axis, plus ``next_<name>`` for the
         fields in ``next_of``, ``terminated``, ``truncated`` and ``discount``.
         The arrays are the caller's (nothing in the buffer writes to them
@@ -31,17 +41,19 @@ class Batch(Mapping[str, np.ndarray]):
         of one array, not contiguous along the batch axis.
     indices : np.ndarray, (B,) int64
         Slots the transitions were drawn from.
-    weights : np.ndarray, (B,) float32
-        Importance-sampling weights, normalized as the buffer's ``weight_norm`` says.
+    weights : np.ndarray or torch.Tensor, (B,) float32
+        Importance-sampling weights, normalized as the buffer's ``weight_norm``
+        says; a tensor on the device with a device tier.
     probabilities : np.ndarray, (B,) float64
         ``P(i)`` of each draw at sampling time.
     generations : np.ndarray, (B,) int64
         How many times each slot had been written when it was sampled; lets
         ``update_priorities`` skip slots overwritten since.
-    mask : np.ndarray, (B, T) bool, or None
+    mask : np.ndarray or torch.Tensor, (B, T) bool, or None
         With ``sequence=...`` only (every field is then ``(B, T, ...)``, with
         ``T = burn_in + length``): which steps are real. Padded steps (before
-        an episode's start in the burn-in, after its end) hold zeros.
+        an episode's start in the burn-in, after its end) hold zeros. A
+        tensor on the device with a device tier.
     burn_in : int
         With sequences: the first ``burn_in`` steps of each row are burn-in
         (to warm up a recurrent state), the rest the learning part; else 0.
@@ -119,7 +131,12 @@ class Batch(Mapping[str, np.ndarray]):
 
         Returns
         -------
-        dict[str, torch.Tensor]
+        TensorBatch
+            A ``dict[str, torch.Tensor]`` (``bigper._torch.TensorBatch``) that
+            also keeps host copies of ``indices``, ``generations`` and
+            ``mask`` in its ``host`` attribute, so that
+            ``update_priorities(tensors, td)`` reads nothing back from the
+            device; a key the caller replaces is read as given.
         """
         from ._torch import batch_to_torch
 

@@ -150,8 +150,10 @@ class PrioritizedReplayBuffer:
         The device tier: keep a copy of the stored data (frames once, raw also
         when compressed) in this torch device's memory, written through before
         each draw. ``sample`` then draws on the host tree and gathers on the
-        device: its ``Batch`` holds device tensors (``to_torch()`` returns them
-        with ``weights``, ``indices``, ``generations``). The storage stays the
+        device: what a loss reads in its ``Batch`` (the fields, ``weights``,
+        ``mask``) is device tensors, what names the draw (``indices``,
+        ``generations``, ``probabilities``) stays numpy (see ``Batch``;
+        ``to_torch()`` returns a ``TensorBatch`` of tensors). The storage stays the
         copy that counts (snapshots, resume, ``verify``); a resumed or loaded
         buffer rebuilds the device copy from it. Refused at construction,
         naming the bytes, where the device cannot hold it (``bigper info``
@@ -441,6 +443,9 @@ class PrioritizedReplayBuffer:
         Returns
         -------
         Batch
+            Numpy arrays; with a device tier (``device=``), the fields,
+            ``weights`` and ``mask`` are tensors on that device and
+            ``indices``, ``generations`` and ``probabilities`` stay numpy.
         """
         return self._draw(batch_size, beta, stratified, out, True)
 

@@ -1,8 +1,11 @@
 """``bigper demo``: a real Atari game into a disk-backed replay buffer, measured.
 
 Pong (ALE, through Gymnasium's ``AtariPreprocessing`` and
-``FrameStackObservation``) fills a memmap buffer of capacity 1,000,000
-(frame stacks stored once, 3-step returns, beta annealed 0.4 -> 1). Every
+``FrameStackObservation``) fills a memmap buffer (frame stacks stored once,
+3-step returns, beta annealed 0.4 -> 1) of capacity ``--steps``, at most
+1,000,000: a memmap buffer preallocates every slot (a full disk is an error
+at creation, not a crash mid-run), so a short run is not given gigabytes of
+slots it never writes; ``--capacity`` sets it (``--steps 1000000`` fills 1M). Every
 ``--learn-every`` env steps a learner-shaped step runs beside it: sample 32,
 an IS-weighted Huber loss of a tiny conv Q-network on the CPU, priorities
 updated from ``|TD|``. At the end the buffer is snapshotted with
@@ -11,7 +14,8 @@ restored buffer's next samples are checked against the original's. It prints
 what it measured and writes a plot of the priorities and of the ages of the
 sampled transitions. ``--prioritization rank`` runs the same with rank-based
 prioritization. It says how much disk the run directory takes before it starts
-and at the end (with the command that removes it), and its peak memory, split
+and at the end (with the command that removes it), the buffer's disk per slot
+allocated and per transition held, and its peak memory, split
 into the process's own (RssAnon) and the memmap files' pages mapped into it
 (RssFile: page cache, shared and reclaimable, but counted in RSS).
 
@@ -34,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._demo_report import Memory, Stopwatch, Trace, format_table, plot
+from ._demo_report import Memory, Stopwatch, Trace, format_table, human, plot
 
 GAME = "Pong"
 CAPACITY = 1_000_000
@@ -44,9 +48,10 @@ DEFAULT_STEPS = 50_000
 def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                    help=f"env steps (default {DEFAULT_STEPS:,}: a few minutes on 2 cores; "
-                        "1000000 fills the buffer)")
-    p.add_argument("--capacity", type=int, default=CAPACITY,
-                   help=f"buffer capacity in transitions (default {CAPACITY:,}, about 7.2 GB on disk)")
+                        "1000000 fills a 1M-capacity buffer)")
+    p.add_argument("--capacity", type=int, default=None,
+                   help=f"buffer capacity in transitions, preallocated whole on disk (about 7.2 KB a slot; "
+                        f"default: --steps, at most {CAPACITY:,}, the slots the run fills)")
     p.add_argument("--path", help="run directory, new or empty (default runs/demo-<timestamp>)")
     p.add_argument("--game", default=GAME, help=f"ALE game (default {GAME})")
     p.add_argument("--learn-every", type=int, default=4, help="env steps per learner step (4)")
@@ -58,6 +63,14 @@ def add_arguments(p) -> None:
                    help="P(i) from the priority itself (proportional, the default) or from its rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def capacity_of(args) -> int:
+    """The buffer's capacity: ``--capacity`` as given, else the slots the run
+    fills (``--steps``, at most ``CAPACITY``). The memmap buffer preallocates
+    every slot (so a full disk is an ``OSError`` at creation, never a SIGBUS
+    mid-run); slots a short run never writes would buy nothing for it."""
+    return args.capacity if args.capacity is not None else min(args.steps, CAPACITY)
 
 
 def estimate_bytes(capacity: int) -> int:
@@ -102,20 +115,21 @@ def sample_calls(args) -> int:
 
 def check_args(args) -> str | None:
     for name in ("steps", "capacity", "learn_every", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if args.verify_batches < 0 or args.threads < 1:
         return "--verify-batches must be >= 0 and --threads >= 1"
     run = Path(args.path)
     if run.exists() and (not run.is_dir() or any(run.iterdir())):
         return f"--path {run} exists and is not an empty directory; choose a new run directory"
-    need = estimate_bytes(args.capacity)
+    capacity = capacity_of(args)
+    need = estimate_bytes(capacity)
     free = shutil.disk_usage(_existing(run)).free
     if free < need:
-        return (f"a buffer of capacity {args.capacity:,} preallocates about {need / 1e9:.1f} GB at {run}, "
+        return (f"a buffer of capacity {capacity:,} preallocates about {need / 1e9:.1f} GB at {run}, "
                 f"but only {free / 1e9:.1f} GB is free there. Free some space, pass --path on a larger "
                 f"disk, or shrink the buffer with --capacity (e.g. --capacity "
-                f"{max(1000, int(args.capacity * free / need * 0.8) // 1000 * 1000):,})")
+                f"{max(1000, int(capacity * free / need * 0.8) // 1000 * 1000):,})")
     return None
 
 
@@ -126,6 +140,8 @@ def run(args) -> int:
     if problem:
         print(f"bigper demo: {problem}", file=sys.stderr)
         return 2
+    sized = args.capacity is None
+    args.capacity = capacity_of(args)
     mem = Memory()
     try:
         import torch
@@ -142,12 +158,15 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     env = make_env(args.game, seed=args.seed)
     need = estimate_bytes(args.capacity)
+    why = (f"sized to --steps: the slots this run fills; --capacity {CAPACITY:,} preallocates "
+           f"{estimate_bytes(CAPACITY) / 1e9:.1f} GB" if sized and args.capacity < CAPACITY else
+           "every slot, so that a full disk is an error now, not a crash mid-run")
     print(f"bigper demo: ALE/{args.game}-v5 (frameskip=1, repeat_action_probability=0.0; "
           f"AtariPreprocessing + FrameStackObservation(4)), {args.steps:,} env steps into a memmap "
           f"buffer of capacity {args.capacity:,} ({args.prioritization} prioritization) at "
           f"{run_dir / 'replay'}\n"
-          f"  disk: it preallocates about {need / 1e9:.1f} GB under {run_dir} (the snapshot and the "
-          f"restored buffer hard-link those files rather than copy them); it stays after the run: "
+          f"  disk: it preallocates about {human(need)} under {run_dir} ({why}; the snapshot and "
+          f"the restored buffer hard-link those files rather than copy them); it stays after the run: "
           f"remove it with  rm -r {run_dir}", flush=True)
     n_actions = env.action_space.n
     # A tiny conv Q-network (3-step Double DQN targets, IS-weighted Huber loss) on the CPU.
@@ -194,7 +213,11 @@ def run(args) -> int:
         "sample_us": clock.mean_us("sample"), "update_us": clock.mean_us("update"),
         "first_sample_update_ms": 1e3 * (clock.first.get("sample", 0.0) + clock.first.get("update", 0.0)),
         "learner_ms": clock.mean_us("learn") / 1e3, "loop_steps_per_s": args.steps / t_loop,
-        "disk_bytes": disk, "bytes_per_transition": disk / args.capacity,
+        # Disk both ways: the preallocated files per capacity slot, and per transition the run
+        # holds (a short run in a large buffer pays for slots it never wrote).
+        "disk_bytes": disk, "bytes_per_slot": disk / args.capacity,
+        "bytes_per_transition_held": disk / max(len(buf), 1),
+        "disk_used_bytes": disk / args.capacity * len(buf), "capacity_sized_to_steps": sized,
         "snapshot_s": t_snap, "restore_s": t_restore, "verified_batches": same,
         "verify_ok": same == args.verify_batches, "snapshot": str(snap),
         "episodes": trace.episodes, "mean_return_last10": trace.mean_return(),
@@ -206,7 +229,7 @@ def run(args) -> int:
     print(format_table(results, args))
     print(f"\nrun directory: {run_dir}\n  plot:     {run_dir / 'demo.png'}\n  buffer:   {run_dir / 'replay'}"
           f"\n  snapshot: {run_dir / 'snaps' / Path(snap).name}\n  restored: {run_dir / 'restored'}\n  numbers:  {run_dir / 'results.json'}")
-    print(f"\ndisk: {run_dir} holds {run_disk / 1e9:.2f} GB (the buffer, its snapshot, the restored copy); "
+    print(f"\ndisk: {run_dir} holds {human(run_disk)} (the buffer, its snapshot, the restored copy); "
           f"remove it with:  rm -r {run_dir}")
     print(f"memory: peak RSS {results['peak_rss_bytes'] / 1e9:.2f} GB; of it, the process's own memory "
           f"(RssAnon) peaked at {mem.peak_anon / 1e9:.2f} GB and the pages of the memmap files mapped into "

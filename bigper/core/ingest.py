@@ -396,11 +396,24 @@ def as_priorities(x, n: int) -> np.ndarray:
     return p
 
 
+def _host_mask(batch: Batch):
+    """The mask of a batch whose ``mask`` is a tensor (a device tier's): the
+    host copy its tier kept, so nothing is read back from the device (which
+    would wait for the learner's stream); else the tensor, read as given."""
+    ready = batch.__dict__.get("_tensors")
+    host = getattr(ready, "host", None)
+    if isinstance(host, dict) and isinstance(host.get("mask"), np.ndarray):
+        return host["mask"]
+    return as_numpy(batch.mask)
+
+
 def update_target(target) -> tuple:
     """``(indices, generations, use_stamps, mask)`` of an ``update_priorities`` target."""
     mask = None
     if isinstance(target, Batch):
         idx, stamps, use_stamps, mask = target.indices, target.generations, True, target.mask
+        if mask is not None and type(mask) is not np.ndarray:
+            mask = _host_mask(target)
     elif isinstance(target, TensorBatch) and target.host_target() is not None:
         # to_torch's dict as it gave it: its host copies (no read from the device), checked as any
         idx, stamps, mask = target.host_target()

@@ -159,7 +159,13 @@ class Mirror:
     # -- reads -------------------------------------------------------------------
     def batch(self, plan: dict, idx, w, prob, gen, mask=None, burn_in: int = 0) -> Batch:
         """A ``Batch`` whose data are tensors on the device, gathered there
-        (``plan``: ``Reader.plan``'s); its ``to_torch()`` is ready too."""
+        (``plan``: ``Reader.plan``'s); its ``to_torch()`` is ready too.
+
+        What a loss reads is on the device: the fields, ``weights`` and
+        ``mask``; what names the draw for the host's tree (``indices``,
+        ``generations``, ``probabilities``) stays numpy, and the host copy of
+        the mask that ``update_priorities(batch, ...)`` reads is kept with the
+        batch's ``to_torch`` tensors."""
         torch = _torch()
         up = plan["up"]
         c, F = self.capacity, self.F
@@ -172,8 +178,12 @@ class Mirror:
                 up[key] = np.where(ids >= 0, ids % F, F) if ids.min() < 0 else ids % F
         tw = w.astype(np.float32, copy=False)
         up["weights"], up["indices"], up["generations"] = tw.copy(), idx.copy(), gen.copy()  # (the tensors' own)
+        # The batch's own weights (and mask): what a loss multiplies with is a tensor beside the fields.
+        # Copies apart from the to_torch dict's, which a learner may change in place; they ride in the
+        # same block, so the batch still costs one copy up.
+        up[".weights"] = tw.copy()
         if mask is not None:
-            up["mask"] = mask
+            up["mask"], up[".mask"] = mask.copy(), mask.copy()
         t = move(torch, up, self.device, True)
         fields, take, stacks = self.fields, plan["take"], plan["stacks"]
         data = {}
@@ -190,7 +200,7 @@ class Mirror:
                 data[name] = got if cols is None else got[:, cols]
             else:
                 data[name] = t[name]
-        b = Batch.make(data, idx, tw, prob, gen, mask, burn_in)
+        b = Batch.make(data, idx, t[".weights"], prob, gen, None if mask is None else t[".mask"], burn_in)
         tensors = dict(data)
         tensors["weights"], tensors["indices"], tensors["generations"] = t["weights"], t["indices"], t["generations"]
         if mask is not None:

@@ -2,9 +2,15 @@
 
 ::
 
-    python -m bigper.examples.r2d2                 # CartPole with the velocities hidden
+    python -m bigper.examples.r2d2                 # CartPole with the velocities hidden: about a minute
+    python -m bigper.examples.r2d2 --steps 15000   # long enough to learn it (a few minutes on 2 cores)
     python -m bigper.examples.r2d2 --smoke         # a few seconds: CartPole, then Atari frames on memmap
     python -m bigper.examples.r2d2 --check         # 3 seeds, prioritized vs uniform sequences
+
+It prints its progress (steps, seconds, episodes, mean return, loss) every
+``--log-every`` steps and its returns at the end. Every run starts afresh (the
+buffer is in memory; ``--smoke`` puts its memmap buffer in a temporary folder
+it removes), so it runs again as it ran.
 
 The task is partially observed: CartPole-v1 shows only the cart position and
 the pole angle, so the agent must infer the velocities from what it has seen
@@ -160,10 +166,13 @@ class AtariEnv:
 
 def train(env, *, steps, seed, alpha=0.9, capacity=50_000, seq=None, storage="memory", path=None,
           batch_size=32, train_every=1, warmup=500, target_every=250, gamma=0.99, lr=1e-3,
-          eps_steps=5_000, log=print, conv=False):
+          eps_steps=5_000, log=print, log_every=500, conv=False):
     """Run the agent for ``steps`` env steps; returns the episode returns.
-    ``alpha=0``: uniform sequence sampling (every item's leaf is 1)."""
+    ``alpha=0``: uniform sequence sampling (every item's leaf is 1). ``log``
+    (a print function, or None) gets a progress line every ``log_every`` steps."""
     torch = _torch()
+    t0 = time.perf_counter()
+    loss = None
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     seq = seq or bigper.Sequence(8, burn_in=4, period=4)
@@ -208,8 +217,10 @@ def train(env, *, steps, seed, alpha=0.9, capacity=50_000, seq=None, storage="me
             buf.update_priorities(batch, td)
         if step % target_every == 0:
             target.load_state_dict(online.state_dict())
-        if log and returns and step % 5000 == 0:
-            log(f"step {step:>7}: {len(returns)} episodes, mean return of the last 10 {np.mean(returns[-10:]):.1f}")
+        if log and (step + 1) % log_every == 0:
+            mean = f"{np.mean(returns[-10:]):.1f}" if returns else "-"
+            log(f"step {step + 1:>6} ({time.perf_counter() - t0:.0f} s): {len(returns)} episodes, mean return of "
+                f"the last 10 {mean}, loss {'-' if loss is None else f'{float(loss.detach()):.4f}'}", flush=True)
     buf.close()
     return returns
 
@@ -245,19 +256,34 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds: CartPole, then Atari on memmap")
     p.add_argument("--check", action="store_true", help="3 seeds, prioritized vs uniform")
-    p.add_argument("--steps", type=int, default=25_000)
+    p.add_argument("--steps", type=int, default=2_500,
+                   help="env steps (default 2,500: about a minute on 2 cores; 15000 learns the task)")
+    p.add_argument("--log-every", type=int, default=500, help="steps between progress lines (500)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: this network is too small to gain from more; they contend)")
     p.add_argument("--variants", nargs="+", default=["prioritized", "uniform"],
                    choices=["prioritized", "uniform"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--target", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.steps < 1 or args.log_every < 1 or args.threads < 1:
+        p.error(f"--steps, --log-every and --threads must be >= 1, got {args.steps}, {args.log_every}, "
+                f"{args.threads}")
+    # A tiny network is launch-bound: more intra-op threads only contend for the cores
+    # (4x slower on a busy 2-core machine, measured).
+    _torch().set_num_threads(args.threads)
     if args.check:
         check(args.seeds, args.steps, args.target, tuple(args.variants))
         return 0
     if not args.smoke:
-        rets = train(HiddenVelocity(args.seed), steps=args.steps, seed=args.seed)
-        print(f"episodes {len(rets)}; mean return of the last 10 {np.mean(rets[-10:]):.1f}")
+        t0 = time.perf_counter()
+        print(f"R2D2 on CartPole-v1 with the velocities hidden: {args.steps:,} steps, sequences of "
+              f"4 burn-in + 8, progress every {args.log_every:,} steps", flush=True)
+        rets = train(HiddenVelocity(args.seed), steps=args.steps, seed=args.seed, log_every=args.log_every)
+        mean = f"{np.mean(rets[-10:]):.1f}" if rets else "-"
+        print(f"done: {args.steps} steps in {time.perf_counter() - t0:.0f} s, {len(rets)} episodes; "
+              f"mean return of the last 10 {mean}")
         return 0
     rets = train(HiddenVelocity(0), steps=600, seed=0, warmup=100, train_every=4, capacity=2000, log=None)
     print(f"cartpole smoke: {len(rets)} episodes, {600} steps, sequences of 4 burn-in + 8")

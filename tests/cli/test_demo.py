@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 900  # a shared CI machine; about a minute on an idle 2-core one
-ROWS = ("env steps/s", "adds/s", "sample(32) + update_priorities, us", "bytes on disk per transition",
+ROWS = ("env steps/s", "adds/s", "sample(32) + update_priorities, us", "disk allocated (preallocated)",
+        "bytes on disk per slot allocated", "bytes on disk per transition held", "disk the held transitions use",
         "snapshot, s", "restore, s", "restored == original", "beta at the end")
 
 
@@ -38,6 +39,7 @@ def _check_run(r, run: Path, steps: int, *, verify: int = 20, prioritization: st
                learn_every: int = 4, batch_size: int = 32):
     from argparse import Namespace
 
+    from bigper._demo_report import human
     from bigper.demo import sample_calls
 
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
@@ -52,7 +54,15 @@ def _check_run(r, run: Path, steps: int, *, verify: int = 20, prioritization: st
     res = json.loads((run / "results.json").read_text())
     assert res["verify_ok"] and res["held"] == min(steps, res["capacity"])
     assert res["prioritization"] == prioritization
-    assert 7_000 < res["bytes_per_transition"] < 8_000  # each 84x84 frame once, not 8 per transition
+    # Disk said both ways: per slot preallocated (each 84x84 frame once, not 8 per transition) and per
+    # transition the run holds, with the bytes allocated and the bytes the held transitions fill.
+    held, cap = res["held"], res["capacity"]
+    assert 7_000 < res["bytes_per_slot"] < 8_000
+    assert res["bytes_per_slot"] == pytest.approx(res["disk_bytes"] / cap)
+    assert res["bytes_per_transition_held"] == pytest.approx(res["disk_bytes"] / held)
+    assert res["disk_used_bytes"] == pytest.approx(res["bytes_per_slot"] * held)
+    assert f"{res['bytes_per_slot']:,.0f}" in r.stdout and f"{res['bytes_per_transition_held']:,.0f}" in r.stdout
+    assert f"{human(res['disk_bytes'])} for {cap:,} slots" in r.stdout
     assert res["env_steps_per_s"] > 0 and res["adds_per_s"] > 0 and res["sample_update_us"] > 0
     assert (run / "snaps").is_dir() and (run / "restored" / "meta.json").is_file()
     # beta is annealed over exactly the run's sample calls: 1.0 at the last one
@@ -73,6 +83,24 @@ def test_demo_3000_steps_prints_its_table_and_writes_its_png(tmp_path):
     run = tmp_path / "run"
     r = _bigper("demo", "--steps", "3000", "--capacity", "20000", "--path", str(run), cwd=tmp_path)
     _check_run(r, run, 3000)
+
+
+def test_demo_sizes_its_buffer_to_the_run(tmp_path):
+    """Without ``--capacity`` a run of fewer steps than 1M preallocates the slots it fills (every
+    one of them, so a full disk is still an error at creation), not 7.2 GB of slots it never writes,
+    and says so before it starts."""
+    pytest.importorskip("torch")
+    pytest.importorskip("ale_py")
+    pytest.importorskip("matplotlib")
+    from bigper.demo import CAPACITY, estimate_bytes
+
+    run = tmp_path / "run"
+    r = _bigper("demo", "--steps", "600", "--verify-batches", "3", "--path", str(run), cwd=tmp_path)
+    res = _check_run(r, run, 600, verify=3)
+    assert res["capacity"] == res["held"] == 600
+    assert res["bytes_per_transition_held"] == pytest.approx(res["bytes_per_slot"])
+    assert res["disk_bytes"] < estimate_bytes(600) < estimate_bytes(CAPACITY) / 100
+    assert "sized to --steps" in r.stdout
 
 
 def test_demo_rank_switch(tmp_path):
@@ -101,16 +129,17 @@ def test_sample_calls_counts_the_learner_steps():
 
 @pytest.mark.slow
 def test_demo_default_capacity(tmp_path):
-    """The exact CI command, 1M capacity (about 7.2 GB preallocated), in the default run directory."""
+    """A 1M-capacity buffer asked for by name (about 7.2 GB preallocated), in the default run directory."""
     pytest.importorskip("ale_py")
     from bigper.demo import CAPACITY, estimate_bytes
 
     if shutil.disk_usage(tmp_path).free < 1.5 * estimate_bytes(CAPACITY):
         pytest.skip("not enough free disk for a 1M-capacity buffer")
-    r = _bigper("demo", "--steps", "3000", cwd=tmp_path)
+    r = _bigper("demo", "--steps", "3000", "--capacity", str(CAPACITY), cwd=tmp_path)
     runs = list((tmp_path / "runs").glob("demo-*"))
     assert len(runs) == 1
     res = _check_run(r, runs[0], 3000)
+    assert res["capacity"] == CAPACITY and res["bytes_per_transition_held"] > 300 * res["bytes_per_slot"]
     # Resident memory stays near the working set, not the 7.2 GB of files: nothing
     # maps the whole preallocated buffer in at once (the snapshot's checksums included).
     assert res["peak_rss_bytes"] < 2e9, res["peak_rss_bytes"]

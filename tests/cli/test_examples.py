@@ -1,6 +1,7 @@
 """Each example's ``--smoke`` run, as a user would start it (``python -m bigper.examples.NAME``)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,43 @@ def test_r2d2_smoke(tmp_path):
     assert "cartpole smoke:" in out and "sequences of 4 burn-in + 8" in out
     assert "atari smoke: 300 Pong steps on memmap" in out or "atari smoke skipped" in out
     assert not list(tmp_path.iterdir())
+
+
+def test_r2d2_prints_its_progress_and_returns(tmp_path):
+    """``python -m bigper.examples.r2d2``: what it is doing shows as it goes (step, elapsed seconds,
+    episodes, mean return, loss), not after minutes of silence, and it ends with the returns."""
+    out = _run(tmp_path, "bigper.examples.r2d2", "--steps", "700", "--log-every", "200")
+    lines = [line for line in out.splitlines() if re.match(r"step +\d+ +\(\d+ s\): \d+ episodes", line)]
+    assert [int(line.split()[1]) for line in lines] == [200, 400, 600], out
+    assert all("mean return of the last 10" in line and "loss" in line for line in lines[1:]), out
+    assert re.search(r"^done: 700 steps in \d+ s, \d+ episodes; mean return of the last 10 [\d.]+", out, re.M), out
+
+
+def _sequences_page_blocks() -> list[str]:
+    text = (ROOT / "docs" / "guide" / "sequences.md").read_text()
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def _allocated(root: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def test_sequences_walkthrough_runs_as_written_twice(tmp_path):
+    """The R2D2 page, as a user copies it: the first block's buffer is sized for a laptop and
+    runs again in the same folder; the walkthrough, at its full length, finishes in about a
+    minute (five here, for a shared machine) and prints its progress and returns."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    first, walkthrough = _sequences_page_blocks()[:2]
+    (tmp_path / "first.py").write_text(first)
+    (tmp_path / "walkthrough.py").write_text(walkthrough)
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "first.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert _allocated(tmp_path / "runs") < 50e6  # not 1.1 GB of slots for 300 steps
+    r = subprocess.run([sys.executable, "walkthrough.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = re.findall(r"^step +(\d+): \d+ episodes, mean return of the last 10 [\d.]+", r.stdout, re.M)
+    assert len(steps) >= 4, r.stdout
+    assert re.search(r"^done: \d+ steps, \d+ episodes", r.stdout, re.M), r.stdout

@@ -44,7 +44,7 @@ def _equal_batches(host, dev, order=True):
     np.testing.assert_array_equal(host.weights, _np(dev.weights))
     np.testing.assert_array_equal(host.probabilities, dev.probabilities)
     if host.mask is not None:
-        np.testing.assert_array_equal(host.mask, dev.mask)
+        np.testing.assert_array_equal(host.mask, _np(dev.mask))
     t = dev.to_torch()
     for k in host:
         assert np.array_equal(_np(t[k]), host[k]), k
@@ -495,3 +495,54 @@ def test_gather_of_no_sequence_item(compression):
     buf = _seq_buffer(compression=compression) if compression else _seq_buffer()
     got = buf.gather(np.zeros(0, np.int64))
     assert got["obs"].shape == (0, 9, 3, 4, 5) and got["mask"].shape == (0, 9)
+
+
+# -- what a tier batch holds (issue 45 §3) -------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["transitions", "sequences"])
+def test_a_tier_batch_is_a_loss_ready_batch(device, kind):
+    """A learner computes its loss from ``batch.weights`` (and ``batch.mask``) and the fields as
+    the guide shows, without a conversion: those are tensors on the tier's device; what names the
+    draw for the host's tree (indices, generations, probabilities) stays numpy; the update by the
+    batch is the host path's, bit for bit, and the batch and its ``to_torch`` dict own their tensors."""
+    if kind == "sequences":
+        host, tier = _seq_buffer(), _seq_buffer(device=device)
+    else:
+        host, tier = bigper.PrioritizedReplayBuffer(**KW), bigper.PrioritizedReplayBuffer(**KW, device=device)
+        _fill(host, 40)
+        _fill(tier, 40)
+    dev = torch.device(device)
+    for _ in range(3):
+        a, b = host.sample(8), tier.sample(8)
+        _equal_batches(a, b)
+        assert isinstance(b.weights, torch.Tensor) and b.weights.device.type == dev.type
+        assert b.weights.dtype == torch.float32 and b.weights.shape == (8,)
+        for name in ("indices", "generations", "probabilities"):
+            assert type(getattr(b, name)) is np.ndarray, name
+        q = torch.ones(b.weights.shape + (() if b.mask is None else b.mask.shape[1:]), device=dev,
+                       requires_grad=True)
+        td = b["r" if kind == "sequences" else "reward"].float() - q
+        if b.mask is None:
+            loss = (b.weights * td.pow(2)).mean()
+        else:
+            assert isinstance(b.mask, torch.Tensor) and b.mask.dtype == torch.bool and b.mask.device.type == dev.type
+            assert b["mask"] is b.mask
+            loss = (b.weights[:, None] * b.mask * td.pow(2)).sum() / b.mask.sum()
+        loss.backward()
+        host.update_priorities(a, np.abs(_np(td.detach())) + 0.5)
+        tier.update_priorities(b, td.detach().abs() + 0.5)  # by the batch itself: no host copy to make
+        assert host.total_priority == tier.total_priority
+        t = b.to_torch()
+        t["weights"].mul_(0)  # the dict's tensors are the learner's to change in place ...
+        if b.mask is not None:
+            t["mask"].logical_not_()
+            np.testing.assert_array_equal(_np(b.mask), a.mask)
+        np.testing.assert_array_equal(_np(b.weights), a.weights)  # ... the batch's are its own
+        b.weights.add_(1)
+        assert not _np(t["weights"]).any()
+    (ma, aa), (mb, ab) = host.state_dict(), tier.state_dict()
+    assert ma == mb
+    for name in aa:
+        np.testing.assert_array_equal(aa[name], ab[name], err_msg=name)

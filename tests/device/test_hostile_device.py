@@ -43,7 +43,7 @@ def _same(host, dev, order=True):
     np.testing.assert_array_equal(host.generations, dev.generations)
     np.testing.assert_array_equal(host.weights, _np(dev.weights))
     if host.mask is not None:
-        np.testing.assert_array_equal(host.mask, dev.mask)
+        np.testing.assert_array_equal(host.mask, _np(dev.mask))
 
 
 def _state(buf):
@@ -1353,7 +1353,8 @@ def test_a_held_batch_is_not_changed_by_later_samples(dev, kind):
     t = b.to_torch()
     held_b = {k: _np(v).copy() for k, v in b.items()}
     held_t = {k: v.clone() for k, v in t.items()}
-    meta = (b.indices.copy(), b.weights.copy(), b.generations.copy(), None if b.mask is None else b.mask.copy())
+    meta = (b.indices.copy(), _np(b.weights).copy(), b.generations.copy(),
+            None if b.mask is None else _np(b.mask).copy())  # (a tier batch's weights and mask: tensors)
     for i in range(12):
         x = buf.sample(8)
         x.to_torch()
@@ -1364,10 +1365,10 @@ def test_a_held_batch_is_not_changed_by_later_samples(dev, kind):
     for k in held_t:
         assert torch.equal(t[k], held_t[k]), k
     np.testing.assert_array_equal(b.indices, meta[0])
-    np.testing.assert_array_equal(b.weights, meta[1])
+    np.testing.assert_array_equal(_np(b.weights), meta[1])
     np.testing.assert_array_equal(b.generations, meta[2])
     if meta[3] is not None:
-        np.testing.assert_array_equal(b.mask, meta[3])
+        np.testing.assert_array_equal(_np(b.mask), meta[3])
 
 
 def _feed(buf, lo, hi):
