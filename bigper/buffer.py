@@ -26,7 +26,7 @@ import numpy.typing as npt
 from . import snapshot as _snapshot
 from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
-from .core.layout import plain_fields, storage_specs
+from .core.layout import check_field_names, plain_fields, storage_specs
 from .core.opening import check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
@@ -222,6 +222,7 @@ class PrioritizedReplayBuffer:
         if not isinstance(store, StorageBase):
             raise InvalidTypeError(f"store must be a storage (a subclass of bigper.storage.base.StorageBase, which "
                                    f"gives the optional calls their defaults), got {type(store).__name__}")
+        check_field_names(config)
         buf = cls.__new__(cls)
         frames = FrameStore(config, store) if config.frame_stack else None
         if frames is not None:

@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError
 
 from ..batch import Batch
 from ..config import Config
+from ..core.layout import check_field_names
 from ..schedules import ConstantSchedule, LinearSchedule
 from . import _manifest as M
 from . import _options
@@ -155,6 +156,7 @@ class ShardedPrioritizedBuffer:
                            gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority, beta=beta,
                            weight_norm=weight_norm, next_of=next_of, num_envs=num_envs, seed=seed,
                            storage=storage)
+        check_field_names(cfg)  # before any shard: each would refuse it on its own
         o = _options.check(cfg, num_shards=num_shards, placement=placement,
                            num_cpus_per_shard=num_cpus_per_shard, storage=storage, path=path,
                            chunk_size=chunk_size, max_writes_in_flight=max_writes_in_flight,
