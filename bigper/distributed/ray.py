@@ -31,7 +31,7 @@ from ray.exceptions import RayActorError
 from ..batch import Batch
 from ..config import Config
 from ..core.layout import check_field_names
-from ..schedules import ConstantSchedule, LinearSchedule
+from ..schedules import ConstantSchedule, LinearSchedule, as_beta
 from . import _manifest as M
 from . import _options
 from ._draw import draw
@@ -335,12 +335,7 @@ class ShardedPrioritizedBuffer:
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if beta is not None:
-            b = float(beta)
-            if not (b >= 0 and b < np.inf):
-                raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
-        else:
-            b = self._schedule(self._beta_step)
+        b = self._schedule(self._beta_step) if beta is None else as_beta(beta)  # the one beta rule
         self._sync()
         batch = draw(self._set, self._rng, self._offsets, int(batch_size), b, bool(stratified),
                      fresh=self.fresh_totals, batch_norm=self._norm_batch)

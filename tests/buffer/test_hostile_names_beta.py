@@ -170,3 +170,309 @@ def test_a_snapshot_whose_config_names_an_own_array_is_refused_and_makes_nothing
     with pytest.raises(IncompatibleSnapshotError, match="'status'"):
         PRB.load(snap)
     assert fingerprint(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# 4, 6. One beta rule at every entry
+
+
+def _betas():
+    torch = pytest.importorskip("torch")
+    from fractions import Fraction
+
+    good = {"float": 0.5, "np.float32": np.float32(0.5), "np.float16": np.float16(0.5), "np.int64 0": np.int64(0),
+            "int 1": 1, "Fraction": Fraction(1, 2), "0-d array": np.array(0.5), "0-d int array": np.array(1),
+            "0-d tensor": torch.tensor(0.5), "0-d float64 tensor": torch.tensor(0.25, dtype=torch.float64)}
+    bad = {"10**400": (10**400, InvalidArgumentError), "-10**400": (-10**400, InvalidArgumentError),
+           "10**5000": (10**5000, InvalidArgumentError), "huge Fraction": (Fraction(10**400, 3), InvalidArgumentError),
+           "nan": (float("nan"), InvalidArgumentError), "inf": (np.float32("inf"), InvalidArgumentError),
+           "1.5": (1.5, InvalidArgumentError), "-0.1": (-0.1, InvalidArgumentError),
+           "0-d array 2": (np.array(2.0), InvalidArgumentError), "0-d tensor nan": (torch.tensor(float("nan")),
+                                                                                  InvalidArgumentError),
+           "True": (True, bigper.InvalidTypeError), "np.bool_": (np.bool_(False), bigper.InvalidTypeError),
+           "0-d bool tensor": (torch.tensor(True), bigper.InvalidTypeError), "str": ("0.5", bigper.InvalidTypeError),
+           "complex": (0.5 + 0j, bigper.InvalidTypeError), "1-d array": (np.array([0.5]), bigper.InvalidTypeError),
+           "None-ish list": ([0.5], bigper.InvalidTypeError), "0-d str array": (np.array("0.5"), bigper.InvalidTypeError)}
+    return good, bad
+
+
+F3 = {"obs": ((3,), np.float32), "reward": ((), np.float32)}
+
+
+def _filled(**kw) -> PRB:
+    buf = PRB(capacity=16, fields=F3, seed=3, **kw)
+    for t in range(10):
+        buf.add(obs=np.full(3, t, np.float32), next_obs=np.full(3, t + 1, np.float32), reward=np.float32(t),
+                terminated=False, truncated=t % 4 == 3)
+    buf.update_priorities(np.arange(10), np.linspace(0.1, 2.0, 10))
+    return buf
+
+
+def _entries():
+    """Every entry that takes a beta: ``(name, call(buffer, beta) -> a Batch or a number)``."""
+    def sampler(b, beta, prefetch):
+        it = b.sampler(4, prefetch=prefetch, beta=beta)
+        try:
+            return next(it)
+        finally:
+            it.close()
+
+    return {
+        "constructor": lambda b, beta: _filled(beta=beta).sample(4),
+        "LinearSchedule": lambda b, beta: _filled(beta=bigper.LinearSchedule(beta, 1.0, 4)).sample(4),
+        "LinearSchedule end": lambda b, beta: _filled(beta=bigper.LinearSchedule(0.0, beta, 1)).sample(4),
+        "ConstantSchedule": lambda b, beta: _filled(beta=bigper.ConstantSchedule(beta)).sample(4),
+        "sample": lambda b, beta: b.sample(4, beta=beta),
+        "sampler prefetch=0": lambda b, beta: sampler(b, beta, 0),
+        "sampler prefetch=1": lambda b, beta: sampler(b, beta, 1),
+        "shard.sample_at": lambda b, beta: b.shard.sample_at(np.array([0.5, 3.0, 7.5]), beta=beta),
+    }
+
+
+def _state(b: PRB):
+    meta, arrays = b.state_dict()
+    return json.dumps(meta, sort_keys=True, default=str), {k: np.array(v) for k, v in arrays.items()}
+
+
+@pytest.mark.parametrize("entry", sorted(_entries()))
+def test_every_entry_takes_a_beta_of_any_real_type_as_its_float(entry):
+    good, _ = _betas()
+    call = _entries()[entry]
+    for name, value in good.items():
+        got = call(_filled(), value)
+        want = call(_filled(), float(value))
+        np.testing.assert_array_equal(got.weights, want.weights, err_msg=name)
+        np.testing.assert_array_equal(got.indices, want.indices, err_msg=name)
+
+
+@pytest.mark.parametrize("entry", sorted(_entries()))
+def test_every_entry_refuses_what_is_no_beta_with_bigpers_error_and_changes_nothing(entry):
+    _, bad = _betas()
+    call = _entries()[entry]
+    for name, (value, error) in bad.items():
+        b = _filled()
+        before = _state(b)
+        with pytest.raises(error, match="beta") as e:
+            call(b, value)
+        assert type(e.value).__module__ == "bigper.errors", (name, e.value)
+        after = _state(b)
+        assert before[0] == after[0], name
+        assert all(np.array_equal(before[1][k], after[1][k]) for k in before[1]), name
+        b.close()
+
+
+def test_a_sampler_refuses_a_bad_beta_when_it_is_made_not_at_its_first_draw():
+    b = _filled()
+    for value in (10**400, "0.5", np.array([0.5])):
+        with pytest.raises(InvalidArgumentError, match="beta"):
+            b.sampler(4, prefetch=0, beta=value)
+        with pytest.raises(InvalidArgumentError, match="beta"):
+            b.sampler(4, prefetch=2, beta=value)
+
+
+def test_a_schedule_records_plain_json_numbers_whatever_it_was_given():
+    from fractions import Fraction
+
+    s = bigper.LinearSchedule(np.float32(0.25), Fraction(1, 1), np.int64(10))
+    assert s.to_dict() == {"kind": "linear", "start": 0.25, "end": 1.0, "steps": 10}
+    assert json.loads(json.dumps(s.to_dict())) == s.to_dict()
+    assert bigper.ConstantSchedule(np.array(0.5)).to_dict() == {"kind": "constant", "value": 0.5}
+
+
+# -- the SB3 drop-in ------------------------------------------------------------------------
+
+
+def _sb3():
+    pytest.importorskip("stable_baselines3")
+    from gymnasium import spaces
+
+    from bigper.integrations import sb3
+
+    return sb3, spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2)
+
+
+def test_the_sb3_drop_in_anneals_a_beta_of_any_real_type_as_its_float():
+    """The issue's case: ``np.float32(0.5)``, ``np.int64``, ``Fraction`` were taken
+    for schedules, and ``learn`` never annealed them."""
+    sb3, obs, act = _sb3()
+    good, _ = _betas()
+    for name, value in good.items():
+        rb = sb3.PrioritizedReplayBuffer(64, obs, act, device="cpu", beta=value)
+        twin = sb3.PrioritizedReplayBuffer(64, obs, act, device="cpu", beta=float(value))
+        assert not rb.beta_is_schedule, name
+        for progress in (1.0, 0.5, 0.0):
+            assert rb.beta_for_learner(progress) == twin.beta_for_learner(progress), (name, progress)
+        assert rb.beta_for_learner(0.0) == 1.0, name
+    schedule = bigper.LinearSchedule(0.4, 1.0, 10)
+    assert sb3.PrioritizedReplayBuffer(64, obs, act, device="cpu", beta=schedule).beta_is_schedule
+
+
+def test_a_prioritized_dqn_anneals_an_np_float32_beta_through_learn():
+    sb3, _, _ = _sb3()
+    seen = {}
+    for beta in (np.float32(0.5), 0.5):
+        m = sb3.PrioritizedDQN("MlpPolicy", "CartPole-v1", device="cpu", seed=0, learning_starts=20,
+                               buffer_size=200, batch_size=8, train_freq=4, policy_kwargs={"net_arch": [8]},
+                               replay_buffer_kwargs={"beta": beta})
+        m.learn(120)
+        seen[type(beta).__name__] = (m.replay_buffer.beta, m.last_beta)
+    assert seen["float32"] == seen["float"], seen
+    assert seen["float"][0] > 0.9, seen
+
+
+@pytest.mark.parametrize("where", ["constructor", "sample"])
+def test_the_sb3_drop_in_refuses_what_is_no_beta_with_bigpers_error(where):
+    sb3, obs, act = _sb3()
+    _, bad = _betas()
+    good, _ = _betas()
+    for name, (value, error) in bad.items():
+        with pytest.raises(error, match="beta") as e:
+            if where == "constructor":
+                sb3.PrioritizedReplayBuffer(64, obs, act, device="cpu", beta=value)
+            else:
+                rb = sb3.PrioritizedReplayBuffer(64, obs, act, device="cpu")
+                rb.add(np.zeros((1, 3), np.float32), np.ones((1, 3), np.float32), np.zeros(1), np.ones(1),
+                       np.zeros(1), [{}])
+                rb.sample(2, beta=value)
+        assert type(e.value).__module__ == "bigper.errors", (name, e.value)
+    rb = sb3.PrioritizedReplayBuffer(64, obs, act, device="cpu")
+    rb.add(np.zeros((1, 3), np.float32), np.ones((1, 3), np.float32), np.zeros(1), np.ones(1), np.zeros(1), [{}])
+    for name, value in good.items():  # 0-d arrays and tensors as the bigper buffer's sample takes them
+        assert rb.sample(2, beta=value).weights.shape == (2, 1), name
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The smaller inconsistencies
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_a_sampler_after_its_buffers_close_raises_buffer_closed_at_every_next(prefetch):
+    """``prefetch=0`` raised ``BufferClosedError`` once and then ``StopIteration``,
+    which ends a learner's loop as if the data had run out; now every prefetch
+    behaves as the docstring says."""
+    b = _filled()
+    it = b.sampler(4, prefetch=prefetch)
+    next(it)
+    b.close()
+    for _ in range(3):
+        with pytest.raises(bigper.BufferClosedError):
+            next(it)
+    with pytest.raises(bigper.BufferClosedError):
+        for _ in it:
+            pass
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_sampler_ends_quietly_on_its_own_close_and_after_another_error_once(prefetch):
+    b = _filled()
+    it = b.sampler(4, prefetch=prefetch)
+    next(it)
+    it.close()
+    assert list(it) == []
+    empty = PRB(capacity=8, fields=F3)
+    it = empty.sampler(2, prefetch=prefetch)
+    with pytest.raises(InvalidArgumentError, match="no sampleable"):
+        next(it)
+    assert list(it) == []  # (an empty buffer's error is raised once, and ends it: as with a thread)
+    empty.close()
+    with pytest.raises(bigper.BufferClosedError):
+        empty.sampler(2, prefetch=prefetch)
+
+
+def _tier_and_host():
+    pytest.importorskip("torch")
+    return _filled(device="cpu"), _filled()
+
+
+def test_to_torch_twice_on_a_tier_batch_gives_each_call_its_own_bookkeeping_tensors():
+    tier, host = _tier_and_host()
+    last = {}
+    for buf in (tier, host):
+        batch = buf.sample(6)
+        a, b = batch.to_torch("cpu"), batch.to_torch("cpu")
+        for key in ("weights", "indices", "generations"):
+            assert a[key] is not b[key] and a[key].data_ptr() != b[key].data_ptr(), (buf.device, key)
+        want = {k: a[k].clone() for k in ("weights", "indices", "generations")}
+        a["weights"].mul_(0)
+        a["indices"].fill_(0)
+        a["generations"].fill_(-7)
+        c = batch.to_torch("cpu")
+        for key, v in want.items():
+            assert b[key].equal(v) and c[key].equal(v), (buf.device, key)
+        np.testing.assert_array_equal(c["indices"].numpy(), batch.indices)
+        last[buf.device is not None] = (buf, c)
+    for buf, c in last.values():  # a later call's dict is a target as the first one is
+        buf.update_priorities(c, np.linspace(0.5, 3.0, 6))
+    np.testing.assert_array_equal(tier.state_dict()[1]["leaves"], host.state_dict()[1]["leaves"])
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_an_in_place_change_to_to_torch_indices_is_ignored_by_the_update(tier):
+    """Documented in ``update_priorities``: a ``to_torch`` dict is read from the
+    host copies made with it while it holds its own tensors; a new tensor under
+    the key is read as given."""
+    torch = pytest.importorskip("torch")
+    a, twin = (_filled(device="cpu"), _filled(device="cpu")) if tier else (_filled(), _filled())
+    batch, twin_batch = a.sample(4), twin.sample(4)
+    np.testing.assert_array_equal(batch.indices, twin_batch.indices)
+    t = batch.to_torch("cpu")
+    t["indices"].add_(1)  # in place: ignored
+    a.update_priorities(t, np.full(4, 5.0))
+    twin.update_priorities(twin_batch, np.full(4, 5.0))
+    np.testing.assert_array_equal(a.state_dict()[1]["leaves"], twin.state_dict()[1]["leaves"])
+    other = (batch.indices + 1) % 10
+    t2 = batch.to_torch("cpu")
+    t2["indices"] = torch.as_tensor(other)  # replaced: read as it is (raw slots, no generation check)
+    t2.pop("generations")
+    a.update_priorities(t2, np.full(4, 0.25))
+    twin.update_priorities(other, np.full(4, 0.25))
+    np.testing.assert_array_equal(a.state_dict()[1]["leaves"], twin.state_dict()[1]["leaves"])
+    assert "in place" in PRB.update_priorities.__doc__ and "ignored" in PRB.update_priorities.__doc__
+
+
+@pytest.mark.parametrize("target", ["np.float64", "float", "0-d array", "0-d tensor"])
+def test_shard_sample_at_refuses_one_number_as_update_priorities_refuses_one_index(target):
+    """Targets are a 1-D array, like the raw indices of ``update_priorities``;
+    a 0-d one was made 1-D by ``ascontiguousarray`` and taken."""
+    torch = pytest.importorskip("torch")
+    value = {"np.float64": np.float64(0.1), "float": 0.1, "0-d array": np.array(0.1),
+             "0-d tensor": torch.tensor(0.1)}[target]
+    b = _filled()
+    before = _state(b)
+    with pytest.raises(InvalidArgumentError, match="1-D"):
+        b.shard.sample_at(value, beta=0.5)
+    with pytest.raises(InvalidArgumentError, match="1-D"):
+        b.update_priorities(np.asarray(value).astype(np.int64), 1.0)
+    after = _state(b)
+    assert before[0] == after[0]
+    assert b.shard.sample_at(np.array([0.1]), beta=0.5).indices.shape == (1,)
+
+
+def test_a_loaded_models_buffer_refuses_to_sample_before_learn_and_makes_no_file(tmp_path, monkeypatch):
+    """Promise 15: a refusal makes no file. The loaded model's buffer was opened
+    (its storage folder made) by ``sample`` before the refusal."""
+    sb3, _, _ = _sb3()
+    run, fresh = tmp_path / "run", tmp_path / "fresh"
+    run.mkdir()
+    fresh.mkdir()
+    monkeypatch.chdir(run)
+    m = sb3.PrioritizedDQN("MlpPolicy", "CartPole-v1", device="cpu", seed=0, learning_starts=20, buffer_size=200,
+                           batch_size=8, policy_kwargs={"net_arch": [8]},
+                           replay_buffer_kwargs={"storage": "memmap", "path": "runs/x/replay"})
+    m.learn(30)
+    m.save("model.zip")
+    m.replay_buffer.close()
+    monkeypatch.chdir(fresh)
+    before = fingerprint(tmp_path)
+    loaded = sb3.PrioritizedDQN.load(run / "model.zip", device="cpu")
+    with pytest.raises(InvalidArgumentError, match="holds no transition"):
+        loaded.replay_buffer.sample(4)
+    with pytest.raises(InvalidArgumentError, match="holds no transition"):
+        loaded.replay_buffer.update_priorities(np.arange(2), np.ones(2))
+    assert fingerprint(tmp_path) == before, "a refused sample made files"
+    monkeypatch.chdir(run)  # where the path holds the saved run's buffer: it resumes and samples
+    resumed = sb3.PrioritizedDQN.load(run / "model.zip", device="cpu",
+                                      replay_buffer_kwargs={"storage": "memmap", "path": "runs/x/replay",
+                                                            "mode": "resume"})
+    assert resumed.replay_buffer.sample(4).weights.shape == (4, 1)
+    resumed.replay_buffer.close()
