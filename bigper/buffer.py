@@ -83,7 +83,9 @@ class PrioritizedReplayBuffer:
         Transitions held, across all envs (>= 1).
     fields : dict[str, tuple[shape, dtype]]
         Per-step data. ``"obs"`` is a stack of frames on axis 0 when
-        ``frame_stack`` is set.
+        ``frame_stack`` is set. A name bigper keeps for its own arrays or
+        keys (``frames``, ``obs_ref``, ``weights``, ...:
+        ``bigper.core.layout.own_names()``) is refused with the list.
     frame_stack : int, optional
         Store each frame of ``"obs"`` once and rebuild stacks at sample time.
     n_step, gamma : int, float
@@ -93,7 +95,8 @@ class PrioritizedReplayBuffer:
         rank ranks by ``min(p, max_priority)`` and draws rank ``r`` in
         proportion to ``r ** -alpha``.
     beta : float or schedule
-        IS exponent; a schedule is advanced once per ``sample`` call.
+        IS exponent in [0, 1] (any real number type, a 0-d array or tensor:
+        ``bigper.schedules.as_beta``); a schedule is advanced once per ``sample`` call.
     weight_norm : {"global", "batch"}
         Divide weights by the largest possible weight, or by the batch's largest.
     prioritization : {"proportional", "rank"}
