@@ -476,3 +476,33 @@ def test_a_loaded_models_buffer_refuses_to_sample_before_learn_and_makes_no_file
                                                             "mode": "resume"})
     assert resumed.replay_buffer.sample(4).weights.shape == (4, 1)
     resumed.replay_buffer.close()
+
+
+def test_a_d4rl_dataset_whose_extra_columns_take_bigpers_names_opens_without_them(tmp_path):
+    """A D4RL file's extra per-step datasets become fields; one called like an
+    array or key of bigper's own (``status``, ``frames``, ``weights``) is skipped
+    with a note, as ``discount`` was, not a refusal of the whole dataset."""
+    h5py = pytest.importorskip("h5py")
+    n = 12
+    path = tmp_path / "d.hdf5"
+    with h5py.File(path, "w") as f:
+        f["observations"] = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+        f["actions"] = np.zeros((n, 2), np.float32)
+        f["rewards"] = np.ones(n, np.float32)
+        f["terminals"] = (np.arange(n) % 6 == 5).astype(np.float32)
+        f["timeouts"] = np.zeros(n, bool)
+        for name in ("status", "frames", "weights", "obs_ref", "kept"):
+            f[name] = np.arange(n, dtype=np.int64)
+    before = fingerprint(tmp_path)
+    with PRB.from_hdf5(path) as buf:
+        assert "kept" in buf.config.fields
+        assert not set(buf.config.fields) & set(layout.own_names())
+        batch = buf.sample(4)
+        np.testing.assert_array_equal(batch["kept"], batch.indices)
+    from bigper.offline.datasets import describe
+
+    text = describe(path)
+    for name in ("status", "frames", "weights", "obs_ref"):
+        assert name in text, text
+    after = fingerprint(tmp_path)
+    assert {k for k in after if k not in before} <= {k for k in after if "priorities" in k or k.endswith(".lock")}
