@@ -1,6 +1,7 @@
 """What a buffer of a given config keeps in its storage: the arrays, their
 rows, shapes and dtypes. The buffer allocates them; snapshot loads and offline
-datasets check files against them before anything is allocated."""
+datasets check files against them before anything is allocated. And the
+names bigper keeps for itself, which no field may take (promise 17)."""
 
 from __future__ import annotations
 
