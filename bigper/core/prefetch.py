@@ -82,9 +82,9 @@ def _why_after(why: BaseException | None, e: BaseException) -> BaseException | N
 class Direct:
     """Iterator over ``produce()`` results made when asked for, in the
     caller's thread: ``Prefetcher``'s contract without its thread. An error
-    of ``produce`` is raised once and ends the iteration; after
-    ``close(why=...)`` every ``next()`` raises ``why``; after ``close()``
-    it ends quietly.
+    of ``produce`` is raised once and ends the iteration, except a closed
+    buffer's ``BufferClosedError``, raised at every later ``next()`` as
+    ``why`` is after ``close(why=...)``; after ``close()`` it ends quietly.
 
     Parameters
     ----------
