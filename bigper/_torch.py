@@ -244,6 +244,24 @@ def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
     return arrays, derived
 
 
+def _tier_to_torch(torch, batch, ready: TensorBatch, device, non_blocking: bool) -> TensorBatch:
+    """``to_torch`` of a device tier's batch (``ready``: the tensors the tier
+    gathered). Each call gets a dict, bookkeeping tensors (``weights``,
+    ``indices``, ``generations``) and host copies of its own, as a host batch's
+    calls do: the first call takes the tier's, a later one new ones made from
+    the batch's host values (a learner may have changed the first ones in place)."""
+    dev = next(iter(ready.values())).device
+    if device is not None and device != dev:
+        return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, _host_of(batch))
+    tensors = dict(ready)
+    if ready.host.get("given"):
+        own = {"weights": np.array(batch.weights, dtype=np.float32), "indices": np.array(batch.indices, dtype=np.int64),
+               "generations": np.array(batch.generations, dtype=np.int64)}
+        tensors.update(move(torch, own, dev, non_blocking))
+    ready.host["given"] = True
+    return TensorBatch(tensors, _host_of(batch))
+
+
 def _host_of(batch) -> dict:
     """The host copies ``update_priorities`` reads: copies (the tensors of a CPU
     batch share the batch's arrays, which a learner may change in place)."""
@@ -312,9 +330,7 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
         staged.drop()
     ready = batch.__dict__.get("_tensors")
     if ready is not None:  # a device tier's batch: its tensors are on its device already
-        if device is None or device == next(iter(ready.values())).device:
-            return TensorBatch(ready, dict(ready.host))  # (a dict of its own: the caller may change it)
-        return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, dict(ready.host))
+        return _tier_to_torch(torch, batch, ready, device, non_blocking)
     dev = torch.device("cpu") if device is None else torch.device(device)
     arrays, derived = _fields(batch, copies=dev.type != "cpu")
     return TensorBatch(_derive(torch, move(torch, arrays, dev, non_blocking), derived), _host_of(batch))

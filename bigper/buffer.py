@@ -26,7 +26,7 @@ import numpy.typing as npt
 from . import snapshot as _snapshot
 from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
-from .core.layout import plain_fields, storage_specs
+from .core.layout import check_field_names, plain_fields, storage_specs
 from .core.opening import check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
@@ -46,7 +46,7 @@ from .errors import (
 )
 from .frames.store import FrameStore
 from .device.deferred import Deferred
-from .core.prefetch import Prefetcher
+from .core.prefetch import Direct, Prefetcher
 from .core.ring import Ring
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
@@ -83,7 +83,9 @@ class PrioritizedReplayBuffer:
         Transitions held, across all envs (>= 1).
     fields : dict[str, tuple[shape, dtype]]
         Per-step data. ``"obs"`` is a stack of frames on axis 0 when
-        ``frame_stack`` is set.
+        ``frame_stack`` is set. A name bigper keeps for its own arrays or
+        keys (``frames``, ``obs_ref``, ``weights``, ...:
+        ``bigper.core.layout.own_names()``) is refused with the list.
     frame_stack : int, optional
         Store each frame of ``"obs"`` once and rebuild stacks at sample time.
     n_step, gamma : int, float
@@ -93,7 +95,8 @@ class PrioritizedReplayBuffer:
         rank ranks by ``min(p, max_priority)`` and draws rank ``r`` in
         proportion to ``r ** -alpha``.
     beta : float or schedule
-        IS exponent; a schedule is advanced once per ``sample`` call.
+        IS exponent in [0, 1] (any real number type, a 0-d array or tensor:
+        ``bigper.schedules.as_beta``); a schedule is advanced once per ``sample`` call.
     weight_norm : {"global", "batch"}
         Divide weights by the largest possible weight, or by the batch's largest.
     prioritization : {"proportional", "rank"}
@@ -246,6 +249,7 @@ class PrioritizedReplayBuffer:
         if not isinstance(store, StorageBase):
             raise InvalidTypeError(f"store must be a storage (a subclass of bigper.storage.base.StorageBase, which "
                                    f"gives the optional calls their defaults), got {type(store).__name__}")
+        check_field_names(config)
         buf = cls.__new__(cls)
         frames = FrameStore(config, store) if config.frame_stack else None
         if frames is not None:
@@ -313,7 +317,7 @@ class PrioritizedReplayBuffer:
         self._deferred = Deferred()
         self._deferred_error = None  # an invalid deferred update's error, for the next call to raise
         self._rng = np.random.default_rng(cfg.seed)
-        self._samplers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+        self._samplers: "weakref.WeakSet[Prefetcher | Direct]" = weakref.WeakSet()
         self._closed = False
         OPEN.add(self)
         if store.kind == "hdf5":
@@ -525,7 +529,7 @@ class PrioritizedReplayBuffer:
             As for ``sample``.
         prefetch : int
             Batches kept ready ahead of the learner (0: no thread, each batch
-            drawn when asked for).
+            drawn when asked for; the iterator behaves the same either way).
         device : str or torch.device, optional
             When given, items are ``Batch.to_torch(device)`` dicts (on CUDA
             through pinned memory, non-blocking), which ``update_priorities``
@@ -550,7 +554,11 @@ class PrioritizedReplayBuffer:
         thread and drops the batches it prepared; they were drawn, so the
         random stream and the beta schedule are past them. Iterating on
         after the buffer's ``close`` (another thread's, say) raises
-        ``BufferClosedError``, not a silent ``StopIteration``. The thread
+        ``BufferClosedError`` at every ``next()``, whatever ``prefetch``,
+        never a silent ``StopIteration`` that would end a learner's loop as if
+        the data had run out. Any other error of a draw (an empty buffer) is
+        raised once, and ends the iterator; make a new one. ``beta`` is
+        checked when the sampler is made (``bigper.schedules.as_beta``). The thread
         holds the buffer only during a draw: a buffer dropped with its
         sampler is closed (its lock released) when the last of them is collected.
         """
@@ -562,13 +570,16 @@ class PrioritizedReplayBuffer:
         unknown = sorted(set(sample_kw) - {"beta", "stratified"})
         if unknown:
             raise InvalidArgumentError(f"sampler passes only beta and stratified to sample, got {unknown}")
+        if sample_kw.get("beta") is not None:  # refused here, not at a draw; a tensor read once
+            sample_kw["beta"] = as_beta(sample_kw["beta"])
         produce = functools.partial(_sample_in, weakref.ref(self), int(batch_size), device, dict(sample_kw))
         if prefetch == 0:
-            return (produce() for _ in iter(int, 1))
-        handover = None
-        if device is not None and device.type == "cuda":
-            from ._torch import handover
-        it = Prefetcher(produce, int(prefetch), self._lock, prepare=self._deferred.wait, finish=handover)
+            it = Direct(produce)
+        else:
+            handover = None
+            if device is not None and device.type == "cuda":
+                from ._torch import handover
+            it = Prefetcher(produce, int(prefetch), self._lock, prepare=self._deferred.wait, finish=handover)
         self._samplers.add(it)
         return it
 
@@ -582,7 +593,14 @@ class PrioritizedReplayBuffer:
         ----------
         target : Batch, mapping with ``"indices"``, or array of int
             A batch from ``sample`` or the dict ``Batch.to_torch`` gives (slots
-            overwritten since sampling are skipped), or raw slots.
+            overwritten since sampling are skipped), or raw slots. A
+            ``to_torch`` dict is read from the host copies of its indices,
+            generations and mask made with it (no tensor is read back from a
+            device), as long as it holds the tensors it was made with: a
+            change made in place to ``tensors["indices"]`` (or
+            ``"generations"``) is ignored. To target other slots, put a new
+            tensor under the key (the dict is then read as it is) or pass
+            the indices themselves.
         priorities : array-like (B,)
             Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
             With a repeated index, the last value wins. With ``sequence=...``

@@ -17,7 +17,8 @@ from .errors import BigperError, InvalidArgumentError, InvalidTypeError
 
 # Per-transition flags every buffer stores, and keys that sampling produces.
 BUILTIN = ("terminated", "truncated")
-# (weights, indices, generations and mask are keys of every to_torch dict beside the fields.)
+# (weights, indices, generations and mask are keys of every to_torch dict beside the fields.) No field
+# takes these, nor the names of bigper's own arrays: ``core/layout.py`` ``check_field_names``.
 RESERVED = BUILTIN + ("discount", "priorities", "weights", "indices", "generations", "mask")
 STORAGES = ("memory", "memmap", "hdf5")
 WEIGHT_NORMS = ("global", "batch")
@@ -107,16 +108,13 @@ def _compression(compression, budget, frame_stack, specs, *, capacity, n_step, n
     return compression, int(budget)
 
 
-def _sequence(seq, *, capacity, n_step, num_envs, fields) -> dict:
+def _sequence(seq, *, capacity, n_step, num_envs) -> dict:
     """A checked ``Sequence`` (or its dict) as the dict a Config keeps."""
     seq = Sequence.from_dict(seq)
     if n_step > 1:
         raise InvalidArgumentError(
             f"n_step={n_step} with sequence=...: a recurrent learner computes its n-step targets from "
             "the sampled sequence itself; use n_step=1")
-    if "mask" in fields:
-        raise InvalidArgumentError("fields may not define 'mask' with sequence=...: batches carry "
-                                   "the sequences' mask under that name")
     need = seq.steps * num_envs
     if capacity < need:
         raise InvalidArgumentError(
@@ -247,9 +245,7 @@ class Config:
             raise InvalidTypeError(f"fields must be a non-empty dict name -> (shape, dtype), got {fields!r}")
         specs = {}
         for name, spec in fields.items():
-            check_name(name)
-            if name in RESERVED:
-                raise InvalidArgumentError(f"fields may not define {name!r}: bigper stores or computes it itself")
+            check_name(name)  # (a name bigper keeps for itself is refused with the list of all: core/layout.py)
             try:
                 shape, dtype = spec
             except (TypeError, ValueError):
@@ -296,7 +292,7 @@ class Config:
             raise InvalidArgumentError(
                 f"prioritization must be one of {PRIORITIZATIONS}, got {prioritization!r}")
         if sequence is not None:
-            sequence = _sequence(sequence, capacity=capacity, n_step=n_step, num_envs=num_envs, fields=specs)
+            sequence = _sequence(sequence, capacity=capacity, n_step=n_step, num_envs=num_envs)
         compression, compression_budget = _compression(compression, compression_budget, frame_stack, specs,
                                                        capacity=capacity, n_step=n_step, num_envs=num_envs,
                                                        sequence=sequence)

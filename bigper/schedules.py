@@ -2,18 +2,66 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-import numbers
 
 from .errors import InvalidArgumentError, InvalidTypeError
 
 
-def _is_beta(v: object) -> bool:
-    """A beta is a number in [0, 1]: 1 corrects the sampling bias fully, and
-    more than 1 over-corrects (the IS weights of PER, Schaul et al. 2016)."""
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1
+def _shown(v: object) -> str:
+    """``repr(v)`` cut short; an int too long for ``repr`` (Python refuses
+    more than 4300 digits) by its size."""
+    try:
+        return f"{v!r:.80}"
+    except ValueError:
+        return f"an int of {v.bit_length()} bits" if isinstance(v, int) else type(v).__name__
+
+
+def as_beta(v: object, what: str = "beta") -> float:
+    """The one rule of what a beta is; every entry that takes one (the
+    constructors, ``sample``, ``sampler``, ``shard.sample_at``, the schedules,
+    the SB3 drop-in) asks it.
+
+    A beta is a real number in [0, 1] (1 corrects the sampling bias fully;
+    more would over-correct, Schaul et al. 2016): a Python or numpy int or
+    float, a ``Fraction``, or a 0-d array or tensor holding one. A bool, a
+    string, a complex number, an array of another shape, NaN, inf, or a number
+    too large for a float is refused.
+
+    Parameters
+    ----------
+    v : object
+        The value given.
+    what : str
+        Its name, for the error.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    InvalidTypeError
+        ``v`` is not a real number.
+    InvalidArgumentError
+        ``v`` is a real number outside [0, 1] (NaN and numbers too large for
+        a float included).
+    """
+    if getattr(v, "shape", None) == () and callable(getattr(v, "item", None)):
+        v = v.item()  # a 0-d array or tensor (or a numpy scalar): its Python number
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise InvalidTypeError(f"{what} must be a real number in [0, 1] (an int, a float, a numpy number, a "
+                               f"0-d array or tensor), got {type(v).__name__} {_shown(v)}")
+    try:
+        x = float(v)
+    except (OverflowError, ValueError, TypeError):  # 10**400, a huge Fraction: no float holds it
+        x = math.nan
+    if not 0.0 <= x <= 1.0:  # (NaN fails it too)
+        raise InvalidArgumentError(f"{what} must be a number in [0, 1], got {_shown(v)}")
+    return x
 
 
 @dataclass(frozen=True)
@@ -33,12 +81,13 @@ class LinearSchedule:
     steps: int
 
     def __post_init__(self) -> None:
+        # Kept as Python numbers: what to_dict records must be JSON.
         for name in ("start", "end"):
-            v = getattr(self, name)
-            if not _is_beta(v):
-                raise InvalidArgumentError(f"LinearSchedule {name} must be a number in [0, 1] (a beta), got {v!r}")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise InvalidArgumentError(f"LinearSchedule steps must be an int >= 1, got {self.steps!r}")
+            object.__setattr__(self, name, as_beta(getattr(self, name), f"LinearSchedule {name} (a beta)"))
+        steps = self.steps
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise InvalidArgumentError(f"LinearSchedule steps must be an int >= 1, got {_shown(steps)}")
+        object.__setattr__(self, "steps", int(steps))
 
     def __call__(self, step: int) -> float:
         """The value at ``step`` (the number of ``sample`` calls made before)."""
@@ -63,9 +112,7 @@ class ConstantSchedule:
     value: float
 
     def __post_init__(self) -> None:
-        v = self.value
-        if not _is_beta(v):
-            raise InvalidArgumentError(f"ConstantSchedule value must be a number in [0, 1] (a beta), got {v!r}")
+        object.__setattr__(self, "value", as_beta(self.value, "ConstantSchedule value (a beta)"))
 
     def __call__(self, step: int) -> float:
         """The value at ``step`` (the number of ``sample`` calls made before)."""
@@ -76,25 +123,21 @@ class ConstantSchedule:
         return {"kind": "constant", "value": self.value}
 
 
-def as_beta(v: object, what: str = "beta") -> float:
-    """``v`` as a beta: a real number (Python or numpy, not a bool or a
-    string) in [0, 1]; ``InvalidTypeError`` / ``InvalidArgumentError`` naming ``what`` otherwise."""
-    if getattr(v, "shape", None) == () and hasattr(v, "item"):  # a 0-d array or tensor: its number
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise InvalidTypeError(f"{what} must be a number in [0, 1], got {v!r}")
-    if not _is_beta(float(v)):
-        raise InvalidArgumentError(f"{what} must be a number in [0, 1], got {v!r}")
-    return float(v)
+def is_schedule(beta: object) -> bool:
+    """Whether ``beta`` is a schedule object (else it is taken as one beta, ``as_beta``)."""
+    return isinstance(beta, (LinearSchedule, ConstantSchedule))
 
 
-def as_schedule(beta: float | LinearSchedule | ConstantSchedule) -> LinearSchedule | ConstantSchedule:
-    """A schedule from a number (``as_beta``) or a schedule; raises for anything else."""
-    if isinstance(beta, (LinearSchedule, ConstantSchedule)):
+def as_schedule(beta: object) -> LinearSchedule | ConstantSchedule:
+    """A schedule from a schedule, or from one beta (``as_beta``: a number,
+    a 0-d array or tensor) held constant; raises for anything else."""
+    if is_schedule(beta):
         return beta
-    if isinstance(beta, numbers.Real) and not isinstance(beta, bool):
+    try:
         return ConstantSchedule(as_beta(beta))
-    raise InvalidTypeError(f"beta must be a float or a schedule such as bigper.LinearSchedule, got {beta!r}")
+    except InvalidTypeError:
+        raise InvalidTypeError(f"beta must be a number in [0, 1] or a schedule such as bigper.LinearSchedule, "
+                               f"got {type(beta).__name__} {_shown(beta)}") from None
 
 
 def schedule_from_dict(d: Mapping[str, Any]) -> LinearSchedule | ConstantSchedule:

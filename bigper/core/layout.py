@@ -1,13 +1,22 @@
 """What a buffer of a given config keeps in its storage: the arrays, their
 rows, shapes and dtypes. The buffer allocates them; snapshot loads and offline
-datasets check files against them before anything is allocated."""
+datasets check files against them before anything is allocated. And the
+names bigper keeps for itself, which no field may take (promise 17)."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 
-from ..config import BUILTIN, Config
+from ..config import BUILTIN, RESERVED, Config, Sequence
+from ..errors import InvalidArgumentError
 from ..frames.store import FrameStore
+from ..frames.zstd import bound
+from ..prioritization import STRATEGIES
+from ..storage.base import RECORD
+from .ring import Ring
+from .sequences import Items
 
 FRAMED = ("obs", "next_obs")  # with frame stacks these go to the frame ring, not a per-row array
 
@@ -22,12 +31,85 @@ def plain_fields(cfg: Config) -> dict:
 
 def storage_specs(cfg: Config, frames: FrameStore | None = None) -> dict:
     """``name -> (rows, shape, dtype)`` of every array a buffer of ``cfg``
-    keeps in its storage; ``frames``: its frame ring, when one is built."""
+    keeps in its storage; ``frames``: its frame ring, when one is built.
+
+    Raises ``RuntimeError`` (an internal error) when two arrays would take
+    one name: the storage would hand both the same array. The constructor
+    refuses such fields first (``check_field_names``); this is the last line."""
     specs = {name: (cfg.capacity, tuple(shape), np.dtype(dtype))
              for name, (shape, dtype) in plain_fields(cfg).items()}
     if cfg.frame_stack:
-        specs.update((frames if frames is not None else FrameStore(cfg, None)).specs())
+        own = (frames if frames is not None else FrameStore(cfg, None)).specs()
+        shared = sorted(set(own) & set(specs))
+        if shared:
+            raise RuntimeError(f"bigper internal error: the frame store's arrays {shared} take the names of "
+                               "fields; the constructor should have refused them (check_field_names)")
+        specs.update(own)
     return specs
+
+
+def _kinds() -> list[Config]:
+    """One config of every kind of buffer whose arrays are named differently:
+    plain and n-step transitions, frame stacks raw, compressed with a log that
+    grows and with one capped by a budget, sequences with and without frame
+    stacks; its fields (``obs``, ``reward``) are a user's."""
+    fields = {"obs": ((2, 8, 8), "|u1"), "reward": ((), "<f4")}
+    seq = Sequence(length=2, burn_in=1)
+    kinds = [{}, {"n_step": 2}, {"frame_stack": 2}, {"frame_stack": 2, "compression": "zstd"},
+             {"frame_stack": 2, "compression": "zstd", "compression_budget": bound(64)},
+             {"sequence": seq}, {"frame_stack": 2, "sequence": seq}]
+    return [Config.build(capacity=64, fields=fields, **kw) for kw in kinds]
+
+
+@cache
+def own_names() -> tuple[str, ...]:
+    """Every name bigper gives its own arrays and keys, sorted: what no field may be called.
+
+    Derived from the code that makes them, over every kind of buffer
+    (``_kinds``), so that a new array cannot be forgotten here: the arrays
+    of ``storage_specs`` that are not a field's (the frame ring, the
+    compressed log and its index, the stacks' references), the arrays of a
+    recorded state (the ring's, each prioritization's, the frame store's and
+    the sequence items'), the storages' own record beside the arrays
+    (``storage.base.RECORD``), and the keys of batches and ``to_torch``
+    dicts (``config.RESERVED``).
+
+    Returns
+    -------
+    tuple of str
+    """
+    names = set(RESERVED) | {RECORD}
+    for cfg in _kinds():
+        frames = FrameStore(cfg, None) if cfg.frame_stack else None
+        names |= set(storage_specs(cfg, frames)) - set(plain_fields(cfg)) - set(FRAMED)
+        ring = Ring(cfg.capacity, cfg.num_envs, cfg.n_step)
+        names |= set(ring.state()[1])
+        if frames is not None:
+            names |= set(frames.state()[1])
+        if cfg.sequence is not None:
+            names |= set(Items(cfg, ring.gid, ring.status, ring.ends).state())
+    for strategy in STRATEGIES.values():
+        names |= set(strategy.ARRAYS)
+    return tuple(sorted(names))
+
+
+def check_field_names(cfg: Config) -> None:
+    """Refuse a config whose fields (or their successors ``next_<name>``) take
+    a name bigper keeps for its own arrays or keys (``own_names``): the two
+    would share one array, or one key of a batch. Promise 17.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Naming the fields and the list of names that are taken.
+    """
+    names = list(cfg.fields) + [f"next_{n}" for n in cfg.next_of]
+    taken = own_names()
+    bad = [n for n in names if n in taken]
+    if bad:
+        raise InvalidArgumentError(
+            f"fields may not be called {bad}: bigper stores or computes these names itself; the names taken "
+            f"are {list(taken)}")
 
 
 def storage_growth(cfg: Config, frames: FrameStore | None = None) -> dict:

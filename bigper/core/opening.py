@@ -19,7 +19,7 @@ from ..frames.dictionaries import as_dictionary
 from ..frames.store import FrameStore, require_compression
 from ..storage import open_storage
 from ..storage.files import real_names
-from .layout import allocate
+from .layout import allocate, check_field_names
 from .statecheck import check_state
 
 MODES = ("new", "resume", "overwrite")
@@ -87,6 +87,7 @@ def open_path(cfg: Config, path, mode: str, read_only: bool, storage_options_):
 def check_arguments(cfg: Config, path, read_only: bool, dictionary):
     """The constructor's checks that need more than one argument; returns the
     dictionary as the frame store takes it."""
+    check_field_names(cfg)
     if cfg.compression is not None:
         require_compression()  # before anything at the path: the extra's error, nothing made
     if dictionary is not None:

@@ -15,7 +15,12 @@ Errors raised by ``produce`` (a closed or empty buffer) reach the consumer at
 the next ``next()``, after the items prepared before them; the thread then
 stops. ``close()`` stops the thread and drops what it prepared; it is also
 called when the object is garbage-collected, so a loop left with ``break``
-does not leave a thread behind for long.
+does not leave a thread behind for long. ``close(why=...)`` (the source was
+closed under the consumer) makes every later ``next()`` raise ``why``, never
+a ``StopIteration`` a loop would take for the end.
+
+``Direct(produce)`` is the same iterator without a thread (``prefetch=0``):
+each ``next()`` calls ``produce()`` in the consumer's thread.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Any, Callable
+
+from ..errors import BufferClosedError
 
 # How often a blocked thread or consumer looks whether it was told to stop.
 _POLL_S = 0.05
@@ -63,6 +70,60 @@ def _run(produce: Callable[[], Any], q: "queue.Queue", stop: threading.Event, lo
                 continue
         if isinstance(item, _Failure):
             return
+
+
+def _why_after(why: BaseException | None, e: BaseException) -> BaseException | None:
+    """What the ``next()`` calls after ``produce`` raised ``e`` raise: a closed
+    source stays closed (``BufferClosedError`` at every call); any other error
+    is raised once, and the iteration then ends."""
+    return why if why is not None else e if isinstance(e, BufferClosedError) else None
+
+
+class Direct:
+    """Iterator over ``produce()`` results made when asked for, in the
+    caller's thread: ``Prefetcher``'s contract without its thread. An error
+    of ``produce`` is raised once and ends the iteration, except a closed
+    buffer's ``BufferClosedError``, raised at every later ``next()`` as
+    ``why`` is after ``close(why=...)``; after ``close()`` it ends quietly.
+
+    Parameters
+    ----------
+    produce : callable
+        Makes one item.
+    """
+
+    ready = 0  # (nothing is prepared ahead)
+
+    def __init__(self, produce: Callable[[], Any]):
+        self._produce = produce
+        self._done = False
+        self._why: BaseException | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            if self._why is not None:
+                raise self._why
+            raise StopIteration
+        try:
+            return self._produce()
+        except BaseException as e:
+            self._done, self._why = True, _why_after(self._why, e)
+            raise
+
+    def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
+        """End the iteration (as ``Prefetcher.close``; there is no thread to wait for)."""
+        if why is not None and not self._done:
+            self._why = why
+        self._done = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class Prefetcher:
@@ -113,7 +174,7 @@ class Prefetcher:
                     self._done = True
                     self._stop_iteration()
         if isinstance(item, _Failure):
-            self._done = True
+            self._done, self._why = True, _why_after(self._why, item.exc)
             self.close()
             raise item.exc
         return item if self._finish is None else self._finish(item)

@@ -113,9 +113,11 @@ def sample_at(self, targets, beta) -> Batch:
     t = np.asarray(targets)
     if t.dtype.kind not in "fiu":
         raise InvalidTypeError(f"targets must be real numbers, got dtype {t.dtype}")
-    t = np.ascontiguousarray(t, dtype=np.float64)
+    # The shape is checked before ascontiguousarray, which makes a 0-d array 1-D: one
+    # number is refused as update_priorities refuses one index (a batch is 1-D).
     if t.ndim != 1 or t.shape[0] < 1:
         raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
+    t = np.ascontiguousarray(t, dtype=np.float64)
     prio = self._prio
     total = prio.total
     if not prio.sampleable:

@@ -30,7 +30,8 @@ from ray.exceptions import RayActorError
 
 from ..batch import Batch
 from ..config import Config
-from ..schedules import ConstantSchedule, LinearSchedule
+from ..core.layout import check_field_names
+from ..schedules import ConstantSchedule, LinearSchedule, as_beta
 from . import _manifest as M
 from . import _options
 from ._draw import draw
@@ -155,6 +156,7 @@ class ShardedPrioritizedBuffer:
                            gamma=gamma, alpha=alpha, eps=eps, max_priority=max_priority, beta=beta,
                            weight_norm=weight_norm, next_of=next_of, num_envs=num_envs, seed=seed,
                            storage=storage)
+        check_field_names(cfg)  # before any shard: each would refuse it on its own
         o = _options.check(cfg, num_shards=num_shards, placement=placement,
                            num_cpus_per_shard=num_cpus_per_shard, storage=storage, path=path,
                            chunk_size=chunk_size, max_writes_in_flight=max_writes_in_flight,
@@ -333,12 +335,7 @@ class ShardedPrioritizedBuffer:
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if beta is not None:
-            b = float(beta)
-            if not (b >= 0 and b < np.inf):
-                raise InvalidArgumentError(f"beta must be finite and >= 0, got {beta!r}")
-        else:
-            b = self._schedule(self._beta_step)
+        b = self._schedule(self._beta_step) if beta is None else as_beta(beta)  # the one beta rule
         self._sync()
         batch = draw(self._set, self._rng, self._offsets, int(batch_size), b, bool(stratified),
                      fresh=self.fresh_totals, batch_norm=self._norm_batch)

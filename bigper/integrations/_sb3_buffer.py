@@ -24,7 +24,7 @@ from .. import PrioritizedReplayBuffer as CoreBuffer
 from ..batch import Batch
 from ..config import Config
 from ..errors import BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError, PathExistsError
-from ..schedules import ConstantSchedule, LinearSchedule, as_schedule
+from ..schedules import ConstantSchedule, LinearSchedule, as_beta, as_schedule, is_schedule
 from ._layout import StackLayout
 from ._sb3_pickle import KEEP_AT_PATH, open_snapshot, write_snapshot
 
@@ -177,6 +177,11 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 f"{observation_space}; flatten the observation (gymnasium.wrappers.FlattenObservation) "
                 "or use SB3's DictReplayBuffer (uniform replay; HerReplayBuffer for goal-conditioned tasks)")
         beta_steps = _beta_steps(beta_steps)
+        # One beta rule (schedules.as_beta): a number of any real type (np.float32, np.int64,
+        # Fraction, a 0-d array or tensor) is where the annealing to 1.0 starts; a schedule
+        # object is the user's, and the bigper buffer advances it.
+        beta_is_schedule = is_schedule(beta)
+        beta = as_schedule(beta) if beta_is_schedule else as_beta(beta)
         _check_options(bigper_kwargs)
         n_steps = one_n_steps("PrioritizedReplayBuffer", {"n_steps": n_steps, "n_step": bigper_kwargs.pop("n_step", None)})
         self.buffer_size = max(buffer_size // n_envs, 1)
@@ -202,9 +207,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self._core_args = (self.buffer_size * n_envs, fields, kwargs)
         self._core = None
         self._live_path = None if path is None else os.fspath(path)
-        # A float is where the annealing to 1.0 starts; a schedule object is
-        # the user's, and the bigper buffer advances it.
-        self.beta_is_schedule = not isinstance(beta, (int, float))
+        self.beta_is_schedule = beta_is_schedule
         self.beta0 = float(as_schedule(beta)(0))
         self.beta_steps = beta_steps
         self._wire()
@@ -230,6 +233,22 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             self._count_steps()  # a resumed buffer holds what it held
             _say_where(self._core, "holds")
         return self._core
+
+    def _refuse_if_unopened_and_empty(self, what: str) -> None:
+        """Refuse a call that needs transitions on a buffer not opened yet (a
+        loaded model's) whose opening would make a new, empty storage at its
+        path: the call would be refused anyway, and a refusal makes no file
+        (promise 15). A path that holds a buffer to resume is opened as usual."""
+        if self._core is not None or self._core_args is None:
+            return
+        kwargs = self._core_args[2]
+        path = kwargs.get("path")
+        if path is None or (kwargs.get("mode", "new") != "overwrite" and os.path.lexists(path)):
+            return  # (memory makes no file; an existing path resumes, or is refused by name when it opens)
+        raise InvalidArgumentError(
+            f"{what}: this replay buffer holds no transition: it was not opened yet (a loaded model's buffer "
+            f"opens at its first add), and nothing was made at path={os.fspath(path)!r}; learn, or "
+            "load_replay_buffer(...) first")
 
     def _wire(self) -> None:
         """Counters derived from the bigper buffer (after construction and after unpickling)."""
@@ -415,7 +434,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if beta is None and not self.beta_is_schedule:
             beta = self._beta_by_steps() if self.beta_steps is not None else self._learner_beta
         elif beta is not None:
-            as_schedule(beta)  # a beta in [0, 1], or InvalidArgumentError naming it
+            beta = as_beta(beta)  # the one rule, as the bigper buffer's sample applies it
+        self._refuse_if_unopened_and_empty("sample")
         batch = self.buffer.sample(batch_size, beta=beta)
         if self._plain_samples >= 0:
             self._plain_samples += 1
@@ -475,6 +495,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         The ``indices`` tensor of the latest ``sample`` is matched to its batch,
         so transitions overwritten since that sample are skipped.
         """
+        self._refuse_if_unopened_and_empty("update_priorities")
         self._plain_samples = -1  # priorities are written back: nothing to warn about
         last = self._last
         if last is not None and indices is last[0]:

@@ -31,7 +31,7 @@ from .._torch import as_numpy
 from ..config import Config
 from ..prioritization import make as make_prioritization
 from ..schedules import schedule_from_dict
-from ..core.layout import allocate
+from ..core.layout import allocate, own_names
 from ..core.statecheck import RING_ARRAYS
 from ..core.sequences import ITEM_ARRAYS
 from ..storage.h5source import LIVE, H5Source, OfflineDatasetError
@@ -83,7 +83,7 @@ def open_dataset(dataset, *, layout: str = "auto", priorities=None, prioritizati
         scores of the last complete ``reprioritize``, else the key 1.0 for
         every sampleable transition.
     """
-    src = H5Source(dataset, layout=layout, cache_bytes=cache_bytes, allow_external=allow_external)
+    src = H5Source(dataset, layout=layout, cache_bytes=cache_bytes, allow_external=allow_external, taken=own_names())
     try:
         cfg = _config(src, prioritization=prioritization, alpha=alpha, eps=eps, beta=beta, max_priority=max_priority,
                       weight_norm=weight_norm, gamma=gamma, seed=seed)
@@ -363,7 +363,7 @@ def load_score_fn(spec: str):
 
 def describe(path, priorities=None) -> str:
     """A few lines on an HDF5 dataset: layout, transitions, fields and where they come from, priorities."""
-    src = H5Source(path)
+    src = H5Source(path, taken=own_names())
     try:
         live = int((src.status == LIVE).sum())
         episodes = src.starts.shape[0] - 1 if src.layout == "minari" else None

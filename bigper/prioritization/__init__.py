@@ -9,19 +9,17 @@ from .base import Prioritization
 from .proportional import Proportional
 from .rank import RankPrioritizer
 
-KINDS = ("proportional", "rank")
+STRATEGIES: dict[str, type[Prioritization]] = {"proportional": Proportional, "rank": RankPrioritizer}
+KINDS = tuple(STRATEGIES)
 
 
 def make(kind: str, capacity: int, *, alpha: float, eps: float, max_priority: float,
          weight_norm: str) -> Prioritization:
     """The strategy named ``kind`` for ``capacity`` slots."""
-    if kind == "proportional":
-        cls = Proportional
-    elif kind == "rank":
-        cls = RankPrioritizer
-    else:
+    cls = STRATEGIES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
         raise InvalidArgumentError(f"prioritization must be one of {KINDS}, got {kind!r}")
     return cls(capacity, alpha=alpha, eps=eps, max_priority=max_priority, weight_norm=weight_norm)
 
 
-__all__ = ["KINDS", "Prioritization", "Proportional", "RankPrioritizer", "make"]
+__all__ = ["KINDS", "STRATEGIES", "Prioritization", "Proportional", "RankPrioritizer", "make"]

@@ -48,6 +48,9 @@ class Prioritization(ABC):
     """
 
     kind: str = ""
+    # The names of the arrays ``state`` records (unique across the buffer; no field
+    # may take them: ``core/layout.py`` reads them here, without building a strategy).
+    ARRAYS: tuple[str, ...] = ()
     capacity: int
     alpha: float
     eps: float

@@ -42,6 +42,7 @@ class Proportional(Prioritization):
     """
 
     kind = "proportional"
+    ARRAYS = ("leaves",)
     # False: the general paths (keys then update kernel, one-thread rebuilds,
     # kernel-made sample arrays), which tests/test_fused*.py compare against.
     fused = True
@@ -164,7 +165,7 @@ class Proportional(Prioritization):
 
     # -- state -----------------------------------------------------------------
     def state(self):
-        return {}, {"leaves": self.tree.leaves}
+        return {}, dict(zip(self.ARRAYS, (self.tree.leaves,)))
 
     def restore(self, meta, arrays, status) -> None:
         self.tree.set_all(arrays["leaves"])

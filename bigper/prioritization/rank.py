@@ -64,6 +64,7 @@ class RankPrioritizer(Prioritization):
     """
 
     kind = "rank"
+    ARRAYS = ("rank_heap",)
 
     def __init__(self, capacity, *, alpha, eps, max_priority, weight_norm, sort_every=None):
         super().__init__(capacity, alpha=alpha, eps=eps, max_priority=max_priority,
@@ -197,7 +198,7 @@ class RankPrioritizer(Prioritization):
     # -- state -----------------------------------------------------------------
     def state(self):
         meta = {"n": self.n, "tick": self.tick, "writes": self.writes, "sort_every": self.sort_every}
-        return meta, {"rank_heap": self._heap}
+        return meta, dict(zip(self.ARRAYS, (self._heap,)))
 
     def restore(self, meta, arrays, status) -> None:
         """Load a recorded state after checking all of it (``CorruptSnapshotError``

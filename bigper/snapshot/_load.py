@@ -49,7 +49,7 @@ from ..errors import (
     InvalidTypeError,
     PathExistsError,
 )
-from ..core.layout import allocate, storage_growth, storage_specs
+from ..core.layout import allocate, check_field_names, storage_growth, storage_specs
 from ..storage.base import fits_spec
 from ..core.statecheck import check_state
 from ..storage.state import npy_from_bytes
@@ -63,6 +63,7 @@ def _config(body: dict, snap) -> Config:
     d = body["config"]
     try:
         rebuilt = Config.from_dict(d)  # validated as the constructor validates its arguments
+        check_field_names(rebuilt)
     except Exception as e:  # any shape of bad config is the same answer
         raise IncompatibleSnapshotError(f"{snap}: its config is not valid for this bigper: {e}") from None
     if rebuilt.to_dict() != d:

@@ -170,7 +170,7 @@ class Layouts:
                 self.notes.append(f"dataset {key!r} skipped: {d.shape[0] if d.ndim else 0} rows, not {n}")
             elif not _numeric(d):
                 self.notes.append(f"dataset {key!r} skipped: dtype {d.dtype} is not numeric")
-            elif name in cols or name in _RESERVED or f"next_{name}" in cols:
+            elif name in cols or name in self.taken or f"next_{name}" in cols:
                 self.notes.append(f"dataset {key!r} skipped: its field name {name!r} is taken")
             else:
                 cols[name] = Column(name, d.shape[1:], d.dtype, [key], key)
@@ -282,7 +282,7 @@ class Layouts:
                     raise OfflineDatasetError(
                         f"{self.file_path}: dataset {key}/{rel} has {d.shape[0]} rows; expected {want} "
                         f"({key} has {steps} steps)")
-                if name in out or name in _RESERVED:
+                if name in out or name in self.taken:
                     raise OfflineDatasetError(f"{self.file_path}: {key}/{rel} maps to the field name "
                                               f"{name!r}, which is taken")
                 if prefix == "reward" and shape == (1,):

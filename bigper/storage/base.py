@@ -33,6 +33,11 @@ import numpy as np
 
 Specs = dict[str, tuple[int, tuple[int, ...], np.dtype[Any]]]  # name -> (rows, row shape, dtype)
 
+# What a storage keeps beside the arrays, in their namespace: the HDF5 file's root
+# group holds each array as a dataset and the buffer's record (meta, state) as this
+# group. No array may take the name (``core/layout.py`` ``own_names``).
+RECORD = "_bigper"
+
 
 class Storage(Protocol):
     """Where a buffer keeps its arrays: memory, memmap files or one HDF5 file."""

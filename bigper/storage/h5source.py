@@ -78,9 +78,12 @@ class H5Source(Layouts, StorageBase):
     priorities_writable = True
 
     def __init__(self, dataset, *, layout: str = "auto", cache_bytes: int = 64 << 20,
-                 allow_external: bool = False):
+                 allow_external: bool = False, taken=_RESERVED):
         import h5py
 
+        # Names no column may take as its field (the offline layer passes every name
+        # bigper keeps for itself, core/layout.py own_names): such a column is skipped.
+        self.taken = frozenset(taken) | _RESERVED
         if layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if not isinstance(allow_external, bool):
@@ -179,7 +182,7 @@ class H5Source(Layouts, StorageBase):
         """Config fields: name -> (shape, dtype), without successors and end flags."""
         nexts = {f"next_{n}" for n in self.next_of}
         return {n: (c.shape, c.dtype.newbyteorder("=")) for n, c in self.columns.items()
-                if n not in nexts and n not in _RESERVED}
+                if n not in nexts and n not in self.taken}
 
     def fingerprint(self) -> dict:
         """What a priorities sidecar must match: name, layout, length, schema and episode checksums."""

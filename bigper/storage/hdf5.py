@@ -29,7 +29,7 @@ import numpy as np
 
 from .files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
-from .base import StorageBase, fits_spec
+from .base import RECORD, StorageBase, fits_spec
 from .state import check_meta
 from ..errors import (
     CorruptSnapshotError,
@@ -116,7 +116,7 @@ class HDF5Storage(StorageBase):
                 return None
             if exists:
                 self._file = self._open_existing(h5py)
-                raw = self._file.get("_bigper")
+                raw = self._file.get(RECORD)
                 meta = raw.attrs.get("meta") if isinstance(raw, h5py.Group) else None
                 try:
                     meta = json.loads(meta) if isinstance(meta, (str, bytes)) else {}
@@ -322,7 +322,7 @@ class HDF5Storage(StorageBase):
         return h5py.Dataset(h5py.h5d.open(self._file.id, name.encode(), dapl=dapl))
 
     def _write_meta(self) -> None:
-        g = self._file.require_group("_bigper")
+        g = self._file.require_group(RECORD)
         g.attrs["meta"] = json.dumps(self._meta)
         self._file.flush()
 
@@ -393,7 +393,7 @@ class HDF5Storage(StorageBase):
         """The recorded state: meta and arrays. Arrays are checked before they are read: numeric
         datasets of this file, none larger than a state of the recorded capacity can be."""
         h5py = _h5py()
-        g = self._file.get("_bigper/state")
+        g = self._file.get(f"{RECORD}/state")
         if g is None:
             return self._meta["state"], {}
         if not isinstance(g, h5py.Group):
@@ -494,7 +494,7 @@ class HDF5Storage(StorageBase):
             os.close(sink)
 
     def _write_state(self, state) -> None:
-        g = self._file.require_group("_bigper/state")
+        g = self._file.require_group(f"{RECORD}/state")
         for name, arr in state[1].items():
             old = g.get(name)
             if old is not None and old.shape == arr.shape and old.dtype == arr.dtype:
@@ -577,7 +577,7 @@ def peek_meta(path: Path, where=None) -> dict:
                               "refusing to replace it")
     try:
         with h5py.File(path, "r") as f:
-            g = f.get("_bigper")
+            g = f.get(RECORD)
             raw = g.attrs.get("meta") if isinstance(g, h5py.Group) else None
             meta = json.loads(raw) if isinstance(raw, (str, bytes)) else None
     except Exception as e:  # noqa: BLE001  (h5py and json refuse in many ways; each means "not provably ours")

@@ -433,7 +433,9 @@ def test_sample_at_edges_that_are_valid_land_on_live_leaves_and_touch_no_rng():
     total = buf.total_priority
     before = _state(buf)
     for t in (np.array([0, 1, 2]), [0.1, 0.2], np.array([-0.0]), np.array([np.nextafter(total, 0)]),
-              np.array(0.5), np.array([1], np.uint8), np.linspace(0, total, 5000, endpoint=False)):
+              np.array([1], np.uint8), np.linspace(0, total, 5000, endpoint=False)):
+        # (one number, a 0-d array, is refused as update_priorities refuses one index: issue 40 cause 7,
+        # tests/buffer/test_hostile_names_beta.py)
         b = buf.shard.sample_at(t, beta=0.4)
         assert np.all(buf.status[b.indices] == LIVE)
         leaves = buf.leaves(b.indices)

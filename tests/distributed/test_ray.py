@@ -296,3 +296,25 @@ def test_save_load_and_a_killed_shard(cluster, tmp_path):
         with pytest.raises(bigper.ShardUnavailableError, match="none of the 2 shard"):
             buf.sample(8)
         assert time.monotonic() - t < 10
+
+
+def test_a_sharded_buffer_takes_the_one_beta_rule_and_refuses_own_names(cluster):
+    """Issue 40 causes 1 and 6: a field named like one of bigper's arrays is refused
+    before any shard starts; ``sample(beta=)`` takes what ``schedules.as_beta``
+    takes (it had a rule of its own: any float >= 0, a raw OverflowError for 10**400)."""
+    from fractions import Fraction
+
+    from bigper.errors import InvalidArgumentError, InvalidTypeError
+
+    with pytest.raises(InvalidArgumentError, match="'status'.*names taken are"):
+        ShardedPrioritizedBuffer(2, 40, {**FIELDS, "status": ((), np.int64)}, **SMALL)
+    with ShardedPrioritizedBuffer(2, 40, FIELDS, seed=3, chunk_size=10, **SMALL) as buf:
+        buf.extend(_data(range(40)), np.linspace(0.5, 2.0, 40))
+        for bad, error in ((10**400, InvalidArgumentError), (1.5, InvalidArgumentError),
+                           (float("nan"), InvalidArgumentError), (True, InvalidTypeError), ("0.5", InvalidTypeError)):
+            step = buf.beta
+            with pytest.raises(error, match="beta"):
+                buf.sample(8, beta=bad)
+            assert buf.beta == step
+        for good in (np.float32(0.5), Fraction(1, 2), np.array(0.5)):
+            assert buf.sample(8, beta=good).weights.shape == (8,)
