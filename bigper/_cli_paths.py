@@ -105,11 +105,11 @@ def not_what_it_reads(folder: Path, command: str) -> tuple[str, bool]:
         if len(rows) > SHOWN:
             lines.append(f"  ... and {len(rows) - SHOWN} more")
 
-    some([f"  a live {kind} storage   {p}" for p, kind in found.storages])
-    some([f"  a Snapshots root      {p} ({len(s)} snapshot{'s' if len(s) > 1 else ''}, the latest {s[-1]})"
+    some([f"  {f'a live {kind} storage':23} {p}" for p, kind in found.storages])
+    some([f"  {'a Snapshots root':23} {p} ({len(s)} snapshot{'s' if len(s) > 1 else ''}, the latest {s[-1]})"
           for p, s in found.roots])
-    some([f"  a snapshot            {p}" for p in found.snapshots])
-    some([f"  an SB3 pickle         {p} (naming its snapshot)" for p in found.pickles])
+    some([f"  {'a snapshot':23} {p}" for p in found.snapshots])
+    some([f"  {'an SB3 pickle':23} {p} (verify follows it to its snapshot)" for p in found.pickles])
     if found.truncated:
         lines.append(f"  (stopped after looking at {ENTRIES:,} entries)")
     lines.append(f"run bigper {command} on one of these")
