@@ -48,7 +48,8 @@ def survey(folder: Path) -> Found:
     holds is not looked into."""
     found, seen = Found(), 0
     try:
-        found.empty = not any(True for _ in os.scandir(folder))
+        with os.scandir(folder) as it:
+            found.empty = next(it, None) is None
     except OSError:
         return found
     todo = [(Path(folder), 0)]
@@ -118,7 +119,9 @@ def not_what_it_reads(folder: Path, command: str) -> tuple[str, bool]:
 
 # -- an SB3 replay-buffer pickle, read without unpickling ------------------------------------
 
-_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"}
+# Opcodes whose argument is a string the stream pushes (GLOBAL and INST: "module name", the
+# class of protocols 0-3; protocols 4-5 push the two names as strings for STACK_GLOBAL).
+_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "GLOBAL", "INST"}
 _PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 _GETS = {"GET", "BINGET", "LONG_BINGET"}
 _SILENT = {"PROTO", "FRAME", "MARK", "STOP"}

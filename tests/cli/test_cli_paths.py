@@ -98,6 +98,26 @@ def test_verify_of_an_sb3_pickle_verifies_its_snapshot(run_folder, tmp_path):
     assert r.returncode == 1 and "CORRUPT" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_verify_follows_a_pickle_of_any_protocol(tmp_path, protocol):
+    """``pickle.dumps(rb, protocol=...)`` of the drop-in (protocols 2-3 name its class with GLOBAL
+    and memoize with BINPUT; 4-5 with STACK_GLOBAL and MEMOIZE)."""
+    pytest.importorskip("stable_baselines3")
+    from gymnasium import spaces
+
+    from bigper.integrations.sb3 import PrioritizedReplayBuffer
+
+    rb = PrioritizedReplayBuffer(32, spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2), device="cpu",
+                                 storage="memmap", path=str(tmp_path / "live"))
+    o = np.zeros((1, 3), np.float32)
+    for _ in range(5):
+        rb.add(o, o, np.array([0]), np.array([1.0]), np.array([False]), [{}])
+    (tmp_path / "rb.pkl").write_bytes(pickle.dumps(rb, protocol=protocol))
+    rb.close()
+    r = cli("verify", tmp_path / "rb.pkl")
+    assert r.returncode == 0 and str(tmp_path / "live.snapshots" / "snap-00000001") in r.stdout, r.stdout + r.stderr
+
+
 class _RunsCode:
     def __init__(self, marker: str):
         self.marker = marker
