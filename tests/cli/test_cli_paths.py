@@ -174,6 +174,29 @@ def test_bench_plots_only_where_asked(workload):
     assert "default tools/results" not in plot and "default: none" in plot, plot
 
 
+# The extras run.sh leaves out for the core commands: each import of them fails in this child.
+WITHOUT_EXTRAS = """
+import sys
+for name in ("torch", "gymnasium", "ale_py", "cv2", "matplotlib", "stable_baselines3", "sb3_contrib", "ray",
+             "minari", "cpprb", "tianshou", "hypothesis", "pytest"):
+    sys.modules[name] = None
+from bigper.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_core_commands_run_with_the_core_alone(run_folder):
+    """What ``./run.sh bigper`` installs for them is enough: --help, --version, info and verify of a
+    run folder, a snapshot and an SB3 pickle (read without SB3) import no extra."""
+    for args, rc in ((["--help"], 0), (["--version"], 0), (["verify", run_folder], 2), (["info", run_folder], 0),
+                     (["verify", run_folder / "snaps"], 0), (["info", run_folder / "snaps"], 0),
+                     (["verify", run_folder / "replay"], 0),
+                     (["verify", run_folder / "ckpt" / "replay_buffer.pkl"], 0)):
+        r = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, *map(str, args)], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == rc and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+
+
 def test_run_sh_bigper_installs_only_what_the_command_needs(tmp_path):
     """``./run.sh bigper ...`` with a venv whose python and bigper record their arguments (what
     run.sh would install, without installing it): --help, info and verify need the core (and zstd
