@@ -30,7 +30,9 @@ install() {  # $1: the extras; skipped when they were installed already from thi
   local all; all="$(printf '%s\n' $have ${1//,/ } | sort -u | paste -sd, -)"
   # A CPU build of torch first, so that torch>=2.1 is already satisfied and no
   # multi-GB CUDA build is pulled in.
-  "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+  if grep -qx torch <<<"${all//,/$'\n'}"; then
+    "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+  fi
   "${pip[@]}" -e "$here[$all]"
   { echo "$want"; tr ',' '\n' <<<"$all"; } > "$stamp"
 }
@@ -40,7 +42,14 @@ case "$cmd" in
   # two pytest-xdist workers, each test file whole on one (tests/conftest.py); -n 0 after it: one process
   test)   install "torch,atari,ray,dev,compression";  cd "$here"
           exec "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@" ;;
-  bigper) install "torch,atari,dev";      exec "$venv/bin/bigper" "$@" ;;
+  # what each command needs, no more: --help, info, verify, convert, reprioritize run on the core (zstd
+  # for compressed files); bench needs the peers it measures and torch; demo what the demo needs
+  bigper) case "${1:-}" in
+            bench) install "torch,atari,dev,compression" ;;
+            demo)  install "torch,atari" ;;
+            *)     install "compression" ;;
+          esac
+          exec "$venv/bin/bigper" "$@" ;;
   docs)   install "torch,atari,ray,sb3,sb3-contrib,docs"; cd "$here"
           rm -rf docs/_build
           "$venv/bin/python" -m sphinx -E -W --keep-going -n -b html docs docs/_build/html "$@"

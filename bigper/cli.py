@@ -16,6 +16,8 @@ from .status import LIVE
 
 
 def _bench(args) -> int:
+    """tools/bench.py with every argument after ``bench`` (``--help`` included: its help
+    lists the workloads, which live in tools/, not in the package)."""
     script = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
     if not script.exists():
         print("bigper bench runs tools/bench.py from a source checkout; it was not found at "
@@ -240,6 +242,14 @@ def _info(args) -> int:
     except BigperError as e:
         print(f"bigper info: {e}", file=sys.stderr)
         return 1
+    if path.is_dir() and not (path / "data" / "main_data.hdf5").exists():
+        # A folder that is no Minari dataset either (a run folder, a folder of checkpoints):
+        # say what it is not and what below it info reads, not what a Minari folder would hold.
+        from ._cli_paths import not_what_it_reads
+
+        text, named = not_what_it_reads(path, "info")
+        print(text, file=sys.stdout if named else sys.stderr)
+        return 0 if named else 2
     try:
         from .offline.datasets import describe
     except ImportError:
@@ -423,9 +433,6 @@ def _verify_frames(cfg, store, state_meta: dict, arrays: dict) -> int:
 
 
 def _verify(args) -> int:
-    from .errors import CorruptSnapshotError, IncompatibleSnapshotError
-    from .snapshot import verify
-
     path = Path(args.path)
     if not path.exists():
         print(f"MISSING  {path}: {_missing(path)}")
@@ -433,16 +440,53 @@ def _verify(args) -> int:
     kind = _storage_kind(path)
     if kind is not None:
         return _verify_storage(path, kind)
+    if path.suffix == ".pkl" and path.is_file():
+        return _verify_pickle(path)
     if not path.is_dir():  # a FIFO, a device, a file that is no bigper storage: nothing to verify
         what = "a regular file" if path.is_file() else "not a regular file or directory"
-        print(f"bigper verify: {path} is {what}, not a snapshot directory, a Snapshots root or a bigper "
-              "storage", file=sys.stderr)
+        print(f"bigper verify: {path} is {what}, not a snapshot directory, a Snapshots root, a bigper "
+              "storage or an SB3 replay-buffer pickle", file=sys.stderr)
         return VERIFY_MISSING
-    if not (path / "manifest.json").exists() and path.is_dir() \
-            and any(p.name.startswith("snap-") for p in path.iterdir()):
+    if not (path / "manifest.json").exists() and any(p.name.startswith("snap-") for p in path.iterdir()):
         targets = sorted(p for p in path.iterdir() if p.name.startswith("snap-"))
+    elif not os.path.lexists(path / "manifest.json") and not any(
+            os.path.lexists(path / member) for member in ("data", "state")):
+        # Nothing of a snapshot in it (a run folder, an empty folder, a folder of checkpoints):
+        # not a snapshot, exit 2; a folder with a snapshot's members but no manifest stays CORRUPT.
+        from ._cli_paths import not_what_it_reads
+
+        print(f"bigper verify: {not_what_it_reads(path, 'verify')[0]}", file=sys.stderr)
+        return VERIFY_MISSING
     else:
         targets = [path]
+    return _verify_snapshots(targets)
+
+
+def _verify_pickle(path: Path) -> int:
+    """An SB3 replay-buffer pickle: the snapshot it names, verified (read
+    from its opcodes, never unpickled)."""
+    from ._cli_paths import pickle_snapshot
+    from .errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError, PathNotFoundError
+
+    try:
+        snap = pickle_snapshot(path)
+    except (IncompatibleSnapshotError, InvalidArgumentError) as e:
+        print(f"bigper verify: {_line(e)}", file=sys.stderr)
+        return VERIFY_MISSING
+    except PathNotFoundError as e:
+        print(f"MISSING  {path}: {_line(e)}")
+        return VERIFY_MISSING
+    except CorruptSnapshotError as e:
+        print(f"CORRUPT  {path}: {_line(e)}")
+        return VERIFY_BAD
+    print(f"pickle   {path}: an SB3 replay-buffer pickle; its snapshot is {snap}")
+    return _verify_snapshots([snap])
+
+
+def _verify_snapshots(targets: list) -> int:
+    from .errors import CorruptSnapshotError, IncompatibleSnapshotError
+    from .snapshot import verify
+
     bad = 0
     for t in targets:
         try:
@@ -480,7 +524,10 @@ def _demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._version import __version__
+
     p = argparse.ArgumentParser(prog="bigper", description="Prioritized replay on disk.")
+    p.add_argument("--version", action="version", version=f"bigper {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     from .demo import add_arguments as demo_arguments
 
@@ -489,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo_arguments(d)
     d.set_defaults(func=_demo)
     b = sub.add_parser("bench", help="benchmark bigper against cpprb, Tianshou and TorchRL "
-                                     "(tools/bench.py; default workload: tree)")
+                                     "(tools/bench.py; default workload: tree; bench --help lists the "
+                                     "workloads)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER, help="workload and options for tools/bench.py")
     b.set_defaults(func=_bench)
     r = sub.add_parser("reprioritize", help="score every transition of an HDF5 dataset (D4RL, Minari, "
@@ -528,13 +576,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_info)
     v = sub.add_parser("verify", help="check every file of a snapshot (or of each snapshot under a "
                                       "Snapshots root) against its checksum, and the tree's invariants",
-                       description="Check a snapshot, every snapshot under a Snapshots root, or a closed "
-                                   "storage, read-only.",
+                       description="Check a snapshot, every snapshot under a Snapshots root, a closed "
+                                   "storage, or the snapshot an SB3 replay-buffer pickle names, read-only "
+                                   "(the pickle is never unpickled).",
                        epilog="exit status: 0 all OK; 1 corrupt, invalid, incompatible or unclean; "
                               "2 path missing, or not a snapshot or storage; 3 a live buffer holds the "
                               "storage (its PID is printed; save a snapshot and verify that)")
-    v.add_argument("path", help="a snapshot directory, a Snapshots root, a memmap storage directory or "
-                                "an HDF5 storage file")
+    v.add_argument("path", help="a snapshot directory, a Snapshots root, a memmap storage directory, "
+                                "an HDF5 storage file, or an SB3 replay-buffer pickle (.pkl)")
     v.set_defaults(func=_verify)
     return p
 
@@ -546,7 +595,11 @@ def main(argv=None) -> int:
     naming it, and exit status 2."""
     from .errors import BigperError
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if argv[:1] == ["bench"]:  # everything after it is tools/bench.py's, --help included
+        args = argparse.Namespace(command="bench", func=_bench, rest=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (BigperError, OSError) as e:

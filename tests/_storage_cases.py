@@ -4,10 +4,6 @@ storage open on command (for locks and killed writers)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -167,30 +163,23 @@ class Agent:
     """A child process holding storages open on command (see ``_AGENT``)."""
 
     def __init__(self):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        self.proc = subprocess.Popen([sys.executable, "-c", _AGENT], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env, cwd=str(ROOT))
+        from tests._child import Child
+
+        self.child = Child(_AGENT, stdin=True, cwd=str(ROOT))
+        self.proc = self.child.proc
 
     def ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline().strip()
-        if not answer:
-            raise RuntimeError(f"agent died on {line!r}: {self.proc.stderr.read()}")
-        return answer
+        """Its answer to ``line``; a child that dies or hangs fails the test, with its stderr."""
+        self.child.send(line)
+        return self.child.line().strip()
 
     def kill(self) -> None:
         """SIGKILL: no close, no flush, no atexit; the kernel drops its locks."""
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            f.close()
+        self.child.kill()
+        self.child.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.kill()
+        self.child.close()
 
 
 class AgentPool:

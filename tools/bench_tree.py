@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import traceback
 from typing import Any
@@ -33,7 +32,7 @@ from bench_tree_peers import (
     tree_data,
     tree_priorities,
 )
-from benchkit import REPO_ROOT, PeerUnavailable, fmt, interleaved_blocks, print_header, print_table, ratio, short_error, versions
+from benchkit import PeerUnavailable, fmt, interleaved_blocks, print_header, print_table, ratio, short_error, versions
 
 ALL_LIBS = tuple(TREE_ADAPTERS)
 
@@ -274,9 +273,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--libs", help=f"comma-separated subset of {','.join(ALL_LIBS)}")
     p.add_argument("--sweep-max", type=int, default=22, metavar="LOG2",
                    help="largest capacity of the sweep, as a power of two (16..26; default 22)")
-    p.add_argument("--plot", default=os.path.join(REPO_ROOT, "tools", "results", "bench-tree-sweep.png"),
-                   help="where the sweep's PNG goes (default tools/results/bench-tree-sweep.png, the "
-                        "README's; '' for none)")
+    # No plot unless asked: the committed figure (tools/results/bench-tree-sweep.png, the docs') changes
+    # only when a maintainer writes it on purpose, never as a side effect of a run.
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write the sweep's plot to PNG (default: none; the docs' figure is "
+                        "tools/results/bench-tree-sweep.png)")
     p.add_argument("--no-extra", action="store_true",
                    help="only the 2^20 table: no capacity sweep, no first-call row")
     p.set_defaults(func=cmd_tree)

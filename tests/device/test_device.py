@@ -6,9 +6,6 @@ where a GPU is present, on CUDA too; the tier is held to the plain host path,
 bit for bit."""
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
 
@@ -188,12 +185,11 @@ CHILD = textwrap.dedent("""
 
 def test_kill_9_then_load_rebuilds_the_device_copy_exactly(tmp_path):
     code = CHILD.format(tests=os.path.dirname(__file__), path=str(tmp_path / "live"), snap=str(tmp_path / "snap"))
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "saved"
-    finally:
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+    from tests._child import Child
+
+    with Child(code) as child:
+        child.said("saved")
+        child.kill()
     host = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "a")
     tier = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "b", device="cpu")
     ref = bigper.PrioritizedReplayBuffer(**KW)

@@ -34,14 +34,6 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def _said(p, want: str) -> None:
-    line = p.stdout.readline()
-    if line.strip() != want:
-        p.kill()
-        p.wait()
-        pytest.fail(f"the child said {line!r}, not {want!r}: {p.stderr.read()[-3000:]}")
-
-
 def kill_at_random(code: str, rng, trials: int = 4, max_sleep: float = 0.05) -> None:
     """Run ``code`` (a child that prints "ready", then "added" and "saved" each
     round) ``trials`` times, each killed with SIGKILL at a random moment. The
@@ -52,23 +44,20 @@ def kill_at_random(code: str, rng, trials: int = 4, max_sleep: float = 0.05) -> 
     round into it."""
     import time
 
+    from tests._child import Child
+
     for _ in range(trials):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=_env())
-        _said(p, "ready")
-        _said(p, "added")
-        _said(p, "saved")
-        for _ in range(rng.randrange(3)):
-            _said(p, "added")
-            _said(p, "saved")
-        if rng.random() < 0.5:
-            _said(p, "added")  # killed during a save, else during an add
-        time.sleep(rng.uniform(0.0, max_sleep))
-        assert p.poll() is None, p.stderr.read()[-3000:]  # it was still working: no error in its loop
-        p.kill()
-        p.wait()
-        p.stdout.close()
-        p.stderr.close()
+        with Child(code) as child:
+            child.said("ready")
+            child.said("added")
+            child.said("saved")
+            for _ in range(rng.randrange(3)):
+                child.said("added")
+                child.said("saved")
+            if rng.random() < 0.5:
+                child.said("added")  # killed during a save, else during an add
+            time.sleep(rng.uniform(0.0, max_sleep))
+            child.kill()  # (fails, with its stderr, if it had ended by itself: an error in its loop)
 
 
 def put_data(snap: Path, name: str, arr: np.ndarray) -> None:

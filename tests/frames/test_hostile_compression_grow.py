@@ -902,20 +902,21 @@ feed = Feed(noise(np.random.default_rng(0), 4000, (32, 32), np.uint8), 2)
 print("ready", flush=True)
 while True:
     feed.run(buf, 50)
+    print("added", flush=True)
 """
 
 
 @pytest.mark.parametrize("delay", [0.05, 0.2, 0.6])
 def test_kill_9_while_the_live_log_grows_then_resume_and_overwrite(delay, tmp_path):
     import time
-    p = subprocess.Popen([sys.executable, "-c", _GROWER, str(tmp_path)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
-    time.sleep(delay)
-    p.kill()
-    p.wait()
-    p.stdout.close()
-    p.stderr.close()
+
+    from tests._child import Child
+
+    with Child(_GROWER, tmp_path, env=_env(), cwd=ROOT) as child:
+        child.said("ready")
+        child.said("added")  # its live log has grown (a busy machine takes seconds to get there)
+        time.sleep(delay)
+        child.kill()
     from bigper.errors import UncleanStorageError
     with pytest.raises(UncleanStorageError):  # refused, never another error (a missing or short chunk file)
         make("memmap", tmp_path, SHAPE, k=2, capacity=3000, name="live", mode="resume")

@@ -8,7 +8,6 @@ stream order, byte for byte, on real ALE frames (tests/data/atari_frames.npz).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import bigper
 from bigper.convert import convert
 from bigper.errors import InvalidArgumentError, PathExistsError
 
+from tests._child import Child
 from tests._hostile_snapshot_cases import fingerprint
 
 ATARI = Path(__file__).parents[1] / "data" / "atari_frames.npz"
@@ -219,7 +219,7 @@ import bigper.convert as c
 point = sys.argv[3]
 def stop():
     print("at", point, flush=True)
-    time.sleep(60)
+    time.sleep(3600)  # until killed: a busy machine may take minutes to get there
 if point == "chunk":
     extend, calls = c.PrioritizedReplayBuffer.extend, []
     def slow(self, *a, **k):
@@ -241,14 +241,10 @@ def test_kill_9_midway_leaves_no_dst_and_the_next_run_completes(point, tmp_path)
     src, dst = tmp_path / "src" / "d.h5", tmp_path / "z.h5"
     write_d4rl(src, n=400)
     before = fingerprint(tmp_path / "src")
-    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), point], stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert p.stdout.readline().strip() == f"at {point}"
+    with Child(KILLED, src, dst, point) as child:
+        child.said(f"at {point}")
         assert os.path.exists(f"{dst}.partial")
-    finally:
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+        child.kill()
     assert not os.path.lexists(dst)
     assert fingerprint(tmp_path / "src") == before
     r = cli("convert", src, dst, "--no-progress")  # replaces the killed run's partial file
@@ -293,14 +289,10 @@ def test_a_budget_too_small_is_refused_with_one_that_fits_and_leaves_nothing(tmp
 def test_a_second_convert_to_the_same_dst_meanwhile_is_storage_locked(tmp_path):
     src, dst = tmp_path / "d.h5", tmp_path / "z.h5"
     write_d4rl(src, n=400)
-    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), "chunk"], stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert p.stdout.readline().strip() == "at chunk"
+    with Child(KILLED, src, dst, "chunk") as child:
+        child.said("at chunk")
         held = fingerprint(f"{dst}.partial")
         with pytest.raises(bigper.StorageLockedError, match=r"z\.h5 is in use by process"):
             convert(src, dst, progress=False)
         assert fingerprint(f"{dst}.partial") == held and not os.path.lexists(dst)
-    finally:
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+        child.kill()

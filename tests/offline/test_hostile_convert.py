@@ -8,9 +8,6 @@ each conversion that goes through is compared byte for byte with its source.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -22,9 +19,10 @@ import bigper
 from bigper.convert import convert
 from bigper.errors import BigperError, InvalidArgumentError, InvalidTypeError
 
+from tests._child import Child
 from tests._hostile_snapshot_cases import fingerprint
 from tests.conftest import fill_disk
-from tests.offline.test_convert import ROOT, assert_same_transitions, everything, write_d4rl
+from tests.offline.test_convert import assert_same_transitions, everything, write_d4rl
 
 
 def noise_d4rl(path: Path, n: int, seed: int = 0, h: int = 84):
@@ -60,7 +58,7 @@ import bigper.convert as c
 point = sys.argv[3]
 def stop(*a, **k):
     print("at", point, flush=True)
-    time.sleep(60)
+    time.sleep(3600)  # until killed: a busy machine may take minutes to get there
 if point == "priorities":
     orig = c._save_priorities
     c._save_priorities = lambda *a, **k: (stop(), orig(*a, **k))
@@ -82,13 +80,9 @@ def test_kill_9_around_the_priorities_never_leaves_a_dst_without_them(point, tmp
         live = np.flatnonzero(ds.status == 1)
         ds.update_priorities(live, np.random.default_rng(1).random(live.shape[0]) * 5 + 0.5)
     _, want = everything(src)
-    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), point],
-                         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert p.stdout.readline().strip() == f"at {point}"
-    finally:
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+    with Child(KILLED, src, dst, point) as child:
+        child.said(f"at {point}")
+        child.kill()
     if os.path.lexists(dst):
         _, got = everything(dst)
         assert got.tobytes() == want.tobytes()
@@ -227,13 +221,9 @@ def test_the_next_convert_completes_after_a_kill_between_the_two_renames(tmp_pat
         live = np.flatnonzero(ds.status == 1)
         ds.update_priorities(live, np.random.default_rng(1).random(live.shape[0]) + 0.5)
     _, want = everything(src)
-    p = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(dst), "link"],
-                         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert p.stdout.readline().strip() == "at link"
-    finally:
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+    with Child(KILLED, src, dst, "link") as child:
+        child.said("at link")
+        child.kill()
     convert(src, dst, progress=False)
     assert everything(dst)[1].tobytes() == want.tobytes()
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ from bigper.errors import InvalidArgumentError, StorageLockedError
 
 from tests._hostile_snapshot_cases import fingerprint
 from tests._roundtrip import batch_bytes, held, kwargs_of
-from tests.offline.test_convert import ROOT, cli, everything
+from tests.offline.test_convert import cli, everything
 
 FIELDS = {"obs": ((4, 8, 8), np.uint8), "action": ((), np.int64)}
 
@@ -84,21 +82,17 @@ def test_convert_over_a_writer_in_another_process_is_storage_locked(tmp_path):
             "b = bigper.PrioritizedReplayBuffer(capacity=8, fields={'x': ((), np.int64)}, storage='hdf5', "
             "path=sys.argv[1])\n"
             "b.add(x=5); print('ready', flush=True); sys.stdin.readline(); b.close()\n")
-    p = subprocess.Popen([sys.executable, "-c", code, str(live)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert p.stdout.readline().strip() == "ready"
+    from tests._child import Child
+
+    with Child(code, live, stdin=True) as child:
+        child.said("ready")
         before = fingerprint(tmp_path)
-        with pytest.raises(StorageLockedError, match=f"process {p.pid}"):
+        with pytest.raises(StorageLockedError, match=f"process {child.pid}"):
             convert(src, live, overwrite=True, progress=False)
         assert fingerprint(tmp_path) == before
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        child.send("")
+        if child.end() != 0:
+            child.fail("did not close its buffer")
     with bigper.PrioritizedReplayBuffer(capacity=8, fields={"x": ((), np.int64)}, storage="hdf5", path=live,
                                         mode="resume") as b:
         assert len(b) == 1 and b.gather(np.array([0]))["x"][0] == 5

@@ -588,24 +588,19 @@ buf.close()
 
 def test_two_processes_open_one_dataset_at_once(tmp_path):
     """A read-write open would take HDF5's exclusive lock and refuse the second reader."""
-    import subprocess
-    import sys
+    from tests._child import Child
 
     path = tmp_path / "d.hdf5"
     data = write_d4rl(path)
-    other = subprocess.Popen([sys.executable, "-c", READER, str(path), str(tmp_path / "p2")],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert other.stdout.readline().strip() == "open", other.stderr.read()
+    with Child(READER, path, tmp_path / "p2", stdin=True) as other:
+        other.said("open")
         with PRB.from_hdf5(path) as buf:  # while the other process holds it open
             b = buf.sample(8)
             assert np.array_equal(b["obs"], data["observations"][b.indices])
-            out, err = other.communicate("go\n", timeout=120)
-        assert other.returncode == 0 and "sampled 4" in out, err
-    finally:
-        if other.poll() is None:
-            other.kill()
-            other.wait()
+            other.send("go")
+            other.said("sampled 4")
+        if other.end() != 0:
+            other.fail("did not close its buffer")
 
 
 # -- bigper's own layout and Minari's metadata, crafted -------------------------------------------------

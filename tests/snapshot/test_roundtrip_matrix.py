@@ -22,8 +22,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -238,12 +236,11 @@ def roundtrip(spec: dict, writer: str) -> None:
 WRITERS = ["close", "save", "snapshots"]
 
 
-def child(spec: dict, d: Path, how: str) -> subprocess.Popen:
+def child(spec: dict, d: Path, how: str):
+    from tests._child import Child
     from tests._roundtrip import CHILD
 
-    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec), str(storage_path(spec, d)),
-                             str(d / "snap"), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=d)
+    return Child(CHILD, json.dumps(spec), storage_path(spec, d), d / "snap", how, cwd=d)
 
 
 def commands(*calls) -> list:
@@ -262,10 +259,10 @@ def exit_without_close(spec: dict) -> None:
     with tempfile.TemporaryDirectory() as d, build(spec) as ref:
         d = Path(d)
         feed(ref, spec)
-        p = child(spec, d, "exit")
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0 and "exiting without close" in out, err[-3000:]
-        assert "could not close" not in err, err
+        with child(spec, d, "exit") as p:
+            p.said("exiting without close")
+            if p.end() != 0 or "could not close" in p.stderr():
+                p.fail("did not exit cleanly")
         path = storage_path(spec, d)
         for r in commands(("verify", path), ("info", path)):
             assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
@@ -280,18 +277,13 @@ def killed(spec: dict, rng) -> None:
     with tempfile.TemporaryDirectory() as d, build(spec) as ref:
         d = Path(d)
         feed(ref, spec, stop=half)
-        p = child(spec, d, "kill")
-        try:
-            line = p.stdout.readline()
-            assert line.strip() == "saved", line + (p.stderr.read()[-3000:] if p.poll() is not None else "")
+        with child(spec, d, "kill") as p:
+            p.said("saved")
             for _ in range(rng.randrange(spec["steps"] - half + 1)):
-                line = p.stdout.readline()
-                assert line.startswith(("step", "done")), line
-        finally:
+                line = p.line()
+                if not line.startswith(("step", "done")):
+                    p.fail(f"said {line!r}, not a step")
             p.kill()
-            p.wait()
-            p.stdout.close()
-            p.stderr.close()
         again = d / "again" / storage_path(spec, d).name if spec["storage"] != "memory" else None
         with bigper.PrioritizedReplayBuffer.load(d / "snap", path=again) as b:
             same_as(b, ref)

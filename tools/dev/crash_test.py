@@ -174,9 +174,19 @@ def run(trials: int, workdir: Path, *, seed: int = 0, max_delay: float = 0.3, ea
             os._exit(code)
         if rng.random() < early:  # while it loads: takes over the live directory, reads the snapshot
             time.sleep(rng.uniform(0, 0.06))
-        else:  # once it loops: most of its time is in save
-            deadline = time.perf_counter() + 10
-            while shm[0] < 2 and time.perf_counter() < deadline:
+        else:  # once it loops (it says so in shm): most of its time is in save
+            # Never a kill before that point, however slow a busy machine makes the load; a
+            # child that ended on its way there failed (its traceback is on stderr).
+            deadline = time.perf_counter() + 600
+            while shm[0] < 2:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    raise AssertionError(f"trial {t}: the child ended by itself (status {status}) before "
+                                         "its first round; see its traceback")
+                if time.perf_counter() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    raise AssertionError(f"trial {t}: the child did not start its first round in 600 s")
                 time.sleep(0.0005)
             time.sleep(rng.uniform(0, max_delay))
         os.kill(pid, signal.SIGKILL)
