@@ -194,7 +194,8 @@ def run(args) -> int:
     mem.check()
     print(f"restoring (Snapshots.load_latest) into {run_dir / 'restored'} ...", flush=True)
     t0 = time.perf_counter()
-    restored = snaps.load_latest(path=run_dir / "restored")
+    # A copy checked against the original, whose episode goes on: the restored one's goes on too.
+    restored = snaps.load_latest(path=run_dir / "restored", continue_episodes=True)
     t_restore = time.perf_counter() - t0
     mem.check()
     try:

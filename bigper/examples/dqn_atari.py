@@ -99,8 +99,10 @@ def _open(args, run: Path, agent, n_actions):
     if args.resume:
         if snaps.latest() is None:
             raise bigper.PathNotFoundError(f"--resume: no snapshot under {run / 'snaps'} to continue from")
-        # The live directory a stopped run left is replaced by the snapshot's data.
-        buf = snaps.load_latest(path=run / "replay")
+        # The whole run goes back to its snapshot (learner, buffer, random state): the live
+        # directory a stopped run left, newer than the snapshot, is replaced on purpose (rewind).
+        # The environment starts a new episode, so the one open at the snapshot ends there.
+        buf = snaps.load_latest(path=run / "replay", rewind=True)
         info = snaps.last_loaded
         meta, arrays = load_state(info.files["learner.json"].with_suffix(""))
         agent.load_state(meta, arrays)

@@ -34,6 +34,8 @@ each pickle keeps its word on:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import os
@@ -188,6 +190,24 @@ def checked_snapshot(state: dict) -> Path:
     return snap
 
 
+# True inside ``rewinding()``: an unpickled buffer may replace a live path holding newer data.
+REWIND: contextvars.ContextVar[bool] = contextvars.ContextVar("bigper_sb3_rewind", default=False)
+
+
+@contextlib.contextmanager
+def rewinding():
+    """Within this block, unpickling a replay buffer (``pickle.loads``, SB3's
+    own ``load_replay_buffer``) may rewind a live path that holds more
+    transitions than the pickle's snapshot: what was added since is lost.
+    Outside it that is refused (``PathExistsError``). A ``Prioritized*``
+    algorithm says the same with ``load_replay_buffer(path, rewind=True)``."""
+    token = REWIND.set(True)
+    try:
+        yield
+    finally:
+        REWIND.reset(token)
+
+
 def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None = None, rewind: bool = False,
                   continue_episodes: bool = False) -> CoreBuffer:
     """The bigper buffer a pickle's ``state`` names: its manifest hash checked,
@@ -204,14 +224,16 @@ def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None =
         raise IncompatibleSnapshotError(f"{snap} holds capacity {cfg.get('capacity')} for {cfg.get('num_envs', 1)} "
                                         f"env(s), the pickle says {capacity // max(n_envs, 1)} x {n_envs}")
     n_snap, into, replaced = _what_is_live(snap, info, live)
+    rewind = rewind or REWIND.get()
     try:
         buf = CoreBuffer.load(snap, path=into, rewind=rewind, continue_episodes=continue_episodes)
     except PathExistsError as e:
         if "rewind=True" not in str(e):
             raise
         raise PathExistsError(f"loading the replay buffer pickle of {snap}: {e} (for SB3: "
-                              "model.load_replay_buffer(path, rewind=True), or resume the live buffer with "
-                              "replay_buffer_kwargs={'mode': 'resume', ...})") from None
+                              "model.load_replay_buffer(path, rewind=True), or pickle.loads / SB3's own load "
+                              "inside `with bigper.integrations.sb3.rewinding():`; or resume the live buffer "
+                              "with replay_buffer_kwargs={'mode': 'resume', ...})") from None
     if replaced is not None:  # said once, as a warning (not also a log line)
         warnings.warn(f"loading this pickle restored {snap} ({n_snap} transitions) into the live path {into}, "
                       f"replacing what it held: {replaced}", UserWarning, stacklevel=user_level())

@@ -28,8 +28,10 @@ SHA-256 of its manifest. Where the snapshot goes, first that applies:
 otherwise pickling is refused. Unpickling checks the manifest's hash, loads
 the snapshot (priorities, cursor, RNG, beta step: sampling continues exactly)
 and never unpickles anything of bigper's: the snapshot is plain arrays and JSON.
-What each pickle promises (its snapshot kept, no silent rewind of a live
-path, atomic saves) is in ``bigper.integrations._sb3_pickle``.
+What each pickle promises (its snapshot kept, no rewind of a live path
+holding newer data unless asked: ``load_replay_buffer(path, rewind=True)``
+or ``with rewinding(): pickle.loads(...)``; atomic saves) is in
+``bigper.integrations._sb3_pickle``.
 
 This module only gathers the public names: the buffer lives in
 ``_sb3_buffer``, the algorithms in their own modules (imported on first use:
@@ -41,10 +43,11 @@ from __future__ import annotations
 from typing import Any
 
 from ._sb3_buffer import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples, annealed_beta
+from ._sb3_pickle import rewinding
 
 __all__ = ["PrioritizedDDPG", "PrioritizedDQN", "PrioritizedQRDQN", "PrioritizedReplayBuffer",
            "PrioritizedReplayBufferSamples", "PrioritizedSAC", "PrioritizedTD3", "PrioritizedTQC",
-           "annealed_beta"]
+           "annealed_beta", "rewinding"]
 
 # name -> module that defines it (loaded on first access; QRDQN and TQC need sb3-contrib)
 _ALGORITHMS = {"PrioritizedDQN": "_sb3_dqn", "PrioritizedSAC": "_sb3_actor_critic",

@@ -157,7 +157,8 @@ def test_real_atari_matches_naive_buffer(games, game, storage, tmp_path):
 
     if storage != "memory":  # reopening the directory resumes with the same contents
         buf = bigper.PrioritizedReplayBuffer(CAPACITY, FIELDS, frame_stack=K_STACK, n_step=N_STEP,
-                                             gamma=GAMMA, storage=storage, seed=3, mode="resume", **kw)
+                                             gamma=GAMMA, storage=storage, seed=3, mode="resume",
+                                             continue_episodes=True, **kw)  # the naive reference's episodes go on
         check_all_sampleable(buf, added, CAPACITY)
         check(buf.sample(32), added, CAPACITY)
         buf.close()

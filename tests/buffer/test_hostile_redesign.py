@@ -324,7 +324,7 @@ def test_a_raised_key_survives_close_and_resume(tmp_path, storage):
     t = np.linspace(0, buf.total_priority, 32, endpoint=False)
     was = buf.shard.sample_at(t, beta=0.3)
     buf.close()
-    back = _new(tmp_path, storage, mode="resume")
+    back = _new(tmp_path, storage, mode="resume", continue_episodes=True)  # the same batch: its episode goes on
     assert back.shard.max_leaf == 7.5 and back.state_dict()[0]["max_leaf"] == 7.5
     _same_batch(was, back.shard.sample_at(t, beta=0.3))
     _fill(back, 1, 100, prio=False)

@@ -126,7 +126,7 @@ class SequenceMachine(RuleBasedStateMachine):
         snap = self.buf.save(self.tmp / f"s{self.saves}")
         self.saves += 1
         self.buf.close()
-        self.buf = bigper.PrioritizedReplayBuffer.load(snap)
+        self.buf = bigper.PrioritizedReplayBuffer.load(snap, continue_episodes=True)  # the model goes on
         self.batch = None
 
     # -- invariants ----------------------------------------------------------------

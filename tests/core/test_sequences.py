@@ -216,7 +216,7 @@ def test_disk_storages_serve_the_same_sequences(tmp_path, storage):
     feed(buf, ref, ends, chunk=3)
     check_against(buf, ref)
     buf.close()
-    again = build(ref, ref.c, storage=storage, path=tmp_path / "buf", mode="resume")
+    again = build(ref, ref.c, storage=storage, path=tmp_path / "buf", mode="resume", continue_episodes=True)
     check_against(again, ref)
     feed(again, ref, [[0, 1]] * 5)
     check_against(again, ref)
@@ -500,7 +500,8 @@ def test_resume_from_a_snapshot_is_exact(tmp_path, storage, prioritization):
                            if k != "rng"})
     ref_b.rng.bit_generator.state = ref.rng.bit_generator.state
     want = _rounds(a, ref, np.random.default_rng(1), 6)
-    b = bigper.PrioritizedReplayBuffer.load(snap, path=None if storage == "memory" else tmp_path / "b")
+    b = bigper.PrioritizedReplayBuffer.load(snap, path=None if storage == "memory" else tmp_path / "b",
+                                         continue_episodes=True)  # the stream goes on, as in the run that never stopped
     got = _rounds(b, ref_b, np.random.default_rng(1), 6)
     for (i1, w1, m1, d1), (i2, w2, m2, d2) in zip(want, got):
         np.testing.assert_array_equal(i1, i2)
@@ -525,7 +526,7 @@ def test_the_committed_sequence_fixture_resumes_bit_for_bit(tmp_path):
     snap = here / "snapshot-v1-sequence"
     want = json.loads((here / "snapshot-v1-sequence.expected.json").read_text())
     before = disk(snap)
-    buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "live")
+    buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "live", continue_episodes=True)
     assert disk(snap) == before  # loading never modifies a snapshot
     assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
     assert buf.config.seq == Sequence(4, burn_in=2, period=3, eta=0.8)
@@ -717,7 +718,7 @@ def test_a_snapshot_survives_kill_9_of_its_writer(tmp_path):
     ref.c = 40
     scratch = build(ref, 40)
     feed(scratch, ref, [[int(t % 7 == 6), int(t % 5 == 4)] for t in range(30)], chunk=3)
-    buf = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "again")
+    buf = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "again", continue_episodes=True)
     check_against(buf, ref)
     buf.close()
 

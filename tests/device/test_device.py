@@ -190,8 +190,10 @@ def test_kill_9_then_load_rebuilds_the_device_copy_exactly(tmp_path):
     with Child(code) as child:
         child.said("saved")
         child.kill()
-    host = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "a")
-    tier = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "b", device="cpu")
+    # compared with a buffer that never stopped: the episode open at the snapshot goes on
+    host = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "a", continue_episodes=True)
+    tier = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "b", device="cpu",
+                                               continue_episodes=True)
     ref = bigper.PrioritizedReplayBuffer(**KW)
     _fill(ref, 60)
     for _ in range(3):
@@ -377,12 +379,13 @@ def test_deferred_updates_are_applied_before_save_and_close(tmp_path):
     y = dev.sample(8)
     dev.update_priorities(y.to_torch("cuda"), torch.from_numpy(p).cuda())
     dev.close()
-    snap = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "c")
+    snap = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "c", continue_episodes=True)
     ref = bigper.PrioritizedReplayBuffer(**KW)
     _fill(ref, 45)
     ref.update_priorities(ref.sample(8), p)
     np.testing.assert_array_equal(ref.state_dict()[1]["leaves"], snap.state_dict()[1]["leaves"])
-    resumed = bigper.PrioritizedReplayBuffer(**KW, storage="memmap", path=tmp_path / "b", mode="resume")
+    resumed = bigper.PrioritizedReplayBuffer(**KW, storage="memmap", path=tmp_path / "b", mode="resume",
+                                             continue_episodes=True)
     ref.update_priorities(ref.sample(8), p)
     np.testing.assert_array_equal(ref.state_dict()[1]["leaves"], resumed.state_dict()[1]["leaves"])
     snap.close()

@@ -30,10 +30,11 @@ from stable_baselines3.common.buffers import NStepReplayBuffer  # noqa: E402
 
 from bigper.errors import (  # noqa: E402
     BufferClosedError,
+    PathExistsError,
     PathNotFoundError,
     StorageLockedError,
 )
-from bigper.integrations.sb3 import PrioritizedReplayBuffer  # noqa: E402
+from bigper.integrations.sb3 import PrioritizedReplayBuffer, rewinding  # noqa: E402
 
 from tests._hostile_snapshot_cases import fingerprint  # noqa: E402
 
@@ -79,7 +80,10 @@ def test_every_pickle_of_a_series_still_loads(tmp_path, where):
         blobs.append(pickle.dumps(rb))
     rb.close()
     for k, blob in enumerate(blobs):
-        with warnings.catch_warnings():
+        if k == 0:  # the live path holds 40, newer than this pickle: kept unless a rewind is asked for
+            with pytest.raises(PathExistsError, match="rewinding"):
+                pickle.loads(blob)
+        with warnings.catch_warnings(), rewinding():
             warnings.simplefilter("ignore")  # each load after the first rewinds the live path: said, tested below
             back = pickle.loads(blob)
         assert back.size() == 10 * k + 10
@@ -108,9 +112,11 @@ def test_save_replay_buffer_keeps_the_snapshot_of_the_pickle_at_that_path(tmp_pa
     model.load_replay_buffer(tmp_path / "rb.pkl")
     assert model.replay_buffer.size() == 30
     model.replay_buffer.close()
+    with pytest.raises(PathExistsError, match="rewind=True"):  # the live path holds 30, newer
+        model.load_replay_buffer(tmp_path / "first.pkl")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model.load_replay_buffer(tmp_path / "first.pkl")
+        model.load_replay_buffer(tmp_path / "first.pkl", rewind=True)
     assert model.replay_buffer.size() == 10
     model.replay_buffer.close()
     # a copy of a pickle that rb.pkl has since replaced names a snapshot retention removed
@@ -130,7 +136,11 @@ def test_unpickling_a_live_path_that_moved_on_says_what_it_discards(tmp_path, st
     blob = pickle.dumps(rb)
     feed(rb, 10, 40)
     rb.close()
-    with pytest.warns(UserWarning, match="40 transitions") as rec:
+    before = fingerprint(tmp_path)
+    with pytest.raises(PathExistsError, match="40 transitions"):  # newer data: kept unless asked
+        pickle.loads(blob)
+    assert fingerprint(tmp_path) == before
+    with pytest.warns(UserWarning, match="40 transitions") as rec, rewinding():
         back = pickle.loads(blob)
     # (the record may also hold a ResourceWarning collected meanwhile: take bigper's)
     msg = next(str(w.message) for w in rec if issubclass(w.category, UserWarning) and "40 transitions" in str(w.message))
