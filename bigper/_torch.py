@@ -255,8 +255,13 @@ def _tier_to_torch(torch, batch, ready: TensorBatch, device, non_blocking: bool)
         return TensorBatch({k: v.to(device, non_blocking=non_blocking) for k, v in ready.items()}, _host_of(batch))
     tensors = dict(ready)
     if ready.host.get("given"):
-        own = {"weights": np.array(batch.weights, dtype=np.float32), "indices": np.array(batch.indices, dtype=np.int64),
+        own = {"indices": np.array(batch.indices, dtype=np.int64),
                "generations": np.array(batch.generations, dtype=np.int64)}
+        w = batch.weights
+        if isinstance(w, torch.Tensor):  # the batch's own device weights: copied there, no read back
+            tensors["weights"] = w.to(dev).clone()
+        else:
+            own["weights"] = np.array(w, dtype=np.float32)
         tensors.update(move(torch, own, dev, non_blocking))
     ready.host["given"] = True
     return TensorBatch(tensors, _host_of(batch))
@@ -266,6 +271,10 @@ def _host_of(batch) -> dict:
     """The host copies ``update_priorities`` reads: copies (the tensors of a CPU
     batch share the batch's arrays, which a learner may change in place)."""
     mask = getattr(batch, "mask", None)
+    if mask is not None and not isinstance(mask, np.ndarray):  # a tier's device mask: the host copy it kept
+        host = getattr(batch.__dict__.get("_tensors"), "host", None)
+        kept = host.get("mask") if isinstance(host, dict) else None
+        mask = kept if isinstance(kept, np.ndarray) else as_numpy(mask)
     return {"indices": np.array(batch.indices, dtype=np.int64), "generations": np.array(batch.generations, np.int64),
             "mask": None if mask is None else np.array(mask)}
 
