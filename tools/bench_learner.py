@@ -17,14 +17,25 @@ FILE.npy`` to bring them where ALE is not installed). For B = 32 and 256,
   zstd tier   the same with the device tier (raw frames on the device)
 
 and the buffer alone per feed (sample, to the device, a priority update from
-a device tensor; synchronized once at the end), the share of a draw that
-holds the GIL (``gil_share``: what a learner's thread cannot run meanwhile), beside the floor: frames
+a device tensor; synchronized once at the end), beside the floor: frames
 stored once in device memory, the sampled indices sent up, one gather of
 k + 1 frames a row, priorities back with one copy. Then sequences, 32 x (40 +
 80) steps with their stacks, to the device: the host path and the tier.
 TorchRL's ``TensorDictPrioritizedReplayBuffer`` runs where it imports
 (LazyMemmapStorage, pinned; its CPU sampler); where it does not, the JSON
 says why (``torchrl_error``). Each feed is printed as a share of the ceiling, then a JSON line.
+
+An eager learner on a GPU is launch-bound: its thread drops and retakes the
+GIL at every op, so whatever Python a feed runs in its own thread is taken
+from it, whatever the number of cores. The **proxy learner** measures that
+on any machine: ``--proxy-ops`` (default 300) tiny torch ops an update (each
+drops and retakes the GIL as a CUDA launch does) on a few numbers read from
+the batch, handing back priorities; its share of its own ceiling, per feed,
+is the column "proxy share" (it replaces a GIL counter, which a
+pure-Python thread under-reads: it yields the GIL only once a switch
+interval). "py calls/batch in feed thread" counts the Python calls
+(``threading.setprofile``: calls and C calls) the sampler's thread makes a
+batch. ``--learner proxy`` runs the proxy table alone (no CNN), as CI can.
 
 Usage::
 
@@ -56,6 +67,53 @@ def add_arguments(p):
     p.add_argument("--only", default=None, help="comma-separated feeds to run (default all)")
     p.add_argument("--seq-steps", type=int, default=20_000, help="steps in the sequence buffer")
     p.add_argument("--no-compression", action="store_true", help="skip the zstd feeds")
+    p.add_argument("--learner", choices=("both", "cnn", "proxy"), default="both",
+                   help="the Nature-CNN learner, the launch-bound proxy learner, or both (default)")
+    p.add_argument("--proxy-ops", type=int, default=300, help="tiny torch ops an update of the proxy learner")
+
+
+def proxy_learner(torch, device, ops: int):
+    """A launch-bound learner: ``ops`` tiny torch ops an update (each drops and
+    retakes the GIL, as an eager CUDA launch does), reading a few numbers of
+    the batch; returns a (B,) |TD| on the device."""
+    def step(t):
+        r = t["reward"].float()
+        x = t["obs"][:, -1, 0, :8].float().sum(1) * 0.0 + r * t["weights"].float()
+        for _ in range(ops):
+            x = x.mul(0.999).add_(0.001)
+        return x.abs() + 0.01
+
+    return step
+
+
+def python_calls(make_iter, n: int) -> float:
+    """Python calls (calls and C calls) a batch in the thread a sampler starts:
+    ``threading.setprofile`` reaches only threads started after it, so the
+    learner's own thread is not counted."""
+    import threading
+
+    counts = [0]
+
+    def prof(frame, event, arg):
+        if event in ("call", "c_call"):
+            counts[0] += 1
+    threading.setprofile(prof)
+    try:
+        it, buf = make_iter()
+    finally:
+        threading.setprofile(None)
+    td = None
+    for _ in range(5):
+        t = next(it)
+        td = t["weights"].float() + 0.01
+        buf.update_priorities(t, td)
+    c0 = counts[0]
+    for _ in range(n):
+        t = next(it)
+        buf.update_priorities(t, td)
+    c1 = counts[0]
+    it.close()
+    return (c1 - c0) / n
 
 
 def learner(torch, device):
@@ -102,34 +160,6 @@ def timed(torch, device, fn, iters: int, warmup: int) -> float:
         fn()
     sync(torch, device)
     return (time.perf_counter() - t0) / iters * 1e6
-
-
-def gil_share(draw, seconds: float = 1.0) -> float:
-    """The share of the time ``draw()`` holds the GIL while it runs in a loop
-    in a thread: a pure-Python counter in this thread counts ``r1`` a second
-    beside it against ``r0`` alone; the GIL was held by the draws ``1 - r1/r0``
-    of the time (a thread that releases the GIL in its kernels and copies leaves it to the learner)."""
-    import threading
-
-    def count(t):
-        n, end = 0, time.perf_counter() + t
-        while time.perf_counter() < end:
-            n += 1
-        return n
-
-    r0 = count(seconds)
-    stop = threading.Event()
-
-    def loop():
-        while not stop.is_set():
-            draw()
-    th = threading.Thread(target=loop, daemon=True)
-    th.start()
-    time.sleep(0.05)
-    r1 = count(seconds)
-    stop.set()
-    th.join()
-    return max(0.0, 1.0 - r1 / r0)
 
 
 def torchrl_buffers(torch, stream: Stream, n: int, tmp: Path, device):
@@ -241,52 +271,67 @@ def main(args) -> int:
             say(f"  TorchRL unavailable: {short_error(e)}")
 
     rows_table = []
+    learners = {}
+    if args.learner in ("both", "cnn"):
+        learners["cnn"] = step
+    if args.learner in ("both", "proxy"):
+        learners["proxy"] = proxy_learner(torch, device, args.proxy_ops)
+    results["proxy_ops"] = args.proxy_ops
     for b in sizes:
         say(f"B = {b}")
-        feeds: dict = {}
         ready = bufs["sample"].sample(b).to_torch(device)
         ready = {k: v.clone() for k, v in ready.items()}
-        feeds["ceiling"] = timed(torch, device, lambda: step(ready), args.iters, 10)
 
-        if numpy_obs is not None:
-            rng = np.random.default_rng(0)
+        def feed_times(step) -> dict:
+            """µs per update of ``step`` fed by each feed (the ceiling measured first and last)."""
+            feeds: dict = {}
+            feeds["ceiling"] = timed(torch, device, lambda: step(ready), args.iters, 10)
+            if numpy_obs is not None:
+                rng = np.random.default_rng(0)
 
-            def numpy_feed():
-                i = rng.integers(0, numpy_obs.shape[0], b)
-                t = {"obs": torch.from_numpy(numpy_obs[i]).to(device, non_blocking=True),
-                     "next_obs": torch.from_numpy(numpy_next[i]).to(device, non_blocking=True)}
-                for k2, v in numpy_small.items():
-                    t[k2] = torch.from_numpy(v[i]).to(device, non_blocking=True)
-                t["weights"] = torch.ones(b, device=device)
-                step(t)
-            feeds["numpy SB3"] = timed(torch, device, numpy_feed, args.iters, 10)
+                def numpy_feed():
+                    i = rng.integers(0, numpy_obs.shape[0], b)
+                    t = {"obs": torch.from_numpy(numpy_obs[i]).to(device, non_blocking=True),
+                         "next_obs": torch.from_numpy(numpy_next[i]).to(device, non_blocking=True)}
+                    for k2, v in numpy_small.items():
+                        t[k2] = torch.from_numpy(v[i]).to(device, non_blocking=True)
+                    t["weights"] = torch.ones(b, device=device)
+                    step(t)
+                feeds["numpy SB3"] = timed(torch, device, numpy_feed, args.iters, 10)
 
-        def plain(buf):
-            def f():
-                batch = buf.sample(b)
-                t = batch.to_torch(device)
-                buf.update_priorities(t, step(t))
-            return f
+            def plain(buf):
+                def f():
+                    batch = buf.sample(b)
+                    t = batch.to_torch(device)
+                    buf.update_priorities(t, step(t))
+                return f
 
-        def with_sampler(buf):
-            it = buf.sampler(b, prefetch=2, device=device)
+            def with_sampler(buf):
+                it = buf.sampler(b, prefetch=2, device=device)
 
-            def f():
-                t = next(it)
-                buf.update_priorities(t, step(t))
-            return f, it
+                def f():
+                    t = next(it)
+                    buf.update_priorities(t, step(t))
+                return f, it
 
-        if want("sample"):
-            feeds["sample"] = timed(torch, device, plain(bufs["sample"]), args.iters, 10)
-        for name, key in (("sampler", "sample"), ("tier", "tier"), ("zstd", "zstd"), ("zstd tier", "zstd tier")):
-            if key in bufs and want(name):
-                f, it = with_sampler(bufs[key])
-                feeds[name] = timed(torch, device, f, args.iters, 10)
-                it.close()
-        if trl is not None:
-            feeds["torchrl"] = timed(torch, device, torchrl_feed(torch, trl, b, device, step), args.iters, 10)
-        if "tier" in bufs and want("tier sample"):
-            feeds["tier sample"] = timed(torch, device, plain(bufs["tier"]), args.iters, 10)
+            if want("sample"):
+                feeds["sample"] = timed(torch, device, plain(bufs["sample"]), args.iters, 10)
+            for name, key in (("sampler", "sample"), ("tier", "tier"), ("zstd", "zstd"), ("zstd tier", "zstd tier")):
+                if key in bufs and want(name):
+                    f, it = with_sampler(bufs[key])
+                    feeds[name] = timed(torch, device, f, args.iters, 10)
+                    it.close()
+            if trl is not None:
+                feeds["torchrl"] = timed(torch, device, torchrl_feed(torch, trl, b, device, step), args.iters, 10)
+            if "tier" in bufs and want("tier sample"):
+                feeds["tier sample"] = timed(torch, device, plain(bufs["tier"]), args.iters, 10)
+            # The ceiling again, last: the first timing at a size can catch the GPU's clocks still rising.
+            feeds["ceiling"] = min(feeds["ceiling"], timed(torch, device, lambda: step(ready), args.iters, 10))
+            return feeds
+
+        per = {name: feed_times(fn) for name, fn in learners.items()}
+        feeds = per.get("cnn", {})
+        proxy = per.get("proxy", {})
 
         # The buffer alone: draw, move, update from a device tensor; synchronized once at the end.
         alone: dict = {}
@@ -314,24 +359,27 @@ def main(args) -> int:
             _ = s[:, :K], s[:, 1:]
             back.copy_(td, non_blocking=True)
         alone["floor"] = timed(torch, device, floor, args.iters, 10)
-        # What share of a draw holds the GIL (what a learner thread cannot have meanwhile).
-        gil = {}
-        for name, key in (("sample", "sample"), ("tier", "tier"), ("zstd", "zstd")):
-            if key in bufs:
-                gil[name] = gil_share(lambda buf=bufs[key]: buf._sample_for(b, device, {}).to_torch(device), 0.5)
-        results.setdefault("gil", {})[b] = gil
-        # The ceiling again, last: the first timing at a size can catch the GPU's clocks still rising.
-        feeds["ceiling"] = min(feeds["ceiling"], timed(torch, device, lambda: step(ready), args.iters, 10))
+        # Python calls a batch in the sampler's thread (what it takes from a launch-bound learner).
+        calls = {}
+        for name, key in (("sampler", "sample"), ("tier", "tier"), ("zstd", "zstd")):
+            if key in bufs and want(name):
+                calls[name] = python_calls(lambda buf=bufs[key]: (buf.sampler(b, prefetch=2, device=device), buf),
+                                           max(10, args.iters // 4))
         results["feeds"][b] = feeds
+        results.setdefault("proxy", {})[b] = proxy
+        results.setdefault("py_calls", {})[b] = calls
         results["alone"][b] = alone
-        ceiling = feeds["ceiling"]
-        for name, us in feeds.items():
-            rows_table.append([f"{name}", str(b), f"{us:,.0f}", f"{100 * ceiling / us:.0f}%",
+        for name in dict.fromkeys([*feeds, *proxy]):
+            us = feeds.get(name)
+            rows_table.append([f"{name}", str(b), "" if us is None else f"{us:,.0f}",
+                               "" if us is None else f"{100 * feeds['ceiling'] / us:.0f}%",
                                f"{alone[name]:,.0f}" if name in alone else "",
-                               f"{100 * gil[name]:.0f}%" if name in gil else ""])
-        rows_table.append(["floor (buffer alone)", str(b), "", "", f"{alone['floor']:,.0f}", ""])
+                               f"{100 * proxy['ceiling'] / proxy[name]:.0f}%" if name in proxy else "",
+                               f"{calls[name]:.0f}" if name in calls else ""])
+        rows_table.append(["floor (buffer alone)", str(b), "", "", f"{alone['floor']:,.0f}", "", ""])
     print()
-    print_table(["feed", "B", "µs per update", "share of ceiling", "buffer alone µs", "draw holds GIL"], rows_table)
+    print_table(["feed", "B", "µs per update", "share of ceiling", "buffer alone µs",
+                 f"proxy share ({args.proxy_ops} ops)", "py calls/batch in feed thread"], rows_table)
 
     # Sequences: 32 x (40 + 80) with stacks, to the device.
     if want("sequences"):
