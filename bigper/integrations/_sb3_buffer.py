@@ -4,6 +4,7 @@ prioritized ``bigper.PrioritizedReplayBuffer`` (see ``bigper.integrations.sb3``)
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -513,6 +514,21 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if self._core is not None and not self._core.closed:
             self._core.close()
             _say_where(self._core, "left")
+
+    def reopen(self) -> None:
+        """Open again the disk storage this buffer closed (``mode="resume"``, its
+        episodes going on: nothing happened between the close and now), for a
+        ``load_replay_buffer`` that closed it to load into its path and was
+        refused."""
+        core = self._core
+        if core is None or not core.closed or core.storage.path is None:
+            return
+        cfg = core.config
+        kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("capacity", "fields")}
+        kw["beta"] = cfg.schedule
+        self._core = CoreBuffer(cfg.capacity, cfg.fields, path=core.storage.path, mode="resume",
+                                continue_episodes=True, **kw)
+        self._count_steps()
 
     @property
     def closed(self) -> bool:

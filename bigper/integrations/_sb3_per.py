@@ -229,12 +229,19 @@ class PrioritizedAlgorithm:
         checked_snapshot(state)
         old = self.replay_buffer
         ours = isinstance(old, PrioritizedReplayBuffer) and not old.closed
+        reopen = False
         if ours and old._live_path is not None and state.get("live_path") is not None \
                 and os.path.realpath(old._live_path) == os.path.realpath(state["live_path"]):
             old.close()  # the load restores into this path: its lock must be free
+            reopen = True
         # peek_state unpickled everything but the drop-in's class, whose state it kept
         rb = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
-        rb._restore(state, live=live, rewind=bool(rewind), continue_episodes=not truncate_last_traj)
+        try:
+            rb._restore(state, live=live, rewind=bool(rewind), continue_episodes=not truncate_last_traj)
+        except BaseException:
+            if reopen:  # refused (newer data there, ...): the model keeps its buffer, open as it was
+                old.reopen()
+            raise
         if ours and not old.closed:
             old.close()
         rb.device = self.device
