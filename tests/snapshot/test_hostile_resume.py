@@ -416,7 +416,7 @@ CRAFTED = [123, ["a"], {"x": 1}, None, True, "", "..", "../../../..", "/", "/x/.
                "folder made outside the fork (low severity: a crafted storage.path can point anywhere too)")))]
 
 
-@pytest.mark.parametrize("value", CRAFTED, ids=[repr(getattr(v, "values", [v])[0])[:30] for v in CRAFTED])
+@pytest.mark.parametrize("value", CRAFTED, ids=[repr(v.values[0] if type(v).__name__ == "ParameterSet" else v)[:30] for v in CRAFTED])
 def test_crafted_storage_snapshot_never_writes_into_the_original_run(tmp_path, value):
     """A re-signed manifest whose ``storage.snapshot`` is anything: without
     ``rewind`` the original run (newer) is never touched; with it the load
