@@ -457,3 +457,153 @@ def test_crafted_live_path_inside_the_snapshot_is_refused(tmp_path):
     with pytest.raises(InvalidArgumentError, match="overlap"):
         load(snap, rewind=True)
     assert fingerprint(tmp_path / "run", tmp_path / "fork") == before
+
+
+# -- rewind: locks, killed writers, equal counts, series fallback ---------------------------
+
+import sys  # noqa: E402
+
+KILLED = r"""
+import os, signal, sys, numpy as np, bigper
+kind, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+b = bigper.PrioritizedReplayBuffer(50, {"obs": ((1,), np.float32), "reward": ((), np.float32)}, storage=kind,
+                                   path=path, seed=0, mode="resume")
+for t in range(n):
+    b.add(obs=[1000 + t], reward=7.0, next_obs=[1001 + t], terminated=False)
+b.update_priorities(np.arange(5), np.full(5, 9.0))
+if kind == "hdf5":
+    b.storage.flush() if hasattr(b.storage, "flush") else None
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def live_of(storage, root):
+    return root / ("replay.h5" if storage == "hdf5" else "replay")
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_rewind_of_a_path_a_live_writer_holds_is_refused_untouched(tmp_path, storage):
+    live = live_of(storage, tmp_path)
+    b = run_folder(tmp_path, storage=storage, live_rel=live.name, close=False)
+    snap = tmp_path / "ckpt/snap-00000001"
+    before = fingerprint(tmp_path)
+    for rewind in (False, True):
+        with pytest.raises(StorageLockedError):
+            load(snap, rewind=rewind)
+    assert fingerprint(tmp_path) == before
+    assert len(b) == 15
+    b.add(obs=[0], reward=0.0, next_obs=[1], terminated=False)  # the writer goes on unharmed
+    b.close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_killed_writers_newer_folder_is_taken_over_and_verifies(tmp_path, storage):
+    """Unclean (kill -9 after more adds): replaced without rewind, as the guide says, and the result verifies."""
+    live = live_of(storage, tmp_path)
+    run_folder(tmp_path, storage=storage, live_rel=live.name)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.run([sys.executable, "-c", KILLED, storage, str(live), "20"], env=env, capture_output=True,
+                       timeout=600)
+    assert p.returncode == -9, p.stderr.decode()[-2000:]
+    with pytest.raises(bigper.errors.UncleanStorageError):
+        bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, mode="resume")
+    b = load(tmp_path / "ckpt/snap-00000001")
+    assert len(b) == 10
+    b.close()
+    assert verify(live) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="_check_newer compares transition counts only: a live path closed with the "
+                   "snapshot's count but priority updates, draws and beta steps since is replaced without rewind, "
+                   "silently discarding that newer state (promise 18: a load never discards newer data)")
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_equal_count_with_newer_priorities_is_not_silently_rewound(tmp_path, storage):
+    live = live_of(storage, tmp_path)
+    b = run_folder(tmp_path, storage=storage, live_rel=live.name, more=0, close=False)
+    for _ in range(5):  # a learner that only samples and updates after the snapshot
+        batch = b.sample(4)
+        b.update_priorities(batch, np.full(4, 50.0))
+    b.close()
+    before = fingerprint(tmp_path)
+    with pytest.raises(PathExistsError, match="rewind"):
+        load(tmp_path / "ckpt/snap-00000001").close()
+    assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_equal_count_untouched_since_loads_without_rewind(tmp_path, storage):
+    live = live_of(storage, tmp_path)
+    run_folder(tmp_path, storage=storage, live_rel=live.name, more=0)
+    b = load(tmp_path / "ckpt/snap-00000001")
+    assert len(b) == 10
+    b.close()
+    assert verify(live) == 0
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_load_latest_falls_back_past_a_corrupt_newest_but_keeps_newer_live_data(tmp_path, storage):
+    live = live_of(storage, tmp_path)
+    snaps = bigper.Snapshots(tmp_path / "snaps", keep=None)
+    b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0)
+    for t in range(8):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    s1 = snaps.save(b)
+    for t in range(8, 12):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    s2 = snaps.save(b)
+    b.close()
+    victim = next(p for p in sorted((s2 / "data").iterdir()) if p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    os.unlink(victim)  # (a hard link of the live chunk: never flip the live bytes)
+    victim.write_bytes(bytes(data))
+    before = fingerprint(live, s1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(PathExistsError, match="rewind=True"):
+            snaps.load_latest()
+        assert fingerprint(live, s1) == before
+        with pytest.warns(RuntimeWarning, match="corrupt"):
+            r = snaps.load_latest(rewind=True)
+    assert snaps.last_loaded.path == s1 and len(r) == 8
+    r.close()
+    assert verify(live) == 0
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_load_and_resume_racing_on_one_live_path(tmp_path, storage):
+    """Two threads: load(snapshot) and mode="resume" at the same path. One
+    wins; the other gets a bigper error; the winner's buffer is whole."""
+    live = live_of(storage, tmp_path)
+    run_folder(tmp_path, storage=storage, live_rel=live.name, more=0)
+    snap = tmp_path / "ckpt/snap-00000001"
+    for attempt in range(4):
+        got, errs = [], []
+        go = threading.Barrier(2)
+
+        def do(fn):
+            go.wait()
+            try:
+                got.append(fn())
+            except BigperError as e:
+                errs.append(e)
+
+        ts = [threading.Thread(target=do, args=(lambda: load(snap, rewind=True),)),
+              threading.Thread(target=do, args=(lambda: bigper.PrioritizedReplayBuffer(
+                  50, F, storage=storage, path=live, mode="resume", seed=0),))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert len(got) + len(errs) == 2
+        assert all(isinstance(e, StorageLockedError) for e in errs), errs
+        for b in got:
+            assert len(b) == 10
+            b.add(obs=[1], reward=1.0, next_obs=[2], terminated=False)
+        # both may win one after the other only if the first closed: never both open at once
+        assert len(got) == 1, "two buffers hold one live path"
+        for b in got:
+            b.close()
+        assert verify(live) == 0
+        # back to 10 for the next round
+        load(snap, rewind=True).close()
