@@ -607,3 +607,139 @@ def test_load_and_resume_racing_on_one_live_path(tmp_path, storage):
         assert verify(live) == 0
         # back to 10 for the next round
         load(snap, rewind=True).close()
+
+
+# -- the flags: every type, read_only, the device tier, a sampler thread -------------------
+
+
+def small_run(tmp_path, n_step=3, **kw):
+    b = bigper.PrioritizedReplayBuffer(30, F, storage="memmap", path=tmp_path / "live", seed=0, n_step=n_step,
+                                       gamma=0.5, **kw)
+    for t in range(6):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    snap = b.save(tmp_path / "snap")
+    b.close()
+    return snap
+
+
+@pytest.mark.parametrize("value", [np.bool_(True), np.bool_(False), True, False])
+def test_numpy_bools_are_taken_as_bools(tmp_path, value):
+    snap = small_run(tmp_path)
+    b = load(snap, path=tmp_path / "a", continue_episodes=value, rewind=value)
+    assert (b.status[:6] == PENDING).any() == bool(value)  # goes on: the last windows still wait
+    b.close()
+    r = bigper.PrioritizedReplayBuffer(30, F, storage="memmap", path=tmp_path / "live", mode="resume", n_step=3,
+                                       gamma=0.5, continue_episodes=value)
+    assert (r.status[:6] == PENDING).any() == bool(value)
+    r.close()
+
+
+BAD = [1, 0, np.int64(1), None, "True", "", 1.0, [True], np.array([True]), np.array(True)]
+
+
+@pytest.mark.parametrize("value", BAD, ids=[f"{type(v).__name__}-{v!r}"[:30] for v in BAD])
+def test_other_types_are_refused_everywhere_with_nothing_changed(tmp_path, value):
+    snap = small_run(tmp_path)
+    snaps = bigper.Snapshots(tmp_path / "snaps")
+    live = bigper.PrioritizedReplayBuffer(30, F, storage="memmap", path=tmp_path / "live", mode="resume", n_step=3,
+                                          gamma=0.5, continue_episodes=True)
+    snaps.save(live)
+    live.close()
+    before = fingerprint(tmp_path)
+    for kw in ("continue_episodes", "rewind"):
+        with pytest.raises(InvalidTypeError, match=kw):
+            load(snap, path=tmp_path / "x", **{kw: value})
+        with pytest.raises(InvalidTypeError, match=kw):
+            snaps.load_latest(path=tmp_path / "y", **{kw: value})
+    with pytest.raises(InvalidTypeError, match="continue_episodes"):
+        bigper.PrioritizedReplayBuffer(30, F, storage="memmap", path=tmp_path / "live", mode="resume", n_step=3,
+                                       gamma=0.5, continue_episodes=value)
+    assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.xfail(strict=True, reason="Snapshots.load_latest with a loader tests `v is not default`: "
+                   "continue_episodes=np.False_ / rewind=np.False_ (the default's value, a type load() takes) are "
+                   "refused as if given ('... is for PrioritizedReplayBuffer snapshots')")
+def test_load_latest_with_a_loader_takes_numpy_false_as_the_default(tmp_path):
+    snap = small_run(tmp_path)
+    root = tmp_path / "snaps"
+    root.mkdir()
+    shutil.copytree(snap, root / "snap-00000001")
+    snaps = bigper.Snapshots(root, loader=lambda p, path=None: load(p, path=tmp_path / "z"))
+    snaps.load_latest(continue_episodes=np.False_, rewind=np.False_).close()
+
+
+def test_read_only_resume_ends_nothing_and_writes_nothing(tmp_path):
+    small_run(tmp_path)
+    before = fingerprint(tmp_path)
+    for go_on in (False, True):
+        ro = bigper.PrioritizedReplayBuffer(30, F, storage="memmap", path=tmp_path / "live", mode="resume",
+                                            n_step=3, gamma=0.5, read_only=True, continue_episodes=go_on)
+        assert (ro.status[:6] == PENDING).sum() == 2
+        ro.sample(4)
+        ro.close()
+    assert fingerprint(tmp_path) == before
+
+
+def test_the_device_tier_draws_what_the_host_draws_after_the_episode_ended(tmp_path):
+    pytest.importorskip("torch")
+    rows = Rows(E=3, k=4, p_end=0.3, seed=5)
+    b = bigper.PrioritizedReplayBuffer(24, rows.fields(), frame_stack=4, n_step=3, num_envs=3, gamma=0.5,
+                                       storage="memmap", path=tmp_path / "live", seed=0)
+    rows.feed(b, 7)
+    snap = b.save(tmp_path / "snap")
+    b.close()
+    host = load(snap, path=tmp_path / "h")
+    dev = load(snap, path=tmp_path / "d", device="cpu")
+    assert same_state(copy_state(host), copy_state(dev))
+    for _ in range(3):
+        rows_new = [rows.step() for _ in range(2)]
+        for s in rows_new:
+            s.pop("valid")
+            host.add(**s)
+            dev.add(**s)
+        x, y = host.sample(16), dev.sample(16)
+        np.testing.assert_array_equal(x.indices, y.indices)
+        for key in x.data:
+            np.testing.assert_array_equal(np.asarray(x[key]), np.asarray(y[key].cpu()), err_msg=key)
+    host.close()
+    dev.close()
+
+
+def test_a_sampler_thread_on_the_original_while_its_snapshot_loads(tmp_path):
+    rows = Rows(E=1, k=4, seed=9)
+    b = bigper.PrioritizedReplayBuffer(40, rows.fields(), frame_stack=4, n_step=2, storage="memmap",
+                                       path=tmp_path / "live", seed=0)
+    rows.feed(b, 12)
+    it = b.sampler(4, prefetch=2)
+    next(it)
+    snap = b.save(tmp_path / "snap")
+    r = load(snap, path=tmp_path / "other")
+    for _ in range(5):
+        next(it)
+        r.sample(4)
+    check_stacks(r, rows, next_too=False)
+    it.close()
+    b.close()
+    r.close()
+    assert verify(tmp_path / "live") == 0 and verify(tmp_path / "other") == 0
+
+
+@pytest.mark.xfail(strict=True, reason="a fork whose live path is a symlink to the original's live folder, the "
+                   "original killed (unclean): a plain load from the fork (no rewind) replaces the original's "
+                   "newer data through the link")
+def test_fork_symlinked_to_a_killed_original_never_replaces_it(tmp_path):
+    run_folder(tmp_path / "run")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.run([sys.executable, "-c", KILLED, "memmap", str(tmp_path / "run/replay"), "20"], env=env,
+                       capture_output=True, timeout=600)
+    assert p.returncode == -9, p.stderr.decode()[-2000:]
+    (tmp_path / "fork").mkdir()
+    shutil.copytree(tmp_path / "run/ckpt", tmp_path / "fork/ckpt")
+    os.symlink(tmp_path / "run/replay", tmp_path / "fork/replay")
+    before = fingerprint(tmp_path / "run")
+    try:
+        load(tmp_path / "fork/ckpt/snap-00000001").close()
+    except BigperError:
+        pass
+    assert fingerprint(tmp_path / "run") == before
