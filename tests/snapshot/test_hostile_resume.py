@@ -743,3 +743,60 @@ def test_fork_symlinked_to_a_killed_original_never_replaces_it(tmp_path):
     except BigperError:
         pass
     assert fingerprint(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap", "hdf5"])
+def test_loads_that_end_episodes_never_change_the_snapshot(tmp_path, storage):
+    rows = Rows(E=3, k=4, p_end=0.3, seed=11)
+    path = None if storage == "memory" else live_of(storage, tmp_path)
+    b = bigper.PrioritizedReplayBuffer(20, rows.fields(), frame_stack=4, n_step=3, num_envs=3, gamma=0.5,
+                                       storage=storage, path=path, seed=0)
+    rows.feed(b, 9)
+    snap = b.save(tmp_path / "snap")
+    b.close()
+    before = fingerprint(snap)
+    states = []
+    for i in range(3):
+        kw = {} if storage == "memory" else {"path": tmp_path / f"l{i}{'.h5' if storage == 'hdf5' else ''}"}
+        r = load(snap, **kw)
+        states.append(copy_state(r))
+        r.add(**{k: v for k, v in rows.step().items() if k != "valid"})
+        r.close()
+    assert fingerprint(snap) == before
+    assert same_state(states[0], states[1]) and same_state(states[1], states[2])
+    assert verify(snap) == 0
+
+
+def test_hdf5_fork_whose_live_file_is_a_symlink_to_the_original(tmp_path):
+    run_folder(tmp_path / "run", storage="hdf5", live_rel="replay.h5")
+    (tmp_path / "fork").mkdir()
+    shutil.copytree(tmp_path / "run/ckpt", tmp_path / "fork/ckpt")
+    os.symlink(tmp_path / "run/replay.h5", tmp_path / "fork/replay.h5")
+    before = fingerprint(tmp_path / "run", tmp_path / "fork")
+    for rewind in (False, True):
+        with pytest.raises(BigperError):
+            load(tmp_path / "fork/ckpt/snap-00000001", rewind=rewind).close()
+    assert fingerprint(tmp_path / "run", tmp_path / "fork") == before
+
+
+def test_compressed_frames_under_a_budget_end_their_episodes_verifiably(tmp_path):
+    rows = Rows(E=1, k=4, frame=(16, 16), seed=2, p_end=0.1)
+    kw = dict(frame_stack=4, compression="zstd", n_step=3, gamma=0.5)
+    # random frames do not compress: a budget this small releases segments early (frames expire)
+    b = bigper.PrioritizedReplayBuffer(16, rows.fields(), storage="memmap", path=tmp_path / "live", seed=0,
+                                       compression_budget=170, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rows.feed(b, 40)
+    b.close()
+    r = bigper.PrioritizedReplayBuffer(16, rows.fields(), storage="memmap", path=tmp_path / "live", mode="resume",
+                                       seed=0, compression_budget=170, **kw)
+    assert not (r.status == PENDING).any()
+    check_stacks(r, rows, next_too=False)
+    s = copy_state(r)
+    r.close()
+    assert verify(tmp_path / "live") == 0
+    r = bigper.PrioritizedReplayBuffer(16, rows.fields(), storage="memmap", path=tmp_path / "live", mode="resume",
+                                       seed=0, compression_budget=170, **kw)
+    assert same_state(copy_state(r), s)
+    r.close()
