@@ -179,6 +179,7 @@ def test_rewinding_in_one_thread_never_lets_another_rewind(tmp_path):
     assert fingerprint(tmp_path) == before
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (catch_warnings is not thread-safe)
 def test_rewinding_in_two_threads_at_once(tmp_path):
     """Both threads ask for a rewind of one live path: one wins, the other is refused (locked or newer), no crash."""
     blob = pickled_run(tmp_path)

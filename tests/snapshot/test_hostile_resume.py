@@ -570,8 +570,9 @@ def test_load_latest_falls_back_past_a_corrupt_newest_but_keeps_newer_live_data(
     assert verify(live) == 0
 
 
+@pytest.mark.parametrize("pair", ["load-resume", "load-load", "resume-resume"])
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
-def test_load_and_resume_racing_on_one_live_path(tmp_path, storage):
+def test_load_and_resume_racing_on_one_live_path(tmp_path, storage, pair):
     """Two threads: load(snapshot) and mode="resume" at the same path. One
     wins; the other gets a bigper error; the winner's buffer is whole."""
     live = live_of(storage, tmp_path)
@@ -588,9 +589,10 @@ def test_load_and_resume_racing_on_one_live_path(tmp_path, storage):
             except BigperError as e:
                 errs.append(e)
 
-        ts = [threading.Thread(target=do, args=(lambda: load(snap, rewind=True),)),
-              threading.Thread(target=do, args=(lambda: bigper.PrioritizedReplayBuffer(
-                  50, F, storage=storage, path=live, mode="resume", seed=0),))]
+        fns = {"load": lambda: load(snap, rewind=True),
+               "resume": lambda: bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, mode="resume",
+                                                                seed=0)}
+        ts = [threading.Thread(target=do, args=(fns[name],)) for name in pair.split("-")]
         for t in ts:
             t.start()
         for t in ts:
@@ -821,3 +823,20 @@ def test_fork_loaded_through_another_name_never_rewinds_the_original(tmp_path, h
     b.close()
     assert fingerprint(tmp_path / "run") == before, f"the original was rewound (loaded into {at})"
     assert at == tmp_path / "fork/replay"
+
+
+@pytest.mark.parametrize("go_on", [True, False])
+def test_load_latest_passes_continue_episodes_through_a_fallback(tmp_path, go_on):
+    snaps = bigper.Snapshots(tmp_path / "snaps", keep=None)
+    b = bigper.PrioritizedReplayBuffer(30, F, n_step=3, gamma=0.5, seed=0)
+    for t in range(6):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    snaps.save(b)
+    b.add(obs=[6], reward=1.0, next_obs=[7], terminated=False)
+    s2 = snaps.save(b)
+    b.close()
+    (s2 / "manifest.json").write_bytes(b"{}")  # the newest is corrupt
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        r = snaps.load_latest(continue_episodes=np.bool_(go_on))
+    assert len(r) == 6 and (r.status == PENDING).any() == go_on
+    r.close()
