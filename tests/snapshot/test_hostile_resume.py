@@ -13,6 +13,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import warnings
 from contextlib import redirect_stderr, redirect_stdout
@@ -472,7 +473,6 @@ def test_crafted_live_path_inside_the_snapshot_is_refused(tmp_path):
 
 # -- rewind: locks, killed writers, equal counts, series fallback ---------------------------
 
-import sys  # noqa: E402
 
 KILLED = r"""
 import os, signal, sys, numpy as np, bigper
