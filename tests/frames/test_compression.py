@@ -214,7 +214,8 @@ def test_snapshot_and_resume_across_segment_boundaries_are_exact(kind, tmp_path)
     assert hook.log(a).g > g_before
     want = [check_sample(a, feed, 32) for _ in range(3)]
     a.close()
-    b = bigper.PrioritizedReplayBuffer.load(snap, path=_path(kind, tmp_path, "b"))
+    # feed2 goes on with the same episodes as the uninterrupted run: they continue past the load
+    b = bigper.PrioritizedReplayBuffer.load(snap, path=_path(kind, tmp_path, "b"), continue_episodes=True)
     feed2.run(b, 80)
     for w in want:
         got = check_sample(b, feed2, 32)

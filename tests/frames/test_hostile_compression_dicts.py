@@ -301,7 +301,7 @@ root, live = Path({root_dir!r}), Path({live!r})
 snaps = bigper.Snapshots(root, keep=2)
 feed = Feed(games["Pong"], 4, seed=11)
 if snaps.latest() is not None:
-    buf = snaps.load_latest(path=live)
+    buf = snaps.load_latest(path=live, continue_episodes=True)  # the feed below is restored too: it goes on
     for _ in range(buf._ring.count):
         feed.step()
 else:

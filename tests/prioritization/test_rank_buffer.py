@@ -49,8 +49,10 @@ def test_rank_buffer_returns_what_was_added_and_resumes_exactly(storage, tmp_pat
         buf.update_priorities(b, np.abs(rng.normal(size=16)))
     assert buf.prioritization.check(buf.status) == []
     snap = buf.save(tmp_path / "snap")
+    # both go on with the same adds, buf as the run that never stopped: other's open episode continues
     other = bigper.PrioritizedReplayBuffer.load(
-        snap, path=None if storage == "memory" else tmp_path / ("c.h5" if storage == "hdf5" else "c"))
+        snap, path=None if storage == "memory" else tmp_path / ("c.h5" if storage == "hdf5" else "c"),
+        continue_episodes=True)
     for i in range(10):
         x, y = buf.sample(8), other.sample(8)
         np.testing.assert_array_equal(x.indices, y.indices)

@@ -56,7 +56,8 @@ def test_resume_is_exact(kind, variant, tmp_path):
     a.save(snap)
     other = copy.deepcopy(stream)
     ran = learn(a, stream, 50, seed=2)
-    b = bigper.PrioritizedReplayBuffer.load(snap, path=where(kind, tmp_path, "b"))
+    # the same stream goes on after the load (the run that never stopped): the episode continues
+    b = bigper.PrioritizedReplayBuffer.load(snap, path=where(kind, tmp_path, "b"), continue_episodes=True)
     assert b.config == a.config
     resumed = learn(b, other, 50, seed=2)
     assert_same_runs(ran, resumed)
@@ -82,11 +83,13 @@ def test_resume_at_the_recorded_path_after_the_writer_died(tmp_path):
     a.storage._lock = None
     with pytest.raises(bigper.BigperError, match="not closed"):
         make("memmap", live, Stream(k=4), capacity=40, n_step=3)
-    b = bigper.PrioritizedReplayBuffer.load(snap)  # path recorded in the snapshot
+    # path recorded in the snapshot; the same stream goes on, so the open episode does too
+    b = bigper.PrioritizedReplayBuffer.load(snap, continue_episodes=True)
     assert b.storage.path == live
     assert_same_runs(ran, learn(b, other, 20, seed=5))
     b.close()
-    c = make("memmap", live, Stream(k=4), capacity=40, n_step=3)  # closed cleanly: reopens
+    # closed cleanly: reopens, exactly as b closed (its episodes go on: nothing ends them at the reopen)
+    c = make("memmap", live, Stream(k=4), capacity=40, n_step=3, continue_episodes=True)
     assert_same_state(b, c)
     c.close()
 
@@ -262,7 +265,7 @@ def test_snapshots_numbers_keeps_and_loads_the_latest(tmp_path):
     assert snaps.list() == paths[2:] and snaps.latest() == paths[3]
     other = copy.deepcopy(stream)
     ran = learn(a, stream, 10, seed=3)
-    b = snaps.load_latest(path=tmp_path / "b")
+    b = snaps.load_latest(path=tmp_path / "b", continue_episodes=True)  # the same stream goes on
     assert_same_runs(ran, learn(b, other, 10, seed=3))
     a.close()
     b.close()
@@ -300,7 +303,8 @@ def test_retention_never_deletes_the_newest_complete_snapshot(tmp_path):
     for _ in range(3):
         p = snaps.save(a)
         assert snaps.list() == [p]
-        assert load(p).state_dict()[0] == a.state_dict()[0]
+        # the snapshot holds a's state exactly: loaded as it was saved (its open episode not ended)
+        assert load(p, continue_episodes=True).state_dict()[0] == a.state_dict()[0]
     # a newer snapshot with a broken manifest does not count as complete
     (tmp_path / "s" / "snap-00000009").mkdir()
     (tmp_path / "s" / "snap-00000009" / MANIFEST).write_text("{}")
@@ -338,8 +342,9 @@ def test_loading_and_training_leave_the_snapshot_unchanged(kind, tmp_path):
     a.close()
     before = tree_hash(snap)
     stat_before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in snap.rglob("*") if p.is_file()}
-    for _ in range(2):  # load twice into the same path: the second takes over the first
-        b = load(snap, path=where(kind, tmp_path, "b"))
+    for _ in range(2):  # load twice into the same path: the second takes over the first (which the
+        # training made newer than the snapshot: the takeover is a rewind, asked for by name)
+        b = load(snap, path=where(kind, tmp_path, "b"), rewind=True)
         learn(b, stream, 40, seed=1, adds=(2, 4))  # wraps the ring more than once
         b.close()
     c = make(kind, where(kind, tmp_path, "b"), stream, capacity=40, n_step=2)  # reopen, train more
@@ -361,7 +366,9 @@ def test_committed_format_1_snapshot_keeps_loading(name, tmp_path):
     expected = json.loads((DATA / f"{name}.expected.json").read_text())
     before = tree_hash(snap)
     path = None if name.endswith("memory") else tmp_path / "live"
-    b = bigper.PrioritizedReplayBuffer.load(snap, path=path)
+    # the expected batches were recorded from a load that went on with the open episode (the only
+    # meaning a load had before format 1's episodes could end there): continue_episodes reproduces it
+    b = bigper.PrioritizedReplayBuffer.load(snap, path=path, continue_episodes=True)
     assert len(b) == expected["len"]
     assert b.total_priority == expected["total_priority"]
     assert verify(snap)["problems"] == []

@@ -187,7 +187,8 @@ assert np.array_equal(got, want), (got, want)
 b = buf.sample(32)
 assert np.all(b["obs"].reshape(32, -1).max(axis=1) == (np.asarray(b["reward"]) % 251)), "obs follows reward"
 buf.close()
-old = bigper.PrioritizedReplayBuffer.load(snap)
+# back into the live path, over the buffer closed there with 20 more transitions: a rewind, asked for
+old = bigper.PrioritizedReplayBuffer.load(snap, rewind=True)
 assert np.array_equal(old.storage.read("reward", np.arange(60)), np.arange(60, dtype=np.float32))
 old.close()
 print("ok")

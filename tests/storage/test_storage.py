@@ -107,6 +107,8 @@ def test_reopen_resumes_exactly(kind, n_step, num_envs, style, tmp_path):
     cap = 24
     kw = dict(n_step=n_step, num_envs=num_envs, gamma=0.9, alpha=0.7, seed=3,
               beta=LinearSchedule(0.4, 1.0, 50))
+    # each reopen goes on with the same stream as the twin that never closed: its episodes continue
+    again = dict(kw, continue_episodes=True)
     path = where(kind, tmp_path)
     stream = Stream(FIELDS, next_of=("obs",), num_envs=num_envs, seed=11, extremes=False)
     rounds = Rounds()
@@ -133,19 +135,19 @@ def test_reopen_resumes_exactly(kind, n_step, num_envs, style, tmp_path):
         buf = open_buffer(kind, path, cap, FIELDS, **kw)
         pending = first_half(buf)
         buf.close()
-        buf = open_buffer(kind, path, cap, FIELDS, **kw)
+        buf = open_buffer(kind, path, cap, FIELDS, **again)
         second_half(buf, pending)
         buf.close()
-        buf = open_buffer(kind, path, cap, FIELDS, **kw)
+        buf = open_buffer(kind, path, cap, FIELDS, **again)
         assert_same_state(ref, buf)
         rounds.run(ref, buf, 20)
         buf.close()
     else:
         with open_buffer(kind, path, cap, FIELDS, **kw) as buf:
             pending = first_half(buf)
-        with open_buffer(kind, path, cap, FIELDS, **kw) as buf:
+        with open_buffer(kind, path, cap, FIELDS, **again) as buf:
             second_half(buf, pending)
-        with open_buffer(kind, path, cap, FIELDS, **kw) as buf:
+        with open_buffer(kind, path, cap, FIELDS, **again) as buf:
             assert_same_state(ref, buf)
             rounds.run(ref, buf, 20)
 
@@ -173,7 +175,8 @@ def test_read_only_reader_resumes_and_changes_nothing(kind, tmp_path):
             stream.add([r1])
         stream.added.pop()
     assert file_bytes(path) == before
-    with open_buffer(kind, path, cap, FIELDS) as buf:
+    # the resumed writer as the readers saw it: its open episode goes on (check_sample compares flags)
+    with open_buffer(kind, path, cap, FIELDS, continue_episodes=True) as buf:
         for b in drawn:
             assert_same_batch(b, check_sample(buf, stream, cap, batch_size=8))
 
@@ -205,7 +208,9 @@ def test_mismatched_config_names_the_key(kind, change, key, tmp_path):
     assert not any(f"{k}:" in msg for k in others), msg
     # the refused open left the buffer whole and unlocked
     assert file_sizes(path) == sizes
-    with open_buffer(kind, path, base["capacity"], base["fields"], alpha=base["alpha"]) as buf:
+    # reopened as it was closed (check_sample compares every flag as added: the episode goes on)
+    with open_buffer(kind, path, base["capacity"], base["fields"], alpha=base["alpha"],
+                     continue_episodes=True) as buf:
         assert len(buf) == 10
         check_sample(buf, stream, base["capacity"])
 
@@ -262,7 +267,10 @@ def test_files_are_preallocated_and_never_truncated(kind, tmp_path):
         assert p.stat().st_blocks * 512 >= p.stat().st_size, p
 
     for role in ("reader", "writer", "writer"):
-        buf = open_buffer(kind, path, cap, fields, read_only=role == "reader")
+        # a writer goes on with the same stream (check_sample compares every flag as added): its open
+        # episode continues rather than ending (truncated) at the reopen
+        go_on = {"continue_episodes": True} if role == "writer" else {}
+        buf = open_buffer(kind, path, cap, fields, read_only=role == "reader", **go_on)
         sizes = file_sizes(path)
         for name, size in created.items():
             if kind == "memmap" and name.startswith("data/"):
