@@ -264,7 +264,7 @@ class Snapshots:
         """
         for name, v, default in (("device", device, None), ("continue_episodes", continue_episodes, False),
                                  ("rewind", rewind, False)):
-            if v is not default and self.loader is not None:
+            if self.loader is not None and (v is not None if default is None else bool(v) is not default):
                 raise InvalidArgumentError(f"{name}= is for PrioritizedReplayBuffer snapshots; this series loads "
                                            f"with its own loader ({self.loader!r})")
         with self._locked(shared=True):

@@ -40,7 +40,7 @@ _PICKLE_FORMAT = "bigper.sb3/1"
 # Samples with no update_priorities call before the buffer says that sampling is uniform.
 _PLAIN_SAMPLES_WARN = 100
 # Buffer options that are not part of bigper's Config.
-_NOT_CONFIG = ("path", "mode", "read_only", "storage_options")
+_NOT_CONFIG = ("path", "mode", "read_only", "storage_options", "continue_episodes")
 # Core options the drop-in sets itself, or that it does not support (sequences).
 _SET_HERE = ("capacity", "fields", "num_envs", "n_step", "sequence")
 # True while a Prioritized algorithm's ``load`` rebuilds its model: the buffer

@@ -162,17 +162,19 @@ def _check_previous(meta, cfg: Config, live) -> None:
 
 def counterpart(live, saved_at, now_at) -> Path | None:
     """Where ``live`` (recorded by a snapshot written at ``saved_at``) lies for
-    the same snapshot read at ``now_at``: the folders the two locations share
-    at their end are the same folders, so the tree above them moved (a copy
-    of a run folder, a moved one). None when nothing moved, or when ``live``
-    is not inside the tree that moved (the recorded path then stands).
+    the same snapshot read at ``now_at``: the folders the two snapshots' parent
+    paths share at their end are the same folders, so the tree above them
+    moved (a copy of a run folder, a moved one; the snapshot itself may have
+    another name there). None when nothing moved, when the two share no
+    folder, or when ``live`` is not inside the tree that moved (the recorded
+    path then stands).
 
     ::
 
         saved_at /runs/a/ckpt/snap-3    live /runs/a/replay
-        now_at   /runs/b/ckpt/snap-3    ->   /runs/b/replay
+        now_at   /runs/b/ckpt/latest    ->   /runs/b/replay
     """
-    a, b = Path(saved_at).parts, Path(now_at).parts
+    a, b = Path(saved_at).parent.parts, Path(now_at).parent.parts
     k = 0
     while k < min(len(a), len(b)) and a[len(a) - 1 - k] == b[len(b) - 1 - k]:
         k += 1
@@ -197,7 +199,10 @@ def default_live_path(snap: Path, body: dict) -> Path | None:
     live = Path(os.path.abspath(live))
     saved_at = sto.get("snapshot")
     if isinstance(saved_at, str):
-        moved = counterpart(live, saved_at, os.path.join(os.path.realpath(snap.parent), snap.name))
+        now_at = os.path.realpath(snap)  # a "latest" symlink: where the snapshot really is
+        # The live path as recorded, else with its links resolved (a run reached through a
+        # symlinked folder records the link in one path and the real folder in the other).
+        moved = counterpart(live, saved_at, now_at) or counterpart(os.path.realpath(live), saved_at, now_at)
         if moved is not None:
             log.info("bigper: %s was written at %s; it loads into %s, where %s was beside the original (which "
                      "is not touched)", snap, saved_at, moved, live)
@@ -391,6 +396,9 @@ def load(snapshot, *, path=None, rewind=False) -> "Restored":
         live = Path(os.path.abspath(path)) if path is not None else default_live_path(snap, body)
         if live is None:
             raise InvalidArgumentError(f"{snap} records no live path for its {kind} storage; pass path=")
+        if os.path.islink(live):  # a fork's link to the original's folder: never written through
+            raise PathExistsError(f"path={str(live)!r} is a symbolic link (to {os.readlink(live)!r}); a load "
+                                  "never writes through a link: pass path= a folder of its own; nothing was changed")
         _check_apart(live, snap)
         # every byte checked before the live path changes
         check_files(snap, [(m, body["files"][m]) for rec in body["data"].values() for m in rec["files"]])

@@ -242,9 +242,6 @@ def test_plain_pickle_in_a_copied_run_never_rewinds_the_original(tmp_path):
     assert fingerprint(run) == before
 
 
-@pytest.mark.xfail(strict=True, reason="load_replay_buffer closes the model's own buffer before loading into its "
-                   "live path; when the load is then refused (the live path is newer: PathExistsError), the model "
-                   "is left with a closed buffer, so a refused call changed the model (learn -> BufferClosedError)")
 def test_a_refused_load_into_the_models_own_live_path_leaves_its_buffer_open(tmp_path):
     m = dqn(tmp_path)
     for t in range(10):
@@ -276,10 +273,6 @@ def test_rewind_into_the_models_own_live_path(tmp_path):
     m.replay_buffer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the drop-in's constructor hands every replay_buffer_kwargs key but "
-                   "_NOT_CONFIG's to Config.build: continue_episodes (the core's resume flag) is a raw TypeError "
-                   "'Config.build() got an unexpected keyword argument', so mode='resume' through SB3 cannot keep "
-                   "a restored env's episode, and the refusal is not a BigperError")
 def test_mode_resume_through_sb3_takes_continue_episodes(tmp_path):
     m = dqn(tmp_path, n_steps=3)
     for t in range(5):

@@ -253,9 +253,6 @@ def cp(src, dst, *flags):
     subprocess.run(["cp", "-a", *flags, str(src), str(dst)], check=True)
 
 
-@pytest.mark.xfail(strict=True, reason="a run folder reached through a symlink and then copied: the fork's load "
-                   "rewinds the ORIGINAL's live folder (the manifest records storage.snapshot with realpath but "
-                   "storage.path with abspath, so counterpart() cannot relate them and the recorded path stands)")
 def test_fork_of_a_run_reached_through_a_symlink_loads_into_the_fork(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
@@ -270,9 +267,6 @@ def test_fork_of_a_run_reached_through_a_symlink_loads_into_the_fork(tmp_path):
     assert at == tmp_path / "fork/replay"
 
 
-@pytest.mark.xfail(strict=True, reason="a fork whose live path is a symlink to the original's live folder: "
-                   "load(rewind=True) follows the link and rewinds the original run's buffer (15 -> 10 "
-                   "transitions); the guide says a symlink at the live path is PathExistsError, left as it was")
 def test_fork_whose_live_path_is_a_symlink_to_the_original_is_refused(tmp_path):
     run_folder(tmp_path / "run")
     (tmp_path / "fork").mkdir()
@@ -670,9 +664,6 @@ def test_other_types_are_refused_everywhere_with_nothing_changed(tmp_path, value
     assert fingerprint(tmp_path) == before
 
 
-@pytest.mark.xfail(strict=True, reason="Snapshots.load_latest with a loader tests `v is not default`: "
-                   "continue_episodes=np.False_ / rewind=np.False_ (the default's value, a type load() takes) are "
-                   "refused as if given ('... is for PrioritizedReplayBuffer snapshots')")
 def test_load_latest_with_a_loader_takes_numpy_false_as_the_default(tmp_path):
     snap = small_run(tmp_path)
     root = tmp_path / "snaps"
@@ -738,9 +729,6 @@ def test_a_sampler_thread_on_the_original_while_its_snapshot_loads(tmp_path):
     assert verify(tmp_path / "live") == 0 and verify(tmp_path / "other") == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a fork whose live path is a symlink to the original's live folder, the "
-                   "original killed (unclean): a plain load from the fork (no rewind) replaces the original's "
-                   "newer data through the link")
 def test_fork_symlinked_to_a_killed_original_never_replaces_it(tmp_path):
     run_folder(tmp_path / "run")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
@@ -815,9 +803,6 @@ def test_compressed_frames_under_a_budget_end_their_episodes_verifiably(tmp_path
     r.close()
 
 
-@pytest.mark.xfail(strict=True, reason="counterpart() needs the snapshot's own folder name to match: a fork's "
-                   "load through a 'latest' symlink (or of a renamed snapshot) finds no common suffix, falls back "
-                   "to the recorded path and rewinds the ORIGINAL run's live folder")
 @pytest.mark.parametrize("how", ["latest-symlink", "renamed-in-fork"])
 def test_fork_loaded_through_another_name_never_rewinds_the_original(tmp_path, how):
     run_folder(tmp_path / "run")
