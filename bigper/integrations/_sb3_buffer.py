@@ -4,7 +4,6 @@ prioritized ``bigper.PrioritizedReplayBuffer`` (see ``bigper.integrations.sb3``)
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import difflib
 import inspect
 import logging
@@ -27,7 +26,7 @@ from ..config import Config
 from ..errors import BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError, PathExistsError
 from ..schedules import ConstantSchedule, LinearSchedule, as_beta, as_schedule, is_schedule
 from ._layout import StackLayout
-from ._sb3_pickle import KEEP_AT_PATH, open_snapshot, write_snapshot
+from ._sb3_pickle import KEEP_AT_PATH, core_kwargs, open_snapshot, write_snapshot
 
 if TYPE_CHECKING:
     from stable_baselines3.common.vec_env import VecNormalize
@@ -524,10 +523,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if core is None or not core.closed or core.storage.path is None:
             return
         cfg = core.config
-        kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("capacity", "fields")}
-        kw["beta"] = cfg.schedule
         self._core = CoreBuffer(cfg.capacity, cfg.fields, path=core.storage.path, mode="resume",
-                                continue_episodes=True, **kw)
+                                continue_episodes=True, **core_kwargs(cfg))
         self._count_steps()
 
     @property

@@ -135,7 +135,8 @@ def save_pickle(rb, path) -> None:
     write_durable(target, data)
 
 
-def _core_kwargs(cfg: Config) -> dict:
+def core_kwargs(cfg: Config) -> dict:
+    """The keywords that build a core buffer of ``cfg`` (but capacity and fields)."""
     kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     kw["beta"] = cfg.schedule
     del kw["capacity"], kw["fields"]
@@ -157,7 +158,7 @@ def _what_is_live(snap: Path, info: dict, live: str | None = None) -> tuple[int 
     cfg = Config.from_dict(info["config"])
     try:
         probe = CoreBuffer(cfg.capacity, cfg.fields, path=live, mode="resume", read_only=True,
-                           **_core_kwargs(cfg))
+                           **core_kwargs(cfg))
     except StorageLockedError:
         raise
     except UncleanStorageError:
