@@ -1,0 +1,48 @@
+"""The launch-bound proxy learner of ``bench learner`` and the count of Python
+calls a batch in a sampler's thread (see ``bench_learner``'s docstring)."""
+
+from __future__ import annotations
+
+
+def proxy_learner(torch, device, ops: int):
+    """A launch-bound learner: ``ops`` tiny torch ops an update (each drops and
+    retakes the GIL, as an eager CUDA launch does), reading a few numbers of
+    the batch; returns a (B,) |TD| on the device."""
+    def step(t):
+        r = t["reward"].float()
+        x = t["obs"][:, -1, 0, :8].float().sum(1) * 0.0 + r * t["weights"].float()
+        for _ in range(ops):
+            x = x.mul(0.999).add_(0.001)
+        return x.abs() + 0.01
+
+    return step
+
+
+def python_calls(make_iter, n: int) -> float:
+    """Python calls (calls and C calls) a batch in the thread a sampler starts:
+    ``threading.setprofile`` reaches only threads started after it, so the
+    learner's own thread is not counted."""
+    import threading
+
+    counts = [0]
+
+    def prof(frame, event, arg):
+        if event in ("call", "c_call"):
+            counts[0] += 1
+    threading.setprofile(prof)
+    try:
+        it, buf = make_iter()
+    finally:
+        threading.setprofile(None)
+    td = None
+    for _ in range(5):
+        t = next(it)
+        td = t["weights"].float() + 0.01
+        buf.update_priorities(t, td)
+    c0 = counts[0]
+    for _ in range(n):
+        t = next(it)
+        buf.update_priorities(t, td)
+    c1 = counts[0]
+    it.close()
+    return (c1 - c0) / n
