@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._undo import Journal
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
 from ..kernels import commit_rows, kernel, ring_rows, tree_set
@@ -186,17 +187,53 @@ class Writer:
         if valid is not None:
             ended |= ~valid
         k = cfg.num_envs
-        self.env_ended[:] = ended[-k:] if m >= k else np.concatenate([self.env_ended, ended])[-k:]
-        if 0 < m <= c:
-            self._write_chunk(rows, keys, valid)
-            return
-        # More rows than slots: write in chunks of at most `capacity`, so that
-        # slots within one write are distinct and every frame stream stays whole.
-        for lo in range(0, m, c):
-            hi = min(lo + c, m)
-            self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
-                              None if keys is None else keys[lo:hi],
-                              None if valid is None else valid[lo:hi])
+        # Computed on a copy, committed after the last call that can fail.
+        env_ended = ended[-k:] if m >= k else np.concatenate([self.env_ended, ended])[-k:]
+        journal = Journal()
+        try:
+            if m > c:
+                # More rows than slots: write in chunks of at most `capacity`, so that slots
+                # within one write are distinct and every frame stream stays whole. A chunk
+                # that fails puts back what the ones before it committed: copied whole first
+                # (this write is that large anyway).
+                journal.add(self._checkpoint())
+                for lo in range(0, m, c):
+                    hi = min(lo + c, m)
+                    self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
+                                      None if keys is None else keys[lo:hi],
+                                      None if valid is None else valid[lo:hi], journal)
+            elif m:
+                self._write_chunk(rows, keys, valid, journal)
+        except BaseException:
+            journal.roll_back()
+            raise
+        self.env_ended[:] = env_ended
+        if self.frames is not None:
+            self.frames.settle()  # (best effort: after every call that can fail)
+
+    def _checkpoint(self):
+        """What a write of many chunks changes in memory (the ring, the leaves,
+        the unit's tables, the frame store and its log) and the storage's
+        in-place arrays, copied; returns the step that puts them back."""
+        ring_meta, ring_arrays = self.ring.state()
+        ring_meta = {**ring_meta, "env_ended": list(ring_meta["env_ended"])}
+        ring_arrays = {n: a.copy() for n, a in ring_arrays.items()}
+        pmeta, parrays = self.prio.state()
+        pmeta, parrays = dict(pmeta), {n: np.array(a, copy=True) for n, a in parrays.items()}
+        unit = {n: np.array(a, copy=True) for n, a in self.unit.state().items()}
+        frames = self.frames.checkpoint() if self.frames is not None else None
+        rw = self.store.writable_arrays
+        data = {n: a.copy() for n, a in rw.items()} if rw else {}
+
+        def back():
+            self.ring.restore(ring_meta, ring_arrays)
+            self.unit.restore(unit)
+            self.prio.restore(pmeta, parrays, self.unit.status)
+            if frames is not None:
+                frames()
+            for n, a in data.items():  # (the journal gave a grown log back first: same rows)
+                rw[n][...] = a
+        return back
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
         m = rows["terminated"].shape[0]
@@ -204,16 +241,16 @@ class Writer:
         c = self.cfg.capacity
         s0 = g0 % c
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else np.arange(g0, g0 + m) % c)
+        frames = self.frames
+        if frames is None:
+            stacks, ring, fw = _NO_STACKS, _NO_RING, 0
+        else:  # (first: nothing is written until every call that can fail went through)
+            stacks, ring = frames.kernel_args(rows, rw)
+            fw = frames.fw
         for name in self.plain:
             rw[name][where] = rows[name][0] if m == 1 else rows[name]
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
-        frames = self.frames
-        if frames is None:
-            stacks, ring, fw = _NO_STACKS, _NO_RING, 0
-        else:
-            stacks, ring = frames.kernel_args(rows, rw)
-            fw = frames.fw
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
             self._args = ((self.gid, self.ends, self.status, self.pending, self.env_ended),
@@ -227,7 +264,10 @@ class Writer:
         if top > self.ring.max_leaf:
             self.ring.max_leaf = top
 
-    def _write_chunk(self, rows: dict, keys, valid) -> None:
+    def _write_chunk(self, rows: dict, keys, valid, journal: Journal) -> None:
+        """Rows (at most ``capacity``): first every call that can fail (the
+        storage's writes, the frame store's, recorded in ``journal``), then
+        the bookkeeping in memory."""
         cfg = self.cfg
         c = cfg.capacity
         m = rows["terminated"].shape[0]
@@ -241,13 +281,21 @@ class Writer:
         s0 = int(slots[0])
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
         rw = self.store.writable_arrays if self.fused else None
-        if self.frames is not None:  # first: a compressed log that must grow and cannot fails before any write
-            self.frames.write(rows, g0, slots, where, ends, valid, rw)
+        frames = self.frames
+        fw0 = 0 if frames is None else frames.fw
+        if frames is not None:  # first: a compressed log that must grow and cannot fails before any write
+            frames.write(rows, g0, slots, where, ends, valid, rw, journal)
+        # The compressed log's dictionary look reads the storage after these: in-place rows kept too.
+        keep = frames is not None and not frames.in_place
         for name in self.plain:
             if rw is None:
-                self.store.write(name, where, rows[name][0] if m == 1 else rows[name])
+                journal.write(self.store, name, where, rows[name][0] if m == 1 else rows[name], c)
             else:
+                if keep:
+                    journal.keep(rw[name], where)
                 rw[name][where] = rows[name][0] if m == 1 else rows[name]
+        if frames is not None:
+            frames.look(fw0)  # the last call that can fail; what follows is bookkeeping in memory
         if keys is None:
             keys = np.array((self.ring.max_leaf,)) if m == 1 else np.full(m, self.ring.max_leaf)
         else:
