@@ -201,7 +201,7 @@ class Writer:
                     hi = min(lo + c, m)
                     self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
                                       None if keys is None else keys[lo:hi],
-                                      None if valid is None else valid[lo:hi], journal)
+                                      None if valid is None else valid[lo:hi], journal, final=False)
             elif m:
                 self._write_chunk(rows, keys, valid, journal)
         except BaseException:
@@ -264,10 +264,10 @@ class Writer:
         if top > self.ring.max_leaf:
             self.ring.max_leaf = top
 
-    def _write_chunk(self, rows: dict, keys, valid, journal: Journal) -> None:
+    def _write_chunk(self, rows: dict, keys, valid, journal: Journal, final: bool = True) -> None:
         """Rows (at most ``capacity``): first every call that can fail (the
         storage's writes, the frame store's, recorded in ``journal``), then
-        the bookkeeping in memory."""
+        the bookkeeping in memory. ``final``: no chunk of the write follows."""
         cfg = self.cfg
         c = cfg.capacity
         m = rows["terminated"].shape[0]
@@ -287,9 +287,15 @@ class Writer:
             frames.write(rows, g0, slots, where, ends, valid, rw, journal)
         # The compressed log's dictionary look reads the storage after these: in-place rows kept too.
         keep = frames is not None and not frames.in_place
+        # The write's last call that can fail needs no record: when it fails, nothing of it was
+        # done (a storage's write of one field's rows), and nothing follows it.
+        last = None if keep or not final or not self.plain else list(self.plain)[-1]
         for name in self.plain:
             if rw is None:
-                journal.write(self.store, name, where, rows[name][0] if m == 1 else rows[name], c)
+                if name == last:
+                    self.store.write(name, where, rows[name][0] if m == 1 else rows[name])
+                else:
+                    journal.write(self.store, name, where, rows[name][0] if m == 1 else rows[name], c)
             else:
                 if keep:
                     journal.keep(rw[name], where)

@@ -282,8 +282,8 @@ class SegmentLog:
         else:
             data, lengths = self.codec.compress(frames, slot)
         offsets = np.empty(m, dtype=np.int64)
-        journal.add(self._counters())
         opens = self.st[POS] + (lengths[0] if m == 1 else lengths.sum()) > self.seg
+        journal.add(self._counters(bool(opens)))
         if opens:  # segments open: make them writable first
             self._open_ahead(f0, lengths, offsets, journal)
         forced = place(lengths, f0, self.F, self.seg, self.capped, self.st, self.seg_first, self.seg_slot,
@@ -307,14 +307,22 @@ class SegmentLog:
     def _runs(lengths: np.ndarray, offsets: np.ndarray):
         """``(lo, hi)``: the runs of frames that lie one after another in the log."""
         m = lengths.shape[0]
+        if m == 1:
+            return ((0, 1),)
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
         bounds = np.concatenate([[0], breaks, [m]])
         return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _counters(self):
-        """The step that puts the counters and slots back as they are now."""
-        st, first, slot, used, warned = (self.st.copy(), self.seg_first.copy(), self.seg_slot.copy(),
-                                         self.used.copy(), self.warned)
+    def _counters(self, slots: bool = True):
+        """The step that puts the counters back as they are now, and the
+        segments' slots with ``slots`` (only an append that opens a segment
+        changes them)."""
+        st, warned = self.st.copy(), self.warned
+        if not slots:
+            def back_counters():
+                self.st[:] = st
+            return back_counters
+        first, slot, used = self.seg_first.copy(), self.seg_slot.copy(), self.used.copy()
 
         def back():
             self.st[:], self.seg_first[:], self.seg_slot[:], self.used[:] = st, first, slot, used
