@@ -185,6 +185,7 @@ class SegmentLog:
         self.dicts = Dictionaries(dictionary)  # the given one (generation 1) or none yet
         self._scratch = np.empty(0, dtype=np.uint8)  # append's compressed frames, before they are placed
         self._opened = False  # an append opened segments since the last ``trim``
+        self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
 
     @property
     def g(self) -> int:
@@ -216,9 +217,13 @@ class SegmentLog:
         return {} if self.capped else {"frame_log": self.seg_rows}
 
     def attach(self) -> None:
-        """Take the slots the storage holds (a reopened or loaded log may have grown)."""
+        """Take the slots the storage holds (a reopened or loaded log may have
+        grown). A storage that does not grow (``rows`` None) allocated every
+        slot: the log holds them all and never grows or gives any back."""
         if not self.capped:
-            self.st[A] = self.store.rows("frame_log") // self.seg_rows
+            rows = self.store.rows("frame_log")
+            self.grows = rows is not None
+            self.st[A] = self.S if rows is None else rows // self.seg_rows
 
     @property
     def codec(self) -> _zstd.Codec:
@@ -382,7 +387,7 @@ class SegmentLog:
         if not self._opened:
             return
         self._opened = False
-        if self.capped:
+        if not self.grows:
             return
         keep = n = self.slots
         while keep > 2 and self.used[keep - 1] == 0 and self.used[keep - 2] == 0:
