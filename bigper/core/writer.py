@@ -1,8 +1,16 @@
 """The write path: checked rows (``ingest``) become transitions in the ring.
 
-Everything that can fail runs first: the ``valid`` rule, the priority keys,
-and the storage's copy-on-write ``prepare`` over every row the write touches
-(a full disk fails there, with nothing changed). Then, for the common case
+A failed write changes nothing (promise 16). What can fail without a trace
+runs first: the ``valid`` rule, the priority keys, and the storage's
+copy-on-write ``prepare`` over every row the write touches. Past that, what
+the writer changes is either computed on copies and committed after the
+write's last call that can fail (``env_ended``, the ring's slots and
+counters, the leaves: bookkeeping in memory) or recorded in a journal
+(``_undo.Journal``) before it changes and put back when any later call raises:
+the rows a storage write overwrites, the frame streams, the compressed log's
+counters, slots and growth (a write of more rows than slots is checkpointed
+whole). ``tests/core/test_hostile_failed_writes.py`` injects a failure at
+every call a write makes. Then, for the common case
 (proportional prioritization, a storage with writable arrays,
 a write small against the capacity), the small fields are stored with one
 numpy assignment each and everything else is **one compiled call**,
@@ -11,7 +19,9 @@ frames written into the ring, generations and status, the leaves with their
 tree ancestors (or, with n-step, the pending keys and the windows this write
 completes), and the expiry of transitions whose frames were overwritten.
 Any other write takes the general path (a few kernel and numpy calls a
-chunk); ``tests/core/test_fused.py`` holds the two equal, bit for bit.
+chunk); ``tests/core/test_fused.py`` holds the two equal, bit for bit. The
+fused path writes in place only after its last call (the frame store's
+arguments), so it needs no journal and costs what it did.
 
 The ring (``core/ring.py``) owns the bookkeeping arrays and counters; the
 writer changes them in place. What a write makes sampleable is the sample
