@@ -42,12 +42,13 @@ class Journal:
         rows it overwrites read first (a read that fails has changed nothing):
         a write that fails halfway is put back too."""
         rows = as_rows(where, nrows)
+        # (copied: a storage's read may give a view of what the write then changes)
         if rows.shape[0] == 1:  # one row (an add): read and put back as an int, a storage's quickest
             row = int(rows[0])
-            old = store.read(name, np.asarray(row, dtype=np.int64))
+            old = np.array(store.read(name, np.asarray(row, dtype=np.int64)), copy=True)
             self.steps.append(lambda: store.write(name, row, old))
         else:
-            old = store.read(name, rows)
+            old = np.array(store.read(name, rows), copy=True)
             self.steps.append(lambda: store.write(name, rows, old))
         store.write(name, where, values)
 

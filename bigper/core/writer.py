@@ -242,7 +242,12 @@ class Writer:
             if frames is not None:
                 frames()
             for n, a in data.items():  # (the journal gave a grown log back first: same rows)
-                rw[n][...] = a
+                # Only the bytes that changed: they lie in chunks this write made private; a
+                # chunk a snapshot still shares is mapped read-only and must not be written.
+                now, was = rw[n].reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
+                changed = now != was
+                if changed.any():
+                    np.copyto(now, was, where=changed)
         return back
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:

@@ -245,20 +245,6 @@ class SegmentLog:
         first = int(self.seg_slot[self.g % self.S]) * self.seg_rows
         return np.arange(first + self.pos // self.block, first + self.seg_rows, dtype=np.int64)
 
-    def may_fail(self, n_frames: int) -> bool:
-        """Whether appending ``n_frames`` frames may have to do what can fail
-        for want of disk (grow the storage, copy a segment a snapshot shares):
-        cheap, an upper bound. Mostly False: the frames fit in the open
-        segment, or one segment opens and a free slot is there for it."""
-        ub = n_frames * self.max_len
-        if self.pos + ub <= self.seg:
-            return False
-        opens = 1 if ub <= self.seg else 1 + -(-ub // (self.seg - self.max_len + 1))
-        free = self.slots - (self.g - int(self.st[LO]) + 1)
-        if opens > free and not self.capped:
-            return True
-        return bool(self.store.shared_chunks)
-
     def append(self, f0: int, frames: np.ndarray, rw: dict | None, journal: Journal | None = None) -> None:
         """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).
 
@@ -418,8 +404,9 @@ class SegmentLog:
         writes (the blocks they overwrite recorded in ``journal``)."""
         b0, b1 = start // self.block, (start + data.shape[0] - 1) // self.block + 1
         rows = np.arange(b0, b1, dtype=np.int64)
-        old = self.store.read("frame_log", rows)  # (the bytes around ours in the first and last block stay)
-        buf = np.array(old, dtype=np.uint8, copy=True).reshape(-1)
+        # The bytes around ours in the first and last block stay (a copy: a read may give a view).
+        old = np.array(self.store.read("frame_log", rows), dtype=np.uint8, copy=True)
+        buf = old.copy().reshape(-1)
         buf[start - b0 * self.block:start - b0 * self.block + data.shape[0]] = data
         journal.add(lambda: self.store.write("frame_log", rows, old))
         self.store.write("frame_log", slice(b0, b1), buf.reshape(b1 - b0, self.block))

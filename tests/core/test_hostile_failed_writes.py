@@ -188,7 +188,7 @@ class FailingSteps:
     middle of the frame store's work)."""
 
     FRAMES = ("write", "kernel_args", "rows_touched")
-    LOG = ("append", "may_fail", "touched", "maybe_train", "_open_ahead", "_put_through", "_write_bytes")
+    LOG = ("append", "touched", "maybe_train", "_open_ahead", "_put_through", "_write_bytes")
 
     @classmethod
     def install(cls, buf, calls: Calls) -> None:
