@@ -194,7 +194,15 @@ class _Array:
         copied = os.stat(p).st_nlink > 1
         if copied:
             tmp = p.with_name(p.name + ".cow")
-            fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            try:
+                # Made here (O_EXCL): a file at the name now is not bigper's (resume removed its own
+                # leftovers), and truncating it would write through a planted hard link.
+                fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                raise PathExistsError(
+                    f"{tmp} is already there, but bigper did not make it: it is not bigper's, so the copy-on-"
+                    "write of its chunk does not go through it (nothing was changed; move it away to go on)"
+                ) from None
             try:
                 os.posix_fallocate(fd, 0, self.sizes[k])  # a full disk is an OSError here
                 view = memoryview(self.view(k))

@@ -101,3 +101,31 @@ def test_a_file_at_the_next_chunk_name_is_refused_never_written(tmp_path, plant)
     r = _run_child(path)
     assert "NEVER REFUSED" in r.stdout, r.stdout + r.stderr
     assert where.exists() and where.stat().st_nlink == 1
+
+
+def test_a_file_at_a_copy_on_write_name_is_refused_never_truncated(tmp_path):
+    """After a snapshot shares the chunk files, the first write of a chunk
+    copies it to ``<chunk>.cow`` first: a hard link planted there on a live
+    buffer is refused by name, the add changes nothing, the link's target
+    keeps its bytes."""
+    path = tmp_path / "b"
+    fields = {"obs": ((64,), np.uint8)}
+    buf = bigper.PrioritizedReplayBuffer(64, fields, storage="memmap", path=path, seed=0)
+    for g in range(10):
+        buf.add(obs=np.full(64, g, np.uint8), next_obs=np.full(64, g + 1, np.uint8))
+    buf.save(tmp_path / "snap")  # every chunk now shared with the snapshot
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious" * 512)
+    before = _digest(victim)
+    os.link(victim, path / "data" / "obs.bin.cow")
+    state = buf.state_dict()
+    meta, arrays = state[0], {k: np.array(v, copy=True) for k, v in state[1].items()}
+    with pytest.raises(bigper.errors.PathExistsError, match="obs.bin.cow"):
+        buf.add(obs=np.zeros(64, np.uint8), next_obs=np.ones(64, np.uint8))
+    assert _digest(victim) == before
+    after = buf.state_dict()
+    assert after[0] == meta and all(np.array_equal(arrays[k], after[1][k]) for k in arrays)
+    (path / "data" / "obs.bin.cow").unlink()
+    buf.add(obs=np.zeros(64, np.uint8), next_obs=np.ones(64, np.uint8))
+    assert len(buf) == 11
+    buf.close()
