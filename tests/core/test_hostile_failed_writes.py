@@ -414,12 +414,13 @@ def test_a_failure_at_any_call_of_a_write_changes_nothing(tmp_path, case):
     twin.close()
 
 
-def test_a_full_disk_while_the_compressed_log_grows_changes_nothing(small_tmpfs):
-    """Memmap on a real full disk: the log's growth fails with ``OSError`` and
-    the buffer, ``env_ended`` included, is as a twin that never tried; the
-    same ``add(valid=False)`` is then refused (or taken) by both alike."""
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_full_disk_while_the_compressed_log_grows_changes_nothing(small_tmpfs, storage):
+    """A real full disk: the log's growth fails with ``OSError`` and the
+    buffer, ``env_ended`` included, is as a twin that never tried; the same
+    ``add(valid=False)`` is then refused (or taken) by both alike."""
     kw = dict(capacity=64, seed=5, **FRAMED, compression="zstd")
-    live = PRB(**kw, storage="memmap", path=small_tmpfs / "live")
+    live = PRB(**kw, storage=storage, path=small_tmpfs / ("live.h5" if storage == "hdf5" else "live"))
     twin = PRB(**kw)
     cfg = live.config
     rng = np.random.default_rng(0)
