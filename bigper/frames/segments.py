@@ -19,10 +19,12 @@ the frames the ring still holds: segment ``lo`` is released once every frame
 in it is older than the newest ``F`` (its transitions expired with them), so
 a log that grows (no ``compression_budget``, the default) keeps every frame a
 sampleable transition needs, whatever the frames compress to: ``capacity``
-is a promise. Without a free slot it allocates one (``SegmentLog.reserve``:
-the storage grows by one segment, really reserved on disk, so a full disk is
-an ``OSError`` naming the file before anything changed), up to the ``S``
-slots ``F`` frames that do not compress would need. A log with a budget has
+is a promise. Without a free slot it allocates one (``_open_ahead``: the
+storage grows by one segment, really reserved on disk, so a full disk is an
+``OSError`` naming the file before anything changed), up to the ``S`` slots
+``F`` frames that do not compress would need; a storage that does not grow
+(``rows`` None: ``storage/base.py``) holds all ``S`` from the start, and an
+append that fails later in its write gives a growth back (``_undo``). A log with a budget has
 ``S`` slots from its creation and never grows: slot ``g % S``, and the
 segment that lived there is released whole when ``g`` opens, expired or not
 (frames that compress worse than the budget cost capacity then: said once).
