@@ -23,7 +23,7 @@ import pytest
 
 import bigper
 from bigper.config import Config
-from bigper.core.layout import allocate, storage_specs
+from bigper.core.layout import allocate
 from bigper.storage import open_storage
 from bigper.storage.base import StorageBase
 
