@@ -286,7 +286,15 @@ def assert_same(a, b, where=""):
 
 
 def step_of(t: int, cfg, rng_frames: np.random.Generator):
-    """Step ``t`` of a fixed run: random (incompressible) frames, episodes of 7."""
+    """Step ``t`` of a fixed run: random (incompressible) frames, episodes of
+    7 (with several envs, one such step of each, stacked on the env axis)."""
+    if cfg.num_envs > 1:
+        steps = [_one_step(t, cfg, rng_frames) for _ in range(cfg.num_envs)]
+        return {k: np.stack([np.asarray(s[k]) for s in steps]) for k in steps[0]}
+    return _one_step(t, cfg, rng_frames)
+
+
+def _one_step(t: int, cfg, rng_frames: np.random.Generator):
     step = {"reward": np.float32(t % 5), "terminated": t % 7 == 6, "truncated": False}
     if cfg.frame_stack:
         k = cfg.frame_stack
@@ -308,9 +316,10 @@ def writes(cfg, start: int):
         out.append(("add", step_of(t, cfg, rng), {}))
     t = start + 5
     end = step_of(t, cfg, rng)
-    end["terminated"] = True
+    end["terminated"] = np.ones_like(end["terminated"])
     out.append(("add", end, {}))
-    out.append(("add", step_of(t + 1, cfg, rng), {"valid": False}))
+    placeholder = np.zeros(cfg.num_envs, bool) if cfg.num_envs > 1 else False
+    out.append(("add", step_of(t + 1, cfg, rng), {"valid": placeholder}))
     many = [step_of(t + 2 + i, cfg, rng) for i in range(3)]
     out.append(("extend", {k: np.stack([np.asarray(s[k]) for s in many]) for k in many[0]}, {}))
     # More rows than slots: written in chunks, the first committed before the next can fail.
@@ -365,13 +374,16 @@ CASES = [
     ("user", dict(FRAMED, compression="zstd", n_step=3)),
     ("user", dict(FRAMED, sequence=bigper.Sequence(length=3, burn_in=1))),
     ("user", dict(PLAIN, n_step=3)),
+    ("memory", dict(FRAMED, compression="zstd", n_step=3, num_envs=2)),
+    ("hdf5", dict(FRAMED, num_envs=2)),
+    ("user", dict(FRAMED, compression="zstd", num_envs=2)),
 ]
 
 
 def _id(case):
     kind, kw = case
     bits = [kind, "frames" if kw.get("frame_stack") else "plain"]
-    bits += [f"{k}={v}" for k, v in kw.items() if k in ("compression", "n_step", "prioritization")]
+    bits += [f"{k}={v}" for k, v in kw.items() if k in ("compression", "n_step", "prioritization", "num_envs")]
     bits += ["sequence"] if "sequence" in kw else []
     return "-".join(str(b) for b in bits)
 
