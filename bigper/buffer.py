@@ -26,7 +26,7 @@ import numpy.typing as npt
 from . import snapshot as _snapshot
 from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
-from .core.layout import check_field_names, plain_fields, storage_specs
+from .core.layout import check_field_names, check_storage, plain_fields, storage_specs
 from .core.opening import check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
@@ -236,7 +236,11 @@ class PrioritizedReplayBuffer:
         config : Config
             The buffer's layout and sampling parameters.
         store : Storage
-            An open storage holding the arrays ``storage_specs(config)`` names.
+            An open storage holding the arrays ``storage_specs(config)`` names
+            (checked: a missing array, another dtype, row shape or rows, or a
+            kind of bigper's own it is not, is ``InvalidArgumentError``
+            naming it). A storage without ``rows``/``grow`` holds the
+            compressed log whole (``storage/base.py``).
         state : tuple, optional
             ``(meta, arrays)`` as ``state_dict`` gives them, checked before use.
         device : str or torch.device, optional
@@ -252,6 +256,7 @@ class PrioritizedReplayBuffer:
         check_field_names(config)
         buf = cls.__new__(cls)
         frames = FrameStore(config, store) if config.frame_stack else None
+        check_storage(store, config, frames)  # its arrays are the ones this buffer keeps, or refused by name
         if frames is not None:
             frames.attach()
         buf._start(config, store, frames, _mirror(config, device), state)

@@ -1,8 +1,16 @@
 """The write path: checked rows (``ingest``) become transitions in the ring.
 
-Everything that can fail runs first: the ``valid`` rule, the priority keys,
-and the storage's copy-on-write ``prepare`` over every row the write touches
-(a full disk fails there, with nothing changed). Then, for the common case
+A failed write changes nothing (promise 16). What can fail without a trace
+runs first: the ``valid`` rule, the priority keys, and the storage's
+copy-on-write ``prepare`` over every row the write touches. Past that, what
+the writer changes is either computed on copies and committed after the
+write's last call that can fail (``env_ended``, the ring's slots and
+counters, the leaves: bookkeeping in memory) or recorded in a journal
+(``_undo.Journal``) before it changes and put back when any later call raises:
+the rows a storage write overwrites, the frame streams, the compressed log's
+counters, slots and growth (a write of more rows than slots is checkpointed
+whole). ``tests/core/test_hostile_failed_writes.py`` injects a failure at
+every call a write makes. Then, for the common case
 (proportional prioritization, a storage with writable arrays,
 a write small against the capacity), the small fields are stored with one
 numpy assignment each and everything else is **one compiled call**,
@@ -11,7 +19,9 @@ frames written into the ring, generations and status, the leaves with their
 tree ancestors (or, with n-step, the pending keys and the windows this write
 completes), and the expiry of transitions whose frames were overwritten.
 Any other write takes the general path (a few kernel and numpy calls a
-chunk); ``tests/core/test_fused.py`` holds the two equal, bit for bit.
+chunk); ``tests/core/test_fused.py`` holds the two equal, bit for bit. The
+fused path writes in place only after its last call (the frame store's
+arguments), so it needs no journal and costs what it did.
 
 The ring (``core/ring.py``) owns the bookkeeping arrays and counters; the
 writer changes them in place. What a write makes sampleable is the sample
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._undo import Journal
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
 from ..kernels import commit_rows, kernel, ring_rows, tree_set
@@ -186,17 +197,58 @@ class Writer:
         if valid is not None:
             ended |= ~valid
         k = cfg.num_envs
-        self.env_ended[:] = ended[-k:] if m >= k else np.concatenate([self.env_ended, ended])[-k:]
-        if 0 < m <= c:
-            self._write_chunk(rows, keys, valid)
-            return
-        # More rows than slots: write in chunks of at most `capacity`, so that
-        # slots within one write are distinct and every frame stream stays whole.
-        for lo in range(0, m, c):
-            hi = min(lo + c, m)
-            self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
-                              None if keys is None else keys[lo:hi],
-                              None if valid is None else valid[lo:hi])
+        # Computed on a copy, committed after the last call that can fail.
+        env_ended = ended[-k:] if m >= k else np.concatenate([self.env_ended, ended])[-k:]
+        journal = Journal()
+        try:
+            if m > c:
+                # More rows than slots: write in chunks of at most `capacity`, so that slots
+                # within one write are distinct and every frame stream stays whole. A chunk
+                # that fails puts back what the ones before it committed: copied whole first
+                # (this write is that large anyway).
+                journal.add(self._checkpoint())
+                for lo in range(0, m, c):
+                    hi = min(lo + c, m)
+                    self._write_chunk({n: v[lo:hi] for n, v in rows.items()},
+                                      None if keys is None else keys[lo:hi],
+                                      None if valid is None else valid[lo:hi], journal, final=False)
+            elif m:
+                self._write_chunk(rows, keys, valid, journal)
+        except BaseException:
+            journal.roll_back()
+            raise
+        self.env_ended[:] = env_ended
+        if self.frames is not None:
+            self.frames.settle()  # (best effort: after every call that can fail)
+
+    def _checkpoint(self):
+        """What a write of many chunks changes in memory (the ring, the leaves,
+        the unit's tables, the frame store and its log) and the storage's
+        in-place arrays, copied; returns the step that puts them back."""
+        ring_meta, ring_arrays = self.ring.state()
+        ring_meta = {**ring_meta, "env_ended": list(ring_meta["env_ended"])}
+        ring_arrays = {n: a.copy() for n, a in ring_arrays.items()}
+        pmeta, parrays = self.prio.state()
+        pmeta, parrays = dict(pmeta), {n: np.array(a, copy=True) for n, a in parrays.items()}
+        unit = {n: np.array(a, copy=True) for n, a in self.unit.state().items()}
+        frames = self.frames.checkpoint() if self.frames is not None else None
+        rw = self.store.writable_arrays
+        data = {n: a.copy() for n, a in rw.items()} if rw else {}
+
+        def back():
+            self.ring.restore(ring_meta, ring_arrays)
+            self.unit.restore(unit)
+            self.prio.restore(pmeta, parrays, self.unit.status)
+            if frames is not None:
+                frames()
+            for n, a in data.items():  # (the journal gave a grown log back first: same rows)
+                # Only the bytes that changed: they lie in chunks this write made private; a
+                # chunk a snapshot still shares is mapped read-only and must not be written.
+                now, was = rw[n].reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)
+                changed = now != was
+                if changed.any():
+                    np.copyto(now, was, where=changed)
+        return back
 
     def end_episodes(self) -> np.ndarray:
         """End every env's open episode at its last row, as truncated (a resume
@@ -226,16 +278,16 @@ class Writer:
         c = self.cfg.capacity
         s0 = g0 % c
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else np.arange(g0, g0 + m) % c)
+        frames = self.frames
+        if frames is None:
+            stacks, ring, fw = _NO_STACKS, _NO_RING, 0
+        else:  # (first: nothing is written until every call that can fail went through)
+            stacks, ring = frames.kernel_args(rows, rw)
+            fw = frames.fw
         for name in self.plain:
             rw[name][where] = rows[name][0] if m == 1 else rows[name]
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
-        frames = self.frames
-        if frames is None:
-            stacks, ring, fw = _NO_STACKS, _NO_RING, 0
-        else:
-            stacks, ring = frames.kernel_args(rows, rw)
-            fw = frames.fw
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
             self._args = ((self.gid, self.ends, self.status, self.pending, self.env_ended),
@@ -249,7 +301,10 @@ class Writer:
         if top > self.ring.max_leaf:
             self.ring.max_leaf = top
 
-    def _write_chunk(self, rows: dict, keys, valid) -> None:
+    def _write_chunk(self, rows: dict, keys, valid, journal: Journal, final: bool = True) -> None:
+        """Rows (at most ``capacity``): first every call that can fail (the
+        storage's writes, the frame store's, recorded in ``journal``), then
+        the bookkeeping in memory. ``final``: no chunk of the write follows."""
         cfg = self.cfg
         c = cfg.capacity
         m = rows["terminated"].shape[0]
@@ -263,13 +318,27 @@ class Writer:
         s0 = int(slots[0])
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else slots)
         rw = self.store.writable_arrays if self.fused else None
-        if self.frames is not None:  # first: a compressed log that must grow and cannot fails before any write
-            self.frames.write(rows, g0, slots, where, ends, valid, rw)
+        frames = self.frames
+        fw0 = 0 if frames is None else frames.fw
+        if frames is not None:  # first: a compressed log that must grow and cannot fails before any write
+            frames.write(rows, g0, slots, where, ends, valid, rw, journal)
+        # The compressed log's dictionary look reads the storage after these: in-place rows kept too.
+        keep = frames is not None and not frames.in_place
+        # The write's last call that can fail needs no record: when it fails, nothing of it was
+        # done (a storage's write of one field's rows), and nothing follows it.
+        last = None if keep or not final or not self.plain else list(self.plain)[-1]
         for name in self.plain:
             if rw is None:
-                self.store.write(name, where, rows[name][0] if m == 1 else rows[name])
+                if name == last:
+                    self.store.write(name, where, rows[name][0] if m == 1 else rows[name])
+                else:
+                    journal.write(self.store, name, where, rows[name][0] if m == 1 else rows[name], c)
             else:
+                if keep:
+                    journal.keep(rw[name], where)
                 rw[name][where] = rows[name][0] if m == 1 else rows[name]
+        if frames is not None:
+            frames.look(fw0)  # the last call that can fail; what follows is bookkeeping in memory
         if keys is None:
             keys = np.array((self.ring.max_leaf,)) if m == 1 else np.full(m, self.ring.max_leaf)
         else:

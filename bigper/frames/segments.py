@@ -19,10 +19,12 @@ the frames the ring still holds: segment ``lo`` is released once every frame
 in it is older than the newest ``F`` (its transitions expired with them), so
 a log that grows (no ``compression_budget``, the default) keeps every frame a
 sampleable transition needs, whatever the frames compress to: ``capacity``
-is a promise. Without a free slot it allocates one (``SegmentLog.reserve``:
-the storage grows by one segment, really reserved on disk, so a full disk is
-an ``OSError`` naming the file before anything changed), up to the ``S``
-slots ``F`` frames that do not compress would need. A log with a budget has
+is a promise. Without a free slot it allocates one (``_open_ahead``: the
+storage grows by one segment, really reserved on disk, so a full disk is an
+``OSError`` naming the file before anything changed), up to the ``S`` slots
+``F`` frames that do not compress would need; a storage that does not grow
+(``rows`` None: ``storage/base.py``) holds all ``S`` from the start, and an
+append that fails later in its write gives a growth back (``_undo``). A log with a budget has
 ``S`` slots from its creation and never grows: slot ``g % S``, and the
 segment that lived there is released whole when ``g`` opens, expired or not
 (frames that compress worse than the budget cost capacity then: said once).
@@ -53,6 +55,7 @@ generation they were written with.
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 
@@ -65,6 +68,7 @@ from ..kernels import kernel
 from .._pool import for_ranges
 from .dictionaries import MAX_DICTS, Dictionaries
 from ..errors import CorruptSnapshotError
+from .._undo import Journal
 
 log = logging.getLogger("bigper")
 
@@ -182,6 +186,8 @@ class SegmentLog:
         self.warned = False  # a capped log said once that its cap costs capacity
         self.dicts = Dictionaries(dictionary)  # the given one (generation 1) or none yet
         self._scratch = np.empty(0, dtype=np.uint8)  # append's compressed frames, before they are placed
+        self._opened = False  # an append opened segments since the last ``trim``
+        self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
 
     @property
     def g(self) -> int:
@@ -213,9 +219,13 @@ class SegmentLog:
         return {} if self.capped else {"frame_log": self.seg_rows}
 
     def attach(self) -> None:
-        """Take the slots the storage holds (a reopened or loaded log may have grown)."""
+        """Take the slots the storage holds (a reopened or loaded log may have
+        grown). A storage that does not grow (``rows`` None) allocated every
+        slot: the log holds them all and never grows or gives any back."""
         if not self.capped:
-            self.st[A] = self.store.rows("frame_log") // self.seg_rows
+            rows = self.store.rows("frame_log")
+            self.grows = rows is not None
+            self.st[A] = self.S if rows is None else rows // self.seg_rows
 
     @property
     def codec(self) -> _zstd.Codec:
@@ -237,29 +247,20 @@ class SegmentLog:
         first = int(self.seg_slot[self.g % self.S]) * self.seg_rows
         return np.arange(first + self.pos // self.block, first + self.seg_rows, dtype=np.int64)
 
-    def may_fail(self, n_frames: int) -> bool:
-        """Whether appending ``n_frames`` frames may have to do what can fail
-        for want of disk (grow the storage, copy a segment a snapshot shares):
-        cheap, an upper bound. Mostly False: the frames fit in the open
-        segment, or one segment opens and a free slot is there for it."""
-        ub = n_frames * self.max_len
-        if self.pos + ub <= self.seg:
-            return False
-        opens = 1 if ub <= self.seg else 1 + -(-ub // (self.seg - self.max_len + 1))
-        free = self.slots - (self.g - int(self.st[LO]) + 1)
-        if opens > free and not self.capped:
-            return True
-        return bool(self.store.shared_chunks)
-
-    def append(self, f0: int, frames: np.ndarray, rw: dict | None) -> None:
+    def append(self, f0: int, frames: np.ndarray, rw: dict | None, journal: Journal | None = None) -> None:
         """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).
 
         What can fail (zstd, the segments to open: the storage grown,
         copy-on-write) happens before the log changes: an ``OSError`` (a full
-        disk, naming the file) leaves it as it was."""
+        disk, naming the file) leaves it as it was. What it changes then (the
+        counters and slots, the storage grown, the log bytes and index rows it
+        overwrites) is recorded in ``journal`` first, so that a later call of
+        the same write that fails puts it back (``_undo.Journal``). Free
+        segments are given back by ``trim``, once the write went through."""
         m = frames.shape[0]
         if m == 0:
             return
+        journal = Journal() if journal is None else journal
         did = self.dicts.hi  # the generation the frames name
         slot = self.dicts.slot(did)
         if rw is not None:  # the storage's arrays: compressed straight into one scratch block
@@ -275,47 +276,89 @@ class SegmentLog:
             data, lengths = self.codec.compress(frames, slot)
         offsets = np.empty(m, dtype=np.int64)
         opens = self.st[POS] + (lengths[0] if m == 1 else lengths.sum()) > self.seg
+        journal.add(self._counters(bool(opens)))
         if opens:  # segments open: make them writable first
-            self._open_ahead(f0, lengths, offsets)
+            self._open_ahead(f0, lengths, offsets, journal)
         forced = place(lengths, f0, self.F, self.seg, self.capped, self.st, self.seg_first, self.seg_slot,
                        self.used, offsets)
         if forced and not self.warned:
             self._warn_cap()
+        rows = np.arange(f0, f0 + m, dtype=np.int64) % self.F
+        if m > self.F:
+            rows = rows[-self.F:]
         if rw is not None:
-            put_rows(data, lengths, offsets, self.store.writable_arrays["frame_log"].reshape(-1),
-                     rw["frame_index"], self.F, f0, did)
+            flat = rw["frame_log"].reshape(-1)  # (after _open_ahead: the log as it grew)
+            for lo, hi in self._runs(lengths, offsets):
+                journal.keep(flat, slice(int(offsets[lo]), int(offsets[lo] + lengths[lo:hi].sum())))
+            journal.keep(rw["frame_index"], rows)
+            put_rows(data, lengths, offsets, flat, rw["frame_index"], self.F, f0, did)
         else:
-            self._put_through(data, lengths, offsets, f0, did)
-        if opens and not self.capped:
-            self._trim()
+            self._put_through(data, lengths, offsets, rows, did, journal)
+        self._opened |= bool(opens)
 
-    def _put_through(self, data, lengths, offsets, f0: int, did: int) -> None:
-        """The frames and their index rows through the storage's writes
+    @staticmethod
+    def _runs(lengths: np.ndarray, offsets: np.ndarray):
+        """``(lo, hi)``: the runs of frames that lie one after another in the log."""
+        m = lengths.shape[0]
+        if m == 1:
+            return ((0, 1),)
+        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
+        bounds = np.concatenate([[0], breaks, [m]])
+        return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _counters(self, slots: bool = True):
+        """The step that puts the counters back as they are now, and the
+        segments' slots with ``slots`` (only an append that opens a segment
+        changes them)."""
+        st, warned = self.st.copy(), self.warned
+        if not slots:
+            def back_counters():
+                self.st[:] = st
+            return back_counters
+        first, slot, used = self.seg_first.copy(), self.seg_slot.copy(), self.used.copy()
+
+        def back():
+            self.st[:], self.seg_first[:], self.seg_slot[:], self.used[:] = st, first, slot, used
+            self.warned = warned
+        return back
+
+    def checkpoint(self):
+        """The step that puts back everything in memory (counters, slots,
+        dictionaries) as it is now, for a write of many appends."""
+        back = self._counters()
+        dmeta, blob = self.dicts.state()
+        dmeta, blob = json.loads(json.dumps(dmeta)), blob.copy()
+
+        def back_all():
+            back()
+            if self.dicts.state()[0] != dmeta:  # (a dictionary was adopted since)
+                self.dicts.restore(dmeta, blob)
+        return back_all
+
+    def _put_through(self, data, lengths, offsets, rows, did: int, journal: Journal) -> None:
+        """The frames and their index rows ``rows`` through the storage's writes
         (storages without arrays, HDF5): frames contiguous in the log, one write a run."""
         m = lengths.shape[0]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
-        bounds = np.concatenate([[0], breaks, [m]])
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in self._runs(lengths, offsets):
             lo = int(starts[a])
-            self._write_bytes(int(offsets[a]), data[lo:lo + int(lengths[a:b].sum())])
+            self._write_bytes(int(offsets[a]), data[lo:lo + int(lengths[a:b].sum())], journal)
         entries = np.empty((m, 2), dtype=np.int64)
         entries[:, 0] = offsets
         entries[:, 1] = lengths | (did << 32)
-        rows = np.arange(f0, f0 + m, dtype=np.int64) % self.F
-        if m > self.F:
-            rows, entries = rows[-self.F:], entries[-self.F:]
-        self.store.write("frame_index", rows, entries)
+        journal.write(self.store, "frame_index", rows, entries[-rows.shape[0]:], self.F)
 
-    def _open_ahead(self, f0: int, lengths: np.ndarray, offsets: np.ndarray) -> None:
+    def _open_ahead(self, f0: int, lengths: np.ndarray, offsets: np.ndarray, journal: Journal) -> None:
         """Before an append that opens segments: place it on copies of the
         state to learn which slots it opens, grow the storage by the new ones
-        and make the others writable (copy-on-write). Changes no state."""
+        and make the others writable (copy-on-write). Changes no state but
+        the slots allocated (``journal`` gives the growth back)."""
         st, used, slot_of = self.st.copy(), self.used.copy(), self.seg_slot.copy()
         place(lengths, f0, self.F, self.seg, self.capped, st, self.seg_first.copy(), slot_of, used, offsets)
         had = self.slots  # (slots allocated now are new files: nothing to copy)
         if st[A] > self.st[A]:
             self.store.grow("frame_log", int(st[A]) * self.seg_rows)  # (all or nothing: an OSError changes nothing)
+            journal.add(lambda: self.store.shrink("frame_log", had * self.seg_rows))
             self.st[A] = st[A]
         if self.store.shared_chunks:
             opened = slot_of[np.arange(self.g + 1, int(st[G]) + 1) % self.S]
@@ -324,10 +367,16 @@ class SegmentLog:
                 self.store.prepare({"frame_log": (opened[:, None] * self.seg_rows
                                        + np.arange(self.seg_rows)).reshape(-1)})
 
-    def _trim(self) -> None:
-        """Give the storage back the free slots at the top of the log, all but
-        one (the frames once took more room: those before the first dictionary,
-        a stretch that compressed worse). Best effort: a failure keeps them."""
+    def trim(self) -> None:
+        """After a write that opened segments: give the storage back the free
+        slots at the top of the log, all but one (the frames once took more
+        room: those before the first dictionary, a stretch that compressed
+        worse). Best effort: a failure keeps them."""
+        if not self._opened:
+            return
+        self._opened = False
+        if not self.grows:
+            return
         keep = n = self.slots
         while keep > 2 and self.used[keep - 1] == 0 and self.used[keep - 2] == 0:
             keep -= 1
@@ -338,8 +387,10 @@ class SegmentLog:
         except OSError as e:
             log.warning("bigper: giving back %d free log segments did not complete (the log holds what the "
                         "storage does): %r", n - keep, e)
-        finally:  # the slots the storage holds, whatever happened (reads are bounded by them)
+            # The slots the storage holds, whatever happened (reads are bounded by them).
             self.st[A] = self.store.rows("frame_log") // self.seg_rows
+        else:
+            self.st[A] = keep
 
     def _warn_cap(self) -> None:
         self.warned = True
@@ -350,13 +401,16 @@ class SegmentLog:
         log.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=_caller_level())
 
-    def _write_bytes(self, start: int, data: np.ndarray) -> None:
-        """Bytes at ``start`` in the log, through the storage's block reads and writes."""
+    def _write_bytes(self, start: int, data: np.ndarray, journal: Journal) -> None:
+        """Bytes at ``start`` in the log, through the storage's block reads and
+        writes (the blocks they overwrite recorded in ``journal``)."""
         b0, b1 = start // self.block, (start + data.shape[0] - 1) // self.block + 1
-        buf = np.zeros((b1 - b0) * self.block, dtype=np.uint8)
-        if start % self.block:  # keep the bytes before ours in the first block
-            buf[:self.block] = self.store.read("frame_log", np.array([b0], dtype=np.int64))[0]
+        rows = np.arange(b0, b1, dtype=np.int64)
+        # The bytes around ours in the first and last block stay (a copy: a read may give a view).
+        old = np.array(self.store.read("frame_log", rows), dtype=np.uint8, copy=True)
+        buf = old.copy().reshape(-1)
         buf[start - b0 * self.block:start - b0 * self.block + data.shape[0]] = data
+        journal.add(lambda: self.store.write("frame_log", rows, old))
         self.store.write("frame_log", slice(b0, b1), buf.reshape(b1 - b0, self.block))
 
     def maybe_train(self, fw0: int, fw: int) -> None:

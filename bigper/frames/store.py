@@ -29,6 +29,7 @@ from ..kernels import kernel
 from .._pool import for_ranges, workers
 from .._reuse import ReusedArrays
 from .segments import SegmentLog
+from .._undo import Journal
 from ..status import DEAD, LIVE, PENDING
 
 
@@ -343,7 +344,8 @@ class FrameStore:
         flat = np.ascontiguousarray(stacks).reshape(m, self.k, -1).view(np.uint8)
         return flat.view(self.word)
 
-    def write(self, rows: dict, g0: int, slots, where, ends: np.ndarray, valid=None, rw=None) -> None:
+    def write(self, rows: dict, g0: int, slots, where, ends: np.ndarray, valid=None, rw=None,
+              journal: Journal | None = None) -> None:
         """Store the frames of ``rows["obs"]``/``rows["next_obs"]`` that are
         new and the references of every row at ``where`` (slots ``slots``);
         the rows are transitions ``g0, g0 + 1, ...``.
@@ -351,70 +353,95 @@ class FrameStore:
         ``rw``: the storage's writable arrays by name (memory, or memmap after
         ``prepare``), when it has them: frames and references are then written
         in place by the kernel, without a staging copy and the storage's calls.
+        ``journal``: what this changes is recorded there first, to be put back
+        when a later call of the write fails (``_undo.Journal``); raw frames
+        written in place need none (no call that can fail follows them in a
+        write of at most ``capacity`` rows). The caller runs ``look`` after
+        its last call that can fail.
         """
         m = ends.shape[0]
         obs, nxt, env = self._inputs(rows, g0, m)
+        ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
+            if valid is None else valid
         if rw is not None and self.log is None:
-            ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
-                if valid is None else valid
             ring, oref, nref = self._in_place(rw)
             # Rows go straight to their slots: refs are written row by row at slots[r].
             self.fw = write_direct((obs, nxt, env, ends, ok), (self.last_frames, self.last_ref, self.has_last),
                                    self.fw, self.has_next, oref, nref, ring, slots, self.minref)
             return
+        journal = Journal() if journal is None else journal
         obs_ref = np.empty((m, self.k), dtype=np.int64)
         next_ref = np.empty((m, self.k), dtype=np.int64)
         new = np.empty((2 * m * self.k, self.row_words), dtype=self.word)
         fw0 = self.fw
-        ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
-            if valid is None else valid
-        # What the log may fail at (a full disk when it grows) runs after assign_refs: keep what
-        # assign_refs changes to put it back then (rarely needed: see may_fail).
-        saved = self._save(env, slots) if self.log is not None and self.log.may_fail(2 * m * self.k) else None
+        # assign_refs changes the streams and the slots' oldest references before the
+        # storage calls that can fail (the log's growth, a write): kept to put back.
+        saved = self._save(env, slots)
+        journal.add(lambda: self._undo(saved, slots, fw0))
         fw = assign_refs((obs, nxt, env, ends, ok), (self.last_frames, self.last_ref, self.has_last),
                          fw0, self.has_next, (obs_ref, next_ref), new, slots, self.minref)
         n_new = fw - fw0
         if n_new and self.log is not None:
-            try:
-                self.log.append(fw0, new[:n_new].view(np.uint8).reshape(n_new, self.row_bytes), rw)
-            except BaseException:
-                if saved is not None:
-                    self._undo(saved, slots)  # (the log is as it was: what failed ran before it changed)
-                raise
-            if n_new > self.F:
-                self.fw = fw  # (only the newest F frames are indexed; older are expired below)
+            self.log.append(fw0, new[:n_new].view(np.uint8).reshape(n_new, self.row_bytes), rw, journal)
         elif n_new:
             frames = new[:n_new].view(self.dtype).reshape((n_new, *self.frame_shape))
             first = fw0 % self.F
             dest = slice(first, first + n_new) if first + n_new <= self.F else np.arange(fw0, fw) % self.F
             if n_new > self.F:  # only the newest F frames survive
                 frames, dest = frames[-self.F:], np.arange(fw - self.F, fw) % self.F
-            self.store.write("frames", dest, frames)
+            journal.write(self.store, "frames", dest, frames, self.F)
         self.fw = fw
         one = m == 1
-        if rw is not None:
-            rw["obs_ref"][where] = obs_ref[0] if one else obs_ref
-            if self.has_next:
-                rw["next_obs_ref"][where] = next_ref[0] if one else next_ref
-        else:
-            self.store.write("obs_ref", where, obs_ref[0] if one else obs_ref)
-            if self.has_next:
-                self.store.write("next_obs_ref", where, next_ref[0] if one else next_ref)
+        refs = [("obs_ref", obs_ref)] + ([("next_obs_ref", next_ref)] if self.has_next else [])
+        for name, r in refs:
+            if rw is not None:
+                journal.keep(rw[name], where)  # (the log's dictionary look, after this, reads the storage)
+                rw[name][where] = r[0] if one else r
+            else:
+                journal.write(self.store, name, where, r[0] if one else r, self.capacity)
+
+    def look(self, fw0: int) -> None:
+        """After frames ``fw0 .. fw - 1`` were written and the write's other
+        calls went through: the compressed log's dictionary look (it only
+        reads, then adopts a dictionary all or nothing)."""
         if self.log is not None:
-            self.log.maybe_train(fw0, fw)
+            self.log.maybe_train(fw0, self.fw)
+
+    def settle(self) -> None:
+        """At the end of a write: the compressed log gives back free segments
+        (best effort, after every call that can fail the write)."""
+        if self.log is not None:
+            self.log.trim()
+
+    def checkpoint(self):
+        """Everything in memory a write of more rows than slots changes
+        (streams, pointers, oldest references, the log's counters and
+        dictionaries), copied; returns the step that puts it back."""
+        fw, frames, ref, has = self.fw, self.last_frames.copy(), self.last_ref.copy(), self.has_last.copy()
+        ptr, minref = self.ptr.copy(), self.minref.copy()
+        back_log = self.log.checkpoint() if self.log is not None else None
+
+        def back():
+            self.fw = fw
+            self.last_frames[:], self.last_ref[:], self.has_last[:] = frames, ref, has
+            self.ptr[:], self.minref[:] = ptr, minref
+            if back_log is not None:
+                back_log()
+        return back
 
     def _save(self, env: np.ndarray, slots) -> tuple:
         """What ``assign_refs`` changes for rows of ``env`` at ``slots``: the
-        streams of those envs and the slots' oldest references (a compressed
-        append that fails, for want of disk, puts them back: ``_undo``)."""
+        streams of those envs and the slots' oldest references (a write that
+        fails after ``assign_refs`` puts them back: ``_undo``)."""
         envs = env if env.shape[0] < self.num_envs else slice(None)
         return (envs, self.last_frames[envs].copy(), self.last_ref[envs].copy(), self.has_last[envs].copy(),
                 self.minref[slots].copy())
 
-    def _undo(self, saved: tuple, slots) -> None:
+    def _undo(self, saved: tuple, slots, fw0: int) -> None:
         envs, frames, ref, has, minref = saved
         self.last_frames[envs], self.last_ref[envs], self.has_last[envs] = frames, ref, has
         self.minref[slots] = minref
+        self.fw = fw0
 
     def growth(self) -> dict:
         """Arrays that grow (the compressed log): name -> rows of one step."""

@@ -19,9 +19,12 @@ new storage's author reads one file:
 
 Every storage subclasses ``StorageBase``, which gives the optional members
 their defaults (no ``arrays``: read and write; ``shared_chunks`` 0: nothing
-to make writable; ``grow`` refused: the arrays were allocated whole;
+to make writable; ``rows`` None and ``grow`` refused: the arrays were
+allocated whole, and the compressed log holds all its slots from the start;
 ``shrink``, ``check_present`` and ``abort`` no-ops), so the core calls them
-all directly and never asks a storage what it has.
+all directly and never asks a storage what it has. ``from_parts`` checks a
+storage's arrays against the specs first (``core/layout.check_storage``),
+and refuses a storage that claims a kind of bigper's own without being it.
 """
 
 from __future__ import annotations
@@ -97,8 +100,9 @@ class Growing(Protocol):
     """A storage whose ``growth`` arrays change their rows (optional: without
     it they are allocated whole, and the compressed log never grows)."""
 
-    def rows(self, name: str) -> int:
-        """Rows array ``name`` holds (one of ``growth``: what it grew to)."""
+    def rows(self, name: str) -> int | None:
+        """Rows array ``name`` holds (one of ``growth``: what it grew to);
+        None (``StorageBase``'s default): the storage does not grow."""
 
     def grow(self, name: str, rows: int) -> None:
         """Array ``name`` of ``growth`` holds ``rows`` rows from now on (whole
@@ -145,9 +149,10 @@ class StorageBase:
     def prepare(self, writes: dict[str, Any]) -> None:
         """Nothing is shared with a snapshot: every row is writable."""
 
-    def rows(self, name: str) -> int:
-        """Growing only: the rows of a ``growth`` array."""
-        raise NotImplementedError(f"a {self.kind or type(self).__name__} storage does not count rows")
+    def rows(self, name: str) -> int | None:
+        """Growing only: the rows of a ``growth`` array. None: this storage
+        does not grow, so it allocated the array whole (its spec's rows)."""
+        return None
 
     def grow(self, name: str, rows: int) -> None:
         """Refused: the arrays were allocated whole."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import IncompatibleSnapshotError
+from ..errors import IncompatibleSnapshotError, PathExistsError
 from .files import open_regular, preallocate
 from ._region import PAGE, Region, round_up
 
@@ -121,7 +121,8 @@ class _Array:
         """``rows`` rows from now on (whole chunks, ``most`` at most): the new
         chunk files made, really reserved on disk (a full disk is an
         ``OSError`` naming the file, and every file this call made goes
-        again), then mapped. Returns the paths made."""
+        again), then mapped. A file already at a new chunk's name is
+        ``PathExistsError`` naming it, untouched. Returns the paths made."""
         if rows <= self.rows or rows > self.most or rows % self.chunk_rows or self.rows % self.chunk_rows:
             raise ValueError(f"{self.name}: cannot grow from {self.rows} to {rows} rows "
                              f"(chunks of {self.chunk_rows}, {self.most} at most)")
@@ -129,11 +130,18 @@ class _Array:
         made = []
         try:
             for k in range(first, last):
-                # A leftover regular file of ours (a trim whose unlink failed) is filled again; it,
-                # or anything else there (open_regular refuses a FIFO or symlink), is never deleted.
-                if not os.path.lexists(self.path(k)):
-                    made.append(self.path(k))
-                preallocate(self.path(k), self.chunk_bytes)
+                p = self.path(k)
+                # Made here or refused: a file already at the name (a hard link, a copy, anything
+                # bigper's record does not name) is not bigper's (promise 7), so it is never
+                # extended, mapped or written through, and never deleted.
+                try:
+                    preallocate(p, self.chunk_bytes, new=True)
+                except FileExistsError:
+                    raise PathExistsError(
+                        f"{p} is already there, but bigper's record names no chunk {k} of {self.name}: it is "
+                        "not bigper's, so the log does not grow into it (nothing was changed; move it away "
+                        "to go on)") from None
+                made.append(p)
         except BaseException:
             for p in made:
                 p.unlink(missing_ok=True)
@@ -186,7 +194,15 @@ class _Array:
         copied = os.stat(p).st_nlink > 1
         if copied:
             tmp = p.with_name(p.name + ".cow")
-            fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            try:
+                # Made here (O_EXCL): a file at the name now is not bigper's (resume removed its own
+                # leftovers), and truncating it would write through a planted hard link.
+                fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                raise PathExistsError(
+                    f"{tmp} is already there, but bigper did not make it: it is not bigper's, so the copy-on-"
+                    "write of its chunk does not go through it (nothing was changed; move it away to go on)"
+                ) from None
             try:
                 os.posix_fallocate(fd, 0, self.sizes[k])  # a full disk is an OSError here
                 view = memoryview(self.view(k))

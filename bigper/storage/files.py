@@ -323,15 +323,21 @@ def read_json(path: Path, *, error=CorruptSnapshotError):
         raise error(f"{path} is not valid JSON: {str(e)[:200]}") from None
 
 
-def preallocate(path: Path, nbytes: int, *, follow: bool = False) -> None:
+def preallocate(path: Path, nbytes: int, *, follow: bool = False, new: bool = False) -> None:
     """Create ``path`` with ``nbytes`` really reserved on disk: a full disk is
-    an OSError here, never a SIGBUS when a mapped page is first written."""
-    fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow=follow)
+    an OSError here, never a SIGBUS when a mapped page is first written.
+
+    ``new``: ``path`` must not exist (``O_EXCL``: anything there, a hard link
+    or a symlink included, is ``FileExistsError`` with nothing done to it),
+    and a file this call made that cannot be reserved goes again."""
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT | (os.O_EXCL if new else 0), follow=follow)
     try:
         if nbytes > 0:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:  # ENOSPC, EFBIG: name the file (posix_fallocate's error names nothing)
+                if new:
+                    os.unlink(path)  # (made by this call: O_EXCL)
                 raise OSError(e.errno, f"{e.strerror} (reserving {nbytes:,} bytes)", str(path)) from None
     finally:
         os.close(fd)

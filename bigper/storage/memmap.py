@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import (
+    BigperError,
     CorruptSnapshotError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
@@ -493,7 +494,7 @@ class MemmapStorage(StorageBase):
             # (a record naming files that are not there is still bigper's: close rewrites it)
             with contextlib.suppress(OSError):
                 write_json(self._root / "meta.json", self._meta)
-            if isinstance(e, OSError) and not e.filename:
+            if isinstance(e, OSError) and not isinstance(e, BigperError) and not e.filename:
                 raise OSError(e.errno, f"{e.strerror or e} ({what})", str(self._root / "data")) from None
             raise
         self._rw[name], self.arrays[name] = a.rw, a.ro

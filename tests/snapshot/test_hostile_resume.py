@@ -838,10 +838,6 @@ def test_load_latest_passes_continue_episodes_through_a_fallback(tmp_path, go_on
     r.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Writer.write's general path (HDF5, or any write that is not fused) sets "
-                   "ring.env_ended before _write_chunk: a write that then fails (ENOSPC from the storage) leaves the "
-                   "env marked ended with nothing written, so the next resume's end_episodes skips it and the open "
-                   "episode's n-step window joins the next episode (promise 16: a failed call changes nothing)")
 def test_a_failed_write_does_not_fake_an_episode_end_for_the_resume(tmp_path):
     import errno
 
