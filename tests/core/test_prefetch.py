@@ -123,7 +123,7 @@ def test_snapshot_while_sampling_resumes_after_the_prefetched_draws(tmp_path):
         buf.update_priorities(b, np.arange(8.0) + j)
     wait_steady(buf, it, 3, depth)
     snap = buf.save(tmp_path / "snap")
-    loaded = bigper.PrioritizedReplayBuffer.load(snap)
+    loaded = bigper.PrioritizedReplayBuffer.load(snap, continue_episodes=True)  # compared with buf, which goes on
     for _ in range(depth + 1):  # drawn before the save
         next(it)
     same_batch(next(it), loaded.sample(8))  # the first draw after the save, in both
