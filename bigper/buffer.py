@@ -200,7 +200,7 @@ class PrioritizedReplayBuffer:
                            prioritization=prioritization, compression=compression,
                            compression_budget=compression_budget, sequence=sequence)
         dictionary = check_arguments(cfg, path, read_only, compression_dictionary)
-        _check_continue(continue_episodes)
+        _check_flag(continue_episodes, "continue_episodes")
         mirror = _mirror(cfg, device)  # device memory first: a refusal makes nothing on disk
         store, frames, state, old = open_buffer(cfg, path, mode, read_only, storage_options, dictionary)
         self._start(cfg, store, frames, mirror, state, reseed=old is not None and cfg.seed != old.seed,
@@ -829,8 +829,8 @@ class PrioritizedReplayBuffer:
         StorageLockedError
             A live writer holds ``path``.
         """
-        _check_continue(continue_episodes)
-        _check_continue(rewind, "rewind")
+        _check_flag(continue_episodes, "continue_episodes")
+        _check_flag(rewind, "rewind")
         if device is not None:
             as_device(device)  # before anything at the path is made
         try:
@@ -1085,7 +1085,7 @@ class PrioritizedReplayBuffer:
 _STAGED = ("cuda",)
 
 
-def _check_continue(value, name: str = "continue_episodes") -> None:
+def _check_flag(value, name: str) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise InvalidTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r:.80}")
 

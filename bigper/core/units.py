@@ -120,14 +120,7 @@ class Transitions:
         else:
             prio.remove(slots)  # waiting for their windows now
             self.pending[slots] = keys
-            first = max(0, g0 - (cfg.n_step - 1) * cfg.num_envs)
-            ready = np.empty(count - first, dtype=np.int64)
-            r = nstep.complete(first, count, cfg.capacity, cfg.num_envs, cfg.n_step, ring.ends,
-                               ring.gid, self.status, ready)
-            if r:
-                ready = ready[:r]
-                self.status[ready] = LIVE
-                prio.insert(ready, self.pending[ready])
+            self._complete(prio, g0, count)
         if frames is not None:
             dead = frames.expire(count, ring.gid, self.status)
             if dead.shape[0]:
@@ -137,13 +130,17 @@ class Transitions:
         pass  # write_rows set every leaf
 
     def episodes_ended(self, prio, last, count) -> None:
-        cfg = self.cfg
-        if cfg.n_step == 1:
-            return  # every written transition is sampleable already
-        first = max(0, int(last.min()) - (cfg.n_step - 1) * cfg.num_envs)
+        if self.cfg.n_step > 1:  # (with n_step 1 every written transition is sampleable already)
+            self._complete(prio, int(last.min()), count)
+
+    def _complete(self, prio, g: int, count: int) -> None:
+        """Make live the pending transitions whose windows (which may reach row
+        ``g`` or later) are complete now."""
+        cfg, ring = self.cfg, self.ring
+        first = max(0, g - (cfg.n_step - 1) * cfg.num_envs)
         ready = np.empty(count - first, dtype=np.int64)
-        r = nstep.complete(first, count, cfg.capacity, cfg.num_envs, cfg.n_step, self.ring.ends,
-                           self.ring.gid, self.status, ready)
+        r = nstep.complete(first, count, cfg.capacity, cfg.num_envs, cfg.n_step, ring.ends,
+                           ring.gid, self.status, ready)
         if r:
             ready = ready[:r]
             self.status[ready] = LIVE
