@@ -241,3 +241,18 @@ def test_a_pickle_flooded_with_opcodes_answers_at_once(tmp_path):
         pytest.fail("verify of a 60 MiB opcode flood took more than 5 s")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("kind", ["a folder named .pkl", "a symlink to a FIFO", "a symlink to /dev/zero"])
+def test_a_pkl_that_is_no_file(tmp_path, command, kind):
+    p = tmp_path / "replay_buffer.pkl"
+    if kind == "a folder named .pkl":
+        p.mkdir()
+    elif kind == "a symlink to a FIFO":
+        os.mkfifo(tmp_path / "fifo")
+        p.symlink_to(tmp_path / "fifo")
+    else:
+        p.symlink_to("/dev/zero")
+    r = check(command, p, tmp_path, within=15)
+    assert r.returncode == 2, (r.stdout, r.stderr)
