@@ -128,6 +128,11 @@ _SILENT = {"PROTO", "FRAME", "MARK", "STOP"}
 _FORMAT = "bigper.sb3/"  # the drop-in's pickle format, "bigper.sb3/<version>"
 
 
+# Opcodes read at most: a bigper SB3 pickle (spaces, paths, a few numbers) has a few hundred;
+# a crafted one packed with them would otherwise cost seconds and memory before its refusal.
+MAX_OPS = 100_000
+
+
 def pickle_reference(path: Path) -> dict:
     """The ``format``, ``snapshot`` and ``manifest_sha256`` strings of an
     SB3 drop-in pickle at ``path``, read from its opcodes: nothing in it is
@@ -147,7 +152,9 @@ def pickle_reference(path: Path) -> dict:
     items: list[str | None] = []
     memo: dict[int, str | None] = {}
     try:
-        for op, arg, _ in pickletools.genops(data):
+        for n, (op, arg, _) in enumerate(pickletools.genops(data)):
+            if n >= MAX_OPS:  # the drop-in's pickle is spaces and paths: a few hundred opcodes
+                raise refuse(f"more than {MAX_OPS:,} pickle opcodes, far more than a replay-buffer pickle holds")
             name = op.name
             if name in _SILENT:
                 continue
@@ -157,6 +164,8 @@ def pickle_reference(path: Path) -> dict:
                 memo[arg] = items[-1] if items else None
             else:
                 items.append(memo.get(arg) if name in _GETS else arg if name in _STRINGS else None)
+    except IncompatibleSnapshotError:
+        raise
     except Exception as e:  # noqa: BLE001 (any malformed stream: not a pickle bigper wrote)
         raise refuse(f"not a pickle: {type(e).__name__}: {e}") from None
     if not any(isinstance(v, str) and v.startswith("bigper.integrations") for v in items):
