@@ -202,7 +202,8 @@ def test_an_unreadable_folder_as_a_user_who_cannot_read_it(command):
         pytest.skip("needs root and setpriv to run the command as nobody")
     probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
                             "import bigper"], capture_output=True, text=True, timeout=60, cwd="/",
-                           stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                          "NUMBA_CACHE_DIR": tempfile.gettempdir()})
     if probe.returncode != 0:  # a checkout in a 0700 folder (CI's): nobody cannot import bigper at all
         pytest.skip(f"nobody cannot import this checkout: {probe.stderr.strip()[-200:]}")
     top = Path(tempfile.mkdtemp(prefix="bigper-hostile-"))
