@@ -318,6 +318,7 @@ class PrioritizedReplayBuffer:
         self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, ring.ends, ring.gid)
         self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, ring, self._unit)
         self._beta_step = 0
+        self._restores = 0  # states taken (_restore): a feed's sources are made anew after one
         self._mirror = mirror
         self._deferred = Deferred()
         self._deferred_error = None  # an invalid deferred update's error, for the next call to raise
@@ -577,6 +578,14 @@ class PrioritizedReplayBuffer:
             raise InvalidArgumentError(f"sampler passes only beta and stratified to sample, got {unknown}")
         if sample_kw.get("beta") is not None:  # refused here, not at a draw; a tensor read once
             sample_kw["beta"] = as_beta(sample_kw["beta"])
+        if device is not None:
+            from .device import feed
+
+            if feed.covered(self, device) is None:  # the GIL-free feed (device/feed.py)
+                it = feed.FeedSampler(self, int(batch_size), device, int(prefetch), sample_kw.get("beta"),
+                                      sample_kw.get("stratified", True))
+                self._samplers.add(it)
+                return it
         produce = functools.partial(_sample_in, weakref.ref(self), int(batch_size), device, dict(sample_kw))
         if prefetch == 0:
             it = Direct(produce)
@@ -723,6 +732,7 @@ class PrioritizedReplayBuffer:
 
     def _restore(self, meta: dict, arrays: dict, reseed: bool = False) -> None:
         check_state(self.config, meta, arrays)
+        self._restores += 1
         c = self.config.capacity
         for name, want in (("gid", (c,)), ("status", (c,)), ("ends", (c,))):
             got = arrays.get(name)

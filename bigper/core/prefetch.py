@@ -35,7 +35,7 @@ from ..errors import BufferClosedError
 _POLL_S = 0.05
 
 
-class _Failure:
+class Failure:
     """An exception raised by ``produce``, carried through the queue."""
 
     __slots__ = ("exc",)
@@ -59,7 +59,7 @@ def _run(produce: Callable[[], Any], q: "queue.Queue", stop: threading.Event, lo
                 return
             item = produce()
         except BaseException as exc:  # noqa: BLE001 (handed to the consumer, who re-raises it)
-            item = _Failure(exc)
+            item = Failure(exc)
         finally:
             lock.release()
         while not stop.is_set():
@@ -68,11 +68,11 @@ def _run(produce: Callable[[], Any], q: "queue.Queue", stop: threading.Event, lo
                 break
             except queue.Full:
                 continue
-        if isinstance(item, _Failure):
+        if isinstance(item, Failure):
             return
 
 
-def _why_after(why: BaseException | None, e: BaseException) -> BaseException | None:
+def why_after(why: BaseException | None, e: BaseException) -> BaseException | None:
     """What the ``next()`` calls after ``produce`` raised ``e`` raise: a closed
     source stays closed (``BufferClosedError`` at every call); any other error
     is raised once, and the iteration then ends."""
@@ -110,7 +110,7 @@ class Direct:
         try:
             return self._produce()
         except BaseException as e:
-            self._done, self._why = True, _why_after(self._why, e)
+            self._done, self._why = True, why_after(self._why, e)
             raise
 
     def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
@@ -173,8 +173,8 @@ class Prefetcher:
                 if not self._thread.is_alive() and self._q.empty():
                     self._done = True
                     self._stop_iteration()
-        if isinstance(item, _Failure):
-            self._done, self._why = True, _why_after(self._why, item.exc)
+        if isinstance(item, Failure):
+            self._done, self._why = True, why_after(self._why, item.exc)
             self.close()
             raise item.exc
         return item if self._finish is None else self._finish(item)

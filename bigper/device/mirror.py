@@ -33,6 +33,8 @@ from ..frames.store import frame_capacity
 CHUNK = 8192
 # A rebuild of more rows than this shows a progress bar.
 PROGRESS_ROWS = 100_000
+# Each field's columns in the packed rows start at a multiple of this (any dtype's view of them).
+_ROW_ALIGN = 16
 
 
 def _gib(n: int) -> str:
@@ -44,8 +46,10 @@ def need(plain: dict, capacity: int, frames: tuple | None) -> int:
     dtype)`` of the per-transition fields, ``frames`` ``(F, frame shape,
     dtype)`` of the frame ring or None."""
     total = 0  # Python ints: a crafted shape must not wrap to a small number
+    width = 0  # the packed rows: each field's bytes rounded up to the alignment
     for shape, dtype in plain.values():
-        total += (capacity + 1) * math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+        width += -(-math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize // _ROW_ALIGN) * _ROW_ALIGN
+    total += (capacity + 1) * width
     if frames is not None:
         f, shape, dtype = frames
         total += (f + 1) * math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
@@ -101,8 +105,17 @@ class Mirror:
                     f"({self.nbytes} bytes) of device memory and {_gib(free)} of {_gib(total)} are free; "
                     "use a smaller capacity, or no device tier (batches then go up through pinned memory)")
         try:
-            self.fields = {name: torch.zeros((capacity + 1, *shape), dtype=_dtype(torch, dtype, name),
-                                             device=device) for name, (shape, dtype) in plain.items()}
+            # Every per-transition field in one array of rows (each at an aligned column), so that
+            # one gather takes them all; ``fields[name]`` is its view of them.
+            self.columns, width = {}, 0
+            for name, (shape, dtype) in plain.items():
+                dt = np.dtype(dtype)
+                n = math.prod(int(d) for d in shape) * dt.itemsize
+                self.columns[name] = (width, width + n, _dtype(torch, dt, name), tuple(shape))
+                width += -(-n // _ROW_ALIGN) * _ROW_ALIGN
+            self.packed = torch.zeros((capacity + 1, width), dtype=torch.uint8, device=device)
+            self.fields = {name: self.packed[:, a:z].view(tdt).view(capacity + 1, *shape)
+                           for name, (a, z, tdt, shape) in self.columns.items()}
             self.F = frames[0] if frames is not None else 0
             self.frame_shape = tuple(frames[1]) if frames is not None else ()
             self.frames = None if frames is None else torch.zeros(

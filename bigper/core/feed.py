@@ -1,0 +1,289 @@
+"""The feed's host half: a batch as two compiled calls into one packed block.
+
+A sampler bound for a torch device (``sampler(B, device=...)``) does not go
+through ``sample`` → ``Batch`` → ``to_torch``: its thread fills reused
+blocks (``device/feed.py``), each batch with
+
+1. ``draw`` (under the buffer's lock, tens of µs): the stratified draw from
+   the tree, the weights, the generations, the end flags and discounts, and
+   the frame ids of the ``obs``/``next_obs`` stacks, written into the block;
+2. ``gather`` (without the lock and without the GIL): every stored field's
+   rows and every frame, copied into the block from the storage's arrays (or
+   the device tier's host arrays); with a CUDA tier the device gathers instead;
+3. ``intact`` (under the lock again, one comparison): no write replaced a
+   drawn transition or one of its frames while they were copied; if one did,
+   the batch is drawn and gathered again under the lock.
+
+Every array the kernels touch is bytes: a field is a ``(rows, bytes a row)``
+uint8 view of its storage array, so one kernel serves every dtype and shape.
+The batch is what ``sample(B).to_torch(device)`` would give for the same draw
+(``tests/device/test_feed.py`` holds them equal, key by key).
+
+Covered: transitions with ``n_step=1``, proportional priorities, raw (not
+compressed) frames, a storage with arrays (memory, memmap) or a device tier.
+Anything else (sequences, n-step, rank, HDF5, zstd frames) is served by the
+general path (``covered`` says why not).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels import batch_meta, kernel, sample_into
+
+# Offsets of the regions of a block: aligned for any dtype's view (and for fast copies).
+ALIGN = 64
+
+# The bookkeeping a block holds before the data, in order: name, dtype.
+# (".indices"/".generations": the host copies ``update_priorities`` reads, apart from the tensors a
+# learner may change in place.)
+META = (("indices", np.int64), ("generations", np.int64), ("probabilities", np.float64),
+        ("weights", np.float32), ("terminated", np.bool_), ("truncated", np.bool_), ("discount", np.float32),
+        (".indices", np.int64), (".generations", np.int64))
+
+# What ``draw`` says of a batch's stacks: no frames, obs only, obs and next_obs as one (B, k + 1)
+# gather, or as two (B, k) gathers (some next_obs stack is not its obs stack moved on by one frame).
+NO_FRAMES, OBS_ONLY, PAIR, SPLIT = 0, 1, 2, 3
+
+_EMPTY_REFS = np.zeros((0, 0), dtype=np.int64)
+_NO_BYTES = np.zeros((0, 0), dtype=np.uint8)
+
+
+def covered(buf, host: bool) -> str | None:
+    """Why the feed does not serve ``buf`` (a ``PrioritizedReplayBuffer``), or
+    None; ``host``: the rows are gathered on the host (else a device tier gathers them)."""
+    cfg = buf.config
+    if cfg.sequence is not None:
+        return "sequence items"
+    if cfg.n_step != 1:
+        return "n-step returns"
+    if getattr(buf._prio, "kind", None) != "proportional":
+        return "rank-based priorities"
+    if buf._frames is not None and buf._frames.log is not None:
+        return "compressed frames"
+    if buf._store.arrays is None and (host or buf._frames is not None):
+        return f"a {buf._store.kind} storage without arrays"
+    for name, (shape, dtype) in buf._ingest.stored.items():
+        if not np.dtype(dtype).isnative:
+            return f"field {name!r} of non-native byte order"
+    return None
+
+
+def _bytes2d(arr) -> np.ndarray:
+    """A C-contiguous array as ``(rows, bytes a row)`` uint8, without a copy."""
+    a = np.asarray(arr)
+    return a.reshape(a.shape[0], -1).view(np.uint8)
+
+
+class Layout:
+    """Where each part of one batch lies in a block of bytes.
+
+    Parameters
+    ----------
+    b : int
+        Batch size.
+    fields : dict
+        ``name -> (shape, dtype)`` of the stored fields gathered row by row,
+        in the batch's order (empty when a device gathers them).
+    frames : tuple or None
+        ``(k, frame shape, dtype, next)``: the stacks' depth, a frame, and
+        whether there is a ``next_obs`` stack; None without frame stacks.
+    gather : bool
+        Whether the frames are gathered into the block (else only their ids travel).
+    """
+
+    def __init__(self, b: int, fields: dict, frames: tuple | None, gather: bool):
+        self.b = b
+        self.regions: dict = {}  # name -> (offset, shape, dtype)
+        off = 0
+
+        def put(name, shape, dtype):
+            nonlocal off
+            dtype = np.dtype(dtype)
+            self.regions[name] = (off, tuple(shape), dtype)
+            off += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
+
+        for name, dtype in META:
+            put(name, (b,), dtype)
+        self.k = 0
+        if frames is not None:
+            k, fshape, fdtype, nxt = frames
+            self.k, self.frame_shape, self.frame_dtype, self.next = k, tuple(fshape), np.dtype(fdtype), nxt
+            put(".ids", (b * (2 * k if nxt else k),), np.int64)
+        for name, (shape, dtype) in fields.items():
+            put(name, (b, *shape), dtype)
+        if frames is not None and gather:
+            put(".frames", (b * (2 * self.k if self.next else self.k), *self.frame_shape), self.frame_dtype)
+        self.size = max(off, ALIGN)
+        self.fields = list(fields)
+
+    def views(self, block: np.ndarray) -> dict:
+        """Numpy views of ``block`` (uint8, ``size`` bytes) by region."""
+        out = {}
+        for name, (off, shape, dtype) in self.regions.items():
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            out[name] = block[off:off + n].view(dtype).reshape(shape)
+        return out
+
+    def used(self, shape: int) -> int:
+        """Bytes of a block a batch drawn with stacks ``shape`` (``draw``'s code) fills."""
+        if ".frames" not in self.regions or shape == SPLIT:
+            return self.size
+        off, fshape, dtype = self.regions[".frames"]
+        per = int(np.prod(fshape[1:], dtype=np.int64)) * dtype.itemsize
+        return off + self.b * (self.k + 1 if shape == PAIR else self.k) * per
+
+
+class Sources:
+    """The arrays a batch is read from, as the kernels take them: the tree,
+    the ring's bookkeeping, the frame refs, and the bytes of the fields and
+    frames (the storage's, or a CPU device tier's)."""
+
+    def __init__(self, buf, layout: Layout, field_arrays: dict | None, frame_ring):
+        t = buf._prio.tree
+        ring = buf._ring
+        self.tree = (t.sums, t.mins, t.offsets)
+        self.book = (ring.ends, ring.gid, buf._reader.discount1)
+        frames = buf._frames
+        arrays = buf._store.arrays
+        if frames is not None:
+            # (the refs are the storage's even with a tier: the host plans, the device gathers)
+            refs = arrays if arrays is not None else None
+            obs_ref = np.asarray(refs["obs_ref"]) if refs is not None else None
+            next_ref = np.asarray(refs["next_obs_ref"]) if refs is not None and layout.next else _EMPTY_REFS
+            self.refs = (obs_ref, next_ref, frames.F)
+        else:
+            self.refs = (_EMPTY_REFS, _EMPTY_REFS, 1)
+        self.F = frames.F if frames is not None else 1
+        # (an empty tuple has no type numba can index: one empty array stands for none)
+        self.srcs = tuple(_bytes2d(field_arrays[name]) for name in layout.fields) if field_arrays else ()
+        self.srcs = self.srcs or (_NO_BYTES,)
+        self.ring = _bytes2d(frame_ring) if frame_ring is not None else _NO_BYTES
+
+
+class Block:
+    """One packed batch: its bytes (``data``, uint8) and the kernels' views of them."""
+
+    def __init__(self, layout: Layout, data: np.ndarray):
+        self.layout = layout
+        self.data = data
+        v = self.views = layout.views(data)
+        self.meta = tuple(v[name] for name, _ in META)
+        self.ids = v.get(".ids", np.zeros(0, dtype=np.int64))
+        self.dsts = tuple(v[name].reshape(layout.b, -1).view(np.uint8) for name in layout.fields) or (_NO_BYTES,)
+        self.fdst = v[".frames"].reshape(v[".frames"].shape[0], -1).view(np.uint8) if ".frames" in v else _NO_BYTES
+        self.shape = NO_FRAMES  # draw's code of the batch it holds
+        self.lowest = 0         # the oldest frame id it reads
+        self.count = 0          # rows written to the buffer when it was drawn
+
+
+def draw(src: Sources, block: Block, uniforms: np.ndarray, how: tuple) -> None:
+    """Draw into ``block`` (under the buffer's lock): ``how`` is ``(stratified, beta, batch_norm)``."""
+    block.shape, block.lowest = draw_kernel(src.tree, uniforms, how, src.book, src.refs, block.meta, block.ids)
+
+
+def gather(src: Sources, block: Block) -> None:
+    """Copy the drawn rows and frames into ``block`` (no lock, no GIL)."""
+    if block.layout.fields or block.fdst.shape[0]:
+        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, _ids_used(block), src.ring, block.fdst)
+
+
+def _ids_used(block: Block) -> int:
+    k, b = block.layout.k, block.layout.b
+    return b * (k + 1 if block.shape == PAIR else 2 * k if block.shape == SPLIT else k)
+
+
+@kernel
+def draw_kernel(tree, uniforms, how, book, refs, meta, ids):
+    """One batch's draw and plan: indices, probabilities and weights
+    (``sample_into``), generations, end flags and discount (``batch_meta``),
+    and the frame ids of its stacks (ring rows, ``id % F``) in ``ids``: a
+    ``(B, k + 1)`` pair when every ``next_obs`` stack is its ``obs`` stack
+    moved on by one frame, else ``(B, 2k)``. Returns ``(shape code, oldest
+    frame id)``."""
+    sums, mins, offsets = tree
+    stratified, beta, batch_norm = how
+    ends, gid, discount1 = book
+    obs_ref, next_ref, F = refs
+    idx, gen, prob, w, term, trunc, disc, host_idx, host_gen = meta
+    sample_into(sums, mins, offsets, uniforms, stratified, beta, batch_norm, idx, prob, w)
+    batch_meta(idx, ends, gid, discount1, gen, term, trunc, disc)
+    host_idx[:] = idx
+    host_gen[:] = gen
+    b = idx.shape[0]
+    k = obs_ref.shape[1]
+    if k == 0:
+        return 0, 0
+    lowest = np.int64(2 ** 62)
+    for i in range(b):
+        s = idx[i]
+        for j in range(k):
+            lowest = min(lowest, obs_ref[s, j])
+    if next_ref.shape[0] == 0:
+        for i in range(b):
+            for j in range(k):
+                ids[i * k + j] = obs_ref[idx[i], j] % F
+        return 1, lowest
+    pair = True
+    for i in range(b):
+        s = idx[i]
+        lowest = min(lowest, next_ref[s, k - 1])
+        for j in range(k - 1):
+            if next_ref[s, j] != obs_ref[s, j + 1]:
+                pair = False
+    if pair:
+        for i in range(b):
+            s = idx[i]
+            for j in range(k):
+                ids[i * (k + 1) + j] = obs_ref[s, j] % F
+            ids[i * (k + 1) + k] = next_ref[s, k - 1] % F
+        return 2, lowest
+    for i in range(b):
+        s = idx[i]
+        for j in range(k):
+            lowest = min(lowest, next_ref[s, j])
+            ids[i * 2 * k + j] = obs_ref[s, j] % F
+            ids[i * 2 * k + k + j] = next_ref[s, j] % F
+    return 3, lowest
+
+
+@kernel
+def gather_kernel(idx, srcs, dsts, ids, n_ids, ring, fdst):
+    """``dsts[f][i] = srcs[f][idx[i]]`` for every field ``f`` (bytes a row), and
+    ``fdst[i] = ring[ids[i]]`` for the first ``n_ids`` frames."""
+    # (plain loops: numba turns them into wide copies; a slice assignment was 4x slower, measured)
+    for f in range(len(srcs)):
+        src = srcs[f]
+        dst = dsts[f]
+        w = dst.shape[1]
+        for i in range(idx.shape[0]):
+            s = idx[i]
+            for j in range(w):
+                dst[i, j] = src[s, j]
+    w = fdst.shape[1]
+    for i in range(n_ids):
+        r = ids[i]
+        for j in range(w):
+            fdst[i, j] = ring[r, j]
+
+
+@kernel
+def intact_kernel(idx, gen, gid):
+    """Whether every drawn slot still holds the transition it held at the draw."""
+    for i in range(idx.shape[0]):
+        if gid[idx[i]] != gen[i]:
+            return False
+    return True
+
+
+def intact(buf, block: Block, restores: int) -> bool:
+    """(Under the lock, after ``gather``.) Whether no write replaced what the
+    batch in ``block`` read while it was gathered without the lock."""
+    if buf._restores != restores:
+        return False
+    if buf._ring.count == block.count:
+        return True  # nothing was written since the draw
+    frames = buf._frames
+    if frames is not None and block.lowest < frames.fw - frames.F:
+        return False
+    return intact_kernel(block.meta[0], block.meta[1], buf._ring.gid)

@@ -1,0 +1,413 @@
+"""The feed: a sampler bound for a torch device, its thread almost free of the GIL.
+
+An eager learner gives the GIL up at every op and needs it back at once:
+whatever Python a sampler's thread runs is time the learner waits. The feed
+runs a batch as a few calls (``core/feed.py``: a compiled draw under the
+buffer's lock, a compiled gather without lock or GIL, a check) into one of a
+few reused **slots**, each a packed block with the batch's tensors made once
+as views of it::
+
+    thread   free.get() -> draw (lock) -> gather (no GIL) -> [CUDA: one copy up] -> ready.put(slot)
+    learner  next(it): ready.get() -> slot's dict     ...  update_priorities(dict, td)
+             (the slot of the batch before the last goes back to the free queue)
+
+- CPU: the tensors are the host block itself (``torch.from_numpy`` views).
+- CUDA: the block is pinned; one host-to-device copy of what the batch
+  filled, the tensors views of the slot's device block. With a device tier,
+  only the plan goes up (indices, flags, frame ids) and the device gathers:
+  one ``index_select`` of every per-transition field (the tier's packed rows)
+  and one of the frames, into the slot's tensors (``out=``).
+
+A slot is filled again only when nothing of its batch is held any more: its
+dict and tensors are referenced by no one but the slot, and no tensor made
+as a view of its memory is alive (the storage's use count); a batch the
+learner keeps makes the feed take a new slot instead. On CUDA, the learner's
+stream records an event when a slot is given back, and the refill waits for
+it on the device (never on the host). Handing over between the threads takes
+two C calls (``queue.SimpleQueue``).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import weakref
+from collections import deque
+
+import numpy as np
+
+from .._torch import TensorBatch, _torch, _torch_dtype
+from ..core import feed as plan
+from ..core.prefetch import Failure, why_after
+from ..errors import BufferClosedError, InvalidArgumentError
+from ..schedules import ConstantSchedule
+
+# How often a blocked thread or consumer looks whether it was told to stop.
+_POLL_S = 0.05
+# Slots handed to the learner and not yet given back, beyond the prefetched ones:
+# the batch the learner works on and the one its loop variable still holds.
+_HELD = 2
+
+
+class FeedBatch(TensorBatch):
+    """The dict a feed hands out: a ``TensorBatch`` whose tensors and host
+    copies live in a slot that is refilled once nobody holds them."""
+
+    __slots__ = ()
+
+
+class Slot:
+    """One reused block and the batches (dicts) made of it, one per stack layout."""
+
+    def __init__(self, torch, layout: plan.Layout, dev, order: list, tier=None):
+        self.layout = layout
+        cuda = dev.type == "cuda"
+        host = torch.empty((layout.size,), dtype=torch.uint8)
+        self.host = host.pin_memory() if cuda else host
+        self.block = plan.Block(layout, self.host.numpy())
+        self.dev_block = torch.empty((layout.size,), dtype=torch.uint8, device=dev) if cuda else self.host
+        self.copied = None   # CUDA: event after the copy up out of ``host``
+        self.released = torch.cuda.Event() if cuda else None  # recorded on the learner's stream at give-back
+        self.ready = torch.cuda.Event() if cuda else None
+        self.fresh = True
+        t = _tensors(torch, layout, self.dev_block)
+        b, k = layout.b, layout.k
+        self.rows = self.frames = None
+        if tier is not None:  # the device's gathers land here
+            self.rows = torch.empty((b, tier.packed.shape[1]), dtype=torch.uint8, device=dev)
+            if k:
+                fshape = tuple(tier.frames.shape[1:])
+                self.frames = torch.empty((b * (2 * k if layout.next else k), *fshape),
+                                          dtype=tier.frames.dtype, device=dev)
+            for name, (a, z, tdt, shape) in tier.columns.items():
+                t[name] = self.rows[:, a:z].view(tdt).view(b, *shape)
+            if k:
+                t[".frames"] = self.frames
+            # (the gathers' index views and outputs, by stack layout)
+            self.ids = {code: (t[".ids"][:b * n], self.frames[:b * n])
+                        for code, n in ((plan.PAIR, k + 1), (plan.SPLIT, 2 * k), (plan.OBS_ONLY, k))} if k else {}
+        self.batches = {}
+        host_np = self.block.views
+        for code in _codes(layout):
+            tensors = {}
+            for name in order:
+                if k and name in ("obs", "next_obs"):  # (frame stacks; else plain fields)
+                    tensors[name] = _stack(t[".frames"], code, name, b, k)
+                else:
+                    tensors[name] = t[name]
+            for name in ("weights", "indices", "generations"):
+                tensors[name] = t[name]
+            self.batches[code] = FeedBatch(tensors, {"indices": host_np[".indices"],
+                                                     "generations": host_np[".generations"], "mask": None})
+        self.used = {code: (self.host[:layout.used(code)], self.dev_block[:layout.used(code)])
+                     for code in self.batches} if cuda and tier is None else None
+        # What holds each object when nobody else does: the baseline a give-back compares with.
+        self.held = tuple(obj for d in self.batches.values() for obj in (d, *d.values()))
+        self.held += (host_np[".indices"], host_np[".generations"])
+        self.storages = tuple(x.untyped_storage()._cdata for x in (self.dev_block, self.rows, self.frames)
+                              if x is not None)
+        self.use_count = torch._C._storage_Use_Count
+        self.base = None  # (taken by ``made``, once the locals of this call are gone)
+        self.batch = None  # the dict of the batch it holds
+
+    def counts(self) -> tuple:
+        return tuple(map(sys.getrefcount, self.held)), tuple(map(self.use_count, self.storages))
+
+    def unheld(self) -> bool:
+        """Whether nothing of this slot's batches is held outside it (or changed in its dicts)."""
+        n, self.batch = len(self.batch), None
+        return n == self.nkeys and self.counts() == self.base
+
+    @property
+    def nkeys(self) -> int:
+        return len(next(iter(self.batches.values())))
+
+
+def _codes(layout: plan.Layout) -> tuple:
+    if not layout.k:
+        return (plan.NO_FRAMES,)
+    return (plan.PAIR, plan.SPLIT) if layout.next else (plan.OBS_ONLY,)
+
+
+def _stack(frames, code: int, name: str, b: int, k: int):
+    fshape = tuple(frames.shape[1:])
+    if code == plan.PAIR:
+        pair = frames[:b * (k + 1)].view(b, k + 1, *fshape)
+        return pair[:, :k] if name == "obs" else pair[:, 1:]
+    if code == plan.SPLIT:
+        both = frames.view(b, 2 * k, *fshape)
+        return both[:, :k] if name == "obs" else both[:, k:]
+    return frames[:b * k].view(b, k, *fshape)
+
+
+def _tensors(torch, layout: plan.Layout, block) -> dict:
+    """Tensor views of ``block`` by region (the layout's numpy dtypes)."""
+    out = {}
+    for name, (off, shape, dtype) in layout.regions.items():
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        out[name] = block[off:off + n].view(_torch_dtype(torch, dtype, name)).view(shape)
+    return out
+
+
+class Filler:
+    """Fills slots with batches of one buffer (held weakly: the thread keeps
+    no buffer alive between two batches)."""
+
+    def __init__(self, buf, b: int, dev, beta, stratified: bool):
+        torch = self.torch = _torch()
+        self.ref = weakref.ref(buf)
+        self.dev, self.cuda = dev, dev.type == "cuda"
+        mirror = buf._mirror
+        self.tier = mirror if mirror is not None and self.cuda and mirror.device == dev else None
+        cfg = buf.config
+        frames = None
+        if buf._frames is not None:
+            shape = cfg.shape("obs")
+            frames = (shape[0], tuple(shape[1:]), cfg.dtype("obs"), "obs" in cfg.next_of)
+        fields = {name: ((*shape,), np.dtype(dt)) for name, (shape, dt) in buf._plain.items()}
+        self.layout = plan.Layout(b, {} if self.tier is not None else fields, frames, self.tier is None)
+        self.order = list(buf._plain) + (["obs", "next_obs"] if frames and frames[3] else ["obs"] if frames else [])
+        self.order += [n for n in ("terminated", "truncated", "discount") if n not in self.order]
+        self.how = None if beta is None and not isinstance(buf._cfg_beta, ConstantSchedule) else \
+            (bool(stratified), float(beta if beta is not None else buf._cfg_beta.value), buf._prio.batch_norm)
+        self.stratified = bool(stratified)
+        self.beta = beta
+        self.uniforms = np.empty(b, dtype=np.float64)
+        self.src = None
+        self.src_of = None
+
+    def new_slot(self) -> Slot:
+        slot = Slot(self.torch, self.layout, self.dev, self.order, self.tier)
+        slot.base = slot.counts()
+        return slot
+
+    def sources(self, buf):
+        key = (buf._restores, buf._store.arrays, buf._prio.tree)
+        if self.src_of != key:
+            arrays = buf._store.arrays
+            fields = None if self.tier is not None else {n: arrays[n] for n in self.layout.fields}
+            ring = arrays["frames"] if buf._frames is not None and self.tier is None else None
+            self.src = plan.Sources(buf, self.layout, fields, ring)
+            self.src_of = key
+        return self.src
+
+    def fill(self, slot: Slot, stop) -> Slot | None:
+        """Draw a batch into ``slot``; None when told to stop while waiting for the lock."""
+        buf = self.ref()
+        if buf is None:
+            raise BufferClosedError("the buffer of this sampler was dropped")
+        if buf._deferred:
+            buf._deferred.wait()  # device copies of priorities: waited for outside the lock
+        lock = buf._lock
+        block = slot.block
+        if self.cuda:
+            if slot.copied is not None:
+                slot.copied.synchronize()  # the last copy out of the host block is done
+            if not slot.fresh:
+                self.torch.cuda.current_stream(self.dev).wait_event(slot.released)
+        while not lock.acquire(timeout=_POLL_S):
+            if stop():
+                return None
+        try:
+            self._draw(buf, block)
+            restores = buf._restores
+            if self.tier is not None:  # everything on the device, in order, under the lock
+                self._tier_gather(slot)
+                return slot
+        finally:
+            lock.release()
+        plan.gather(self.src, block)
+        if not self._intact(buf, block, restores, lock):
+            with lock:  # a write replaced what was read: the batch again, under the lock
+                self._draw(buf, block)
+                plan.gather(self.src, block)
+        if self.cuda:
+            host, dev = slot.used[block.shape]
+            dev.copy_(host, non_blocking=True)
+            slot.copied = self.torch.cuda.Event()
+            slot.copied.record()
+            slot.ready.record()
+        return slot
+
+    def _intact(self, buf, block, restores, lock) -> bool:
+        with lock:
+            return plan.intact(buf, block, restores)
+
+    def _draw(self, buf, block) -> None:
+        if buf._closed:
+            raise BufferClosedError("this buffer is closed (the sampler needs an open one)"
+                                    + (f": {buf._closed_why}" if buf._closed_why else ""))
+        if buf._deferred:
+            buf._settle(keep=True)
+        src = self.sources(buf)
+        if self.tier is not None and (self.tier.count != buf._ring.count or
+                                      (buf._frames is not None and self.tier.fw != buf._frames.fw)):
+            self.tier.sync(buf._store, buf._frames, buf._ring.count)
+        if not buf._prio.sampleable:
+            raise InvalidArgumentError(buf._unit.unsampleable(len(buf)))
+        how = self.how
+        if how is None:
+            beta = buf._cfg_beta(buf._beta_step) if self.beta is None else self.beta
+            how = (self.stratified, float(beta), buf._prio.batch_norm)
+        buf._rng.random(out=self.uniforms)
+        plan.draw(src, block, self.uniforms, how)
+        buf._beta_step += 1
+        block.count = buf._ring.count
+
+    def _tier_gather(self, slot: Slot) -> None:
+        torch = self.torch
+        code = slot.block.shape
+        slot.dev_block.copy_(slot.host, non_blocking=True)  # the plan: one copy up
+        slot.copied = torch.cuda.Event()
+        slot.copied.record()
+        torch.index_select(self.tier.packed, 0, slot.batches[code]["indices"], out=slot.rows)
+        if code != plan.NO_FRAMES:
+            ids, out = slot.ids[code]
+            torch.index_select(self.tier.frames, 0, ids, out=out)
+        slot.ready.record()
+
+
+def _run(filler: Filler, free: "queue.SimpleQueue", ready: "queue.SimpleQueue", flags: list) -> None:
+    stop = (lambda: flags[0])
+    while not flags[0]:
+        try:
+            slot = free.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        if flags[0]:
+            return
+        try:
+            if slot is None:
+                slot = filler.new_slot()
+            item = filler.fill(slot, stop)
+            if item is None:
+                return
+        except BaseException as exc:  # noqa: BLE001 (handed to the consumer, who re-raises it)
+            ready.put(Failure(exc))
+            return
+        ready.put(item)
+
+
+class FeedSampler:
+    """The iterator ``sampler(B, prefetch, device=...)`` gives where the feed
+    covers the buffer: the contract of ``core.prefetch.Prefetcher`` (errors,
+    ``close``, ``ready``), batches as ``FeedBatch`` dicts. ``depth`` 0: no
+    thread, each batch filled in the caller's thread."""
+
+    def __init__(self, buf, b: int, dev, depth: int, beta=None, stratified: bool = True):
+        self._filler = Filler(buf, b, dev, beta, stratified)
+        self._torch = self._filler.torch
+        self._cuda = self._filler.cuda
+        self._dev = dev
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._out: deque = deque()
+        self._flags = [False]
+        self._done = False
+        self._why: BaseException | None = None
+        self._depth = depth
+        for _ in range(depth + _HELD + 1):
+            self._free.put(None)
+        self._thread = None
+        if depth:
+            self._thread = threading.Thread(target=_run, args=(self._filler, self._free, self._ready, self._flags),
+                                            name="bigper-feed", daemon=True)
+            self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            self._stop_iteration()
+        out = self._out
+        while len(out) >= _HELD:  # the batch before the last: back to the thread, or let go
+            self._give_back(out.popleft())
+        if self._thread is None:
+            item = self._fill_here()
+        else:
+            item = self._take()
+        if isinstance(item, Failure):
+            self._done, self._why = True, why_after(self._why, item.exc)
+            self.close()
+            raise item.exc
+        out.append(item)
+        item.fresh = False
+        batch = item.batch = item.batches[item.block.shape]
+        if self._cuda:
+            self._torch.cuda.current_stream(self._dev).wait_event(item.ready)
+        return batch
+
+    def _take(self):
+        ready = self._ready
+        while True:
+            try:
+                return ready.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive() and ready.empty():
+                    self._done = True
+                    self._stop_iteration()
+
+    def _fill_here(self):
+        slot = self._free.get_nowait()
+        try:
+            return self._filler.fill(slot if slot is not None else self._filler.new_slot(), lambda: False)
+        except BaseException as e:  # noqa: BLE001
+            self._free.put(None)
+            return Failure(e)
+
+    def _give_back(self, slot: Slot) -> None:
+        if slot.unheld():
+            if self._cuda:
+                slot.released.record()
+            self._free.put(slot)
+        else:  # the learner keeps it: a new slot takes its place
+            self._free.put(None)
+
+    @property
+    def ready(self) -> int:
+        """Batches prepared and waiting."""
+        return self._ready.qsize()
+
+    def _stop_iteration(self):
+        if self._why is not None:
+            raise self._why
+        raise StopIteration
+
+    def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
+        """As ``Prefetcher.close``."""
+        if why is not None and not self._done:
+            self._why = why
+        self._flags[0] = True
+        self._done = True
+        self._free.put(None)  # wakes a thread waiting for a slot
+        t = self._thread
+        if wait and t is not None and t is not threading.current_thread():
+            t.join(timeout)
+        while True:
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close(wait=True, timeout=2.0)
+        except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
+            pass
+
+
+def covered(buf, dev) -> str | None:
+    """Why the feed does not serve ``buf`` for device ``dev``, or None."""
+    mirror = buf._mirror
+    tier = mirror is not None and dev.type == "cuda" and mirror.device == dev
+    if mirror is not None and not tier and dev.type == "cuda":
+        return f"a device tier on {mirror.device}, batches for {dev}"
+    return plan.covered(buf, host=not tier)
