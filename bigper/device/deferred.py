@@ -41,13 +41,14 @@ class Deferred:
     """Updates in flight, oldest first."""
 
     def __init__(self) -> None:
-        self._q: deque[Pending] = deque()
+        # (public: a feed's thread tests it without a Python call a batch)
+        self.items: deque[Pending] = deque()
 
     def __bool__(self) -> bool:
-        return bool(self._q)
+        return bool(self.items)
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self.items)
 
     def push(self, indices: np.ndarray, stamps: np.ndarray, use_stamps: bool, mask, values) -> None:
         """Start copying ``values`` (a device tensor) to the host and keep the update."""
@@ -61,22 +62,22 @@ class Deferred:
             slot.host.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(t.device))
-            self._q.append(Pending(indices, stamps, use_stamps, mask, (key, slot), event))
+            self.items.append(Pending(indices, stamps, use_stamps, mask, (key, slot), event))
         else:
-            self._q.append(Pending(indices, stamps, use_stamps, mask, (None, t.to("cpu")), None))
+            self.items.append(Pending(indices, stamps, use_stamps, mask, (None, t.to("cpu")), None))
 
     def wait(self) -> None:
         """Wait for the copies of the updates in flight now (no state changes:
         callable without the buffer's lock, so its other callers go on)."""
-        for p in list(self._q):
+        for p in list(self.items):
             if p.event is not None:
                 p.event.synchronize()
 
     def pop(self) -> tuple[Pending, np.ndarray] | None:
         """The oldest update and its values (waiting for its copy), or None."""
-        if not self._q:
+        if not self.items:
             return None
-        p = self._q.popleft()
+        p = self.items.popleft()
         if p.event is not None:
             p.event.synchronize()  # releases the GIL while it waits
         key, held = p.values

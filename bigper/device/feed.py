@@ -67,7 +67,7 @@ class Slot:
         self.host = host.pin_memory() if cuda else host
         self.block = plan.Block(layout, self.host.numpy())
         self.dev_block = torch.empty((layout.size,), dtype=torch.uint8, device=dev) if cuda else self.host
-        self.copied = None   # CUDA: event after the copy up out of ``host``
+        self.copied = torch.cuda.Event() if cuda else None  # recorded after the copy up out of ``host``
         self.released = torch.cuda.Event() if cuda else None  # recorded on the learner's stream at give-back
         self.ready = torch.cuda.Event() if cuda else None
         self.fresh = True
@@ -175,72 +175,95 @@ class Filler:
         self.beta = beta
         self.uniforms = np.empty(b, dtype=np.float64)
         self.src = None
-        self.src_of = None
+        self.src_of = None  # (restores, storage arrays) the sources were made for
+        self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
+        self.n_ids = {code: b * n for code, n in ((plan.NO_FRAMES, 0), (plan.OBS_ONLY, self.layout.k),
+                                                  (plan.PAIR, self.layout.k + 1), (plan.SPLIT, 2 * self.layout.k))}
 
     def new_slot(self) -> Slot:
         slot = Slot(self.torch, self.layout, self.dev, self.order, self.tier)
         slot.base = slot.counts()
         return slot
 
-    def sources(self, buf):
-        key = (buf._restores, buf._store.arrays, buf._prio.tree)
-        if self.src_of != key:
-            arrays = buf._store.arrays
-            fields = None if self.tier is not None else {n: arrays[n] for n in self.layout.fields}
-            ring = arrays["frames"] if buf._frames is not None and self.tier is None else None
-            self.src = plan.Sources(buf, self.layout, fields, ring)
-            self.src_of = key
+    def sources(self, buf) -> plan.Sources:
+        """The kernels' arrays, made anew after a restore (or new storage arrays)."""
+        arrays = buf._store.arrays
+        fields = None if self.tier is not None else {n: arrays[n] for n in self.layout.fields}
+        ring = arrays["frames"] if buf._frames is not None and self.tier is None else None
+        self.src = plan.Sources(buf, self.layout, fields, ring)
+        self.src_of = (buf._restores, arrays)
         return self.src
 
     def fill(self, slot: Slot, stop) -> Slot | None:
-        """Draw a batch into ``slot``; None when told to stop while waiting for the lock."""
+        """Draw a batch into ``slot``; None when told to stop while waiting for
+        the lock. (Written flat: each Python call here is one a launch-bound
+        learner waits for; about ten a batch, whatever its size.)"""
         buf = self.ref()
         if buf is None:
             raise BufferClosedError("the buffer of this sampler was dropped")
-        if buf._deferred:
+        if buf._deferred.items:
             buf._deferred.wait()  # device copies of priorities: waited for outside the lock
         lock = buf._lock
         block = slot.block
         if self.cuda:
-            if slot.copied is not None:
-                slot.copied.synchronize()  # the last copy out of the host block is done
-            if not slot.fresh:
-                self.torch.cuda.current_stream(self.dev).wait_event(slot.released)
-        while not lock.acquire(timeout=_POLL_S):
-            if stop():
-                return None
+            self._reuse(slot)
+        if not lock.acquire(timeout=_POLL_S):
+            while not lock.acquire(timeout=_POLL_S):
+                if stop():
+                    return None
         try:
-            self._draw(buf, block)
+            src = self.src
+            if src is None or self.how is None or self.tier is not None or buf._closed or buf._deferred.items \
+                    or self.src_of[0] != buf._restores or self.src_of[1] is not buf._store.arrays \
+                    or not src.tree[0][0] > 0:
+                src = self._draw(buf, block)  # every case
+            else:  # the common one, inline: one call to the compiled draw
+                buf._rng.random(out=self.uniforms)
+                block.shape, block.lowest = plan.draw_kernel(src.tree, self.uniforms, self.how, src.book,
+                                                             src.refs, block.meta, block.ids)
+                buf._beta_step += 1
+                block.count = buf._ring.count
             restores = buf._restores
             if self.tier is not None:  # everything on the device, in order, under the lock
                 self._tier_gather(slot)
                 return slot
         finally:
             lock.release()
-        plan.gather(self.src, block)
-        if not self._intact(buf, block, restores, lock):
-            with lock:  # a write replaced what was read: the batch again, under the lock
-                self._draw(buf, block)
-                plan.gather(self.src, block)
+        if self.gathers:
+            plan.gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, self.n_ids[block.shape],
+                               src.ring, block.fdst)
+        lock.acquire()
+        try:
+            if buf._restores != restores or buf._ring.count != block.count:
+                if not plan.intact(buf, block, restores):  # a write replaced what was read: again, under the lock
+                    self._draw(buf, block)
+                    plan.gather(self.src, block)
+        finally:
+            lock.release()
         if self.cuda:
             host, dev = slot.used[block.shape]
             dev.copy_(host, non_blocking=True)
-            slot.copied = self.torch.cuda.Event()
             slot.copied.record()
             slot.ready.record()
         return slot
 
-    def _intact(self, buf, block, restores, lock) -> bool:
-        with lock:
-            return plan.intact(buf, block, restores)
+    def _reuse(self, slot: Slot) -> None:
+        """CUDA: before a slot is filled again, its last copy out of the host
+        block is done and the device waits for the learner's use of it."""
+        slot.copied.synchronize()  # (an event never recorded is complete)
+        if not slot.fresh:
+            self.torch.cuda.current_stream(self.dev).wait_event(slot.released)
 
-    def _draw(self, buf, block) -> None:
+    def _draw(self, buf, block) -> plan.Sources:
+        """The draw under the lock, every case (``fill`` inlines the common one)."""
         if buf._closed:
             raise BufferClosedError("this buffer is closed (the sampler needs an open one)"
                                     + (f": {buf._closed_why}" if buf._closed_why else ""))
-        if buf._deferred:
+        if buf._deferred.items:
             buf._settle(keep=True)
-        src = self.sources(buf)
+        src = self.src
+        if self.src_of is None or self.src_of[0] != buf._restores or self.src_of[1] is not buf._store.arrays:
+            src = self.sources(buf)
         if self.tier is not None and (self.tier.count != buf._ring.count or
                                       (buf._frames is not None and self.tier.fw != buf._frames.fw)):
             self.tier.sync(buf._store, buf._frames, buf._ring.count)
@@ -254,12 +277,12 @@ class Filler:
         plan.draw(src, block, self.uniforms, how)
         buf._beta_step += 1
         block.count = buf._ring.count
+        return src
 
     def _tier_gather(self, slot: Slot) -> None:
         torch = self.torch
         code = slot.block.shape
         slot.dev_block.copy_(slot.host, non_blocking=True)  # the plan: one copy up
-        slot.copied = torch.cuda.Event()
         slot.copied.record()
         torch.index_select(self.tier.packed, 0, slot.batches[code]["indices"], out=slot.rows)
         if code != plan.NO_FRAMES:
