@@ -644,12 +644,13 @@ class PrioritizedReplayBuffer:
         self._check_indices(idx)
         self._deferred.push(idx.copy(), stamps.copy(), use_stamps, None if mask is None else np.array(mask), priorities)
 
-    def _settle(self, keep: bool = False) -> None:
+    def _settle(self, keep: bool = False, arrived: bool = False) -> None:
         """Apply the updates from device tensors, oldest first (waiting for
-        their copies). One whose values are not valid priorities changes
-        nothing and is reported here, after the valid ones are applied (with
-        ``keep``: by the next public call other than a sampler's draw)."""
-        e = self._deferred.settle(self._update)
+        their copies; ``arrived``: only those whose copies are done). One whose
+        values are not valid priorities changes nothing and is reported here,
+        after the valid ones are applied (with ``keep``: by the next public
+        call other than a sampler's draw)."""
+        e = self._deferred.settle(self._update, arrived)
         if e is not None:
             if keep:
                 self._deferred_error = self._deferred_error or e

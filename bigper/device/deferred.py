@@ -87,13 +87,17 @@ class Deferred:
         _POOL.release(key, held, None)
         return p, values
 
-    def settle(self, apply) -> BigperError | None:
+    def settle(self, apply, arrived: bool = False) -> BigperError | None:
         """Apply every update in flight, oldest first (waiting for its copy),
         with ``apply(indices, stamps, use_stamps, mask, values)``. One whose
         values ``apply`` refuses changes nothing; the error of the first is
-        returned (after the valid ones are applied) for the buffer to report."""
+        returned (after the valid ones are applied) for the buffer to report.
+        ``arrived``: only the oldest ones whose copies are done, waiting for
+        none (a feed's draw: it must not wait for the learner's device work)."""
         first = None
-        while (got := self.pop()) is not None:
+        items = self.items
+        while not (arrived and items and items[0].event is not None and not items[0].event.query()) \
+                and (got := self.pop()) is not None:
             p, values = got
             try:
                 apply(p.indices, p.stamps, p.use_stamps, p.mask, values)

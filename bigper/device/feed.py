@@ -174,6 +174,10 @@ class Filler:
         self.stratified = bool(stratified)
         self.beta = beta
         self.uniforms = np.empty(b, dtype=np.float64)
+        self.own_thread = False  # set by the sampler that runs it in a thread of its own
+        self._stream = None
+        # The C methods of torch's CUDA events: their Python wrappers look the current stream up each time.
+        self.event = torch._C._CudaEventBase if self.cuda else None
         self.src = None
         self.src_of = None  # (restores, storage arrays) the sources were made for
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
@@ -201,8 +205,6 @@ class Filler:
         buf = self.ref()
         if buf is None:
             raise BufferClosedError("the buffer of this sampler was dropped")
-        if buf._deferred.items:
-            buf._deferred.wait()  # device copies of priorities: waited for outside the lock
         lock = buf._lock
         block = slot.block
         if self.cuda:
@@ -243,24 +245,35 @@ class Filler:
         if self.cuda:
             host, dev = slot.used[block.shape]
             dev.copy_(host, non_blocking=True)
-            slot.copied.record()
-            slot.ready.record()
+            stream = self.stream()
+            self.event.record(slot.copied, stream)
+            self.event.record(slot.ready, stream)
         return slot
+
+    def stream(self):
+        """The CUDA stream the slots are filled on: the feed thread's current
+        stream, taken once (``torch.cuda.current_stream`` is tens of Python
+        calls); in the caller's thread (``prefetch=0``), its current one."""
+        if self.own_thread:
+            if self._stream is None:
+                self._stream = self.torch.cuda.current_stream(self.dev)
+            return self._stream
+        return self.torch.cuda.current_stream(self.dev)
 
     def _reuse(self, slot: Slot) -> None:
         """CUDA: before a slot is filled again, its last copy out of the host
         block is done and the device waits for the learner's use of it."""
-        slot.copied.synchronize()  # (an event never recorded is complete)
+        self.event.synchronize(slot.copied)  # (an event never recorded is complete)
         if not slot.fresh:
-            self.torch.cuda.current_stream(self.dev).wait_event(slot.released)
+            self.event.wait(slot.released, self.stream())
 
     def _draw(self, buf, block) -> plan.Sources:
         """The draw under the lock, every case (``fill`` inlines the common one)."""
         if buf._closed:
             raise BufferClosedError("this buffer is closed (the sampler needs an open one)"
                                     + (f": {buf._closed_why}" if buf._closed_why else ""))
-        if buf._deferred.items:
-            buf._settle(keep=True)
+        if buf._deferred.items:  # priorities from the device whose copies arrived; never a wait for the
+            buf._settle(keep=True, arrived=True)  # learner's step (a later draw applies the others)
         src = self.src
         if self.src_of is None or self.src_of[0] != buf._restores or self.src_of[1] is not buf._store.arrays:
             src = self.sources(buf)
@@ -283,12 +296,13 @@ class Filler:
         torch = self.torch
         code = slot.block.shape
         slot.dev_block.copy_(slot.host, non_blocking=True)  # the plan: one copy up
-        slot.copied.record()
+        stream = self.stream()
+        self.event.record(slot.copied, stream)
         torch.index_select(self.tier.packed, 0, slot.batches[code]["indices"], out=slot.rows)
         if code != plan.NO_FRAMES:
             ids, out = slot.ids[code]
             torch.index_select(self.tier.frames, 0, ids, out=out)
-        slot.ready.record()
+        self.event.record(slot.ready, stream)
 
 
 def _run(filler: Filler, free: "queue.SimpleQueue", ready: "queue.SimpleQueue", flags: list) -> None:
@@ -333,6 +347,7 @@ class FeedSampler:
         for _ in range(depth + _HELD + 1):
             self._free.put(None)
         self._thread = None
+        self._filler.own_thread = bool(depth)
         if depth:
             self._thread = threading.Thread(target=_run, args=(self._filler, self._free, self._ready, self._flags),
                                             name="bigper-feed", daemon=True)
