@@ -199,7 +199,7 @@ class Layout:
                     f"(TorchRL's reward spec), got {spec}")
             fields["reward"] = ((), spec[1])
             source[REWARD] = "reward"
-        for key, spec in leaves.items():
+        for key, spec in sorted(leaves.items()):  # one order whatever the TensorDict's: a resume compares
             if key in source:
                 continue
             if not key or any(not isinstance(p, str) for p in key):

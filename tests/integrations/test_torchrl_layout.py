@@ -17,6 +17,7 @@ from bigper.integrations._torchrl_layout import (
     DONE,
     REWARD,
     TERMINATED,
+    TRUNCATED,
     Layout,
     field_name,
     key_of,
@@ -89,7 +90,8 @@ def leaf_sets(draw):
         c = draw(st.integers(1, 3))
         leaves[("pixels",)] = leaves[("next", "pixels")] = ((k * c, 3, 2), np.dtype(np.uint8))
     for key in draw(st.lists(keys, max_size=5, unique=True)):
-        if key in leaves or key[0] == "pixels" or (key[0] == "next" and key[1:2] == ("pixels",)):
+        special = {DONE, TERMINATED, TRUNCATED, REWARD, ("pixels",), ("next", "pixels")}
+        if key in leaves or key[:1] == ("pixels",) or key[:2] in special or ("next",) + key[:1] in special:
             continue
         if any(key[:i] in leaves or k2[:len(key)] == key for i in range(1, len(key)) for k2 in leaves):
             continue  # a key is a leaf or a node, never both
