@@ -69,6 +69,14 @@ def _key(key) -> Key:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
+def _leaf(cls: type) -> bool:
+    """A TensorDict leaf, non-tensor data included (TensorDict's default skips it: it would
+    be dropped without a word)."""
+    from tensordict.utils import is_non_tensor
+
+    return not issubclass(cls, TensorDictBase) or is_non_tensor(cls)
+
+
 def _storage_args(storage, capacity, device):
     """``(kind, capacity, path, device)`` from ``storage=``: a bigper storage
     name, or one of TorchRL's storages (its ``max_size``, ``scratch_dir`` and ``device``)."""
@@ -293,7 +301,7 @@ class PrioritizedReplayBuffer:
         """Every stored leaf of ``td`` as a host numpy array (leading batch axes first)."""
         out: dict[Key, np.ndarray] = {}
         skip = {(k,) for k in SAMPLE_KEYS} | {self._pkey}
-        for key, v in td.items(include_nested=True, leaves_only=True):
+        for key, v in td.items(include_nested=True, leaves_only=True, is_leaf=_leaf):
             key = _key(key)
             if key in skip:
                 continue
