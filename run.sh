@@ -29,8 +29,8 @@ install() {  # $1: the extras; skipped when they were installed already from thi
   # The union of what was installed and what is asked: one install serves every mode after it.
   local all; all="$(printf '%s\n' $have ${1//,/ } | sort -u | paste -sd, -)"
   # A CPU build of torch first, so that torch>=2.1 is already satisfied and no
-  # multi-GB CUDA build is pulled in.
-  if grep -qx torch <<<"${all//,/$'\n'}"; then
+  # multi-GB CUDA build is pulled in (torchrl and tensordict then keep it: they ask for torch>=2.1).
+  if grep -qxE 'torch|torchrl' <<<"${all//,/$'\n'}"; then
     "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
   fi
   "${pip[@]}" -e "$here[$all]"
@@ -40,7 +40,7 @@ install() {  # $1: the extras; skipped when they were installed already from thi
 case "$cmd" in
   demo)   install "torch,atari";         exec "$venv/bin/bigper" demo "$@" ;;
   # two pytest-xdist workers, each test file whole on one (tests/conftest.py); -n 0 after it: one process
-  test)   install "torch,atari,ray,dev,compression";  cd "$here"
+  test)   install "torch,atari,ray,dev,compression,torchrl";  cd "$here"
           exec "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@" ;;
   # what each command needs, no more: --help, info, verify, convert, reprioritize run on the core (zstd
   # for compressed files); bench needs the peers it measures and torch; demo what the demo needs
