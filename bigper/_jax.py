@@ -178,9 +178,23 @@ class JaxBatch(TensorBatch):
     """What ``Batch.to_jax`` returns: a plain ``dict`` of ``jax.Array`` that,
     like ``to_torch``'s dict, keeps host copies of ``indices``,
     ``generations`` and ``mask``, so ``update_priorities(arrays, td)`` reads
-    nothing back from an accelerator."""
+    nothing back from an accelerator. A pytree like a dict (``jax.jit``
+    takes it); what a pytree function rebuilds is a plain dict."""
 
     __slots__ = ()
+
+
+def _register_dict(jax) -> None:
+    if JaxBatch in _REGISTERED:
+        return
+    tu = jax.tree_util
+    with _LOCK:
+        if JaxBatch in _REGISTERED:
+            return
+        tu.register_pytree_with_keys(
+            JaxBatch, lambda d: ([(tu.DictKey(k), v) for k, v in d.items()], tuple(d)),
+            lambda keys, children: dict(zip(keys, children)), lambda d: (tuple(d.values()), tuple(d)))
+        _REGISTERED.add(JaxBatch)
 
 
 def as_device(device):
@@ -300,6 +314,7 @@ def batch_to_jax(batch, device=None) -> JaxBatch:
     with sequences; see ``Batch.to_jax``."""
     jax = _jax()
     register_batch(type(batch))
+    _register_dict(jax)
     device = as_device(device)
     ready = batch.__dict__.get("_tensors")
     if ready is not None:  # a device tier's batch: torch tensors, handed over through DLPack
@@ -310,6 +325,9 @@ def batch_to_jax(batch, device=None) -> JaxBatch:
         return JaxBatch({k: out[k] for k in ready if k in out}, _host_of(batch))
     if device is None or device == jax.devices("cpu")[0]:
         arrays, _ = _fields(batch, copies=False)
+        # The batch's own bookkeeping, shared like its fields (a jax array is never changed in place).
+        arrays.update(weights=np.asarray(batch.weights, np.float32), indices=np.asarray(batch.indices, np.int64),
+                      generations=np.asarray(batch.generations, np.int64))
         return JaxBatch({k: host_array(jax, k, a) for k, a in arrays.items()}, _host_of(batch))
     arrays, derived = _fields(batch, copies=True)
     order = [*batch.data, *(k for k in ("weights", "indices", "generations", "mask") if k in arrays)]
