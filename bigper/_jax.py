@@ -232,7 +232,8 @@ def _canonical(jax, key: str, a: np.ndarray) -> np.ndarray | None:
     want = _target_dtype(jax, a.dtype)
     if want == a.dtype.newbyteorder("="):
         return None
-    out = a.astype(want)
+    with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is checked for below)
+        out = a.astype(want)
     if a.size and a.dtype.kind in "iu":
         lo, hi = a.min(), a.max()
         info = np.iinfo(want)
