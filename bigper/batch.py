@@ -159,11 +159,10 @@ class Batch(Mapping[str, np.ndarray]):
         ----------
         device : jax.Device or str, optional
             Where the arrays go: None (default) or ``"cpu"``: JAX's CPU device,
-            sharing the batch's memory through DLPack where XLA can (a
-            C-contiguous, writable, native-order array at a 64-byte aligned
-            address: no copy, the jax array's buffer is the numpy array's);
-            any other array is copied once, into an aligned array that JAX
-            shares. A GPU or TPU (a ``jax.Device``, or ``"gpu"``, ``"cuda:1"``,
+            sharing the batch's memory where XLA can (a C-contiguous,
+            writable, native-order array at a 64-byte aligned address: no
+            copy, the jax array's buffer is the numpy array's); any other
+            array is copied once, into an aligned array that JAX shares. A GPU or TPU (a ``jax.Device``, or ``"gpu"``, ``"cuda:1"``,
             ``"tpu"``): the batch is packed into one host block and sent with
             one transfer, then cut into its arrays on the device by one jitted
             call (``obs``/``next_obs`` of a frame gather travel once).
