@@ -40,7 +40,7 @@ install() {  # $1: the extras; skipped when they were installed already from thi
 case "$cmd" in
   demo)   install "torch,atari";         exec "$venv/bin/bigper" demo "$@" ;;
   # two pytest-xdist workers, each test file whole on one (tests/conftest.py); -n 0 after it: one process
-  test)   install "torch,atari,ray,dev,compression,torchrl";  cd "$here"
+  test)   install "torch,atari,ray,dev,compression,torchrl,jax";  cd "$here"
           exec "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@" ;;
   # what each command needs, no more: --help, info, verify, convert, reprioritize run on the core (zstd
   # for compressed files); bench needs the peers it measures and torch; demo what the demo needs

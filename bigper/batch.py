@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,10 +106,16 @@ class Batch(Mapping[str, np.ndarray]):
         -------
         Batch
         """
+        if not _pytree[0] and "jax" in sys.modules:
+            _as_pytree()
         b = object.__new__(cls)
         b.__dict__.update(data=data, indices=indices, weights=weights, probabilities=probabilities,
                           generations=generations, mask=mask, burn_in=burn_in)
         return b
+
+    def __post_init__(self) -> None:
+        if not _pytree[0] and "jax" in sys.modules:
+            _as_pytree()
 
     @property
     def size(self) -> int:
@@ -141,3 +148,62 @@ class Batch(Mapping[str, np.ndarray]):
         from ._torch import batch_to_torch
 
         return batch_to_torch(self, device=device, non_blocking=non_blocking)
+
+    def to_jax(self, device: Any = None) -> dict[str, Any]:
+        """``jax.Array``s keyed like the batch, plus ``weights`` (float32),
+        ``indices`` and ``generations`` (int64; int32 while JAX's
+        ``jax_enable_x64`` is off, as every 64-bit dtype), and ``mask`` (bool)
+        with sequences; ``update_priorities`` takes this dict as a target.
+
+        Parameters
+        ----------
+        device : jax.Device or str, optional
+            Where the arrays go: None (default) or ``"cpu"``: JAX's CPU device,
+            sharing the batch's memory where XLA can (a C-contiguous,
+            writable, native-order array at a 64-byte aligned address: no
+            copy, the jax array's buffer is the numpy array's); any other
+            array is copied once, into an aligned array that JAX shares. A GPU or TPU (a ``jax.Device``, or ``"gpu"``, ``"cuda:1"``,
+            ``"tpu"``): the batch is packed into one host block and sent with
+            one transfer, then cut into its arrays on the device by one jitted
+            call (``obs``/``next_obs`` of a frame gather travel once).
+
+        Returns
+        -------
+        JaxBatch
+            A ``dict[str, jax.Array]`` (``bigper._jax.JaxBatch``) that, like
+            ``to_torch``'s dict, keeps host copies of ``indices``,
+            ``generations`` and ``mask`` so that ``update_priorities(arrays,
+            td)`` reads nothing back from a device. Arrays shared with the
+            batch change if the batch's arrays are written to: leave them as
+            drawn while JAX uses them. A batch of a buffer with a torch
+            device tier (``device=``) hands its tensors to JAX through DLPack
+            (shared where JAX can: contiguous, on a device this JAX has).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``device`` names no device JAX has, or an int64/float64 value
+            would change in JAX's 32-bit dtype (``jax_enable_x64`` off).
+        """
+        from ._jax import batch_to_jax
+
+        return batch_to_jax(self, device=device)
+
+
+# Whether Batch is a JAX pytree yet: it becomes one as soon as jax is loaded (at bigper's import,
+# at the first batch made after jax's, at the first to_jax), without bigper ever importing jax.
+_pytree = [False]
+
+
+def _as_pytree() -> None:
+    _pytree[0] = True  # one try: a broken jax install must not cost every batch a retry
+    from ._jax import register_batch
+
+    try:
+        register_batch(Batch)
+    except Exception:  # noqa: BLE001  # pragma: no cover - a broken jax: no pytree, batches unaffected
+        pass
+
+
+if "jax" in sys.modules:
+    _as_pytree()

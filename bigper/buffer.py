@@ -31,6 +31,7 @@ from .core.opening import check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
+from ._jax import check_deferred, host_values, is_jax_array, on_host
 from ._torch import as_device, is_device_tensor
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
@@ -616,15 +617,28 @@ class PrioritizedReplayBuffer:
             tensor under the key (the dict is then read as it is) or pass
             the indices themselves.
         priorities : array-like (B,)
-            Non-negative finite magnitudes, e.g. ``|TD error|``; numpy or torch.
-            With a repeated index, the last value wins. With ``sequence=...``
-            also per-step errors ``(B, T)`` or ``(B, length)`` for a batch
-            target, reduced per item with ``eta * max + (1 - eta) * mean`` over
-            the real steps after the burn-in (``sequences.reduce_errors``).
+            Non-negative finite magnitudes, e.g. ``|TD error|``; numpy, torch
+            or ``jax.Array``. With a repeated index, the last value wins. With
+            ``sequence=...`` also per-step errors ``(B, T)`` or ``(B, length)``
+            for a batch target, reduced per item with ``eta * max + (1 - eta)
+            * mean`` over the real steps after the burn-in
+            (``sequences.reduce_errors``). Values on an accelerator (a CUDA
+            tensor, a ``jax.Array`` on a GPU or TPU) are copied to the host
+            without blocking the learner and applied by the next call that
+            needs the tree; a check that needs the values (NaN, negative)
+            then fails that call, and the update changes nothing. A
+            ``jax.Array`` on JAX's CPU device is read in place (no copy, once
+            its computation is done); bfloat16 and other dtypes numpy has no
+            arithmetic for are read as float32.
         """
         self._check_writable("priorities")
         idx, stamps, use_stamps, mask = update_target(target)
-        if is_device_tensor(priorities):
+        if is_jax_array(priorities):
+            if not on_host(priorities):
+                self._defer(idx, stamps, use_stamps, mask, priorities)
+                return
+            priorities = host_values(priorities)
+        elif is_device_tensor(priorities):
             self._defer(idx, stamps, use_stamps, mask, priorities)
             return
         if self._deferred:
@@ -638,7 +652,9 @@ class PrioritizedReplayBuffer:
         shape = tuple(priorities.shape)
         if shape not in self._unit.priority_shapes(n):
             raise InvalidArgumentError(f"priorities must have shape ({n},) to match the indices, got {shape}")
-        if priorities.is_complex():
+        if is_jax_array(priorities):
+            check_deferred(priorities)
+        elif priorities.is_complex():
             raise InvalidTypeError(f"priorities must be real numbers, got dtype {priorities.dtype}")
         self._unit.check_update(idx, stamps, use_stamps, mask, shape)
         self._check_indices(idx)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import kernels as K
+from .._jax import host_values, is_jax_array
 from .._torch import TensorBatch, as_array, as_numpy
 from ..batch import Batch
 from ..config import BUILTIN, Config
@@ -375,6 +376,8 @@ def _shape_of(v, what: str) -> tuple:
 def as_index(x) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
         return x
+    if is_jax_array(x):  # (read in place on the host; a deleted or traced array refused by name)
+        x = host_values(x, "indices")
     a = as_array(x, "indices")
     if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
         raise InvalidTypeError(f"indices must be a 1-D array of ints, got dtype {a.dtype} shape {a.shape}")
@@ -385,7 +388,7 @@ def as_priorities(x, n: int) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype == np.float64 and x.flags.c_contiguous:
         p = x
     else:
-        p = as_array(x, "priorities")
+        p = as_array(host_values(x) if is_jax_array(x) else x, "priorities")
         if p.dtype.kind not in "fiub":
             raise InvalidTypeError(f"priorities must be numbers, got dtype {p.dtype}")
         p = np.ascontiguousarray(p, dtype=np.float64)
@@ -404,7 +407,7 @@ def _host_mask(batch: Batch):
     host = getattr(ready, "host", None)
     if isinstance(host, dict) and isinstance(host.get("mask"), np.ndarray):
         return host["mask"]
-    return as_numpy(batch.mask)
+    return host_values(batch.mask, "mask") if is_jax_array(batch.mask) else as_numpy(batch.mask)
 
 
 def update_target(target) -> tuple:
@@ -412,6 +415,11 @@ def update_target(target) -> tuple:
     mask = None
     if isinstance(target, Batch):
         idx, stamps, use_stamps, mask = target.indices, target.generations, True, target.mask
+        if type(idx) is not np.ndarray or type(stamps) is not np.ndarray:  # a batch of jax arrays (a pytree map)
+            idx, stamps = as_index(idx), as_index(stamps)
+            if stamps.shape != idx.shape:
+                raise InvalidArgumentError(f"target.generations has shape {stamps.shape}, "
+                                           f"expected {idx.shape} like target.indices")
         if mask is not None and type(mask) is not np.ndarray:
             mask = _host_mask(target)
     elif isinstance(target, TensorBatch) and target.host_target() is not None:

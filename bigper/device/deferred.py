@@ -11,6 +11,12 @@ read of the priorities), which waits on the event if the copy is not done::
     learner   loss -> td -> update_priorities(b, td)  [returns at once]  -> backward ...
     stream                  [copy td -> pinned] (event)
     sampler/next sample      wait(event) -> apply the update -> draw
+
+A ``jax.Array`` on an accelerator takes the same path: ``jax.device_put`` to
+the CPU device starts its copy without blocking (JAX orders it after the
+computation that makes the array), and the next call that needs the tree
+waits for that copy. The host copy is its own: the learner may delete or
+donate the array meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .._jax import host_values, is_jax_array, to_host_async
 from .._torch import _POOL, _torch
 from ..errors import BigperError, InvalidArgumentError
 
@@ -33,7 +40,8 @@ class Pending:
     stamps: np.ndarray
     use_stamps: bool
     mask: np.ndarray | None
-    values: Any       # (pool key, pinned slot) filled by a copy that may still run, or (None, host tensor)
+    values: Any       # (pool key, pinned slot) filled by a copy that may still run, (None, host tensor),
+    #                   or ("jax", host jax.Array whose copy may still run)
     event: Any        # recorded after that copy (None: already complete)
 
 
@@ -51,7 +59,10 @@ class Deferred:
         return len(self.items)
 
     def push(self, indices: np.ndarray, stamps: np.ndarray, use_stamps: bool, mask, values) -> None:
-        """Start copying ``values`` (a device tensor) to the host and keep the update."""
+        """Start copying ``values`` (a device tensor or ``jax.Array``) to the host and keep the update."""
+        if is_jax_array(values):
+            self._q.append(Pending(indices, stamps, use_stamps, mask, ("jax", to_host_async(values)), None))
+            return
         torch = _torch()
         t = values.detach()
         if not (t.is_floating_point() and t.dtype in (torch.float32, torch.float64)):
@@ -72,6 +83,11 @@ class Deferred:
         for p in list(self.items):
             if p.event is not None:
                 p.event.synchronize()
+            elif p.values[0] == "jax":
+                try:
+                    p.values[1].block_until_ready()  # (releases the GIL while it waits)
+                except Exception:  # noqa: BLE001 (a failed copy: reported when the update is applied)
+                    pass
 
     def pop(self) -> tuple[Pending, np.ndarray] | None:
         """The oldest update and its values (waiting for its copy), or None."""
@@ -81,6 +97,8 @@ class Deferred:
         if p.event is not None:
             p.event.synchronize()  # releases the GIL while it waits
         key, held = p.values
+        if key == "jax":
+            return p, held  # read by settle, where a failed read is that update's error
         if key is None:
             return p, held.numpy()
         values = held.view.copy()
@@ -100,6 +118,8 @@ class Deferred:
                 and (got := self.pop()) is not None:
             p, values = got
             try:
+                if is_jax_array(values):
+                    values = host_values(values)
                 apply(p.indices, p.stamps, p.use_stamps, p.mask, values)
             except BigperError as e:
                 first = first or e

@@ -28,7 +28,8 @@ BLOCK = re.compile(r"(?:^<!-- docs-test: (?P<marker>.*?) -->\n)?^```(?P<lang>[\w
                    re.S | re.M)
 # What a block imports -> the module that must be installed to run it.
 NEEDS = {"torch": "torch", "ray": "ray", "stable_baselines3": "stable_baselines3", "ale_py": "ale_py",
-         "gymnasium": "gymnasium", "h5py": "h5py", "torchrl": "torchrl", "tensordict": "tensordict"}
+         "gymnasium": "gymnasium", "h5py": "h5py", "torchrl": "torchrl", "tensordict": "tensordict",
+         "jax": "jax"}
 
 
 def pages() -> list[Path]:

@@ -40,6 +40,21 @@ def test_dqn_atari_smoke(tmp_path):
     assert not list(tmp_path.iterdir())  # --smoke works in a temporary directory it removes
 
 
+def test_dqn_atari_jax_smoke_learns_on_breakout(tmp_path):
+    """CleanRL's DQN in JAX (CPU) with PER on real ALE Breakout: what the torch recipe's smoke checks
+    (it runs, beta reaches 1, every loss finite), and the loss of its last updates is below its first."""
+    pytest.importorskip("jax")
+    pytest.importorskip("ale_py")
+    out = _run(tmp_path, "bigper.examples.dqn_atari_jax", "--smoke")
+    assert "DQN + PER (JAX" in out and "on ALE/Breakout-v5" in out
+    assert "beta 1.000" in out  # annealed to 1 by the last learner step
+    m = re.search(r"done: (\d+) learner steps, loss first 10 ([\d.]+), last 10 ([\d.]+)", out)
+    assert m, out
+    assert int(m[1]) >= 50
+    assert float(m[3]) < float(m[2]), out
+    assert not list(tmp_path.iterdir())  # in memory: nothing written
+
+
 def test_dqn_atari_runs_twice_in_one_directory(tmp_path):
     """Rank prioritization; the same --path again: refused without --resume (nothing
     changes), continued from the latest snapshot with it."""

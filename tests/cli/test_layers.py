@@ -62,7 +62,7 @@ def test_contract_file_names_every_top_level_module():
 CORE_LIGHT = """
 import importlib, pathlib, sys
 import bigper
-heavy = ("torch", "ray", "stable_baselines3", "gymnasium", "matplotlib", "ale_py", "cv2")
+heavy = ("torch", "ray", "stable_baselines3", "gymnasium", "matplotlib", "ale_py", "cv2", "jax")
 skip = ("bigper.__main__", "bigper.distributed", "bigper.integrations", "bigper.examples")
 root = pathlib.Path(bigper.__file__).parent
 # a walk of the files, not pkgutil.walk_packages: that imports every package it enters
@@ -77,7 +77,7 @@ print(len(names), sorted(k for k in heavy if k in sys.modules))
 
 def test_core_imports_no_heavy_extra():
     """Every module outside distributed/integrations/examples imports without
-    torch, Ray, SB3, Gymnasium or matplotlib: those load inside the functions
+    torch, JAX, Ray, SB3, Gymnasium or matplotlib: those load inside the functions
     that need them (DESIGN: ``import bigper`` stays light)."""
     p = _run(CORE_LIGHT)
     assert p.returncode == 0, p.stderr
