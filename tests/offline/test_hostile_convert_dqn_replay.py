@@ -175,15 +175,16 @@ def test_frames_corrupt_midway_are_found_when_read_and_publish_nothing(good, tmp
     shutil.copytree(good, run)
     path = run / name("observation")
     data = bytearray(path.read_bytes())
-    good_bytes, mtime = bytes(data), os.stat(path).st_mtime_ns
+    good_bytes = bytes(data)
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+    mtime = os.stat(path).st_mtime_ns
     dst = tmp_path / "out" / "d.h5"
     with deadline(120), pytest.raises(OfflineDatasetError, match=rf"{re.escape(name('observation'))}.*(gzip|CRC|check|short|more)"):
         convert_dqn_replay(run, dst, progress=False)
     assert not os.path.lexists(dst) and not os.path.lexists(f"{dst}.partial")
     assert os.path.isdir(f"{dst}.partial.d")
-    path.write_bytes(good_bytes)  # the file as it was (the work's record: inode, size, mtime)
+    path.write_bytes(good_bytes)  # repaired in place, as the work's record saw it (inode, size, mtime)
     os.utime(path, ns=(mtime, mtime))
     r = convert_dqn_replay(run, dst, progress=False)
     assert r["resumed_after"] == 1 and r["transitions"] > 0
