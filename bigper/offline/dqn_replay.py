@@ -552,6 +552,9 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
     ends = np.ones(pos.shape[0], dtype=bool)
     ends[:-1] = np.diff(pos) != 1
     truncated = ends & ~term
+    # run_end[i]: one past the last transition of the contiguous run of positions holding i
+    brk = np.flatnonzero(ends) + 1
+    run_end = np.repeat(brk, np.diff(np.concatenate([[0], brk])))
     own = prefetch is None
     pf = prefetch or _Prefetch(lambda stop: _frame_chunks(dir_fd, ck, rows, stop), depth)
     try:
@@ -563,13 +566,15 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
             w0 = p0 - (win.shape[0] - frames.shape[0])
             w1 = w0 + win.shape[0]
             j = int(np.searchsorted(pos, w1 - 1, side="left"))  # transitions whose next frame is in
+            st = np.lib.stride_tricks.as_strided(
+                win, shape=(win.shape[0] - k + 1, k, *ck.frame_shape), strides=(win.strides[0],) + win.strides,
+                writeable=False)
             while i < j:
-                b = min(j, i + chunk)
-                p = pos[i:b] - w0
-                st = np.lib.stride_tricks.as_strided(
-                    win, shape=(win.shape[0] - k + 1, k, *ck.frame_shape), strides=(win.strides[0],) + win.strides,
-                    writeable=False)
-                yield {"obs": st[p - k + 1], "next_obs": st[p - k + 2], "action": action[i:b],
+                # one contiguous run of positions at a time: its stacks are slices of the
+                # window (views), not gathered copies
+                b = min(j, i + chunk, int(run_end[i]))
+                q = int(pos[i]) - w0 - k + 1
+                yield {"obs": st[q:q + b - i], "next_obs": st[q + 1:q + 1 + b - i], "action": action[i:b],
                        "reward": reward[i:b], "terminated": term[i:b], "truncated": truncated[i:b]}
                 i = b
             win = win[-k:].copy() if win.shape[0] > k else win
