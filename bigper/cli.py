@@ -86,13 +86,43 @@ def _reprioritize(args) -> int:
 
 def _convert(args) -> int:
     from .convert import convert
+    from .offline.dqn_replay import is_dqn_replay
 
+    if args.layout == "dqn-replay" or (args.layout == "auto" and is_dqn_replay(args.src)):
+        return _convert_dqn(args)
+    for flag, given in (("--workers", args.workers is not None), ("--restart", args.restart)):
+        if given:
+            print(f"bigper convert: {flag} is for a DQN Replay run directory (--layout dqn-replay)", file=sys.stderr)
+            return 2
     r = convert(args.src, args.dst, frame_stack=args.frame_stack, budget=args.budget, overwrite=args.overwrite,
                 progress=not args.no_progress, layout=args.layout, allow_external=args.allow_external)
     ratio = r["src_bytes"] / max(r["dst_bytes"], 1)
     print(f"converted {r['transitions']:,} transitions of {args.src} (frame_stack={r['frame_stack']}, zstd) "
           f"into {r['dst']}: {r['src_bytes'] / 1e6:,.1f} MB -> {r['dst_bytes'] / 1e6:,.1f} MB ({ratio:.1f}x)"
           + (f"; {r['skipped']:,} transitions not sampleable in the source were left out" if r["skipped"] else ""))
+    return 0
+
+
+def _convert_dqn(args) -> int:
+    import time
+
+    from .convert_dqn import convert_dqn_replay
+
+    if args.budget is not None or args.allow_external:
+        print("bigper convert: --budget and --allow-external are for HDF5 sources, not a DQN Replay run",
+              file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    r = convert_dqn_replay(args.src, args.dst, frame_stack=4 if args.frame_stack is None else args.frame_stack,
+                           overwrite=args.overwrite, progress=not args.no_progress, workers=args.workers,
+                           restart=args.restart)
+    dt = time.perf_counter() - t0
+    ratio = r["src_bytes"] / max(r["dst_bytes"], 1)
+    print(f"converted {r['transitions']:,} transitions of {r['checkpoints']} DQN Replay checkpoints in {args.src} "
+          f"(frame_stack={r['frame_stack']}, zstd) into {r['dst']} in {dt:.1f} s "
+          f"({r['transitions'] / max(dt, 1e-9):,.0f}/s"
+          + (f", resumed after {r['resumed_after']} checkpoints" if r["resumed_after"] else "")
+          + f"): {r['src_bytes'] / 1e6:,.1f} MB of gzip files -> {r['dst_bytes'] / 1e6:,.1f} MB ({ratio:.1f}x)")
     return 0
 
 
@@ -555,8 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "links, virtual datasets); refused by default: a crafted file could expose other files")
     r.set_defaults(func=_reprioritize)
     c = sub.add_parser("convert", help="write a compressed (zstd) bigper HDF5 dataset from an uncompressed "
-                                       "one (D4RL, Minari, bigper); the source is never written")
-    c.add_argument("src", help="HDF5 file, or a Minari dataset directory")
+                                       "one (D4RL, Minari, bigper) or a DQN Replay run directory (Dopamine's "
+                                       "replay checkpoints); the source is never written")
+    c.add_argument("src", help="HDF5 file, a Minari dataset directory, or a DQN Replay run directory "
+                               "($store$_observation_ckpt.N.gz and companions)")
     c.add_argument("dst", help="the new file (written as DST.partial, renamed into place when complete)")
     c.add_argument("--frame-stack", type=int, metavar="K",
                    help="frames per obs stack (default: axis 0 of (K, H, W) obs, or what a bigper file recorded)")
@@ -564,9 +596,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compression_budget: a cap of log bytes a frame (default: none, the log grows as frames need)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing file at DST")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
-    c.add_argument("--layout", default="auto", choices=("auto", "d4rl", "minari", "bigper"))
+    c.add_argument("--layout", default="auto", choices=("auto", "d4rl", "minari", "bigper", "dqn-replay"))
     c.add_argument("--allow-external", action="store_true",
                    help="read source datasets whose data lives in other files (refused by default)")
+    c.add_argument("--workers", type=int, metavar="N",
+                   help="DQN Replay: threads that decompress checkpoints (default: one per core)")
+    c.add_argument("--restart", action="store_true",
+                   help="DQN Replay: discard an interrupted convert's work at DST.partial.d of another run "
+                        "or options (the same run and options resume after the last finished checkpoint)")
     c.set_defaults(func=_convert)
     i = sub.add_parser("info", help="config, size, fill and priorities of a snapshot, a Snapshots "
                                     "root, a storage directory or a dataset")

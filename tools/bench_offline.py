@@ -299,6 +299,10 @@ def print_offline(report: dict) -> None:
 
 
 def cmd_offline(args) -> int:
+    if args.dqn_replay:
+        from bench_offline_dqn import cmd
+
+        return cmd(args)
     size = "million" if args.million else ("quick" if args.quick else "default")
     print_header("offline")
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
@@ -326,6 +330,11 @@ def add_arguments(p) -> None:
                    help="1M transitions of each (~14 GB on disk while it runs; deleted after)")
     p.add_argument("--dir", help="where to put the files (a temporary directory under it; default: $TMPDIR)")
     p.add_argument("--warm-only", action="store_true", help="skip the cold-cache streaming runs")
+    p.add_argument("--dqn-replay", action="store_true",
+                   help="instead: convert a DQN Replay run written from real ALE play (bench_offline_dqn.py)")
+    p.add_argument("--slots", type=int, default=10_000, help="--dqn-replay: slots a checkpoint (10,000)")
+    p.add_argument("--checkpoints", type=int, default=3, help="--dqn-replay: checkpoints (3)")
+    p.add_argument("--workers", type=int, help="--dqn-replay: gunzip threads (default: one per core)")
     p.set_defaults(func=cmd_offline)
 
 
