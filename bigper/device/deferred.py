@@ -61,7 +61,7 @@ class Deferred:
     def push(self, indices: np.ndarray, stamps: np.ndarray, use_stamps: bool, mask, values) -> None:
         """Start copying ``values`` (a device tensor or ``jax.Array``) to the host and keep the update."""
         if is_jax_array(values):
-            self._q.append(Pending(indices, stamps, use_stamps, mask, ("jax", to_host_async(values)), None))
+            self.items.append(Pending(indices, stamps, use_stamps, mask, ("jax", to_host_async(values)), None))
             return
         torch = _torch()
         t = values.detach()
