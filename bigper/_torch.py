@@ -342,7 +342,10 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
         return _tier_to_torch(torch, batch, ready, device, non_blocking)
     dev = torch.device("cpu") if device is None else torch.device(device)
     arrays, derived = _fields(batch, copies=dev.type != "cpu")
-    return TensorBatch(_derive(torch, move(torch, arrays, dev, non_blocking), derived), _host_of(batch))
+    tensors = _derive(torch, move(torch, arrays, dev, non_blocking), derived)
+    if derived:  # the batch's key order on every device (the rebuilt stacks come back first)
+        tensors = {key: tensors[key] for key in (*batch.data, *tensors) if key in tensors}
+    return TensorBatch(tensors, _host_of(batch))
 
 
 def move(torch, arrays: dict, dev, non_blocking: bool = True) -> dict:

@@ -551,6 +551,16 @@ class PrioritizedReplayBuffer:
 
         Notes
         -----
+        With a ``device``, transitions with ``n_step=1``, proportional
+        priorities and raw frames (or none) in memory, memmap or a device tier
+        are served by the **feed** (``bigper/device/feed.py``, the GPU guide):
+        one compiled draw under the lock, one compiled gather without the
+        lock or the GIL, batches made into a few reused slots. A slot is
+        filled again only once nothing of its batch (its dict, a tensor or a
+        view of one) is held, so a batch you keep never changes; a draw there
+        applies the device priority updates whose copies arrived, waiting for
+        none. Its batches equal ``sample(B).to_torch(device)`` draw for draw.
+
         Every draw is an ordinary ``sample`` call made under the buffer's lock,
         so adds, priority updates and snapshots interleave with the thread's
         draws, never inside one. A batch drawn before a priority update was
