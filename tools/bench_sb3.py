@@ -22,6 +22,20 @@ arrays), SB3's with ``optimize_memory_usage=True`` (CleanRL's setting, one
 obs array), and bigper's ``PrioritizedReplayBuffer(frame_stack=4)`` in RAM
 and on memmap. Times are wall and CPU per call; ratios are SB3 (default) /
 bigper, taken in the same run. Torch runs on one thread for every row.
+
+``--part train`` (also in ``both``, the default): the learner's train steps
+alone, the target of issue 41: ``model.train(gradient_steps=1,
+batch_size=32)`` of SB3's ``DQN`` with its own buffer beside bigper's
+``PrioritizedDQN`` (synchronous ``prefetch=0``, the drop-in's path before
+the sampler; its default prefetching sampler; the sampler with the device
+tier on ``--device``), each over a small CNN (two convolutions and a linear
+layer, ``policy_kwargs``) on the same Atari-shaped stream, the learn
+progress moving at every step as in ``learn`` (so PrioritizedDQN's beta
+anneals at every step). Blocks of ``--train-steps`` steps are interleaved
+and rotated; the median block gives ms a step and the share ``SB3 / x``
+(the target: >= 95%); beside it the learner thread's own CPU time a step
+(``time.thread_time``: what the learner's thread ran, not the sampler's
+thread nor the other processes of a shared machine).
 """
 
 from __future__ import annotations
@@ -116,6 +130,154 @@ KINDS = ("sb3", "sb3-optimized", "bigper-memory", "bigper-memmap", "bigper-memor
 LAYOUT = {k: ("last" if k.endswith("chlast") else "first") for k in KINDS}
 
 
+# -- the learner's train steps ---------------------------------------------------------
+TRAIN_KINDS = ("sb3-dqn", "bigper-sync", "bigper-sampler", "bigper-tier")
+
+
+def small_cnn():
+    """SB3 features extractor: conv 8x8/4 (8), conv 4x4/2 (16), linear 128: a small Atari CNN
+    (NatureCNN has 32, 64 and 64 channels and 512 features), so the feed's share shows."""
+    import torch as th
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+
+    class SmallCNN(BaseFeaturesExtractor):
+        def __init__(self, observation_space, features_dim: int = 128):
+            super().__init__(observation_space, features_dim)
+            c = observation_space.shape[0]
+            self.net = th.nn.Sequential(th.nn.Conv2d(c, 8, 8, stride=4), th.nn.ReLU(), th.nn.Conv2d(8, 16, 4, stride=2),
+                                        th.nn.ReLU(), th.nn.Flatten(), th.nn.Linear(16 * 9 * 9, features_dim), th.nn.ReLU())
+
+        def forward(self, obs):
+            return self.net(obs)
+
+    return SmallCNN
+
+
+class _Stacks:
+    """A gymnasium env giving the bench's stacks (only its spaces are used: the buffer is filled by hand)."""
+
+    def __new__(cls, layout: str = "first"):
+        import gymnasium as gym
+
+        obs_space, act_space = spaces_(layout)
+
+        class Env(gym.Env):
+            observation_space, action_space = obs_space, act_space
+
+            def reset(self, *, seed=None, options=None):
+                return obs_space.sample(), {}
+
+            def step(self, action):
+                return obs_space.sample(), 0.0, False, False, {}
+
+        return Env()
+
+
+def build_model(kind: str, capacity: int, device: str):
+    import warnings
+
+    from stable_baselines3 import DQN
+
+    kw = dict(buffer_size=capacity, learning_starts=0, batch_size=32, device=device, seed=0,
+              policy_kwargs={"features_extractor_class": small_cnn(), "net_arch": []})
+    if kind == "sb3-dqn":
+        return DQN("CnnPolicy", _Stacks(), **kw)
+    import inspect
+
+    from bigper.integrations.sb3 import PrioritizedDQN, PrioritizedReplayBuffer
+
+    rbk = {"frame_stack": K}
+    if kind == "bigper-sync":
+        if "prefetch" in inspect.signature(PrioritizedReplayBuffer.__init__).parameters:
+            rbk["prefetch"] = 0
+    elif kind == "bigper-tier":
+        rbk["device"] = device
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PrioritizedDQN("CnnPolicy", _Stacks(), replay_buffer_kwargs=rbk, **kw)
+
+
+def run_train(capacity: int, episode: int, steps: int, repeats: int, device: str, stacks) -> dict:
+    import statistics
+
+    models, results = {}, {}
+    action = np.zeros((1, 1), dtype=np.int64)
+    reward = np.ones(1, dtype=np.float32)
+    not_done, done = np.zeros(1, dtype=bool), np.ones(1, dtype=bool)
+    infos = [{"TimeLimit.truncated": False}]
+    for kind in TRAIN_KINDS:
+        try:
+            m = build_model(kind, capacity, device)
+            rb = m.replay_buffer
+            for i in range(capacity):
+                p = i % episode
+                rb.add(stacks[p], stacks[p + 1], action, reward, done if p == episode - 1 else not_done, infos)
+            from stable_baselines3.common.logger import configure
+
+            m.set_logger(configure(None, []))  # (train() records; learn would set one)
+            m._current_progress_remaining = 1.0
+            m.train(gradient_steps=5, batch_size=32)  # warm: allocator, first gathers, the sampler opened
+            models[kind] = m
+        except Exception as e:  # report and go on with the others
+            results[kind] = {"error": short_error(e)}
+    total = steps * repeats * len(models) + 1
+    done_steps = [0]
+
+    def step_of(m):
+        def one(i):
+            done_steps[0] += 1  # learn's progress moves at every step: the annealed beta changes
+            m._current_progress_remaining = 1.0 - done_steps[0] / total
+            m.train(gradient_steps=1, batch_size=32)
+        return one
+
+    import gc
+    import time
+
+    fns = {k: step_of(m) for k, m in models.items()}
+    names = list(fns)
+    walls: dict = {k: [] for k in names}
+    cpus: dict = {k: [] for k in names}
+    for r in range(repeats):  # interleaved, the order rotating (as benchkit.interleaved_blocks)
+        for kind in names[r % len(names):] + names[:r % len(names)]:
+            gc.disable()
+            w0, c0 = time.perf_counter(), time.thread_time()
+            for i in range(steps):
+                fns[kind](i)
+            walls[kind].append((time.perf_counter() - w0) / steps)
+            cpus[kind].append((time.thread_time() - c0) / steps)
+            gc.enable()
+    for kind in names:
+        b = walls[kind]
+        results[kind] = {"step_ms": statistics.median(b) * 1e3, "best_ms": min(b) * 1e3,
+                         "thread_cpu_ms": statistics.median(cpus[kind]) * 1e3, "blocks_ms": [x * 1e3 for x in b]}
+    for m in models.values():
+        if hasattr(m.replay_buffer, "close"):
+            m.replay_buffer.close()
+    return results
+
+
+def report_train(results: dict, capacity: int, steps: int, repeats: int, device: str) -> None:
+    base = results.get("sb3-dqn", {})
+    rows = []
+    for kind in TRAIN_KINDS:
+        r = results.get(kind, {"error": "not run"})
+        if "error" in r:
+            rows.append([kind, r["error"], "", "", "", "", ""])
+            continue
+        share = ratio(base.get("step_ms"), r["step_ms"])
+        best = ratio(base.get("best_ms"), r["best_ms"])
+        cpu = ratio(base.get("thread_cpu_ms"), r["thread_cpu_ms"])
+        rows.append([kind, fmt(r["step_ms"], ".2f"), fmt(None if share is None else 100 * share, ".1f"),
+                     fmt(r["best_ms"], ".2f"), fmt(None if best is None else 100 * best, ".1f"),
+                     fmt(r["thread_cpu_ms"], ".2f"), fmt(None if cpu is None else 100 * cpu, ".1f")])
+    print(f"Learner train steps alone, B=32, small CNN on 4x84x84 stacks, {capacity} transitions, "
+          f"{repeats} x {steps} steps interleaved; learners and tier on {device!r}")
+    print_table(["learner", "ms/step (median block)", "share of SB3 DQN %", "ms/step (best block)",
+                 "share, best blocks %", "learner thread CPU ms/step", "share, CPU %"], rows)
+    print("(share: SB3 DQN's time / the learner's, in this run; the learner thread's CPU time leaves out "
+          "the sampler's thread and the other processes on a shared machine)")
+
+
 def main(args) -> int:
     import json
 
@@ -124,6 +286,17 @@ def main(args) -> int:
     import_bigper()
     torch.set_num_threads(1)  # the same for every row; extra threads only contend on a shared machine
     versions = print_header("sb3")
+    if args.part in ("train", "both"):
+        capacity = 2_000 if args.quick else args.train_capacity
+        say(f"train steps: fill {capacity} per learner, {args.repeats} x {args.train_steps} steps each")
+        train = run_train(capacity, args.episode, args.train_steps, args.repeats, args.device,
+                          make_stream(args.episode))
+        report_train(train, capacity, args.train_steps, args.repeats, args.device)
+        print(json.dumps({"bench": "sb3-train", "capacity": capacity, "steps": args.train_steps,
+                          "repeats": args.repeats, "device": args.device, "versions": versions, "results": train},
+                         separators=(",", ":")))
+        if args.part == "train":
+            return 0
     capacity = 3_000 if args.quick else args.capacity
     samples = 100 if args.quick else args.samples
     streams = {layout: make_stream(args.episode, layout=layout) for layout in ("first", "last")}
@@ -167,6 +340,12 @@ def add_arguments(p) -> None:
     p.add_argument("--episode", type=int, default=1_000, help="steps per episode of the stream")
     p.add_argument("--quick", action="store_true", help="3k transitions, 100 samples (a smoke run)")
     p.add_argument("--dir", help="where the memmap buffer goes (a temporary directory under it)")
+    p.add_argument("--part", choices=("buffer", "train", "both"), default="both",
+                   help="the buffer's add/sample rows, the learner's train steps, or both")
+    p.add_argument("--train-capacity", type=int, default=5_000, help="transitions each learner's buffer holds")
+    p.add_argument("--train-steps", type=int, default=20, help="train steps a timed block")
+    p.add_argument("--repeats", type=int, default=15, help="blocks per learner, interleaved")
+    p.add_argument("--device", default="cpu", help="the learners' device (train rows), where the tier goes too")
 
 
 if __name__ == "__main__":

@@ -112,3 +112,21 @@ def _interleave(y: np.ndarray, word) -> np.ndarray:
         out <<= 8
         out |= y[:, j]
     return out.view(np.uint8).reshape(*out.shape, k).view(y.dtype)
+
+
+def from_core_tensor(layout: StackLayout, t):
+    """``layout.from_core`` for a torch tensor ``(B, *core_shape)`` (a sampler's
+    batch): the same values, shape and dtype. On the CPU the numpy path runs
+    on a shared view (so both paths give the same bytes); on a device, a
+    reshape (channel-first) or one permuting copy (channel-last)."""
+    if layout.axis is None:
+        return t
+    b = t.shape[0]
+    if layout.axis == "first":
+        return t.reshape((b,) + layout.obs_shape)
+    if t.device.type == "cpu":
+        import torch
+
+        return torch.from_numpy(layout.from_core(t.numpy()))
+    y = t if layout._c > 1 else t.unsqueeze(-1)
+    return y.movedim(1, -2).contiguous().reshape((b,) + layout.obs_shape)

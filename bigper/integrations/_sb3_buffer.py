@@ -9,7 +9,9 @@ import inspect
 import logging
 import os
 import sys
+import threading
 import warnings
+from collections import deque
 from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -21,11 +23,13 @@ from gymnasium import spaces
 from stable_baselines3.common.buffers import ReplayBuffer
 
 from .. import PrioritizedReplayBuffer as CoreBuffer
+from .._torch import as_numpy
 from ..batch import Batch
 from ..config import Config
+from ..core.ingest import check_batch_size
 from ..errors import BufferClosedError, IncompatibleSnapshotError, InvalidArgumentError, PathExistsError
 from ..schedules import ConstantSchedule, LinearSchedule, as_beta, as_schedule, is_schedule
-from ._layout import StackLayout
+from ._layout import StackLayout, from_core_tensor
 from ._sb3_pickle import KEEP_AT_PATH, core_kwargs, open_snapshot, write_snapshot
 
 if TYPE_CHECKING:
@@ -39,9 +43,15 @@ _PICKLE_FORMAT = "bigper.sb3/1"
 # Samples with no update_priorities call before the buffer says that sampling is uniform.
 _PLAIN_SAMPLES_WARN = 100
 # Buffer options that are not part of bigper's Config.
-_NOT_CONFIG = ("path", "mode", "read_only", "storage_options", "continue_episodes")
-# Core options the drop-in sets itself, or that it does not support (sequences).
-_SET_HERE = ("capacity", "fields", "num_envs", "n_step", "sequence")
+_NOT_CONFIG = ("path", "mode", "read_only", "storage_options", "continue_episodes", "device")
+# Core options the drop-in sets itself, or that it does not support (sequences); the
+# core's device= is the drop-in's device_tier= (SB3 passes its own device= to every buffer).
+_SET_HERE = ("capacity", "fields", "num_envs", "n_step", "sequence", "device")
+# Batches a sampler prepares ahead of sample() (the drop-in's default prefetch=).
+PREFETCH = 2
+# Batches handed out whose update_priorities target is kept (matched by their indices
+# tensor): the latest, and the one before for a learner that samples ahead, or two threads.
+_KEEP_TARGETS = 4
 # True while a Prioritized algorithm's ``load`` rebuilds its model: the buffer
 # it builds opens its storage on first use (learn), not at construction.
 DEFER_OPEN: contextvars.ContextVar[bool] = contextvars.ContextVar("bigper_sb3_defer_open", default=False)
@@ -126,6 +136,17 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         values, are refused.
     snapshot_dir : str or Path, optional
         Where pickling writes its bigper snapshot (see the module docstring).
+    prefetch : int
+        Batches a background sampler prepares ahead of ``sample()`` (default 2;
+        see ``sample``). 0: each ``sample()`` draws and converts in the
+        caller's thread (the synchronous path of bigper 0.x).
+    device_tier : bool, str or torch.device, optional
+        Keep a copy of the stored data in device memory (bigper's device
+        tier, the core's ``device=``): True for this buffer's ``device`` (the
+        model's), or a device. Batches are then gathered there and handed to
+        SB3 without a host copy. ``Prioritized*`` algorithms take it as
+        ``replay_buffer_kwargs={"device": ...}`` too (SB3 passes its own
+        ``device=`` to every buffer, so the plain algorithms need this name).
     **bigper_kwargs :
         Passed on to ``bigper.PrioritizedReplayBuffer`` (``eps``, ``max_priority``,
         ``mode="resume"`` to continue the buffer at ``path``, ...); an option
@@ -163,7 +184,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                  path: str | os.PathLike[str] | None = None, seed: int = 0, frame_stack: int | None = None,
                  frame_axis: str = "auto", n_steps: int | None = None, gamma: float = 0.99,
                  snapshot_dir: str | os.PathLike[str] | None = None, beta_steps: int | None = None,
-                 **bigper_kwargs: Any) -> None:
+                 prefetch: int = PREFETCH, device_tier: Any = None, **bigper_kwargs: Any) -> None:
         if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
             raise InvalidArgumentError(f"n_envs must be an int >= 1, got {n_envs!r}")
         n_envs = int(n_envs)
@@ -177,6 +198,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 f"{observation_space}; flatten the observation (gymnasium.wrappers.FlattenObservation) "
                 "or use SB3's DictReplayBuffer (uniform replay; HerReplayBuffer for goal-conditioned tasks)")
         beta_steps = _beta_steps(beta_steps)
+        self.prefetch = _prefetch(prefetch)
+        self.device_tier = _device_tier(device_tier)
         # One beta rule (schedules.as_beta): a number of any real type (np.float32, np.int64,
         # Fraction, a 0-d array or tensor) is where the annealing to 1.0 starts; a schedule
         # object is the user's, and the bigper buffer advances it.
@@ -196,7 +219,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                   "action": ((self.action_dim,), self._act_dtype),
                   "reward": ((), np.dtype(np.float32))}
         kwargs = dict(frame_stack=frame_stack, n_step=self.n_steps, gamma=self.gamma, alpha=alpha,
-                      beta=beta, storage=storage, path=path, seed=seed, num_envs=n_envs, **bigper_kwargs)
+                      beta=beta, storage=storage, path=path, seed=seed, num_envs=n_envs,
+                      device=self._tier_device(), **bigper_kwargs)
         # Checked now, opened on first use: SB3's DQN.load builds a buffer that
         # load_replay_buffer replaces at once, and it must not touch the disk.
         cfg = Config.build(capacity=self.buffer_size * n_envs, fields=fields,
@@ -250,9 +274,19 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             f"opens at its first add), and nothing was made at path={os.fspath(path)!r}; learn, or "
             "load_replay_buffer(...) first")
 
+    def _tier_device(self) -> Any:
+        """The device the core's tier goes on (the core's ``device=``), or None."""
+        tier = self.device_tier
+        return None if tier is None else self.device if tier is True else tier
+
     def _wire(self) -> None:
         """Counters derived from the bigper buffer (after construction and after unpickling)."""
-        self._last = None  # (indices tensor handed out, its Batch): updates skip overwritten slots
+        # (indices tensor handed out, its update target: the Batch or the sampler's TensorBatch),
+        # newest last: an update by a batch's indices skips the slots overwritten since its draw.
+        self._targets: deque = deque(maxlen=_KEEP_TARGETS)
+        self._feed = None  # the open sampler (see _next_from_feed), and what it was opened with
+        self._feed_key = None
+        self._feed_lock = threading.RLock()
         self._learner_beta = None  # the beta a Prioritized algorithm sampled with last
         self._snapshot_target = None
         self._plain_samples = 0  # samples since construction with no update_priorities yet
@@ -266,13 +300,14 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     def from_buffer(cls, buffer: CoreBuffer, observation_space: spaces.Space, action_space: spaces.Space,
                     device: th.device | str = "auto", *, handle_timeout_termination: bool = True,
                     frame_axis: str = "auto", snapshot_dir: str | os.PathLike[str] | None = None,
-                    beta_steps: int | None = None) -> "PrioritizedReplayBuffer":
+                    beta_steps: int | None = None, prefetch: int = PREFETCH) -> "PrioritizedReplayBuffer":
         """The drop-in over an open bigper buffer: one loaded from a snapshot
         (``bigper.Snapshots(root).load_latest()``) or reopened with
         ``mode="resume"``. ``size()``, ``pos`` and sampling continue where the
         buffer is; capacity, envs, frame stack, n-step and gamma are the
         buffer's, and its fields must be the ones this drop-in builds for the
-        spaces (``InvalidArgumentError`` naming the difference otherwise).
+        spaces (``InvalidArgumentError`` naming the difference otherwise). A
+        buffer with a device tier (``device=``) is served from it.
         """
         beta_steps = _beta_steps(beta_steps)
         if not isinstance(buffer, CoreBuffer):
@@ -280,10 +315,6 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                                        f"got {type(buffer).__name__}")
         if buffer.closed:
             raise BufferClosedError("from_buffer: the bigper buffer is closed")
-        if buffer.device is not None:
-            raise InvalidArgumentError(
-                f"from_buffer: this bigper buffer has a device tier (device={str(buffer.device)!r}); the SB3 "
-                "drop-in gathers on the host and hands SB3 its own tensors: open the buffer without device=")
         cfg = buffer.config
         _transitions_only(cfg, "from_buffer")
         if cfg.capacity % cfg.num_envs:
@@ -311,6 +342,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self.beta_is_schedule = cfg.beta.get("kind") != "constant"
         self.beta0 = float(schedule(0))
         self.beta_steps = beta_steps
+        self.prefetch = _prefetch(prefetch)
+        self.device_tier = None if buffer.device is None else str(buffer.device)
         self._wire()
         return self
 
@@ -430,13 +463,50 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             Observations and rewards normalized as SB3 does.
         beta : float, optional
             IS exponent for this call (``PrioritizedDQN`` passes its annealed value).
+
+        Notes
+        -----
+        With ``prefetch > 0`` (the default) the batch comes from a bigper
+        sampler (``buffer.sampler(batch_size, prefetch=..., device=self.device)``)
+        kept open from call to call: its thread draws and gathers the next
+        batches (on the device tier when there is one) while the learner
+        computes. It is opened again when ``batch_size``, the device, or the
+        kind of beta (the buffer's own schedule or a number given here)
+        changes, and closed (its prepared batches dropped: they were drawn, so
+        the random stream is past them) by ``close_sampler``, ``close``,
+        pickling (``save_replay_buffer``), ``load_replay_buffer`` and a model
+        whose buffer was replaced. Each batch is what a ``sample`` call at
+        its draw would have returned, with two differences:
+
+        - a batch prepared before an ``add`` or a priority update is drawn
+          from the buffer as it was then (prefetching replay's usual lag, at
+          most ``prefetch + 1`` batches). Its data is that of the draw, and
+          ``update_priorities`` by its ``indices`` skips the slots overwritten
+          since (by their generation), as for any batch. A prepared n-step
+          batch whose window a later ``add`` overwrote in a row that
+          terminated (SB3's ``discounts`` there need the window's episode
+          ends) is dropped for the next one.
+        - its ``weights`` were computed with the beta the sampler was opened
+          with, ``b0``; asked for another beta ``b`` (``PrioritizedDQN``
+          anneals it at every step), they are ``w ** (b / b0)``, which is
+          ``(N * P(i)) ** -b`` normalized as ``weight_norm`` says, the
+          normalizer being the same transition's for every beta (equal to
+          the synchronous path's to float32 rounding).
+
+        A ``VecNormalize`` ``env`` (statistics read at sampling time) and
+        ``prefetch=0`` take the synchronous path: drawn and converted in the
+        caller's thread.
         """
         if beta is None and not self.beta_is_schedule:
             beta = self._beta_by_steps() if self.beta_steps is not None else self._learner_beta
         elif beta is not None:
             beta = as_beta(beta)  # the one rule, as the bigper buffer's sample applies it
         self._refuse_if_unopened_and_empty("sample")
-        batch = self.buffer.sample(batch_size, beta=beta)
+        if env is None and self.prefetch:
+            out = self._sample_prefetched(batch_size, beta)
+        else:
+            batch = self.buffer.sample(batch_size, beta=beta)
+            out = self._samples(batch, env)
         if self._plain_samples >= 0:
             self._plain_samples += 1
             if self._plain_samples == _PLAIN_SAMPLES_WARN:
@@ -447,9 +517,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                     "PrioritizedDDPG, PrioritizedQRDQN, PrioritizedTQC) instead of the plain algorithm; in a "
                     "loop of your own, call rb.update_priorities(data.indices, td_abs) after each step",
                     UserWarning, stacklevel=2)
-        return self._samples(batch, env)
+        return out
 
     def _samples(self, batch: Batch, env) -> PrioritizedReplayBufferSamples:
+        """The synchronous path: ``batch`` drawn in this thread, converted here."""
+        if self.buffer.device is not None:  # a tier's batch: normalization reads numpy
+            batch = Batch({k: as_numpy(v) for k, v in batch.data.items()}, batch.indices,
+                          as_numpy(batch.weights), batch.probabilities, batch.generations)
         obs = self.layout.from_core(batch["obs"])
         nxt = self.layout.from_core(batch["next_obs"])
         rewards = batch["reward"].astype(np.float32, copy=False).reshape(-1, 1)
@@ -470,7 +544,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         out = PrioritizedReplayBufferSamples(
             t["observations"], t["actions"], t["next_observations"], t["dones"], t["rewards"],
             t.get("discounts"), t["weights"].reshape(-1, 1), t["indices"])
-        self._last = (out.indices, batch)
+        self._targets.append((out.indices, batch))
         return out
 
     def _discounts(self, batch: Batch) -> np.ndarray:
@@ -480,28 +554,118 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         disc = batch["discount"].astype(np.float32, copy=True)
         rows = np.flatnonzero(batch["terminated"])
         if rows.size:
-            # A window stops at the first step that ended its episode; where it
-            # terminated, that step is the first with an end flag.
-            ends = self.buffer.state_dict()[1]["ends"]
-            steps = np.arange(self.n_steps, dtype=np.int64) * self.n_envs
-            slots = (batch.generations[rows, None] + steps[None, :]) % self.buffer.capacity
-            m = (ends[slots] != 0).argmax(axis=1) + 1
-            disc[rows] = self.gamma ** m
+            disc[rows] = self._window_discounts(batch.generations[rows])[0]
         return disc
+
+    def _window_discounts(self, gens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(gamma**m, current)`` for the transitions of generations ``gens``:
+        ``m`` the steps of each one's window up to the first step that ended
+        its episode (where it terminated, that step is the first with an end
+        flag), as float32; ``current``: whether the slot still holds that
+        transition (a window is overwritten only after its first slot, the
+        oldest, so where it does, the window's end flags are the draw's)."""
+        arrays = self.buffer.state_dict()[1]
+        ends, cap = arrays["ends"], self.buffer.capacity
+        steps = np.arange(self.n_steps, dtype=np.int64) * self.n_envs
+        slots = (gens[:, None] + steps[None, :]) % cap
+        m = (ends[slots] != 0).argmax(axis=1) + 1
+        current = arrays["gid"][gens % cap] == gens
+        return (self.gamma ** m).astype(np.float32), current
+
+    # -- the prefetching path --------------------------------------------------
+    def _sample_prefetched(self, batch_size: int, beta: float | None) -> PrioritizedReplayBufferSamples:
+        with self._feed_lock:  # (two threads calling sample take turns for the sampler)
+            for _ in range(self.prefetch + 2):
+                tensors, drawn_beta = self._next_from_feed(batch_size, beta)
+                out = self._tensor_samples(tensors, drawn_beta, beta)
+                if out is not None:
+                    self._targets.append((out.indices, tensors))
+                    return out
+            # (another thread kept overwriting the windows of every batch drawn): drawn here
+            self.close_sampler()
+            return self._samples(self.buffer.sample(batch_size, beta=beta), None)
+
+    def _next_from_feed(self, batch_size: int, beta: float | None):
+        """The next batch of the open sampler (opened first where there is none
+        for this batch size, device, buffer and beta), and the beta it was drawn with."""
+        if type(batch_size) is not int:
+            check_batch_size(batch_size)  # raises, or passes a numpy integer
+            batch_size = int(batch_size)
+        core = self.buffer
+        key = self._feed_key
+        if (self._feed is None or key[0] is not core or key[1] != batch_size or key[2] != self.device
+                or not _rescalable(key[3], beta)):
+            self.close_sampler()
+            feed = core.sampler(batch_size, prefetch=self.prefetch, device=self.device, beta=beta)
+            self._feed, self._feed_key = feed, (core, batch_size, self.device, beta)
+        feed, drawn_beta = self._feed, self._feed_key[3]
+        try:
+            return next(feed), drawn_beta
+        except BaseException:
+            # A sampler whose draw failed (an empty buffer, a closed one) has ended: the next call opens another.
+            self.close_sampler()
+            raise
+
+    def _tensor_samples(self, tensors, drawn_beta: float | None, beta: float | None):
+        """SB3's samples from a sampler's ``TensorBatch`` (already on ``self.device``);
+        None where it cannot give this batch's n-step discounts (see ``sample``)."""
+        discounts = None
+        if self.n_steps > 1:
+            discounts = self._tensor_discounts(tensors)
+            if discounts is None:
+                return None
+        weights = tensors["weights"]
+        if beta is not None and drawn_beta is not None and beta != drawn_beta:
+            weights = weights.double().pow(beta / drawn_beta).float()
+        return PrioritizedReplayBufferSamples(
+            from_core_tensor(self.layout, tensors["obs"]), tensors["action"],
+            from_core_tensor(self.layout, tensors["next_obs"]),
+            tensors["terminated"].to(th.float32).reshape(-1, 1), tensors["reward"].to(th.float32).reshape(-1, 1),
+            discounts, weights.reshape(-1, 1), tensors["indices"])
+
+    def _tensor_discounts(self, tensors):
+        """``_discounts`` for a sampler's batch, on its device (the host reads
+        nothing back from it unless a row's window was overwritten since its draw)."""
+        host = tensors.host_target() if hasattr(tensors, "host_target") else None
+        gens = as_numpy(tensors["generations"]) if host is None else host[1]
+        gm, current = self._window_discounts(np.asarray(gens, dtype=np.int64))
+        term = tensors["terminated"]
+        if not current.all() and as_numpy(term[th.from_numpy(~current).to(term.device)]).any():
+            return None
+        disc = tensors["discount"].to(th.float32)
+        return th.where(term, th.from_numpy(gm).to(disc.device), disc).reshape(-1, 1)
+
+    def close_sampler(self) -> None:
+        """Close the background sampler ``sample`` keeps open, dropping the
+        batches it prepared (they were drawn: the random stream is past them);
+        the next ``sample`` opens another. ``close``, pickling and
+        ``load_replay_buffer`` call it."""
+        with self._feed_lock:
+            feed, self._feed, self._feed_key = self._feed, None, None
+            if feed is not None:
+                feed.close()
+
+    def _last_draw(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(indices, generations)`` of the latest batch handed out (tests)."""
+        _, target = self._targets[-1]
+        if isinstance(target, Batch):
+            return target.indices, target.generations
+        return as_numpy(target["indices"]), as_numpy(target["generations"])
 
     def update_priorities(self, indices: th.Tensor | npt.ArrayLike, priorities: th.Tensor | npt.ArrayLike) -> None:
         """Set priorities, e.g. ``|TD error|``; numpy arrays or torch tensors on any device.
 
-        The ``indices`` tensor of the latest ``sample`` is matched to its batch,
-        so transitions overwritten since that sample are skipped.
+        The ``indices`` tensor of one of the latest batches ``sample`` gave is
+        matched to that batch (the ``TensorBatch`` its sampler gave, or its
+        ``Batch``), so transitions overwritten since its draw are skipped.
         """
         self._refuse_if_unopened_and_empty("update_priorities")
         self._plain_samples = -1  # priorities are written back: nothing to warn about
-        last = self._last
-        if last is not None and indices is last[0]:
-            self.buffer.update_priorities(last[1], priorities)
-        else:
-            self.buffer.update_priorities(indices, priorities)
+        for handed, target in reversed(tuple(self._targets)):
+            if indices is handed:
+                self.buffer.update_priorities(target, priorities)
+                return
+        self.buffer.update_priorities(indices, priorities)
 
     def size(self) -> int:
         """Transitions held (SB3's ``size()``: per env, as SB3 counts them)."""
@@ -510,6 +674,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     def close(self) -> None:
         """Close the bigper buffer (a disk storage is flushed and unlocked, and
         what it leaves on disk is logged: where, and how big)."""
+        self.close_sampler()
         if self._core is not None and not self._core.closed:
             self._core.close()
             _say_where(self._core, "left")
@@ -523,8 +688,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         if core is None or not core.closed or core.storage.path is None:
             return
         cfg = core.config
+        self.close_sampler()
         self._core = CoreBuffer(cfg.capacity, cfg.fields, path=core.storage.path, mode="resume",
-                                continue_episodes=True, **core_kwargs(cfg))
+                                continue_episodes=True, device=core.device, **core_kwargs(cfg))
         self._count_steps()
 
     @property
@@ -554,6 +720,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             raise BufferClosedError("cannot pickle a closed bigper PrioritizedReplayBuffer: its "
                                     "transitions are no longer reachable (pickle it before close())")
         root, keep = self._snapshot_series()
+        # Batches the sampler prepared are dropped first: the snapshot's random state is past them,
+        # so the run that goes on and one resumed from this snapshot draw the same next batches.
+        self.close_sampler()
         snap, digest = write_snapshot(self.buffer, root, keep)
         return {"format": _PICKLE_FORMAT, "snapshot": snap, "manifest_sha256": digest,
                 "buffer_size": self.buffer_size, "n_envs": self.n_envs,
@@ -562,26 +731,34 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 "n_steps": self.n_steps, "gamma": self.gamma, "frame_stack": self.layout.k,
                 "frame_axis": self.layout.axis or "auto", "live_path": self._live_path,
                 "beta_is_schedule": self.beta_is_schedule, "beta0": self.beta0, "beta_steps": self.beta_steps,
+                "prefetch": self.prefetch,
+                "device_tier": self.device_tier if self.device_tier in (None, True) else str(self.device_tier),
                 "snapshot_dir": None if self.snapshot_dir is None else os.fspath(self.snapshot_dir)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._restore(state)
 
     def _restore(self, state: dict[str, Any], live: str | None = None, rewind: bool = False,
-                 continue_episodes: bool = False) -> None:
+                 continue_episodes: bool = False, device: Any = None) -> None:
         """The buffer a pickle's ``state`` describes, its snapshot loaded into
         ``live`` (default: the live path it recorded; see ``open_snapshot`` for
-        ``rewind`` and ``continue_episodes``)."""
+        ``rewind`` and ``continue_episodes``), for a learner on ``device``
+        (default: the one it recorded; a ``device_tier=True`` follows it)."""
         if not isinstance(state, dict) or state.get("format") != _PICKLE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise IncompatibleSnapshotError(f"not a bigper SB3 replay buffer pickle ({_PICKLE_FORMAT}), got {got!r}")
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise IncompatibleSnapshotError(f"bigper SB3 replay buffer pickle lacks {missing}")
-        buf = open_snapshot(state, capacity=state["buffer_size"] * state["n_envs"], n_envs=state["n_envs"],
-                            live=live, rewind=rewind, continue_episodes=continue_episodes)
+        # (keys absent from pickles written before they existed: their defaults then)
+        self.prefetch = _prefetch(state.get("prefetch", PREFETCH))
+        self.device_tier = _device_tier(state.get("device_tier"))
         super(ReplayBuffer, self).__init__(state["buffer_size"], state["observation_space"],
-                                           state["action_space"], state["device"], n_envs=state["n_envs"])
+                                           state["action_space"], state["device"] if device is None else device,
+                                           n_envs=state["n_envs"])
+        buf = open_snapshot(state, capacity=state["buffer_size"] * state["n_envs"], n_envs=state["n_envs"],
+                            live=live, rewind=rewind, continue_episodes=continue_episodes,
+                            device=self._tier_device())
         self.buffer_size = state["buffer_size"]
         self.optimize_memory_usage = False
         self.handle_timeout_termination = state["handle_timeout_termination"]
@@ -617,6 +794,40 @@ def _beta_steps(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise InvalidArgumentError(f"beta_steps must be an int >= 1 (add calls) or None, got {value!r}")
     return int(value)
+
+
+def _prefetch(value: object) -> int:
+    """``prefetch`` checked (an int in [0, 1024], as the bigper sampler takes it) and made a plain int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 1024:
+        raise InvalidArgumentError(f"prefetch must be an int in [0, 1024] (0: no background sampler), got {value!r}")
+    return int(value)
+
+
+def _device_tier(value: object) -> bool | str | th.device | None:
+    """``device_tier`` checked: None (or False) for none, True (or "auto") for
+    the buffer's own device, else a torch device (the core checks that it
+    can hold the tier when the buffer opens)."""
+    if value is None or value is False:
+        return None
+    if value is True or (isinstance(value, str) and value == "auto"):
+        return True
+    if isinstance(value, (str, th.device)):
+        try:
+            th.device(value)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"device_tier must be True, None or a torch device ('cuda', 'cpu'), "
+                                       f"got {value!r} ({e})") from None
+        return value
+    raise InvalidArgumentError(f"device_tier must be True, None or a torch device ('cuda', 'cpu'), got {value!r}")
+
+
+def _rescalable(drawn: float | None, wanted: float | None) -> bool:
+    """Whether a sampler drawing with beta ``drawn`` serves a learner asking
+    for ``wanted``: the same (None: the buffer's own schedule), or two numbers
+    with ``drawn > 0`` (weights at ``drawn`` raised to ``wanted / drawn``)."""
+    if drawn is None or wanted is None:
+        return drawn is wanted
+    return drawn > 0 or wanted == drawn
 
 
 def annealed_beta(beta0: float, progress_remaining: float) -> float:

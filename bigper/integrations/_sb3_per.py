@@ -23,6 +23,7 @@ critic), the magnitude the quantile Huber loss is built from.
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 import torch as th
@@ -76,6 +77,9 @@ class PrioritizedAlgorithm:
     Takes the algorithm's arguments. ``replay_buffer_class`` defaults to (and
     must be a subclass of) bigper's buffer; ``n_steps`` and ``gamma`` are
     handed to the buffer (SB3 wires them only into its own ``NStepReplayBuffer``).
+    ``replay_buffer_kwargs={"device": ...}`` is the buffer's ``device_tier``
+    (bigper's device tier; SB3 gives every buffer the model's ``device=``):
+    True or "auto" for the model's device, where the batches are then gathered.
     """
 
     def __init__(self, policy, env, *args, replay_buffer_class=None, replay_buffer_kwargs=None,
@@ -92,6 +96,12 @@ class PrioritizedAlgorithm:
             raise InvalidArgumentError(f"{name} needs replay_buffer_class to be bigper's "
                                        f"PrioritizedReplayBuffer or a subclass, got {replay_buffer_class!r}.{hint}")
         rb_kwargs = dict(replay_buffer_kwargs or {})
+        if "device" in rb_kwargs:  # bigper's device tier (SB3 passes the model's device= itself)
+            tier = rb_kwargs.pop("device")
+            if "device_tier" in rb_kwargs and rb_kwargs["device_tier"] != tier:
+                raise InvalidArgumentError(f"{name}: replay_buffer_kwargs gives the device tier twice, device="
+                                           f"{tier!r} and device_tier={rb_kwargs['device_tier']!r}; give it once")
+            rb_kwargs["device_tier"] = tier
         # One n-step count, whichever way it was spelled (SB3's n_steps, the core's n_step).
         n = one_n_steps(name, {"n_steps": n_steps, "replay_buffer_kwargs['n_steps']": rb_kwargs.pop("n_steps", None),
                                "replay_buffer_kwargs['n_step']": rb_kwargs.pop("n_step", None)})
@@ -101,6 +111,7 @@ class PrioritizedAlgorithm:
         # its gamma follows the model's unless given.
         self._rb_gamma_default = "gamma" not in rb_kwargs
         self._per_td = []  # mean |TD| of each gradient step since the last log
+        self._per_fed = None  # weak reference to the buffer last sampled from (its sampler is closed once replaced)
         self.last_beta = None
         super().__init__(policy, env, *args, replay_buffer_class=replay_buffer_class,
                          replay_buffer_kwargs=rb_kwargs, **kwargs)
@@ -124,6 +135,9 @@ class PrioritizedAlgorithm:
             return super().load(*args, **kwargs)
         finally:
             DEFER_OPEN.reset(token)
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_per_fed"]
 
     def _setup_model(self) -> None:
         self._adopt_plain_sb3_buffer()
@@ -177,6 +191,12 @@ class PrioritizedAlgorithm:
                 f"before it trains (model.learning_starts = model.num_timesteps + {max(rb.n_steps, 1) * 10})")
         beta = rb.beta_for_learner(self._current_progress_remaining)
         self.last_beta = rb.buffer.beta if beta is None else beta  # what rb.beta reads too
+        ref = getattr(self, "_per_fed", None)
+        fed = None if ref is None else ref()
+        if fed is not rb:
+            if fed is not None:  # the model's buffer was replaced: the old one's sampler stops drawing
+                fed.close_sampler()
+            self._per_fed = weakref.ref(rb)
         return rb.sample(batch_size, env=self._vec_normalize_env, beta=beta)
 
     def _per_write_back(self, data, td: th.Tensor) -> None:
@@ -229,6 +249,8 @@ class PrioritizedAlgorithm:
         checked_snapshot(state)
         old = self.replay_buffer
         ours = isinstance(old, PrioritizedReplayBuffer) and not old.closed
+        if ours:  # its prepared batches are of the buffer being replaced
+            old.close_sampler()
         reopen = False
         if ours and old._live_path is not None and state.get("live_path") is not None \
                 and os.path.realpath(old._live_path) == os.path.realpath(state["live_path"]):
@@ -237,7 +259,8 @@ class PrioritizedAlgorithm:
         # peek_state unpickled everything but the drop-in's class, whose state it kept
         rb = PrioritizedReplayBuffer.__new__(PrioritizedReplayBuffer)
         try:
-            rb._restore(state, live=live, rewind=bool(rewind), continue_episodes=not truncate_last_traj)
+            rb._restore(state, live=live, rewind=bool(rewind), continue_episodes=not truncate_last_traj,
+                        device=self.device)
         except BaseException:
             if reopen:  # refused (newer data there, ...): the model keeps its buffer, open as it was
                 old.reopen()

@@ -210,14 +210,15 @@ def rewinding():
 
 
 def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None = None, rewind: bool = False,
-                  continue_episodes: bool = False) -> CoreBuffer:
+                  continue_episodes: bool = False, device=None) -> CoreBuffer:
     """The bigper buffer a pickle's ``state`` names: its manifest hash checked,
     its shape checked against the pickle's (``capacity``, ``n_envs``), loaded
     into ``live`` (default: the live path it was saved from, or its
     counterpart in a copied run folder), with a ``UserWarning`` saying what
     that path held when it had moved on. A path holding newer data is
     refused unless ``rewind``; the episodes open at the snapshot end there
-    unless ``continue_episodes`` (``PrioritizedReplayBuffer.load``)."""
+    unless ``continue_episodes`` (``PrioritizedReplayBuffer.load``); ``device``:
+    the device tier it gets (rebuilt from the snapshot's data), or None."""
     snap = checked_snapshot(state)
     info = describe(snap)
     cfg = info["config"]
@@ -227,7 +228,7 @@ def open_snapshot(state: dict, *, capacity: int, n_envs: int, live: str | None =
     n_snap, into, replaced = _what_is_live(snap, info, live)
     rewind = rewind or REWIND.get()
     try:
-        buf = CoreBuffer.load(snap, path=into, rewind=rewind, continue_episodes=continue_episodes)
+        buf = CoreBuffer.load(snap, path=into, rewind=rewind, continue_episodes=continue_episodes, device=device)
     except PathExistsError as e:
         if "rewind=True" not in str(e):
             raise

@@ -12,7 +12,13 @@ work unchanged. It keeps nothing of SB3's arrays: every transition lives in a
 
 ``sample`` returns SB3's ``ReplayBufferSamples`` fields in their order plus
 ``weights`` (IS weights, like ``rewards``) and ``indices``; hand ``indices`` and
-``|TD error|`` to ``update_priorities``. ``PrioritizedDQN`` (SB3's DQN with an
+``|TD error|`` to ``update_priorities``. Each ``sample`` is served by a
+background sampler the buffer keeps open (``prefetch=2``; ``prefetch=0``
+draws in the caller's thread), on the buffer's device, and with
+``device_tier=True`` (``replay_buffer_kwargs={"device": ...}`` for the
+``Prioritized*`` algorithms) the data also lives in device memory and
+batches are gathered there (``PrioritizedReplayBuffer.sample`` says what a
+prefetched batch may lag). ``PrioritizedDQN`` (SB3's DQN with an
 IS-weighted loss and the write-back) does that; with SB3's plain ``DQN`` the
 buffer still works, but nothing updates priorities: every transition keeps the
 largest priority seen, and sampling stays uniform over what is sampleable.

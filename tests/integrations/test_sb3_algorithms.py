@@ -256,7 +256,7 @@ def test_beta_steps_anneals_by_add_count_and_resumes(tmp_path):
     for t in range(10):
         add(rb, t)
     s = rb.sample(8)  # weights at beta = 0.4 + 0.6 * 10/40
-    probs = rb._last[1].probabilities
+    probs = rb.buffer.leaves(rb._last_draw()[0]) / rb.buffer.total_priority  # P(i) at the draw (no update since)
     n = len(rb.buffer)
     w = (n * probs) ** -0.55
     np.testing.assert_allclose(s.weights.numpy().reshape(-1), w / w.max() if np.ptp(probs) else np.ones(8),

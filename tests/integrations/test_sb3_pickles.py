@@ -301,7 +301,7 @@ def test_discounts_are_what_sb3s_nstep_buffer_gives_also_where_done(n_envs):
         for e in range(n_envs):
             refs[e].add(o[e:e + 1], o[e:e + 1] + 1, np.zeros(1), np.ones(1), done[e:e + 1], infos[e:e + 1])
     s = ours.sample(400)
-    gens = ours._last[1].generations
+    gens = ours._last_draw()[1]
     disc = s.discounts.numpy()
     dones = s.dones.numpy()
     assert dones.any() and (disc[dones == 1] > 0).all()
