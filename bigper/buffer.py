@@ -319,7 +319,6 @@ class PrioritizedReplayBuffer:
         self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, ring.ends, ring.gid)
         self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, ring, self._unit)
         self._beta_step = 0
-        self._restores = 0  # states taken (_restore): a feed's sources are made anew after one
         self._mirror = mirror
         self._deferred = Deferred()
         self._deferred_error = None  # an invalid deferred update's error, for the next call to raise
@@ -759,7 +758,6 @@ class PrioritizedReplayBuffer:
 
     def _restore(self, meta: dict, arrays: dict, reseed: bool = False) -> None:
         check_state(self.config, meta, arrays)
-        self._restores += 1
         c = self.config.capacity
         for name, want in (("gid", (c,)), ("status", (c,)), ("ends", (c,))):
             got = arrays.get(name)

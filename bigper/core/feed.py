@@ -279,7 +279,7 @@ def intact_kernel(idx, gen, gid):
 def intact(buf, block: Block, restores: int) -> bool:
     """(Under the lock, after ``gather``.) Whether no write replaced what the
     batch in ``block`` read while it was gathered without the lock."""
-    if buf._restores != restores:
+    if buf._ring.restores != restores:
         return False
     if buf._ring.count == block.count:
         return True  # nothing was written since the draw

@@ -34,6 +34,7 @@ class Ring:
         self.count = 0
         self.max_leaf = 1.0
         self.env_ended = np.ones(num_envs, dtype=bool)  # no episode in progress
+        self.restores = 0  # states taken (``restore``): a feed checks it did not race one
 
     def __len__(self) -> int:
         """Transitions held (written, at most ``capacity``)."""
@@ -46,6 +47,7 @@ class Ring:
 
     def restore(self, meta: dict, arrays: dict) -> None:
         """Take a recorded state (checked by ``_statecheck`` first); arrays are copied in."""
+        self.restores += 1
         self.gid[:] = arrays["gid"]
         self.status[:] = arrays["status"]
         self.ends[:] = arrays["ends"]

@@ -195,7 +195,7 @@ class Filler:
         fields = None if self.tier is not None else {n: arrays[n] for n in self.layout.fields}
         ring = arrays["frames"] if buf._frames is not None and self.tier is None else None
         self.src = plan.Sources(buf, self.layout, fields, ring)
-        self.src_of = (buf._restores, arrays)
+        self.src_of = (buf._ring.restores, arrays)
         return self.src
 
     def fill(self, slot: Slot, stop) -> Slot | None:
@@ -216,7 +216,7 @@ class Filler:
         try:
             src = self.src
             if src is None or self.how is None or self.tier is not None or buf._closed or buf._deferred.items \
-                    or self.src_of[0] != buf._restores or self.src_of[1] is not buf._store.arrays \
+                    or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays \
                     or not src.tree[0][0] > 0:
                 src = self._draw(buf, block)  # every case
             else:  # the common one, inline: one call to the compiled draw
@@ -225,7 +225,7 @@ class Filler:
                                                              src.refs, block.meta, block.ids)
                 buf._beta_step += 1
                 block.count = buf._ring.count
-            restores = buf._restores
+            restores = buf._ring.restores
             if self.tier is not None:  # everything on the device, in order, under the lock
                 self._tier_gather(slot)
                 return slot
@@ -236,7 +236,7 @@ class Filler:
                                src.ring, block.fdst)
         lock.acquire()
         try:
-            if buf._restores != restores or buf._ring.count != block.count:
+            if buf._ring.restores != restores or buf._ring.count != block.count:
                 if not plan.intact(buf, block, restores):  # a write replaced what was read: again, under the lock
                     self._draw(buf, block)
                     plan.gather(self.src, block)
@@ -275,7 +275,7 @@ class Filler:
         if buf._deferred.items:  # priorities from the device whose copies arrived; never a wait for the
             buf._settle(keep=True, arrived=True)  # learner's step (a later draw applies the others)
         src = self.src
-        if self.src_of is None or self.src_of[0] != buf._restores or self.src_of[1] is not buf._store.arrays:
+        if self.src_of is None or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays:
             src = self.sources(buf)
         if self.tier is not None and (self.tier.count != buf._ring.count or
                                       (buf._frames is not None and self.tier.fw != buf._frames.fw)):
