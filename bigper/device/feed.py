@@ -344,13 +344,16 @@ class FeedSampler:
         self._done = False
         self._why: BaseException | None = None
         self._depth = depth
-        for _ in range(depth + _HELD + 1):
+        # Slots the thread may fill: ``depth`` at first (at most ``depth`` batches ready, as
+        # ``Prefetcher``), one more for each batch the learner holds (``_HELD``), given as it takes them.
+        self._extra = 0
+        for _ in range(depth if depth else _HELD + 1):
             self._free.put(None)
         self._thread = None
         self._filler.own_thread = bool(depth)
         if depth:
             self._thread = threading.Thread(target=_run, args=(self._filler, self._free, self._ready, self._flags),
-                                            name="bigper-feed", daemon=True)
+                                            name="bigper-prefetch", daemon=True)
             self._thread.start()
 
     def __iter__(self):
@@ -371,6 +374,9 @@ class FeedSampler:
             self.close()
             raise item.exc
         out.append(item)
+        if self._extra < _HELD and self._thread is not None:
+            self._extra += 1
+            self._free.put(None)
         item.fresh = False
         batch = item.batch = item.batches[item.block.shape]
         if self._cuda:
