@@ -126,7 +126,66 @@ class Direct:
         self.close()
 
 
-class Prefetcher:
+class Threaded:
+    """What an iterator with a thread of its own shares (``Prefetcher``, the
+    feed's sampler): its end (``StopIteration``, or the error a closed source
+    left), ``close``, the context manager, and a finalizer that stops the
+    thread. A subclass has ``_thread``, ``_ready`` (a queue of what it
+    prepared) and ``_signal_stop()``."""
+
+    _done = False
+    _why: BaseException | None = None  # what ends the iteration, when not the iterator's own close
+    _thread: threading.Thread | None = None
+
+    def __iter__(self):
+        return self
+
+    @property
+    def ready(self) -> int:
+        """Items prepared and waiting."""
+        return self._ready.qsize()
+
+    def _stop_iteration(self):
+        if self._why is not None:
+            raise self._why
+        raise StopIteration
+
+    def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
+        """Stop the thread (it finishes the ``produce`` call in progress, if
+        any) and drop what it prepared; ``wait``: until the thread has ended
+        (at most ``timeout`` seconds). Idempotent. ``why``: the error the
+        consumer's next ``next()`` raises instead of ``StopIteration`` (the
+        source closed under it: a learner must not take that for the end)."""
+        if why is not None and not self._done:
+            self._why = why
+        self._done = True
+        self._signal_stop()
+        t = self._thread
+        if wait and t is not None and t is not threading.current_thread():
+            t.join(timeout)
+        while True:
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # Collected: wait (briefly) for the thread, so that whatever it held
+        # during its last call (a buffer, and with it a storage lock) is let go
+        # before the collection that dropped this iterator returns.
+        try:
+            self.close(wait=True, timeout=2.0)
+        except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
+            pass
+
+
+class Prefetcher(Threaded):
     """Iterator over ``produce()`` results, ``depth`` of them prepared ahead.
 
     Parameters
@@ -151,26 +210,21 @@ class Prefetcher:
     def __init__(self, produce: Callable[[], Any], depth: int, lock, name: str = "bigper-prefetch",
                  prepare: Callable[[], None] | None = None, finish: Callable[[Any], Any] | None = None):
         self._finish = finish
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._ready: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._done = False
-        self._why: BaseException | None = None  # what ends the iteration, when not the iterator's own close
-        self._thread = threading.Thread(target=_run, args=(produce, self._q, self._stop, lock, prepare),
+        self._thread = threading.Thread(target=_run, args=(produce, self._ready, self._stop, lock, prepare),
                                         name=name, daemon=True)
         self._thread.start()
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         if self._done:
             self._stop_iteration()
         while True:
             try:
-                item = self._q.get(timeout=_POLL_S)
+                item = self._ready.get(timeout=_POLL_S)
                 break
             except queue.Empty:
-                if not self._thread.is_alive() and self._q.empty():
+                if not self._thread.is_alive() and self._ready.empty():
                     self._done = True
                     self._stop_iteration()
         if isinstance(item, Failure):
@@ -179,45 +233,5 @@ class Prefetcher:
             raise item.exc
         return item if self._finish is None else self._finish(item)
 
-    @property
-    def ready(self) -> int:
-        """Items prepared and waiting."""
-        return self._q.qsize()
-
-    def _stop_iteration(self):
-        if self._why is not None:
-            raise self._why
-        raise StopIteration
-
-    def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
-        """Stop the thread (it finishes the ``produce`` call in progress, if
-        any) and drop what it prepared; ``wait``: until the thread has ended
-        (at most ``timeout`` seconds). Idempotent. ``why``: the error the
-        consumer's next ``next()`` raises instead of ``StopIteration`` (the
-        source closed under it: a learner must not take that for the end)."""
-        if why is not None and not self._done:
-            self._why = why
+    def _signal_stop(self) -> None:
         self._stop.set()
-        self._done = True
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        while True:
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                break
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        # Collected: wait (briefly) for the thread, so that whatever it held
-        # during its last call (a buffer, and with it a storage lock) is let go
-        # before the collection that dropped this iterator returns.
-        try:
-            self.close(wait=True, timeout=2.0)
-        except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
-            pass

@@ -39,7 +39,7 @@ import numpy as np
 
 from .._torch import TensorBatch, _torch, _torch_dtype
 from ..core import feed as plan
-from ..core.prefetch import Failure, why_after
+from ..core.prefetch import Failure, Threaded, why_after
 from ..errors import BufferClosedError, InvalidArgumentError
 from ..schedules import ConstantSchedule
 
@@ -326,7 +326,7 @@ def _run(filler: Filler, free: "queue.SimpleQueue", ready: "queue.SimpleQueue", 
         ready.put(item)
 
 
-class FeedSampler:
+class FeedSampler(Threaded):
     """The iterator ``sampler(B, prefetch, device=...)`` gives where the feed
     covers the buffer: the contract of ``core.prefetch.Prefetcher`` (errors,
     ``close``, ``ready``), batches as ``FeedBatch`` dicts. ``depth`` 0: no
@@ -341,8 +341,6 @@ class FeedSampler:
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._out: deque = deque()
         self._flags = [False]
-        self._done = False
-        self._why: BaseException | None = None
         self._depth = depth
         # Slots the thread may fill: ``depth`` at first (at most ``depth`` batches ready, as
         # ``Prefetcher``), one more for each batch the learner holds (``_HELD``), given as it takes them.
@@ -355,9 +353,6 @@ class FeedSampler:
             self._thread = threading.Thread(target=_run, args=(self._filler, self._free, self._ready, self._flags),
                                             name="bigper-prefetch", daemon=True)
             self._thread.start()
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         if self._done:
@@ -409,43 +404,9 @@ class FeedSampler:
         else:  # the learner keeps it: a new slot takes its place
             self._free.put(None)
 
-    @property
-    def ready(self) -> int:
-        """Batches prepared and waiting."""
-        return self._ready.qsize()
-
-    def _stop_iteration(self):
-        if self._why is not None:
-            raise self._why
-        raise StopIteration
-
-    def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
-        """As ``Prefetcher.close``."""
-        if why is not None and not self._done:
-            self._why = why
+    def _signal_stop(self) -> None:
         self._flags[0] = True
-        self._done = True
         self._free.put(None)  # wakes a thread waiting for a slot
-        t = self._thread
-        if wait and t is not None and t is not threading.current_thread():
-            t.join(timeout)
-        while True:
-            try:
-                self._ready.get_nowait()
-            except queue.Empty:
-                break
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close(wait=True, timeout=2.0)
-        except Exception:  # noqa: BLE001 (nothing to raise to in a finalizer)
-            pass
 
 
 def covered(buf, dev) -> str | None:
