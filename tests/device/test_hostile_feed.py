@@ -1,0 +1,391 @@
+"""Hostile cases for the feed (``core/feed.py``, ``device/feed.py``): the path a
+``sampler(B, prefetch, device=...)`` takes for n_step=1 transitions with
+proportional priorities and raw frames.
+
+Each bug found is a test that fails today, marked ``xfail(strict=True)`` with
+the reason naming it; everything else here is a guard that passes. A row of a
+batch is checked self-consistent the way ``test_feed.py`` does it: the pixels
+of step g's newest frame, its ``step`` field, its reward and its generation all
+say g (``_add``/``_check_rows``), so a torn or foreign row shows.
+
+CPU everywhere; CUDA cases run where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import bigper  # noqa: E402
+import bigper.core.feed as plan  # noqa: E402
+from bigper.device.feed import FeedSampler  # noqa: E402
+from tests.buffer.test_validation import assert_same, fingerprint  # noqa: E402
+from tests.device.test_feed import _add, _atari_like, _check_rows, _np  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _twin_pair(tmp_path=None, capacity=400, n=400, **kw):
+    bufs = []
+    for name in "ab":
+        b = _atari_like(None if tmp_path is None else tmp_path / name, capacity=capacity, **kw)
+        _add(b, 0, n)
+        bufs.append(b)
+    return bufs
+
+
+def _same_batch(got, want):
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(_np(got[k]), _np(want[k]), err_msg=k)
+
+
+def _leaves(buf):
+    return buf.leaves(np.arange(buf.capacity))
+
+
+def _run_script(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (a crash or a hang there is a result, not the end of the run)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+class _GatherHook:
+    """Replaces the feed's lock-free gather (``core.feed.gather_kernel``, the
+    name ``Filler.fill`` calls) so that a test runs ``during()`` between the
+    draw and the gather of the next batch, or blocks the gather on events."""
+
+    def __init__(self, monkeypatch, during=None, before=None):
+        self.real = plan.gather_kernel
+        self.during, self.before = during, before
+        self.armed = True
+        monkeypatch.setattr(plan, "gather_kernel", self)
+
+    def __call__(self, *args):
+        if self.armed:
+            self.armed = False
+            if self.during is not None:
+                self.during()
+            self.real(*args)
+            if self.before is not None:
+                self.before()
+            return None
+        return self.real(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bugs: a learner that changes what it was handed (the slot is refilled under it, or carries
+# the change into later batches). ``Slot.unheld`` counts Python references and torch storage
+# uses; anything that changes a slot without changing those counts slips through.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="device/feed.py Slot.unheld: a learner that swaps or renames keys of the "
+                   "dict it was handed keeps every refcount and the key count, so the slot is refilled with the "
+                   "mutated dict: later batches come with obs and next_obs swapped, or 'reward' under another name")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["swap", "rename"])
+def test_keys_swapped_or_renamed_by_the_learner_never_reach_later_batches(device, how):
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=0, device=device)
+    t = next(it)
+    keys = list(t)
+    if how == "swap":
+        t["obs"], t["next_obs"] = t["next_obs"], t["obs"]
+    else:
+        t["r"] = t.pop("reward")
+    del t
+    for _ in range(8):
+        t = next(it)
+        assert list(t) == keys
+        _check_rows(t)
+    del t
+    it.close()
+    buf.close()
+
+
+@pytest.mark.xfail(strict=True, reason="device/feed.py Slot.unheld: a numpy view of t.host['indices'] (a slice, "
+                   "reshape, .view()) has the block's array as its base, not the held host array, so neither "
+                   "refcount moves: the slot is refilled and the learner's kept indices change under it")
+@pytest.mark.parametrize("device", DEVICES)
+def test_numpy_views_of_the_host_indices_are_held_like_the_tensors(device):
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=0, device=device)
+    kept = []
+    for _ in range(6):
+        t = next(it)
+        kept.append((t.host["indices"][:], t.host["generations"].reshape(-1), _np(t["indices"]).copy(),
+                     _np(t["generations"]).copy()))
+    del t
+    for _ in range(10):
+        next(it)
+    for idx, gen, idx0, gen0 in kept:
+        np.testing.assert_array_equal(idx, idx0)
+        np.testing.assert_array_equal(gen, gen0)
+    it.close()
+    buf.close()
+
+
+@pytest.mark.xfail(strict=True, reason="device/feed.py: the slot's tensors are made once; an in-place change of a "
+                   "tensor's metadata (unsqueeze_, requires_grad_) moves no refcount, so it is reused and every later "
+                   "batch of that slot has reward of shape (B, 1), or requiring grad")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edit", ["unsqueeze_", "requires_grad_"])
+def test_in_place_metadata_edits_never_reach_later_batches(device, edit):
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=0, device=device)
+    for _ in range(8):
+        t = next(it)
+        assert tuple(t["reward"].shape) == (8,) and not t["reward"].requires_grad
+        assert tuple(t["discount"].shape) == (8,)
+        getattr(t["reward"], edit)(*((1,) if edit == "unsqueeze_" else ()))
+        t["discount"].unsqueeze_(-1) if edit == "unsqueeze_" else None
+    del t
+    it.close()
+    buf.close()
+
+
+@pytest.mark.xfail(strict=True, reason="device/feed.py Slot: share_memory_() (what torch.multiprocessing's pickler "
+                   "does to a CPU tensor put in an mp.Queue) swaps the slot storage's memory for a shared copy; no "
+                   "count moves, the slot is refilled through the stale numpy view of the freed block: later batches "
+                   "are stale and the process dies (segfault / heap corruption)")
+def test_a_batch_tensor_sent_through_torch_multiprocessing_never_corrupts_the_feed():
+    r = _run_script("""
+        import sys
+        import numpy as np
+        from multiprocessing.reduction import ForkingPickler
+        import torch, torch.multiprocessing  # noqa: F401 (registers torch's reductions)
+        from tests.device.test_feed import _add, _atari_like, _check_rows
+        buf = _atari_like()
+        _add(buf, 0, 400)
+        it = buf.sampler(8, prefetch=0, device="cpu")
+        t = next(it)
+        ForkingPickler.dumps(t["obs"])  # what mp.Queue.put does with a tensor
+        del t
+        for _ in range(40):
+            t = next(it)
+            _check_rows(t)
+        print("consistent")
+    """)
+    assert r.returncode == 0 and "consistent" in r.stdout, (r.returncode, r.stderr[-1500:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bugs: the lock-free gather and the intact check
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="core/feed.py intact: 'ring.count == block.count: nothing was written' is "
+                   "wrong for a write that failed and was rolled back: its rows were in the storage while the "
+                   "batch was gathered without the lock, the count is back as it was, so the batch carries rows "
+                   "of a write that never happened (step g at generation g - 64)")
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_a_failed_rolled_back_write_never_reach_a_batch(monkeypatch, device):
+    buf = _atari_like(capacity=64)
+    _add(buf, 0, 64)
+    before = fingerprint(buf)
+    it = buf.sampler(16, prefetch=0, device=device)
+    next(it)
+    drawn, written, gathered = threading.Event(), threading.Event(), threading.Event()
+
+    def in_gather():
+        drawn.set()
+        written.wait(10)
+
+    _GatherHook(monkeypatch, during=in_gather, before=gathered.set)
+    frames, real_write, calls = buf._frames, buf._frames.write, [0]
+
+    def failing_write(*a, **k):  # the second chunk of a write of more rows than slots fails (a full disk)
+        calls[0] += 1
+        if calls[0] == 2:
+            written.set()
+            gathered.wait(10)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(frames, "write", failing_write)
+    failed = []
+
+    def writer():
+        drawn.wait(10)
+        try:
+            _add(buf, 64, 100)
+        except OSError as e:
+            failed.append(e)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    t = next(it)
+    th.join()
+    monkeypatch.undo()
+    assert failed  # the write failed and changed nothing ...
+    after = fingerprint(buf)
+    for k in ("data.step", "data.frames", "state.gid", "state.leaves"):
+        np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+    _check_rows(t)  # ... so no batch may show its rows
+    del t
+    it.close()
+
+
+@pytest.mark.xfail(strict=True, reason="device/feed.py Filler.fill: when a write replaced what was gathered, the "
+                   "batch is drawn again with new uniforms and a second beta step: the random stream and the beta "
+                   "schedule end where no serial order of (sample, add) puts them (beta advances twice a batch "
+                   "under a busy writer)")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_redrawn_after_a_racing_write_is_one_a_serial_run_gives(monkeypatch, device):
+    sched = dict(beta=bigper.LinearSchedule(0.4, 1.0, 100))
+    buf, first, then = (_atari_like(capacity=64, **sched) for _ in range(3))
+    for b in (buf, first, then):
+        _add(b, 0, 64)
+    it = buf.sampler(16, prefetch=0, device=device)
+    _GatherHook(monkeypatch, during=lambda: _add(buf, 64, 64))  # every slot replaced mid-gather
+    t = next(it)
+    _check_rows(t)
+    first.sample(16)  # serial: the draw, then the write
+    _add(first, 64, 64)
+    _add(then, 64, 64)  # serial: the write, then the draw
+    want = then.sample(16).to_torch(device)
+    meta = buf.state_dict()[0]
+    assert meta["beta_step"] == 1
+    assert meta["rng"] in (first.state_dict()[0]["rng"], then.state_dict()[0]["rng"])
+    _same_batch(t, want)  # (the only serial order whose batch it can be: it shows the write's rows)
+    del t
+    it.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bugs: the sampler's own contract
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="device/feed.py FeedSampler: depth + _HELD + 1 slots circulate, so the "
+                   "thread keeps up to prefetch + 2 batches ready (prefetch + 1 in steady state) and draws one more "
+                   "ahead than the general sampler: `ready` exceeds `prefetch`")
+def test_ready_never_exceeds_prefetch():
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    for p in (1, 2):
+        it = buf.sampler(8, prefetch=p, device="cpu")
+        for _ in range(3):
+            t = next(it)
+            time.sleep(0.3)
+            assert it.ready <= p, (p, it.ready)
+        del t
+        it.close()
+
+
+@pytest.mark.xfail(strict=True, reason="os.fork() while a feed thread runs: the child's copy of the sampler hands "
+                   "out the batch the parent's thread prepared (the parent gets the same one), and on a disk buffer "
+                   "the fork closed, next() gives it instead of BufferClosedError (lifecycle._after_fork_in_child "
+                   "forgets the samplers without closing them)")
+def test_a_forked_child_never_takes_the_parents_prefetched_batches(tmp_path):
+    r = _run_script(f"""
+        import os, time, warnings
+        import numpy as np
+        import bigper
+        from tests.device.test_feed import _add, _atari_like
+        warnings.simplefilter("ignore")
+        for storage in ("memory", "memmap"):
+            buf = _atari_like({str(tmp_path)!r} + "/b" if storage == "memmap" else None)
+            _add(buf, 0, 400)
+            it = buf.sampler(8, prefetch=2, device="cpu")
+            t = next(it)
+            time.sleep(0.5)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                try:
+                    try:
+                        x = next(it)
+                        msg = "batch " + ",".join(map(str, x["generations"].tolist()))
+                    except bigper.BigperError as e:
+                        msg = "refused " + type(e).__name__
+                    except BaseException as e:
+                        msg = "raised " + type(e).__name__
+                    os.write(w, msg.encode())
+                finally:
+                    os._exit(0)
+            os.close(w)
+            for _ in range(200):
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                print(storage, "HUNG")
+                continue
+            child = os.read(r, 1000).decode()
+            parent = "batch " + ",".join(map(str, next(it)["generations"].tolist()))
+            print(storage, "child:", child, "| same as the parent's:", child == parent)
+            if storage == "memmap":
+                assert child == "refused BufferClosedError", child
+            else:
+                assert child != parent and "HUNG" not in child, child
+            it.close()
+            buf.close()
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.stdout[-1500:], r.stderr[-1500:])
+
+
+@pytest.mark.xfail(strict=True, reason="device/feed.py Filler.fill re-takes the buffer's lock after its gather with "
+                   "a blocking lock.acquire() that never looks at the stop flag; FeedSampler.close() joins the thread "
+                   "without a timeout: a close() made while the lock is held (a callback or __array__ run inside a "
+                   "buffer call) deadlocks (the general Prefetcher polls the lock and ends)")
+def test_closing_a_sampler_while_the_buffer_lock_is_held_never_deadlocks():
+    r = _run_script("""
+        import os, threading, time
+        import numpy as np
+        import bigper.core.feed as plan
+        from tests.device.test_feed import _add, _atari_like
+        buf = _atari_like()
+        _add(buf, 0, 400)
+        it = buf.sampler(8, prefetch=1, device="cpu")
+        next(it)
+        time.sleep(0.3)
+        real = plan.gather_kernel
+        in_gather, locked = threading.Event(), threading.Event()
+        def hooked(*a):
+            if not in_gather.is_set():
+                in_gather.set()
+                locked.wait(10)
+            return real(*a)
+        plan.gather_kernel = hooked
+        class Closes:  # priorities whose conversion (under the buffer's lock) closes the sampler
+            def __array__(self, dtype=None, copy=None):
+                locked.set()
+                time.sleep(0.2)
+                it.close()
+                return np.ones(4)
+        def go():
+            in_gather.wait(10)
+            buf.update_priorities(np.arange(4), Closes())
+        th = threading.Thread(target=go, daemon=True)
+        th.start()
+        next(it); next(it)
+        th.join(10)
+        print("deadlocked" if th.is_alive() else "ok", flush=True)
+        os._exit(0)
+    """)
+    assert "ok" in r.stdout, (r.stdout[-500:], r.stderr[-1500:])
