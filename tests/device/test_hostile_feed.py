@@ -389,3 +389,185 @@ def test_closing_a_sampler_while_the_buffer_lock_is_held_never_deadlocks():
         os._exit(0)
     """)
     assert "ok" in r.stdout, (r.stdout[-500:], r.stderr[-1500:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: public methods from other threads while a feed runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _f(g):
+    """The priority every party gives transition ``g``: any order of their calls leaves it."""
+    return (np.asarray(g) % 7 + 1).astype(np.float64)
+
+
+def _add_p(buf, g0, n, episode=50):
+    """``_add`` with priorities ``_f(g)`` given to extend."""
+    g = np.arange(g0, g0 + n)
+    frames = lambda s: np.broadcast_to((s % 251).astype(np.uint8)[:, None, None, None], (n, 1, 6, 7))  # noqa: E731
+    obs = np.concatenate([frames(g - 3 + j) for j in range(4)], axis=1)
+    nxt = np.concatenate([frames(g - 2 + j) for j in range(4)], axis=1)
+    buf.extend({"obs": obs, "next_obs": nxt, "step": g, "reward": g.astype(np.float32),
+                "terminated": (g + 1) % episode == 0}, priorities=_f(g))
+
+
+def _check_leaves(buf):
+    """Every sampleable slot's leaf is its own transition's ``_f`` key (what any serial run leaves), the
+    rest are 0, and the tree over them is consistent."""
+    meta, arrays = buf.state_dict()
+    gid, status, leaves = arrays["gid"], arrays["status"], arrays["leaves"]
+    live = status == 1
+    want = (_f(gid) + buf.config.eps) ** buf.config.alpha
+    np.testing.assert_allclose(leaves[live], want[live], rtol=1e-12)
+    assert np.all(leaves[~live] == 0)
+    assert buf.prioritization.check(status) == []
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap"])
+def test_every_public_method_from_threads_while_a_feed_runs(tmp_path, storage):
+    """Writers, crafted and stale updates, assign, no-op restores, reads, samples, a second
+    sampler and snapshots race the feed; then a close from another thread ends it. Every row
+    of every batch is one transition, every update lands on its own transition, the tree is
+    consistent, and the learner's loop ends with BufferClosedError."""
+    buf = _atari_like(tmp_path / "live" if storage == "memmap" else None, capacity=96)
+    _add_p(buf, 0, 96)
+    stop = threading.Event()
+    errors, counts = [], {}
+    g_next = [96]
+
+    def loop(name, body):
+        def run():
+            n = 0
+            try:
+                while not stop.is_set():
+                    body(n)
+                    n += 1
+            except bigper.BufferClosedError:
+                pass
+            except Exception as e:  # noqa: BLE001
+                errors.append((name, repr(e)))
+            counts[name] = n
+        return threading.Thread(target=run, name=name)
+
+    def write(n):
+        k = 1 + n % 9
+        _add_p(buf, g_next[0], k)
+        g_next[0] += k
+
+    rng = np.random.default_rng(0)
+
+    def crafted(n):  # raw slots with generations read at some earlier moment: stale ones are skipped
+        idx = rng.integers(0, 96, 12)
+        gen = buf.generations[idx]
+        if n % 2:
+            time.sleep(0.001)
+        buf.update_priorities({"indices": idx, "generations": gen}, _f(gen))
+
+    def assign(n):
+        with buf._lock:  # (gid read and assigned in one step: the test's own serial point)
+            buf.assign_priorities(_f(buf.generations))
+        time.sleep(0.005)
+
+    def restore(n):
+        with buf._lock:
+            meta, arrays = buf.state_dict()
+            buf.load_state(meta, {k: np.array(v, copy=True) for k, v in arrays.items()})
+        time.sleep(0.005)
+
+    def read(n):
+        idx = rng.integers(0, 96, 8)
+        buf.leaves(idx)
+        len(buf), buf.total_priority, buf.beta
+        try:
+            got = buf.gather(idx)
+            assert np.array_equal(got["obs"][:, -1, 0, 0], (got["step"] % 251).astype(np.uint8))
+        except bigper.InvalidIndexError:
+            pass
+        s = buf.sample(8)
+        assert np.array_equal(s["obs"][:, -1, 0, 0], (s["step"] % 251).astype(np.uint8))
+        assert np.array_equal(s["step"], s.generations)
+
+    it2 = buf.sampler(8, prefetch=1, device="cpu")
+
+    def second(n):
+        t = next(it2)
+        _check_rows(t)
+        buf.update_priorities(t, torch.from_numpy(_f(_np(t["step"]))))
+
+    def save(n):
+        if storage == "memmap":
+            buf.save(tmp_path / f"snap-{n}")
+        time.sleep(0.05)
+
+    threads = [loop(n, b) for n, b in (("write", write), ("crafted", crafted), ("assign", assign),
+                                       ("restore", restore), ("read", read), ("second", second), ("save", save))]
+    it = buf.sampler(16, prefetch=2, device="cpu")
+    for th in threads:
+        th.start()
+    batches = 0
+    try:
+        for t in it:
+            _check_rows(t)
+            buf.update_priorities(t, torch.from_numpy(_f(_np(t["step"]))))
+            batches += 1
+            if batches == 150:
+                stop.set()
+                for th in threads:
+                    th.join()
+                closer = threading.Thread(target=buf.close)
+                closer.start()
+                closer.join()
+    except bigper.BufferClosedError:
+        pass
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert not errors, errors
+    assert batches == 150 and buf.closed
+    with pytest.raises(bigper.BufferClosedError):
+        next(it)
+    _check_leaves(buf)
+    if storage == "memmap":
+        with _atari_like(tmp_path / "live", capacity=96, mode="resume") as back:
+            _check_leaves(back)
+            assert len(back) == 96
+        snaps = sorted(tmp_path.glob("snap-*"))
+        if snaps:
+            with bigper.PrioritizedReplayBuffer.load(snaps[-1], path=tmp_path / "from-snap") as old:
+                _check_leaves(old)
+
+
+def test_a_restore_racing_the_gather_gives_the_batch_of_restore_then_sample(monkeypatch):
+    buf, twin = _twin_pair(capacity=64, n=64)
+    meta, arrays = buf.state_dict()
+    saved = (meta, {k: np.array(v, copy=True) for k, v in arrays.items()})
+    it = buf.sampler(16, prefetch=0, device="cpu")
+    _GatherHook(monkeypatch, during=lambda: buf.load_state(*saved))
+    t = next(it)  # drawn, then the state it was drawn from is restored under its gather
+    _same_batch(t, twin.sample(16).to_torch("cpu"))
+    a, b = fingerprint(twin), fingerprint(buf)
+    assert (a.pop("_restores"), b.pop("_restores")) == (0, 1)
+    assert_same(a, b)
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap"])
+def test_writes_racing_every_gather_leave_the_tree_a_serial_run_leaves(monkeypatch, tmp_path, storage):
+    """A write between every draw and its gather (overwriting some of the drawn slots); the
+    learner updates each batch: every update lands on its own transitions or is skipped."""
+    buf = _atari_like(tmp_path / "b" if storage == "memmap" else None, capacity=64)
+    _add_p(buf, 0, 64)
+    g = [64]
+
+    def write():
+        _add_p(buf, g[0], 5)
+        g[0] += 5
+
+    it = buf.sampler(16, prefetch=0, device="cpu")
+    for _ in range(40):
+        hook = _GatherHook(monkeypatch, during=write)
+        t = next(it)
+        assert not hook.armed
+        _check_rows(t)
+        buf.update_priorities(t, torch.from_numpy(_f(_np(t["step"]))))
+    _check_leaves(buf)
