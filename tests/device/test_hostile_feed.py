@@ -571,3 +571,253 @@ def test_writes_racing_every_gather_leave_the_tree_a_serial_run_leaves(monkeypat
         _check_rows(t)
         buf.update_priorities(t, torch.from_numpy(_f(_np(t["step"]))))
     _check_leaves(buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: lifecycle (dropped buffers, close from everywhere, the iterator's own close)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap"])
+def test_a_buffer_dropped_while_the_thread_waits_is_closed_and_resumes(tmp_path, storage):
+    buf = _atari_like(tmp_path / "b" if storage == "memmap" else None)
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=1, device="cpu")
+    t = next(it)
+    time.sleep(0.2)  # the thread filled what it may and waits for a slot
+    ref = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert ref() is None
+    _check_rows(t)  # the batch held stays as it was
+    for _ in range(3):
+        with pytest.raises(bigper.BufferClosedError):
+            next(it)
+    if storage == "memmap":
+        with _atari_like(tmp_path / "b", mode="resume") as back:
+            assert len(back) == 400
+
+
+def test_a_buffer_dropped_while_the_thread_fills_is_closed_in_that_thread(tmp_path, monkeypatch):
+    buf = _atari_like(tmp_path / "b")
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=1, device="cpu")
+    t = next(it)
+    in_gather, dropped = threading.Event(), threading.Event()
+    _GatherHook(monkeypatch, during=lambda: (in_gather.set(), dropped.wait(10)))
+    del t
+    next(it)
+    next(it)  # a slot back: the thread draws and gathers, holding the buffer
+    assert in_gather.wait(10)
+    ref = weakref.ref(buf)
+    del buf
+    dropped.set()  # the thread's own reference is the last one
+    for _ in range(100):
+        if ref() is None:
+            break
+        time.sleep(0.02)
+        gc.collect()
+    assert ref() is None
+    with pytest.raises(bigper.BufferClosedError):
+        for _ in range(10):
+            _check_rows(next(it))
+    with _atari_like(tmp_path / "b", mode="resume") as back:
+        assert len(back) == 400
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_inside_the_learner_loop(prefetch):
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    n = 0
+    with pytest.raises(bigper.BufferClosedError):
+        for t in buf.sampler(8, prefetch=prefetch, device="cpu"):
+            _check_rows(t)
+            n += 1
+            if n == 5:
+                buf.close()
+                _check_rows(t)
+    assert n == 5
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_from_another_thread_mid_gather(tmp_path, monkeypatch, prefetch):
+    buf = _atari_like(tmp_path / "b")
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=prefetch, device="cpu")
+    next(it)
+    closer = threading.Thread(target=buf.close)
+
+    def during():  # the lock is free: the close runs (prefetch: until it waits for this thread)
+        closer.start()
+        closer.join(0.5 if prefetch else 10)
+
+    _GatherHook(monkeypatch, during=during)
+    try:
+        for _ in range(10):
+            _check_rows(next(it))
+    except bigper.BufferClosedError:
+        pass
+    closer.join(10)
+    assert not closer.is_alive() and buf.closed
+    for _ in range(3):
+        with pytest.raises(bigper.BufferClosedError):
+            next(it)
+    with _atari_like(tmp_path / "b", mode="resume") as back:
+        assert len(back) == 400
+
+
+def test_an_exception_in_the_learner_between_next_calls():
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=2, device="cpu")
+    caught = []
+    for i in range(20):
+        t = next(it)
+        try:
+            if i % 3 == 0:
+                raise RuntimeError(t)  # the traceback and the exception hold the batch
+        except RuntimeError as e:
+            caught.append((e, {k: v.clone() for k, v in t.items()}))
+    del t
+    for _ in range(10):
+        next(it)
+    for e, copy in caught:
+        held = e.args[0]
+        _check_rows(held)
+        for k in copy:
+            assert torch.equal(held[k], copy[k]), k
+    it.close()
+
+
+def test_the_iterator_closed_twice_and_used_after_close():
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    for prefetch in (0, 2):
+        it = buf.sampler(8, prefetch=prefetch, device="cpu")
+        next(it)
+        it.close()
+        it.close()
+        for _ in range(3):
+            with pytest.raises(StopIteration):
+                next(it)
+        with it:
+            pass
+    buf.add(obs=np.zeros((4, 6, 7), np.uint8), next_obs=np.zeros((4, 6, 7), np.uint8), step=400, reward=0.0)
+
+
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(batch_size=2 ** 25), dict(prefetch=-1),
+                                 dict(prefetch=True), dict(beta=float("nan")), dict(beta=-1.0), dict(oops=1),
+                                 dict(device="nope")])
+def test_a_refused_sampler_changes_nothing(bad):
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    before = fingerprint(buf)
+    kw = dict(batch_size=8, prefetch=2, device="cpu")
+    kw.update(bad)
+    with pytest.raises((bigper.BigperError, ValueError, TypeError, RuntimeError)):
+        buf.sampler(**kw)
+    assert_same(before, fingerprint(buf))
+
+
+def test_an_empty_buffer_refusal_changes_nothing():
+    buf = _atari_like()
+    before = fingerprint(buf)
+    for prefetch in (0, 2):
+        it = buf.sampler(8, prefetch=prefetch, device="cpu")
+        with pytest.raises(bigper.InvalidArgumentError):
+            next(it)
+    assert_same(before, fingerprint(buf))
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: what a learner holds, edits and hands back
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_held_across_many_next_calls(device):
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    it = buf.sampler(8, prefetch=2, device=device)
+    kept = []
+    for i in range(24):
+        t = next(it)
+        held = {"obs0": t["obs"][:, 0], "last": t["next_obs"][..., -1], "dl": torch.utils.dlpack.from_dlpack(
+            torch.utils.dlpack.to_dlpack(t["reward"])), "step": t["step"].view(2, 4)}
+        if device == "cpu":
+            held["np"] = t["obs"].numpy()[:, 1:]
+            held["from_np"] = torch.from_numpy(t["generations"].numpy())
+            held["arr"] = np.asarray(t["weights"])
+            held["host"] = t.host["indices"]
+        kept.append((held, {k: (v.clone() if torch.is_tensor(v) else v.copy()) for k, v in held.items()}))
+    del t, held
+    for _ in range(40):
+        next(it)
+    for held, copy in kept:
+        for k in copy:
+            a, b = (_np(held[k]), _np(copy[k])) if torch.is_tensor(copy[k]) else (held[k], copy[k])
+            np.testing.assert_array_equal(a, b, err_msg=k)
+    it.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_updates_after_the_learner_edits_the_batch_land_where_they_should(device):
+    """In-place edits of the tensors (indices, generations, data) are ignored by
+    update_priorities (host copies); a key replaced is read as given; deleted keys keep
+    the host copies. Each against a twin fed the same targets."""
+    a, twin = _twin_pair(capacity=64, n=64)
+    it = a.sampler(8, prefetch=0, device=device)
+    for i in range(12):
+        t = next(it)
+        want = twin.sample(8).to_torch(device)
+        _same_batch(t, want)
+        td = torch.arange(1.0, 9.0, device=device) * (i + 1)
+        target = want
+        if i % 4 == 0:
+            t["indices"].add_(1)
+            t["generations"].zero_()
+            t["obs"].fill_(0)
+        elif i % 4 == 1:
+            t["indices"] = torch.flip(t["indices"], (0,))
+            t["generations"] = torch.flip(t["generations"], (0,))
+            target = {"indices": _np(want["indices"])[::-1].copy(), "generations": _np(want["generations"])[::-1].copy()}
+        elif i % 4 == 2:
+            del t["generations"], t["obs"]
+            t["extra"] = t["reward"] * 2
+        a.update_priorities(t, td)
+        twin.update_priorities(target, td)
+        np.testing.assert_array_equal(_leaves(a), _leaves(twin), err_msg=str(i))
+    del t
+    for _ in range(6):
+        _check_rows(next(it))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_islice_and_zip_over_the_iterator(device):
+    import itertools
+
+    a, twin = _twin_pair()
+    it = a.sampler(8, prefetch=2, device=device)
+    pairs = []
+    for x, y in itertools.islice(zip(it, it), 6):
+        pairs.append((x, y))
+        _check_rows(x)
+        _check_rows(y)
+    for x, y in pairs:  # every batch held stays its own
+        _same_batch(x, twin.sample(8).to_torch(device))
+        _same_batch(y, twin.sample(8).to_torch(device))
+    more = list(itertools.islice(it, 3))
+    for m in more:
+        _same_batch(m, twin.sample(8).to_torch(device))
+    it.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_0_and_3_give_the_same_draws(device):
+    a, b = _twin_pair()
+    it0, it3 = a.sampler(8, prefetch=0, device=device), b.sampler(8, prefetch=3, device=device)
+    for _ in range(20):
+        _same_batch(next(it0), next(it3))
+    it0.close()
+    it3.close()
