@@ -821,3 +821,198 @@ def test_prefetch_0_and_3_give_the_same_draws(device):
         _same_batch(next(it0), next(it3))
     it0.close()
     it3.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: shapes, dtypes, batch sizes, draw options, storage under it
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b, kw", [(1, {}), (1000, {}), (8, dict(stratified=False)), (8, dict(beta=0.0)),
+                                   (8, dict(beta=1.0, stratified=False))])
+def test_batch_sizes_and_draw_options_equal_sample_to_torch(device, b, kw):
+    a, twin = _twin_pair(capacity=64, n=150, beta=bigper.LinearSchedule(0.2, 1.0, 5), weight_norm="batch")
+    it = a.sampler(b, prefetch=0, device=device, **kw)
+    for i in range(6):
+        t = next(it)
+        want = twin.sample(b, **kw).to_torch(device)
+        _same_batch(t, want)
+        _check_rows(t)
+        td = torch.rand(b, generator=torch.Generator().manual_seed(i)) * 5
+        a.update_priorities(t, td)
+        twin.update_priorities(want, td)
+    it.close()
+    np.testing.assert_array_equal(_leaves(a), _leaves(twin))
+
+
+def test_a_batch_of_2_to_the_20_without_frames():
+    fields = {"x": ((3,), np.float16), "a": ((), np.int64)}
+    a, twin = (bigper.PrioritizedReplayBuffer(capacity=50, fields=fields, seed=1) for _ in range(2))
+    for buf in (a, twin):
+        buf.extend({"x": np.arange(180, dtype=np.float16).reshape(60, 3), "a": np.arange(60)})
+    b = 2 ** 20
+    t = next(a.sampler(b, prefetch=0, device="cpu"))
+    want = twin.sample(b).to_torch("cpu")
+    _same_batch(t, want)
+    assert np.array_equal(_np(t["a"]), _np(t["generations"]))
+
+
+DTYPE_VALUES = {
+    "u64": ((), np.uint64, [0, 2 ** 64 - 1, 2 ** 63]), "i64": ((), np.int64, [-2 ** 63, 2 ** 63 - 1, 0]),
+    "f16": ((2,), np.float16, [65504, -65504, np.nan, 6e-8]), "b": ((3,), np.bool_, [True, False]),
+    "i8": ((), np.int8, [-128, 127]), "u16": ((2, 2), np.uint16, [65535, 0]), "u32": ((), np.uint32, [2 ** 32 - 1]),
+    "f64": ((), np.float64, [np.inf, -np.inf, 5e-324]), "c64": ((), np.complex64, [1 + 2j, -0.0]),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("storage", ["memory", "memmap"])
+def test_fields_of_every_dtype_at_their_limits(tmp_path, device, storage):
+    fields = {k: (s, d) for k, (s, d, _) in DTYPE_VALUES.items()}
+    n = 30
+    data = {}
+    for k, (shape, dt, vals) in DTYPE_VALUES.items():
+        v = np.resize(np.array(vals, dtype=dt), n * int(np.prod(shape, dtype=np.int64)))
+        data[k] = v.reshape(n, *shape)
+    bufs = [bigper.PrioritizedReplayBuffer(capacity=16, fields=fields, seed=2, storage=storage,
+                                           **({"path": tmp_path / x} if storage == "memmap" else {}))
+            for x in "ab"]
+    for buf in bufs:
+        buf.extend(data)
+    it = bufs[0].sampler(7, prefetch=2, device=device)
+    for _ in range(5):
+        _same_batch(next(it), bufs[1].sample(7).to_torch(device))
+    it.close()
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 3)])
+def test_zero_size_field_shapes_are_refused_at_construction(shape):
+    with pytest.raises(bigper.InvalidArgumentError, match="positive"):
+        bigper.PrioritizedReplayBuffer(capacity=8, fields={"x": (shape, np.float32), "a": ((), np.int64)})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k, next_of", [(1, ()), (1, ("obs",)), (2, ()), (3, ("obs",))])
+def test_frame_stacks_with_k_1_and_without_next_obs(device, k, next_of):
+    fields = {"obs": ((k, 5, 3), np.uint8), "step": ((), np.int64)}
+    a, twin = (bigper.PrioritizedReplayBuffer(capacity=40, fields=fields, frame_stack=k, next_of=next_of, seed=4)
+               for _ in range(2))
+    n = 90
+    g = np.arange(n)
+    fr = (g % 251).astype(np.uint8)[:, None, None] * np.ones((1, 5, 3), np.uint8)
+    pad = np.concatenate([np.repeat(fr[:1], k, 0), fr, fr[-1:]])
+    obs = np.stack([pad[i + 1:i + 1 + k] for i in range(n)])
+    data = {"obs": obs, "step": g, "terminated": (g + 1) % 23 == 0}
+    if next_of:
+        data["next_obs"] = np.stack([pad[i + 2:i + 2 + k] for i in range(n)])
+    for buf in (a, twin):
+        buf.extend(data)
+    it = a.sampler(16, prefetch=1, device=device)
+    assert isinstance(it, FeedSampler)
+    for _ in range(5):
+        t = next(it)
+        _same_batch(t, twin.sample(16).to_torch(device))
+        assert ("next_obs" in t) == bool(next_of)
+        assert np.array_equal(_np(t["obs"])[:, -1, 0, 0], (_np(t["step"]) % 251).astype(np.uint8))
+    it.close()
+
+
+def test_memmap_chunk_files_replaced_under_the_feed(tmp_path):
+    """Files renamed over the live chunks (another program, a careless rsync): the
+    mappings keep the buffer's own data; the feed gives what a twin gives."""
+    a, twin = _twin_pair(tmp_path)
+    it = a.sampler(8, prefetch=2, device="cpu")
+    next(it)
+    twin.sample(8)
+    for f in (tmp_path / "a" / "data").iterdir():
+        size = f.stat().st_size
+        tmp = f.with_name(f.name + ".junk")
+        tmp.write_bytes(b"\xff" * size)
+        os.replace(tmp, f)
+    for _ in range(10):
+        t = next(it)
+        _check_rows(t)
+        _same_batch(t, twin.sample(8).to_torch("cpu"))
+    it.close()
+
+
+def test_chdir_between_open_and_sampling(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("here")
+    monkeypatch.chdir("here")
+    buf = _atari_like("rel")
+    _add(buf, 0, 400)
+    os.mkdir(tmp_path / "elsewhere")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    it = buf.sampler(8, prefetch=2, device="cpu")
+    for _ in range(10):
+        _check_rows(next(it))
+    it.close()
+    buf.close()
+    assert not (tmp_path / "elsewhere" / "rel").exists()
+    with _atari_like(tmp_path / "here" / "rel", mode="resume") as back:
+        assert len(back) == 400
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (run where a GPU is present)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_tier_writes_from_a_side_stream_never_tear_a_batch():
+    """A device tier written through by adds made under another CUDA stream while the
+    feed's thread gathers on its own: every row is one transition."""
+    buf = _atari_like(capacity=64, device="cuda")
+    _add(buf, 0, 64)
+    stop = threading.Event()
+    errors = []
+
+    def writer():
+        side = torch.cuda.Stream()
+        g = 64
+        try:
+            with torch.cuda.stream(side):
+                while not stop.is_set() and g < 30_000:
+                    _add(buf, g, 7)
+                    g += 7
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    it = buf.sampler(32, prefetch=2, device="cuda")
+    try:
+        for _ in range(200):
+            t = next(it)
+            _check_rows(t)
+            buf.update_priorities(t, t["weights"].float() + 0.1)
+    finally:
+        stop.set()
+        th.join()
+        it.close()
+    assert not errors
+    buf.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_batches_used_on_a_side_stream_are_not_refilled_under_it():
+    buf = _atari_like()
+    _add(buf, 0, 400)
+    it = buf.sampler(16, prefetch=2, device="cuda")
+    side = torch.cuda.Stream()
+    copies = []
+    for _ in range(30):
+        t = next(it)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the learner's work on this batch runs late, on another stream
+            torch.cuda._sleep(2_000_000)
+            copies.append((t["step"].clone(), t["obs"][:, -1, 0, 0].clone(), t["generations"].clone()))
+        t["step"].record_stream(side)
+        t["obs"].record_stream(side)
+    torch.cuda.synchronize()
+    for step, pix, gen in copies:
+        assert torch.equal((step % 251).to(torch.uint8), pix)
+        assert torch.equal(step, gen)
+    it.close()
