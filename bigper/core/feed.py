@@ -175,6 +175,8 @@ class Block:
         self.shape = NO_FRAMES  # draw's code of the batch it holds
         self.lowest = 0         # the oldest frame id it reads
         self.count = 0          # rows written to the buffer when it was drawn
+        self.writes = 0         # the ring's writes begun then, and failed
+        self.failed = 0
 
 
 def draw(src: Sources, block: Block, uniforms: np.ndarray, how: tuple) -> None:
@@ -276,14 +278,16 @@ def intact_kernel(idx, gen, gid):
     return True
 
 
-def intact(buf, block: Block, restores: int) -> bool:
+def intact(ring, frames, block: Block, restores: int) -> bool:
     """(Under the lock, after ``gather``.) Whether no write replaced what the
-    batch in ``block`` read while it was gathered without the lock."""
-    if buf._ring.restores != restores:
-        return False
-    if buf._ring.count == block.count:
+    batch in ``block`` read while it was gathered without the lock: none
+    began, or every one that did completed (the count moved by the rows it
+    wrote) and replaced no drawn slot and no frame the batch read. A write that
+    failed was rolled back after its rows were in the storage: not intact."""
+    if ring.restores != restores or ring.failed != block.failed:
+        return False  # a failed write's rows were in the storage while the batch was read
+    if ring.writes == block.writes:
         return True  # nothing was written since the draw
-    frames = buf._frames
     if frames is not None and block.lowest < frames.fw - frames.F:
         return False
-    return intact_kernel(block.meta[0], block.meta[1], buf._ring.gid)
+    return intact_kernel(block.meta[0], block.meta[1], ring.gid)

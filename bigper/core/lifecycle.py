@@ -72,7 +72,13 @@ def _after_fork_in_child() -> None:
     _held_for_fork.clear()
     for buf in list(OPEN):
         buf._lock = threading.RLock()
-        buf._samplers = weakref.WeakSet()  # their threads are the parent's
+        for s in list(buf._samplers):  # their threads are the parent's: what they prepared is too
+            try:
+                s.close(wait=False, why=BufferClosedError(
+                    "this sampler's thread is in the process that forked this one; make a new sampler here"))
+            except Exception:  # noqa: BLE001 (a child must come up whatever a sampler's state)
+                pass
+        buf._samplers = weakref.WeakSet()
         if buf._store.kind != "memory":
             buf._closed = True
             buf._closed_why = (f"it was opened in process {buf._pid} and this is a forked child, which shares "

@@ -34,7 +34,9 @@ class Ring:
         self.count = 0
         self.max_leaf = 1.0
         self.env_ended = np.ones(num_envs, dtype=bool)  # no episode in progress
-        self.restores = 0  # states taken (``restore``): a feed checks it did not race one
+        # Writes begun (``Writer.write``), writes that failed (rolled back) and states taken
+        # (``restore``): a feed's gather without the lock checks what it raced.
+        self.writes = self.failed = self.restores = 0
 
     def __len__(self) -> int:
         """Transitions held (written, at most ``capacity``)."""

@@ -173,6 +173,7 @@ class Writer:
                     "but that env's previous step did not end an episode; valid=False is for the "
                     "reset step of next-step autoreset")
         keys = None if priorities is None else self.prio.keys(priorities)
+        self.ring.writes += 1  # (before any byte changes: a feed's gather without the lock checks it)
         c = cfg.capacity
         if self.store.shared_chunks:
             # Copy-on-write storages make every row this write touches writable
@@ -190,7 +191,11 @@ class Writer:
             rw = self.store.writable_arrays
             if rw:
                 g0, top = self.ring.count, self.ring.max_leaf
-                self._write_one_call(rows, keys, valid, rw)
+                try:
+                    self._write_one_call(rows, keys, valid, rw)
+                except BaseException:
+                    self.ring.failed += 1
+                    raise
                 self.unit.committed(self.prio, rows, g0, keys, top, valid, self.ring.count)
                 return
         ended = rows["terminated"] | rows["truncated"]
@@ -215,6 +220,7 @@ class Writer:
             elif m:
                 self._write_chunk(rows, keys, valid, journal)
         except BaseException:
+            self.ring.failed += 1  # (its rows were in the storage a while: a feed's gather may have read them)
             journal.roll_back()
             raise
         self.env_ended[:] = env_ended

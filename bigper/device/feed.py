@@ -29,6 +29,7 @@ two C calls (``queue.SimpleQueue``).
 
 from __future__ import annotations
 
+import operator
 import queue
 import sys
 import threading
@@ -103,25 +104,40 @@ class Slot:
         self.used = {code: (self.host[:layout.used(code)], self.dev_block[:layout.used(code)])
                      for code in self.batches} if cuda and tier is None else None
         # What holds each object when nobody else does: the baseline a give-back compares with.
-        self.held = tuple(obj for d in self.batches.values() for obj in (d, *d.values()))
-        self.held += (host_np[".indices"], host_np[".generations"])
-        self.storages = tuple(x.untyped_storage()._cdata for x in (self.dev_block, self.rows, self.frames)
-                              if x is not None)
+        self.host_np = (self.block.data, host_np[".indices"], host_np[".generations"])
+        self.held = tuple(obj for d in self.batches.values() for obj in (d, d.host, *d.values())) + self.host_np
+        # Each dict's keys and tensors in order (a learner may swap or rename them without a count moving).
+        self.expect = {code: (tuple(d), tuple(d.values()), d.host, tuple(d.host.values()))
+                       for code, d in self.batches.items()}
+        self.tensors = tuple({id(v): v for d in self.batches.values() for v in d.values()}.values())
+        stores = [x.untyped_storage() for x in (self.dev_block, self.rows, self.frames) if x is not None]
+        self.storages = tuple(st._cdata for st in stores)
+        self.stores = stores
         self.use_count = torch._C._storage_Use_Count
-        self.base = None  # (taken by ``made``, once the locals of this call are gone)
-        self.batch = None  # the dict of the batch it holds
+        self.base = None  # (taken by ``Filler.new_slot``, once the locals of this call are gone)
+        self.batch = None  # the dict of the batch it holds, and its stack layout
+        self.code = None
 
     def counts(self) -> tuple:
-        return tuple(map(sys.getrefcount, self.held)), tuple(map(self.use_count, self.storages))
+        """Who holds what: references to the dicts, tensors and host arrays, the
+        storages' use counts, and each tensor's metadata and each storage's
+        address (an in-place ``unsqueeze_``, ``requires_grad_`` or a storage
+        moved to shared memory by ``share_memory_`` changes no count)."""
+        return (tuple(map(sys.getrefcount, self.held)), tuple(map(self.use_count, self.storages)),
+                [(t.shape, t.requires_grad, t.dtype) for t in self.tensors], [st.data_ptr() for st in self.stores])
 
     def unheld(self) -> bool:
-        """Whether nothing of this slot's batches is held outside it (or changed in its dicts)."""
-        n, self.batch = len(self.batch), None
-        return n == self.nkeys and self.counts() == self.base
+        """Whether nothing of this slot's batch is held outside it, nor changed in
+        its dict: only then may its block be filled again."""
+        d, self.batch = self.batch, None
+        same = self._as_made(d)
+        del d
+        return same and self.counts() == self.base
 
-    @property
-    def nkeys(self) -> int:
-        return len(next(iter(self.batches.values())))
+    def _as_made(self, d) -> bool:
+        keys, values, host, host_values = self.expect[self.code]
+        return tuple(d) == keys and all(map(operator.is_, d.values(), values)) and d.host is host \
+            and all(map(operator.is_, host.values(), host_values))
 
 
 def _codes(layout: plan.Layout) -> tuple:
@@ -180,6 +196,7 @@ class Filler:
         self.event = torch._C._CudaEventBase if self.cuda else None
         self.src = None
         self.src_of = None  # (restores, storage arrays) the sources were made for
+        self.drawn = None   # the (stratified, beta, batch_norm) of the last draw
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
         self.n_ids = {code: b * n for code, n in ((plan.NO_FRAMES, 0), (plan.OBS_ONLY, self.layout.k),
                                                   (plan.PAIR, self.layout.k + 1), (plan.SPLIT, 2 * self.layout.k))}
@@ -223,9 +240,10 @@ class Filler:
                 buf._rng.random(out=self.uniforms)
                 block.shape, block.lowest = plan.draw_kernel(src.tree, self.uniforms, self.how, src.book,
                                                              src.refs, block.meta, block.ids)
+                self.drawn = self.how
                 buf._beta_step += 1
-                block.count = buf._ring.count
-            restores = buf._ring.restores
+            ring = buf._ring
+            block.count, block.writes, block.failed, restores = ring.count, ring.writes, ring.failed, ring.restores
             if self.tier is not None:  # everything on the device, in order, under the lock
                 self._tier_gather(slot)
                 return slot
@@ -234,12 +252,15 @@ class Filler:
         if self.gathers:
             plan.gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, self.n_ids[block.shape],
                                src.ring, block.fdst)
-        lock.acquire()
+        while not lock.acquire(timeout=_POLL_S):  # (polled: a close under the lock must not wait on us)
+            if stop():
+                return None
         try:
-            if buf._ring.restores != restores or buf._ring.count != block.count:
-                if not plan.intact(buf, block, restores):  # a write replaced what was read: again, under the lock
-                    self._draw(buf, block)
-                    plan.gather(self.src, block)
+            if ring.restores != restores:  # a state taken under the gather: as if taken before this draw
+                self._draw(buf, block)
+                plan.gather(self.src, block)
+            elif ring.writes != block.writes and not plan.intact(ring, buf._frames, block, restores):
+                self._redraw(buf, block)  # a write replaced what was read: again, under the lock
         finally:
             lock.release()
         if self.cuda:
@@ -288,9 +309,16 @@ class Filler:
             how = (self.stratified, float(beta), buf._prio.batch_norm)
         buf._rng.random(out=self.uniforms)
         plan.draw(src, block, self.uniforms, how)
+        self.drawn = how
         buf._beta_step += 1
-        block.count = buf._ring.count
         return src
+
+    def _redraw(self, buf, block) -> None:
+        """The batch drawn again under the lock with the same uniforms and beta
+        (the random stream and the schedule moved once, as for a draw made
+        after the write that raced the gather), and gathered there."""
+        plan.draw(self.src, block, self.uniforms, self.drawn)
+        plan.gather(self.src, block)
 
     def _tier_gather(self, slot: Slot) -> None:
         torch = self.torch
@@ -373,7 +401,8 @@ class FeedSampler(Threaded):
             self._extra += 1
             self._free.put(None)
         item.fresh = False
-        batch = item.batch = item.batches[item.block.shape]
+        item.code = item.block.shape
+        batch = item.batch = item.batches[item.code]
         if self._cuda:
             self._torch.cuda.current_stream(self._dev).wait_event(item.ready)
         return batch
