@@ -201,6 +201,7 @@ def run_side(cfg: dict) -> dict:
     for td in chunks(torch, frames, n):
         rb.extend(td)
     out["fill_s"] = time.perf_counter() - t0
+    os.sync()  # the fill's dirty pages written back now, not while the rounds are timed
     out["bytes_per_transition"] = disk_bytes(cfg["scratch"]) / n
     out["len"] = len(rb)
 
@@ -431,6 +432,13 @@ def sequences(args, tmp: Path, trl_ok: bool) -> dict:
     return out
 
 
+def _load() -> str:
+    try:
+        return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cpus"
+    except OSError:
+        return "unknown"
+
+
 def main(args) -> int:
     from bench_atari_data import real_frames
     from benchkit import fmt, print_header, print_table, say, short_error
@@ -502,10 +510,11 @@ def main(args) -> int:
         oc = ours.get("round_cpu_us", {}).get(str(b))
         tc = theirs.get("round_cpu_us", {}).get(str(b))
         r = t / o if o and t else None
-        ratios[f"sample_update_{b}"] = r
-        rows.append([f"sample + update_tensordict_priority, B={b} (µs; cpu µs)",
+        rc = tc / oc if oc and tc else None
+        ratios[f"sample_update_{b}"], ratios[f"sample_update_cpu_{b}"] = r, rc
+        rows.append([f"sample + update_tensordict_priority, B={b} (µs wall; cpu)",
                      f"{fmt(o, ',.0f')}; {fmt(oc, ',.0f')}", f"{fmt(t, ',.0f')}; {fmt(tc, ',.0f')}",
-                     fmt(r, '.1f') + "x", f">= {TARGET_SPEED:.0f}x"])
+                     f"{fmt(r, '.1f')}x; {fmt(rc, '.1f')}x", f">= {TARGET_SPEED:.0f}x"])
     for b in batches:
         po = ours.get("proxy", {}).get(str(b), {})
         pt = theirs.get("proxy", {}).get(str(b), {})
@@ -551,6 +560,7 @@ def main(args) -> int:
                      fmt(sb, '.1f'), fmt(st, '.1f') if st else seq["torchrl"].get("unavailable", "-")[:40],
                      fmt(ratios["sequences"], '.1f') + "x", ">= 10x at 1M"])
     res["ratios"] = ratios
+    res["load"] = _load()
     print()
     print(f"bigper: {ours.get('buffer', ours.get('error'))} (torch {ours.get('torch')})")
     print(f"TorchRL: {theirs.get('buffer', theirs.get('error'))} (torch {theirs.get('torch')}, "
@@ -558,7 +568,8 @@ def main(args) -> int:
     if "torchrl_error" in res:
         print(f"  torchrl_error: {res['torchrl_error']}")
     print_table(["", "bigper", label, "bigper's edge", "target"], rows)
-    print("bigper's edge: TorchRL's time or bytes / bigper's; for the learner share, bigper's / TorchRL's")
+    print("bigper's edge: TorchRL's time or bytes / bigper's; for the learner share, bigper's / TorchRL's. "
+          f"Each side in its own process, one after the other; the machine's load: {_load()}")
     print(json.dumps(res))
     return 0
 
