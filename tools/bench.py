@@ -48,6 +48,8 @@ WORKLOADS: dict[str, tuple[str, str]] = {
                                  "device tier, zstd), B 32 and 256, as a share of its ceiling; sequences to the device"),
     "codecs": ("bench_codecs", "which codec for compressed frames: zstd (bigper's numba kernel), lz4, blosc2 and "
                                "the zstandard package on real ALE frames: ratio, one frame, a batch of 160"),
+    "torchrl": ("bench_torchrl", "bigper's TorchRL drop-in beside TorchRL's TensorDictPrioritizedReplayBuffer + "
+                                 "LazyMemmapStorage: sample + update, learner share, bytes, resume after kill -9"),
     "sequences": ("bench_sequences", "prioritized sequences (R2D2: 32 x 40+80 steps) on Atari-shaped steps: "
                                      "add with/without, sample + update, bytes; flashbax, TorchRL"),
 }

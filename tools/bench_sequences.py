@@ -22,8 +22,8 @@ Peers, each in its own process:
   TorchRL   ``PrioritizedSliceSampler`` (slices of 120 along an ``episode``
             key, not strict) over ``LazyMemmapStorage``, in a venv where its
             compiled extension loads (``--torchrl-python``, default
-            /tmp/trl-venv/bin/python; torch 2.15 + torchrl 0.14.1 there, else
-            reported unavailable); obs stored per step as a (4, 84, 84) stack,
+            /tmp/trl-venv/bin/python, made by tools/dev/trl_venv.sh: torch
+            2.14.1 + torchrl 0.14.1 there, else reported unavailable); obs stored per step as a (4, 84, 84) stack,
             extended in chunks of 1,000 steps; priorities updated per step.
 
 Usage::
