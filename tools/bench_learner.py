@@ -11,8 +11,10 @@ FILE.npy`` to bring them where ALE is not installed). For B = 32 and 256,
   numpy SB3   obs and next_obs stacks stored per transition in RAM (SB3's
               layout), uniform indices, ``torch.from_numpy(...).to(device)``
   sample      bigper ``sample`` -> ``to_torch(device)`` -> ``update_priorities``
-  sampler     bigper ``sampler(B, prefetch=2, device=...)``
-  tier        the same, with the device tier (``device=`` on the buffer)
+  sampler     bigper ``sampler(B, prefetch=2, device=...)`` (the feed: ``device/feed.py``)
+  sampler (general)  the same buffer through the general sampler (``sample`` -> ``to_torch``
+              in a thread), as before the feed: the two compared in one run
+  tier        the same, with the device tier (``device=`` on the buffer); "tier (general)" likewise
   zstd        the sampler over ``compression="zstd"`` frames
   zstd tier   the same with the device tier (raw frames on the device)
 
@@ -150,6 +152,21 @@ def torchrl_feed(torch, rb, b: int, device, step):
     return f
 
 
+def make_sampler(buf, b: int, device, general: bool):
+    """``buf.sampler(b, prefetch=2, device=device)``; ``general``: the general
+    sampler (``sample`` -> ``to_torch`` in a ``Prefetcher`` thread) for a buffer
+    the feed covers, to compare the two in one run."""
+    if not general:
+        return buf.sampler(b, prefetch=2, device=device)
+    import bigper.device.feed as feed_mod
+
+    real, feed_mod.covered = feed_mod.covered, (lambda *a: "bench: the general path")
+    try:
+        return buf.sampler(b, prefetch=2, device=device)
+    finally:
+        feed_mod.covered = real
+
+
 def fill(bigper, stream: Stream, n: int, **kw):
     buf = bigper.PrioritizedReplayBuffer(
         capacity=n, fields={"obs": ((K, H, W), np.uint8), "action": ((), np.int64), "reward": ((), np.float32)},
@@ -263,8 +280,8 @@ def main(args) -> int:
                     buf.update_priorities(t, step(t))
                 return f
 
-            def with_sampler(buf):
-                it = buf.sampler(b, prefetch=2, device=device)
+            def with_sampler(buf, general=False):
+                it = make_sampler(buf, b, device, general)
 
                 def f():
                     t = next(it)
@@ -273,9 +290,11 @@ def main(args) -> int:
 
             if want("sample"):
                 feeds["sample"] = timed(torch, device, plain(bufs["sample"]), args.iters, 10)
-            for name, key in (("sampler", "sample"), ("tier", "tier"), ("zstd", "zstd"), ("zstd tier", "zstd tier")):
+            for name, key, general in (("sampler", "sample", False), ("sampler (general)", "sample", True),
+                                       ("tier", "tier", False), ("tier (general)", "tier", True),
+                                       ("zstd", "zstd", False), ("zstd tier", "zstd tier", False)):
                 if key in bufs and want(name):
-                    f, it = with_sampler(bufs[key])
+                    f, it = with_sampler(bufs[key], general)
                     feeds[name] = timed(torch, device, f, args.iters, 10)
                     it.close()
             if trl is not None:
@@ -318,9 +337,11 @@ def main(args) -> int:
         alone["floor"] = timed(torch, device, floor, args.iters, 10)
         # Python calls a batch in the sampler's thread (what it takes from a launch-bound learner).
         calls = {}
-        for name, key in (("sampler", "sample"), ("tier", "tier"), ("zstd", "zstd")):
+        for name, key, general in (("sampler", "sample", False), ("sampler (general)", "sample", True),
+                                   ("tier", "tier", False), ("tier (general)", "tier", True),
+                                   ("zstd", "zstd", False)):
             if key in bufs and want(name):
-                calls[name] = python_calls(lambda buf=bufs[key]: (buf.sampler(b, prefetch=2, device=device), buf),
+                calls[name] = python_calls(lambda buf=bufs[key], g=general: (make_sampler(buf, b, device, g), buf),
                                            max(10, args.iters // 4))
         results["feeds"][b] = feeds
         results.setdefault("proxy", {})[b] = proxy
