@@ -198,7 +198,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 f"{observation_space}; flatten the observation (gymnasium.wrappers.FlattenObservation) "
                 "or use SB3's DictReplayBuffer (uniform replay; HerReplayBuffer for goal-conditioned tasks)")
         beta_steps = _beta_steps(beta_steps)
-        self.prefetch = _prefetch(prefetch)
+        self.prefetch: int = _prefetch(prefetch)
         self.device_tier = _device_tier(device_tier)
         # One beta rule (schedules.as_beta): a number of any real type (np.float32, np.int64,
         # Fraction, a 0-d array or tensor) is where the annealing to 1.0 starts; a schedule
@@ -342,7 +342,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self.beta_is_schedule = cfg.beta.get("kind") != "constant"
         self.beta0 = float(schedule(0))
         self.beta_steps = beta_steps
-        self.prefetch = _prefetch(prefetch)
+        self.prefetch: int = _prefetch(prefetch)
         self.device_tier = None if buffer.device is None else str(buffer.device)
         self._wire()
         return self

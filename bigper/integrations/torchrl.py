@@ -164,10 +164,10 @@ class PrioritizedReplayBuffer:
     Every public method holds one lock: two threads may extend and sample at once.
     """
 
-    def __init__(self, *, alpha: float = 0.6, beta: Any = 0.4, priority_key: str | tuple = "td_error",
+    def __init__(self, *, alpha: float = 0.6, beta: Any = 0.4, priority_key: str | tuple[str, ...] = "td_error",
                  eps: float = 1e-8, storage: Any = None, capacity: int | None = None,
                  batch_size: int | None = None, transform: Any = None, reduction: str = "max",
-                 frame_stack: int | None = None, obs_key: str | tuple = "pixels", n_step: int = 1,
+                 frame_stack: int | None = None, obs_key: str | tuple[str, ...] = "pixels", n_step: int = 1,
                  gamma: float = 0.99, path: str | os.PathLike[str] | None = None, mode: str = "new",
                  device: Any = None, num_envs: int = 1, seed: int | None = 0, max_priority: float | None = None,
                  prioritization: str = "proportional", weight_norm: str = "global",
@@ -193,7 +193,7 @@ class PrioritizedReplayBuffer:
         if type(num_envs) is not int or num_envs < 1:
             raise InvalidArgumentError(f"num_envs must be an int >= 1, got {num_envs!r}")
         self._lock = threading.RLock()
-        self.priority_key = priority_key
+        self.priority_key: str | tuple[str, ...] = priority_key
         self._pkey = _key(priority_key)
         self._obs_key = _key(obs_key)
         self._batch_size = batch_size
