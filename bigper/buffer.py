@@ -515,7 +515,7 @@ class PrioritizedReplayBuffer:
         owns (its storage's arrays, its state, its tree): gathering into one
         would overwrite stored data."""
         owned = [a for a in self.state_dict()[1].values() if isinstance(a, np.ndarray)]
-        for holder in (self._prio, getattr(self._prio, "tree", None), self._writer, self._reader):
+        for holder in (self._prio, self._prio.tree, self._writer, self._reader):
             owned += [v for v in vars(holder).values() if isinstance(v, np.ndarray)] if holder is not None else []
         for arrays in (self._store.arrays, self._store.writable_arrays):
             owned += [v for v in (arrays or {}).values() if isinstance(v, np.ndarray)]

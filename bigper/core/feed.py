@@ -57,7 +57,7 @@ def covered(buf, host: bool) -> str | None:
         return "sequence items"
     if cfg.n_step != 1:
         return "n-step returns"
-    if getattr(buf._prio, "kind", None) != "proportional":
+    if buf._prio.tree is None:
         return "rank-based priorities"
     if buf._frames is not None and buf._frames.log is not None:
         return "compressed frames"

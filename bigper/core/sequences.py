@@ -244,7 +244,7 @@ class Items:
         remove the ones whose earliest step is gone. ``fused``: with a
         proportional tree, all of it in one compiled call (the general path,
         through the strategy's insert/remove, leaves the same tree)."""
-        if fused and getattr(prio, "kind", "") == "proportional":
+        if fused and prio.tree is not None:
             self._write_tree(prio.tree, g0, slots, ends, valid, keys, count)
         else:
             self._write_general(prio, g0, slots, ends, valid, keys, count)

@@ -97,7 +97,7 @@ def raise_max_leaf(self, value) -> None:
         v = float(v)
     except OverflowError:  # an int past float's range
         raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r:.80}") from None
-    prio, top = self._prio, getattr(self._prio, "limit", np.inf)  # (rank has no float limit)
+    prio, top = self._prio, self._prio.limit  # (rank: inf, it keeps no float key)
     if self.config.max_priority is not None:  # no priority gives a key above max_priority's
         top = min(top, float(prio.keys(np.array([float(self.config.max_priority)]))[0]))
     if not (0 < v <= top and v < np.inf):

@@ -152,8 +152,7 @@ class Writer:
         self.env_ended = ring.env_ended  # (its values change, never the array)
         # False: the general path (staged storage writes, one numpy call a step).
         self.fused = True
-        tree = getattr(prio, "tree", None)
-        self._tree = tree if getattr(prio, "kind", "") == "proportional" else None
+        self._tree = prio.tree  # (None: the strategy's own methods, rank's heap)
         self._args = self._args_of = None  # write_rows' fixed arguments, and the ring arrays they hold
 
     def write(self, rows: dict, priorities, valid=None) -> None:

@@ -24,6 +24,7 @@ sampleable, 2 waiting for its n-step window (its key in ``pending``), 3 dead
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -48,6 +49,11 @@ class Prioritization(ABC):
     """
 
     kind: str = ""
+    # What the fused kernels of the writer, the sequence items and the feed take: a
+    # ``PriorityTree`` of the keys (proportional), or None (they go through the methods).
+    tree: Any = None
+    # The largest key the strategy keeps finite (a proportional tree's: float max / capacity).
+    limit: float = math.inf
     # The names of the arrays ``state`` records (unique across the buffer; no field
     # may take them: ``core/layout.py`` reads them here, without building a strategy).
     ARRAYS: tuple[str, ...] = ()
