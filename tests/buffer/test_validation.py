@@ -44,7 +44,7 @@ def fingerprint(buf):
     """Everything that makes up the buffer's state, copied."""
     fp = {}
     prio = buf.prioritization  # rank keeps its heap on the prioritizer, proportional on a tree
-    for owner, prefix in ((buf, ""), (prio, "prio."), (getattr(prio, "tree", prio), "tree."),
+    for owner, prefix in ((buf, ""), (prio, "prio."), (prio.tree if prio.tree is not None else prio, "tree."),
                           (buf.storage, "store.")):
         for k, v in vars(owner).items():
             if isinstance(v, np.ndarray):
