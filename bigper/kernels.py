@@ -25,6 +25,11 @@ from .status import DEAD, EMPTY, LIVE, PENDING
 # same on-disk cache entries in every process.
 kernel = njit(cache=True, nogil=True)
 
+# What ``update_capped`` (and ``_bulk.scan``) say of an update: applied, or why nothing was.
+UPDATE_OK, BAD_PRIORITY, BAD_INDEX, NEVER_WRITTEN, ABOVE_LIMIT = 0, 1, 2, 3, 4
+# Where an update's row goes that is neither LIVE nor PENDING: nowhere (overwritten since sampling, or dead).
+SKIPPED = 0
+
 # Children per node: a compile-time constant so the child scans unroll and
 # vectorize. Levels are padded to a multiple of it (zeros in sums, inf in
 # mins), so every scan reads exactly FANOUT values: one 64-byte cache line.
@@ -396,16 +401,16 @@ def update_capped(tree, rows, book, keying, defer_build):
         to_leaves(p, alpha, eps, max_priority, leaves)
         for i in range(m):
             if not leaves[i] <= limit:
-                return 4, i, 0.0
+                return ABOVE_LIMIT, i, 0.0
     for i in range(m):
         v = p[i]
         if not (v >= 0.0 and v < np.inf):
-            return 1, i, 0.0
+            return BAD_PRIORITY, i, 0.0
         s = idx[i]
         if s < 0 or s >= n:
-            return 2, i, 0.0
+            return BAD_INDEX, i, 0.0
         if status[s] == EMPTY:
-            return 3, i, 0.0
+            return NEVER_WRITTEN, i, 0.0
     keep = np.empty(m, dtype=np.bool_)
     route = np.empty(m, dtype=np.uint8)
     all_tree = True
@@ -413,7 +418,7 @@ def update_capped(tree, rows, book, keying, defer_build):
         s = idx[i]
         st = status[s]
         if use_stamps and gid[s] != stamps[i]:
-            st = 0
+            st = SKIPPED
         route[i] = st
         keep[i] = st == LIVE
         if st == PENDING:
@@ -440,15 +445,15 @@ def update_capped(tree, rows, book, keying, defer_build):
     leaf_off = offsets[offsets.shape[0] - 1]
     top = 0.0
     for i in range(m):
-        if route[i] == 1:
+        if route[i] == LIVE:
             v = sums[leaf_off + idx[i]]
-        elif route[i] == 2:
+        elif route[i] == PENDING:
             v = pending[idx[i]]
         else:
             continue
         if v > top:
             top = v
-    return 0, -2 if rebuild else -1, top
+    return UPDATE_OK, -2 if rebuild else -1, top
 
 
 @kernel

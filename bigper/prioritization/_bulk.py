@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import kernel
+from ..kernels import BAD_INDEX, NEVER_WRITTEN, UPDATE_OK, kernel
 from .._pool import for_ranges
 from ..status import EMPTY, LIVE, PENDING
 
@@ -69,7 +69,7 @@ def scan_range(p, idx, stamps, use_stamps, gid, status, alpha, eps, max_priority
     n = gid.shape[0]
     top = 0.0
     bad_row = -1
-    code = 0
+    code = UPDATE_OK
     kept = 0
     for i in range(lo, hi):
         v = p[i]
@@ -82,9 +82,9 @@ def scan_range(p, idx, stamps, use_stamps, gid, status, alpha, eps, max_priority
         if bad_row < 0:
             s = idx[i]
             if s < 0 or s >= n:
-                bad_row, code = i, 2
+                bad_row, code = i, BAD_INDEX
             elif status[s] == EMPTY:
-                bad_row, code = i, 3
+                bad_row, code = i, NEVER_WRITTEN
             elif status[s] == LIVE and (not use_stamps or gid[s] == stamps[i]):
                 kept += 1
     return -1, top, bad_row, code, kept

@@ -117,18 +117,18 @@ class Proportional(Prioritization):
         code, pos, top = K.update_capped((t.sums, t.mins, t.offsets, t.sizes), (idx, p, pre, stamps, use_stamps),
                                          (gid, status, pending), (self.alpha, self.eps, self.max_priority, self.limit),
                                          True)
-        if code == 0 and pos == -2:  # a bulk update wrote the leaves; the nodes in threads
+        if code == K.UPDATE_OK and pos == -2:  # a bulk update wrote the leaves; the nodes in threads
             t.rebuild()
         return self._raise(code, pos, idx, p) if code else top
 
     def _raise(self, code, pos, idx, p):
-        if code == 4:  # a key above the cap: keys() says which, in its words
+        if code == K.ABOVE_LIMIT:  # a key above the cap: keys() says which, in its words
             self.keys(p)
             raise InvalidArgumentError(f"priorities[{pos}] = {p[pos]!r} gives a leaf above {self.limit:.6g}")
-        if code == 1:
+        if code == K.BAD_PRIORITY:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
         if code:
-            why = "out of range [0, capacity)" if code == 2 else "a slot never written"
+            why = "out of range [0, capacity)" if code == K.BAD_INDEX else "a slot never written"
             raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={self.capacity})")
 
     # -- reads -----------------------------------------------------------------
