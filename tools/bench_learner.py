@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_atari_data import Stream, real_frames
-from bench_learner_proxy import proxy_learner, python_calls
+from bench_learner_proxy import make_sampler, proxy_learner, python_calls
 from benchkit import import_bigper, print_header, print_table, say, short_error
 
 K, H, W, N_ACTIONS = 4, 84, 84, 6
@@ -150,21 +150,6 @@ def torchrl_feed(torch, rb, b: int, device, step):
         s.set("td_error", step(t).cpu())
         rb.update_tensordict_priority(s)
     return f
-
-
-def make_sampler(buf, b: int, device, general: bool):
-    """``buf.sampler(b, prefetch=2, device=device)``; ``general``: the general
-    sampler (``sample`` -> ``to_torch`` in a ``Prefetcher`` thread) for a buffer
-    the feed covers, to compare the two in one run."""
-    if not general:
-        return buf.sampler(b, prefetch=2, device=device)
-    import bigper.device.feed as feed_mod
-
-    real, feed_mod.covered = feed_mod.covered, (lambda *a: "bench: the general path")
-    try:
-        return buf.sampler(b, prefetch=2, device=device)
-    finally:
-        feed_mod.covered = real
 
 
 def fill(bigper, stream: Stream, n: int, **kw):

@@ -1,5 +1,6 @@
-"""The launch-bound proxy learner of ``bench learner`` and the count of Python
-calls a batch in a sampler's thread (see ``bench_learner``'s docstring)."""
+"""The launch-bound proxy learner of ``bench learner``, the count of Python
+calls a batch in a sampler's thread, and the feed or the general sampler over
+one buffer (see ``bench_learner``'s docstring)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,18 @@ def python_calls(make_iter, n: int) -> float:
     c1 = counts[0]
     it.close()
     return (c1 - c0) / n
+
+
+def make_sampler(buf, b: int, device, general: bool):
+    """``buf.sampler(b, prefetch=2, device=device)``; ``general``: the general
+    sampler (``sample`` -> ``to_torch`` in a ``Prefetcher`` thread) for a buffer
+    the feed covers, to compare the two in one run."""
+    if not general:
+        return buf.sampler(b, prefetch=2, device=device)
+    import bigper.device.feed as feed_mod
+
+    real, feed_mod.covered = feed_mod.covered, (lambda *a: "bench: the general path")
+    try:
+        return buf.sampler(b, prefetch=2, device=device)
+    finally:
+        feed_mod.covered = real

@@ -379,9 +379,9 @@ def test_prioritized_dqn_learns_cartpole_and_priorities_change(one_torch_thread)
     model = PrioritizedDQN("MlpPolicy", env, learning_rate=2.3e-3, batch_size=64, buffer_size=20_000,
                            learning_starts=500, gamma=0.99, target_update_interval=10, train_freq=64,
                            gradient_steps=32, exploration_fraction=0.16, exploration_final_eps=0.04,
-                           policy_kwargs={"net_arch": [64, 64]}, replay_buffer_kwargs={"seed": 0},
-                           device="cpu", seed=0)
-    rb = model.replay_buffer
+                           policy_kwargs={"net_arch": [64, 64]}, replay_buffer_kwargs={"seed": 0, "prefetch": 0},
+                           device="cpu", seed=0)  # (prefetch=0: the run is the same every time; a prefetching
+    rb = model.replay_buffer                      # draw sees the priorities of whenever its thread drew it)
     model.learn(5_000)
     leaves = rb.buffer.leaves(np.arange(len(rb.buffer)))
     assert np.unique(leaves).size > 100  # priorities were written back, not left at the max
