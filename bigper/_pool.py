@@ -35,6 +35,17 @@ def workers() -> int:
     return max(1, min(n, 16))
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool has no threads here (a job sent to it
+    would wait for ever); the child makes its own on first use."""
+    global _POOL, _LOCK
+    _POOL, _LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _LOCK:
