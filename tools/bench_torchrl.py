@@ -77,12 +77,7 @@ TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TOOLS_DIR not in sys.path:
     sys.path.insert(0, TOOLS_DIR)
 
-K, H, W, N_ACTIONS = 4, 84, 84, 6
-ALPHA, BETA = 0.6, 0.4
-CHUNK = 1000  # steps an extend (a collector's frames_per_batch)
-TARGET_SPEED = 3.0  # TorchRL µs / bigper µs, sample + update
-TARGET_BYTES = 6.0  # TorchRL bytes / bigper bytes on disk a transition
-DEFAULT_TRL_PYTHON = "/tmp/trl-venv/bin/python"
+from bench_torchrl_side import CHUNK, DEFAULT_TRL_PYTHON, K, TARGET_BYTES, TARGET_SPEED  # noqa: E402
 
 
 def add_arguments(p):
