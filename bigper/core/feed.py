@@ -116,6 +116,9 @@ class Layout:
             put(".frames", (b * (2 * self.k if self.next else self.k), *self.frame_shape), self.frame_dtype)
         self.size = max(off, ALIGN)
         self.fields = list(fields)
+        # Frames a batch reads, by ``draw``'s code of its stacks.
+        k = self.k
+        self.n_ids = {NO_FRAMES: 0, OBS_ONLY: b * k, PAIR: b * (k + 1), SPLIT: b * 2 * k}
 
     def views(self, block: np.ndarray) -> dict:
         """Numpy views of ``block`` (uint8, ``size`` bytes) by region."""
@@ -136,8 +139,9 @@ class Layout:
 
 class Sources:
     """The arrays a batch is read from, as the kernels take them: the tree,
-    the ring's bookkeeping, the frame refs, and the bytes of the fields and
-    frames (the storage's, or a CPU device tier's)."""
+    the ring's bookkeeping, the frame refs (the storage's: ``covered`` asks
+    for its arrays where there are frames), and the bytes of the fields and
+    frames a host gather copies."""
 
     def __init__(self, buf, layout: Layout, field_arrays: dict | None, frame_ring):
         t = buf._prio.tree
@@ -146,15 +150,11 @@ class Sources:
         self.book = (ring.ends, ring.gid, buf._reader.discount1)
         frames = buf._frames
         arrays = buf._store.arrays
-        if frames is not None:
-            # (the refs are the storage's even with a tier: the host plans, the device gathers)
-            refs = arrays if arrays is not None else None
-            obs_ref = np.asarray(refs["obs_ref"]) if refs is not None else None
-            next_ref = np.asarray(refs["next_obs_ref"]) if refs is not None and layout.next else _EMPTY_REFS
-            self.refs = (obs_ref, next_ref, frames.F)
+        if frames is not None:  # (the refs are the storage's even with a tier: the host plans, the device gathers)
+            next_ref = np.asarray(arrays["next_obs_ref"]) if layout.next else _EMPTY_REFS
+            self.refs = (np.asarray(arrays["obs_ref"]), next_ref, frames.F)
         else:
             self.refs = (_EMPTY_REFS, _EMPTY_REFS, 1)
-        self.F = frames.F if frames is not None else 1
         # (an empty tuple has no type numba can index: one empty array stands for none)
         self.srcs = tuple(_bytes2d(field_arrays[name]) for name in layout.fields) if field_arrays else ()
         self.srcs = self.srcs or (_NO_BYTES,)
@@ -187,12 +187,8 @@ def draw(src: Sources, block: Block, uniforms: np.ndarray, how: tuple) -> None:
 def gather(src: Sources, block: Block) -> None:
     """Copy the drawn rows and frames into ``block`` (no lock, no GIL)."""
     if block.layout.fields or block.fdst.shape[0]:
-        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, _ids_used(block), src.ring, block.fdst)
-
-
-def _ids_used(block: Block) -> int:
-    k, b = block.layout.k, block.layout.b
-    return b * (k + 1 if block.shape == PAIR else 2 * k if block.shape == SPLIT else k)
+        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, block.layout.n_ids[block.shape], src.ring,
+                      block.fdst)
 
 
 @kernel

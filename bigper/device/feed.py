@@ -198,8 +198,7 @@ class Filler:
         self.src_of = None  # (restores, storage arrays) the sources were made for
         self.drawn = None   # the (stratified, beta, batch_norm) of the last draw
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
-        self.n_ids = {code: b * n for code, n in ((plan.NO_FRAMES, 0), (plan.OBS_ONLY, self.layout.k),
-                                                  (plan.PAIR, self.layout.k + 1), (plan.SPLIT, 2 * self.layout.k))}
+        self.n_ids = self.layout.n_ids
 
     def new_slot(self) -> Slot:
         slot = Slot(self.torch, self.layout, self.dev, self.order, self.tier)
