@@ -554,9 +554,9 @@ class PrioritizedReplayBuffer:
         priorities and raw frames (or none) in memory, memmap or a device tier
         are served by the **feed** (``bigper/device/feed.py``, the GPU guide):
         one compiled draw under the lock, one compiled gather without the
-        lock or the GIL, batches made into a few reused slots. A slot is
-        filled again only once nothing of its batch (its dict, a tensor or a
-        view of one) is held, so a batch you keep never changes; a draw there
+        lock or the GIL, into a few reused slots; each batch gets tensors and a
+        dict of its own over a slot's bytes, filled again only once nothing of
+        them is held, so a batch you keep never changes; a draw there
         applies the device priority updates whose copies arrived, waiting for
         none. Its batches equal ``sample(B).to_torch(device)`` draw for draw.
 

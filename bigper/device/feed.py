@@ -29,7 +29,6 @@ two C calls (``queue.SimpleQueue``).
 
 from __future__ import annotations
 
-import operator
 import queue
 import sys
 import threading
@@ -59,7 +58,7 @@ class FeedBatch(TensorBatch):
 
 
 class Slot:
-    """One reused block and the batches (dicts) made of it, one per stack layout."""
+    """One reused block: the bytes of a batch and how its tensors lie in them, by stack layout."""
 
     def __init__(self, torch, layout: plan.Layout, dev, order: list, tier=None):
         self.layout = layout
@@ -88,56 +87,56 @@ class Slot:
             # (the gathers' index views and outputs, by stack layout)
             self.ids = {code: (t[".ids"][:b * n], self.frames[:b * n])
                         for code, n in ((plan.PAIR, k + 1), (plan.SPLIT, 2 * k), (plan.OBS_ONLY, k))} if k else {}
-        self.batches = {}
-        host_np = self.block.views
+        # A batch's tensors by stack layout, as prototypes: each batch gets tensors of its own made from
+        # them (``torch.as_strided``: the same bytes, new objects), so whatever a learner does to its
+        # tensors or its dict (``set_``, ``as_strided_``, ``unsqueeze_``, ``.grad``, attributes, keys)
+        # never reaches a later batch. The prototypes are never handed out.
+        self.protos = {}
         for code in _codes(layout):
-            tensors = {}
-            for name in order:
-                if k and name in ("obs", "next_obs"):  # (frame stacks; else plain fields)
-                    tensors[name] = _stack(t[".frames"], code, name, b, k)
-                else:
-                    tensors[name] = t[name]
-            for name in ("weights", "indices", "generations"):
-                tensors[name] = t[name]
-            self.batches[code] = FeedBatch(tensors, {"indices": host_np[".indices"],
-                                                     "generations": host_np[".generations"], "mask": None})
+            protos = [(name, _stack(t[".frames"], code, name, b, k) if k and name in ("obs", "next_obs") else t[name])
+                      for name in order]
+            protos += [(name, t[name]) for name in ("weights", "indices", "generations")]
+            self.protos[code] = [(name, (p, tuple(p.shape), p.stride(), p.storage_offset())) for name, p in protos]
+        host_np = self.block.views
+        self.hosts = (host_np[".indices"], host_np[".generations"])
+        self.indices = t["indices"]  # (a tier's gathers read the indices on the device)
         self.used = {code: (self.host[:layout.used(code)], self.dev_block[:layout.used(code)])
-                     for code in self.batches} if cuda and tier is None else None
-        # What holds each object when nobody else does: the baseline a give-back compares with.
-        self.host_np = (self.block.data, host_np[".indices"], host_np[".generations"])
-        self.held = tuple(obj for d in self.batches.values() for obj in (d, d.host, *d.values())) + self.host_np
-        # Each dict's keys and tensors in order (a learner may swap or rename them without a count moving).
-        self.expect = {code: (tuple(d), tuple(d.values()), d.host, tuple(d.host.values()))
-                       for code, d in self.batches.items()}
-        self.tensors = tuple({id(v): v for d in self.batches.values() for v in d.values()}.values())
-        stores = [x.untyped_storage() for x in (self.dev_block, self.rows, self.frames) if x is not None]
-        self.storages = tuple(st._cdata for st in stores)
-        self.stores = stores
+                     for code in self.protos} if cuda and tier is None else None
+        # What a held batch shows in: the tensors over the slot's bytes (every view of them, a tensor's
+        # ``_base``, a dlpack capsule) count in the storages' use counts; the slot's own roots, block and
+        # storage objects (reached through ``_base``, ``untyped_storage()``, ``np.frombuffer``) in their
+        # reference counts; a root changed in place (``_base.set_``) or a storage moved (``share_memory_``)
+        # in their addresses and strides.
+        self.roots = tuple({id(x): x for x in (self.host, self.dev_block, self.rows, self.frames)
+                            if x is not None}.values())
+        self.stores = tuple({st._cdata: st for st in (r.untyped_storage() for r in self.roots)}.values())
+        self.storages = tuple(st._cdata for st in self.stores)
+        protos = [spec[0] for protos in self.protos.values() for _, spec in protos]
+        bases = {id(p._base): p._base for p in protos if p._base is not None}  # (a batch tensor's ``_base``)
+        self.held = self.roots + self.stores + (self.block.data,) + tuple(protos) + tuple(bases.values())
         self.use_count = torch._C._storage_Use_Count
+        self.as_strided = torch.as_strided
         self.base = None  # (taken by ``Filler.new_slot``, once the locals of this call are gone)
-        self.batch = None  # the dict of the batch it holds, and its stack layout
-        self.code = None
+        self.code = None  # the stack layout of the batch it holds
+
+    def batch(self) -> FeedBatch:
+        """The batch this slot holds: tensors of its own over the slot's bytes,
+        and host copies of its indices and generations."""
+        strided = self.as_strided
+        tensors = {name: strided(*spec) for name, spec in self.protos[self.code]}
+        return FeedBatch(tensors, {"indices": self.hosts[0].copy(), "generations": self.hosts[1].copy(),
+                                   "mask": None})
 
     def counts(self) -> tuple:
-        """Who holds what: references to the dicts, tensors and host arrays, the
-        storages' use counts, and each tensor's metadata and each storage's
-        address (an in-place ``unsqueeze_``, ``requires_grad_`` or a storage
-        moved to shared memory by ``share_memory_`` changes no count)."""
+        """Who holds the slot's bytes: see ``held``."""
         return (tuple(map(sys.getrefcount, self.held)), tuple(map(self.use_count, self.storages)),
-                [(t.shape, t.requires_grad, t.dtype) for t in self.tensors], [st.data_ptr() for st in self.stores])
+                [st.data_ptr() for st in self.stores],
+                [(r.data_ptr(), r.shape, r.stride(), r.dtype) for r in self.roots])
 
     def unheld(self) -> bool:
-        """Whether nothing of this slot's batch is held outside it, nor changed in
-        its dict: only then may its block be filled again."""
-        d, self.batch = self.batch, None
-        same = self._as_made(d)
-        del d
-        return same and self.counts() == self.base
-
-    def _as_made(self, d) -> bool:
-        keys, values, host, host_values = self.expect[self.code]
-        return tuple(d) == keys and all(map(operator.is_, d.values(), values)) and d.host is host \
-            and all(map(operator.is_, host.values(), host_values))
+        """Whether nothing of the batch this slot gave is held any more: only
+        then may its bytes be filled again."""
+        return self.counts() == self.base
 
 
 def _codes(layout: plan.Layout) -> tuple:
@@ -325,7 +324,7 @@ class Filler:
         slot.dev_block.copy_(slot.host, non_blocking=True)  # the plan: one copy up
         stream = self.stream()
         self.event.record(slot.copied, stream)
-        torch.index_select(self.tier.packed, 0, slot.batches[code]["indices"], out=slot.rows)
+        torch.index_select(self.tier.packed, 0, slot.indices, out=slot.rows)
         if code != plan.NO_FRAMES:
             ids, out = slot.ids[code]
             torch.index_select(self.tier.frames, 0, ids, out=out)
@@ -401,7 +400,7 @@ class FeedSampler(Threaded):
             self._free.put(None)
         item.fresh = False
         item.code = item.block.shape
-        batch = item.batch = item.batches[item.code]
+        batch = item.batch()
         if self._cuda:
             self._torch.cuda.current_stream(self._dev).wait_event(item.ready)
         return batch
