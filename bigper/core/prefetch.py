@@ -150,6 +150,24 @@ class Threaded:
             raise self._why
         raise StopIteration
 
+    def _take(self):
+        """The next item the thread prepared (polled: a thread that ended with
+        nothing left ends the iteration); a ``Failure`` it prepared is raised."""
+        ready = self._ready
+        while True:
+            try:
+                item = ready.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and ready.empty():
+                    self._done = True
+                    self._stop_iteration()
+        if isinstance(item, Failure):
+            self._done, self._why = True, why_after(self._why, item.exc)
+            self.close()
+            raise item.exc
+        return item
+
     def close(self, wait: bool = True, timeout: float | None = None, why: BaseException | None = None) -> None:
         """Stop the thread (it finishes the ``produce`` call in progress, if
         any) and drop what it prepared; ``wait``: until the thread has ended
@@ -219,18 +237,7 @@ class Prefetcher(Threaded):
     def __next__(self):
         if self._done:
             self._stop_iteration()
-        while True:
-            try:
-                item = self._ready.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._ready.empty():
-                    self._done = True
-                    self._stop_iteration()
-        if isinstance(item, Failure):
-            self._done, self._why = True, why_after(self._why, item.exc)
-            self.close()
-            raise item.exc
+        item = self._take()
         return item if self._finish is None else self._finish(item)
 
     def _signal_stop(self) -> None:

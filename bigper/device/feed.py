@@ -386,14 +386,7 @@ class FeedSampler(Threaded):
         out = self._out
         while len(out) >= _HELD:  # the batch before the last: back to the thread, or let go
             self._give_back(out.popleft())
-        if self._thread is None:
-            item = self._fill_here()
-        else:
-            item = self._take()
-        if isinstance(item, Failure):
-            self._done, self._why = True, why_after(self._why, item.exc)
-            self.close()
-            raise item.exc
+        item = self._fill_here() if self._thread is None else self._take()
         out.append(item)
         if self._extra < _HELD and self._thread is not None:
             self._extra += 1
@@ -405,23 +398,16 @@ class FeedSampler(Threaded):
             self._torch.cuda.current_stream(self._dev).wait_event(item.ready)
         return batch
 
-    def _take(self):
-        ready = self._ready
-        while True:
-            try:
-                return ready.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not self._thread.is_alive() and ready.empty():
-                    self._done = True
-                    self._stop_iteration()
-
     def _fill_here(self):
+        """``prefetch=0``: the batch filled in the caller's thread (an error ends the iteration as a thread's does)."""
         slot = self._free.get_nowait()
         try:
             return self._filler.fill(slot if slot is not None else self._filler.new_slot(), lambda: False)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             self._free.put(None)
-            return Failure(e)
+            self._done, self._why = True, why_after(self._why, e)
+            self.close()
+            raise
 
     def _give_back(self, slot: Slot) -> None:
         if slot.unheld():
