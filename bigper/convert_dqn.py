@@ -108,7 +108,9 @@ def convert_dqn_replay(run_dir, dst, *, frame_stack: int = 4, overwrite: bool = 
     require_compression()
     cks = scan_run(run_dir, frame_stack=frame_stack, workers=workers)  # every refusal before dst changes
     run = cks[0].run
-    if dst == run or run in dst.parents:
+    # (resolved: a link on either side must not hide a dst inside the source)
+    real_dst, real_run = Path(os.path.realpath(dst)), Path(os.path.realpath(run))
+    if real_dst == real_run or real_run in real_dst.parents:
         raise InvalidArgumentError(f"dst={str(dst)!r} is inside run_dir {run}; convert never writes its source")
     n = sum(ck.transitions for ck in cks)
     if n == 0:

@@ -200,6 +200,8 @@ class PrioritizedReplayBuffer:
         self._reduction = reduction
         self._num_envs = num_envs
         self._frame_stack, self._n_step = frame_stack, n_step
+        # The path made absolute once, as the core buffer does: a later chdir never moves empty() or loads()
+        path = None if path is None else os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._kind, self._path, self._mode = kind, path, mode
         self._core_kw = dict(capacity=cap, frame_stack=frame_stack, n_step=n_step, gamma=gamma, alpha=alpha,
                              eps=eps, max_priority=max_priority, beta=beta, weight_norm=weight_norm,
