@@ -36,6 +36,7 @@ def _run(*fns):
 
 
 def test_close_sampler_from_another_thread_during_sample():
+    before = feed_threads()  # (threads other tests' samplers still hold on this worker do not count)
     rb = filled(n=200, cap=128)
     stop = threading.Event()
 
@@ -54,7 +55,7 @@ def test_close_sampler_from_another_thread_during_sample():
     errors = _run(learner, closer)
     assert not errors, errors
     rb.close_sampler()
-    wait_for(lambda: feed_threads() == 0)
+    wait_for(lambda: feed_threads() <= before)
     rb.close()
 
 
