@@ -5,7 +5,7 @@ the IS weights) in plain PyTorch eager mode on ``--device`` (CUDA when
 present, else the CPU), fed 100k Atari transitions (``--transitions``) cut
 from real ALE Pong frames (``bench_atari_data.real_frames``; ``--frames
 FILE.npy`` to bring them where ALE is not installed). For B = 32 and 256,
-µs per learner update with each feed:
+µs per learner update with each feed (the best of ``--rounds`` turns):
 
   ceiling     the same batch reused, already on the device (no feed at all)
   numpy SB3   obs and next_obs stacks stored per transition in RAM (SB3's
@@ -73,6 +73,7 @@ def add_arguments(p):
     p.add_argument("--learner", choices=("both", "cnn", "proxy"), default="both",
                    help="the Nature-CNN learner, the launch-bound proxy learner, or both (default)")
     p.add_argument("--proxy-ops", type=int, default=300, help="tiny torch ops an update of the proxy learner")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the feeds; each feed's best round counts")
 
 
 def learner(torch, device):
@@ -242,9 +243,9 @@ def main(args) -> int:
         ready = {k: v.clone() for k, v in ready.items()}
 
         def feed_times(step) -> dict:
-            """µs per update of ``step`` fed by each feed (the ceiling measured first and last)."""
-            feeds: dict = {}
-            feeds["ceiling"] = timed(torch, device, lambda: step(ready), args.iters, 10)
+            """µs per update of ``step`` fed by each feed: the best of ``--rounds`` rounds, each round
+            timing every feed once in turn (this machine's noise moves whole runs by 10-30%)."""
+            makers: dict = {"ceiling": lambda: (lambda: step(ready), None)}
             if numpy_obs is not None:
                 rng = np.random.default_rng(0)
 
@@ -256,38 +257,43 @@ def main(args) -> int:
                         t[k2] = torch.from_numpy(v[i]).to(device, non_blocking=True)
                     t["weights"] = torch.ones(b, device=device)
                     step(t)
-                feeds["numpy SB3"] = timed(torch, device, numpy_feed, args.iters, 10)
+                makers["numpy SB3"] = lambda: (numpy_feed, None)
 
             def plain(buf):
                 def f():
-                    batch = buf.sample(b)
-                    t = batch.to_torch(device)
+                    t = buf.sample(b).to_torch(device)
                     buf.update_priorities(t, step(t))
-                return f
+                return lambda: (f, None)
 
             def with_sampler(buf, general=False):
-                it = make_sampler(buf, b, device, general)
+                def make():
+                    it = make_sampler(buf, b, device, general)
 
-                def f():
-                    t = next(it)
-                    buf.update_priorities(t, step(t))
-                return f, it
+                    def f():
+                        t = next(it)
+                        buf.update_priorities(t, step(t))
+                    return f, it
+                return make
 
             if want("sample"):
-                feeds["sample"] = timed(torch, device, plain(bufs["sample"]), args.iters, 10)
+                makers["sample"] = plain(bufs["sample"])
             for name, key, general in (("sampler", "sample", False), ("sampler (general)", "sample", True),
                                        ("tier", "tier", False), ("tier (general)", "tier", True),
                                        ("zstd", "zstd", False), ("zstd tier", "zstd tier", False)):
                 if key in bufs and want(name):
-                    f, it = with_sampler(bufs[key], general)
-                    feeds[name] = timed(torch, device, f, args.iters, 10)
-                    it.close()
+                    makers[name] = with_sampler(bufs[key], general)
             if trl is not None:
-                feeds["torchrl"] = timed(torch, device, torchrl_feed(torch, trl, b, device, step), args.iters, 10)
+                makers["torchrl"] = lambda: (torchrl_feed(torch, trl, b, device, step), None)
             if "tier" in bufs and want("tier sample"):
-                feeds["tier sample"] = timed(torch, device, plain(bufs["tier"]), args.iters, 10)
-            # The ceiling again, last: the first timing at a size can catch the GPU's clocks still rising.
-            feeds["ceiling"] = min(feeds["ceiling"], timed(torch, device, lambda: step(ready), args.iters, 10))
+                makers["tier sample"] = plain(bufs["tier"])
+            feeds: dict = {}
+            for _ in range(args.rounds):
+                for name, make in makers.items():
+                    f, it = make()
+                    us = timed(torch, device, f, args.iters, 10)
+                    feeds[name] = min(feeds.get(name, us), us)
+                    if it is not None:
+                        it.close()
             return feeds
 
         per = {name: feed_times(fn) for name, fn in learners.items()}

@@ -29,7 +29,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from numba import njit
+
 from ..kernels import batch_meta, kernel, sample_into
+
+# The short kernels keep the GIL: a thread that gives it up for a few microseconds must take
+# it back from a launch-bound learner, which needs it at every op, and that handover costs the
+# learner far more than the kernel (measured: hundreds of µs a batch). Only the gather, long
+# enough to be worth it, runs without the GIL.
+held = njit(cache=True)
 
 # Offsets of the regions of a block: aligned for any dtype's view (and for fast copies).
 ALIGN = 64
@@ -191,7 +199,7 @@ def gather(src: Sources, block: Block) -> None:
                       block.fdst)
 
 
-@kernel
+@held
 def draw_kernel(tree, uniforms, how, book, refs, meta, ids):
     """One batch's draw and plan: indices, probabilities and weights
     (``sample_into``), generations, end flags and discount (``batch_meta``),
@@ -265,7 +273,7 @@ def gather_kernel(idx, srcs, dsts, ids, n_ids, ring, fdst):
             fdst[i, j] = ring[r, j]
 
 
-@kernel
+@held
 def intact_kernel(idx, gen, gid):
     """Whether every drawn slot still holds the transition it held at the draw."""
     for i in range(idx.shape[0]):

@@ -88,7 +88,8 @@ class Slot:
             self.ids = {code: (t[".ids"][:b * n], self.frames[:b * n])
                         for code, n in ((plan.PAIR, k + 1), (plan.SPLIT, 2 * k), (plan.OBS_ONLY, k))} if k else {}
         # A batch's tensors by stack layout, as prototypes: each batch gets tensors of its own made from
-        # them (``torch.as_strided``: the same bytes, new objects), so whatever a learner does to its
+        # them (``detach``: the same bytes and strides, a new tensor; a third of ``as_strided``'s cost in
+        # the learner's thread, where ten of them a batch cost it 5%), so whatever a learner does to its
         # tensors or its dict (``set_``, ``as_strided_``, ``unsqueeze_``, ``.grad``, attributes, keys)
         # never reaches a later batch. The prototypes are never handed out.
         self.protos = {}
@@ -96,7 +97,7 @@ class Slot:
             protos = [(name, _stack(t[".frames"], code, name, b, k) if k and name in ("obs", "next_obs") else t[name])
                       for name in order]
             protos += [(name, t[name]) for name in ("weights", "indices", "generations")]
-            self.protos[code] = [(name, (p, tuple(p.shape), p.stride(), p.storage_offset())) for name, p in protos]
+            self.protos[code] = protos
         host_np = self.block.views
         self.hosts = (host_np[".indices"], host_np[".generations"])
         self.indices = t["indices"]  # (a tier's gathers read the indices on the device)
@@ -104,26 +105,24 @@ class Slot:
                      for code in self.protos} if cuda and tier is None else None
         # What a held batch shows in: the tensors over the slot's bytes (every view of them, a tensor's
         # ``_base``, a dlpack capsule) count in the storages' use counts; the slot's own roots, block and
-        # storage objects (reached through ``_base``, ``untyped_storage()``, ``np.frombuffer``) in their
+        # storage objects (reached through ``untyped_storage()``, ``np.frombuffer``) in their
         # reference counts; a root changed in place (``_base.set_``) or a storage moved (``share_memory_``)
         # in their addresses and strides.
         self.roots = tuple({id(x): x for x in (self.host, self.dev_block, self.rows, self.frames)
                             if x is not None}.values())
         self.stores = tuple({st._cdata: st for st in (r.untyped_storage() for r in self.roots)}.values())
         self.storages = tuple(st._cdata for st in self.stores)
-        protos = [spec[0] for protos in self.protos.values() for _, spec in protos]
-        bases = {id(p._base): p._base for p in protos if p._base is not None}  # (a batch tensor's ``_base``)
+        protos = [p for protos in self.protos.values() for _, p in protos]
+        bases = {id(p._base): p._base for p in protos if p._base is not None}  # (the prototypes' ``_base``)
         self.held = self.roots + self.stores + (self.block.data,) + tuple(protos) + tuple(bases.values())
         self.use_count = torch._C._storage_Use_Count
-        self.as_strided = torch.as_strided
         self.base = None  # (taken by ``Filler.new_slot``, once the locals of this call are gone)
         self.code = None  # the stack layout of the batch it holds
 
     def batch(self) -> FeedBatch:
         """The batch this slot holds: tensors of its own over the slot's bytes,
         and host copies of its indices and generations."""
-        strided = self.as_strided
-        tensors = {name: strided(*spec) for name, spec in self.protos[self.code]}
+        tensors = {name: p.detach() for name, p in self.protos[self.code]}
         return FeedBatch(tensors, {"indices": self.hosts[0].copy(), "generations": self.hosts[1].copy(),
                                    "mask": None})
 
