@@ -39,7 +39,7 @@ import threading
 from collections import OrderedDict
 import numpy as np
 
-from ._torch import TensorBatch, _fields, _flat, _host_of
+from ._torch import TensorBatch, _fields, _flat, _host_of, carried
 from .errors import InvalidArgumentError, InvalidTypeError
 
 # XLA's CPU client shares a host buffer only at this alignment (it copies a less aligned one).
@@ -330,7 +330,7 @@ def batch_to_jax(batch, device=None) -> JaxBatch:
     register_batch(type(batch))
     _register_dict(jax)
     device = as_device(device)
-    ready = batch.__dict__.get("_tensors")
+    ready = carried(batch).tensors
     if ready is not None:  # a device tier's batch: torch tensors, handed over through DLPack
         out = {k: _from_torch(jax, k, v, device) for k, v in ready.items() if k not in ("indices", "generations")}
         home = device if device is not None or not out else next(iter(next(iter(out.values())).devices()))

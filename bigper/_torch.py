@@ -56,6 +56,36 @@ def _torch():
     return torch
 
 
+class Transport:
+    """How a batch's draw prepared its trip to a device, read by ``to_torch``
+    and ``to_jax`` (``Batch.transport``; None for a batch made by hand).
+
+    ``staged``: a pinned block that already holds the batch as its device
+    takes it (``bigper._torch.Staged``), sent by the first ``to_torch`` to
+    that device (``take_staged``). ``tensors``: a device tier's batch, its
+    tensors already on the device (a ``TensorBatch``). ``frames``: a sequence
+    batch's frames once, ``("refs", refs)`` or ``("frames", frames, index)``.
+    """
+
+    __slots__ = ("staged", "tensors", "frames")
+
+    def __init__(self, staged: Any = None, tensors: Any = None, frames: Any = None):
+        self.staged, self.tensors, self.frames = staged, tensors, frames
+
+    def take_staged(self) -> Any:
+        """The staged block, once (a second ``to_torch`` takes the general path)."""
+        staged, self.staged = self.staged, None
+        return staged
+
+
+_NOTHING = Transport()  # (a batch made by hand carries nothing; never written: take_staged finds None)
+
+
+def carried(batch) -> Transport:
+    """What ``batch`` (a ``Batch``) carries for its trip to a device (an empty ``Transport`` for none)."""
+    return batch.transport or _NOTHING
+
+
 class TensorBatch(dict):
     """What ``Batch.to_torch`` returns: a plain ``dict`` of tensors that also
     keeps the host copies of the bookkeeping (``indices``, ``generations``,
@@ -212,7 +242,7 @@ def _fields(batch, copies: bool = True) -> tuple[dict, dict]:
     stacks are shared as they are, where the batch has them."""
     arrays = dict(batch.data)
     derived: dict = {}
-    seq = batch.__dict__.get("_seq_frames")
+    seq = carried(batch).frames
     if not copies and seq is not None and "obs" in arrays:
         seq = None
     if seq is not None:  # sequences: each row's distinct frames once, and the stacks' indices into them
@@ -272,7 +302,7 @@ def _host_of(batch) -> dict:
     batch share the batch's arrays, which a learner may change in place)."""
     mask = getattr(batch, "mask", None)
     if mask is not None and not isinstance(mask, np.ndarray):  # a tier's device mask: the host copy it kept
-        host = getattr(batch.__dict__.get("_tensors"), "host", None)
+        host = getattr(carried(batch).tensors, "host", None)
         kept = host.get("mask") if isinstance(host, dict) else None
         mask = kept if isinstance(kept, np.ndarray) else as_numpy(mask)
     return {"indices": np.array(batch.indices, dtype=np.int64), "generations": np.array(batch.generations, np.int64),
@@ -332,12 +362,12 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
     torch = _torch()
     if device is not None:
         device = as_device(device)
-    staged = batch.__dict__.pop("_staged", None)
+    staged = carried(batch).take_staged()
     if staged is not None and device is not None and torch.device(device) == staged.dev:
         return send_staged(batch, staged, non_blocking)
     if staged is not None:
         staged.drop()
-    ready = batch.__dict__.get("_tensors")
+    ready = carried(batch).tensors
     if ready is not None:  # a device tier's batch: its tensors are on its device already
         return _tier_to_torch(torch, batch, ready, device, non_blocking)
     dev = torch.device("cpu") if device is None else torch.device(device)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._torch import Transport
 from .errors import UnknownFieldError
 
 
@@ -67,6 +68,8 @@ class Batch(Mapping[str, np.ndarray]):
     generations: np.ndarray
     mask: np.ndarray | None = None
     burn_in: int = 0
+    # (not a parameter: what the draw prepared for the trip to a device; see ``Transport``)
+    transport: Transport | None = field(default=None, init=False, repr=False, compare=False)
 
     def __getitem__(self, key: str) -> np.ndarray:
         try:
@@ -89,7 +92,7 @@ class Batch(Mapping[str, np.ndarray]):
     @classmethod
     def make(cls, data: dict[str, np.ndarray], indices: np.ndarray, weights: np.ndarray,
              probabilities: np.ndarray, generations: np.ndarray, mask: np.ndarray | None = None,
-             burn_in: int = 0) -> "Batch":
+             burn_in: int = 0, transport: Transport | None = None) -> "Batch":
         """``Batch(...)`` for the buffer's hot path: the same object, without the
         frozen dataclass's per-field ``object.__setattr__`` calls.
 
@@ -101,6 +104,8 @@ class Batch(Mapping[str, np.ndarray]):
             With sequences: which steps are real.
         burn_in : int
             With sequences: the burn-in steps at the front of each row.
+        transport : Transport, optional
+            What the draw prepared for the trip to a device.
 
         Returns
         -------
@@ -110,8 +115,13 @@ class Batch(Mapping[str, np.ndarray]):
             _as_pytree()
         b = object.__new__(cls)
         b.__dict__.update(data=data, indices=indices, weights=weights, probabilities=probabilities,
-                          generations=generations, mask=mask, burn_in=burn_in)
+                          generations=generations, mask=mask, burn_in=burn_in, transport=transport)
         return b
+
+    def carrying(self, transport: Transport) -> "Batch":
+        """This batch with ``transport`` (a new ``Batch`` over the same arrays)."""
+        return Batch.make(self.data, self.indices, self.weights, self.probabilities, self.generations,
+                          self.mask, self.burn_in, transport)
 
     def __post_init__(self) -> None:
         if not _pytree[0] and "jax" in sys.modules:

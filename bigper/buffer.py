@@ -32,7 +32,7 @@ from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
 from ._jax import check_deferred, host_values, is_jax_array, on_host
-from ._torch import as_device, is_device_tensor
+from ._torch import Transport, as_device, is_device_tensor
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .config import Sequence as ReplaySequence  # (typing's Sequence is used here too)
@@ -481,8 +481,7 @@ class PrioritizedReplayBuffer:
         except BaseException:
             staged.drop()
             raise
-        batch.__dict__["_staged"] = staged  # to_torch sends the block as it is
-        return batch
+        return batch.carrying(Transport(staged=staged))  # to_torch sends the block as it is
 
     def _draw(self, batch_size, beta, stratified, out, stacks: bool, into: dict | None = None) -> Batch:
         if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import kernels as K
 from .._jax import host_values, is_jax_array
-from .._torch import TensorBatch, as_array, as_numpy
+from .._torch import TensorBatch, as_array, as_numpy, carried
 from ..batch import Batch
 from ..config import BUILTIN, Config
 from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
@@ -403,8 +403,7 @@ def _host_mask(batch: Batch):
     """The mask of a batch whose ``mask`` is a tensor (a device tier's): the
     host copy its tier kept, so nothing is read back from the device (which
     would wait for the learner's stream); else the tensor, read as given."""
-    ready = batch.__dict__.get("_tensors")
-    host = getattr(ready, "host", None)
+    host = getattr(carried(batch).tensors, "host", None)
     if isinstance(host, dict) and isinstance(host.get("mask"), np.ndarray):
         return host["mask"]
     return host_values(batch.mask, "mask") if is_jax_array(batch.mask) else as_numpy(batch.mask)

@@ -26,6 +26,7 @@ from . import nstep
 from .ingest import as_priorities
 from ..kernels import ring_rows
 from ..batch import Batch
+from .._torch import Transport
 from ..errors import InvalidArgumentError
 from .sequences import Items
 from ..status import LIVE
@@ -223,10 +224,9 @@ class Sequences:
         """Every field ``(B, T, ...)``, padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""
         slots, mask = self.items.window(idx)
         data, mask, once = reader.windows(slots, mask, fused, stacks)
-        b = Batch.make(data, idx, w, prob, self.ring.gid[idx], mask, self.items.burn_in)
-        if once is not None:
-            b.__dict__["_seq_frames"] = once  # how to_torch moves each row's frames once
-        return b
+        # (with ``once``: how to_torch moves each row's frames once)
+        return Batch.make(data, idx, w, prob, self.ring.gid[idx], mask, self.items.burn_in,
+                          None if once is None else Transport(frames=once))
 
     def gather(self, reader, idx, fused) -> dict:
         data, mask, _ = reader.windows(*self.items.window(idx), fused)

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from ..core.layout import plain_fields
-from .._torch import TensorBatch, _torch, _torch_dtype, move
+from .._torch import TensorBatch, Transport, _torch, _torch_dtype, move
 from ..batch import Batch
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..frames.store import frame_capacity
@@ -213,14 +213,14 @@ class Mirror:
                 data[name] = got if cols is None else got[:, cols]
             else:
                 data[name] = t[name]
-        b = Batch.make(data, idx, t[".weights"], prob, gen, None if mask is None else t[".mask"], burn_in)
         tensors = dict(data)
         tensors["weights"], tensors["indices"], tensors["generations"] = t["weights"], t["indices"], t["generations"]
         if mask is not None:
             tensors["mask"] = t["mask"]
-        b.__dict__["_tensors"] = TensorBatch(tensors, {"indices": idx.copy(), "generations": gen.copy(),
-                                                       "mask": None if mask is None else mask.copy()})
-        return b
+        ready = TensorBatch(tensors, {"indices": idx.copy(), "generations": gen.copy(),
+                                      "mask": None if mask is None else mask.copy()})
+        return Batch.make(data, idx, t[".weights"], prob, gen, None if mask is None else t[".mask"], burn_in,
+                          Transport(tensors=ready))
 
 
 def _host_memory() -> tuple[int, int] | tuple[None, None]:

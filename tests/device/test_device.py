@@ -279,7 +279,7 @@ def test_sequence_frames_once_rebuild_the_stacks_exactly():
     buf = _seq_buffer()
     for _ in range(10):
         b = buf.sample(16)
-        kind, refs = b.__dict__["_seq_frames"]
+        kind, refs = b.transport.frames
         ids, index, first = distinct_frames(refs, b.mask)
         T_, k = b.mask.shape[1], 3
         assert kind == "refs" and ids.shape[1] <= T_ + k + 1  # each row's distinct frames, once (and a zero frame)

@@ -592,7 +592,7 @@ def test_sequence_views_are_the_batch_own():
     t = b.to_torch()
     t["obs"].add_(3)
     t["next_obs"].add_(5)
-    kind, *once = b.__dict__["_seq_frames"]
+    kind, *once = b.transport.frames
     if kind == "frames":  # (the host path keeps the stacks' frame ids instead: nothing to scribble on)
         once[0][...] = 9
     got = buf.gather(b.indices)

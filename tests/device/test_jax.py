@@ -206,7 +206,7 @@ def test_device_tier_batch_goes_through_dlpack_from_torch():
     pytest.importorskip("torch")
     buf = _buffer(device="cpu")
     b = buf.sample(8)
-    tensors = b.__dict__["_tensors"]
+    tensors = b.transport.tensors
     j = b.to_jax()
     assert list(j) == [*b, "weights", "indices", "generations"]
     for k in b:
