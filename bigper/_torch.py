@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict, deque
+from typing import Any
 
 import numpy as np
 
@@ -68,8 +69,11 @@ class Transport:
     """
 
     __slots__ = ("staged", "tensors", "frames")
+    staged: Any
+    tensors: Any
+    frames: Any
 
-    def __init__(self, staged: Any = None, tensors: Any = None, frames: Any = None):
+    def __init__(self, staged: Any = None, tensors: Any = None, frames: Any = None) -> None:
         self.staged, self.tensors, self.frames = staged, tensors, frames
 
     def take_staged(self) -> Any:
