@@ -588,11 +588,11 @@ class PrioritizedReplayBuffer:
         if sample_kw.get("beta") is not None:  # refused here, not at a draw; a tensor read once
             sample_kw["beta"] = as_beta(sample_kw["beta"])
         if device is not None:
-            from .device import feed
+            from .device import feed, native
 
-            if feed.covered(self, device) is None:  # the GIL-free feed (device/feed.py)
-                it = feed.FeedSampler(self, int(batch_size), device, int(prefetch), sample_kw.get("beta"),
-                                      sample_kw.get("stratified", True))
+            if feed.covered(self, device) is None:  # the GIL-free feed (device/feed.py, device/native.py)
+                it = native.feed_sampler(self, int(batch_size), device, int(prefetch), sample_kw.get("beta"),
+                                         sample_kw.get("stratified", True))
                 self._samplers.add(it)
                 return it
         produce = functools.partial(_sample_in, weakref.ref(self), int(batch_size), device, dict(sample_kw))

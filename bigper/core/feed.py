@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ..kernels import batch_meta, kernel, sample_into
 
@@ -185,6 +188,7 @@ class Block:
         self.count = 0          # rows written to the buffer when it was drawn
         self.writes = 0         # the ring's writes begun then, and failed
         self.failed = 0
+        self.restores = 0       # the ring's restores then
 
 
 def draw(src: Sources, block: Block, uniforms: np.ndarray, how: tuple) -> None:
@@ -295,3 +299,109 @@ def intact(ring, frames, block: Block, restores: int) -> bool:
     if frames is not None and block.lowest < frames.fw - frames.F:
         return False
     return intact_kernel(block.meta[0], block.meta[1], ring.gid)
+
+
+# -- the gathering thread on the CPU (``device/native.py``) ------------------------------------
+# A thread that never takes the GIL: one compiled call runs its whole life, taking jobs from a ring
+# of slots the learner's thread drew into, gathering each, and counting what it finished. The
+# words of ``ctl``: stop, jobs posted, jobs done.
+STOP, POSTED, DONE = 0, 1, 2
+
+
+@intrinsic
+def _fence(typingctx):
+    """A full memory fence: what this thread stored is visible before what it stores next, and
+    what it loads next is loaded after it (another thread's stores in between are seen)."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def _sleep_us(typingctx, us):
+    """``usleep(us)`` (POSIX; a call the compiler cannot see into, between two fences)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32)]),
+                                            "usleep")
+        builder.fence("seq_cst")
+        out = builder.call(fn, args)
+        builder.fence("seq_cst")
+        return out
+    return types.int32(types.int32), codegen
+
+
+@kernel
+def serve_kernel(ctl, jobs, pool, spec, fspec, srcs, ring):
+    """Gather every posted job until told to stop: job ``n`` is ``jobs[n % len(jobs)] = (slot,
+    frames)``, its batch drawn into ``pool[slot]`` (indices at ``spec[0]``, ``spec[1]`` of them;
+    frame ids at ``spec[2]``); field ``f``'s rows go to ``fspec[f] = (offset, bytes a row)``, the
+    frames to ``spec[3]``, ``spec[4]`` bytes each. Idle, it looks every ~0.1 ms (every ms after
+    ~0.2 s without work)."""
+    o_idx, b, o_ids, o_frames, fw = spec[0], spec[1], spec[2], spec[3], spec[4]
+    cap = jobs.shape[0]
+    done = ctl[DONE]
+    idle = 0
+    while True:
+        _fence()
+        if ctl[STOP] != 0:
+            return
+        if ctl[POSTED] == done:
+            idle += 1
+            _sleep_us(20 if idle < 2000 else 1000)
+            continue
+        idle = 0
+        s = jobs[done % cap, 0]
+        n_ids = jobs[done % cap, 1]
+        blk = pool[s]
+        idx = blk[o_idx:o_idx + 8 * b].view(np.int64)
+        for f in range(fspec.shape[0]):
+            src = srcs[f]
+            off = fspec[f, 0]
+            w = fspec[f, 1]
+            for i in range(b):
+                row = src[idx[i]]
+                dst = blk[off + i * w:off + (i + 1) * w]
+                for j in range(w):  # (indexed by the loop's own variable: a wide copy)
+                    dst[j] = row[j]
+        if n_ids:
+            ids = blk[o_ids:o_ids + 8 * n_ids].view(np.int64)
+            for i in range(n_ids):
+                row = ring[ids[i]]
+                dst = blk[o_frames + i * fw:o_frames + (i + 1) * fw]
+                for j in range(fw):
+                    dst[j] = row[j]
+        _fence()
+        done += 1
+        ctl[DONE] = done
+
+
+@held
+def post_kernel(ctl, jobs, slot, n_ids):
+    """Post job ``ctl[POSTED]`` (``slot``'s batch, drawn: its bytes are stored before the job is)."""
+    n = ctl[POSTED]
+    _fence()
+    jobs[n % jobs.shape[0], 0] = slot
+    jobs[n % jobs.shape[0], 1] = n_ids
+    _fence()
+    ctl[POSTED] = n + 1
+    return n
+
+
+@kernel
+def wait_kernel(ctl, job):
+    """Wait (without the GIL) until job ``job`` is done (1), the thread is told
+    to stop (0), or about 50 ms pass without it (-1: the caller looks whether
+    the thread still runs)."""
+    spins = 0
+    while True:
+        _fence()
+        if ctl[DONE] > job:
+            return 1
+        if ctl[STOP] != 0:
+            return 0
+        spins += 1
+        if spins > 100:
+            if spins > 5100:
+                return -1
+            _sleep_us(10)

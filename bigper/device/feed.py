@@ -60,10 +60,10 @@ class FeedBatch(TensorBatch):
 class Slot:
     """One reused block: the bytes of a batch and how its tensors lie in them, by stack layout."""
 
-    def __init__(self, torch, layout: plan.Layout, dev, order: list, tier=None):
+    def __init__(self, torch, layout: plan.Layout, dev, order: list, tier=None, host=None):
         self.layout = layout
         cuda = dev.type == "cuda"
-        host = torch.empty((layout.size,), dtype=torch.uint8)
+        host = torch.empty((layout.size,), dtype=torch.uint8) if host is None else host
         self.host = host.pin_memory() if cuda else host
         self.block = plan.Block(layout, self.host.numpy())
         self.dev_block = torch.empty((layout.size,), dtype=torch.uint8, device=dev) if cuda else self.host
@@ -198,8 +198,10 @@ class Filler:
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
         self.n_ids = self.layout.n_ids
 
-    def new_slot(self) -> Slot:
-        slot = Slot(self.torch, self.layout, self.dev, self.order, self.tier)
+    def new_slot(self, host=None) -> Slot:
+        """A slot (its bytes ``host``, a CPU tensor, where given)."""
+        slot = Slot(self.torch, self.layout, self.dev, self.order, self.tier, host)
+        del host  # (a reference of this frame's would count in the slot's base)
         slot.base = slot.counts()
         return slot
 
@@ -213,53 +215,24 @@ class Filler:
         return self.src
 
     def fill(self, slot: Slot, stop) -> Slot | None:
-        """Draw a batch into ``slot``; None when told to stop while waiting for
-        the lock. (Written flat: each Python call here is one a launch-bound
-        learner waits for; about ten a batch, whatever its size.)"""
+        """Draw a batch into ``slot`` and gather it; None when told to stop
+        while waiting for the lock. (Each Python call here is one a
+        launch-bound learner waits for: about ten a batch, whatever its size.)"""
         buf = self.ref()
         if buf is None:
             raise BufferClosedError("the buffer of this sampler was dropped")
-        lock = buf._lock
-        block = slot.block
         if self.cuda:
             self._reuse(slot)
-        if not lock.acquire(timeout=_POLL_S):
-            while not lock.acquire(timeout=_POLL_S):
-                if stop():
-                    return None
-        try:
-            src = self.src
-            if src is None or self.how is None or self.tier is not None or buf._closed or buf._deferred.items \
-                    or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays \
-                    or not src.tree[0][0] > 0:
-                src = self._draw(buf, block)  # every case
-            else:  # the common one, inline: one call to the compiled draw
-                buf._rng.random(out=self.uniforms)
-                block.shape, block.lowest = plan.draw_kernel(src.tree, self.uniforms, self.how, src.book,
-                                                             src.refs, block.meta, block.ids)
-                self.drawn = self.how
-                buf._beta_step += 1
-            ring = buf._ring
-            block.count, block.writes, block.failed, restores = ring.count, ring.writes, ring.failed, ring.restores
-            if self.tier is not None:  # everything on the device, in order, under the lock
-                self._tier_gather(slot)
-                return slot
-        finally:
-            lock.release()
+        if not self.draw_into(buf, slot, stop):
+            return None
+        if self.tier is not None:
+            return slot
+        block = slot.block
         if self.gathers:
-            plan.gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, self.n_ids[block.shape],
-                               src.ring, block.fdst)
-        while not lock.acquire(timeout=_POLL_S):  # (polled: a close under the lock must not wait on us)
-            if stop():
-                return None
-        try:
-            if ring.restores != restores:  # a state taken under the gather: as if taken before this draw
-                self._draw(buf, block)
-                plan.gather(self.src, block)
-            elif ring.writes != block.writes and not plan.intact(ring, buf._frames, block, restores):
-                self._redraw(buf, block)  # a write replaced what was read: again, under the lock
-        finally:
-            lock.release()
+            plan.gather_kernel(block.meta[0], self.src.srcs, block.dsts, block.ids, self.n_ids[block.shape],
+                               self.src.ring, block.fdst)
+        if not self.check(buf, block, stop):
+            return None
         if self.cuda:
             host, dev = slot.used[block.shape]
             dev.copy_(host, non_blocking=True)
@@ -267,6 +240,55 @@ class Filler:
             self.event.record(slot.copied, stream)
             self.event.record(slot.ready, stream)
         return slot
+
+    def draw_into(self, buf, slot: Slot, stop) -> bool:
+        """Draw a batch into ``slot`` under the buffer's lock (with a device
+        tier, its gathers too); False when told to stop while waiting for the lock."""
+        lock = buf._lock
+        block = slot.block
+        if not lock.acquire(timeout=_POLL_S):
+            while not lock.acquire(timeout=_POLL_S):
+                if stop():
+                    return False
+        try:
+            src = self.src
+            if src is None or self.how is None or self.tier is not None or buf._closed or buf._deferred.items \
+                    or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays \
+                    or not src.tree[0][0] > 0:
+                self._draw(buf, block)  # every case
+            else:  # the common one, inline: one call to the compiled draw
+                buf._rng.random(out=self.uniforms)
+                block.shape, block.lowest = plan.draw_kernel(src.tree, self.uniforms, self.how, src.book,
+                                                             src.refs, block.meta, block.ids)
+                self.drawn = self.how
+                buf._beta_step += 1
+            ring = buf._ring
+            block.count, block.writes, block.failed, block.restores = ring.count, ring.writes, ring.failed, \
+                ring.restores
+            if self.tier is not None:  # everything on the device, in order, under the lock
+                self._tier_gather(slot)
+        finally:
+            lock.release()
+        return True
+
+    def check(self, buf, block, stop) -> bool:
+        """After a gather without the lock: under it, whether a write or a
+        restore raced the gather, and if one did, the batch drawn (and
+        gathered) again; False when told to stop while waiting for the lock."""
+        lock = buf._lock
+        while not lock.acquire(timeout=_POLL_S):  # (polled: a close under the lock must not wait on us)
+            if stop():
+                return False
+        try:
+            ring = buf._ring
+            if ring.restores != block.restores:  # a state taken under the gather: as if taken before this draw
+                self._draw(buf, block)
+                plan.gather(self.src, block)
+            elif ring.writes != block.writes and not plan.intact(ring, buf._frames, block, block.restores):
+                self._redraw(buf, block)  # a write replaced what was read: again, under the lock
+        finally:
+            lock.release()
+        return True
 
     def stream(self):
         """The CUDA stream the slots are filled on: the feed thread's current

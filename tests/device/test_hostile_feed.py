@@ -35,6 +35,7 @@ torch = pytest.importorskip("torch")
 import bigper  # noqa: E402
 import bigper.core.feed as plan  # noqa: E402
 from bigper.device.feed import FeedSampler  # noqa: E402
+from bigper.device.native import NativeFeed  # noqa: E402
 from tests.buffer.test_validation import assert_same, fingerprint  # noqa: E402
 from tests.device.test_feed import _add, _atari_like, _check_rows, _np  # noqa: E402
 
@@ -70,16 +71,43 @@ def _run_script(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT, env=env)
 
 
+@pytest.fixture
+def threaded(monkeypatch):
+    """The feed's threaded sampler (``FeedSampler``: CUDA's path, and ``prefetch=0``) for a CPU
+    sampler with prefetch too, where a test's subject is that thread."""
+    from bigper.device import native
+
+    monkeypatch.setattr(native, "feed_sampler", lambda buf, b, dev, depth, beta=None, stratified=True:
+                        FeedSampler(buf, b, dev, depth, beta, stratified))
+
+
 class _GatherHook:
     """Replaces the feed's lock-free gather (``core.feed.gather_kernel``, the
     name ``Filler.fill`` calls) so that a test runs ``during()`` between the
-    draw and the gather of the next batch, or blocks the gather on events."""
+    draw and the gather of the next batch, or blocks the gather on events.
+    On the CPU with prefetch (``NativeFeed``: a compiled thread gathers) the
+    hook is the learner's wait for a posted batch (``core.feed.wait_kernel``):
+    ``during()`` runs after the draw, while (or after) the thread gathers, and
+    before the check."""
 
     def __init__(self, monkeypatch, during=None, before=None):
         self.real = plan.gather_kernel
+        self.real_wait = plan.wait_kernel
         self.during, self.before = during, before
         self.armed = True
         monkeypatch.setattr(plan, "gather_kernel", self)
+        monkeypatch.setattr(plan, "wait_kernel", self.wait)
+
+    def wait(self, ctl, job):
+        if not self.armed:
+            return self.real_wait(ctl, job)
+        self.armed = False
+        if self.during is not None:
+            self.during()
+        got = self.real_wait(ctl, job)
+        if self.before is not None:
+            self.before()
+        return got
 
     def __call__(self, *args):
         if self.armed:
@@ -330,7 +358,9 @@ def test_closing_a_sampler_while_the_buffer_lock_is_held_never_deadlocks():
         import os, threading, time
         import numpy as np
         import bigper.core.feed as plan
+        from bigper.device import feed, native
         from tests.device.test_feed import _add, _atari_like
+        native.feed_sampler = feed.FeedSampler  # (the threaded feed: its thread gathers under this test's hook)
         buf = _atari_like()
         _add(buf, 0, 400)
         it = buf.sampler(8, prefetch=1, device="cpu")
@@ -572,7 +602,7 @@ def test_a_buffer_dropped_while_the_thread_waits_is_closed_and_resumes(tmp_path,
             assert len(back) == 400
 
 
-def test_a_buffer_dropped_while_the_thread_fills_is_closed_in_that_thread(tmp_path, monkeypatch):
+def test_a_buffer_dropped_while_the_thread_fills_is_closed_in_that_thread(tmp_path, monkeypatch, threaded):
     buf = _atari_like(tmp_path / "b")
     _add(buf, 0, 400)
     it = buf.sampler(8, prefetch=1, device="cpu")
@@ -883,7 +913,7 @@ def test_frame_stacks_with_k_1_and_without_next_obs(device, k, next_of):
     for buf in (a, twin):
         buf.extend(data)
     it = a.sampler(16, prefetch=1, device=device)
-    assert isinstance(it, FeedSampler)
+    assert isinstance(it, (FeedSampler, NativeFeed))
     for _ in range(5):
         t = next(it)
         _same_batch(t, twin.sample(16).to_torch(device))
