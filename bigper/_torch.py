@@ -654,6 +654,10 @@ def as_numpy(x):
     if torch is None or not isinstance(x, torch.Tensor):
         return x
     t = x.detach()
+    try:  # the common case (a CPU tensor, numpy's dtypes, no conj/neg bit) in one call
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        pass
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.device.type != "cpu":

@@ -649,7 +649,7 @@ class PrioritizedReplayBuffer:
         elif is_device_tensor(priorities):
             self._defer(idx, stamps, use_stamps, mask, priorities)
             return
-        if self._deferred:
+        if self._deferred.items:
             self._settle()
         self._update(idx, stamps, use_stamps, mask, priorities)
 

@@ -421,9 +421,9 @@ def update_target(target) -> tuple:
                                            f"expected {idx.shape} like target.indices")
         if mask is not None and type(mask) is not np.ndarray:
             mask = _host_mask(target)
-    elif isinstance(target, TensorBatch) and target.host_target() is not None:
+    elif isinstance(target, TensorBatch) and (host := target.host_target()) is not None:
         # to_torch's dict as it gave it: its host copies (no read from the device), checked as any
-        idx, stamps, mask = target.host_target()
+        idx, stamps, mask = host
         idx, stamps, use_stamps = as_index(idx), as_index(stamps), True
         if stamps.shape != idx.shape:
             raise InvalidArgumentError(f"target.host['generations'] has shape {stamps.shape}, "

@@ -99,9 +99,10 @@ def entry_point(method):
 
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
-        deferred = getattr(self, "_deferred", None)
-        if deferred and name != "update_priorities":
-            deferred.wait()  # device copies still running: waited for before the lock, not under it
+        if name != "update_priorities":
+            deferred = getattr(self, "_deferred", None)
+            if deferred:
+                deferred.wait()  # device copies still running: waited for before the lock, not under it
         with self._lock:
             if self._closed:
                 raise BufferClosedError(f"this buffer is closed ({name} needs an open one)"
@@ -109,7 +110,7 @@ def entry_point(method):
             outer = self._in_call
             self._in_call = name if outer is None else outer
             try:
-                if self._deferred and name != "update_priorities":
+                if name != "update_priorities" and self._deferred:
                     # Updates from device tensors, in order, before anything reads the tree. The
                     # sampler's draws keep an invalid one's error for the learner's next call.
                     self._settle(keep=name == "_sample_for")
