@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ._torch import Transport
-from .errors import UnknownFieldError
+from .errors import InvalidTypeError, UnknownFieldError
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +119,10 @@ class Batch(Mapping[str, np.ndarray]):
         return b
 
     def carrying(self, transport: Transport) -> "Batch":
-        """This batch with ``transport`` (a new ``Batch`` over the same arrays)."""
+        """This batch with ``transport`` (a new ``Batch`` over the same arrays;
+        ``transport`` a ``Transport``, or None for none)."""
+        if transport is not None and not isinstance(transport, Transport):
+            raise InvalidTypeError(f"transport must be a bigper._torch.Transport or None, not {type(transport).__name__}")
         return Batch.make(self.data, self.indices, self.weights, self.probabilities, self.generations,
                           self.mask, self.burn_in, transport)
 

@@ -63,7 +63,8 @@ class Slot:
     def __init__(self, torch, layout: plan.Layout, dev, order: list, tier=None, host=None):
         self.layout = layout
         cuda = dev.type == "cuda"
-        host = torch.empty((layout.size,), dtype=torch.uint8) if host is None else host
+        if host is None:  # (on the CPU, whatever the default device)
+            host = torch.empty((layout.size,), dtype=torch.uint8, device="cpu")
         self.host = host.pin_memory() if cuda else host
         self.block = plan.Block(layout, self.host.numpy())
         self.dev_block = torch.empty((layout.size,), dtype=torch.uint8, device=dev) if cuda else self.host
@@ -97,7 +98,9 @@ class Slot:
             protos = [(name, _stack(t[".frames"], code, name, b, k) if k and name in ("obs", "next_obs") else t[name])
                       for name in order]
             protos += [(name, t[name]) for name in ("weights", "indices", "generations")]
-            self.protos[code] = protos
+            # (each a tensor of its own over the bytes, not a view: a view shares its base's version
+            # counter, so an in-place op on one field would fail a backward that saved another)
+            self.protos[code] = [(name, _own(torch, p)) for name, p in protos]
         host_np = self.block.views
         self.hosts = (host_np[".indices"], host_np[".generations"])
         self.indices = t["indices"]  # (a tier's gathers read the indices on the device)
@@ -136,6 +139,12 @@ class Slot:
         """Whether nothing of the batch this slot gave is held any more: only
         then may its bytes be filled again."""
         return self.counts() == self.base
+
+
+def _own(torch, p):
+    """A tensor over ``p``'s bytes, shape and strides that is not a view (a version counter of its own)."""
+    return torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(),
+                                                                tuple(p.shape), p.stride())
 
 
 def _codes(layout: plan.Layout) -> tuple:
@@ -198,9 +207,13 @@ class Filler:
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
         self.n_ids = self.layout.n_ids
 
-    def new_slot(self, host=None) -> Slot:
-        """A slot (its bytes ``host``, a CPU tensor, where given)."""
-        slot = Slot(self.torch, self.layout, self.dev, self.order, self.tier, host)
+    def new_slot(self, row=None) -> Slot:
+        """A slot (its bytes those of the numpy ``row`` where given). Never of
+        inference tensors: a slot made under the caller's ``inference_mode``
+        would give them to every later batch of the slot, which autograd then refuses."""
+        with self.torch.inference_mode(False):
+            host = None if row is None else self.torch.from_numpy(row)
+            slot = Slot(self.torch, self.layout, self.dev, self.order, self.tier, host)
         del host  # (a reference of this frame's would count in the slot's base)
         slot.base = slot.counts()
         return slot

@@ -171,7 +171,7 @@ class NativeFeed(Threaded):
         s = self._free.pop()
         slot = self._slots[s]
         if slot is None:
-            slot = self._slots[s] = self._filler.new_slot(self._filler.torch.from_numpy(self._pool[s]))
+            slot = self._slots[s] = self._filler.new_slot(self._pool[s])
             slot.index = s
         return slot
 
