@@ -35,9 +35,8 @@ drops and retakes the GIL as a CUDA launch does) on a few numbers read from
 the batch, handing back priorities; its share of its own ceiling, per feed,
 is the column "proxy share" (it replaces a GIL counter, which a
 pure-Python thread under-reads: it yields the GIL only once a switch
-interval). "py calls/batch in feed thread" counts the Python calls
-(``threading.setprofile``: calls and C calls) the sampler's thread makes a
-batch. ``--learner proxy`` runs the proxy table alone (no CNN), as CI can.
+interval). "py calls/batch" counts the Python calls (calls and C calls)
+the sampler's thread makes a batch, and those of the learner's ``next()``. ``--learner proxy`` runs the proxy table alone (no CNN), as CI can.
 
 Usage::
 
@@ -344,11 +343,11 @@ def main(args) -> int:
                                "" if us is None else f"{100 * feeds['ceiling'] / us:.0f}%",
                                f"{alone[name]:,.0f}" if name in alone else "",
                                f"{100 * proxy['ceiling'] / proxy[name]:.0f}%" if name in proxy else "",
-                               f"{calls[name]:.0f}" if name in calls else ""])
+                               f"{calls[name]['thread']:.0f} / {calls[name]['next']:.0f}" if name in calls else ""])
         rows_table.append(["floor (buffer alone)", str(b), "", "", f"{alone['floor']:,.0f}", "", ""])
     print()
     print_table(["feed", "B", "µs per update", "share of ceiling", "buffer alone µs",
-                 f"proxy share ({args.proxy_ops} ops)", "py calls/batch in feed thread"], rows_table)
+                 f"proxy share ({args.proxy_ops} ops)", "py calls/batch: feed thread / next()"], rows_table)
 
     # Sequences: 32 x (40 + 80) with stacks, to the device.
     if want("sequences"):

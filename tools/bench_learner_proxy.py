@@ -19,10 +19,12 @@ def proxy_learner(torch, device, ops: int):
     return step
 
 
-def python_calls(make_iter, n: int) -> float:
-    """Python calls (calls and C calls) a batch in the thread a sampler starts:
-    ``threading.setprofile`` reaches only threads started after it, so the
-    learner's own thread is not counted."""
+def python_calls(make_iter, n: int) -> dict:
+    """Python calls (calls and C calls) a batch: ``thread``, in the thread a
+    sampler starts (``threading.setprofile`` reaches only threads started
+    after it, so the learner's own thread is not counted there); ``next``, in
+    the learner's ``next()`` (``sys.setprofile`` around it)."""
+    import sys
     import threading
 
     counts = [0]
@@ -40,13 +42,17 @@ def python_calls(make_iter, n: int) -> float:
         t = next(it)
         td = t["weights"].float() + 0.01
         buf.update_priorities(t, td)
-    c0 = counts[0]
+    c0, mine = counts[0], 0
     for _ in range(n):
+        before = counts[0]
+        sys.setprofile(prof)
         t = next(it)
+        sys.setprofile(None)
+        mine += counts[0] - before  # (the thread's calls in that window count here too: a bound, not exact)
         buf.update_priorities(t, td)
     c1 = counts[0]
     it.close()
-    return (c1 - c0) / n
+    return {"thread": (c1 - c0 - mine) / n, "next": mine / n}
 
 
 def make_sampler(buf, b: int, device, general: bool):
