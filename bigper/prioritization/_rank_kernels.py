@@ -24,7 +24,7 @@ given the largest priority seen goes to position 0 (rank 1).
 
 import numpy as np
 
-from ..kernels import kernel
+from ..kernels import BAD_INDEX, BAD_PRIORITY, NEVER_WRITTEN, UPDATE_OK, kernel
 from ..status import EMPTY, LIVE, PENDING
 # Constants only: numba's cache does not notice when another file's kernel
 # changes, so no kernel here calls one from another file.
@@ -162,20 +162,20 @@ def _touch(heap, spos, idx):
 
 @kernel
 def first_bad_row(idx, p, status):
-    """``(code, position)`` of the first row an update must refuse, ``(0, -1)``
-    if none: 1 a NaN, infinite or negative priority, 2 an index out of range,
-    3 a slot never written (status 0)."""
+    """``(code, position)`` of the first row an update must refuse, ``(UPDATE_OK,
+    -1)`` if none (``kernels``' update codes: a NaN, infinite or negative
+    priority, an index out of range, a slot never written)."""
     cap = status.shape[0]
     for i in range(idx.shape[0]):
         v = p[i]
         if not (v >= 0.0 and v < np.inf):
-            return 1, i
+            return BAD_PRIORITY, i
         s = idx[i]
         if s < 0 or s >= cap:
-            return 2, i
+            return BAD_INDEX, i
         if status[s] == EMPTY:
-            return 3, i
-    return 0, -1
+            return NEVER_WRITTEN, i
+    return UPDATE_OK, -1
 
 
 @kernel
@@ -184,9 +184,8 @@ def rank_update(heap, spos, n, tick, idx, p, stamps, use_stamps, gid, status, pe
     """A whole priority update in one call: check, route, write.
 
     Nothing is written unless every row passes. Returns ``(code, position,
-    top, n, tick)``: code 0 (done; ``top`` is the largest key set or pended),
-    1 (a NaN, infinite or negative priority at ``position``), 2 (index out
-    of range) or 3 (a slot never written). The key is
+    top, n, tick)``: ``UPDATE_OK`` (``top`` is the largest key set or pended)
+    or ``first_bad_row``'s code and ``position``. The key is
     ``min(p, max_priority)``. Rows go by slot status: sampleable -> heap;
     waiting for its n-step window -> ``pending``; overwritten since sampling
     (``stamps`` differ from ``gid``, when ``use_stamps``) or dead -> skipped.
@@ -194,7 +193,7 @@ def rank_update(heap, spos, n, tick, idx, p, stamps, use_stamps, gid, status, pe
     """
     m = idx.shape[0]
     code, pos = first_bad_row(idx, p, status)
-    if code:
+    if code != UPDATE_OK:
         return code, pos, 0.0, n, tick
     keys = np.minimum(p, max_priority) + 0.0
     bits = keys.view(np.int64)
@@ -215,7 +214,7 @@ def rank_update(heap, spos, n, tick, idx, p, stamps, use_stamps, gid, status, pe
         else:
             continue
         top = max(top, keys[i])
-    return 0, -1, top, n, tick
+    return UPDATE_OK, -1, top, n, tick
 
 
 @kernel
@@ -228,39 +227,39 @@ def slots_at(heap, ranks):
 
 
 # -- checks -------------------------------------------------------------------------
+# What ``heap_check`` finds: nothing; an entry that ranks above its parent (or equals it); ``spos`` and
+# the heap disagreeing (or a slot outside the heap with a position); a key that is not a finite float
+# >= 0 (or is -0.0); a tick outside ``[1, TICK_LIMIT)``.
+HEAP_OK, HEAP_ORDER, HEAP_POSITIONS, HEAP_KEY, HEAP_TICK = 0, 1, 2, 4, 5
+
+
 @kernel
 def heap_check(heap, spos, n):
-    """First problem found, as ``(code, position)``; ``(0, -1)`` when healthy.
-
-    Codes: 1 an entry ranks above its parent (or equals it); 2 ``spos`` and
-    the heap disagree (or a slot outside the heap has a position); 4 a key
-    that is not a finite float >= 0 (or is -0.0); 5 a tick outside
-    ``[1, TICK_LIMIT)``.
-    """
+    """First problem found, as ``(code, position)`` (``HEAP_*``); ``(HEAP_OK, -1)`` when healthy."""
     cap = spos.shape[0]
     for p in range(n):
         k = heap[p, 0]
         m = heap[p, 1]
         if k < 0 or k >= KEY_END:
-            return 4, p
+            return HEAP_KEY, p
         t = m >> SLOT_BITS
         if t < 1 or t >= TICK_LIMIT:
-            return 5, p
+            return HEAP_TICK, p
         s = m & SLOT_MASK
         if s >= cap or spos[s] != p:
-            return 2, p
+            return HEAP_POSITIONS, p
         if p > 0:
             q = (p - 1) >> 1
             if not (heap[q, 0] > k or (heap[q, 0] == k and heap[q, 1] > m)):
-                return 1, p
+                return HEAP_ORDER, p
     inside = 0
     for s in range(cap):
         if spos[s] >= 0:
             if spos[s] >= n:
-                return 2, spos[s]
+                return HEAP_POSITIONS, spos[s]
             inside += 1
         elif spos[s] != -1:
-            return 2, spos[s]
+            return HEAP_POSITIONS, spos[s]
     if inside != n:
-        return 2, -1
-    return 0, -1
+        return HEAP_POSITIONS, -1
+    return HEAP_OK, -1

@@ -39,6 +39,7 @@ import math
 
 import numpy as np
 
+from .. import kernels as K
 from ..errors import CorruptSnapshotError, InvalidArgumentError, InvalidIndexError
 from . import _rank_kernels as RK
 from . import _rank_law as LAW
@@ -247,7 +248,7 @@ class RankPrioritizer(Prioritization):
         if _repeats(ticks):
             bad("two entries share a tick")
         code, pos = RK.heap_check(heap, spos, n)
-        if code:
+        if code != RK.HEAP_OK:
             bad(_PROBLEMS[code].format(pos=pos))
         out["rank_heap"] = heap
         out["spos"] = spos
@@ -256,7 +257,7 @@ class RankPrioritizer(Prioritization):
     def check(self, status) -> list[str]:
         problems = []
         code, pos = RK.heap_check(self._heap, self._spos, self.n)
-        if code:
+        if code != RK.HEAP_OK:
             problems.append(_PROBLEMS[code].format(pos=pos))
         live = np.asarray(status) == LIVE
         if not np.array_equal(self._spos >= 0, live):
@@ -300,16 +301,16 @@ def _repeats(a: np.ndarray) -> bool:
 
 def _refuse(code, pos, idx, p, capacity) -> None:
     """Raise the error for an update row refused with ``code`` (0: none)."""
-    if code == 1:
+    if code == K.BAD_PRIORITY:
         raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[pos]} at position {pos}")
-    if code:
-        why = "out of range [0, capacity)" if code == 2 else "a slot never written"
+    if code != K.UPDATE_OK:
+        why = "out of range [0, capacity)" if code == K.BAD_INDEX else "a slot never written"
         raise InvalidIndexError(f"indices[{pos}] = {idx[pos]} is {why} (capacity={capacity})")
 
 
 _PROBLEMS = {
-    1: "heap position {pos} does not rank below its parent",
-    2: "heap position {pos}: the heap and the slot positions disagree",
-    4: "heap position {pos} holds a key that is not a finite float >= 0 (or is -0.0)",
-    5: "heap position {pos} holds a tick outside [1, 2**32)",
+    RK.HEAP_ORDER: "heap position {pos} does not rank below its parent",
+    RK.HEAP_POSITIONS: "heap position {pos}: the heap and the slot positions disagree",
+    RK.HEAP_KEY: "heap position {pos} holds a key that is not a finite float >= 0 (or is -0.0)",
+    RK.HEAP_TICK: "heap position {pos} holds a tick outside [1, 2**32)",
 }
