@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 31's device checks in one call, for a session lent a GPU (the device tool runs it there).
+# The device checks (issues 31, 41: the tier, the feed) in one call, for a session lent a GPU (the device tool runs it there).
 #
 # Here, first (the device machine has no ALE): write real frames where the call can carry them,
 #   echo /.gpu/ >> .git/info/exclude; mkdir -p .gpu
@@ -13,7 +13,8 @@ cd "$(dirname "$0")/../.."
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 t0=$(date +%s)
 timeout "${TEST_S:-170}" python3 -m pytest -p no:cacheprovider -q -rfE tests/device/test_device.py tests/device/test_torch.py \
-    tests/device/test_hostile_device.py -k "not sb3" 2>&1 | tee "$OUT/tests.log" | tail -20
+    tests/device/test_hostile_device.py tests/device/test_feed.py tests/device/test_hostile_feed.py \
+    tests/device/test_hostile_feed2.py tests/device/test_hostile_feed3.py -k "not sb3" 2>&1 | tee "$OUT/tests.log" | tail -20
 echo "tests took $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
 frames=()
