@@ -508,3 +508,69 @@ def test_ctrl_c_inside_next_leaves_the_buffer_usable():
         print("interrupts", interrupts)
     """, timeout=120)
     assert r.returncode == 0 and "interrupts" in r.stdout, (r.returncode, r.stdout[-800:], r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_priority_updates_between_next_calls_match_a_twin_that_draws_ahead(prefetch):
+    """The batches ``prefetch`` ahead are drawn before the learner's update of the one it holds:
+    the twin draws as far ahead, then applies the same updates."""
+    buf, twin = _atari_like(capacity=128), _atari_like(capacity=128)
+    for x in (buf, twin):
+        _add(x, 0, 300)
+    it = buf.sampler(16, prefetch=prefetch, device="cpu")
+    rng = np.random.default_rng(0)
+    ahead = [twin.sample(16).to_torch() for _ in range(prefetch)]
+    for i in range(25):
+        got = next(it)
+        ahead.append(twin.sample(16).to_torch())
+        want = ahead.pop(0)
+        _same_batch(got, want, f"batch {i}")
+        p = torch.tensor(rng.random(16) * 10 + 0.01)
+        buf.update_priorities(got, p)
+        twin.update_priorities(want, p)
+    np.testing.assert_array_equal(buf.leaves(np.arange(128)), twin.leaves(np.arange(128)))
+    it.close()
+
+
+@pytest.mark.xfail(strict=True, reason="NativeFeed.__next__ treats a KeyboardInterrupt landing in its wait or draw as "
+                   "the sampler's own error: it closes itself and the next next() raises StopIteration, a silent "
+                   "end a `for` loop takes for the end of the data (the no-device Prefetcher goes on after a "
+                   "Ctrl-C; the prefetch=0 FeedSampler ends the same way)")
+def test_a_ctrl_c_caught_by_the_learner_does_not_end_the_iteration():
+    r = _run_script("""
+        import os, signal, threading, time
+        from tests.device.test_feed import _add, _atari_like, _check_rows
+        buf = _atari_like(capacity=400)
+        _add(buf, 0, 400)
+        armed, got = [False], [False]
+        def handler(signum, frame):
+            if armed[0]:
+                raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, handler)
+        it = buf.sampler(256, prefetch=3, device="cpu")
+        def bomb():
+            while not got[0]:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.0005)
+        th = threading.Thread(target=bomb)
+        th.start()
+        for _ in range(5000):
+            armed[0] = True
+            try:
+                next(it)
+            except KeyboardInterrupt:
+                got[0] = True
+            finally:
+                armed[0] = False
+            if got[0]:
+                break
+        got[0] = True
+        th.join()
+        try:
+            _check_rows(next(it))
+            print("after the interrupt: a batch")
+        except StopIteration:
+            print("after the interrupt: StopIteration")
+    """, timeout=60)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "after the interrupt: a batch" in r.stdout, r.stdout
