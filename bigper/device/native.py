@@ -38,7 +38,8 @@ from .feed import _HELD, FeedSampler, Filler, Slot
 
 # Pool slots beyond the ``depth`` in flight and the ``_HELD`` the learner holds.
 _SPARE = 2
-# Jobs the ring holds (more than a pool has slots).
+# Jobs the ring holds at least (a pool of more slots gets one entry a slot: posted and not yet
+# gathered, at most ``depth``, must never wrap onto a job the thread has not taken).
 _JOBS = 64
 
 
@@ -71,7 +72,7 @@ class NativeFeed(Threaded):
         self._flight: deque = deque()      # (slot, job) drawn and posted, oldest first
         self._out: deque = deque()         # slots handed out, the last ``_HELD``
         self._ctl = np.zeros(4, dtype=np.int64)
-        self._jobs = np.zeros((_JOBS, 2), dtype=np.int64)
+        self._jobs = np.zeros((max(_JOBS, n), 2), dtype=np.int64)
         self._depth = depth
         self._error: BaseException | None = None  # a draw ahead that failed: raised after the batches before it
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (Threaded's; the thread puts nothing there)
