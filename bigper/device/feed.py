@@ -437,6 +437,9 @@ class FeedSampler(Threaded):
         slot = self._free.get_nowait()
         try:
             return self._filler.fill(slot if slot is not None else self._filler.new_slot(), lambda: False)
+        except KeyboardInterrupt:  # (the learner's to catch: the iteration goes on with a new slot)
+            self._free.put(None)
+            raise
         except BaseException as e:
             self._free.put(None)
             self._done, self._why = True, why_after(self._why, e)

@@ -103,6 +103,8 @@ class NativeFeed(Threaded):
                 self._kept.append(slot)
         try:
             slot = self._next_slot()
+        except KeyboardInterrupt:  # (the learner's to catch: the slots are where they were, the iteration goes on)
+            raise
         except BaseException as e:
             self._done, self._why = True, why_after(self._why, e)
             self.close()
@@ -125,8 +127,12 @@ class NativeFeed(Threaded):
             filler.fill(slot, _never)
             return slot
         slot, job = self._flight.popleft()
-        self._wait(job)
-        filler.check(buf, slot.block, _never)
+        try:
+            self._wait(job)
+            filler.check(buf, slot.block, _never)
+        except KeyboardInterrupt:
+            self._flight.appendleft((slot, job))  # (waited for and checked again by the next next())
+            raise
         self._top_up(buf)  # the next one posted now: gathered while the learner steps
         return slot
 
@@ -153,12 +159,15 @@ class NativeFeed(Threaded):
                 return
             try:
                 filler.draw_into(buf, slot, _never)
+                if filler.src is not self._src:
+                    self._restart(filler.src)
+            except KeyboardInterrupt:
+                self._free.append(slot.index)  # (that draw is skipped: the random stream is past it)
+                raise
             except BaseException as e:  # noqa: BLE001 (raised once the batches drawn before it are taken)
                 self._free.append(slot.index)
                 self._error = e
                 return
-            if filler.src is not self._src:
-                self._restart(filler.src)
             job = plan.post_kernel(self._ctl, self._jobs, slot.index, filler.n_ids[slot.block.shape])
             self._flight.append((slot, job))
 
@@ -192,6 +201,8 @@ class NativeFeed(Threaded):
                                         args=(ctl, self._jobs, self._pool, self._spec, self._fspec, src.srcs,
                                               src.ring))
         self._thread.start()
+        if self._done:  # a close from another thread since the check above: its stop may predate ours
+            ctl[plan.STOP] = 1
 
     def _signal_stop(self) -> None:
         self._ctl[plan.STOP] = 1

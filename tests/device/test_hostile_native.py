@@ -532,11 +532,8 @@ def test_priority_updates_between_next_calls_match_a_twin_that_draws_ahead(prefe
     it.close()
 
 
-@pytest.mark.xfail(strict=True, reason="NativeFeed.__next__ treats a KeyboardInterrupt landing in its wait or draw as "
-                   "the sampler's own error: it closes itself and the next next() raises StopIteration, a silent "
-                   "end a `for` loop takes for the end of the data (the no-device Prefetcher goes on after a "
-                   "Ctrl-C; the prefetch=0 FeedSampler ends the same way)")
-def test_a_ctrl_c_caught_by_the_learner_does_not_end_the_iteration():
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_a_ctrl_c_caught_by_the_learner_does_not_end_the_iteration(prefetch):
     r = _run_script("""
         import os, signal, threading, time
         from tests.device.test_feed import _add, _atari_like, _check_rows
@@ -547,7 +544,7 @@ def test_a_ctrl_c_caught_by_the_learner_does_not_end_the_iteration():
             if armed[0]:
                 raise KeyboardInterrupt
         signal.signal(signal.SIGINT, handler)
-        it = buf.sampler(256, prefetch=3, device="cpu")
+        it = buf.sampler(256, prefetch=PREFETCH, device="cpu")
         def bomb():
             while not got[0]:
                 os.kill(os.getpid(), signal.SIGINT)
@@ -571,6 +568,6 @@ def test_a_ctrl_c_caught_by_the_learner_does_not_end_the_iteration():
             print("after the interrupt: a batch")
         except StopIteration:
             print("after the interrupt: StopIteration")
-    """, timeout=60)
+    """.replace("PREFETCH", str(prefetch)), timeout=60)
     assert r.returncode == 0, r.stderr[-1500:]
     assert "after the interrupt: a batch" in r.stdout, r.stdout
