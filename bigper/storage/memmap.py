@@ -82,6 +82,53 @@ def random_reads_pay(data_bytes: int) -> bool:
 
 class MemmapStorage(StorageBase):
     kind = "memmap"
+    options = ("random_reads", "chunk_bytes")
+    chunked = True
+
+    # -- what the kind answers (storage/base.py) -----------------------------------
+    @classmethod
+    def restoring(cls, path, options):
+        """A takeover of ``path`` with the snapshot's chunking (its chunk files are adopted when it matches)."""
+        return cls(path, takeover=True, chunk_bytes=int(options.get("chunk_bytes", CHUNK_BYTES)))
+
+    def snapshot_options(self) -> dict:
+        return {"chunk_bytes": self.chunk_bytes}
+
+    @classmethod
+    def recognizes(cls, path: Path) -> bool:
+        """A directory with a ``meta.json`` that is no snapshot's (no ``manifest.json``)."""
+        return path.is_dir() and os.path.lexists(path / "meta.json") and not (path / "manifest.json").exists()
+
+    @classmethod
+    def lock_path(cls, path: Path) -> Path:
+        return path / ".lock"
+
+    @classmethod
+    def check_layout(cls, path: Path) -> str:
+        """``meta.json`` (its marker, its arrays) and every chunk file it names."""
+        meta = read_json(path / "meta.json")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptSnapshotError(f"{path}/meta.json has no bigper memmap marker")
+        check_arrays(meta.get("arrays"), path)
+        cls.check_files(path, meta)
+        return f"{len(meta['arrays'])} arrays, every chunk file in place"
+
+    @classmethod
+    def check_files(cls, path: Path, meta: dict) -> None:
+        """Every chunk file ``meta`` records: a regular file of at least its size."""
+        for name, rec in meta["arrays"].items():
+            a = _Array(path, name, rec)
+            for k in range(a.n):
+                try:
+                    fd = open_regular(a.path(k))
+                except FileNotFoundError:
+                    raise CorruptSnapshotError(f"{a.path(k)} is missing") from None
+                try:
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+                if size < a.sizes[k]:
+                    raise CorruptSnapshotError(f"{a.path(k)} has {size} bytes, its layout needs {a.sizes[k]}")
 
     def __init__(self, path, *, read_only: bool = False, takeover: bool = False,
                  chunk_bytes: int = CHUNK_BYTES, random_reads: bool | None = None):

@@ -9,10 +9,21 @@ from .base import StorageBase
 
 class MemoryStorage(StorageBase):
     kind = "memory"
+    in_memory = True
     read_only = False
 
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def create(cls, path=None, **options):
+        """A new one (no path: ``open_storage`` refused one)."""
+        return cls()
+
+    @classmethod
+    def restoring(cls, path, options):
+        """A new one, which the load fills."""
+        return cls()
 
     def open(self, config):
         return None
