@@ -16,7 +16,7 @@ from .memory import MemoryStorage
 from ..errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Storage", "StorageBase", "MemoryStorage", "open_storage", "register", "kinds", "storage_class",
-           "kind_at"]
+           "kind_at", "in_memory"]
 
 # kind -> "module:Class" in this package; the order is the order ``kind_at`` asks them.
 _BUILTIN = {
@@ -60,6 +60,13 @@ def storage_class(kind: str) -> type[StorageBase]:
     if isinstance(kind, str) and kind in _REGISTERED:
         return _REGISTERED[kind]
     raise InvalidArgumentError(f"storage must be one of {kinds()}, got {kind!r:.80}")
+
+
+def in_memory(kind) -> bool:
+    """Whether storage ``kind`` keeps its arrays in memory (no path); False
+    for a name that is no known kind (a recorded one, untrusted: treated as
+    a disk storage, which needs a path)."""
+    return isinstance(kind, str) and kind in kinds() and storage_class(kind).in_memory
 
 
 def open_storage(kind: str, path=None, **options) -> StorageBase:

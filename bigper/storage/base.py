@@ -149,6 +149,7 @@ class StorageBase:
     options: tuple[str, ...] = ()   # the storage_options= it documents; any other is refused by name
     chunked = False                 # its data are chunk files a snapshot hard-links and a load adopts (memmap)
     close_first_at_exit = False     # its close must run before other exit handlers (HDF5: h5py's)
+    path_suffix = ""                # how the name of a path of this kind ends (hdf5: ".h5"; a shard's live data)
     previous: dict[str, Any] | None = None  # takeover (a snapshot load): what the replaced buffer recorded
     path: Path | None = None        # OnDisk: its location (None in memory)
     read_only = False

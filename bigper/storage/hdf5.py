@@ -62,6 +62,7 @@ def _h5py():
 class HDF5Storage(StorageBase):
     kind = "hdf5"
     options = ("compression",)
+    path_suffix = ".h5"
     close_first_at_exit = True  # h5py tears its objects down in its own exit handler
 
     # -- what the kind answers (storage/base.py) -----------------------------------
