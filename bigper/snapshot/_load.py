@@ -276,7 +276,11 @@ def _restore(cfg, body, snap, live, layouts, rewind):
     the snapshot's chunk files when its chunking is the snapshot's."""
     cls = storage_class(cfg.storage)
     opts = body["storage"].get("options") or {}
-    store = cls.restoring(live, opts)
+    try:
+        store = cls.restoring(live, opts)
+    except (InvalidArgumentError, TypeError, ValueError) as e:  # options read from the snapshot: untrusted
+        raise IncompatibleSnapshotError(f"{snap}: its storage options {str(opts)[:120]} do not make a "
+                                        f"{cfg.storage} storage: {e}") from None
     store.open(cfg.to_dict())
     try:
         _check_previous(store.previous, cfg, live)  # previous: None in memory

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .base import Storage, StorageBase
 from .memory import MemoryStorage
-from ..errors import InvalidArgumentError, InvalidTypeError
+from ..errors import BigperError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Storage", "StorageBase", "MemoryStorage", "open_storage", "register", "kinds", "storage_class",
            "kind_at", "in_memory"]
@@ -85,8 +85,11 @@ def kind_at(path: Path) -> type[StorageBase] | None:
     """The kind of the live storage at ``path`` (``recognizes``), or None."""
     for kind in kinds():
         cls = storage_class(kind)
-        if cls.recognizes(path):
-            return cls
+        try:
+            if cls.recognizes(path):
+                return cls
+        except (OSError, BigperError):  # a path it cannot look at is not its
+            continue
     return None
 
 

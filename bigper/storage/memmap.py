@@ -212,6 +212,9 @@ class MemmapStorage(StorageBase):
                     self._leftovers()  # refused here, before allocate changes anything
                 return self._meta
         except BaseException:
+            if made_lock:  # a refused path keeps no lock file this open made (bigper verify, a reader)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._root / ".lock")
             self._abort()
             raise
         self._meta = self._new_meta(config)
