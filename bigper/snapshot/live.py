@@ -18,7 +18,7 @@ priorities change while it runs, so the verdict says who holds it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..config import Config
 from ..core.statecheck import check_state
@@ -29,6 +29,7 @@ from ..errors import (
     UncleanStorageError,
 )
 from ..storage import kind_at
+from ..storage.base import StorageBase
 from ..storage.files import FileLock, real_names
 
 # What a verdict says, worst last; the CLI's exit code follows from it.
@@ -102,7 +103,7 @@ def verify_live(path: Path) -> Verdict | None:
                           if cfg.compression else ")"))
 
 
-def _verify_frames(cfg: Config, store, state_meta: dict, arrays: dict) -> int:
+def _verify_frames(cfg: Config, store: StorageBase, state_meta: dict[str, Any], arrays: dict[str, Any]) -> int:
     """With compression: decompress every live frame of ``store`` (bounds,
     size and checksum of each); the count checked."""
     if not cfg.compression:

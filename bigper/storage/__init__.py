@@ -9,7 +9,9 @@ asked for, so h5py stays out of a memory-only process); another is one
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
+from typing import Any
 
 from .base import Storage, StorageBase
 from .memory import MemoryStorage
@@ -62,14 +64,14 @@ def storage_class(kind: str) -> type[StorageBase]:
     raise InvalidArgumentError(f"storage must be one of {kinds()}, got {kind!r:.80}")
 
 
-def in_memory(kind) -> bool:
+def in_memory(kind: object) -> bool:
     """Whether storage ``kind`` keeps its arrays in memory (no path); False
     for a name that is no known kind (a recorded one, untrusted: treated as
     a disk storage, which needs a path)."""
     return isinstance(kind, str) and kind in kinds() and storage_class(kind).in_memory
 
 
-def open_storage(kind: str, path=None, **options) -> StorageBase:
+def open_storage(kind: str, path: str | os.PathLike[str] | None = None, **options: Any) -> StorageBase:
     """A storage of ``kind`` at ``path`` (none in memory), not opened yet."""
     cls = storage_class(kind)
     if cls.in_memory:
@@ -93,7 +95,7 @@ def kind_at(path: Path) -> type[StorageBase] | None:
     return None
 
 
-def check_kind(store) -> None:
+def check_kind(store: StorageBase) -> None:
     """``InvalidArgumentError`` when ``store`` claims the ``kind`` of a
     known storage without being that storage: snapshots, loads and ``bigper
     info`` treat a storage of that kind by what that one holds (a memmap's

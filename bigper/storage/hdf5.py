@@ -24,6 +24,7 @@ import re
 import stat
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,10 +68,10 @@ class HDF5Storage(StorageBase):
 
     # -- what the kind answers (storage/base.py) -----------------------------------
     @classmethod
-    def restoring(cls, path, options):
+    def restoring(cls, path: Path | None, options: dict[str, Any]) -> "HDF5Storage":
         return cls(path, compression=options.get("compression"), takeover=True)
 
-    def snapshot_options(self) -> dict:
+    def snapshot_options(self) -> dict[str, Any]:
         return {"compression": self.compression}
 
     def check_room(self, nbytes: int) -> None:

@@ -42,6 +42,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -87,11 +88,11 @@ class MemmapStorage(StorageBase):
 
     # -- what the kind answers (storage/base.py) -----------------------------------
     @classmethod
-    def restoring(cls, path, options):
+    def restoring(cls, path: Path | None, options: dict[str, Any]) -> "MemmapStorage":
         """A takeover of ``path`` with the snapshot's chunking (its chunk files are adopted when it matches)."""
         return cls(path, takeover=True, chunk_bytes=int(options.get("chunk_bytes", CHUNK_BYTES)))
 
-    def snapshot_options(self) -> dict:
+    def snapshot_options(self) -> dict[str, Any]:
         return {"chunk_bytes": self.chunk_bytes}
 
     @classmethod
@@ -114,7 +115,7 @@ class MemmapStorage(StorageBase):
         return f"{len(meta['arrays'])} arrays, every chunk file in place"
 
     @classmethod
-    def check_files(cls, path: Path, meta: dict) -> None:
+    def check_files(cls, path: Path, meta: dict[str, Any]) -> None:
         """Every chunk file ``meta`` records: a regular file of at least its size."""
         for name, rec in meta["arrays"].items():
             a = _Array(path, name, rec)
