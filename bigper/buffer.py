@@ -326,7 +326,7 @@ class PrioritizedReplayBuffer:
         self._samplers: "weakref.WeakSet[Prefetcher | Direct]" = weakref.WeakSet()
         self._closed = False
         OPEN.add(self)
-        if store.kind == "hdf5":
+        if store.close_first_at_exit:
             run_first_at_exit()
 
     def _forget(self) -> None:

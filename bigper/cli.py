@@ -316,150 +316,14 @@ def _missing(path: Path) -> str:
 VERIFY_OK, VERIFY_BAD, VERIFY_MISSING, VERIFY_IN_USE = 0, 1, 2, 3
 
 
-def _storage_kind(path: Path):
-    """"memmap" for a memmap storage directory, "hdf5" for a bigper HDF5
-    storage file (its lock file beside it, or an HDF5 signature), else None."""
-    from .errors import BigperError
+def _verify_storage(path: Path, verdict) -> int:
+    """Print a live storage's verdict (``snapshot.live``); its exit code."""
+    from .snapshot.live import IN_USE, OK
 
-    if path.is_dir() and os.path.lexists(path / "meta.json") and not (path / "manifest.json").exists():
-        return "memmap"
-    if path.is_file() and os.path.lexists(path.with_name(path.name + ".lock")):
-        return "hdf5"
-    if path.is_file():  # an HDF5 file without its lock file (a copy, a read-only filesystem)
-        from .storage.files import open_regular
-
-        try:
-            fd = open_regular(path, follow=True)
-        except (OSError, BigperError):
-            return None
-        try:
-            head = os.pread(fd, 8, 0)
-        finally:
-            os.close(fd)
-        if head == b"\x89HDF\r\n\x1a\n":
-            return "hdf5"
-    return None
-
-
-def _check_chunks(path: Path, meta: dict) -> None:
-    """Every chunk file a memmap storage records: a regular file of at least its size."""
-    from .errors import CorruptSnapshotError
-    from .storage.chunks import _Array
-    from .storage.files import open_regular
-
-    for name, rec in meta["arrays"].items():
-        a = _Array(path, name, rec)
-        for k in range(a.n):
-            try:
-                fd = open_regular(a.path(k))
-            except FileNotFoundError:
-                raise CorruptSnapshotError(f"{a.path(k)} is missing") from None
-            try:
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-            if size < a.sizes[k]:
-                raise CorruptSnapshotError(f"{a.path(k)} has {size} bytes, its layout needs {a.sizes[k]}")
-
-
-def _verify_storage(path: Path, kind: str) -> int:
-    """Verify a live storage read-only: its layout and recorded state, and
-    (when nobody holds it) the state's invariants. A storage a live buffer
-    holds is never called corrupt: it says who holds it and exits 3."""
-    from .config import Config
-    from .errors import (
-        BigperError,
-        CorruptSnapshotError,
-        IncompatibleSnapshotError,
-        StorageLockedError,
-        UncleanStorageError,
-    )
-    from .storage import open_storage
-    from .storage.files import FileLock
-    from .core.statecheck import check_state
-
-    lock = path / ".lock" if kind == "memmap" else path.with_name(path.name + ".lock")
-    pid = FileLock.holder_pid(lock)
-    if pid is not None:
-        who = f"process {pid}" if pid > 0 else "another process"
-        print(f"IN USE   {path}: a live {kind} buffer holds it ({who}); its data and priorities change "
-              "while it runs, so only a snapshot can be verified: save one (buf.save or Snapshots.save) "
-              "and verify that")
-        if kind == "memmap":  # what does not change while it runs: the record of its layout
-            from .storage.files import read_json
-            from .storage.state import check_arrays
-
-            try:
-                meta = read_json(path / "meta.json")
-                if not isinstance(meta, dict) or meta.get("format") != "bigper-memmap":
-                    raise CorruptSnapshotError(f"{path}/meta.json has no bigper memmap marker")
-                check_arrays(meta.get("arrays"), path)
-                _check_chunks(path, meta)
-            except BigperError as e:
-                print(f"         its layout is not consistent: {_line(e)}")
-            else:
-                print(f"         its layout is consistent: {len(meta['arrays'])} arrays, every chunk file "
-                      "in place")
-        return VERIFY_IN_USE
-    store = open_storage(kind, path, read_only=True)
-    try:
-        meta = store.open({})
-    except StorageLockedError as e:  # a writer arrived since the probe
-        print(f"IN USE   {path}: {_line(e)}")
-        return VERIFY_IN_USE
-    except UncleanStorageError as e:
-        print(f"UNCLEAN  {path}: {_line(e)}")
-        return VERIFY_BAD
-    except IncompatibleSnapshotError as e:  # another format (an HDF5 dataset that is no bigper storage)
-        print(f"INCOMPATIBLE  {path}: {_line(e)}")
-        return VERIFY_BAD
-    except BigperError as e:
-        print(f"CORRUPT  {path}: {_line(e)}")
-        return VERIFY_BAD
-    try:
-        if kind == "memmap":
-            try:
-                _check_chunks(path, meta)
-            except BigperError as e:
-                print(f"CORRUPT  {path}: {_line(e)}")
-                return VERIFY_BAD
-        state_meta, arrays = store.saved_state()
-        if state_meta is None:
-            print(f"OK       {path}: a {kind} storage closed before anything was recorded")
-            return VERIFY_OK
-        cfg = Config.from_dict(meta["config"])
-        check_state(cfg, state_meta, arrays)
-        frames_checked = _verify_frames(cfg, store, state_meta, arrays)
-    except BigperError as e:
-        print(f"INVALID  {path}: its recorded state is inconsistent: {_line(e)}")
-        return VERIFY_BAD
-    except Exception as e:  # noqa: BLE001  (a config this bigper cannot read)
-        print(f"INCOMPATIBLE  {path}: {type(e).__name__}: {_line(e)}")
-        return VERIFY_BAD
-    finally:
-        store.close()
-    print(f"OK       {path}: a {kind} storage closed cleanly; layout and recorded state consistent "
-          f"({min(int(state_meta['count']), int(meta['config']['capacity'])):,} transitions"
-          + (f"; {frames_checked:,} compressed frames decompressed and checked)" if cfg.compression else ")"))
-    return VERIFY_OK
-
-
-def _verify_frames(cfg, store, state_meta: dict, arrays: dict) -> int:
-    """With compression: decompress every live frame of ``store`` (bounds,
-    size and checksum of each); the count checked."""
-    if not cfg.compression:
-        return 0
-    from .core.layout import allocate
-    from .frames.store import FrameStore
-
-    frames = FrameStore(cfg, store)
-    allocate(store, cfg, frames)
-    frames.restore(state_meta["frames"], arrays)
-    try:
-        return frames.check_live(arrays["status"])
-    finally:
-        if frames.log is not None:
-            frames.log.close()
+    print(f"{verdict.status:<7}  {path}: {verdict.text}")
+    for line in verdict.more:
+        print(f"         {line}")
+    return VERIFY_OK if verdict.status == OK else VERIFY_IN_USE if verdict.status == IN_USE else VERIFY_BAD
 
 
 def _verify(args) -> int:
@@ -467,9 +331,11 @@ def _verify(args) -> int:
     if not path.exists():
         print(f"MISSING  {path}: {_missing(path)}")
         return VERIFY_MISSING
-    kind = _storage_kind(path)
-    if kind is not None:
-        return _verify_storage(path, kind)
+    from .snapshot.live import verify_live
+
+    verdict = verify_live(path)
+    if verdict is not None:
+        return _verify_storage(path, verdict)
     if path.suffix == ".pkl" and path.is_file():
         return _verify_pickle(path)
     if not path.is_dir():  # a FIFO, a device, a file that is no bigper storage: nothing to verify

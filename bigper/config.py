@@ -14,13 +14,13 @@ import numpy as np
 from .frames import budget as _budget
 from .schedules import ConstantSchedule, LinearSchedule, as_schedule, schedule_from_dict
 from .errors import BigperError, InvalidArgumentError, InvalidTypeError
+from .storage import kinds as storage_kinds
 
 # Per-transition flags every buffer stores, and keys that sampling produces.
 BUILTIN = ("terminated", "truncated")
 # (weights, indices, generations and mask are keys of every to_torch dict beside the fields.) No field
 # takes these, nor the names of bigper's own arrays: ``core/layout.py`` ``check_field_names``.
 RESERVED = BUILTIN + ("discount", "priorities", "weights", "indices", "generations", "mask")
-STORAGES = ("memory", "memmap", "hdf5")
 WEIGHT_NORMS = ("global", "batch")
 PRIORITIZATIONS = ("proportional", "rank")
 COMPRESSIONS = (None, "zstd")
@@ -286,8 +286,8 @@ class Config:
         num_envs = _int(num_envs, "num_envs", 1)
         if seed is not None:
             seed = _int(seed, "seed", 0)
-        if storage not in STORAGES:
-            raise InvalidArgumentError(f"storage must be one of {STORAGES}, got {storage!r}")
+        if not isinstance(storage, str) or storage not in storage_kinds():  # bigper's own and those registered
+            raise InvalidArgumentError(f"storage must be one of {storage_kinds()}, got {storage!r}")
         if prioritization not in PRIORITIZATIONS:
             raise InvalidArgumentError(
                 f"prioritization must be one of {PRIORITIZATIONS}, got {prioritization!r}")

@@ -79,7 +79,7 @@ def _after_fork_in_child() -> None:
             except Exception:  # noqa: BLE001 (a child must come up whatever a sampler's state)
                 pass
         buf._samplers = weakref.WeakSet()
-        if buf._store.kind != "memory":
+        if not buf._store.in_memory:
             buf._closed = True
             buf._closed_why = (f"it was opened in process {buf._pid} and this is a forked child, which shares "
                                "its files and lock; open the path here (read_only=True to sample)")

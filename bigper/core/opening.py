@@ -17,15 +17,12 @@ from ..config import LAYOUT_KEYS, Config
 from ..errors import BigperError, IncompatibleSnapshotError, InvalidArgumentError, InvalidTypeError, PathExistsError
 from ..frames.dictionaries import as_dictionary
 from ..frames.store import FrameStore, require_compression
-from ..storage import open_storage
+from ..storage import open_storage, storage_class
 from ..storage.files import real_names
 from .layout import allocate, check_field_names
 from .statecheck import check_state
 
 MODES = ("new", "resume", "overwrite")
-# The options each storage documents (README, "Storages"); anything else is refused by name,
-# so that an internal switch (``takeover``, ``read_only``) cannot be reached through them.
-OPTIONS = {"memory": (), "memmap": ("random_reads", "chunk_bytes"), "hdf5": ("compression",)}
 
 
 def held(recorded: dict) -> int:
@@ -38,14 +35,16 @@ def held(recorded: dict) -> int:
 
 
 def storage_options(kind: str, options) -> dict:
-    """``options`` as a dict of the documented options of storage ``kind``;
-    ``InvalidArgumentError`` naming any other."""
+    """``options`` as a dict of the documented options of storage ``kind``
+    (its class's ``options``, README "Storages"); ``InvalidArgumentError``
+    naming any other, so that an internal switch (``takeover``,
+    ``read_only``) cannot be reached through them."""
     if options is None:
         return {}
     if not isinstance(options, dict):
         raise InvalidTypeError(f"storage_options must be a dict or None, got {type(options).__name__} "
                                f"{options!r:.80}")
-    allowed = OPTIONS.get(kind, ())
+    allowed = storage_class(kind).options
     unknown = sorted(str(k) for k in options if k not in allowed)
     if unknown:
         raise InvalidArgumentError(
@@ -62,13 +61,14 @@ def open_path(cfg: Config, path, mode: str, read_only: bool, storage_options_):
     opts = storage_options(cfg.storage, storage_options_)
     if read_only and mode != "resume":
         mode = "resume"  # a reader only ever looks at what is there
-    if cfg.storage != "memory":
+    if storage_class(cfg.storage).in_memory:
+        store = open_storage(cfg.storage)
+    else:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidTypeError(f"path must be a str or os.PathLike for storage={cfg.storage!r}, "
                                    f"got {type(path).__name__} {path!r:.80}")
         path = Path(os.path.abspath(path))  # resolved once: a later chdir changes nothing
-    store = open_storage(cfg.storage, path, read_only=read_only, **opts) if cfg.storage != "memory" \
-        else open_storage("memory")
+        store = open_storage(cfg.storage, path, read_only=read_only, **opts)
     recorded = store.open(cfg.to_dict())  # the lock first; then what the path holds is read
     if recorded is None or mode == "resume":
         return store, recorded
@@ -97,8 +97,8 @@ def check_arguments(cfg: Config, path, read_only: bool, dictionary):
     if cfg.n_step > 1 and cfg.fields.get("reward", ((None,),))[0] != ():
         raise InvalidArgumentError("n_step > 1 needs a scalar 'reward' field to sum, "
                                    f"got fields {sorted(cfg.fields)}")
-    if cfg.storage == "memory" and (path is not None or read_only):
-        raise InvalidArgumentError(f"storage='memory' takes no path or read_only, got path={path!r}")
+    if storage_class(cfg.storage).in_memory and (path is not None or read_only):
+        raise InvalidArgumentError(f"storage={cfg.storage!r} takes no path or read_only, got path={path!r}")
     return dictionary
 
 

@@ -117,7 +117,7 @@ class Reader:
         ``next_obs`` stacks (``_obs_ref``, ``_next_obs_ref``) instead of the stacks."""
         cfg = self.cfg
         out = out or {}
-        if meta is not None and self.frames is None and self.store.kind == "memory" and self.store.arrays is not None:
+        if meta is not None and self.frames is None and self.store.in_memory and self.store.arrays is not None:
             # The common small-field case: one take per field, straight from the arrays.
             arrays = self.store.arrays
             # mode="clip": slots are in range, and "raise" would gather into a temporary first

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..storage import in_memory
 from ._placement import PLACEMENTS
 
 
@@ -36,7 +37,7 @@ def check(cfg, *, num_shards, placement, num_cpus_per_shard, storage, path, chun
         raise InvalidArgumentError("a sharded buffer with n_step > 1 or frame_stack needs num_envs=1 "
                                    "(chunks must end at episode ends); give each env its own writer(), "
                                    f"got num_envs={cfg.num_envs}")
-    if storage != "memory" and path is None:
+    if not in_memory(storage) and path is None:
         raise InvalidArgumentError(f"storage={storage!r} needs a path=, got None")
     out = {"num_shards": num_shards, "cpus": cpus}
     for name, v in (("chunk_size", chunk_size), ("max_writes_in_flight", max_writes_in_flight),

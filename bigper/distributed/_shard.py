@@ -28,6 +28,7 @@ import numpy as np
 from ..batch import Batch
 from ..buffer import PrioritizedReplayBuffer
 from ..errors import BigperError
+from ..storage import in_memory, storage_class
 from ._manifest import read_recovery_pointer
 
 EPOCH_SHIFT = 48
@@ -40,9 +41,9 @@ def shard_name(k: int) -> str:
 
 def shard_path(root, k: int, storage: str):
     """Where shard ``k`` keeps live data under ``root`` (a disk storage), else None."""
-    if root is None or storage == "memory":
+    if root is None or in_memory(storage):
         return None
-    name = shard_name(k) + (".h5" if storage == "hdf5" else "")
+    name = shard_name(k) + storage_class(storage).path_suffix
     return str(Path(root) / name)
 
 

@@ -60,6 +60,7 @@ from ..errors import (
     UncleanStorageError,
 )
 from ..snapshot import counterpart, default_live_path, describe
+from ..storage import in_memory
 from ..storage.files import read_regular, write_durable
 
 MANIFEST = "manifest.json"
@@ -149,10 +150,11 @@ def _what_is_live(snap: Path, info: dict, live: str | None = None) -> tuple[int 
     differs from the snapshot (None when it holds nothing, or the same count).
     ``StorageLockedError`` when a live writer holds it: nothing to replace."""
     n_snap = info.get("count")
-    if live is None and info["config"].get("storage", "memory") != "memory":
+    on_disk = not in_memory(info["config"].get("storage", "memory"))
+    if live is None and on_disk:
         at = default_live_path(snap, info)
         live = None if at is None else os.fspath(at)
-    if not isinstance(live, str) or info["config"].get("storage", "memory") == "memory" \
+    if not isinstance(live, str) or not on_disk \
             or not os.path.lexists(live):
         return n_snap, live, None
     cfg = Config.from_dict(info["config"])

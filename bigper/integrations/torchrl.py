@@ -50,6 +50,7 @@ from ..errors import (
     InvalidTypeError,
     PathExistsError,
 )
+from ..storage import in_memory
 from ._torchrl_layout import NEXT, SAMPLE_KEYS, STEPS_KEY, DONE, TERMINATED, TRUNCATED, Key, Layout
 
 __all__ = ["PrioritizedReplayBuffer"]
@@ -202,7 +203,7 @@ class PrioritizedReplayBuffer:
         self._frame_stack, self._n_step = frame_stack, n_step
         # The path made absolute once, as the core buffer does: a later chdir never moves empty() or loads()
         path = None if path is None else os.path.abspath(os.path.expanduser(os.fspath(path)))
-        self._kind, self._path, self._mode = kind, path, mode
+        self._on_disk, self._path, self._mode = not in_memory(kind), path, mode
         self._core_kw = dict(capacity=cap, frame_stack=frame_stack, n_step=n_step, gamma=gamma, alpha=alpha,
                              eps=eps, max_priority=max_priority, beta=beta, weight_norm=weight_norm,
                              prioritization=prioritization, storage=kind, num_envs=num_envs, seed=seed,
@@ -577,7 +578,7 @@ class PrioritizedReplayBuffer:
                     "data": {k: torch.from_numpy(np.array(v)) for k, v in core.storage.arrays.items()}}
 
     def _memory_only(self, core, what: str) -> None:
-        if core.config.storage != "memory" or core.config.compression is not None:
+        if not core.storage.in_memory or core.config.compression is not None:
             raise InvalidArgumentError(f"{what} holds a buffer in memory; this one is storage="
                                        f"{core.config.storage!r}, compression={core.config.compression!r}: use "
                                        "dumps(path)/loads(path) (a bigper snapshot) or mode='resume'")
@@ -603,7 +604,7 @@ class PrioritizedReplayBuffer:
                 raise InvalidArgumentError(f"state_dict is not one this buffer wrote: {e!r}") from e
             layout = Layout.from_config(cfg.fields, cfg.next_of, obs_key=self._obs_key,
                                         frame_stack=self._frame_stack, n_step=self._n_step)
-            if cfg.storage != "memory" or self._kind != "memory":
+            if not in_memory(cfg.storage) or self._on_disk:
                 raise InvalidArgumentError("load_state_dict makes a buffer in memory; use loads(path) for disk")
             if self._layout is not None and (layout.fields != self._layout.fields
                                              or layout.next_of != self._layout.next_of):
@@ -661,14 +662,14 @@ class PrioritizedReplayBuffer:
             dev = self._core_kw["device"]
             old = self.buffer
             live = None
-            if self._kind == "memmap":
+            if self._on_disk:
                 live = self._path
                 if old is not None:
                     old.close()  # the path is ours; reopened below if the load is refused
             try:
                 new = CoreBuffer.load(p, path=live, device=dev, continue_episodes=self._continue, rewind=rewind)
             except BaseException:
-                if old is not None and self._kind == "memmap":
+                if old is not None and self._on_disk:
                     self.buffer = self._open(self._layout, mode="resume", go_on=True)
                 raise
             try:
@@ -680,7 +681,7 @@ class PrioritizedReplayBuffer:
                 raise
             self.buffer, self._layout = new, layout
             self._issued.clear()
-            if old is not None and self._kind != "memmap":
+            if old is not None and not self._on_disk:
                 old.close()
 
     save = dumps

@@ -4,11 +4,13 @@ Nothing is written into the snapshot, ever (promise 6). Every file is read
 once and checked against its size and checksum before anything on disk
 changes; then the live location is taken over:
 
-- memory: rows are copied into fresh arrays (checked as they are read);
-- memmap: the snapshot's chunk files are hard-linked into ``path/data``
-  (copied where linking is impossible) and mapped; they are shared, so the
-  live buffer copies a chunk before its first write into it;
-- hdf5: a new file at ``path`` receives the rows.
+- a chunked storage (memmap, ``StorageBase.chunked``): the snapshot's chunk
+  files are hard-linked into ``path/data`` (copied where linking is
+  impossible) and mapped; they are shared, so the live buffer copies a chunk
+  before its first write into it;
+- any other (memory, hdf5): rows are copied into the storage its kind's
+  ``restoring`` makes (fresh arrays, a new file at ``path``), checked as they
+  are read.
 
 A snapshot read where it was written loads into the live path it recorded;
 one read elsewhere (its run folder copied or moved: a fork) loads into the
@@ -50,6 +52,7 @@ from ..errors import (
     PathExistsError,
 )
 from ..core.layout import allocate, check_field_names, storage_growth, storage_specs
+from ..storage import storage_class
 from ..storage.base import fits_spec
 from ..core.statecheck import check_state
 from ..storage.state import npy_from_bytes
@@ -263,73 +266,35 @@ def _compare_specs(have: dict, layouts: dict, snap, cfg: Config, growth=None) ->
             f"{n!r} is recorded as {fmt(layouts.get(n))}, the config needs {fmt(have.get(n))}")
 
 
-def _load_memmap(cfg, body, snap, live, layouts, rewind):
-    from ..storage.memmap import CHUNK_BYTES, MemmapStorage
-
+def _restore(cfg, body, snap, live, layouts, rewind):
+    """The storage of the snapshot's kind, made at ``live`` (none in memory)
+    and filled with its data. A disk storage takes the lock first, then looks
+    at what is there (a live writer is ``StorageLockedError`` naming it;
+    anything not its own is ``PathExistsError``); a dead writer's files are
+    replaced only when the new ones are made, under the same lock, and put
+    back if the load fails before that. A chunked storage (memmap) adopts
+    the snapshot's chunk files when its chunking is the snapshot's."""
+    cls = storage_class(cfg.storage)
     opts = body["storage"].get("options") or {}
-    store = MemmapStorage(live, takeover=True, chunk_bytes=int(opts.get("chunk_bytes", CHUNK_BYTES)))
+    try:
+        store = cls.restoring(live, opts)
+    except (InvalidArgumentError, TypeError, ValueError) as e:  # options read from the snapshot: untrusted
+        raise IncompatibleSnapshotError(f"{snap}: its storage options {str(opts)[:120]} do not make a "
+                                        f"{cfg.storage} storage: {e}") from None
     store.open(cfg.to_dict())
     try:
-        _check_previous(store.previous, cfg, live)
+        _check_previous(store.previous, cfg, live)  # previous: None in memory
         _check_newer(store.previous, body["state"]["meta"]["count"], live, rewind)
-        native = store.layout(layouts, storage_growth(cfg))
-        if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):
-            store.adopt({n: {**native[n], "files": [(snap / m, body["files"][m]["xxh3_64"])
-                                                    for m in body["data"][n]["files"]]}
-                         for n in layouts})
-            _allocate(cfg, store)
-        else:  # written with another chunking (another page size): copy the rows
-            _allocate(cfg, store)
-            _check_specs(store, layouts, snap, cfg)
-            _fill(store, snap, body, layouts)
-    except BaseException:
-        store.abort()
-        raise
-    return store
-
-
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
-def _peek_hdf5(live: Path) -> dict:
-    """The meta of the bigper HDF5 storage at ``live``; ``PathExistsError``
-    for anything else (see ``storage.hdf5.peek_meta``, which the storage runs
-    under its lock when it takes a path over)."""
-    from ..storage.hdf5 import peek_meta
-
-    return peek_meta(live)
-
-
-def _check_space(where: Path, need: int) -> None:
-    """``OSError(ENOSPC)`` before anything is created when ``where``'s filesystem
-    cannot hold ``need`` bytes of rows and HDF5's own metadata: HDF5 answers a
-    full disk in the middle of creating a file with errors that do not say so."""
-    import errno
-
-    st = os.statvfs(where)
-    free = st.f_bavail * st.f_frsize
-    want = need + max(256 << 10, need // 64)
-    if free < want:
-        raise OSError(errno.ENOSPC, f"{where} has {free:,} bytes free; loading this snapshot into an "
-                                    f"HDF5 file there needs about {want:,}", str(where))
-
-
-def _load_hdf5(cfg, body, snap, live, layouts, rewind):
-    from ..storage.hdf5 import HDF5Storage
-
-    # The storage takes the lock first, then looks at what is there (a live writer is
-    # StorageLockedError naming it; anything but a bigper file is PathExistsError, with
-    # no lock file left beside it); the dead writer's file is moved aside only when the
-    # new one is created, under the same lock, and put back if the load fails before that.
-    opts = body["storage"].get("options") or {}
-    store = HDF5Storage(live, compression=opts.get("compression"), takeover=True)
-    store.open(cfg.to_dict())
-    try:
-        _check_previous(store.previous, cfg, live)
-        _check_newer(store.previous, body["state"]["meta"]["count"], live, rewind)
-        if opts.get("compression") is None:
-            _check_space(live.parent, sum(body["files"][m]["size"] for rec in body["data"].values()
-                                          for m in rec["files"]))
+        if store.chunked:
+            native = store.layout(layouts, storage_growth(cfg))
+            if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):
+                store.adopt({n: {**native[n], "files": [(snap / m, body["files"][m]["xxh3_64"])
+                                                        for m in body["data"][n]["files"]]}
+                             for n in layouts})
+                _allocate(cfg, store)
+                return store
+            # written with another chunking (another page size): copy the rows
+        store.check_room(sum(body["files"][m]["size"] for rec in body["data"].values() for m in rec["files"]))
         _allocate(cfg, store)
         _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
@@ -392,7 +357,8 @@ def load(snapshot, *, path=None, rewind=False) -> "Restored":
     snap = Path(os.path.abspath(snapshot))
     body, cfg, layouts, state = inspect(snap)
     kind = cfg.storage
-    if kind != "memory":
+    live = None
+    if not storage_class(kind).in_memory:
         live = Path(os.path.abspath(path)) if path is not None else default_live_path(snap, body)
         if live is None:
             raise InvalidArgumentError(f"{snap} records no live path for its {kind} storage; pass path=")
@@ -403,20 +369,10 @@ def load(snapshot, *, path=None, rewind=False) -> "Restored":
         # every byte checked before the live path changes
         check_files(snap, [(m, body["files"][m]) for rec in body["data"].values() for m in rec["files"]])
     elif path is not None:
-        raise InvalidArgumentError(f"{snap} holds a storage='memory' buffer, which takes no path=, got {path!r}")
+        raise InvalidArgumentError(f"{snap} holds a storage={kind!r} buffer, which takes no path=, got {path!r}")
     # The caller's files are part of what resumes: a damaged checkpoint makes the snapshot corrupt.
     check_files(snap, [(m, body["files"][m]) for m in (body.get("user") or {}).get("files", {}).values()])
-    if kind == "memory":
-        from ..storage import MemoryStorage
-
-        store = MemoryStorage()
-        _allocate(cfg, store)
-        _check_specs(store, layouts, snap, cfg)
-        _fill(store, snap, body, layouts)
-    elif kind == "memmap":
-        store = _load_memmap(cfg, body, snap, live, layouts, rewind)
-    else:
-        store = _load_hdf5(cfg, body, snap, live, layouts, rewind)
+    store = _restore(cfg, body, snap, live, layouts, rewind)
     return Restored(snap, cfg, store, body["state"]["meta"], state)
 
 

@@ -17,7 +17,7 @@ second time). Files are synced after all are written, from a pool of
 threads: the filesystem groups concurrent fsyncs into a few journal commits
 and device flushes instead of one per file (6x faster here for 15 files).
 
-Memmap storage: a chunk file is hard-linked, not copied. Chunks already
+A chunked storage (memmap, ``StorageBase.chunked``): a chunk file is hard-linked, not copied. Chunks already
 shared with an earlier snapshot are linked as they are (their checksum is
 known); the others are hashed, linked and made durable, and once the
 snapshot is committed they are shared, so the live buffer copies them before
@@ -48,6 +48,7 @@ from ..errors import (
     PathExistsError,
     PathNotFoundError,
 )
+from ..storage import kinds
 from ..storage.chunks import chunk_name, chunk_rows_for
 from ..storage.files import fsync_dir, open_regular
 from .manifest import _PART, FORMAT, MAGIC, MANIFEST, READ_BLOCK, digest, encode
@@ -272,11 +273,7 @@ def _storage_record(store, target: Path) -> dict:
     (``snapshot``): a copy of the tree read elsewhere loads into its own
     counterpart of the live path (``_load.counterpart``), not the original's."""
     path = store.path
-    options = {}
-    if store.kind == "memmap":
-        options["chunk_bytes"] = store.chunk_bytes
-    elif store.kind == "hdf5":
-        options["compression"] = store.compression
+    options = store.snapshot_options()
     saved_at = os.path.join(os.path.realpath(target.parent), target.name)
     return {"kind": store.kind, "path": None if path is None else os.path.abspath(path), "options": options,
             "snapshot": saved_at}
@@ -364,11 +361,11 @@ def save(snapshot, *, config, state, storage, summary, metadata=None, files=None
 
     store = storage
     kind = store.kind
-    if kind not in ("memory", "memmap", "hdf5"):
+    if not isinstance(kind, str) or kind not in kinds():
         raise InvalidArgumentError(
-            f"snapshots hold buffers on memory, memmap or hdf5 storage; this buffer's storage is "
-            f"{kind!r} (a dataset opened in place is its own data, and reprioritize keeps its "
-            "priorities in a sidecar beside it)")
+            f"snapshots hold buffers on the storages a buffer may name ({', '.join(kinds())}); this "
+            f"buffer's storage is {kind!r} (a dataset opened in place is its own data, and reprioritize "
+            "keeps its priorities in a sidecar beside it)")
     if store.dsets is None and store.arrays is None:
         raise InvalidArgumentError(
             f"snapshots copy a storage's arrays (arrays, or an HDF5 file's dsets); this {kind} storage "
@@ -396,7 +393,7 @@ def save(snapshot, *, config, state, storage, summary, metadata=None, files=None
         user = {name: tx.copy(f"user/{name}", fd) for name, fd in user_fds.items()}
         state = {name: tx.write(f"state/{name}.npy", _npy(a)) for name, a in arrays.items()}
         share = []
-        if store.kind == "memmap" and not store.read_only:
+        if store.chunked and not store.read_only:  # its chunk files are linked, not copied
             data, share = _link_chunks(tx, store)
         else:
             data = _copy_rows(tx, store)

@@ -17,6 +17,18 @@ new storage's author reads one file:
   (``chunk_table``, ``chunk_view``, ``mark_shared``, ``layout``, ``adopt``,
   ``replace``: ``snapshot/_save.py`` and ``_load.py``), the HDF5 one ``dsets``.
 
+- What a storage kind answers for the code around it, so that nothing
+  outside ``storage/`` asks which kind it holds (``kind ==``): ``in_memory``
+  (no path, no lock), ``options`` (the ``storage_options`` it documents),
+  ``create`` and ``restoring`` (how ``open_storage`` and a snapshot load make
+  one), ``snapshot_options`` (what a snapshot records to rebuild it alike),
+  ``chunked`` (its chunk files are linked into snapshots and adopted by
+  loads), ``check_room``, ``close_first_at_exit``, and what ``bigper verify``
+  asks of its live files: ``recognizes``, ``lock_path``, ``check_layout``,
+  ``check_files``. A new kind is one file (a ``StorageBase`` subclass) and one
+  registration line (``storage.register``, or a line of ``storage/__init__.py``'s
+  ``_BUILTIN``); docs/development.md, "Add a storage".
+
 Every storage subclasses ``StorageBase``, which gives the optional members
 their defaults (no ``arrays``: read and write; ``shared_chunks`` 0: nothing
 to make writable; ``rows`` None and ``grow`` refused: the arrays were
@@ -132,7 +144,13 @@ class StorageBase:
     """The optional members of the protocols above, at their defaults: a
     storage overrides what it has."""
 
-    kind = ""
+    kind = ""                       # its name: storage=kind, recorded in configs and snapshots
+    in_memory = False               # its arrays live in this process's memory: no path, no lock, nothing at exit
+    options: tuple[str, ...] = ()   # the storage_options= it documents; any other is refused by name
+    chunked = False                 # its data are chunk files a snapshot hard-links and a load adopts (memmap)
+    close_first_at_exit = False     # its close must run before other exit handlers (HDF5: h5py's)
+    path_suffix = ""                # how the name of a path of this kind ends (hdf5: ".h5"; a shard's live data)
+    previous: dict[str, Any] | None = None  # takeover (a snapshot load): what the replaced buffer recorded
     path: Path | None = None        # OnDisk: its location (None in memory)
     read_only = False
     priorities_writable = False     # read_only data whose priorities may change (an offline dataset)
@@ -166,6 +184,53 @@ class StorageBase:
 
     def abort(self) -> None:
         """Nothing to let go."""
+
+    # -- what the kind answers: making one, snapshots, loads, verify ---------------
+    @classmethod
+    def create(cls, path: Path | None, **options: Any) -> "StorageBase":
+        """A storage of this kind at ``path`` (``open_storage``), with the
+        documented ``options`` (``read_only`` besides). Not opened yet."""
+        return cls(path, **options)  # type: ignore[call-arg]
+
+    @classmethod
+    def restoring(cls, path: Path | None, options: dict[str, Any]) -> "StorageBase":
+        """The storage a snapshot load fills at ``path``, taking over whatever
+        a dead writer left there; ``options`` as ``snapshot_options`` recorded
+        them (read from a snapshot: untrusted)."""
+        return cls(path, takeover=True, **options)  # type: ignore[call-arg]
+
+    def snapshot_options(self) -> dict[str, Any]:
+        """JSON-able options a snapshot records, for ``restoring`` to build
+        the loaded storage alike."""
+        return {}
+
+    def check_room(self, nbytes: int) -> None:
+        """``OSError(ENOSPC)`` before anything is created when ``nbytes`` of
+        rows (a load's) cannot fit where this storage writes; by default
+        nothing is checked (allocation preallocates and fails cleanly)."""
+
+    @classmethod
+    def recognizes(cls, path: Path) -> bool:
+        """Whether ``path`` holds a live storage of this kind (``bigper
+        verify``); never blocks, never raises."""
+        return False
+
+    @classmethod
+    def lock_path(cls, path: Path) -> Path | None:
+        """The lock file of the storage at ``path`` (None: it has none)."""
+        return None
+
+    @classmethod
+    def check_layout(cls, path: Path) -> str | None:
+        """For a storage a live writer holds: check what does not change
+        while it runs (the record of its layout) and say what was checked;
+        a ``BigperError`` when it is not consistent; None: nothing to check."""
+        return None
+
+    @classmethod
+    def check_files(cls, path: Path, meta: dict[str, Any]) -> None:
+        """After a read-only ``open`` returned ``meta``: a ``BigperError``
+        when a file the record names is missing or short."""
 
 
 def fits_spec(name: str, have: tuple[Any, ...], want: tuple[Any, ...], growth: dict[str, int]) -> bool:

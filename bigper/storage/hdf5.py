@@ -24,6 +24,7 @@ import re
 import stat
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from ._h5guard import check_links
 from .base import RECORD, StorageBase, fits_spec
 from .state import check_meta
 from ..errors import (
+    BigperError,
     CorruptSnapshotError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
@@ -60,6 +62,54 @@ def _h5py():
 
 class HDF5Storage(StorageBase):
     kind = "hdf5"
+    options = ("compression",)
+    path_suffix = ".h5"
+    close_first_at_exit = True  # h5py tears its objects down in its own exit handler
+
+    # -- what the kind answers (storage/base.py) -----------------------------------
+    @classmethod
+    def restoring(cls, path: Path | None, options: dict[str, Any]) -> "HDF5Storage":
+        return cls(path, compression=options.get("compression"), takeover=True)
+
+    def snapshot_options(self) -> dict[str, Any]:
+        return {"compression": self.compression}
+
+    def check_room(self, nbytes: int) -> None:
+        """Uncompressed: ``OSError(ENOSPC)`` when the folder's filesystem cannot
+        hold ``nbytes`` of rows and HDF5's own metadata: HDF5 answers a full
+        disk in the middle of creating a file with errors that do not say so."""
+        if self.compression is not None:
+            return
+        where = self.path.parent
+        st = os.statvfs(where)
+        free = st.f_bavail * st.f_frsize
+        want = nbytes + max(256 << 10, nbytes // 64)
+        if free < want:
+            raise OSError(errno.ENOSPC, f"{where} has {free:,} bytes free; loading this snapshot into an "
+                                        f"HDF5 file there needs about {want:,}", str(where))
+
+    @classmethod
+    def recognizes(cls, path: Path) -> bool:
+        """A regular file with its lock file beside it, or with HDF5's
+        signature (a copy, a file on a read-only filesystem)."""
+        if not path.is_file():
+            return False
+        if os.path.lexists(cls.lock_path(path)):
+            return True
+        try:
+            fd = open_regular(path, follow=True)
+        except (OSError, BigperError):
+            return False
+        try:
+            return os.pread(fd, len(_HDF5_SIGNATURE), 0) == _HDF5_SIGNATURE
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def lock_path(cls, path: Path) -> Path:
+        return path.with_name(path.name + ".lock")
 
     def __init__(self, path, *, read_only: bool = False, compression=None, takeover: bool = False):
         if compression not in COMPRESSIONS:

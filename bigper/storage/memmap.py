@@ -42,6 +42,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +83,53 @@ def random_reads_pay(data_bytes: int) -> bool:
 
 class MemmapStorage(StorageBase):
     kind = "memmap"
+    options = ("random_reads", "chunk_bytes")
+    chunked = True
+
+    # -- what the kind answers (storage/base.py) -----------------------------------
+    @classmethod
+    def restoring(cls, path: Path | None, options: dict[str, Any]) -> "MemmapStorage":
+        """A takeover of ``path`` with the snapshot's chunking (its chunk files are adopted when it matches)."""
+        return cls(path, takeover=True, chunk_bytes=int(options.get("chunk_bytes", CHUNK_BYTES)))
+
+    def snapshot_options(self) -> dict[str, Any]:
+        return {"chunk_bytes": self.chunk_bytes}
+
+    @classmethod
+    def recognizes(cls, path: Path) -> bool:
+        """A directory with a ``meta.json`` that is no snapshot's (no ``manifest.json``)."""
+        return path.is_dir() and os.path.lexists(path / "meta.json") and not (path / "manifest.json").exists()
+
+    @classmethod
+    def lock_path(cls, path: Path) -> Path:
+        return path / ".lock"
+
+    @classmethod
+    def check_layout(cls, path: Path) -> str:
+        """``meta.json`` (its marker, its arrays) and every chunk file it names."""
+        meta = read_json(path / "meta.json")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptSnapshotError(f"{path}/meta.json has no bigper memmap marker")
+        check_arrays(meta.get("arrays"), path)
+        cls.check_files(path, meta)
+        return f"{len(meta['arrays'])} arrays, every chunk file in place"
+
+    @classmethod
+    def check_files(cls, path: Path, meta: dict[str, Any]) -> None:
+        """Every chunk file ``meta`` records: a regular file of at least its size."""
+        for name, rec in meta["arrays"].items():
+            a = _Array(path, name, rec)
+            for k in range(a.n):
+                try:
+                    fd = open_regular(a.path(k))
+                except FileNotFoundError:
+                    raise CorruptSnapshotError(f"{a.path(k)} is missing") from None
+                try:
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+                if size < a.sizes[k]:
+                    raise CorruptSnapshotError(f"{a.path(k)} has {size} bytes, its layout needs {a.sizes[k]}")
 
     def __init__(self, path, *, read_only: bool = False, takeover: bool = False,
                  chunk_bytes: int = CHUNK_BYTES, random_reads: bool | None = None):
@@ -165,6 +213,9 @@ class MemmapStorage(StorageBase):
                     self._leftovers()  # refused here, before allocate changes anything
                 return self._meta
         except BaseException:
+            if made_lock:  # a refused path keeps no lock file this open made (bigper verify, a reader)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._root / ".lock")
             self._abort()
             raise
         self._meta = self._new_meta(config)

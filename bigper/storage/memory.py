@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 
 from .base import StorageBase
@@ -9,10 +12,21 @@ from .base import StorageBase
 
 class MemoryStorage(StorageBase):
     kind = "memory"
+    in_memory = True
     read_only = False
 
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def create(cls, path: Path | None = None, **options: Any) -> "MemoryStorage":
+        """A new one (no path: ``open_storage`` refused one)."""
+        return cls()
+
+    @classmethod
+    def restoring(cls, path: Path | None, options: dict[str, Any]) -> "MemoryStorage":
+        """A new one, which the load fills."""
+        return cls()
 
     def open(self, config):
         return None
