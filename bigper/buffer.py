@@ -206,7 +206,7 @@ class PrioritizedReplayBuffer:
         store, frames, state, old = open_buffer(cfg, path, mode, read_only, storage_options, dictionary)
         self._start(cfg, store, frames, mirror, state, reseed=old is not None and cfg.seed != old.seed,
                     release=True)
-        self.resumed: int | None = None if old is None else min(self._count, cfg.capacity)
+        self.resumed: int | None = None if old is None else min(self._ring.count, cfg.capacity)
         if old is not None:
             changed = cfg.differences(old, ignore=LAYOUT_KEYS)
             log.info("bigper: resumed %s with %d transitions%s", path, self.resumed,
@@ -313,7 +313,6 @@ class PrioritizedReplayBuffer:
                                          max_priority=self._maxp, weight_norm=cfg.weight_norm)
         # The slots' bookkeeping and counters (core/ring.py); its arrays are changed in place, never replaced.
         self._ring = ring = Ring(c, cfg.num_envs, cfg.n_step)
-        self._gid, self._status, self._ends, self._pending = ring.gid, ring.status, ring.ends, ring.pending
         # What a leaf stands for (a transition, a sequence item): everything that depends on it.
         self._unit = unit_for(cfg, ring)
         self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, ring.ends, ring.gid)
@@ -335,11 +334,6 @@ class PrioritizedReplayBuffer:
         self._closed = True
         OPEN.discard(self)
 
-    # The ring's counters, by the names the buffer's methods use.
-    _count = property(lambda self: self._ring.count, lambda self, v: setattr(self._ring, "count", v))
-    _max_leaf = property(lambda self: self._ring.max_leaf, lambda self, v: setattr(self._ring, "max_leaf", v))
-    _env_ended = property(lambda self: self._ring.env_ended)
-
     @property
     def _fused(self) -> bool:
         """False: every call takes the general path (staged storage writes, one
@@ -359,7 +353,7 @@ class PrioritizedReplayBuffer:
     @reader
     def __len__(self) -> int:
         """Transitions held (sampleable or waiting for their n-step window)."""
-        return min(self._count, self.config.capacity)
+        return min(self._ring.count, self.config.capacity)
 
     @property
     @reader
@@ -506,7 +500,7 @@ class PrioritizedReplayBuffer:
     def _device_batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
         """The batch at ``idx`` gathered on the device tier: the host computes
         the small values and frame ids, the device gathers the data."""
-        self._mirror.sync(self._store, self._frames, self._count)
+        self._mirror.sync(self._store, self._frames, self._ring.count)
         return self._unit.device_batch(self._reader, self._mirror, idx, w, prob)
 
     def _check_not_mine(self, out: dict) -> None:
@@ -684,9 +678,9 @@ class PrioritizedReplayBuffer:
     def _update(self, idx, stamps, use_stamps: bool, mask, priorities) -> None:
         unit = self._unit
         p = unit.priorities(priorities, mask, idx, stamps, use_stamps)
-        top = self._prio.update(idx, p, stamps, use_stamps, self._gid, unit.status, unit.pending)
-        if top > self._max_leaf:
-            self._max_leaf = top
+        top = self._prio.update(idx, p, stamps, use_stamps, self._ring.gid, unit.status, unit.pending)
+        if top > self._ring.max_leaf:
+            self._ring.max_leaf = top
 
     @entry_point
     def assign_priorities(self, priorities: npt.ArrayLike) -> None:
@@ -711,7 +705,7 @@ class PrioritizedReplayBuffer:
         keys = self._prio.keys(np.where(live, p, 0.0))
         self._prio.assign(keys, live)
         if live.any():
-            self._max_leaf = max(self._max_leaf, float(keys[live].max()))
+            self._ring.max_leaf = max(self._ring.max_leaf, float(keys[live].max()))
 
     # -- state (close/reopen and snapshots) --------------------------------------
     @reader
@@ -775,7 +769,7 @@ class PrioritizedReplayBuffer:
         self._unit.restore(arrays)
         if self._mirror is not None:  # the device copy is rebuilt from the storage
             self._mirror.forget()
-            self._mirror.sync(self._store, self._frames, self._count, progress=True)
+            self._mirror.sync(self._store, self._frames, self._ring.count, progress=True)
 
     # -- snapshots -------------------------------------------------------------
     @entry_point
@@ -947,7 +941,7 @@ class PrioritizedReplayBuffer:
         from .offline.datasets import finish_priorities, score_all
 
         src = self._store
-        scores = score_all(src, np.flatnonzero(self._status == LIVE), self._scored_batch, score_fn,
+        scores = score_all(src, np.flatnonzero(self._ring.status == LIVE), self._scored_batch, score_fn,
                            batch_size=batch_size, progress=progress, restart=restart,
                            commit_seconds=commit_seconds)
         if scores is not None:
@@ -957,7 +951,7 @@ class PrioritizedReplayBuffer:
     def _scored_batch(self, idx: np.ndarray, at) -> Batch:
         return Batch(self._gather(idx), idx,
                      np.ones(idx.shape[0], dtype=np.float32), self._prio.probabilities(idx),
-                     self._gid[at].copy())
+                     self._ring.gid[at].copy())
 
     def _all_leaves(self) -> np.ndarray:
         with self._lock:
@@ -981,14 +975,14 @@ class PrioritizedReplayBuffer:
     def status(self) -> np.ndarray:
         """Slot status, a read-only copy (uint8: 0 empty, 1 sampleable, 2 waiting
         for its n-step window, 3 dead)."""
-        return _frozen(self._status)
+        return _frozen(self._ring.status)
 
     @property
     @entry_point
     def generations(self) -> np.ndarray:
         """How many transitions had been added when each slot was last written
         (int64, -1 for never), a read-only copy; ``Batch.generations`` are these."""
-        return _frozen(self._gid)
+        return _frozen(self._ring.gid)
 
     @entry_point
     def gather(self, indices: npt.ArrayLike) -> dict[str, np.ndarray]:
@@ -1107,7 +1101,7 @@ class PrioritizedReplayBuffer:
     def __repr__(self) -> str:
         # Read without settling updates in flight: a repr (a log line, a debugger) reports nobody's error.
         with self._lock:
-            state = "closed" if self._closed else f"len={min(self._count, self.config.capacity)}"
+            state = "closed" if self._closed else f"len={min(self._ring.count, self.config.capacity)}"
             total = self._prio.total
         pending = f", {len(self._deferred)} update(s) in flight" if getattr(self, "_deferred", None) else ""
         return (f"PrioritizedReplayBuffer({state}, capacity={self.capacity}, "

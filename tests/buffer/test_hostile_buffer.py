@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import bigper
 from bigper.prioritization.tree import PriorityTree
 
+from tests import hook
 from tests.conftest import fill_disk
 from tests.buffer.test_validation import CAP, FIELDS, assert_same, check_rejected, fingerprint, make, step
 
@@ -156,7 +157,7 @@ def test_find_on_an_all_zero_tree_and_negative_targets_stays_in_range(cap):
 
 def _storage_fingerprint(buf):
     fp = fingerprint(buf)
-    fp["env_ended"] = buf._env_ended.copy()
+    fp["env_ended"] = hook.ring(buf).env_ended.copy()
     fp.update({f"file.{p}": os.stat(p).st_size for p in _files(buf.storage.path)})
     return fp
 

@@ -70,7 +70,7 @@ def _bulk(buf, rng) -> dict:
     cap = buf.capacity
     idx, p = np.arange(cap), np.abs(rng.standard_normal(cap)) + 0.01
     prio, tree = buf._prio, buf._prio.tree
-    args = (p, idx, idx, False, buf._gid, buf._status, prio.alpha, prio.eps, prio.max_priority, 1 << 16)
+    args = (p, idx, idx, False, buf._ring.gid, buf._ring.status, prio.alpha, prio.eps, prio.max_priority, 1 << 16)
     keys = B.scan(*args)[0]
     res = {"update_priorities(all)": _ms(lambda: buf.update_priorities(idx, p)),
            "scan: checks + keys (threads)": _ms(lambda: B.scan(*args))}
@@ -84,7 +84,7 @@ def _bulk(buf, rng) -> dict:
         else:
             os.environ["BIGPER_THREADS"] = saved
     res["writes, last row first"] = _ms(lambda: B.write_last_first(
-        tree.sums, int(tree.offsets[-1]), idx, keys, idx, False, buf._gid, buf._status, buf._pending,
+        tree.sums, int(tree.offsets[-1]), idx, keys, idx, False, buf._ring.gid, buf._ring.status, buf._ring.pending,
         np.zeros(cap, dtype=np.bool_)))
     res["O(N) rebuild"] = _ms(tree.rebuild)
     res["numpy power (vectorized), one thread"] = _ms(lambda: np.power(p + 1e-6, 0.6))
@@ -130,7 +130,7 @@ def main() -> int:
         bt = floor_sample(i)
         t = tree
         K.update_capped((t.sums, t.mins, t.offsets, t.sizes), (bt.indices, pool[i % 64], np.empty(0), bt.generations,
-                        True), (buf._gid, buf._status, buf._pending), (0.6, 1e-6, np.inf, buf._prio.limit), True)
+                        True), (buf._ring.gid, buf._ring.status, buf._ring.pending), (0.6, 1e-6, np.inf, buf._prio.limit), True)
 
     idx, prob, w = np.empty(b, np.int64), np.empty(b, np.float64), np.empty(b, np.float32)
     gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
@@ -150,7 +150,7 @@ def main() -> int:
         "takes (numpy)": lambda i: [arrays[n].take(fresh[i % 4096], axis=0, mode="clip") for n in names],
         "update (kernel)": lambda i: K.update_capped(
             (tree.sums, tree.mins, tree.offsets, tree.sizes), (fresh[i % 4096], pool[i % 64], np.empty(0),
-            fresh[i % 4096], False), (buf._gid, buf._status, buf._pending), (0.6, 1e-6, np.inf, buf._prio.limit),
+            fresh[i % 4096], False), (buf._ring.gid, buf._ring.status, buf._ring.pending), (0.6, 1e-6, np.inf, buf._prio.limit),
             True),
         "uniforms (numpy)": lambda i: g.random(b),
     }
