@@ -37,8 +37,8 @@ def check_name(name: object, what: str = "field name") -> str:
     ``..``, no leading dot, not empty."""
     if not isinstance(name, str) or not _NAME.match(name) or len(name) > 128:
         raise InvalidArgumentError(
-            f"{what} must start with a letter or '_' and hold only letters, digits, '_' "
-            f"or '-' (it becomes a file name), got {name!r}")
+            f"{what} must start with a letter or '_', hold only letters, digits, '_' "
+            f"or '-' and be at most 128 characters (it becomes a file name), got {name!r}")
     return name
 
 

@@ -36,8 +36,10 @@ from ..core.prefetch import Threaded, why_after
 from ..errors import BufferClosedError
 from .feed import _HELD, FeedSampler, Filler, Slot
 
-# Pool slots beyond the ``depth`` in flight and the ``_HELD`` the learner holds.
-_SPARE = 2
+# Pool slots beyond the ``depth`` in flight and the ``_HELD`` the learner holds: batches a learner
+# keeps a little longer (the SB3 drop-in keeps its last four batches' targets). A row is only
+# touched when first used.
+_SPARE = 4
 # Jobs the ring holds at least (a pool of more slots gets one entry a slot: posted and not yet
 # gathered, at most ``depth``, must never wrap onto a job the thread has not taken).
 _JOBS = 64

@@ -601,6 +601,11 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         feed, drawn_beta = self._feed, self._feed_key[3]
         try:
             return next(feed), drawn_beta
+        except StopIteration:
+            # Closed under this call (another thread's close_sampler, or the drop-in's close): a new
+            # sampler draws, or says why it cannot (a closed buffer), never a silent end.
+            self.close_sampler()
+            return self._next_from_feed(batch_size, beta)
         except BaseException:
             # A sampler whose draw failed (an empty buffer, a closed one) has ended: the next call opens another.
             self.close_sampler()

@@ -211,6 +211,10 @@ class Layout:
             source[key] = name
             nkey = (NEXT,) + key
             if key[0] != NEXT and leaves.get(nkey) == spec:
+                if len("next_" + name) > MAX_NAME:  # (its successor's field is named after it)
+                    raise InvalidArgumentError(
+                        f"TensorDict key {nkey!r} is too long for a bigper field: its field name "
+                        f"{('next_' + name)[:40]!r}... has {len(name) + 5} characters, at most {MAX_NAME}")
                 next_of.append(name)
                 source[nkey] = "next_" + name
         taken = set(own_names())

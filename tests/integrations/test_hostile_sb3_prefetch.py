@@ -348,3 +348,34 @@ def test_kill_9_during_learn_then_resume(tmp_path):
     s = rb.sample(16)
     assert s.observations.shape == (16, 4)
     rb.close()
+
+
+def test_a_sampler_closed_under_a_sampling_thread_is_replaced_never_a_silent_end():
+    """close_sampler from another thread while one samples in a loop: that loop
+    goes on with a new sampler (the one closed under its next() ended it with
+    StopIteration, which must not reach SB3); the buffer's close then ends it
+    with BufferClosedError."""
+    rb = filled()
+    seen, drawn = [], [0]
+
+    def loop():
+        try:
+            while True:
+                s = rb.sample(8)
+                rb.update_priorities(s.indices, th.ones(8))
+                drawn[0] += 1
+        except BaseException as e:  # noqa: BLE001
+            seen.append(e)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    for _ in range(200):
+        rb.close_sampler()
+        time.sleep(0.002)
+    assert t.is_alive() and not seen, seen
+    n = drawn[0]
+    wait_for(lambda: drawn[0] > n + 5)
+    rb.close()
+    t.join(60)
+    assert not t.is_alive()
+    assert len(seen) == 1 and isinstance(seen[0], BufferClosedError), seen
