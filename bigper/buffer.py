@@ -14,7 +14,6 @@ import copy
 import functools
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import snapshot as _snapshot
-from .core.lifecycle import OPEN, entry_point, reader, run_first_at_exit
+from .core.lifecycle import OPEN, Guard, entry_point, entry_point_as, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
 from .core.layout import check_field_names, check_storage, plain_fields, storage_specs
 from .core.opening import check_arguments, open_buffer
@@ -55,7 +54,7 @@ from .storage.files import real_names
 from .schedules import ConstantSchedule, LinearSchedule, as_beta
 from .storage.base import Storage, StorageBase
 from .core.shardview import ShardView
-from .core.units import unit_for
+from .core.units import apply_update, unit_for
 
 log: logging.Logger = logging.getLogger("bigper")
 
@@ -284,10 +283,7 @@ class PrioritizedReplayBuffer:
         """Build the parts over an allocated ``store`` and take ``state``; on a
         refusal the buffer is closed and, with ``release``, the storage let go
         without recording anything (else it is the caller's)."""
-        self._lock = threading.RLock()
-        self._closed = True  # until the parts are built
-        self._closed_why = self._in_call = None
-        self._pid = os.getpid()
+        self._guard = Guard(Deferred(), None)  # (closed until the parts are built)
         self.resumed = None
         try:
             self._setup(cfg, store, frames, mirror)
@@ -319,11 +315,11 @@ class PrioritizedReplayBuffer:
         self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, ring, self._unit)
         self._beta_step = 0
         self._mirror = mirror
-        self._deferred = Deferred()
-        self._deferred_error = None  # an invalid deferred update's error, for the next call to raise
+        # A priority update applied to the unit, the prioritization and the ring (also by the guard, for
+        # the updates from device tensors it settles).
+        self._update = self._guard.apply = functools.partial(apply_update, self._unit, self._prio, ring)
         self._rng = np.random.default_rng(cfg.seed)
-        self._samplers: "weakref.WeakSet[Prefetcher | Direct]" = weakref.WeakSet()
-        self._closed = False
+        self._guard.closed = False
         OPEN.add(self)
         if store.close_first_at_exit:
             run_first_at_exit()
@@ -331,7 +327,7 @@ class PrioritizedReplayBuffer:
     def _forget(self) -> None:
         """Mark a buffer whose construction failed closed, so that nothing
         (its finalizer, the exit handler) records state into its storage."""
-        self._closed = True
+        self._guard.closed = True
         OPEN.discard(self)
 
     @property
@@ -453,7 +449,7 @@ class PrioritizedReplayBuffer:
         """
         return self._draw(batch_size, beta, stratified, out, True)
 
-    @entry_point
+    @entry_point_as(draw=True)
     def _sample_for(self, batch_size: int, device, sample_kw: dict) -> Batch:
         """``sample`` for a sampler: a batch bound for a CUDA device leaves the
         stacks of a sequence batch to be rebuilt there from its distinct frames."""
@@ -585,9 +581,9 @@ class PrioritizedReplayBuffer:
             from .device import feed, native
 
             if feed.covered(self, device) is None:  # the GIL-free feed (device/feed.py, device/native.py)
-                it = native.feed_sampler(self, int(batch_size), device, int(prefetch), sample_kw.get("beta"),
-                                         sample_kw.get("stratified", True))
-                self._samplers.add(it)
+                it = native.feed_sampler(self, self._guard, int(batch_size), device, int(prefetch),
+                                         sample_kw.get("beta"), sample_kw.get("stratified", True))
+                self._guard.samplers.add(it)
                 return it
         produce = functools.partial(_sample_in, weakref.ref(self), int(batch_size), device, dict(sample_kw))
         if prefetch == 0:
@@ -596,12 +592,13 @@ class PrioritizedReplayBuffer:
             handover = None
             if device is not None and device.type == "cuda":
                 from ._torch import handover
-            it = Prefetcher(produce, int(prefetch), self._lock, prepare=self._deferred.wait, finish=handover)
-        self._samplers.add(it)
+            it = Prefetcher(produce, int(prefetch), self._guard.lock, prepare=self._guard.deferred.wait,
+                            finish=handover)
+        self._guard.samplers.add(it)
         return it
 
     # -- priorities ------------------------------------------------------------
-    @entry_point
+    @entry_point_as(settle=False)
     def update_priorities(self, target: Batch | Mapping[str, Any] | npt.ArrayLike,
                           priorities: npt.ArrayLike) -> None:
         """Set the priorities of sampled transitions.
@@ -643,8 +640,8 @@ class PrioritizedReplayBuffer:
         elif is_device_tensor(priorities):
             self._defer(idx, stamps, use_stamps, mask, priorities)
             return
-        if self._deferred.items:
-            self._settle()
+        if self._guard.deferred.items:
+            self._guard.settle()
         self._update(idx, stamps, use_stamps, mask, priorities)
 
     def _defer(self, idx, stamps, use_stamps: bool, mask, priorities) -> None:
@@ -660,27 +657,7 @@ class PrioritizedReplayBuffer:
             raise InvalidTypeError(f"priorities must be real numbers, got dtype {priorities.dtype}")
         self._unit.check_update(idx, stamps, use_stamps, mask, shape)
         self._check_indices(idx)
-        self._deferred.push(idx.copy(), stamps.copy(), use_stamps, None if mask is None else np.array(mask), priorities)
-
-    def _settle(self, keep: bool = False, arrived: bool = False) -> None:
-        """Apply the updates from device tensors, oldest first (waiting for
-        their copies; ``arrived``: only those whose copies are done). One whose
-        values are not valid priorities changes nothing and is reported here,
-        after the valid ones are applied (with ``keep``: by the next public
-        call other than a sampler's draw)."""
-        e = self._deferred.settle(self._update, arrived)
-        if e is not None:
-            if keep:
-                self._deferred_error = self._deferred_error or e
-            else:
-                raise e
-
-    def _update(self, idx, stamps, use_stamps: bool, mask, priorities) -> None:
-        unit = self._unit
-        p = unit.priorities(priorities, mask, idx, stamps, use_stamps)
-        top = self._prio.update(idx, p, stamps, use_stamps, self._ring.gid, unit.status, unit.pending)
-        if top > self._ring.max_leaf:
-            self._ring.max_leaf = top
+        self._guard.deferred.push(idx.copy(), stamps.copy(), use_stamps, None if mask is None else np.array(mask), priorities)
 
     @entry_point
     def assign_priorities(self, priorities: npt.ArrayLike) -> None:
@@ -954,7 +931,7 @@ class PrioritizedReplayBuffer:
                      self._ring.gid[at].copy())
 
     def _all_leaves(self) -> np.ndarray:
-        with self._lock:
+        with self._guard.lock:
             return self._prio.key_at(np.arange(self.capacity, dtype=np.int64))
 
     # -- for the rooms above (shards, integrations) ------------------------------
@@ -1039,7 +1016,7 @@ class PrioritizedReplayBuffer:
     @property
     def closed(self) -> bool:
         """True after ``close()``."""
-        return self._closed
+        return self._guard.closed
 
     def _check_writable(self, what: str = "data"):
         store = self._store
@@ -1051,24 +1028,24 @@ class PrioritizedReplayBuffer:
         """Flush, record the state and release the storage; reopening a disk
         path with ``mode="resume"`` continues. Idempotent. Updates from
         device tensors still in flight are applied first."""
-        if getattr(self, "_closed", True):
+        if getattr(self, "_guard", None) is None or self._guard.closed:
             return
-        with self._lock:  # another thread's call ends first; this thread's own is refused
+        with self._guard.lock:  # another thread's call ends first; this thread's own is refused
             self._refuse_inside("close")
-            if self._deferred:
+            if self._guard.deferred:
                 try:
-                    self._settle()
+                    self._guard.settle()
                 except BigperError as e:  # close must close: say what was not applied
                     log.warning("bigper: %s", e)
         # Samplers first, outside the lock: their threads may be waiting for it.
         # A consumer still iterating one is told why it ends (not a silent StopIteration).
-        for s in list(getattr(self, "_samplers", ())):
+        for s in list(self._guard.samplers):
             s.close(why=BufferClosedError("the buffer of this sampler was closed"))
-        with self._lock:
+        with self._guard.lock:
             self._refuse_inside("close")
-            if not self._closed:
+            if not self._guard.closed:
                 state = None if self._store.read_only else self.state_dict()
-                self._closed = True
+                self._guard.closed = True
                 OPEN.discard(self)
                 try:
                     self._store.close(state)
@@ -1077,10 +1054,10 @@ class PrioritizedReplayBuffer:
 
     def _refuse_inside(self, what: str) -> None:
         # Under the lock: a method still running can only be this thread's own.
-        if self._in_call is not None:
+        if self._guard.in_call is not None:
             raise InvalidArgumentError(
-                f"{what}() was called from inside this buffer's own {self._in_call}() (by a callback or "
-                f"an input's __array__ on this thread); call {what}() after {self._in_call}() returns")
+                f"{what}() was called from inside this buffer's own {self._guard.in_call}() (by a callback or "
+                f"an input's __array__ on this thread); call {what}() after {self._guard.in_call}() returns")
 
     def __del__(self) -> None:
         # A buffer dropped without close() (a notebook cell, an exception)
@@ -1100,10 +1077,10 @@ class PrioritizedReplayBuffer:
 
     def __repr__(self) -> str:
         # Read without settling updates in flight: a repr (a log line, a debugger) reports nobody's error.
-        with self._lock:
-            state = "closed" if self._closed else f"len={min(self._ring.count, self.config.capacity)}"
+        with self._guard.lock:
+            state = "closed" if self._guard.closed else f"len={min(self._ring.count, self.config.capacity)}"
             total = self._prio.total
-        pending = f", {len(self._deferred)} update(s) in flight" if getattr(self, "_deferred", None) else ""
+        pending = f", {len(self._guard.deferred)} update(s) in flight" if self._guard.deferred else ""
         return (f"PrioritizedReplayBuffer({state}, capacity={self.capacity}, "
                 f"storage={self.config.storage!r}, total_priority={total:.6g}{pending})")
 

@@ -15,11 +15,15 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from ..errors import BigperError, BufferClosedError
 from ..storage.files import real_names
 
 log: logging.Logger = logging.getLogger("bigper")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Buffers still open at interpreter exit are closed cleanly (state recorded),
 # so a script that ends without close() leaves a folder that resumes.
@@ -58,9 +62,9 @@ _held_for_fork: list = []
 
 def _before_fork() -> None:
     for buf in list(OPEN):
-        lock = getattr(buf, "_lock", None)
-        if lock is not None and lock.acquire(timeout=_FORK_WAIT_S):
-            _held_for_fork.append(lock)
+        guard = getattr(buf, "_guard", None)
+        if guard is not None and guard.lock.acquire(timeout=_FORK_WAIT_S):
+            _held_for_fork.append(guard.lock)
 
 
 def _after_fork_in_parent() -> None:
@@ -71,18 +75,19 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     _held_for_fork.clear()
     for buf in list(OPEN):
-        buf._lock = threading.RLock()
-        for s in list(buf._samplers):  # their threads are the parent's: what they prepared is too
+        guard = buf._guard
+        guard.lock = threading.RLock()
+        for s in list(guard.samplers):  # their threads are the parent's: what they prepared is too
             try:
                 s.close(wait=False, why=BufferClosedError(
                     "this sampler's thread is in the process that forked this one; make a new sampler here"))
             except Exception:  # noqa: BLE001 (a child must come up whatever a sampler's state)
                 pass
-        buf._samplers = weakref.WeakSet()
+        guard.samplers = weakref.WeakSet()
         if not buf._store.in_memory:
-            buf._closed = True
-            buf._closed_why = (f"it was opened in process {buf._pid} and this is a forked child, which shares "
-                               "its files and lock; open the path here (read_only=True to sample)")
+            guard.closed = True
+            guard.why = (f"it was opened in process {guard.pid} and this is a forked child, which shares "
+                         "its files and lock; open the path here (read_only=True to sample)")
             OPEN.discard(buf)
 
 
@@ -91,37 +96,86 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_after_fork_in_child)
 
 
-def entry_point(method):
-    """A public method: runs under the buffer's lock, on an open buffer.
-    ``_in_call`` names it while it runs, so that a ``close()`` reached from
-    inside it (an input's ``__array__``, a callback) is refused, not run under it."""
+class Guard:
+    """What every public method of one buffer runs under (``entry_point``,
+    ``reader``), passed to what draws from it (a sampler's feed): its lock;
+    whether it is open (``closed``, and ``why`` not); the method running now
+    (``in_call``: a ``close()`` reached from inside one is refused, not run
+    under it); the updates from device tensors in flight (``deferred``, a
+    ``device.Deferred``), applied with ``apply``, and the error an invalid one
+    left for the next call (``error``); the samplers drawing from it; the
+    process that opened it."""
+
+    def __init__(self, deferred, apply) -> None:
+        self.lock = threading.RLock()
+        self.closed = True  # until the buffer's parts are built
+        self.why: str | None = None
+        self.in_call: str | None = None
+        self.deferred = deferred
+        self.apply = apply
+        self.error: BaseException | None = None
+        self.samplers: weakref.WeakSet = weakref.WeakSet()
+        self.pid = os.getpid()
+
+    def settle(self, keep: bool = False, arrived: bool = False) -> None:
+        """Apply the updates in flight, oldest first (waiting for their copies;
+        ``arrived``: only those whose copies are done). One whose values are not
+        valid priorities changes nothing and is reported here, after the valid
+        ones are applied (with ``keep``: by the next public call other than a
+        sampler's draw)."""
+        e = self.deferred.settle(self.apply, arrived)
+        if e is not None:
+            if keep:
+                self.error = self.error or e
+            else:
+                raise e
+
+    def refuse_closed(self, what: str) -> None:
+        raise BufferClosedError(f"this buffer is closed ({what} needs an open one)"
+                                + (f": {self.why}" if self.why else ""))
+
+
+def entry_point(method: Callable[P, R]) -> Callable[P, R]:
+    """A public method: runs under the buffer's lock, on an open buffer (its
+    ``_guard``). ``in_call`` names it while it runs, so that a ``close()``
+    reached from inside it (an input's ``__array__``, a callback) is refused,
+    not run under it. Updates from device tensors are applied first (waited
+    for before the lock); an invalid one's error is raised."""
+    return _entry(method, True, False)
+
+
+def entry_point_as(*, settle: bool = True, draw: bool = False) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """``entry_point`` declared otherwise: ``settle=False``, updates in flight
+    are left as they are (``update_priorities`` adds one); ``draw=True`` (a
+    sampler's draw) keeps an invalid update's error for the learner's next
+    call instead of raising it."""
+    return lambda method: _entry(method, settle, draw)
+
+
+def _entry(method: Callable[P, R], settle: bool, draw: bool) -> Callable[P, R]:
     name = method.__name__
 
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
-        if name != "update_priorities":
-            deferred = getattr(self, "_deferred", None)
-            if deferred:
-                deferred.wait()  # device copies still running: waited for before the lock, not under it
-        with self._lock:
-            if self._closed:
-                raise BufferClosedError(f"this buffer is closed ({name} needs an open one)"
-                                        + (f": {self._closed_why}" if self._closed_why else ""))
-            outer = self._in_call
-            self._in_call = name if outer is None else outer
+        guard = self._guard
+        if settle and guard.deferred:
+            guard.deferred.wait()  # device copies still running: waited for before the lock, not under it
+        with guard.lock:
+            if guard.closed:
+                guard.refuse_closed(name)
+            outer = guard.in_call
+            guard.in_call = name if outer is None else outer
             try:
-                if name != "update_priorities" and self._deferred:
-                    # Updates from device tensors, in order, before anything reads the tree. The
-                    # sampler's draws keep an invalid one's error for the learner's next call.
-                    self._settle(keep=name == "_sample_for")
-                if self._deferred_error is not None and name != "_sample_for":
-                    e, self._deferred_error = self._deferred_error, None
+                if settle and guard.deferred:  # in order, before anything reads the tree
+                    guard.settle(keep=draw)
+                if guard.error is not None and not draw:
+                    e, guard.error = guard.error, None
                     raise e
                 return method(self, *args, **kwargs)
             except (OSError, BigperError) as e:
                 raise real_names(e)  # paths as the user gave them, not /proc/self/fd/N
             finally:
-                self._in_call = outer
+                guard.in_call = outer
     return entry
 
 
@@ -129,11 +183,11 @@ def reader(method):
     """A public reader that also answers on a closed buffer (its last values), under the lock."""
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
-        deferred = getattr(self, "_deferred", None)
-        if deferred:
-            deferred.wait()  # (outside the lock, as for every entry point)
-        with self._lock:
-            if not self._closed and getattr(self, "_deferred", None):
-                self._settle(keep=True)  # (a reader reports nobody's error: the next call does)
+        guard = self._guard
+        if guard.deferred:
+            guard.deferred.wait()  # (outside the lock, as for every entry point)
+        with guard.lock:
+            if not guard.closed and guard.deferred:
+                guard.settle(keep=True)  # (a reader reports nobody's error: the next call does)
             return method(self, *args, **kwargs)
     return entry

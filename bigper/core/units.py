@@ -265,3 +265,13 @@ class Sequences:
 def unit_for(cfg, ring) -> SampleUnit:
     """The sample unit of a buffer of ``cfg`` over ``ring``."""
     return Sequences(cfg, ring) if cfg.sequence else Transitions(cfg, ring)
+
+
+def apply_update(unit, prio, ring, idx, stamps, use_stamps: bool, mask, priorities) -> None:
+    """A priority update: its values checked and reduced by ``unit``, written
+    into ``prio`` (only where the slots still hold what was sampled), and the
+    ring's largest key kept."""
+    p = unit.priorities(priorities, mask, idx, stamps, use_stamps)
+    top = prio.update(idx, p, stamps, use_stamps, ring.gid, unit.status, unit.pending)
+    if top > ring.max_leaf:
+        ring.max_leaf = top

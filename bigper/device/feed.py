@@ -177,9 +177,10 @@ class Filler:
     """Fills slots with batches of one buffer (held weakly: the thread keeps
     no buffer alive between two batches)."""
 
-    def __init__(self, buf, b: int, dev, beta, stratified: bool):
+    def __init__(self, buf, guard, b: int, dev, beta, stratified: bool):
         torch = self.torch = _torch()
         self.ref = weakref.ref(buf)
+        self.guard = guard  # (the buffer's lock, open or closed, its updates in flight: core.lifecycle.Guard)
         self.dev, self.cuda = dev, dev.type == "cuda"
         mirror = buf._mirror
         self.tier = mirror if mirror is not None and self.cuda and mirror.device == dev else None
@@ -257,7 +258,7 @@ class Filler:
     def draw_into(self, buf, slot: Slot, stop) -> bool:
         """Draw a batch into ``slot`` under the buffer's lock (with a device
         tier, its gathers too); False when told to stop while waiting for the lock."""
-        lock = buf._lock
+        lock = self.guard.lock
         block = slot.block
         if not lock.acquire(timeout=_POLL_S):
             while not lock.acquire(timeout=_POLL_S):
@@ -265,7 +266,7 @@ class Filler:
                     return False
         try:
             src = self.src
-            if src is None or self.how is None or self.tier is not None or buf._closed or buf._deferred.items \
+            if src is None or self.how is None or self.tier is not None or self.guard.closed or self.guard.deferred.items \
                     or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays \
                     or not src.tree[0][0] > 0:
                 self._draw(buf, block)  # every case
@@ -288,7 +289,7 @@ class Filler:
         """After a gather without the lock: under it, whether a write or a
         restore raced the gather, and if one did, the batch drawn (and
         gathered) again; False when told to stop while waiting for the lock."""
-        lock = buf._lock
+        lock = self.guard.lock
         while not lock.acquire(timeout=_POLL_S):  # (polled: a close under the lock must not wait on us)
             if stop():
                 return False
@@ -322,11 +323,11 @@ class Filler:
 
     def _draw(self, buf, block) -> plan.Sources:
         """The draw under the lock, every case (``fill`` inlines the common one)."""
-        if buf._closed:
-            raise BufferClosedError("this buffer is closed (the sampler needs an open one)"
-                                    + (f": {buf._closed_why}" if buf._closed_why else ""))
-        if buf._deferred.items:  # priorities from the device whose copies arrived; never a wait for the
-            buf._settle(keep=True, arrived=True)  # learner's step (a later draw applies the others)
+        guard = self.guard
+        if guard.closed:
+            guard.refuse_closed("the sampler")
+        if guard.deferred.items:  # priorities from the device whose copies arrived; never a wait for the
+            guard.settle(keep=True, arrived=True)  # learner's step (a later draw applies the others)
         src = self.src
         if self.src_of is None or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays:
             src = self.sources(buf)
@@ -392,8 +393,8 @@ class FeedSampler(Threaded):
     ``close``, ``ready``), batches as ``FeedBatch`` dicts. ``depth`` 0: no
     thread, each batch filled in the caller's thread."""
 
-    def __init__(self, buf, b: int, dev, depth: int, beta=None, stratified: bool = True):
-        self._filler = Filler(buf, b, dev, beta, stratified)
+    def __init__(self, buf, guard, b: int, dev, depth: int, beta=None, stratified: bool = True):
+        self._filler = Filler(buf, guard, b, dev, beta, stratified)
         self._torch = self._filler.torch
         self._cuda = self._filler.cuda
         self._dev = dev

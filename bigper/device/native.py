@@ -49,12 +49,13 @@ def _never() -> bool:
     return False
 
 
-def feed_sampler(buf, b: int, dev, depth: int, beta=None, stratified: bool = True):
-    """The feed for ``buf`` (``device.feed.covered`` says it serves it): on
-    the CPU with a thread (POSIX), ``NativeFeed``; else ``FeedSampler``."""
+def feed_sampler(buf, guard, b: int, dev, depth: int, beta=None, stratified: bool = True):
+    """The feed for ``buf`` (``device.feed.covered`` says it serves it; ``guard``
+    its ``core.lifecycle.Guard``): on the CPU with a thread (POSIX),
+    ``NativeFeed``; else ``FeedSampler``."""
     if dev.type == "cpu" and depth > 0 and os.name == "posix":
-        return NativeFeed(buf, b, dev, depth, beta, stratified)
-    return FeedSampler(buf, b, dev, depth, beta, stratified)
+        return NativeFeed(buf, guard, b, dev, depth, beta, stratified)
+    return FeedSampler(buf, guard, b, dev, depth, beta, stratified)
 
 
 class NativeFeed(Threaded):
@@ -63,8 +64,8 @@ class NativeFeed(Threaded):
     (errors, ``close``, ``ready``), batches as ``FeedBatch`` dicts equal to
     ``sample(B).to_torch()``'s, draw for draw."""
 
-    def __init__(self, buf, b: int, dev, depth: int, beta=None, stratified: bool = True):
-        self._filler = Filler(buf, b, dev, beta, stratified)
+    def __init__(self, buf, guard, b: int, dev, depth: int, beta=None, stratified: bool = True):
+        self._filler = Filler(buf, guard, b, dev, beta, stratified)
         layout = self._filler.layout
         n = depth + _HELD + _SPARE
         self._pool = np.empty((n, layout.size), dtype=np.uint8)

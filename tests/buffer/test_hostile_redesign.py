@@ -640,7 +640,7 @@ def test_the_view_settles_deferred_updates_first_and_reports_a_bad_one_once():
     buf = _used()
     b = buf.sample(4)
     buf.update_priorities(b, _dev(np.full(4, 100.0)))  # deferred: not applied yet
-    assert len(buf._deferred) == 1
+    assert len(buf._guard.deferred) == 1
     assert buf.shard.max_leaf == _key(100.0)  # the view's read applied it first
     b = buf.sample(4)
     p = np.ones(4)
@@ -736,7 +736,7 @@ def test_cpu_tensors_are_applied_at_once_and_equal_numpy():
     x, y = a.sample(5), b.sample(5)
     e = np.random.default_rng(2).random((5, 4)) + 0.1
     a.update_priorities(x.to_torch("cpu"), torch.from_numpy(e))
-    assert not a._deferred  # a CPU tensor is no device tensor: nothing deferred
+    assert not a._guard.deferred  # a CPU tensor is no device tensor: nothing deferred
     b.update_priorities(y, e)
     np.testing.assert_array_equal(a.leaves(np.arange(32)), b.leaves(np.arange(32)))
     _same_batch(a.sample(5), b.sample(5))

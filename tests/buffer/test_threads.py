@@ -97,7 +97,7 @@ class Calls:
 
     def close(self, buf, k):
         if k == 3:  # part of the way through
-            with buf._lock:
+            with buf._guard.lock:
                 if not buf.closed:
                     self.closed_at = (len(buf), buf.total_priority)
                 buf.close()
@@ -367,7 +367,7 @@ def test_a_forked_child_samples_a_memory_buffer_even_when_a_thread_held_its_lock
     inside, done = threading.Event(), threading.Event()
 
     def long_call():  # stands for a method half-way through a change, under the lock
-        with buf._lock:
+        with buf._guard.lock:
             hook.ring(buf).count += 1000
             inside.set()
             time.sleep(0.3)

@@ -973,7 +973,7 @@ def test_fake_device_tensors_take_the_deferred_path():
     buf = _filled(None)
     b = buf.sample(8)
     buf.update_priorities(b, _dev(np.ones(8) * 3))
-    assert len(buf._deferred) == 1
+    assert len(buf._guard.deferred) == 1
 
 
 def test_repr_after_an_invalid_deferred_update_does_not_raise():
@@ -1059,7 +1059,7 @@ def test_deferred_updates_pending_at_close_and_at_gc_are_recorded(tmp_path):
             buf.add(x=np.full(2, t, np.float32), a=t)
         b = buf.sample(8)
         buf.update_priorities(b, _dev(p))
-        assert buf._deferred
+        assert buf._guard.deferred
         if how == "close":
             buf.close()
         else:
@@ -1095,7 +1095,7 @@ def test_deferred_updates_from_a_learner_thread_with_a_sampler_and_a_writer(tmp_
                 if s % 20 == 0:
                     buf.save(tmp_path / f"snap{s}")
                 if s % 30 == 0:
-                    with buf._lock:  # (atomically: see _op)
+                    with buf._guard.lock:  # (atomically: see _op)
                         buf.load_state(*_copy_state(buf.state_dict()))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
@@ -1107,7 +1107,7 @@ def test_deferred_updates_from_a_learner_thread_with_a_sampler_and_a_writer(tmp_
         th.join(60)
     it.close()
     assert not errors, errors
-    assert np.isfinite(buf.total_priority) and not buf._deferred
+    assert np.isfinite(buf.total_priority) and not buf._guard.deferred
     buf.close()
 
 
@@ -1144,7 +1144,7 @@ def test_deferred_update_shapes_refused_at_once_like_the_immediate_path():
             continue
         with pytest.raises(immediate):
             buf.update_priorities(b, _dev(np.ones(shape)))
-        assert not buf._deferred
+        assert not buf._guard.deferred
     buf.sample(2)
     assert before is not None
 
@@ -1423,7 +1423,7 @@ def _op(buf, name, tmp_path, i, rng):
     elif name == "load_state":
         # (atomically: a state taken before another thread's adds describes data those adds overwrote,
         # on the host path as on the tier; load_state cannot tell)
-        with buf._lock:
+        with buf._guard.lock:
             buf.load_state(*_copy_state(buf.state_dict()))
     elif name == "gather":
         g = buf.gather(np.arange(4))
@@ -1461,7 +1461,7 @@ def test_two_threads_any_two_methods_on_a_tier_buffer(tmp_path, pair):
     assert not errors, errors
     for _ in range(3):
         _consistent(buf.sample(8))
-    assert np.isfinite(buf.total_priority) and not buf._deferred
+    assert np.isfinite(buf.total_priority) and not buf._guard.deferred
     buf.close()
     again = bigper.PrioritizedReplayBuffer(capacity=64, fields={"obs": ((2, 3), np.uint8), "x": ((2,), np.float32),
                                                                 "a": ((), np.int64)},
@@ -1600,4 +1600,4 @@ def test_deferred_sequence_update_shapes_agree_with_the_immediate_path():
             continue
         with pytest.raises(immediate):
             buf.update_priorities(b, _dev(np.ones(shape)))
-        assert not buf._deferred, shape
+        assert not buf._guard.deferred, shape

@@ -77,8 +77,7 @@ def threaded(monkeypatch):
     sampler with prefetch too, where a test's subject is that thread."""
     from bigper.device import native
 
-    monkeypatch.setattr(native, "feed_sampler", lambda buf, b, dev, depth, beta=None, stratified=True:
-                        FeedSampler(buf, b, dev, depth, beta, stratified))
+    monkeypatch.setattr(native, "feed_sampler", FeedSampler)
 
 
 class _GatherHook:
@@ -469,12 +468,12 @@ def test_every_public_method_from_threads_while_a_feed_runs(tmp_path, storage):
         buf.update_priorities({"indices": idx, "generations": gen}, _f(gen))
 
     def assign(n):
-        with buf._lock:  # (gid read and assigned in one step: the test's own serial point)
+        with buf._guard.lock:  # (gid read and assigned in one step: the test's own serial point)
             buf.assign_priorities(_f(buf.generations))
         time.sleep(0.005)
 
     def restore(n):
-        with buf._lock:
+        with buf._guard.lock:
             meta, arrays = buf.state_dict()
             buf.load_state(meta, {k: np.array(v, copy=True) for k, v in arrays.items()})
         time.sleep(0.005)

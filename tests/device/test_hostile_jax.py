@@ -220,7 +220,7 @@ def test_arrays_on_another_device():
         b, bt = buf.sample(B), twin.sample(B)
         j = b.to_jax(dev)
         buf.update_priorities(j, jax.device_put(jnp.full(B, 4.0), dev))  # a host device: read at once
-        assert len(buf._deferred) == 0
+        assert len(buf._guard.deferred) == 0
         twin.update_priorities(bt, np.full(B, 4.0))
         buf.update_priorities(jax.device_put(jnp.asarray(b.indices), dev), jax.device_put(jnp.ones(B), dev))
         twin.update_priorities(bt.indices, np.ones(B))

@@ -273,11 +273,11 @@ def test_priorities_on_a_device_are_applied_later_in_order_and_survive_deletion(
             td = np.random.default_rng(step).random(6).astype(np.float32)
             x = jax.device_put(jnp.asarray(td), dev)
             buf.update_priorities(b.to_jax(dev), x)
-            assert len(buf._deferred) == 1  # in flight: the call returned without reading it
+            assert len(buf._guard.deferred) == 1  # in flight: the call returned without reading it
             x.delete()                      # the learner may drop or donate it: the host copy is its own
             twin.update_priorities(bt, td)
         buf.sample(2), twin.sample(2)
-        assert len(buf._deferred) == 0
+        assert len(buf._guard.deferred) == 0
         assert np.array_equal(leaves(buf), leaves(twin))
         before = leaves(buf)
         b = buf.sample(6)
@@ -298,7 +298,7 @@ def test_priorities_on_a_device_are_applied_later_in_order_and_survive_deletion(
                 assert err in str(e), e
             else:
                 raise AssertionError(err)
-        assert len(buf._deferred) == 0 and np.array_equal(leaves(buf), before)
+        assert len(buf._guard.deferred) == 0 and np.array_equal(leaves(buf), before)
         print("ok")
     """)
     assert "ok" in out

@@ -82,7 +82,7 @@ class Calls:
 
     def close(self, buf, k):
         if k == 3:
-            with buf._lock:
+            with buf._guard.lock:
                 if not buf.closed:
                     self.closed_at = len(buf)
                 buf.close()

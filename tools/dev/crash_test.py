@@ -135,7 +135,7 @@ def _check(root: Path, check: Path) -> dict:
         out["len"] = len(buf)
     finally:  # a throwaway: let go without recording its state (the next check takes over again)
         buf._store.abort()
-        buf._closed = True
+        buf._guard.closed = True
     out["snapshots"] = len(present)
     return out
 
