@@ -268,7 +268,7 @@ class SegmentLog:
             if self._scratch.shape[0] < need:
                 self._scratch = np.empty(need, dtype=np.uint8)
             lengths = np.empty(m, dtype=np.int64)
-            used = _zstd.compress_rows(self.codec.cctx[slot], frames, self._scratch, lengths)
+            used = self.codec.compress_into(slot, frames, self._scratch, lengths)
             if used < 0:
                 raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes (row {-1 - used})")
             data = self._scratch
