@@ -35,6 +35,7 @@ kill), and of this process while it samples (its peak reset first).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -232,11 +233,8 @@ def hwm_mb(pid="self") -> float:
 
 
 def reset_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the RSS now
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the RSS now
 
 
 def child(code: str, *args, kill_after=None, log=None):
@@ -353,8 +351,7 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
 
     with bigper.PrioritizedReplayBuffer.from_hdf5(dst) as ds:
         live = np.flatnonzero(ds.status == 1)
-        want = (expected_score(live) + EPS) ** ALPHA
-        got = ds.prioritization.key_at(live)
+        got, want = ds.prioritization.key_at(live), (expected_score(live) + EPS) ** ALPHA
         assert live.shape[0] == n and np.allclose(got, want, rtol=1e-9, atol=0), "priorities after the resume"
     say(f"reprioritized {n:,} (killed at {r['resumed_at']:,} scored, resumed); every priority checked")
     # 4. the sample + update round, beside a one-checkpoint convert (the 1M of the dataset's checkpoints)
