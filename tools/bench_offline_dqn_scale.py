@@ -35,23 +35,21 @@ kill), and of this process while it samples (its peak reset first).
 
 from __future__ import annotations
 
-import contextlib
 import gzip
-import json
 import os
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench_offline_dqn_child import child, hwm_mb, reset_hwm
+
 K = 4
 ALPHA, EPS = 0.6, 1e-6  # from_hdf5's defaults
 
 CONVERT = r"""
-import json, resource, sys, time
+import json, sys, time
 import bigper.convert_dqn as c
 save, extend, at = c.Snapshots.save, c.PrioritizedReplayBuffer.extend, [0, 0]
 stop = [int(x) for x in sys.argv[3:5]] if len(sys.argv) > 4 else None  # (checkpoints done, extends into the next)
@@ -76,7 +74,7 @@ print("result", json.dumps(r), flush=True)
 """
 
 SCORE = r"""
-import json, resource, sys, time
+import json, sys, time
 import numpy as np
 import bigper
 stop, past = (int(sys.argv[2]) if len(sys.argv) > 2 else None), []
@@ -222,70 +220,6 @@ def check_convert(dst: Path, run: Path, cks: list, sample: int, check_all: bool,
 
 
 # -- children -----------------------------------------------------------------------------
-def hwm_mb(pid="self") -> float:
-    """Peak RSS of a process since it started (or since ``reset_hwm``), MB; 0 once it is gone.
-    (Not ``ru_maxrss``: a child's carries its parent's peak across fork and exec.)"""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return [int(x.split()[1]) for x in f if x.startswith("VmHWM")][0] / 1024
-    except (OSError, IndexError):
-        return 0.0
-
-
-def reset_hwm() -> None:
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the RSS now
-
-
-def child(code: str, *args, kill_after=None, log=None):
-    """Run ``code`` in a child; ``kill_after(line, elapsed)`` -> seconds (None: not yet) starts
-    a timer that sends SIGKILL then. Returns ``(result dict or None, killed, seconds, lines)``."""
-    import threading
-
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
-                         stderr=log or subprocess.DEVNULL, text=True, env=env)
-    killed, timer, result, lines = [], None, None, []
-
-    peak = [0.0]
-    done = threading.Event()
-
-    def watch():  # the child's peak RSS, read from /proc while it runs
-        while not done.wait(0.5):
-            peak[0] = max(peak[0], hwm_mb(p.pid))
-    threading.Thread(target=watch, daemon=True).start()
-
-    def kill():
-        if p.poll() is None:
-            peak[0] = max(peak[0], hwm_mb(p.pid))
-            p.kill()  # SIGKILL
-            killed.append(time.perf_counter() - t0)
-    for line in p.stdout:
-        lines.append(line.strip())
-        if line.startswith("result "):
-            result = json.loads(line[7:])
-        elif kill_after is not None and timer is None:
-            delay = kill_after(line.strip(), time.perf_counter() - t0)
-            if delay is not None:
-                timer = threading.Timer(delay, kill)
-                timer.start()
-    p.stdout.close()
-    rc = p.wait()
-    done.set()
-    if timer is not None:
-        timer.cancel()
-    if result is not None:
-        peak[0] = max(peak[0], result.get("rss_mb", 0.0))
-    child.peaks.append(peak[0])
-    if not killed and rc != 0:
-        raise RuntimeError(f"child exited {rc}; its last lines: {lines[-5:]}")
-    return result, bool(killed), time.perf_counter() - t0, lines
-
-
-child.peaks = []  # each child's peak RSS, MB
 def rounds(dst: Path, batches=(32, 256), warm: int = 20, iters: int = 200, seed: int = 0) -> dict:
     import bigper
 
@@ -311,6 +245,7 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
         raise SystemExit("--scale needs --checkpoints >= 2 (the kill lands after half of them)")
     rep: dict = {"slots": slots, "checkpoints": checkpoints}
     child.peaks.clear()
+    child.anon.clear()
     run, dst = root / "run", root / "out.h5"
     rep.update(make_run(run, slots, checkpoints, distinct, pool, level, games, say))
     src = sum(os.stat(p).st_size for p in run.iterdir())  # (links counted as the files they stand for)
@@ -365,6 +300,7 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
     r1, _, _, _ = child(CONVERT, one, root / "one.h5", log=log)
     rep["round_us_one_checkpoint"] = rounds(root / "one.h5")
     rep["one_checkpoint_transitions"] = r1["transitions"]
+    rep["rss_anon_mb"] = {"convert": round(max(child.anon[:2])), "reprioritize": round(max(child.anon[2:4]))}
     rep["rss_mb"] = {"convert": round(max(child.peaks[:2])), "reprioritize": round(max(child.peaks[2:4])),
                      "sample_update": rep["round_rss_mb"],
                      "bench_peak": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
@@ -383,14 +319,16 @@ def print_scale(rep: dict) -> None:
             ["convert incl. kill -9 + resume, tr/s", f"{c['rate_overall']:,}", ""],
             ["bytes on disk a transition", f"{rep['dst_bytes_per_tr']} ({rep['dst_gb']} GB)",
              f"<= 300 (15 GB at 50M); gzip source {rep['src_bytes_per_tr']}"],
-            ["peak RSS of the convert, MB", f"{rep['rss_mb']['convert']:,}", "<= 4,096"],
+            ["peak RSS of the convert, MB", f"{rep['rss_mb']['convert']:,} (anonymous "
+             f"{rep['rss_anon_mb']['convert']:,})", "<= 4,096"],
             ["peak RSS while sampling (from_hdf5), MB", f"{rep['rss_mb']['sample_update']:,}", "<= 4,096"]]
     for b in rep["round_us"]:
         rows.append([f"sample + update round B={b}, us", f"{rep['round_us'][b]} (one checkpoint "
                      f"{rep['round_us_one_checkpoint'][b]}: {ratio[b]:.2f}x)", "<= 2x the 1M round"])
     rows += [["reprioritize (resumed run), tr/s", f"{p['rate_resumed']:,}", ""],
              ["reprioritize incl. kill -9 + resume, tr/s", f"{p['rate_overall']:,}", ""],
-             ["peak RSS of reprioritize, MB", f"{rep['rss_mb']['reprioritize']:,}", "<= 4,096"]]
+             ["peak RSS of reprioritize, MB", f"{rep['rss_mb']['reprioritize']:,} (anonymous "
+              f"{rep['rss_anon_mb']['reprioritize']:,})", "<= 4,096"]]
     print_table(["measure", "value", "target"], rows)
     print(f"resume after kill -9: the convert during checkpoint {rep['checkpoints'] // 2}, reprioritize after "
           f"{p['resumed_at']:,} scored; both complete: {rep['check']['checked']:,} transitions equal to the "
