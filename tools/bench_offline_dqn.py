@@ -7,8 +7,8 @@ grayscale, 84x84 INTER_AREA), then ``bigper convert RUN DST`` runs on it.
 Reported: play and write time (not counted), the convert's transitions a
 second, its peak RSS (of this process), bytes a transition of the gzip files
 and of the converted file, and the frames bigper wrote per transition.
-The §4 scale run (50M, resume after kill -9, sample and reprioritize
-rounds) is not here yet.
+``--scale``: the §4 scale run (``bench_offline_dqn_scale.py``: kill -9 and
+resume of the convert and of ``reprioritize``, the sample + update rounds).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def run_dqn_replay(root: Path, slots: int, checkpoints: int, workers=None, say=p
 
 def cmd(args) -> int:
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    if args.scale:
+        return cmd_scale(args, base)
     root = Path(tempfile.mkdtemp(prefix="bigper-bench-dqn-", dir=base))
     try:
         rep = run_dqn_replay(root, args.slots, args.checkpoints, args.workers)
@@ -74,4 +76,26 @@ def cmd(args) -> int:
           f"{rep['src_bytes_per_tr']} B/transition gzip -> {rep['dst_bytes_per_tr']} B bigper zstd; "
           f"{rep['frames_per_tr']} frames/transition; peak RSS {rep['peak_rss_mb']} MB")
     print(json.dumps({"bench": "offline-dqn-replay", "results": rep}, separators=(",", ":")))
+    return 0
+
+
+def cmd_scale(args, base: Path) -> int:
+    from bench_offline_dqn_scale import print_scale, run_scale
+
+    n = args.slots * args.checkpoints
+    need = n * 700 + args.slots * 200  # the work directory and the HDF5 copy side by side, the source
+    free = shutil.disk_usage(base).free
+    if free < need:
+        print(f"not enough free disk under {base}: {free / 1e9:.1f} GB free, about {need / 1e9:.1f} GB needed")
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="bigper-bench-dqn-scale-", dir=base))
+    t0 = time.perf_counter()
+    try:
+        rep = run_scale(root, args.slots, args.checkpoints, distinct=args.distinct, pool=args.pool,
+                        level=args.gzip_level, sample=args.sample, check_all=args.check_all)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rep["wall_s"] = round(time.perf_counter() - t0)
+    print_scale(rep)
+    print(json.dumps({"bench": "offline-dqn-replay-scale", "results": rep}, separators=(",", ":")))
     return 0

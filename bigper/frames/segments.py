@@ -20,7 +20,8 @@ in it is older than the newest ``F`` (its transitions expired with them), so
 a log that grows (no ``compression_budget``, the default) keeps every frame a
 sampleable transition needs, whatever the frames compress to: ``capacity``
 is a promise. Without a free slot it allocates one (``_open_ahead``: the
-storage grows by one segment, really reserved on disk, so a full disk is an
+storage grows by one segment, and a log of ``SPARE_FROM`` slots or more by a
+few spare ones beyond (``spare``, kept by ``trim``), really reserved on disk, so a full disk is an
 ``OSError`` naming the file before anything changed), up to the ``S`` slots
 ``F`` frames that do not compress would need; a storage that does not grow
 (``rows`` None: ``storage/base.py``) holds all ``S`` from the start, and an
@@ -77,6 +78,7 @@ TRAIN_FRAMES = 1000  # frames between two looks at the dictionary (and the frame
 TRAIN_SAMPLE = 500  # frames a candidate is trained on at most
 MIN_LOOK = 64  # frames in the log at least for a look (half to train a candidate on, half to measure it)
 LEN_MASK = (1 << 32) - 1
+SPARE_FROM, SPARE_MAX = 64, 16  # a growing log of 64 slots or more grows slots // 64 spare ones (16 at most)
 DECODE_CHUNK = 32  # frames per thread at least in a decode
 
 
@@ -268,7 +270,7 @@ class SegmentLog:
             if self._scratch.shape[0] < need:
                 self._scratch = np.empty(need, dtype=np.uint8)
             lengths = np.empty(m, dtype=np.int64)
-            used = _zstd.compress_rows(self.codec.cctx[slot], frames, self._scratch, lengths)
+            used = self.codec.compress_into(slot, frames, self._scratch, lengths)
             if used < 0:
                 raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes (row {-1 - used})")
             data = self._scratch
@@ -357,15 +359,23 @@ class SegmentLog:
         place(lengths, f0, self.F, self.seg, self.capped, st, self.seg_first.copy(), slot_of, used, offsets)
         had = self.slots  # (slots allocated now are new files: nothing to copy)
         if st[A] > self.st[A]:
-            self.store.grow("frame_log", int(st[A]) * self.seg_rows)  # (all or nothing: an OSError changes nothing)
+            # A large log grows a few spare slots beyond what this append needs (each growth
+            # is a meta.json rewrite and fsyncs): the next appends open segments in them.
+            grown = min(self.S, int(st[A]) + self.spare())
+            self.store.grow("frame_log", grown * self.seg_rows)  # (all or nothing: an OSError changes nothing)
             journal.add(lambda: self.store.shrink("frame_log", had * self.seg_rows))
-            self.st[A] = st[A]
+            self.st[A] = grown
         if self.store.shared_chunks:
             opened = slot_of[np.arange(self.g + 1, int(st[G]) + 1) % self.S]
             opened = opened[opened < had]
             if opened.size:
                 self.store.prepare({"frame_log": (opened[:, None] * self.seg_rows
                                        + np.arange(self.seg_rows)).reshape(-1)})
+
+    def spare(self) -> int:
+        """Free slots a growth adds beyond the append's need, and ``trim`` keeps: none
+        below ``SPARE_FROM`` slots, then one in ``SPARE_FROM``, at most ``SPARE_MAX``."""
+        return min(SPARE_MAX, self.slots // SPARE_FROM)
 
     def trim(self) -> None:
         """After a write that opened segments: give the storage back the free
@@ -380,6 +390,7 @@ class SegmentLog:
         keep = n = self.slots
         while keep > 2 and self.used[keep - 1] == 0 and self.used[keep - 2] == 0:
             keep -= 1
+        keep = min(n, keep + self.spare())  # (the spare slots a growth made stay)
         if keep == n:
             return
         try:

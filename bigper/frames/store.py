@@ -47,6 +47,8 @@ def _same(a, b):
     """Two frames (as words of equal count) hold the same bytes. Blocks of a
     fixed 128 words, so the inner loop vectorizes (a block length known only
     at run time kept it scalar: 4x slower); stops after the first differing block."""
+    if a.ctypes.data == b.ctypes.data:  # one frame seen twice (stacks that are views of one window)
+        return True
     n = a.shape[0]
     i = 0
     while i + 128 <= n:
@@ -106,6 +108,10 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rin
     m, k = obs.shape[0], obs.shape[1]
     n_new = 0
     shift = 0 if has_next else 1
+    cont = nxt if has_next else obs  # the stack the env's next row continues
+    # prev[e]: env e's last valid row of this call, whose stack its next row continues
+    # (compared in the input; last_frames gets a copy of it once, at the end)
+    prev = np.full(last_frames.shape[0], -1, dtype=np.int64)
     for r in range(m):
         e = env[r]
         if not valid[r]:
@@ -113,9 +119,11 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rin
                 obs_ref[r, j] = -1
                 next_ref[r, j] = -1
             continue
+        p = prev[e]
         for j in range(k):
             src = j + shift
-            if has_last[e] and src < k and _same(obs[r, j], last_frames[e, src]):
+            if has_last[e] and src < k and (_same(obs[r, j], cont[p, src]) if p >= 0
+                                            else _same(obs[r, j], last_frames[e, src])):
                 obs_ref[r, j] = last_ref[e, src]
             elif j > 0 and _same(obs[r, j], obs[r, j - 1]):
                 obs_ref[r, j] = obs_ref[r, j - 1]
@@ -132,12 +140,11 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rin
                     next_ref[r, j] = fw
                     fw, n_new = _new_frame(nxt[r, j], new_frames, n_new, fw, ring)
             for j in range(k):
-                _copy(last_frames[e, j], nxt[r, j])
                 last_ref[e, j] = next_ref[r, j]
         else:
             for j in range(k):
-                _copy(last_frames[e, j], obs[r, j])
                 last_ref[e, j] = obs_ref[r, j]
+        prev[e] = r
         has_last[e] = ends[r] == 0
         lo = obs_ref[r, 0]
         for j in range(k):
@@ -145,6 +152,10 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rin
             if has_next:
                 lo = min(lo, next_ref[r, j])
         minref[slots[r]] = lo
+    for e in range(prev.shape[0]):
+        if prev[e] >= 0:
+            for j in range(k):
+                _copy(last_frames[e, j], cont[prev[e], j])
     return fw
 
 
@@ -341,7 +352,15 @@ class FrameStore:
         m = stacks.shape[0]
         if stacks.flags.c_contiguous:  # the usual case: two views, no copy
             return stacks.reshape(m, self.k, self.row_bytes // self.dtype.itemsize).view(self.word)
-        flat = np.ascontiguousarray(stacks).reshape(m, self.k, -1).view(np.uint8)
+        # Stacks that are views of one window of frames (a DQN Replay convert): a view of
+        # words when the frames' own bytes are contiguous, compared by address first (_same).
+        w = self.word.itemsize
+        try:
+            flat = stacks.reshape(m, self.k, -1).view(np.uint8)
+        except ValueError:  # (a dtype wider than a byte whose last axis is not contiguous)
+            flat = np.ascontiguousarray(stacks).reshape(m, self.k, -1).view(np.uint8)
+        if flat.strides[-1] != 1 or flat.strides[1] % w or flat.strides[0] % w or flat.ctypes.data % w:
+            flat = np.ascontiguousarray(flat)
         return flat.view(self.word)
 
     def write(self, rows: dict, g0: int, slots, where, ends: np.ndarray, valid=None, rw=None,
