@@ -47,7 +47,7 @@ class Live:
 
 
 def _buffer():
-    if Live.buf is None or Live.buf.closed:
+    if Live.buf is None or Live.buf._closed:
         Live.buf = ShardedPrioritizedBuffer(2, CAP, FIELDS, chunk_size=16, seed=0, shard_timeout_s=60.0)
         Live.buf.extend(_steps(64))
         Live.buf.flush()
