@@ -61,11 +61,16 @@ class Transport:
     """How a batch's draw prepared its trip to a device, read by ``to_torch``
     and ``to_jax`` (``Batch.transport``; None for a batch made by hand).
 
-    ``staged``: a pinned block that already holds the batch as its device
-    takes it (``bigper._torch.Staged``), sent by the first ``to_torch`` to
-    that device (``take_staged``). ``tensors``: a device tier's batch, its
-    tensors already on the device (a ``TensorBatch``). ``frames``: a sequence
-    batch's frames once, ``("refs", refs)`` or ``("frames", frames, index)``.
+    Parameters
+    ----------
+    staged : Staged, optional
+        A pinned block that already holds the batch as its device takes it,
+        sent by the first ``to_torch`` to that device (``take_staged``).
+    tensors : TensorBatch, optional
+        A device tier's batch: its tensors already on the device.
+    frames : tuple, optional
+        A sequence batch's frames once: ``("refs", refs)`` or ``("frames",
+        frames, index)``.
     """
 
     __slots__ = ("staged", "tensors", "frames")

@@ -118,11 +118,21 @@ class Batch(Mapping[str, np.ndarray]):
                           generations=generations, mask=mask, burn_in=burn_in, transport=transport)
         return b
 
-    def carrying(self, transport: Transport) -> "Batch":
-        """This batch with ``transport`` (a new ``Batch`` over the same arrays;
-        ``transport`` a ``Transport``, or None for none)."""
+    def carrying(self, transport: Transport | None) -> "Batch":
+        """This batch with ``transport`` (a new ``Batch`` over the same arrays).
+
+        Parameters
+        ----------
+        transport : Transport or None
+            What the draw prepared for the trip to a device (None: nothing).
+
+        Returns
+        -------
+        Batch
+        """
         if transport is not None and not isinstance(transport, Transport):
-            raise InvalidTypeError(f"transport must be a bigper._torch.Transport or None, not {type(transport).__name__}")
+            raise InvalidTypeError(f"transport must be a bigper._torch.Transport or None, "
+                                   f"not {type(transport).__name__}")
         return Batch.make(self.data, self.indices, self.weights, self.probabilities, self.generations,
                           self.mask, self.burn_in, transport)
 
