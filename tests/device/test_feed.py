@@ -8,6 +8,7 @@ handful of Python calls a batch. CPU everywhere, CUDA where present."""
 
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -274,3 +275,21 @@ def test_what_the_feed_does_not_cover_takes_the_general_path(tmp_path):
         next(it)
         buf.close()
     assert sys.modules.get("bigper.device.feed") is not None
+
+
+def test_the_cpu_feed_draws_nothing_before_the_first_next():
+    """On the CPU the feed draws in the learner's next() (the semantics guide):
+    a sampler made and left alone moves neither the random stream nor the
+    beta schedule; the first next() then draws what sample() would have."""
+    a, b = _atari_like(), _atari_like()
+    _add(a, 0, 300)
+    _add(b, 0, 300)
+    it = a.sampler(8, prefetch=3, device="cpu")
+    time.sleep(0.2)
+    assert it.ready == 0
+    np.testing.assert_array_equal(a.sample(8).indices, b.sample(8).indices)
+    first = next(it)
+    np.testing.assert_array_equal(first.host["indices"], b.sample(8).indices)
+    it.close()
+    a.close()
+    b.close()
