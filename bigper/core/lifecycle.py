@@ -158,7 +158,7 @@ def _entry(method: Callable[P, R], settle: bool, draw: bool) -> Callable[P, R]:
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
         guard = self._guard
-        if settle and guard.deferred:
+        if settle and guard.deferred.items:
             guard.deferred.wait()  # device copies still running: waited for before the lock, not under it
         with guard.lock:
             if guard.closed:
@@ -166,7 +166,7 @@ def _entry(method: Callable[P, R], settle: bool, draw: bool) -> Callable[P, R]:
             outer = guard.in_call
             guard.in_call = name if outer is None else outer
             try:
-                if settle and guard.deferred:  # in order, before anything reads the tree
+                if settle and guard.deferred.items:  # in order, before anything reads the tree
                     guard.settle(keep=draw)
                 if guard.error is not None and not draw:
                     e, guard.error = guard.error, None
@@ -184,10 +184,10 @@ def reader(method):
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
         guard = self._guard
-        if guard.deferred:
+        if guard.deferred.items:
             guard.deferred.wait()  # (outside the lock, as for every entry point)
         with guard.lock:
-            if not guard.closed and guard.deferred:
+            if not guard.closed and guard.deferred.items:
                 guard.settle(keep=True)  # (a reader reports nobody's error: the next call does)
             return method(self, *args, **kwargs)
     return entry

@@ -121,6 +121,7 @@ class Slot:
         self.use_count = torch._C._storage_Use_Count
         self.base = None  # (taken by ``Filler.new_slot``, once the locals of this call are gone)
         self.code = None  # the stack layout of the batch it holds
+        self.index = None  # its row in a NativeFeed's pool (None: a slot of its own)
 
     def batch(self) -> FeedBatch:
         """The batch this slot holds: tensors of its own over the slot's bytes,

@@ -100,10 +100,8 @@ class NativeFeed(Threaded):
         out = self._out
         while len(out) >= _HELD:  # the batch before the last: back to the pool, or kept
             slot = out.popleft()
-            if slot.unheld() and slot.index is not None:
-                self._free.append(slot.index)
-            elif slot.index is not None:
-                self._kept.append(slot)
+            if slot.index is not None:  # (a slot of its own is let go)
+                (self._free.append(slot.index) if slot.unheld() else self._kept.append(slot))
         try:
             slot = self._next_slot()
         except KeyboardInterrupt:  # (the learner's to catch: the slots are where they were, the iteration goes on)
@@ -126,7 +124,6 @@ class NativeFeed(Threaded):
             if self._error is not None:
                 raise self._error
             slot = filler.new_slot()  # every pool slot held: one of its own, filled here
-            slot.index = None
             filler.fill(slot, _never)
             return slot
         slot, job = self._flight.popleft()
