@@ -179,7 +179,8 @@ class Threaded:
         self._done = True
         self._signal_stop()
         t = self._thread
-        if wait and t is not None and t is not threading.current_thread():
+        # (a thread not started yet has nothing to wait for: told to stop, it ends at its start)
+        if wait and t is not None and t.ident is not None and t is not threading.current_thread():
             t.join(timeout)
         while True:
             try:
