@@ -54,8 +54,14 @@ FIXTURES = {
     # compression="zstd" (frames/segments.py): a dictionary trained after 40 frames, segments wrapped
     "zstd-memmap": dict(capacity=30, num_envs=1, k=3, frame=(16, 16), storage="memmap", hi=4, train=40, n=90,
                         kw=dict(n_step=2, alpha=0.6, beta=0.5, compression="zstd", compression_budget=80)),
+    # the last format with 64 bits a frame reference (obs_ref, next_obs_ref: int64 x k each), written by
+    # bigper 23b6758 before the references became one frame id and offsets (issue 43 section 2)
+    "refs64-zstd-hdf5": dict(capacity=40, num_envs=2, k=4, frame=(16, 16), storage="hdf5", hi=4, train=40, n=60,
+                             cont=True, kw=dict(n_step=1, alpha=0.6, beta=0.5, compression="zstd")),
+    "refs64-envs-memmap": dict(capacity=36, num_envs=3, k=4, frame=(6, 6), storage="memmap", n=30, cont=True,
+                               kw=dict(n_step=2, alpha=0.7, beta=0.4)),
 }
-ONCE = ("zstd-memmap",)  # written by this maker only when named: python tests/data/make_fixtures.py zstd-memmap
+ONCE = ("zstd-memmap", "refs64-zstd-hdf5", "refs64-envs-memmap")  # written by this maker only when named: python tests/data/make_fixtures.py zstd-memmap
 
 
 def make(kind: str, out: Path) -> None:
@@ -65,7 +71,9 @@ def make(kind: str, out: Path) -> None:
     fields = {"obs": obs, "reward": ((), np.float32), "action": ((), np.int64)}
     storage = spec.get("storage", kind)
     if "train" in spec:
-        bigper.segments.TRAIN_FRAMES = spec["train"]
+        import bigper.frames.segments as segments
+
+        segments.TRAIN_FRAMES = spec["train"]
     with tempfile.TemporaryDirectory() as tmp:
         path = None if storage == "memory" else Path(tmp) / "live"
         buf = bigper.PrioritizedReplayBuffer(spec["capacity"], fields, storage=storage, path=path,
@@ -82,7 +90,10 @@ def make(kind: str, out: Path) -> None:
         buf.save(snap)
         buf.close()
         # what a load must give: sampled from a fresh load of the fixture itself
-        loaded = bigper.PrioritizedReplayBuffer.load(snap, path=None if storage == "memory" else Path(tmp) / "l2")
+        # (cont: the episodes open at the snapshot go on, as test_snapshot loads every fixture)
+        more = {"continue_episodes": True} if spec.get("cont") else {}
+        loaded = bigper.PrioritizedReplayBuffer.load(snap, path=None if storage == "memory" else Path(tmp) / "l2",
+                                                     **more)
         expected = {"len": len(loaded), "total_priority": loaded.total_priority, "batches": []}
         for i in range(3):
             b = loaded.sample(6)

@@ -360,7 +360,9 @@ def test_loading_and_training_leave_the_snapshot_unchanged(kind, tmp_path):
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
-@pytest.mark.parametrize("name", ["snapshot-v1-memory", "snapshot-v1-memmap", "snapshot-v1-zstd-memmap"])
+@pytest.mark.parametrize("name", ["snapshot-v1-memory", "snapshot-v1-memmap", "snapshot-v1-zstd-memmap",
+                                  # the last format with int64 x k frame references (issue 43 section 2)
+                                  "snapshot-v1-refs64-zstd-hdf5", "snapshot-v1-refs64-envs-memmap"])
 def test_committed_format_1_snapshot_keeps_loading(name, tmp_path):
     snap = DATA / name
     expected = json.loads((DATA / f"{name}.expected.json").read_text())
