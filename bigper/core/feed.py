@@ -56,7 +56,7 @@ META = (("indices", np.int64), ("generations", np.int64), ("probabilities", np.f
 # gather, or as two (B, k) gathers (some next_obs stack is not its obs stack moved on by one frame).
 NO_FRAMES, OBS_ONLY, PAIR, SPLIT = 0, 1, 2, 3
 
-_EMPTY_REFS = np.zeros((0, 0), dtype=np.int64)
+_NO_REFS = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.uint8), 1, 0, False)
 _NO_BYTES = np.zeros((0, 0), dtype=np.uint8)
 
 
@@ -162,10 +162,11 @@ class Sources:
         frames = buf._frames
         arrays = buf._store.arrays
         if frames is not None:  # (the refs are the storage's even with a tier: the host plans, the device gathers)
-            next_ref = np.asarray(arrays["next_obs_ref"]) if layout.next else _EMPTY_REFS
-            self.refs = (np.asarray(arrays["obs_ref"]), next_ref, frames.F)
+            # (frame_ref, frame_off, F, k, whether next_obs stacks are drawn): frames/store.py's layout
+            self.refs = (np.asarray(arrays["frame_ref"]), np.asarray(arrays["frame_off"]), frames.F, frames.k,
+                         bool(layout.next))
         else:
-            self.refs = (_EMPTY_REFS, _EMPTY_REFS, 1)
+            self.refs = _NO_REFS
         # (an empty tuple has no type numba can index: one empty array stands for none)
         self.srcs = tuple(_bytes2d(field_arrays[name]) for name in layout.fields) if field_arrays else ()
         self.srcs = self.srcs or (_NO_BYTES,)
@@ -214,46 +215,46 @@ def draw_kernel(tree, uniforms, how, book, refs, meta, ids):
     sums, mins, offsets = tree
     stratified, beta, batch_norm = how
     ends, gid, discount1 = book
-    obs_ref, next_ref, F = refs
+    fref, foff, F, k, nxt = refs  # obs id j of slot s: fref[s] - foff[s, j]; next_obs id j: ... foff[s, k + j]
     idx, gen, prob, w, term, trunc, disc, host_idx, host_gen = meta
     sample_into(sums, mins, offsets, uniforms, stratified, beta, batch_norm, idx, prob, w)
     batch_meta(idx, ends, gid, discount1, gen, term, trunc, disc)
     host_idx[:] = idx
     host_gen[:] = gen
     b = idx.shape[0]
-    k = obs_ref.shape[1]
     if k == 0:
         return 0, 0
     lowest = np.int64(2 ** 62)
     for i in range(b):
         s = idx[i]
         for j in range(k):
-            lowest = min(lowest, obs_ref[s, j])
-    if next_ref.shape[0] == 0:
+            lowest = min(lowest, fref[s] - np.int64(foff[s, j]))
+    if not nxt:
         for i in range(b):
+            s = idx[i]
             for j in range(k):
-                ids[i * k + j] = obs_ref[idx[i], j] % F
+                ids[i * k + j] = (fref[s] - np.int64(foff[s, j])) % F
         return 1, lowest
     pair = True
     for i in range(b):
         s = idx[i]
-        lowest = min(lowest, next_ref[s, k - 1])
+        lowest = min(lowest, fref[s] - np.int64(foff[s, 2 * k - 1]))
         for j in range(k - 1):
-            if next_ref[s, j] != obs_ref[s, j + 1]:
+            if foff[s, k + j] != foff[s, j + 1]:
                 pair = False
     if pair:
         for i in range(b):
             s = idx[i]
             for j in range(k):
-                ids[i * (k + 1) + j] = obs_ref[s, j] % F
-            ids[i * (k + 1) + k] = next_ref[s, k - 1] % F
+                ids[i * (k + 1) + j] = (fref[s] - np.int64(foff[s, j])) % F
+            ids[i * (k + 1) + k] = (fref[s] - np.int64(foff[s, 2 * k - 1])) % F
         return 2, lowest
     for i in range(b):
         s = idx[i]
         for j in range(k):
-            lowest = min(lowest, next_ref[s, j])
-            ids[i * 2 * k + j] = obs_ref[s, j] % F
-            ids[i * 2 * k + k + j] = next_ref[s, j] % F
+            lowest = min(lowest, fref[s] - np.int64(foff[s, k + j]))
+            ids[i * 2 * k + j] = (fref[s] - np.int64(foff[s, j])) % F
+            ids[i * 2 * k + k + j] = (fref[s] - np.int64(foff[s, k + j])) % F
     return 3, lowest
 
 

@@ -20,6 +20,9 @@ from .ring import Ring
 from .sequences import Items
 
 FRAMED = ("obs", "next_obs")  # with frame stacks these go to the frame ring, not a per-row array
+# Arrays an older format stored and a load still reads (snapshot/_refs.py converts them): no field
+# may take their names either, or a snapshot's field would read as them.
+LEGACY_NAMES = ("obs_ref", "next_obs_ref", "frames_minref")
 
 
 def plain_fields(cfg: Config) -> dict:
@@ -69,7 +72,8 @@ def own_names() -> tuple[str, ...]:
     Derived from the code that makes them, over every kind of buffer
     (``_kinds``), so that a new array cannot be forgotten here: the arrays
     of ``storage_specs`` that are not a field's (the frame ring, the
-    compressed log and its index, the stacks' references), the arrays of a
+    compressed log and its index, the stacks' references; and those an older
+    format kept, ``LEGACY_NAMES``), the arrays of a
     recorded state (the ring's, each prioritization's, the frame store's and
     the sequence items'), the storages' own record beside the arrays
     (``storage.base.RECORD``), and the keys of batches and ``to_torch``
@@ -79,7 +83,7 @@ def own_names() -> tuple[str, ...]:
     -------
     tuple of str
     """
-    names = set(RESERVED) | {RECORD}
+    names = set(RESERVED) | {RECORD} | set(LEGACY_NAMES)
     for cfg in _kinds():
         frames = FrameStore(cfg, None) if cfg.frame_stack else None
         names |= set(storage_specs(cfg, frames)) - set(plain_fields(cfg)) - set(FRAMED)

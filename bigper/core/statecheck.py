@@ -34,14 +34,14 @@ import sys
 import numpy as np
 
 from ..errors import CorruptSnapshotError
-from ..frames.store import frame_capacity
+from ..frames.store import frame_capacity, offset_dtype, refs_outside
 from .sequences import ITEM_ARRAYS, item_truth
 from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
 _BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
 _EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")
-_FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr", "frames_minref")
+_FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr")
 _SEGMENTS = ("frames_seg_first", "frames_dict")  # with compression (frames/segments.py); and when the log grows:
 _GROWS = ("frames_seg_slot",)
 # The buffer's own arrays whatever the prioritization (its strategy adds its own).
@@ -135,6 +135,8 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
         arrays = {**arrays, "pending": np.zeros(0, np.float64)}
+    if cfg.frame_stack and "frames_minref" in have:  # recorded before issue 43 (now derived, never read)
+        have.discard("frames_minref")
     if kind != "proportional":
         # Another prioritization keeps its own arrays (checked by its restore); the
         # buffer's own ones must all be there.
@@ -278,7 +280,6 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
     last_ref = _array(arrays, "frames_last_ref", np.int64, (envs, k))
     has_last = _array(arrays, "frames_has_last", np.bool_, (envs,))
     ptr = _array(arrays, "frames_ptr", np.int64, (envs,))
-    minref = _array(arrays, "frames_minref", np.int64, (c,))
     live = last_ref[has_last]
     if live.size and (live.min() < 0 or live.max() >= fw):
         _bad(f"frames_last_ref holds a frame outside the {fw} frames written")
@@ -286,14 +287,39 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
     bad = np.flatnonzero((ptr < 0) | (ptr % envs != e) | (ptr >= count + envs))
     if bad.size:
         _bad(f"frames_ptr[{bad[0]}] = {ptr[bad[0]]} (env {bad[0]}'s expiry pointer after {count} steps)")
-    used = (status == LIVE) | (status == PENDING)
-    refs = minref[used]
-    lo = fw - frame_capacity(c, k, envs)
+    # (the references themselves are data, not state: frame_ref / frame_off are checked where
+    # they are read, FrameStore.restore and a snapshot's refs check; an older format's
+    # frames_minref is derived from them and not read)
     if getattr(cfg, "compression", None):
+        _check_segments(cfg, fm, arrays, fw, row_bytes)
+
+
+def check_refs(cfg, meta: dict, arrays: dict, frame_ref: np.ndarray, frame_off: np.ndarray) -> None:
+    """A recorded state's frame references (the data arrays ``frame_ref``
+    ``(C,)`` and ``frame_off`` ``(C, k or 2k)`` of ``frames/store.py``, read
+    from disk) after ``check_state``: their dtypes and shapes, and every live
+    or pending transition referencing only frames still stored.
+
+    Raises
+    ------
+    CorruptSnapshotError
+        Naming the array, or the first slot and its frames.
+    """
+    c, k = cfg.capacity, cfg.frame_stack
+    n_off = k * (2 if "obs" in cfg.next_of else 1)
+    fref = _array({"frame_ref": frame_ref}, "frame_ref", np.int64, (c,))
+    foff = _array({"frame_off": frame_off}, "frame_off", offset_dtype(k, cfg.num_envs), (c, n_off))
+    fm = meta["frames"]
+    fw = int(fm["fw"])
+    lo = fw - frame_capacity(c, k, cfg.num_envs)
+    if getattr(cfg, "compression", None):
+        shape = cfg.shape("obs")
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * cfg.dtype("obs").itemsize
         lo = max(lo, _check_segments(cfg, fm, arrays, fw, row_bytes))
-    if refs.size and (refs.min() < max(lo, 0) or refs.max() >= fw):
-        _bad(f"frames_minref: a sampleable transition references frames outside the ring "
-             f"[{max(lo, 0)}, {fw})")
+    status = arrays["status"]
+    wrong, _ = refs_outside(fref, foff, (status == LIVE) | (status == PENDING), max(lo, 0), fw)
+    if wrong:
+        _bad(wrong)
 
 
 def _check_segments(cfg, fm: dict, arrays: dict, fw: int, row_bytes: int) -> int:

@@ -46,8 +46,8 @@ _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
 # ``frames`` groups (FrameStore.kernel_args gives both otherwise, in this order).
 _NO_STACKS = (np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1, 1), np.uint8))
 _NO_RING = (False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), False,
-            np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.uint8),
-            np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+            np.zeros(1, np.int64), np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.uint8),
+            np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0)
 
 
 @kernel
@@ -60,8 +60,8 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     - ``book``: the ring's bookkeeping ``(gid, ends, status, pending, env_ended)``.
     - ``tree``: ``(sums, mins, offsets)``; ``sizes``: ``(n_step, num_envs)``.
     - ``frames``: the frame ring's (``FrameStore.kernel_args``): ``(framed,
-      last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, ptr,
-      expired)``.
+      last_frames, last_ref, has_last, has_next, fref, foff, ring, minref, ptr,
+      expired, reach)``.
 
     Rows with ``valid`` False are recorded dead (leaf 0). Keys are ``keys``
     (or ``max_leaf`` for every row when ``keys`` is empty). With ``n_step`` 1
@@ -80,7 +80,7 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     gid, ends_arr, status, pending, env_ended = book
     sums, mins, offsets = tree
     n_step, num_envs = sizes
-    framed, last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, ptr, expired = frames
+    framed, last_frames, last_ref, has_last, has_next, fref, foff, ring, minref, ptr, expired, reach = frames
     m = term.shape[0]
     capacity = gid.shape[0]
     F = ring.shape[0]
@@ -95,7 +95,7 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
         for r in range(m):
             env[r] = (g0 + r) % num_envs
         fw = write_direct((ow, nw, env, ends, valid), (last_frames, last_ref, has_last), fw, has_next,
-                          oref, nref, ring, slots, minref)
+                          fref, foff, ring, slots, minref, reach)
     commit_rows(g0, slots, ends, valid, LIVE if n_step == 1 else PENDING, gid, ends_arr, status)
     for r in range(m):
         env_ended[(g0 + r) % num_envs] = ends[r] != 0 or not valid[r]

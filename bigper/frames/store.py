@@ -1,13 +1,26 @@
 """Frame stacks stored once: a ring of frames and per-transition references.
 
 With ``frame_stack=k`` the ``"obs"`` field is a stack of ``k`` frames on axis
-0. Each transition keeps the global ids of the frames of its ``obs`` stack
-(``obs_ref``) and of its ``next_obs`` stack (``next_obs_ref``); frame ``f``
-lives in row ``f % F`` of the frame ring (``F`` frames, a little more than
-the capacity). A frame is written only when it is new::
+0. Each transition references the global ids of the frames of its ``obs``
+stack and of its ``next_obs`` stack; frame ``f`` lives in row ``f % F`` of
+the frame ring (``F`` frames, a little more than the capacity). A frame is
+written only when it is new::
 
     step t    obs      [a b c d]   -> refs of the previous step's next_obs
               next_obs [b c d e]   -> refs [b c d] shared, e written: 1 frame a step
+
+The references of a transition lie close together (the frames of its two
+stacks were written within a few steps of its env), so they are stored as
+one frame id and small offsets back from it (issue 43: 16 bytes a
+transition for k = 4 instead of 64)::
+
+    frame_ref  (capacity,)       int64   the newest frame id the transition references (-1: none)
+    frame_off  (capacity, 2k)    uint8   frame_ref - id, for the obs stack then the next_obs stack
+                                         (k columns without next_obs; uint16 or uint32 for many envs)
+
+A frame is reused only while it lies within ``reach`` ids of the frames
+being written (``offset_reach``); an older one with the same bytes is written
+again, so every offset fits its dtype whatever the input.
 
 What is compared is always the bytes, so any input comes back exactly: a
 stack that does not continue the previous step's next_obs (a reset without an
@@ -30,6 +43,7 @@ from .._pool import for_ranges, workers
 from .._reuse import ReusedArrays
 from .segments import SegmentLog
 from .._undo import Journal
+from ..errors import CorruptSnapshotError
 from ..status import DEAD, LIVE, PENDING
 
 
@@ -39,6 +53,29 @@ def require_compression() -> None:
 
 
 ALL_VALID = np.ones(256, dtype=np.bool_)
+REF_NAMES = ("obs_ref", "next_obs_ref")  # the stacks whose ids ``refs`` gives (names, not arrays)
+
+
+def offset_dtype(k: int, num_envs: int) -> np.dtype:
+    """The dtype of ``frame_off``: the narrowest unsigned one whose range holds
+    twice the frames a stack spans in a steady stream (each of ``num_envs``
+    envs writes about one frame a step, so the oldest frame of a stack was
+    written about ``k * num_envs`` ids before the newest), plus the ``2k``
+    new frames one row may write. Only a frame the stream reuses from further
+    back than that is written again (``offset_reach``)."""
+    need = 2 * (k + 1) * num_envs + 2 * k
+    for dt in (np.uint8, np.uint16):
+        if need <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint32)
+
+
+def offset_reach(k: int, dtype: np.dtype) -> int:
+    """How far back (in frame ids, from the first frame a row may write) a
+    reused frame may lie so that every offset of the row fits ``dtype``: the
+    newest id of a row is at most ``2k - 1`` past its first new one."""
+    return int(np.iinfo(dtype).max) - 2 * k
+
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
 
 
@@ -83,7 +120,7 @@ def _new_frame(src, dst, n_new, fw, ring):
 
 
 @kernel
-def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, ring=0):
+def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, reach, ring=0):
     """Frame references for ``m`` transitions, in order.
 
     ``rows``: ``(obs, nxt, env, ends, valid)``: (m, k, P) uint8 bytes of the
@@ -97,7 +134,11 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rin
     otherwise it is copied into ``new_frames`` and numbered from ``fw``.
     Rows with ``valid`` False (reset steps of next-step autoreset) store
     nothing and get the reference -1. ``minref[slots[r]]`` gets row r's
-    oldest reference. Returns the new frame count. With ``ring`` > 0,
+    oldest reference (-1 for a row without frames: what ``derive_minref``
+    gives from the stored references). A frame the stream continues is
+    reused only when it lies at most ``reach`` ids before the row's first
+    new frame (``offset_reach``); else it is written again. Returns the new
+    frame count. With ``ring`` > 0,
     ``new_frames`` is the frame ring (``ring`` rows) and each new frame is
     written straight to its row: frames are compared with the input and with
     ``last_frames``, never read back from the ring, so the result is the same.
@@ -118,12 +159,14 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rin
             for j in range(k):
                 obs_ref[r, j] = -1
                 next_ref[r, j] = -1
+            minref[slots[r]] = -1
             continue
         p = prev[e]
+        f0 = fw  # the row's first new frame id: a reused one lies at most `reach` before it
         for j in range(k):
             src = j + shift
-            if has_last[e] and src < k and (_same(obs[r, j], cont[p, src]) if p >= 0
-                                            else _same(obs[r, j], last_frames[e, src])):
+            if has_last[e] and src < k and f0 - last_ref[e, src] <= reach and \
+                    (_same(obs[r, j], cont[p, src]) if p >= 0 else _same(obs[r, j], last_frames[e, src])):
                 obs_ref[r, j] = last_ref[e, src]
             elif j > 0 and _same(obs[r, j], obs[r, j - 1]):
                 obs_ref[r, j] = obs_ref[r, j - 1]
@@ -160,21 +203,85 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rin
 
 
 @kernel
-def write_direct(rows, stream, fw, has_next, oref, nref, ring, slots, minref):
+def write_direct(rows, stream, fw, has_next, fref, foff, ring, slots, minref, reach):
     """``assign_refs`` writing new frames into the ring (``ring.shape[0]``
-    rows) and the references of row ``r`` into ``oref[slots[r]]`` /
-    ``nref[slots[r]]``; returns the new frame count."""
+    rows) and the references of row ``r`` into ``fref[slots[r]]`` /
+    ``foff[slots[r]]`` (``pack_refs``); returns the new frame count."""
     m, k = rows[0].shape[0], rows[0].shape[1]
     obs_ref = np.empty((m, k), dtype=np.int64)
     next_ref = np.empty((m, k), dtype=np.int64)
-    fw = assign_refs(rows, stream, fw, has_next, (obs_ref, next_ref), ring, slots, minref, ring.shape[0])
-    for r in range(m):
-        s = slots[r]
-        for j in range(k):
-            oref[s, j] = obs_ref[r, j]
-            if has_next:
-                nref[s, j] = next_ref[r, j]
+    fw = assign_refs(rows, stream, fw, has_next, (obs_ref, next_ref), ring, slots, minref, reach, ring.shape[0])
+    pack_refs(obs_ref, next_ref, has_next, slots, fref, foff)
     return fw
+
+
+@kernel
+def pack_refs(obs_ref, next_ref, has_next, rows, fref, foff):
+    """Row ``r`` of the ``(m, k)`` references ``obs_ref`` / ``next_ref`` as
+    ``fref[rows[r]]`` (the newest id) and ``foff[rows[r]]`` (that id minus
+    each reference: the obs stack's, then the next_obs stack's when
+    ``has_next``). ``assign_refs`` keeps every offset within ``foff``'s dtype."""
+    m, k = obs_ref.shape[0], obs_ref.shape[1]
+    for r in range(m):
+        base = obs_ref[r, 0]
+        for j in range(k):
+            base = max(base, obs_ref[r, j])
+            if has_next:
+                base = max(base, next_ref[r, j])
+        s = rows[r]
+        fref[s] = base
+        for j in range(k):
+            foff[s, j] = base - obs_ref[r, j]  # (in the dtype's range: assign_refs' reach)
+            if has_next:
+                foff[s, k + j] = base - next_ref[r, j]
+
+
+def unpack_refs(fref: np.ndarray, foff: np.ndarray, k: int, stack: int) -> np.ndarray:
+    """``(B, k)`` int64 frame ids of stack ``stack`` (0: obs, 1: next_obs) of
+    the rows ``fref`` ``(B,)`` / ``foff`` ``(B, k or 2k)``."""
+    return fref[:, None] - foff[:, stack * k:(stack + 1) * k].astype(np.int64)
+
+
+def refs_from_stacks(stacks: list, k: int, num_envs: int, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(frame_ref, frame_off)`` of the references an older format stored
+    whole: ``stacks``, the ``(C, k)`` int64 arrays ``obs_ref`` (and
+    ``next_obs_ref``), read from disk. ``used``: ``(C,)`` bool, the slots a
+    sample may read (live or pending).
+
+    Raises ``ValueError`` naming the first used slot whose references lie
+    further apart than ``offset_dtype(k, num_envs)`` holds (an older writer
+    reused frames without a reach); the offsets of the other slots are
+    clipped (never read)."""
+    refs = np.concatenate([np.asarray(a, dtype=np.int64) for a in stacks], axis=1)
+    fref = refs.max(axis=1) if refs.shape[0] else np.zeros(0, np.int64)
+    off = fref[:, None] - refs  # >= 0: fref is the row's largest
+    dt = offset_dtype(k, num_envs)
+    top = np.iinfo(dt).max
+    far = np.flatnonzero(used & (off.max(axis=1, initial=0) > top))
+    if far.size:
+        s = int(far[0])
+        raise ValueError(f"slot {s} references frames {int(refs[s].min())}..{int(fref[s])}, further apart than "
+                         f"the {dt} offsets of this format hold ({top})")
+    return fref, np.minimum(off, top).astype(dt)
+
+
+def derive_minref(fref: np.ndarray, foff: np.ndarray) -> np.ndarray:
+    """Each row's oldest frame id: ``fref - max(foff)`` (``(n,)`` int64)."""
+    return fref.astype(np.int64) - foff.max(axis=1, initial=0).astype(np.int64)
+
+
+def refs_outside(fref: np.ndarray, foff: np.ndarray, used: np.ndarray, lo: int, fw: int) -> tuple[str, np.ndarray]:
+    """Stored references (read from disk: untrusted) against the frames
+    stored, ids ``lo .. fw - 1``: ``(what is wrong, each row's oldest id)``,
+    the first an empty string when every ``used`` row (a live or pending
+    transition) references only stored frames."""
+    mins = derive_minref(fref, foff)
+    bad = np.flatnonzero(used & ((mins < lo) | (fref >= fw)))
+    if not bad.size:
+        return "", mins
+    s = int(bad[0])
+    return (f"frame_ref / frame_off: sampleable slot {s} references frames {int(mins[s])}..{int(fref[s])}, "
+            f"outside the frames stored [{lo}, {fw})"), mins
 
 
 @kernel
@@ -320,6 +427,9 @@ class FrameStore:
         self.word = np.dtype(np.uint64 if self.row_bytes % 8 == 0 else np.uint8)
         self.row_words = self.row_bytes // self.word.itemsize
         self.has_next = "obs" in cfg.next_of
+        self.off_dtype = offset_dtype(self.k, cfg.num_envs)
+        self.reach = offset_reach(self.k, self.off_dtype)
+        self.n_off = self.k * (2 if self.has_next else 1)
         self.num_envs = cfg.num_envs
         self.capacity = cfg.capacity
         self.F = frame_capacity(cfg.capacity, self.k, cfg.num_envs)
@@ -343,9 +453,8 @@ class FrameStore:
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
         out = {"frames": (self.F, self.frame_shape, self.dtype)} if self.log is None else self.log.specs()
-        out["obs_ref"] = (self.capacity, (self.k,), np.dtype(np.int64))
-        if self.has_next:
-            out["next_obs_ref"] = (self.capacity, (self.k,), np.dtype(np.int64))
+        out["frame_ref"] = (self.capacity, (), np.dtype(np.int64))
+        out["frame_off"] = (self.capacity, (self.n_off,), self.off_dtype)
         return out
 
     def _words(self, stacks: np.ndarray) -> np.ndarray:
@@ -383,10 +492,10 @@ class FrameStore:
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
         if rw is not None and self.log is None:
-            ring, oref, nref = self._in_place(rw)
+            ring, fref, foff = self._in_place(rw)
             # Rows go straight to their slots: refs are written row by row at slots[r].
             self.fw = write_direct((obs, nxt, env, ends, ok), (self.last_frames, self.last_ref, self.has_last),
-                                   self.fw, self.has_next, oref, nref, ring, slots, self.minref)
+                                   self.fw, self.has_next, fref, foff, ring, slots, self.minref, self.reach)
             return
         journal = Journal() if journal is None else journal
         obs_ref = np.empty((m, self.k), dtype=np.int64)
@@ -398,7 +507,7 @@ class FrameStore:
         saved = self._save(env, slots)
         journal.add(lambda: self._undo(saved, slots, fw0))
         fw = assign_refs((obs, nxt, env, ends, ok), (self.last_frames, self.last_ref, self.has_last),
-                         fw0, self.has_next, (obs_ref, next_ref), new, slots, self.minref)
+                         fw0, self.has_next, (obs_ref, next_ref), new, slots, self.minref, self.reach)
         n_new = fw - fw0
         if n_new and self.log is not None:
             self.log.append(fw0, new[:n_new].view(np.uint8).reshape(n_new, self.row_bytes), rw, journal)
@@ -411,8 +520,10 @@ class FrameStore:
             journal.write(self.store, "frames", dest, frames, self.F)
         self.fw = fw
         one = m == 1
-        refs = [("obs_ref", obs_ref)] + ([("next_obs_ref", next_ref)] if self.has_next else [])
-        for name, r in refs:
+        fref = np.empty(m, dtype=np.int64)
+        foff = np.empty((m, self.n_off), dtype=self.off_dtype)
+        pack_refs(obs_ref, next_ref, self.has_next, np.arange(m, dtype=np.int64), fref, foff)
+        for name, r in (("frame_ref", fref), ("frame_off", foff)):
             if rw is not None:
                 journal.keep(rw[name], where)  # (the log's dictionary look, after this, reads the storage)
                 rw[name][where] = r[0] if one else r
@@ -488,8 +599,7 @@ class FrameStore:
         src = rw["frames"]
         if self._ring_of is not src:  # the ring as (F, words), kept while the storage keeps its array
             self._ring_of, self._ring = src, src.reshape(self.F, -1).view(self.word)
-        oref = rw["obs_ref"]
-        return self._ring, oref, rw["next_obs_ref"] if self.has_next else oref
+        return self._ring, rw["frame_ref"], rw["frame_off"]
 
     def kernel_args(self, rows: dict, rw: dict) -> tuple:
         """The frame arguments of ``_writer.write_rows`` for ``rows``
@@ -505,12 +615,12 @@ class FrameStore:
             nxt = rows["next_obs"]
             if not nxt.flags.c_contiguous:
                 nxt = np.ascontiguousarray(nxt)
-        ring, oref, nref = self._in_place(rw)
+        ring, fref, foff = self._in_place(rw)
         made_of = self._args_of  # the storage's arrays the tuple holds (new ones after a copy-on-write)
-        if made_of is None or made_of[0] is not ring or made_of[1] is not oref or made_of[2] is not nref:
-            self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, oref, nref,
-                          ring, self.minref, self.ptr, self._expired)
-            self._args_of = (ring, oref, nref)
+        if made_of is None or made_of[0] is not ring or made_of[1] is not fref or made_of[2] is not foff:
+            self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, fref, foff,
+                          ring, self.minref, self.ptr, self._expired, self.reach)
+            self._args_of = (ring, fref, foff)
         return (obs, nxt), self._args
 
     def rows_touched(self, m: int, where) -> dict:
@@ -521,11 +631,10 @@ class FrameStore:
         frames = slice(first, first + most) if first + most <= self.F else \
             np.arange(self.fw, self.fw + most) % self.F
         if self.log is not None:
-            out = {"obs_ref": where, "frame_index": frames, "frame_log": self.log.touched()}
+            out = {"frame_index": frames, "frame_log": self.log.touched()}
         else:
-            out = {"obs_ref": where, "frames": frames}
-        if self.has_next:
-            out["next_obs_ref"] = where
+            out = {"frames": frames}
+        out["frame_ref"] = out["frame_off"] = where
         return out
 
     def expire(self, count: int, gid, status) -> np.ndarray:
@@ -597,10 +706,13 @@ class FrameStore:
         return self._refs(name, slots)
 
     def _refs(self, name: str, slots: np.ndarray) -> np.ndarray:
+        stack = REF_NAMES.index(name)
         arrays = self.store.arrays
         if arrays is None:
-            return self.store.read(name, slots)
-        return arrays[name].take(slots, axis=0)  # take() beats fancy indexing for a batch
+            fref, foff = self.store.read("frame_ref", slots), self.store.read("frame_off", slots)
+        else:  # take() beats fancy indexing for a batch
+            fref, foff = arrays["frame_ref"].take(slots, axis=0), arrays["frame_off"].take(slots, axis=0)
+        return unpack_refs(fref, foff, self.k, stack)
 
     def pair(self, slots: np.ndarray, out: np.ndarray | None = None,
              last: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -689,7 +801,8 @@ class FrameStore:
         last = self.last_frames.view(np.uint8).reshape(self.num_envs, self.k, self.row_bytes)
         meta = {"fw": self.fw}
         arrays = {"frames_last": last, "frames_last_ref": self.last_ref,
-                  "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref}
+                  "frames_has_last": self.has_last, "frames_ptr": self.ptr}
+        # (each slot's oldest reference is not recorded: restore derives it from frame_ref / frame_off)
         if self.log is not None:
             lmeta, larrays = self.log.state()
             meta.update(lmeta)
@@ -703,6 +816,26 @@ class FrameStore:
         self.last_ref[:] = arrays["frames_last_ref"]
         self.has_last[:] = arrays["frames_has_last"]
         self.ptr[:] = arrays["frames_ptr"]
-        self.minref[:] = arrays["frames_minref"]
         if self.log is not None:
             self.log.restore(meta, arrays)
+        self._derive_minref(arrays["status"])
+
+    def _derive_minref(self, status: np.ndarray, chunk: int = 1 << 20) -> None:
+        """Each slot's oldest reference from the stored ``frame_ref`` /
+        ``frame_off`` (read from disk: untrusted), and the check that every
+        live or pending transition references only frames still stored:
+        ``CorruptSnapshotError`` naming the slot otherwise."""
+        arrays, c = self.store.arrays, self.capacity
+        lo, fw = self.oldest_frame(), self.fw
+        for a in range(0, c, chunk):
+            b = min(a + chunk, c)
+            if arrays is not None:
+                fref, foff = arrays["frame_ref"][a:b], arrays["frame_off"][a:b]
+            else:
+                rows = np.arange(a, b, dtype=np.int64)
+                fref, foff = self.store.read("frame_ref", rows), self.store.read("frame_off", rows)
+            part = status[a:b]
+            wrong, mins = refs_outside(fref, foff, (part == LIVE) | (part == PENDING), lo, fw)
+            if wrong:
+                raise CorruptSnapshotError(wrong if a == 0 else f"{wrong} (slots counted from {a})")
+            self.minref[a:b] = mins

@@ -26,6 +26,9 @@ class _ChunkFiles(StorageBase):
         self._maps, self._arrays = [], {}
         for name in names:
             rec = data[name]
+            if "array" in rec:  # converted from an older format in memory (_refs.convert)
+                self._arrays[name] = ([rec["array"]], max(int(rec["rows"]), 1))
+                continue
             shape, dtype, per = tuple(rec["shape"]), np.dtype(rec["dtype"]), int(rec["chunk_rows"])
             chunks = []
             for member in rec["files"]:
@@ -69,7 +72,7 @@ def check_frames(snap: Path, body: dict, cfg, state: dict) -> int:
     against the segment state; returns the frames checked. Raises a
     ``BigperError`` (``CorruptSnapshotError``) on the first that fails."""
     frames = None
-    files = _ChunkFiles(snap, body["data"], [n for n in ("frame_index", "frame_log", "obs_ref", "next_obs_ref")
+    files = _ChunkFiles(snap, body["data"], [n for n in ("frame_index", "frame_log", "frame_ref", "frame_off")
                                             if n in body["data"]])
     try:
         frames = FrameStore(cfg, files)

@@ -58,6 +58,7 @@ from ..core.statecheck import check_state
 from ..storage.state import npy_from_bytes
 from .manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of
+from . import _refs
 
 log = logging.getLogger("bigper")
 
@@ -131,6 +132,9 @@ def _fill(store, snap: Path, body: dict, layouts: dict) -> None:
     for name, rec in body["data"].items():
         rows, shape, dt = layouts[name]
         cr = rec["chunk_rows"]
+        if "array" in rec:  # converted from an older format (_refs.convert): in memory, no file
+            store.write(name, slice(0, rows), rec["array"])
+            continue
         for k, member in enumerate(rec["files"]):
             raw = check_file(snap, member, body["files"][member], keep=True)
             stop = min(rows, (k + 1) * cr)
@@ -313,10 +317,20 @@ def inspect(snap: Path, problems: list | None = None):
     body = read_manifest(snap)
     cfg = _config(body, snap)
     layouts = _layouts(body, snap)
-    _check_sizes(body, snap, cfg, layouts)
+    _check_sizes(body, snap, cfg, _refs.layouts_of(snap, cfg, layouts))
     state = _state_arrays(body, snap)
     try:
         check_state(cfg, body["state"]["meta"], state)
+    except CorruptSnapshotError as e:
+        if problems is None:
+            raise CorruptSnapshotError(f"{snap}: {e}") from None
+        problems.append(str(e))
+        return body, cfg, _refs.layouts_of(snap, cfg, layouts), state
+    # An older snapshot's frame references, converted in memory (the snapshot is never changed);
+    # then the references of every sampleable transition checked against the frames held.
+    body, layouts = _refs.convert(snap, body, cfg, layouts, state)
+    try:
+        _refs.check(snap, body, cfg, layouts, state)
     except CorruptSnapshotError as e:
         if problems is None:
             raise CorruptSnapshotError(f"{snap}: {e}") from None
