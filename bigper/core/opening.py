@@ -122,6 +122,11 @@ def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictiona
                 raise IncompatibleSnapshotError(
                     f"{path} holds a buffer of another layout; differing key(s): " + "; ".join(diff)
                     + " (the stored data depends on these; use another path or mode='overwrite')")
+            if cfg.frame_stack and "obs_ref" in (recorded.get("arrays") or {}):
+                raise IncompatibleSnapshotError(
+                    f"{path} holds frame references in an older bigper's format (obs_ref and next_obs_ref "
+                    "int64, now frame_ref and frame_off): this bigper converts them from a snapshot, not in "
+                    "place; save one with the bigper that wrote it and load it here (nothing was changed)")
             state = store.saved_state()
             check_state(cfg, *state)
         frames = FrameStore(cfg, store, dictionary) if cfg.frame_stack else None

@@ -50,12 +50,37 @@ from ..errors import (
     InvalidTypeError,
     PathExistsError,
 )
+from ..frames.store import refs_from_stacks
+from ..status import LIVE, PENDING
 from ..storage import in_memory
 from ._torchrl_layout import NEXT, SAMPLE_KEYS, STEPS_KEY, DONE, TERMINATED, TRUNCATED, Key, Layout
 
 __all__ = ["PrioritizedReplayBuffer"]
 
 _FORMAT = "bigper.torchrl/1"
+
+
+def _current_refs(cfg, data: dict, arrays: dict) -> dict:
+    """``data`` of a state dict, with the whole frame references an older
+    bigper kept (``obs_ref``, ``next_obs_ref``) as the current ``frame_ref`` /
+    ``frame_off`` (``frames.store.refs_from_stacks``); other data as given."""
+    if not cfg.frame_stack or "obs_ref" not in data or "frame_ref" in data:
+        return data
+    status = arrays.get("status")
+    if not isinstance(status, np.ndarray) or status.shape != (cfg.capacity,):
+        raise InvalidArgumentError(f"state_dict['state']['status'] must be ({cfg.capacity},), got "
+                                   f"{getattr(status, 'shape', None)}")
+    stacks = [data[n] for n in ("obs_ref", "next_obs_ref") if n in data]
+    if any(a.shape != (cfg.capacity, cfg.frame_stack) for a in stacks):
+        raise InvalidArgumentError(f"state_dict['data'] frame references must be ({cfg.capacity}, "
+                                   f"{cfg.frame_stack}), got {[a.shape for a in stacks]}")
+    try:
+        fref, foff = refs_from_stacks(stacks, cfg.frame_stack, cfg.num_envs, (status == LIVE) | (status == PENDING))
+    except ValueError as e:
+        raise InvalidArgumentError(f"state_dict's frame references cannot be converted: {e}") from None
+    out = {n: a for n, a in data.items() if n not in ("obs_ref", "next_obs_ref")}
+    out["frame_ref"], out["frame_off"] = fref, foff
+    return out
 _REDUCTIONS = ("max", "min", "mean", "median", "sum")
 # torch dtypes a field can hold (numpy has the same one): anything else is refused by name
 _DTYPES = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
@@ -598,6 +623,7 @@ class PrioritizedReplayBuffer:
                 meta = json.loads(state_dict["meta"])
                 arrays = {str(k): np.array(v.numpy()) for k, v in state_dict["state"].items()}
                 data = {str(k): v.numpy() for k, v in state_dict["data"].items()}
+                data = _current_refs(cfg, data, arrays)
             except BigperError:
                 raise
             except (KeyError, TypeError, ValueError, AttributeError) as e:
