@@ -47,7 +47,7 @@ from .errors import (
 from .frames.store import FrameStore
 from .device.deferred import Deferred
 from .core.prefetch import Direct, Prefetcher
-from .core.ring import Ring
+from .core.ring import Ring, for_disk
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
 from .storage.files import real_names
@@ -729,7 +729,7 @@ class PrioritizedReplayBuffer:
     def _restore(self, meta: dict, arrays: dict, reseed: bool = False) -> None:
         check_state(self.config, meta, arrays)
         c = self.config.capacity
-        for name, want in (("gid", (c,)), ("status", (c,)), ("ends", (c,))):
+        for name, want in (("status", (c,)), ("ends", (c,))):  # (gid follows from count: Ring.restore)
             got = arrays.get(name)
             if got is None or got.shape != want:
                 raise IncompatibleSnapshotError(
@@ -781,7 +781,7 @@ class PrioritizedReplayBuffer:
         self._store.check_present(f"save({str(snapshot)!r}) cannot link its data into a snapshot")
         summary = {"len": len(self), "capacity": self.capacity, "total_priority": self.total_priority}
         try:
-            return _snapshot.save(snapshot, config=self.config, state=self.state_dict(), storage=self._store,
+            return _snapshot.save(snapshot, config=self.config, state=for_disk(self.state_dict()), storage=self._store,
                                   summary=summary, metadata=metadata, files=files)
         except OSError as e:  # a full disk's ENOSPC names no file: name the snapshot
             raise real_names(e, where=os.path.abspath(snapshot))
@@ -1044,7 +1044,7 @@ class PrioritizedReplayBuffer:
         with self._guard.lock:
             self._refuse_inside("close")
             if not self._guard.closed:
-                state = None if self._store.read_only else self.state_dict()
+                state = None if self._store.read_only else for_disk(self.state_dict())
                 self._guard.closed = True
                 OPEN.discard(self)
                 try:

@@ -74,14 +74,19 @@ def sign_raw(snap: Path, text: str) -> None:
 
 
 def put_state(snap: Path, name: str, arr) -> None:
-    """Replace state array ``name`` with ``arr`` and re-sign (an attacker's snapshot)."""
+    """Replace (or add) state array ``name`` with ``arr`` and re-sign (an attacker's snapshot)."""
     bio = io.BytesIO()
     np.save(bio, np.asarray(arr), allow_pickle=False)
     raw = bio.getvalue()
     member = f"state/{name}.npy"
-    os.unlink(snap / member)
+    if os.path.lexists(snap / member):
+        os.unlink(snap / member)
     (snap / member).write_bytes(raw)
-    resign(snap, lambda b: b["files"].__setitem__(member, {"size": len(raw), "xxh3_64": digest(raw)}))
+
+    def change(b):
+        b["files"][member] = {"size": len(raw), "xxh3_64": digest(raw)}
+        b["state"]["arrays"][name] = member
+    resign(snap, change)
 
 
 _PRISTINE: dict = {}

@@ -8,7 +8,11 @@ slot ``g % capacity``; each slot records::
     ends     bit 0 terminated, bit 1 truncated            uint8
     pending  the key of a PENDING transition (n_step > 1)  float64
 
-and the ring counts the rows written (``count``), remembers the largest key
+``gid`` follows from ``count`` (``expected_gid``): it is kept in memory and
+in ``state()``, but never on disk (``for_disk``; issue 43: 8 bytes a
+transition); ``restore`` derives it.
+
+The ring counts the rows written (``count``), remembers the largest key
 given (``max_leaf``, what a new transition gets) and whether each env's last
 row ended its episode (``env_ended``). The writer, the reader and the
 sequence items change and read these in place; the ring alone records and
@@ -18,6 +22,24 @@ restores them (``state``/``restore``, checked before by ``_statecheck``).
 from __future__ import annotations
 
 import numpy as np
+
+DERIVED = ("gid",)  # state arrays that follow from the counters: not written to disk
+
+
+def expected_gid(count: int, capacity: int) -> np.ndarray:
+    """The transition number each slot holds after ``count`` adds (-1: none)."""
+    s = np.arange(capacity, dtype=np.int64)
+    if count == 0:
+        return np.full(capacity, -1, dtype=np.int64)
+    g = s + ((count - 1 - s) // capacity) * capacity
+    return np.where(s < count, g, -1)
+
+
+def for_disk(state: tuple[dict, dict]) -> tuple[dict, dict]:
+    """A ``state_dict()`` as it is recorded on disk: without the arrays
+    ``restore`` derives (``DERIVED``)."""
+    meta, arrays = state
+    return meta, {n: a for n, a in arrays.items() if n not in DERIVED}
 
 
 class Ring:
@@ -50,7 +72,7 @@ class Ring:
     def restore(self, meta: dict, arrays: dict) -> None:
         """Take a recorded state (checked by ``_statecheck`` first); arrays are copied in."""
         self.restores += 1
-        self.gid[:] = arrays["gid"]
+        self.gid[:] = expected_gid(int(meta["count"]), self.capacity)  # (a recorded one was checked equal)
         self.status[:] = arrays["status"]
         self.ends[:] = arrays["ends"]
         self.pending[:] = arrays.get("pending", self.pending)  # (early format-1 writers did not record it)

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import CorruptSnapshotError
 from ..frames.store import frame_capacity, offset_dtype, refs_outside
+from .ring import expected_gid
 from .sequences import ITEM_ARRAYS, item_truth
 from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
@@ -99,15 +100,6 @@ def _rng(state) -> None:
         _bad(f"rng state is not one numpy accepts: {str(e)[:120]}")
 
 
-def expected_gid(count: int, capacity: int) -> np.ndarray:
-    """The transition number each slot holds after ``count`` adds (-1: none)."""
-    s = np.arange(capacity, dtype=np.int64)
-    if count == 0:
-        return np.full(capacity, -1, dtype=np.int64)
-    g = s + ((count - 1 - s) // capacity) * capacity
-    return np.where(s < count, g, -1)
-
-
 def check_state(cfg, meta: dict, arrays: dict) -> None:
     """Check the JSON counters ``meta`` and the bookkeeping ``arrays`` of a
     buffer with config ``cfg``; raise ``CorruptSnapshotError`` on anything a
@@ -135,6 +127,9 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
         arrays = {**arrays, "pending": np.zeros(0, np.float64)}
+    if "gid" not in have:  # not written to disk since issue 43 (ring.DERIVED): it follows from count
+        have.add("gid")
+        arrays = {**arrays, "gid": expected_gid(_int(meta, "count"), c)}
     if cfg.frame_stack and "frames_minref" in have:  # recorded before issue 43 (now derived, never read)
         have.discard("frames_minref")
     if kind != "proportional":

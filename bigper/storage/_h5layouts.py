@@ -329,7 +329,7 @@ class Layouts:
                 raise OfflineDatasetError(f"{self.file_path}: recorded state {name!r} of shape {d.shape} is "
                                           f"larger than any state of a {cap}-slot buffer")
             arrays[name] = d[()]
-        for name in ("gid", "status", "ends"):
+        for name in ("status", "ends"):  # (gid, recorded before issue 43, follows from count)
             if name not in arrays or arrays[name].shape != (cap,):
                 raise OfflineDatasetError(f"{self.file_path}: recorded state array {name!r} is missing or "
                                           f"not of shape ({cap},)")

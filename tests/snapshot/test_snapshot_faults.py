@@ -125,13 +125,13 @@ class Faults:
 TARGETS = {
     "memmap": [("write", r"/state/leaves\.npy$"), ("write", r"/state/[a-z_]+\.npy$"),
                ("write", r"/manifest\.json$"),
-               ("fsync", r"/state/gid\.npy$"), ("fsync", r"/\.tmp-snap-[^/]+/data/[a-z_]+\.bin$"),
+               ("fsync", r"/state/ends\.npy$"), ("fsync", r"/\.tmp-snap-[^/]+/data/[a-z_]+\.bin$"),
                ("fsync", r"/\.tmp-snap-[^/]+/data/frames\.\d+\.bin$"), ("fsync", r"/manifest\.json$"),
                ("fsync", r"/\.tmp-snap-[^/]+/state$"), ("fsync", r"/\.tmp-snap-[^/]+/data$"),
                ("fsync", r"/\.tmp-snap-[^/]+$"), ("fsync", r"/snaps$")],
     "memory": [("write", r"/state/leaves\.npy$"), ("write", r"/data/frames\.bin$"),
                ("write", r"/data/reward\.bin$"), ("write", r"/manifest\.json$"),
-               ("fsync", r"/state/status\.npy$"), ("fsync", r"/data/obs_ref\.bin$"),
+               ("fsync", r"/state/status\.npy$"), ("fsync", r"/data/frame_ref\.bin$"),
                ("fsync", r"/manifest\.json$"), ("fsync", r"/\.tmp-snap-[^/]+/data$"),
                ("fsync", r"/\.tmp-snap-[^/]+$"), ("fsync", r"/snaps$")],
 }

@@ -440,13 +440,13 @@ def test_a_sparse_state_file_in_a_memmap_storage_is_refused_unread(tmp_path):
     """The storage's own state files go through read_regular, which reads them
     whole: a file of holes is refused before it is read (not after 256 MiB)."""
     path = _storage(tmp_path)
-    os.unlink(path / "state" / "gid.npy")
-    with open(path / "state" / "gid.npy", "wb") as f:
+    os.unlink(path / "state" / "status.npy")
+    with open(path / "state" / "status.npy", "wb") as f:
         f.truncate(256 << 20)
     before = fingerprint(path)
     with deadline(20), pytest.raises(CorruptSnapshotError, match="sparse") as e:
         _resume(path)
-    assert "gid.npy" in str(e.value) and str(256 << 20) in str(e.value)
+    assert "status.npy" in str(e.value) and str(256 << 20) in str(e.value)
     r = run_bigper("verify", str(path))
     assert r.returncode == 1 and "sparse" in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert fingerprint(path) == before
