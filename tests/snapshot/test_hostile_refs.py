@@ -192,3 +192,27 @@ def test_an_older_live_storage_is_refused_by_name(tmp_path):
     with pytest.raises(IncompatibleSnapshotError, match="older bigper's format.*snapshot"):
         make("memmap", path, stream, capacity=16, mode="resume")
     assert fingerprint(path) == before
+
+
+def test_an_older_hdf5_file_is_refused_by_name_by_from_hdf5(tmp_path):
+    """``from_hdf5`` of a bigper HDF5 file whose references are whole (an older
+    bigper's, made here by renaming the array and its record): bigper's error
+    naming the format and the way, the file unchanged."""
+    import json
+
+    import h5py
+
+    stream = Stream(k=2, seed=7)
+    path = tmp_path / "buf.h5"
+    buf = make("hdf5", path, stream, capacity=16)
+    feed(buf, stream, 20)
+    buf.close()
+    with h5py.File(path, "r+") as f:
+        meta = json.loads(f["_bigper"].attrs["meta"])
+        meta["arrays"]["obs_ref"] = meta["arrays"].pop("frame_ref")
+        f.move("frame_ref", "obs_ref")
+        f["_bigper"].attrs["meta"] = json.dumps(meta)
+    before = fingerprint(path)
+    with pytest.raises(bigper.errors.OfflineDatasetError, match="older bigper's format.*snapshot"):
+        bigper.PrioritizedReplayBuffer.from_hdf5(path)
+    assert fingerprint(path) == before
