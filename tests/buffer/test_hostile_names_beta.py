@@ -103,7 +103,7 @@ def _names_bigper_stores(kind: str, storage: str, tmp: Path) -> set[str]:
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_name_bigper_stores_is_refused_as_a_field(kind, storage, tmp_path):
     taken = _names_bigper_stores(kind, storage, tmp_path)
-    assert {"obs_ref", "frames"} <= taken or not KINDS[kind].get("frame_stack") or "zstd" in kind
+    assert {"frame_ref", "frame_off", "frames"} <= taken or not KINDS[kind].get("frame_stack") or "zstd" in kind
     for name in sorted(taken):
         before = fingerprint(tmp_path)
         with pytest.raises(InvalidArgumentError, match="names taken are") as e:
@@ -121,7 +121,9 @@ def test_own_names_holds_every_kinds_storage_specs_and_prioritization_arrays():
     for strategy in STRATEGIES.values():
         p = strategy(8, alpha=0.6, eps=1e-6, max_priority=np.inf, weight_norm="global")
         assert set(p.state()[1]) == set(strategy.ARRAYS)
-    assert {"frames", "obs_ref", "next_obs_ref", "frame_log", "frame_index", "_bigper"} <= set(layout.own_names())
+    assert {"frames", "frame_ref", "frame_off", "frame_log", "frame_index", "_bigper"} <= set(layout.own_names())
+    # and the names an older format stored, which a load still reads (converted): never a field's
+    assert {"obs_ref", "next_obs_ref", "frames_minref"} <= set(layout.own_names())
 
 
 def test_a_frames_field_beside_a_frame_stack_is_refused_not_shared(tmp_path):
@@ -149,8 +151,8 @@ def test_the_layout_never_gives_two_arrays_one_name():
     """A config that slipped past the checks (made without ``build``) is an
     internal error in ``storage_specs``, never two specs under one name."""
     cfg = bigper.config.Config.build(capacity=8, fields={"obs": ((2, 3, 3), np.uint8)}, frame_stack=2)
-    bad = dataclasses.replace(cfg, fields={**cfg.fields, "obs_ref": ((2,), "<i8")})
-    with pytest.raises(RuntimeError, match="internal error.*obs_ref"):
+    bad = dataclasses.replace(cfg, fields={**cfg.fields, "frame_ref": ((2,), "<i8")})
+    with pytest.raises(RuntimeError, match="internal error.*frame_ref"):
         storage_specs(bad)
 
 

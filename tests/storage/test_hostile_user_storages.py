@@ -118,8 +118,8 @@ def _wrong_dtype(specs):
 
 
 def _wrong_shape(specs):
-    rows, shape, dtype = specs["obs_ref"]
-    specs["obs_ref"] = (rows, (3,), dtype)
+    rows, shape, dtype = specs["frame_off"]
+    specs["frame_off"] = (rows, (3,), dtype)
 
 
 def _missing(specs):
@@ -136,7 +136,7 @@ def _frames_too_few(specs):
     specs["frames"] = (rows - 1, shape, dtype)
 
 
-@pytest.mark.parametrize("change, name", [(_wrong_dtype, "reward"), (_wrong_shape, "obs_ref"),
+@pytest.mark.parametrize("change, name", [(_wrong_dtype, "reward"), (_wrong_shape, "frame_off"),
                                           (_missing, "reward"), (_too_few_rows, "reward"),
                                           (_frames_too_few, "frames")])
 @pytest.mark.parametrize("storage", ["memory", "read-write"])
