@@ -127,3 +127,33 @@ def test_offset_dtypes_hold_the_stream_of_every_env():
         dt = offset_dtype(k, envs)
         # a steady stream reuses frames written k steps of every env ago: within reach
         assert offset_reach(k, dt) >= (k + 1) * envs
+
+
+def test_the_references_and_derived_state_a_buffer_writes(tmp_path):
+    """What a frame-stacked buffer keeps per transition for its references: one
+    int64 id and 2k narrow offsets (k without next_obs); the slots' oldest
+    references and the ring's gid are derived, never written to disk."""
+    import bigper
+    from bigper.core.layout import storage_specs
+
+    fields = {"obs": ((4, 6, 6), np.uint8), "action": ((), np.int64)}
+    cfg = bigper.config.Config.build(capacity=10, fields=fields, frame_stack=4)
+    specs = storage_specs(cfg)
+    assert specs["frame_ref"] == (10, (), np.dtype(np.int64)) and specs["frame_off"] == (10, (8,), np.dtype(np.uint8))
+    assert not {"obs_ref", "next_obs_ref"} & set(specs)
+    many = bigper.config.Config.build(capacity=10, fields=fields, frame_stack=4, num_envs=30)
+    assert storage_specs(many)["frame_off"] == (10, (8,), np.dtype(np.uint16))
+    alone = bigper.config.Config.build(capacity=10, fields=fields, frame_stack=4, next_of=())
+    assert storage_specs(alone)["frame_off"] == (10, (4,), np.dtype(np.uint8))
+    buf = bigper.PrioritizedReplayBuffer(10, fields, frame_stack=4, storage="memmap", path=tmp_path / "b")
+    rng = np.random.default_rng(1)
+    s = rng.integers(0, 9, (4, 6, 6), dtype=np.uint8)
+    for t in range(14):
+        n = np.concatenate([s[1:], rng.integers(0, 9, (1, 6, 6), dtype=np.uint8)])
+        buf.add(obs=s, next_obs=n, action=t, terminated=t == 6)
+        s = n if t != 6 else rng.integers(0, 9, (4, 6, 6), dtype=np.uint8)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    for where in (tmp_path / "b" / "state", snap / "state"):
+        kept = {p.name for p in where.iterdir()}
+        assert "status.npy" in kept and not {"gid.npy", "frames_minref.npy"} & kept, kept
