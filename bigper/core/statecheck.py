@@ -34,7 +34,8 @@ import sys
 import numpy as np
 
 from ..errors import CorruptSnapshotError
-from ..frames.store import frame_capacity, offset_dtype, refs_outside
+from ..frames.refs import offset_dtype, refs_outside
+from ..frames.store import frame_capacity
 from .ring import expected_gid
 from .sequences import ITEM_ARRAYS, item_truth
 from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401

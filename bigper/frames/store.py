@@ -9,18 +9,9 @@ written only when it is new::
     step t    obs      [a b c d]   -> refs of the previous step's next_obs
               next_obs [b c d e]   -> refs [b c d] shared, e written: 1 frame a step
 
-The references of a transition lie close together (the frames of its two
-stacks were written within a few steps of its env), so they are stored as
-one frame id and small offsets back from it (issue 43: 16 bytes a
-transition for k = 4 instead of 64)::
-
-    frame_ref  (capacity,)       int64   the newest frame id the transition references (-1: none)
-    frame_off  (capacity, 2k)    uint8   frame_ref - id, for the obs stack then the next_obs stack
-                                         (k columns without next_obs; uint16 or uint32 for many envs)
-
-A frame is reused only while it lies within ``reach`` ids of the frames
-being written (``offset_reach``); an older one with the same bytes is written
-again, so every offset fits its dtype whatever the input.
+The references of a transition are stored as one frame id and small offsets
+(``frames/refs.py``: ``frame_ref``, ``frame_off``); a frame is reused only
+within the offsets' reach, else written again.
 
 What is compared is always the bytes, so any input comes back exactly: a
 stack that does not continue the previous step's next_obs (a reset without an
@@ -41,6 +32,7 @@ from .budget import frame_capacity  # (config.py sizes the compressed log by it 
 from ..kernels import kernel
 from .._pool import for_ranges, workers
 from .._reuse import ReusedArrays
+from .refs import derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
 from .segments import SegmentLog
 from .._undo import Journal
 from ..errors import CorruptSnapshotError
@@ -55,26 +47,6 @@ def require_compression() -> None:
 ALL_VALID = np.ones(256, dtype=np.bool_)
 REF_NAMES = ("obs_ref", "next_obs_ref")  # the stacks whose ids ``refs`` gives (names, not arrays)
 
-
-def offset_dtype(k: int, num_envs: int) -> np.dtype:
-    """The dtype of ``frame_off``: the narrowest unsigned one whose range holds
-    twice the frames a stack spans in a steady stream (each of ``num_envs``
-    envs writes about one frame a step, so the oldest frame of a stack was
-    written about ``k * num_envs`` ids before the newest), plus the ``2k``
-    new frames one row may write. Only a frame the stream reuses from further
-    back than that is written again (``offset_reach``)."""
-    need = 2 * (k + 1) * num_envs + 2 * k
-    for dt in (np.uint8, np.uint16):
-        if need <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    return np.dtype(np.uint32)
-
-
-def offset_reach(k: int, dtype: np.dtype) -> int:
-    """How far back (in frame ids, from the first frame a row may write) a
-    reused frame may lie so that every offset of the row fits ``dtype``: the
-    newest id of a row is at most ``2k - 1`` past its first new one."""
-    return int(np.iinfo(dtype).max) - 2 * k
 
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
 
@@ -213,75 +185,6 @@ def write_direct(rows, stream, fw, has_next, fref, foff, ring, slots, minref, re
     fw = assign_refs(rows, stream, fw, has_next, (obs_ref, next_ref), ring, slots, minref, reach, ring.shape[0])
     pack_refs(obs_ref, next_ref, has_next, slots, fref, foff)
     return fw
-
-
-@kernel
-def pack_refs(obs_ref, next_ref, has_next, rows, fref, foff):
-    """Row ``r`` of the ``(m, k)`` references ``obs_ref`` / ``next_ref`` as
-    ``fref[rows[r]]`` (the newest id) and ``foff[rows[r]]`` (that id minus
-    each reference: the obs stack's, then the next_obs stack's when
-    ``has_next``). ``assign_refs`` keeps every offset within ``foff``'s dtype."""
-    m, k = obs_ref.shape[0], obs_ref.shape[1]
-    for r in range(m):
-        base = obs_ref[r, 0]
-        for j in range(k):
-            base = max(base, obs_ref[r, j])
-            if has_next:
-                base = max(base, next_ref[r, j])
-        s = rows[r]
-        fref[s] = base
-        for j in range(k):
-            foff[s, j] = base - obs_ref[r, j]  # (in the dtype's range: assign_refs' reach)
-            if has_next:
-                foff[s, k + j] = base - next_ref[r, j]
-
-
-def unpack_refs(fref: np.ndarray, foff: np.ndarray, k: int, stack: int) -> np.ndarray:
-    """``(B, k)`` int64 frame ids of stack ``stack`` (0: obs, 1: next_obs) of
-    the rows ``fref`` ``(B,)`` / ``foff`` ``(B, k or 2k)``."""
-    return fref[:, None] - foff[:, stack * k:(stack + 1) * k].astype(np.int64)
-
-
-def refs_from_stacks(stacks: list, k: int, num_envs: int, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(frame_ref, frame_off)`` of the references an older format stored
-    whole: ``stacks``, the ``(C, k)`` int64 arrays ``obs_ref`` (and
-    ``next_obs_ref``), read from disk. ``used``: ``(C,)`` bool, the slots a
-    sample may read (live or pending).
-
-    Raises ``ValueError`` naming the first used slot whose references lie
-    further apart than ``offset_dtype(k, num_envs)`` holds (an older writer
-    reused frames without a reach); the offsets of the other slots are
-    clipped (never read)."""
-    refs = np.concatenate([np.asarray(a, dtype=np.int64) for a in stacks], axis=1)
-    fref = refs.max(axis=1) if refs.shape[0] else np.zeros(0, np.int64)
-    off = fref[:, None] - refs  # >= 0: fref is the row's largest
-    dt = offset_dtype(k, num_envs)
-    top = np.iinfo(dt).max
-    far = np.flatnonzero(used & (off.max(axis=1, initial=0) > top))
-    if far.size:
-        s = int(far[0])
-        raise ValueError(f"slot {s} references frames {int(refs[s].min())}..{int(fref[s])}, further apart than "
-                         f"the {dt} offsets of this format hold ({top})")
-    return fref, np.minimum(off, top).astype(dt)
-
-
-def derive_minref(fref: np.ndarray, foff: np.ndarray) -> np.ndarray:
-    """Each row's oldest frame id: ``fref - max(foff)`` (``(n,)`` int64)."""
-    return fref.astype(np.int64) - foff.max(axis=1, initial=0).astype(np.int64)
-
-
-def refs_outside(fref: np.ndarray, foff: np.ndarray, used: np.ndarray, lo: int, fw: int) -> tuple[str, np.ndarray]:
-    """Stored references (read from disk: untrusted) against the frames
-    stored, ids ``lo .. fw - 1``: ``(what is wrong, each row's oldest id)``,
-    the first an empty string when every ``used`` row (a live or pending
-    transition) references only stored frames."""
-    mins = derive_minref(fref, foff)
-    bad = np.flatnonzero(used & ((mins < lo) | (fref >= fw)))
-    if not bad.size:
-        return "", mins
-    s = int(bad[0])
-    return (f"frame_ref / frame_off: sampleable slot {s} references frames {int(mins[s])}..{int(fref[s])}, "
-            f"outside the frames stored [{lo}, {fw})"), mins
 
 
 @kernel

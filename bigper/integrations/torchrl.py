@@ -50,7 +50,7 @@ from ..errors import (
     InvalidTypeError,
     PathExistsError,
 )
-from ..frames.store import refs_from_stacks
+from ..frames.refs import refs_from_stacks
 from ..status import LIVE, PENDING
 from ..storage import in_memory
 from ._torchrl_layout import NEXT, SAMPLE_KEYS, STEPS_KEY, DONE, TERMINATED, TRUNCATED, Key, Layout

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import IncompatibleSnapshotError
 from ..core.statecheck import check_refs
-from ..frames.store import offset_dtype, refs_from_stacks
+from ..frames.refs import offset_dtype, refs_from_stacks
 from ..status import LIVE, PENDING
 from .manifest import check_file
 

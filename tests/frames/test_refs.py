@@ -15,14 +15,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bigper.frames.store import (
-    assign_refs,
-    derive_minref,
-    offset_dtype,
-    offset_reach,
-    pack_refs,
-    unpack_refs,
-)
+from bigper.frames.refs import derive_minref, offset_dtype, offset_reach, pack_refs, unpack_refs
+from bigper.frames.store import assign_refs
 
 WORDS = 16  # a frame: 16 uint64 words
 
