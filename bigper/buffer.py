@@ -25,7 +25,7 @@ import numpy.typing as npt
 from . import snapshot as _snapshot
 from .core.lifecycle import OPEN, Guard, entry_point, entry_point_as, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
-from .core.layout import check_field_names, check_storage, plain_fields, storage_specs
+from .core.layout import check_field_names, check_storage, for_disk, plain_fields, storage_specs
 from .core.opening import check_arguments, open_buffer
 from .core.reader import Reader
 from .core.statecheck import check_state
@@ -47,7 +47,7 @@ from .errors import (
 from .frames.store import FrameStore
 from .device.deferred import Deferred
 from .core.prefetch import Direct, Prefetcher
-from .core.ring import Ring, for_disk
+from .core.ring import Ring
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
 from .storage.files import real_names

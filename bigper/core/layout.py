@@ -22,7 +22,17 @@ from .sequences import Items
 FRAMED = ("obs", "next_obs")  # with frame stacks these go to the frame ring, not a per-row array
 # Arrays an older format stored and a load still reads (snapshot/_refs.py converts them): no field
 # may take their names either, or a snapshot's field would read as them.
-LEGACY_NAMES = ("obs_ref", "next_obs_ref", "frames_minref")
+LEGACY_NAMES = ("obs_ref", "next_obs_ref")
+# State arrays that follow from what else is recorded: kept in memory (``state_dict``) and restored
+# from there as they are, never written to disk (issue 43: 16 bytes a transition); a restore from
+# disk derives them (the ring's gid from count, each slot's oldest frame from frame_ref / frame_off).
+DERIVED = ("gid", "frames_minref")
+
+
+def for_disk(state: tuple[dict, dict]) -> tuple[dict, dict]:
+    """A ``state_dict()`` as it is recorded on disk: without ``DERIVED``."""
+    meta, arrays = state
+    return meta, {n: a for n, a in arrays.items() if n not in DERIVED}
 
 
 def plain_fields(cfg: Config) -> dict:

@@ -9,8 +9,8 @@ slot ``g % capacity``; each slot records::
     pending  the key of a PENDING transition (n_step > 1)  float64
 
 ``gid`` follows from ``count`` (``expected_gid``): it is kept in memory and
-in ``state()``, but never on disk (``for_disk``; issue 43: 8 bytes a
-transition); ``restore`` derives it.
+in ``state()``, but never on disk (``layout.for_disk``; issue 43: 8 bytes a
+transition); ``restore`` derives it where a state read from disk lacks it.
 
 The ring counts the rows written (``count``), remembers the largest key
 given (``max_leaf``, what a new transition gets) and whether each env's last
@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 
-DERIVED = ("gid",)  # state arrays that follow from the counters: not written to disk
-
-
 def expected_gid(count: int, capacity: int) -> np.ndarray:
     """The transition number each slot holds after ``count`` adds (-1: none)."""
     s = np.arange(capacity, dtype=np.int64)
@@ -33,13 +30,6 @@ def expected_gid(count: int, capacity: int) -> np.ndarray:
         return np.full(capacity, -1, dtype=np.int64)
     g = s + ((count - 1 - s) // capacity) * capacity
     return np.where(s < count, g, -1)
-
-
-def for_disk(state: tuple[dict, dict]) -> tuple[dict, dict]:
-    """A ``state_dict()`` as it is recorded on disk: without the arrays
-    ``restore`` derives (``DERIVED``)."""
-    meta, arrays = state
-    return meta, {n: a for n, a in arrays.items() if n not in DERIVED}
 
 
 class Ring:
@@ -72,7 +62,8 @@ class Ring:
     def restore(self, meta: dict, arrays: dict) -> None:
         """Take a recorded state (checked by ``_statecheck`` first); arrays are copied in."""
         self.restores += 1
-        self.gid[:] = expected_gid(int(meta["count"]), self.capacity)  # (a recorded one was checked equal)
+        # (one recorded was checked equal to what count gives; one read from disk is derived)
+        self.gid[:] = arrays["gid"] if "gid" in arrays else expected_gid(int(meta["count"]), self.capacity)
         self.status[:] = arrays["status"]
         self.ends[:] = arrays["ends"]
         self.pending[:] = arrays.get("pending", self.pending)  # (early format-1 writers did not record it)

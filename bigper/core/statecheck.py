@@ -128,10 +128,10 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
         arrays = {**arrays, "pending": np.zeros(0, np.float64)}
-    if "gid" not in have:  # not written to disk since issue 43 (ring.DERIVED): it follows from count
+    if "gid" not in have:  # not written to disk since issue 43 (layout.DERIVED): it follows from count
         have.add("gid")
         arrays = {**arrays, "gid": expected_gid(_int(meta, "count"), c)}
-    if cfg.frame_stack and "frames_minref" in have:  # recorded before issue 43 (now derived, never read)
+    if cfg.frame_stack and "frames_minref" in have:  # (in memory, and on disk before issue 43: checked below)
         have.discard("frames_minref")
     if kind != "proportional":
         # Another prioritization keeps its own arrays (checked by its restore); the
@@ -283,11 +283,17 @@ def _check_frames(cfg, meta: dict, arrays: dict, count: int, status: np.ndarray)
     bad = np.flatnonzero((ptr < 0) | (ptr % envs != e) | (ptr >= count + envs))
     if bad.size:
         _bad(f"frames_ptr[{bad[0]}] = {ptr[bad[0]]} (env {bad[0]}'s expiry pointer after {count} steps)")
-    # (the references themselves are data, not state: frame_ref / frame_off are checked where
-    # they are read, FrameStore.restore and a snapshot's refs check; an older format's
-    # frames_minref is derived from them and not read)
+    # The references are data, not state: frame_ref / frame_off are checked where they are read
+    # (FrameStore.restore, a snapshot's check_refs). Each slot's oldest one is a state array only
+    # in memory (and in files before issue 43): checked when given.
+    lo = fw - frame_capacity(c, k, envs)
     if getattr(cfg, "compression", None):
-        _check_segments(cfg, fm, arrays, fw, row_bytes)
+        lo = max(lo, _check_segments(cfg, fm, arrays, fw, row_bytes))
+    if "frames_minref" in arrays:
+        refs = _array(arrays, "frames_minref", np.int64, (c,))[(status == LIVE) | (status == PENDING)]
+        if refs.size and (refs.min() < max(lo, 0) or refs.max() >= fw):
+            _bad(f"frames_minref: a sampleable transition references frames outside the ring "
+                 f"[{max(lo, 0)}, {fw})")
 
 
 def check_refs(cfg, meta: dict, arrays: dict, frame_ref: np.ndarray, frame_off: np.ndarray) -> None:

@@ -704,8 +704,8 @@ class FrameStore:
         last = self.last_frames.view(np.uint8).reshape(self.num_envs, self.k, self.row_bytes)
         meta = {"fw": self.fw}
         arrays = {"frames_last": last, "frames_last_ref": self.last_ref,
-                  "frames_has_last": self.has_last, "frames_ptr": self.ptr}
-        # (each slot's oldest reference is not recorded: restore derives it from frame_ref / frame_off)
+                  "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref}
+        # (frames_minref is not written to disk, core/layout.DERIVED: restore derives it from frame_ref / frame_off)
         if self.log is not None:
             lmeta, larrays = self.log.state()
             meta.update(lmeta)
@@ -721,7 +721,10 @@ class FrameStore:
         self.ptr[:] = arrays["frames_ptr"]
         if self.log is not None:
             self.log.restore(meta, arrays)
-        self._derive_minref(arrays["status"])
+        if "frames_minref" in arrays:  # a state in memory (checked by statecheck), as it was
+            self.minref[:] = arrays["frames_minref"]
+        else:  # read from disk: derived from the stored references, and they checked
+            self._derive_minref(arrays["status"])
 
     def _derive_minref(self, status: np.ndarray, chunk: int = 1 << 20) -> None:
         """Each slot's oldest reference from the stored ``frame_ref`` /

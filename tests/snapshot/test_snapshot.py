@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import bigper
-from bigper.core.ring import DERIVED
+from bigper.core.layout import DERIVED
 from bigper import CorruptSnapshotError, IncompatibleSnapshotError, Snapshots, StorageLockedError
 from bigper.snapshot import verify
 
