@@ -64,6 +64,7 @@ import numpy as np
 
 from . import zstd as _zstd
 from . import dictionaries
+from . import look as _look
 from .budget import log_geometry
 from ..kernels import kernel
 from .._pool import for_ranges
@@ -190,6 +191,7 @@ class SegmentLog:
         self._scratch = np.empty(0, dtype=np.uint8)  # append's compressed frames, before they are placed
         self._opened = False  # an append opened segments since the last ``trim``
         self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
+        self._look: _look.Look | None = None  # a dictionary look in flight (``maybe_train``)
 
     @property
     def g(self) -> int:
@@ -326,13 +328,17 @@ class SegmentLog:
 
     def checkpoint(self):
         """The step that puts back everything in memory (counters, slots,
-        dictionaries) as it is now, for a write of many appends."""
+        dictionaries, the look in flight) as it is now, for a write of many appends."""
         back = self._counters()
         dmeta, blob = self.dicts.state()
         dmeta, blob = json.loads(json.dumps(dmeta)), blob.copy()
+        look = self._look  # (its outcome is kept: applied again at its frame when the write is repeated)
 
         def back_all():
             back()
+            if self._look is not look:  # (one began since: dropped; the one before is back in flight)
+                self.drop_look()
+                self._look = look
             if self.dicts.state()[0] != dmeta:  # (a dictionary was adopted since)
                 self.dicts.restore(dmeta, blob)
         return back_all
@@ -431,9 +437,21 @@ class SegmentLog:
         ``DRIFT`` more bytes than at the last adoption (or none was tried),
         and a candidate trained on the frames before them takes ``PAYS``
         fewer bytes on them than the current dictionary. Frames after it use
-        it; earlier ones keep theirs."""
+        it; earlier ones keep theirs.
+
+        The training and both measurements run in a thread (``frames/look.py``)
+        while adds go on; its outcome is applied here when the count reaches
+        the next multiple of ``W`` (waiting for the thread only if it has not
+        finished), before that crossing's own look: where and when a
+        dictionary is adopted depends on the adds, never on the machine's
+        speed. ``settle_look`` applies it sooner (a snapshot, a write of many
+        rows)."""
         W = TRAIN_FRAMES
         if fw // W <= fw0 // W:
+            return
+        if self._look is not None and fw >= self._look.adopt_at:
+            self.settle_look(fw)
+        if self._look is not None:  # (a look in flight, from a write that crossed several multiples)
             return
         # On the frames still in the log, however few a capped log keeps: frames that compress
         # worse than its budget leave fewer than W in it until a dictionary makes them small.
@@ -443,7 +461,7 @@ class SegmentLog:
         ev = max(lo + (fw - lo) // 2, fw - W)  # measured on [ev, fw), trained on [lo, ev)
         # Trained on the newest TRAIN_SAMPLE of those at most: the trainer's time grows faster
         # than its input (measured on Seaquest: 1,000 frames 260 ms, 500 70 ms, the
-        # dictionaries as good), and a look runs inside an add.
+        # dictionaries as good).
         lo = max(lo, ev - TRAIN_SAMPLE)
         ds = self.dicts
         if ds.base is not None and self._lengths(np.arange(ev, fw, dtype=np.int64)).mean() \
@@ -453,40 +471,82 @@ class SegmentLog:
         if fw < ds.retry:  # candidates since the drift did not pay: wait before the next
             return
         # Retraining only saves bytes: it runs after the add's frames were written, so
-        # a failure in it (no memory, a candidate zstd refuses) skips it, changing nothing.
+        # a failure in it (no memory, a damaged frame: sample and verify report it) skips it.
         try:
-            frames = self.decode(np.arange(lo, fw, dtype=np.int64))
-            train, test = frames[:ev - lo], frames[ev - lo:]
-            now = int(self.codec.compress(test, ds.slot(ds.hi))[1].sum())
-            cand = _zstd.train(train, DICT_BYTES)
-            new = None
-            if cand is not None and cand.size >= 256:
-                trial = _zstd.Codec(level=3)
-                try:
-                    trial.set_dictionary(1, cand)
-                    new = int(trial.compress(test, 1)[1].sum())
-                finally:
-                    trial.close()
-        except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:  # (a damaged frame:
-            # sample and verify report it)
+            inputs = self._look_inputs(lo, ev, fw)
+        except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:
             log.warning("bigper: retraining the zstd dictionary at frame %d failed, skipped: %r", fw, e)
             return
+        self._look = _look.Look(inputs, (fw // W + 1) * W)
+
+    def _look_inputs(self, lo: int, ev: int, fw: int) -> _look.Inputs:
+        """Copies of what a look on frames ``lo .. fw - 1`` needs (checked index
+        entries, their bytes, the dictionaries they name)."""
+        ids = np.arange(lo, fw, dtype=np.int64)
+        n = ids.shape[0]
+        entries = self._entries(ids)
+        offsets, lengths, slots = (np.empty(n, dtype=np.int64) for _ in range(3))
+        bad = gather_index(entries, np.arange(n, dtype=np.int64), self.log_bytes, self.seg, self.max_len,
+                           self.dicts.lo, self.dicts.hi, MAX_DICTS, offsets, lengths, slots)
+        if bad >= 0:
+            raise CorruptSnapshotError(f"frame {lo + bad}'s index entry {entries[bad].tolist()} is damaged")
+        arrays = self.store.arrays
+        if arrays is not None:  # the runs of frames that lie one after another, copied
+            flat = arrays["frame_log"].reshape(-1)
+            parts, at = [], 0
+            starts = np.empty(n, dtype=np.int64)
+            for a, b in self._runs(lengths, offsets):
+                size = int(offsets[b - 1] + lengths[b - 1] - offsets[a])
+                parts.append(flat[int(offsets[a]):int(offsets[a]) + size])
+                starts[a:b] = offsets[a:b] - offsets[a] + at
+                at += size
+            blob = np.concatenate(parts)
+        else:
+            blob, starts = self._read_spans(offsets, lengths)
+        ds = self.dicts
+        current = ds.slot(ds.hi)
+        named = {int(s) for s in np.unique(slots)} | {current}
+        dicts = {s: ds.dicts[(s - ds.slot(ds.lo)) % MAX_DICTS] for s in named if s}
+        return _look.Inputs(fw, ev - lo, blob, np.ascontiguousarray(starts), lengths, slots, dicts, current,
+                            self.row_bytes, DICT_BYTES)
+
+    def settle_look(self, fw_now: int) -> None:
+        """Apply the look in flight now, ``fw_now`` frames written (waiting for
+        its thread): adopt its candidate where it pays, all or nothing; a look
+        that failed changes nothing."""
+        look, self._look = self._look, None
+        if look is None:
+            return
+        fw = look.inputs.fw
+        try:
+            out = look.outcome()
+        except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:
+            log.warning("bigper: retraining the zstd dictionary at frame %d failed, skipped: %r", fw, e)
+            return
+        ds = self.dicts
         adopted = False
-        if new is not None and new <= (1 - dictionaries.PAYS) * now:
-            oldest = self._entries(np.array([max(self.oldest(), fw - self.F, 0)], dtype=np.int64))[0, 1] >> 32
+        if out.new is not None and out.new <= (1 - dictionaries.PAYS) * out.now:
+            oldest = self._entries(np.array([max(self.oldest(), fw_now - self.F, 0)], dtype=np.int64))[0, 1] >> 32
             try:
-                adopted = ds.adopt(cand, int(oldest))  # (all or nothing)
+                adopted = ds.adopt(out.candidate, int(oldest))  # (all or nothing)
             except (MemoryError, ValueError, RuntimeError) as e:
                 log.warning("bigper: adopting a new zstd dictionary at frame %d failed, skipped: %r", fw, e)
                 return
         if adopted:
-            ds.base = new / test.shape[0]
+            ds.base = out.new / out.measured
             ds.retry = ds.wait = 0
         elif ds.base is None:  # no dictionary was adopted yet: drift is measured from these frames
-            ds.base = now / test.shape[0]
+            ds.base = out.now / out.measured
         else:  # the size at the last adoption stays the reference: try again, later
-            ds.wait = W if ds.wait == 0 else 2 * ds.wait
+            ds.wait = TRAIN_FRAMES if ds.wait == 0 else 2 * ds.wait
             ds.retry = fw + ds.wait
+
+    def drop_look(self) -> None:
+        """Forget the look in flight (waiting for its thread: it holds no state
+        of the log, but the log's codec may be closed next)."""
+        look, self._look = self._look, None
+        if look is not None:
+            look.wait()
 
     def _entries(self, ids: np.ndarray) -> np.ndarray:
         """Index entries (n, 2) of frames ``ids`` (live)."""
@@ -565,6 +625,7 @@ class SegmentLog:
         """Take a recorded state (checked by ``_statecheck``) and check the
         slots, the live index and the dictionaries against it and the storage:
         ``CorruptSnapshotError``."""
+        self.drop_look()  # (its frames and dictionaries are not these)
         g = int(meta["seg"])
         self.st[G], self.st[POS] = g, int(meta["pos"])
         self.seg_first[:] = arrays["frames_seg_first"]
@@ -633,6 +694,7 @@ class SegmentLog:
         return int(ids.shape[0])
 
     def close(self) -> None:
+        self.drop_look()
         self.dicts.close()
 
 

@@ -691,6 +691,7 @@ class FrameStore:
         arrays = {"frames_last": last, "frames_last_ref": self.last_ref,
                   "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref}
         if self.log is not None:
+            self.log.settle_look(self.fw)  # (a dictionary look in flight is applied first: the state is whole)
             lmeta, larrays = self.log.state()
             meta.update(lmeta)
             arrays.update(larrays)
