@@ -101,18 +101,20 @@ def _size(codec: _zstd.Codec, slot: int, rows: np.ndarray) -> int:
 
 
 class Look:
-    """One look's work, running in its own thread from construction;
-    ``outcome()`` is applied at frame ``adopt_at``."""
+    """One look's work, running in its own thread from construction
+    (``thread``); its ``outcome()`` is applied at frame ``adopt_at``."""
 
-    def __init__(self, inputs: Inputs, adopt_at: int):
+    def __init__(self, inputs: Inputs, adopt_at: int, thread: bool = True):
         self.inputs, self.adopt_at = inputs, adopt_at
         self._result: Outcome | BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(target=self._run, name="bigper-dictionary",
-                                                                 daemon=True)
-        try:
-            self._thread.start()
-        except RuntimeError:  # (no thread to be had: the work runs when its outcome is asked for)
-            self._thread = None
+        self._thread: threading.Thread | None = None
+        if thread:  # (else, or when no thread is to be had, the work runs when its outcome is asked for)
+            t = threading.Thread(target=self._run, name="bigper-dictionary", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:
+                return
+            self._thread = t
 
     def _run(self) -> None:
         try:

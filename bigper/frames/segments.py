@@ -63,6 +63,7 @@ import warnings
 import numpy as np
 
 from . import zstd as _zstd
+from .zstd import compress_rows
 from . import dictionaries
 from . import look as _look
 from .budget import log_geometry
@@ -150,6 +151,34 @@ def put_rows(scratch, lengths, offsets, log, index, F, f0, did):
 
 
 @kernel
+def append_staged(log, staged, scratch, f0, n):
+    """Frames ``f0 .. f0 + n - 1``, raw in rows ``(f0 + i) % R`` of ``staged``
+    ``(R, row_bytes)``, compressed (into ``scratch``, room for ``n`` frames
+    that do not shrink) and appended to the open segment with their index
+    rows, when they all fit in it; nothing changes otherwise. ``log``:
+    ``(cctx, st, seg, seg_first, seg_slot, used, flat, index, did, fw)``
+    (``SegmentLog.staged_args``). Returns 0, or -1 (they do not fit: the
+    caller takes the general path), or -2 (zstd failed)."""
+    cctx, st, seg, seg_first, seg_slot, used, flat, index, did, _fw = log
+    R = staged.shape[0]
+    F = index.shape[0]
+    lengths = np.empty(n, dtype=np.int64)
+    offsets = np.empty(n, dtype=np.int64)
+    pos = 0
+    for i in range(n):
+        r = (f0 + i) % R
+        got = compress_rows(cctx, staged[r:r + 1], scratch[pos:], lengths[i:i + 1])
+        if got < 0:
+            return -2
+        pos += got
+    if st[POS] + pos > seg:
+        return -1
+    place(lengths, f0, F, seg, False, st, seg_first, seg_slot, used, offsets)
+    put_rows(scratch, lengths, offsets, flat, index, F, f0, did)
+    return 0
+
+
+@kernel
 def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets, lengths, dicts):
     """Index entries ``index[rows]``, checked (inside the log and inside one
     segment, a length in ``1..max_len``, dictionary generation 0 or one in
@@ -192,6 +221,7 @@ class SegmentLog:
         self._opened = False  # an append opened segments since the last ``trim``
         self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
         self._look: _look.Look | None = None  # a dictionary look in flight (``maybe_train``)
+        self._staged_key = self._staged = None  # staged_args' arrays and ints, and what they were made of
 
     @property
     def g(self) -> int:
@@ -250,6 +280,26 @@ class SegmentLog:
         segment's rest (``append`` makes the segments it opens writable itself)."""
         first = int(self.seg_slot[self.g % self.S]) * self.seg_rows
         return np.arange(first + self.pos // self.block, first + self.seg_rows, dtype=np.int64)
+
+    @staticmethod
+    def look_due(fw: int, most: int) -> bool:
+        """Whether ``most`` frames more from frame ``fw`` may reach a dictionary look (``maybe_train``)."""
+        return (fw + most) // TRAIN_FRAMES > fw // TRAIN_FRAMES
+
+    def staged_args(self, rw: dict, fw: int):
+        """``append_staged``'s ``log`` group for an append of frames from frame
+        ``fw`` on into the storage's arrays ``rw``, or None where
+        only ``append`` may write (a capped log: its appends may release segments)."""
+        if self.capped:
+            return None
+        ds = self.dicts
+        did, codec, frame_log, index = ds.hi, ds.codec, rw["frame_log"], rw["frame_index"]
+        key = self._staged_key
+        if key is None or key[0] is not frame_log or key[1] is not index or key[2] != did or key[3] is not codec:
+            self._staged_key = (frame_log, index, did, codec)
+            self._staged = (codec.cctx[ds.slot(did)], self.st, self.seg, self.seg_first, self.seg_slot, self.used,
+                            frame_log.reshape(-1), index, did)
+        return self._staged + (fw,)
 
     def append(self, f0: int, frames: np.ndarray, rw: dict | None, journal: Journal | None = None) -> None:
         """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).
@@ -439,7 +489,8 @@ class SegmentLog:
         fewer bytes on them than the current dictionary. Frames after it use
         it; earlier ones keep theirs.
 
-        The training and both measurements run in a thread (``frames/look.py``)
+        The first dictionary is trained here, in the add. A later look's
+        training and measurements run in a thread (``frames/look.py``)
         while adds go on; its outcome is applied here when the count reaches
         the next multiple of ``W`` (waiting for the thread only if it has not
         finished), before that crossing's own look: where and when a
@@ -477,7 +528,11 @@ class SegmentLog:
         except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:
             log.warning("bigper: retraining the zstd dictionary at frame %d failed, skipped: %r", fw, e)
             return
-        self._look = _look.Look(inputs, (fw // W + 1) * W)
+        if ds.hi == 0:  # the first dictionary: trained here, used from the next frame (once a buffer)
+            self._look = _look.Look(inputs, fw, thread=False)
+            self.settle_look(fw)
+        else:
+            self._look = _look.Look(inputs, (fw // W + 1) * W)
 
     def _look_inputs(self, lo: int, ev: int, fw: int) -> _look.Inputs:
         """Copies of what a look on frames ``lo .. fw - 1`` needs (checked index
