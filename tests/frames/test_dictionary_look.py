@@ -146,6 +146,7 @@ def test_close_while_a_look_is_in_flight_records_its_outcome_and_resumes(tmp_pat
         buf = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=3)
         i = 0
         while hook.log(buf)._look is None or i < W * 2:  # a look (not the first) in flight
+            assert i < len(steps), "no look was in flight"
             add(buf, steps[i:i + 1])
             i += 1
         hi = hook.log(buf).dicts.hi

@@ -30,6 +30,7 @@ CAP = 200
 def _in_flight(buf, steps, i=0):
     """Add steps until a look (not the first dictionary's) is in flight; returns the next step's index."""
     while hook.log(buf)._look is None or hook.log(buf).dicts.hi < 2:
+        assert i < len(steps), "no look was in flight"
         add(buf, steps[i:i + 1])
         i += 1
     return i
@@ -58,6 +59,7 @@ def test_a_fork_while_a_look_is_in_flight_gives_the_child_the_same_dictionaries(
         add(buf, steps[i:])
         _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert hook.log(buf).dicts.hi >= 3
     meta, blob, entries = log_state(buf)
     got = np.load(out)
     assert str(got["meta"]) == repr(meta)
@@ -144,6 +146,7 @@ def test_a_look_whose_thread_could_not_start_runs_when_its_outcome_is_due(tmp_pa
         mp.setattr(bigper.frames.look, "threading", types.SimpleNamespace(Thread=Refused))
         none = make("memory", tmp_path, (84, 84), k=4, capacity=CAP, seed=4)
         add(none, steps)
+    assert hook.log(fast).dicts.hi >= 3
     same_log(fast, none)
     check_all_live(none, feed)
     fast.close()
