@@ -7,7 +7,8 @@ newest. At most ``MAX_DICTS`` are kept: generation ``g`` lives in codec slot
 ``(g - 1) % MAX_DICTS + 1``, and a new one is adopted only when the
 generation it would displace names no live frame.
 
-Retraining where it pays (``SegmentLog.maybe_train``): every
+Retraining where it pays (``SegmentLog.maybe_train``, its heavy part in a thread:
+``frames/look.py``): every
 ``TRAIN_FRAMES`` frames the mean stored length of the newest frames is
 compared with what the current dictionary gave when it was adopted
 (``base``); only when it grew by ``DRIFT`` is a candidate trained (on the

@@ -50,8 +50,13 @@ decodes the frames that name it.
 Dictionaries (``frames/dictionaries.py``): one given by the user is generation 1
 from the first frame; else one is trained on the first ``TRAIN_FRAMES``
 frames, and every ``TRAIN_FRAMES`` frames after that a new one is trained
-and adopted only where it pays (``maybe_train``). Frames keep the
+and adopted only where it pays (``maybe_train``; the training in a thread,
+``frames/look.py``, its outcome applied at the next look). Frames keep the
 generation they were written with.
+
+An add of a few rows whose frames fit in the open segment (not near a look,
+not a capped log) is written in one compiled call (``append_staged``, from
+``FrameStore.write_logged``); anything else takes ``append``.
 """
 
 from __future__ import annotations
