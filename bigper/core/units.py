@@ -45,7 +45,7 @@ class SampleUnit(Protocol):
     def unsampleable(self, n: int) -> str:
         """The message of a draw from a buffer of ``len`` ``n`` with no sampleable leaf."""
 
-    def commit(self, prio, g0: int, slots, ends, valid, keys, count: int, fused: bool, frames) -> None:
+    def commit(self, prio, g0: int, slots, ends, valid, keys, count: int, frames) -> None:
         """Rows ``g0 .. count - 1`` were committed to the ring at ``slots``:
         set the leaves they make sampleable and remove those they end (frames
         that expired included)."""
@@ -59,10 +59,10 @@ class SampleUnit(Protocol):
         after the fact (``Writer.end_episodes``): make sampleable what their
         episodes' ends complete."""
 
-    def batch(self, reader, idx, w, prob, out, fused: bool, stacks: bool) -> Batch:
+    def batch(self, reader, idx, w, prob, out, stacks: bool) -> Batch:
         """The batch of the leaves at ``idx`` (``stacks=False``: frame stacks left for a device to rebuild)."""
 
-    def gather(self, reader, idx, fused: bool) -> dict:
+    def gather(self, reader, idx) -> dict:
         """The data of the leaves at ``idx`` as ``sample`` gives it."""
 
     def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
@@ -101,6 +101,7 @@ class Transitions:
     status_key = "status"
     staged = True
     shardable = True
+    fused = True  # (False, for tests only: the general paths, tests/core/test_fused.py)
 
     def __init__(self, cfg, ring):
         self.cfg, self.ring = cfg, ring
@@ -110,7 +111,7 @@ class Transitions:
         return (f"cannot sample: no sampleable transition (len={n}; with n_step > 1 a transition becomes "
                 "sampleable once its window completes or its episode ends)")
 
-    def commit(self, prio, g0, slots, ends, valid, keys, count, fused, frames) -> None:
+    def commit(self, prio, g0, slots, ends, valid, keys, count, frames) -> None:
         cfg, ring = self.cfg, self.ring
         if cfg.n_step == 1:
             if valid is None:
@@ -147,11 +148,11 @@ class Transitions:
             self.status[ready] = LIVE
             prio.insert(ready, self.pending[ready])
 
-    def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
-        return reader.transitions(idx, w, prob, out, fused)
+    def batch(self, reader, idx, w, prob, out, stacks) -> Batch:
+        return reader.transitions(idx, w, prob, out)
 
-    def gather(self, reader, idx, fused) -> dict:
-        return reader.gather(idx, None, None, fused)
+    def gather(self, reader, idx) -> dict:
+        return reader.gather(idx, None, None)
 
     def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
         return mirror.batch(reader.plan(idx), idx, w, prob, self.ring.gid[idx])
@@ -190,6 +191,7 @@ class Sequences:
     status_key = "seq_status"
     staged = False
     shardable = False
+    fused = True  # (False, for tests only: the general paths, tests/core/test_fused.py)
 
     def __init__(self, cfg, ring):
         self.cfg, self.ring = cfg, ring
@@ -201,10 +203,10 @@ class Sequences:
                 f"its length={self.items.length} steps are written or its episode ends, and valid=False rows "
                 "start none)")
 
-    def commit(self, prio, g0, slots, ends, valid, keys, count, fused, frames) -> None:
+    def commit(self, prio, g0, slots, ends, valid, keys, count, frames) -> None:
         if frames is not None:  # steps whose frames expired: the items they belong to die with them
             frames.expire(count, self.ring.gid, self.ring.status)
-        self.items.write(prio, g0, slots, ends, valid, keys, count, fused)
+        self.items.write(prio, g0, slots, ends, valid, keys, count, self.fused)
 
     def committed(self, prio, rows, g0, keys, top, valid, count) -> None:
         # write_rows set the leaves per step: the items' tables and leaves replace them
@@ -220,16 +222,16 @@ class Sequences:
         if ready.shape[0]:
             prio.insert(ready, self.pending[ready])
 
-    def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
+    def batch(self, reader, idx, w, prob, out, stacks) -> Batch:
         """Every field ``(B, T, ...)``, padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""
         slots, mask = self.items.window(idx)
-        data, mask, once = reader.windows(slots, mask, fused, stacks)
+        data, mask, once = reader.windows(slots, mask, stacks)
         # (with ``once``: how to_torch moves each row's frames once)
         return Batch.make(data, idx, w, prob, self.ring.gid[idx], mask, self.items.burn_in,
                           None if once is None else Transport(frames=once))
 
-    def gather(self, reader, idx, fused) -> dict:
-        data, mask, _ = reader.windows(*self.items.window(idx), fused)
+    def gather(self, reader, idx) -> dict:
+        data, mask, _ = reader.windows(*self.items.window(idx))
         return {**data, "mask": mask}
 
     def device_batch(self, reader, mirror, idx, w, prob) -> Batch:

@@ -360,4 +360,4 @@ class Writer:
             self.ends[slots] = ends
             self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
         self.ring.count = g0 + m
-        self.unit.commit(self.prio, g0, slots, ends, valid, keys, self.ring.count, self.fused, self.frames)
+        self.unit.commit(self.prio, g0, slots, ends, valid, keys, self.ring.count, self.frames)

@@ -112,7 +112,7 @@ def main() -> int:
     pool = [np.abs(rng.standard_normal(b)) + 0.01 for _ in range(64)]
 
     # The internals the floor calls directly (a profile, not an API).
-    tree, rd, arrays, g = buf._prio.tree, buf._reader, buf._store.arrays, buf._rng
+    tree, rd, arrays, g = buf._prio.tree, buf._reader, buf._store.arrays, buf._draws.rng
     names = tuple(buf._plain)
 
     def floor_sample(i):
