@@ -64,8 +64,8 @@ def covered(parts, host: bool) -> str | None:
     """Why the feed does not serve a buffer (its ``core.parts.Parts``), or
     None; ``host``: the rows are gathered on the host (else a device tier gathers them)."""
     cfg = parts.config
-    if cfg.sequence is not None:
-        return "sequence items"
+    if not parts.unit.fed:
+        return f"{parts.unit.noun}s"
     if cfg.n_step != 1:
         return "n-step returns"
     if parts.prio.tree is None:

@@ -12,8 +12,10 @@ A unit answers (``SampleUnit``): which leaves exist (``status``, ``pending``),
 what a write makes sampleable or kills (``commit``, ``committed``), how a
 batch is gathered (``batch``, ``gather``, ``device_batch``, ``check_out``),
 how priorities reduce to one a leaf (``priorities``, ``check_update``), and
-its recorded state (``state``, ``restore``). A third unit (whole episodes)
-is a class here and one line in ``unit_for``.
+its recorded state (``ARRAYS``, ``state``, ``restore``, ``check_recorded``),
+and which paths serve it (``staged``, ``shardable``, ``fed``). A third unit
+(whole episodes) is a class and one line in ``unit_class``
+(docs/development.md, "Add a sample unit").
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..kernels import ring_rows
 from ..batch import Batch
 from .._torch import Transport
 from ..errors import InvalidArgumentError
-from .sequences import Items
+from .sequences import ITEM_ARRAYS, Items, check_items
 from ..status import LIVE
 
 
@@ -41,6 +43,15 @@ class SampleUnit(Protocol):
     status_key: str         # the name of ``status`` in a recorded state
     staged: bool            # a CUDA-bound batch is gathered into one pinned block (else the device rebuilds stacks)
     shardable: bool         # ``sample_at`` (the Ray shards) serves it
+    fed: bool               # the GIL-free feed (``core/feed.py``) serves it
+    ARRAYS: tuple           # the names of its own arrays in a recorded state (beside the ring's)
+
+    @staticmethod
+    def check_recorded(cfg, arrays: dict, count: int, gid, status, ends, top: float) -> np.ndarray:
+        """Refuse (``core.recorded.refuse``) a recorded state whose unit arrays
+        a buffer of ``cfg`` could not have written, given the ring's checked
+        ``gid``, ``status``, ``ends`` after ``count`` rows and the largest key
+        ``top``; returns the status that says which slots hold a leaf."""
 
     def unsampleable(self, n: int) -> str:
         """The message of a draw from a buffer of ``len`` ``n`` with no sampleable leaf."""
@@ -99,13 +110,19 @@ class Transitions:
 
     noun = "transition"
     status_key = "status"
+    ARRAYS: tuple = ()  # its own state arrays (the ring's status and pending keys are its)
     staged = True
     shardable = True
+    fed = True
     fused = True  # (False, for tests only: the general paths, tests/core/test_fused.py)
 
     def __init__(self, cfg, ring):
         self.cfg, self.ring = cfg, ring
         self.status, self.pending = ring.status, ring.pending
+
+    @staticmethod
+    def check_recorded(cfg, arrays, count, gid, status, ends, top) -> np.ndarray:
+        return status  # (the ring's arrays, which the state check checked)
 
     def unsampleable(self, n: int) -> str:
         return (f"cannot sample: no sampleable transition (len={n}; with n_step > 1 a transition becomes "
@@ -189,8 +206,11 @@ class Sequences:
 
     noun = "sequence item"
     status_key = "seq_status"
+    ARRAYS = ITEM_ARRAYS  # the item tables (Items.state)
+    check_recorded = staticmethod(check_items)
     staged = False
     shardable = False
+    fed = False
     fused = True  # (False, for tests only: the general paths, tests/core/test_fused.py)
 
     def __init__(self, cfg, ring):
@@ -264,9 +284,14 @@ class Sequences:
         self.items.restore(arrays)
 
 
+def unit_class(cfg) -> type:
+    """The sample unit of a buffer of ``cfg`` (a class: ``unit_for`` makes one)."""
+    return Sequences if cfg.sequence else Transitions
+
+
 def unit_for(cfg, ring) -> SampleUnit:
     """The sample unit of a buffer of ``cfg`` over ``ring``."""
-    return Sequences(cfg, ring) if cfg.sequence else Transitions(cfg, ring)
+    return unit_class(cfg)(cfg, ring)
 
 
 def apply_update(unit, prio, ring, idx, stamps, use_stamps: bool, mask, priorities) -> None:

@@ -33,7 +33,7 @@ from ..prioritization import make as make_prioritization
 from ..schedules import schedule_from_dict
 from ..core.layout import allocate, own_names
 from ..core.statecheck import RING_ARRAYS
-from ..core.sequences import ITEM_ARRAYS
+from ..core.units import unit_class
 from ..storage.h5source import LIVE, H5Source, OfflineDatasetError
 from ..errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
                      PathNotFoundError)
@@ -145,9 +145,9 @@ def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, 
     else:
         meta = dict(src.recorded[1], rng=fresh, beta_step=0)
         # the ring and, with sequences, the item tables (items hold the keys there)
-        carried = RING_ARRAYS + (ITEM_ARRAYS if cfg.sequence else ())
+        carried = RING_ARRAYS + unit_class(cfg).ARRAYS
         arrays = {k: v for k, v in src.recorded[2].items() if k in carried}
-    live = np.asarray(arrays["seq_status" if cfg.sequence else "status"]) == LIVE
+    live = np.asarray(arrays[unit_class(cfg).status_key]) == LIVE
     prio = _strategy(cfg)
     keys = _initial_keys(cfg, prio, live, sidecar)
     prio.assign(keys, live)
