@@ -32,7 +32,8 @@ from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
 from ._jax import check_deferred, host_values, is_jax_array, on_host
-from ._torch import Transport, as_device, is_device_tensor
+from .tensors.transport import Transport
+from .tensors.lazy import as_device, is_device_tensor
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .config import Sequence as ReplaySequence  # (typing's Sequence is used here too)
@@ -70,7 +71,7 @@ def _sample_in(ref, size: int, device, sample_kw: dict):
     del buf
     if device is None:
         return batch
-    from ._torch import mark_ready
+    from .tensors.streams import mark_ready
 
     return mark_ready(batch.to_torch(device))
 
@@ -460,9 +461,10 @@ class PrioritizedReplayBuffer:
             return self._draw(batch_size, beta, stratified, None, True)
         if not self._unit.staged:  # the stacks rebuilt on the device from each row's distinct frames
             return self._draw(batch_size, beta, stratified, None, False)
-        from ._torch import Staged, _torch
+        from .tensors.pinned import Staged
+        from .tensors.lazy import load_torch
 
-        torch = _torch()
+        torch = load_torch()
         staged = Staged(torch, torch.device(device), self._reader.staging_specs(int(batch_size)))
         try:
             out = {k: v for k, v in staged.views.items() if k not in ("weights", "indices", "generations")}
@@ -591,7 +593,7 @@ class PrioritizedReplayBuffer:
         else:
             handover = None
             if device is not None and device.type == "cuda":
-                from ._torch import handover
+                from .tensors.streams import handover
             it = Prefetcher(produce, int(prefetch), self._guard.lock, prepare=self._guard.deferred.wait,
                             finish=handover)
         self._guard.samplers.add(it)
@@ -1008,7 +1010,7 @@ class PrioritizedReplayBuffer:
         """What a coordinator of shards asks of this buffer (``bigper.distributed``):
         ``sample_at`` given prefix sums, ``max_leaf``/``raise_max_leaf``/``min_leaf``
         (``bigper.core.shardview``)."""
-        return ShardView(self._parts)
+        return ShardView(self._parts, self)  # (made per call: a view the buffer held would keep it alive)
 
     # -- lifecycle -------------------------------------------------------------
     @property

@@ -17,7 +17,8 @@ import numpy as np
 
 from .. import kernels as K
 from .._jax import host_values, is_jax_array
-from .._torch import TensorBatch, as_array, as_numpy, carried
+from ..tensors.transport import carried, TensorBatch
+from ..tensors.lazy import as_array, as_numpy
 from ..batch import Batch
 from ..config import BUILTIN, Config
 from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError

@@ -238,7 +238,7 @@ class Reader:
 
     def staging_specs(self, b: int) -> dict:
         """``name -> (shape, dtype)`` of what a batch of ``b`` transitions is
-        gathered into when it is bound for a device (``_torch.Staged``): every
+        gathered into when it is bound for a device (``tensors.pinned.Staged``): every
         field, the frames of ``obs``/``next_obs`` as one ``(b, k + 1)`` gather
         where they pair (``FrameStore.pair``), and the bookkeeping."""
         specs = {name: ((b, *shape), np.dtype(dtype)) for name, (shape, dtype) in self.stored.items()}

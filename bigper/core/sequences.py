@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import kernel, tree_set
-from .._torch import as_array
+from ..tensors.lazy import as_array
 from ..config import Config
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..status import DEAD, EMPTY, LIVE, PENDING

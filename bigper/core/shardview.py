@@ -31,10 +31,13 @@ class ShardView:
     ----------
     parts : Parts
         The buffer's parts (``core.parts``; the view keeps no state of its own).
+    owner : PrioritizedReplayBuffer
+        The buffer, only kept: it stays open while a view of it lives.
     """
 
-    def __init__(self, parts: Any) -> None:
+    def __init__(self, parts: Any, owner: Any) -> None:
         self._parts: Any = parts
+        self._owner = owner
         self._guard = parts.guard  # (what ``entry_point`` runs each call under)
 
     @property

@@ -28,7 +28,7 @@ from . import nstep
 from .ingest import as_priorities
 from ..kernels import ring_rows
 from ..batch import Batch
-from .._torch import Transport
+from ..tensors.transport import Transport
 from ..errors import InvalidArgumentError
 from .sequences import ITEM_ARRAYS, Items, check_items
 from ..status import LIVE

@@ -37,7 +37,8 @@ from collections import deque
 
 import numpy as np
 
-from .._torch import TensorBatch, _torch, _torch_dtype
+from ..tensors.transport import TensorBatch
+from ..tensors.lazy import load_torch, torch_dtype
 from ..core import feed as plan
 from ..core.prefetch import Failure, Threaded, why_after
 from ..errors import BufferClosedError, InvalidArgumentError
@@ -170,7 +171,7 @@ def _tensors(torch, layout: plan.Layout, block) -> dict:
     out = {}
     for name, (off, shape, dtype) in layout.regions.items():
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        out[name] = block[off:off + n].view(_torch_dtype(torch, dtype, name)).view(shape)
+        out[name] = block[off:off + n].view(torch_dtype(torch, dtype, name)).view(shape)
     return out
 
 
@@ -179,7 +180,7 @@ class Filler:
     weakly: the thread keeps no buffer alive between two batches)."""
 
     def __init__(self, parts, b: int, dev, beta, stratified: bool):
-        torch = self.torch = _torch()
+        torch = self.torch = load_torch()
         self.ref = weakref.ref(parts)
         self.guard = parts.guard  # (the buffer's lock, open or closed, its updates in flight: core.lifecycle.Guard)
         self.dev, self.cuda = dev, dev.type == "cuda"

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..kernels import first_bad_priority
 from .sidecar import Sidecar, SidecarMismatchError, _xxh, key_params
-from .._torch import as_numpy
+from ..tensors.lazy import as_numpy
 from ..config import Config
 from ..prioritization import make as make_prioritization
 from ..schedules import schedule_from_dict
