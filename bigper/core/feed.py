@@ -34,7 +34,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..kernels import batch_meta, kernel, sample_into
+from ..kernels import kernel
+from ..prioritization._tree_kernels import sample_into
+from .ring import batch_meta
 
 # The short kernels keep the GIL: a thread that gives it up for a few microseconds must take
 # it back from a launch-bound learner, which needs it at every op, and that handover costs the

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import nstep
-from ..kernels import batch_meta
+from .ring import batch_meta
 from ..batch import Batch
 from ..frames.distinct import distinct_frames
 from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError

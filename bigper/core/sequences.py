@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import kernel, tree_set
+from ..kernels import kernel
+from ..prioritization._tree_kernels import tree_set
 from ..tensors.lazy import as_array
 from ..config import Config
 from ..errors import InvalidArgumentError, InvalidTypeError

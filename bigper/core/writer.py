@@ -35,7 +35,9 @@ import numpy as np
 from .._undo import Journal
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
-from ..kernels import commit_rows, kernel, ring_rows, tree_set
+from ..kernels import kernel
+from ..prioritization._tree_kernels import tree_set
+from .ring import commit_rows, ring_rows
 from ..status import DEAD, LIVE, PENDING
 from .nstep import TRUNCATED, complete
 

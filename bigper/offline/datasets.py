@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels import first_bad_priority
+from ..prioritization._tree_kernels import first_bad_priority
 from .sidecar import Sidecar, SidecarMismatchError, _xxh, key_params
 from ..tensors.lazy import as_numpy
 from ..config import Config

@@ -21,7 +21,7 @@ import mmap
 
 import numpy as np
 
-from .. import kernels as K
+from . import _tree_kernels as K
 from .._pool import for_ranges
 from ..errors import InvalidArgumentError
 
