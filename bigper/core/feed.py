@@ -159,7 +159,7 @@ class Sources:
     def __init__(self, parts, layout: Layout, field_arrays: dict | None, frame_ring):
         t = parts.prio.tree
         ring = parts.ring
-        self.tree = (t.sums, t.mins, t.offsets)
+        self.tree = t.arrays
         self.book = (ring.ends, ring.gid, parts.reader.discount1)
         frames = parts.frames
         arrays = parts.store.arrays

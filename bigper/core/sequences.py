@@ -256,7 +256,7 @@ class Items:
         ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
             else valid
         write_items_tree(g0, count, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
-                         self.tables(), (self.gid, self.step_status), (t.sums, t.mins, t.offsets))
+                         self.tables(), (self.gid, self.step_status), t.arrays)
 
     def _write_general(self, prio, g0, slots, ends, valid, keys, count) -> None:
         m = slots.shape[0]
