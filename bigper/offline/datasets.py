@@ -8,7 +8,7 @@
     ds.update_priorities(batch, td_abs)          # as with any buffer
     ds.close()                                   # changed priorities go to the sidecar
 
-The source file is never written (see ``storage/h5source.py`` for how each
+The source file is never written (see ``offline/h5source.py`` for how each
 layout maps onto fields); priorities live in a sidecar directory beside it
 (``offline/sidecar.py``). ``add`` and ``extend`` fail: the data is read-only.
 """
@@ -34,7 +34,7 @@ from ..schedules import schedule_from_dict
 from ..core.layout import allocate, own_names
 from ..core.statecheck import RING_ARRAYS
 from ..core.units import unit_class
-from ..storage.h5source import LIVE, H5Source, OfflineDatasetError
+from .h5source import LIVE, H5Source, OfflineDatasetError
 from ..errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
                      PathNotFoundError)
 
