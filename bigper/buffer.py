@@ -3,7 +3,7 @@ points to snapshots and offline datasets.
 
 Every public method is an *entry point*: it runs under the buffer's one
 re-entrant lock and, unless it is marked otherwise below, refuses a closed
-buffer inside it (``_lifecycle.entry_point``). Nothing reads or changes the buffer's state
+buffer inside it (``core.lifecycle.entry_point``). Nothing reads or changes the buffer's state
 outside that lock, so two threads calling any two methods are serialized,
 and a write never lands on a buffer another thread closed.
 """

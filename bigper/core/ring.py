@@ -12,7 +12,7 @@ and the ring counts the rows written (``count``), remembers the largest key
 given (``max_leaf``, what a new transition gets) and whether each env's last
 row ended its episode (``env_ended``). The writer, the reader and the
 sequence items change and read these in place; the ring alone records and
-restores them (``state``/``restore``, checked before by ``_statecheck``).
+restores them (``state``/``restore``, checked before by ``core/statecheck.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Ring:
         return meta, {name: getattr(self, name) for name in self.ARRAYS}
 
     def restore(self, meta: dict, arrays: dict) -> None:
-        """Take a recorded state (checked by ``_statecheck`` first); arrays are copied in."""
+        """Take a recorded state (checked by ``core/statecheck.py`` first); arrays are copied in."""
         self.restores += 1
         self.gid[:] = arrays["gid"]
         self.status[:] = arrays["status"]
