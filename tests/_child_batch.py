@@ -41,7 +41,7 @@ def exit_like():
     # still open closed by bigper's own exit handler, HDF5 files still open closed.
     import gc
     gc.collect()
-    lifecycle = sys.modules.get("bigper._lifecycle")
+    lifecycle = sys.modules.get("bigper.core.lifecycle")
     if lifecycle is not None:
         lifecycle._close_all_at_exit()
     h5py = sys.modules.get("h5py")

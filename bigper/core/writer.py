@@ -35,7 +35,9 @@ import numpy as np
 from .._undo import Journal
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
-from ..kernels import commit_rows, kernel, ring_rows, tree_set
+from ..kernels import kernel
+from ..prioritization._tree_kernels import tree_set
+from .ring import commit_rows, ring_rows
 from ..status import DEAD, LIVE, PENDING
 from .nstep import TRUNCATED, complete
 
@@ -58,7 +60,7 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     - ``rows``: ``(terminated, truncated, valid)`` of the rows; ``stacks``: their
       ``(obs, next_obs)`` frame stacks (C-contiguous ``(m, k, *frame)``).
     - ``book``: the ring's bookkeeping ``(gid, ends, status, pending, env_ended)``.
-    - ``tree``: ``(sums, mins, offsets)``; ``sizes``: ``(n_step, num_envs)``.
+    - ``tree``: the tree's ``TreeArrays``; ``sizes``: ``(n_step, num_envs)``.
     - ``frames``: the frame ring's (``FrameStore.kernel_args``): ``(framed,
       last_frames, last_ref, has_last, has_next, oref, nref, ring, minref, ptr,
       expired)``.
@@ -301,7 +303,7 @@ class Writer:
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
             self._args = ((self.gid, self.ends, self.status, self.pending, self.env_ended),
-                          (t.sums, t.mins, t.offsets), (cfg.n_step, cfg.num_envs), ring)
+                          t.arrays, (cfg.n_step, cfg.num_envs), ring)
             self._args_of = ring
         fw, top = write_rows(g0, (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys,
                              self.ring.max_leaf, fw, stacks, *self._args)
@@ -370,4 +372,4 @@ class Writer:
             self.ends[slots] = ends
             self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
         self.ring.count = g0 + m
-        self.unit.commit(self.prio, g0, slots, ends, valid, keys, self.ring.count, self.fused, self.frames)
+        self.unit.commit(self.prio, g0, slots, ends, valid, keys, self.ring.count, self.frames)

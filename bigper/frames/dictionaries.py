@@ -162,7 +162,7 @@ class Dictionaries:
         return meta, (np.concatenate(self.dicts) if self.dicts else np.zeros(0, dtype=np.uint8))
 
     def restore(self, meta: dict, blob: np.ndarray) -> None:
-        """Take recorded dictionaries (checked by ``_statecheck``); one zstd
+        """Take recorded dictionaries (checked by ``core/statecheck.py``); one zstd
         refuses is ``CorruptSnapshotError``. A state of format 1 without
         ``dict_sizes`` holds one dictionary (generation 1) or none (0 or 1 byte)."""
         blob = np.asarray(blob, dtype=np.uint8)

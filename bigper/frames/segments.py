@@ -682,7 +682,7 @@ class SegmentLog:
         return meta, arrays
 
     def restore(self, meta: dict, arrays: dict) -> None:
-        """Take a recorded state (checked by ``_statecheck``) and check the
+        """Take a recorded state (checked by ``core/statecheck.py``) and check the
         slots, the live index and the dictionaries against it and the storage:
         ``CorruptSnapshotError``."""
         self.drop_look()  # (its frames and dictionaries are not these)
