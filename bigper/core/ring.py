@@ -78,15 +78,6 @@ def batch_meta(idx, ends, gid, discount1, gen_out, term_out, trunc_out, disc_out
 
 
 @kernel
-def ring_rows(g0, capacity, terminated, truncated, slots, ends):
-    """Slots and end bits of ``m`` rows numbered from ``g0``: ``slots[r] =
-    (g0 + r) % capacity``, ``ends[r]`` bit 0 terminated, bit 1 truncated."""
-    for r in range(terminated.shape[0]):
-        slots[r] = (g0 + r) % capacity
-        ends[r] = (1 if terminated[r] else 0) | (2 if truncated[r] else 0)
-
-
-@kernel
 def commit_rows(g0, slots, ends, valid, state, gid, ends_arr, status):
     """Record rows ``g0 ..`` at ``slots``: generation, end bits and status
     (``state``, or 3 (dead) where ``valid`` is given and False)."""

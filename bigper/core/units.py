@@ -26,7 +26,7 @@ import numpy as np
 
 from . import nstep
 from .ingest import as_priorities
-from .ring import ring_rows
+from ..kernels import ring_rows
 from ..batch import Batch
 from ..tensors.transport import Transport
 from ..errors import InvalidArgumentError

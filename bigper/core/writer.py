@@ -35,9 +35,9 @@ import numpy as np
 from .._undo import Journal
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
-from ..kernels import kernel
+from ..kernels import kernel, ring_rows
 from ..prioritization._tree_kernels import tree_set
-from .ring import commit_rows, ring_rows
+from .ring import commit_rows
 from ..status import DEAD, LIVE, PENDING
 from .nstep import TRUNCATED, complete
 
