@@ -351,7 +351,7 @@ class PrioritizedReplayBuffer:
     @reader
     def __len__(self) -> int:
         """Transitions held (sampleable or waiting for their n-step window)."""
-        return min(self._ring.count, self.config.capacity)
+        return len(self._parts)
 
     @property
     @reader
