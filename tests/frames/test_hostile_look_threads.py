@@ -192,3 +192,97 @@ def test_sampler_cpu_against_adds_while_looks_run(tmp_path):
     assert not errs and not aerrs, (errs, aerrs)
     check_all_live(buf, feed)
     buf.close()
+
+
+def _extend(buf, steps):
+    o, o2, term, s = (np.stack(x) for x in zip(*steps))
+    buf.extend({"obs": o, "next_obs": o2, "step": s, "terminated": term})
+
+
+def test_extend_against_load_state_of_a_recorded_state_from_another_thread(tmp_path):
+    """Extends cross look due frames (the looks slowed, so in flight across the reloads) while
+    another thread reloads the buffer's own current state again and again: nothing may change
+    what decodes. ``state_dict()``'s arrays are views of the live ones, so its copy and the
+    ``load_state`` share a lock of the test's with each ``extend`` (without it a reload
+    could restore a state torn by an extend between the copy and the load: the user's race)."""
+    steps, feed = steps_of(("Pong", "Qbert", "MsPacman"), 80)
+    with pytest.MonkeyPatch.context() as mp:
+        _retrain_often(mp)
+        _slow_looks(mp, 0.05)
+        buf = make("memory", tmp_path, (84, 84), k=4, capacity=300, seed=12)
+        _extend(buf, steps[:10])
+        done = threading.Event()
+        mine = threading.Lock()
+        reloads = [0]
+
+        def reload():
+            import copy
+            while not done.is_set():
+                with mine:
+                    buf.load_state(*copy.deepcopy(buf.state_dict()))
+                reloads[0] += 1
+        t, errs = _run(reload)
+
+        def adds():
+            for j in range(10, len(steps), 7):
+                with mine:
+                    _extend(buf, steps[j:j + 7])
+        a, aerrs = _run(adds)
+        _join(a)
+        done.set()
+        _join(t)
+    assert not errs and not aerrs, (errs, aerrs)
+    assert hook.log(buf).dicts.hi >= 2 and reloads[0] > 0
+    assert check_all_live(buf, feed) == len(steps)
+    check_sample(buf, feed, 32)
+    buf.close()
+
+
+def test_dropping_a_buffer_with_a_look_in_flight_leaves_no_thread(tmp_path):
+    import gc
+    import weakref
+    steps, feed = steps_of(("Pong", "Qbert"), 100)
+    with pytest.MonkeyPatch.context() as mp:
+        _retrain_often(mp)
+        _slow_looks(mp, 0.5)
+        before = set(threading.enumerate())
+        buf = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=13)
+        n = _until_look(buf, steps)
+        ref = weakref.ref(buf)
+        del buf
+        gc.collect()
+        for t in set(threading.enumerate()) - before:
+            _join(t)
+    assert ref() is None
+    again = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=13, mode="resume")
+    assert check_all_live(again, feed) == n
+    again.close()
+
+
+def test_close_from_another_thread_while_a_sampler_iterates_and_a_look_runs(tmp_path):
+    pytest.importorskip("torch")
+    steps, feed = steps_of(("Pong", "MsPacman"), 100)
+    with pytest.MonkeyPatch.context() as mp:
+        _retrain_often(mp)
+        _slow_looks(mp, 0.5)
+        buf = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=14)
+        n = _until_look(buf, steps)
+        it = buf.sampler(8, prefetch=2, device="cpu")
+
+        def learn():
+            while True:
+                try:
+                    b = next(it)
+                except BufferClosedError:
+                    return
+                for i, s in enumerate(b["step"].numpy()):
+                    o, o2 = feed.added[int(s)]
+                    np.testing.assert_array_equal(b["obs"][i].numpy(), o)
+        t, errs = _run(learn)
+        c, cerrs = _run(buf.close)
+        _join(c)
+        _join(t)
+    assert not errs and not cerrs, (errs, cerrs)
+    again = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=14, mode="resume")
+    assert check_all_live(again, feed) == n
+    again.close()
