@@ -286,3 +286,64 @@ def test_close_from_another_thread_while_a_sampler_iterates_and_a_look_runs(tmp_
     again = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=14, mode="resume")
     assert check_all_live(again, feed) == n
     again.close()
+
+
+@pytest.mark.parametrize("other", ["close", "state_dict", "save", "sample"])
+def test_another_method_while_an_add_is_blocked_on_the_look(other, tmp_path):
+    """The look's thread held on a gate: an add reaching the due frame waits for it for sure;
+    another thread calls ``other`` then; the gate opens later. No hang, no undocumented error,
+    and a reopen decodes exactly the steps added."""
+    import time
+    import bigper.frames.look as look
+    steps, feed = steps_of(("Pong", "Qbert"), 120)
+    gate = threading.Event()
+    work = look.work
+
+    def gated(inputs):
+        gate.wait(T)
+        return work(inputs)
+    with pytest.MonkeyPatch.context() as mp:
+        _retrain_often(mp)
+        buf = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=15)
+        add(buf, steps[:2 * W - 20])  # the first look applied
+        mp.setattr(look, "work", gated)
+        n = _until_look(buf, steps, 2 * W - 20)
+        done = [n]
+
+        def adder():
+            for s in steps[n:n + W + 10]:  # through the due frame
+                add(buf, [s])
+                done[0] += 1
+        a, aerrs = _run(adder)
+        time.sleep(0.5)
+        assert a.is_alive(), "the add did not wait for the look"
+        out = []
+
+        def call():
+            if other == "close":
+                buf.close()
+            elif other == "state_dict":
+                out.append(buf.state_dict()[0]["frames"])
+            elif other == "save":
+                out.append(buf.save(tmp_path / "snap"))
+            else:
+                check_sample(buf, feed, 16)
+        c, cerrs = _run(call)
+        time.sleep(0.3)
+        gate.set()
+        _join(c)
+        _join(a)
+    assert not cerrs, cerrs
+    assert all(isinstance(e, BufferClosedError) for e in aerrs), aerrs
+    if other != "close":
+        assert not aerrs and done[0] == n + W + 10
+        check_all_live(buf, feed)
+        buf.close()
+    if other == "save":
+        back = bigper.PrioritizedReplayBuffer.load(out[0], path=tmp_path / "elsewhere")
+        assert check_all_live(back, feed) > 0
+        back.close()
+    again = make("memmap", tmp_path, (84, 84), k=4, capacity=200, seed=15, mode="resume")
+    assert check_all_live(again, feed) == done[0]
+    check_sample(again, feed, 32)
+    again.close()
