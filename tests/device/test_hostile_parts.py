@@ -146,3 +146,49 @@ def test_load_state_while_iterating_gives_correct_batches():
     assert (late["step"].numpy() < 120).all()
     buf.close()
     assert seen
+
+
+def test_update_priorities_from_the_feed_while_another_thread_closes():
+    buf = _atari_like(capacity=200)
+    _add(buf, 0, 200)
+    it = buf.sampler(16, prefetch=2, device="cpu")
+    rng = np.random.default_rng(0)
+    started = threading.Event()
+
+    def learn():
+        n = 0
+        while True:
+            try:
+                b = next(it)
+                _check_rows(b)
+                buf.update_priorities(b, torch.from_numpy(rng.random(16) + 0.1))
+            except BufferClosedError:
+                return n
+            n += 1
+            started.set()
+    t, errs, out = _run(learn)
+    assert started.wait(T)
+    c, cerrs, _ = _run(buf.close)
+    _join(c)
+    _join(t)
+    assert not errs and not cerrs, (errs, cerrs)
+    assert out[0] > 0
+
+
+def test_extend_from_another_thread_while_the_feed_serves_and_wraps():
+    buf = _atari_like(capacity=100)
+    _add(buf, 0, 100)
+    it = buf.sampler(16, prefetch=2, device="cpu")
+    a, aerrs, _ = _run(lambda: [_add(buf, g, 7) for g in range(100, 800, 7)])
+    got = 0
+    while a.is_alive():
+        b = next(it)
+        _check_rows(b)
+        got += 1
+        assert got < 10 ** 6
+    _join(a)
+    assert not aerrs, aerrs
+    b = [next(it) for _ in range(3)][-1]
+    _check_rows(b)
+    assert (b["step"].numpy() >= 700).all()
+    buf.close()
