@@ -39,7 +39,9 @@ import threading
 from collections import OrderedDict
 import numpy as np
 
-from ._torch import TensorBatch, _fields, _flat, _host_of, carried
+from .tensors.transport import carried, TensorBatch
+from .tensors.transfer import fields_of, host_of
+from .tensors.pinned import flat_arrays
 from .errors import InvalidArgumentError, InvalidTypeError
 
 # XLA's CPU client shares a host buffer only at this alignment (it copies a less aligned one).
@@ -336,22 +338,22 @@ def batch_to_jax(batch, device=None) -> JaxBatch:
         home = device if device is not None or not out else next(iter(next(iter(out.values())).devices()))
         for k in ("indices", "generations"):
             out[k] = host_array(jax, k, np.array(getattr(batch, k), dtype=np.int64), home)
-        return JaxBatch({k: out[k] for k in ready if k in out}, _host_of(batch))
+        return JaxBatch({k: out[k] for k in ready if k in out}, host_of(batch))
     if device is None or device == jax.devices("cpu")[0]:
-        arrays, _ = _fields(batch, copies=False)
+        arrays, _ = fields_of(batch, copies=False)
         # The batch's own bookkeeping, shared like its fields (a jax array is never changed in place).
         arrays.update(weights=np.asarray(batch.weights, np.float32), indices=np.asarray(batch.indices, np.int64),
                       generations=np.asarray(batch.generations, np.int64))
-        return JaxBatch(host_arrays(jax, arrays), _host_of(batch))
-    arrays, derived = _fields(batch, copies=True)
+        return JaxBatch(host_arrays(jax, arrays), host_of(batch))
+    arrays, derived = fields_of(batch, copies=True)
     order = [*batch.data, *(k for k in ("weights", "indices", "generations", "mask") if k in arrays)]
     parts = _to_device(jax, arrays, derived, device)
-    return JaxBatch({k: parts[k] for k in order}, _host_of(batch))
+    return JaxBatch({k: parts[k] for k in order}, host_of(batch))
 
 
 def _to_device(jax, arrays: dict, derived: dict, device) -> dict:
     """One aligned host block, one ``device_put``, one jitted unpack (by key)."""
-    flat = _flat(arrays)
+    flat = flat_arrays(arrays)
     members, off = [], 0
     for key, a in flat.items():
         name = key if isinstance(key, str) else f"{key[0]}[{key[1]}]"

@@ -3,7 +3,7 @@
 A batch's frame stacks are about a megabyte. A fresh array of that size
 costs a page fault per 4 KB page each time the allocator has given the
 pages back to the system, ten times the copy that fills it. So the frame
-gathers (``frames/store.py``) and the CPU copies of ``to_torch`` (``_torch.py``)
+gathers (``frames/store.py``) and the CPU copies of ``to_torch`` (``tensors/transfer.py``)
 take their arrays from a ``ReusedArrays``: one handed out before, if nothing
 else refers to it any more, else a new one.
 """

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ._torch import Transport
+from .tensors.transport import Transport
 from .errors import InvalidTypeError, UnknownFieldError
 
 
@@ -131,7 +131,7 @@ class Batch(Mapping[str, np.ndarray]):
         Batch
         """
         if transport is not None and not isinstance(transport, Transport):
-            raise InvalidTypeError(f"transport must be a bigper._torch.Transport or None, "
+            raise InvalidTypeError(f"transport must be a bigper.tensors.transport.Transport or None, "
                                    f"not {type(transport).__name__}")
         return Batch.make(self.data, self.indices, self.weights, self.probabilities, self.generations,
                           self.mask, self.burn_in, transport)
@@ -162,13 +162,13 @@ class Batch(Mapping[str, np.ndarray]):
         Returns
         -------
         TensorBatch
-            A ``dict[str, torch.Tensor]`` (``bigper._torch.TensorBatch``) that
+            A ``dict[str, torch.Tensor]`` (``bigper.tensors.transport.TensorBatch``) that
             also keeps host copies of ``indices``, ``generations`` and
             ``mask`` in its ``host`` attribute, so that
             ``update_priorities(tensors, td)`` reads nothing back from the
             device; a key the caller replaces is read as given.
         """
-        from ._torch import batch_to_torch
+        from .tensors.transfer import batch_to_torch
 
         return batch_to_torch(self, device=device, non_blocking=non_blocking)
 

@@ -3,7 +3,7 @@ points to snapshots and offline datasets.
 
 Every public method is an *entry point*: it runs under the buffer's one
 re-entrant lock and, unless it is marked otherwise below, refuses a closed
-buffer inside it (``_lifecycle.entry_point``). Nothing reads or changes the buffer's state
+buffer inside it (``core.lifecycle.entry_point``). Nothing reads or changes the buffer's state
 outside that lock, so two threads calling any two methods are serialized,
 and a write never lands on a buffer another thread closed.
 """
@@ -23,15 +23,17 @@ import numpy as np
 import numpy.typing as npt
 
 from . import snapshot as _snapshot
-from .core.lifecycle import OPEN, Guard, entry_point, entry_point_as, reader, run_first_at_exit
+from .core.lifecycle import Guard, entry_point, entry_point_as, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
 from .core.layout import check_field_names, check_storage, for_disk, plain_fields, storage_specs
 from .core.opening import check_arguments, open_buffer
+from .core.parts import Draws, Parts
 from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
 from ._jax import check_deferred, host_values, is_jax_array, on_host
-from ._torch import Transport, as_device, is_device_tensor
+from .tensors.transport import Transport
+from .tensors.lazy import as_device, is_device_tensor
 from .batch import Batch
 from .config import LAYOUT_KEYS, Config
 from .config import Sequence as ReplaySequence  # (typing's Sequence is used here too)
@@ -69,7 +71,7 @@ def _sample_in(ref, size: int, device, sample_kw: dict):
     del buf
     if device is None:
         return batch
-    from ._torch import mark_ready
+    from .tensors.streams import mark_ready
 
     return mark_ready(batch.to_torch(device))
 
@@ -298,7 +300,6 @@ class PrioritizedReplayBuffer:
 
     def _setup(self, cfg: Config, store, frames, mirror=None) -> None:
         self.config = cfg
-        self._cfg_beta = cfg.schedule
         self._maxp = np.inf if cfg.max_priority is None else cfg.max_priority
         c = cfg.capacity
         self._ingest = Ingest(cfg)
@@ -313,22 +314,23 @@ class PrioritizedReplayBuffer:
         self._unit = unit_for(cfg, ring)
         self._reader = Reader(cfg, store, self._frames, self._plain, self._ingest.stored, ring.ends, ring.gid)
         self._writer = Writer(cfg, store, self._frames, self._plain, self._prio, ring, self._unit)
-        self._beta_step = 0
         self._mirror = mirror
         # A priority update applied to the unit, the prioritization and the ring (also by the guard, for
         # the updates from device tensors it settles).
         self._update = self._guard.apply = functools.partial(apply_update, self._unit, self._prio, ring)
-        self._rng = np.random.default_rng(cfg.seed)
-        self._guard.closed = False
-        OPEN.add(self)
+        self._draws = draws = Draws(cfg.schedule, cfg.seed)  # the random stream and the beta schedule
+        # Its parts, for what draws from it without being it (its feed, its shard view).
+        self._parts = Parts(config=cfg, guard=self._guard, store=store, frames=frames, plain=self._plain,
+                            stored=self._ingest.stored, prio=self._prio, ring=ring, unit=self._unit,
+                            reader=self._reader, mirror=mirror, draws=draws)
+        self._guard.opened(self.close, shares_files=not store.in_memory)
         if store.close_first_at_exit:
             run_first_at_exit()
 
     def _forget(self) -> None:
         """Mark a buffer whose construction failed closed, so that nothing
         (its finalizer, the exit handler) records state into its storage."""
-        self._guard.closed = True
-        OPEN.discard(self)
+        self._guard.forget()
 
     @property
     def _fused(self) -> bool:
@@ -338,7 +340,7 @@ class PrioritizedReplayBuffer:
 
     @_fused.setter
     def _fused(self, on: bool) -> None:
-        self._writer.fused = bool(on)
+        self._writer.fused = self._reader.fused = self._unit.fused = bool(on)
 
     # -- sizes (these answer on a closed buffer too) -----------------------------
     @property
@@ -349,7 +351,7 @@ class PrioritizedReplayBuffer:
     @reader
     def __len__(self) -> int:
         """Transitions held (sampleable or waiting for their n-step window)."""
-        return min(self._ring.count, self.config.capacity)
+        return len(self._parts)
 
     @property
     @reader
@@ -367,7 +369,7 @@ class PrioritizedReplayBuffer:
     @reader
     def beta(self) -> float:
         """The beta the next ``sample`` call will use."""
-        return self._cfg_beta(self._beta_step)
+        return self._draws.beta()
 
     # -- writing ---------------------------------------------------------------
     @entry_point
@@ -459,9 +461,10 @@ class PrioritizedReplayBuffer:
             return self._draw(batch_size, beta, stratified, None, True)
         if not self._unit.staged:  # the stacks rebuilt on the device from each row's distinct frames
             return self._draw(batch_size, beta, stratified, None, False)
-        from ._torch import Staged, _torch
+        from .tensors.pinned import Staged
+        from .tensors.lazy import load_torch
 
-        torch = _torch()
+        torch = load_torch()
         staged = Staged(torch, torch.device(device), self._reader.staging_specs(int(batch_size)))
         try:
             out = {k: v for k, v in staged.views.items() if k not in ("weights", "indices", "generations")}
@@ -482,16 +485,15 @@ class PrioritizedReplayBuffer:
                                            f"tier (device={str(self._mirror.device)!r}) and gathers there")
             out = self._unit.check_out(self._reader, out, int(batch_size))
             self._check_not_mine(out)
-        b = self._cfg_beta(self._beta_step) if beta is None else as_beta(beta)
+        b = self._draws.beta() if beta is None else as_beta(beta)
         if not self._prio.sampleable:
             raise InvalidArgumentError(self._unit.unsampleable(len(self)))
-        idx, prob, w = self._prio.sample(self._rng.random(int(batch_size)),
+        idx, prob, w = self._prio.sample(self._draws.rng.random(int(batch_size)),
                                          stratified=bool(stratified), beta=b)
-        self._beta_step += 1
+        self._draws.step += 1
         if self._mirror is not None:
             return self._device_batch(idx, w, prob)
-        return self._unit.batch(self._reader, idx, w, prob, into if into is not None else out, self._writer.fused,
-                                stacks)
+        return self._unit.batch(self._reader, idx, w, prob, into if into is not None else out, stacks)
 
     def _device_batch(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray) -> Batch:
         """The batch at ``idx`` gathered on the device tier: the host computes
@@ -580,8 +582,8 @@ class PrioritizedReplayBuffer:
         if device is not None:
             from .device import feed, native
 
-            if feed.covered(self, device) is None:  # the GIL-free feed (device/feed.py, device/native.py)
-                it = native.feed_sampler(self, self._guard, int(batch_size), device, int(prefetch),
+            if feed.covered(self._parts, device) is None:  # the GIL-free feed (device/feed.py, device/native.py)
+                it = native.feed_sampler(self._parts, int(batch_size), device, int(prefetch),
                                          sample_kw.get("beta"), sample_kw.get("stratified", True))
                 self._guard.samplers.add(it)
                 return it
@@ -591,7 +593,7 @@ class PrioritizedReplayBuffer:
         else:
             handover = None
             if device is not None and device.type == "cuda":
-                from ._torch import handover
+                from .tensors.streams import handover
             it = Prefetcher(produce, int(prefetch), self._guard.lock, prepare=self._guard.deferred.wait,
                             finish=handover)
         self._guard.samplers.add(it)
@@ -692,7 +694,7 @@ class PrioritizedReplayBuffer:
         with the storage's data, everything to resume. Answers on a closed
         buffer too (what it recorded at close)."""
         meta, ring = self._ring.state()
-        meta.update({"beta_step": self._beta_step, "rng": self._rng.bit_generator.state})
+        meta.update(self._draws.state())
         pmeta, arrays = self._prio.state()
         if pmeta:
             meta["prioritization"] = pmeta
@@ -738,9 +740,7 @@ class PrioritizedReplayBuffer:
         self._prio.restore(meta.get("prioritization", {}), arrays,
                            arrays[self._unit.status_key])
         self._ring.restore(meta, arrays)
-        self._beta_step = int(meta["beta_step"])
-        if not reseed:  # a new seed on resume starts a new random stream
-            self._rng.bit_generator.state = meta["rng"]
+        self._draws.restore(meta, reseed)  # (reseed: a new seed on resume starts a new random stream)
         if self._frames is not None:
             self._frames.restore(meta["frames"], arrays)
         self._unit.restore(arrays)
@@ -982,7 +982,7 @@ class PrioritizedReplayBuffer:
         return self._gather(idx)
 
     def _gather(self, idx: np.ndarray) -> dict:
-        return self._unit.gather(self._reader, idx, self._fused)
+        return self._unit.gather(self._reader, idx)
 
     def _check_indices(self, indices) -> np.ndarray:
         idx = as_index(indices)
@@ -1010,7 +1010,7 @@ class PrioritizedReplayBuffer:
         """What a coordinator of shards asks of this buffer (``bigper.distributed``):
         ``sample_at`` given prefix sums, ``max_leaf``/``raise_max_leaf``/``min_leaf``
         (``bigper.core.shardview``)."""
-        return ShardView(self)  # (made per call: a view held by the buffer would keep it alive)
+        return ShardView(self._parts, self)  # (made per call: a view the buffer held would keep it alive)
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -1045,8 +1045,7 @@ class PrioritizedReplayBuffer:
             self._refuse_inside("close")
             if not self._guard.closed:
                 state = None if self._store.read_only else for_disk(self.state_dict())
-                self._guard.closed = True
-                OPEN.discard(self)
+                self._guard.forget()
                 try:
                     self._store.close(state)
                 except (OSError, BigperError) as e:  # paths as the user gave them, not /proc/self/fd/N

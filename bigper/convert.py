@@ -296,7 +296,7 @@ def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> N
     ``from_hdf5(dst)`` opens with (as if saved at close by a buffer of these
     parameters) once ``_publish`` has renamed it, before the file, into place."""
     from .offline.sidecar import Sidecar
-    from .storage.h5source import H5Source
+    from .offline.h5source import H5Source
 
     side = _partial_sidecar(partial)
     _drop_sidecar(side)  # a killed run's

@@ -38,7 +38,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "tree": ("bench_tree", "capacity 2^20: sample + IS weights + priority update, batch 32 and 256"),
     "storage": ("bench_storage", "memory vs memmap vs HDF5 on Atari-shaped data: fill, bytes, rounds"),
     "atari": ("bench_atari", "Atari-shaped replay, one process per library: add, sample+update, bytes; "
-                             "--compression zstd [--games]: compressed frames at scale, or game by game"),
+                             "--compression zstd [--games|--adds]: compressed frames at scale, or game by game, or compressed adds against raw"),
     "snapshot": ("bench_snapshot", "memmap snapshots of 100k (--million: 1M) Atari frames: first and second "
                                    "snapshot, load with verification, each beside its baseline"),
     "ray": ("bench_ray", "sharded buffer on a local Ray cluster: inserts/s from 2 writer actors and "

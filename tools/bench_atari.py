@@ -45,6 +45,7 @@ Usage::
                                 [--peers numpy,bigper-memory,...] [--malloc default|tuned] [--dir DIR]
     python tools/bench.py atari --compression zstd [--million N] [--sweep [--sweep-max 23]] [--game G]
     python tools/bench.py atari --compression zstd --games [--capacity 20000] [--cases Pong,noise]
+    python tools/bench.py atari --compression zstd --adds [--capacities 20000,100000,1000000]
 
 Prints a table and, last, one JSON line ``{"bench": "atari", ...}``.
 ``--million`` also fills a 1M-capacity bigper memmap buffer with 1M steps of
@@ -208,10 +209,15 @@ def run(quick: bool, size: int, million: bool, repeat: int, peers: tuple[str, ..
 
 
 def cmd_atari(args) -> int:
-    if args.compression or args.sweep or args.games:
+    if args.compression or args.sweep or args.games or args.adds:
         if not args.compression:
-            raise SystemExit(f"{'--games' if args.games else '--sweep'} needs --compression zstd")
+            raise SystemExit(f"{'--games' if args.games else '--adds' if args.adds else '--sweep'} needs "
+                             "--compression zstd")
         print_header("atari --compression")
+        if args.adds:  # compressed adds against raw, capacity by capacity (tools/bench_atari_adds.py)
+            import bench_atari_adds
+
+            return bench_atari_adds.main(args)
         rc = 0
         if args.games:  # the six games and two synthetic streams at the defaults (tools/bench_atari_games.py)
             import bench_atari_games
@@ -256,6 +262,10 @@ def add_arguments(p) -> None:
                    help="with --compression: six games of real ALE play and two synthetic streams (noise, half "
                         "noise) at the default settings, memmap: disk bytes a transition, sampleable transitions "
                         "against capacity, warm and cold rounds, adds/s against raw (tools/bench_atari_games.py)")
+    p.add_argument("--adds", action="store_true",
+                   help="with --compression: compressed adds against raw ones at each of --capacities (add/s, "
+                        "CPU time an add, ratio) and the warm round (tools/bench_atari_adds.py)")
+    p.add_argument("--capacities", help="with --adds: comma-separated capacities (default 20000,100000,1000000)")
     p.add_argument("--capacity", type=int, default=20_000, help="with --games: each buffer's capacity")
     p.add_argument("--cases", help="with --games: a comma-separated subset of the games, noise and half")
     p.add_argument("--game", default="MsPacman", help="with --compression: the game whose real frames fill it")

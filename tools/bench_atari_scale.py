@@ -67,11 +67,13 @@ def episodes(game: str, seed: int):
 
 
 def fill(buf, steps: int, game: str, seed: int = 0) -> dict:
-    """``steps`` adds from ``episodes``; the rate after WARMUP steps, the largest RssAnon."""
+    """``steps`` adds from ``episodes``; the rate after WARMUP steps (and the CPU time an add
+    takes, in this thread and in the process), the largest RssAnon."""
     it = episodes(game, seed)
     t = 0
     rss = 0
     t_warm = None
+    cpu = (time.thread_time(), time.process_time())  # (this thread's: the adds; the process's: with the worker)
     t0 = time.perf_counter()
     while t < steps:
         ep = next(it)
@@ -80,6 +82,7 @@ def fill(buf, steps: int, game: str, seed: int = 0) -> dict:
         for i in range(last + 1):
             if t == WARMUP:
                 t_warm = time.perf_counter()
+                cpu = (time.thread_time(), time.process_time())
             buf.add(obs=pad[i:i + 4], next_obs=pad[i + 1:i + 5], action=t % 6, reward=float(i % 3 == 0),
                     terminated=i == last, truncated=False)
             t += 1
@@ -90,9 +93,11 @@ def fill(buf, steps: int, game: str, seed: int = 0) -> dict:
             if t == steps:
                 break
     t1 = time.perf_counter()
+    main_cpu, proc_cpu = time.thread_time() - cpu[0], time.process_time() - cpu[1]
     rss = max(rss, proc_status().get("RssAnon", 0))
     after = steps - WARMUP if t_warm is not None else steps
-    return {"fill_s": t1 - t0, "add_per_s": after / (t1 - (t_warm or t0)), "rss_anon_max": rss}
+    return {"fill_s": t1 - t0, "add_per_s": after / (t1 - (t_warm or t0)), "rss_anon_max": rss,
+            "add_cpu_us": main_cpu / after * 1e6, "add_process_cpu_us": proc_cpu / after * 1e6}
 
 
 def rounds(buf, n: int) -> np.ndarray:

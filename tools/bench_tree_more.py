@@ -130,7 +130,7 @@ import bigper
 t1 = time.perf_counter()
 init = 0.0
 if "--split" in sys.argv:  # numba's own start-up (target and typing set-up) on a one-line kernel
-    from bigper.kernels import first_bad_priority
+    from bigper.prioritization._tree_kernels import first_bad_priority
     first_bad_priority(np.ones(1))
     init = time.perf_counter() - t1
     t1 = time.perf_counter()

@@ -34,7 +34,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..kernels import batch_meta, kernel, sample_into
+from ..kernels import kernel
+from ..prioritization._tree_kernels import sample_into
+from .ring import batch_meta
 
 # The short kernels keep the GIL: a thread that gives it up for a few microseconds must take
 # it back from a launch-bound learner, which needs it at every op, and that handover costs the
@@ -60,21 +62,21 @@ _NO_REFS = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.uint8), 1, 0,
 _NO_BYTES = np.zeros((0, 0), dtype=np.uint8)
 
 
-def covered(buf, host: bool) -> str | None:
-    """Why the feed does not serve ``buf`` (a ``PrioritizedReplayBuffer``), or
+def covered(parts, host: bool) -> str | None:
+    """Why the feed does not serve a buffer (its ``core.parts.Parts``), or
     None; ``host``: the rows are gathered on the host (else a device tier gathers them)."""
-    cfg = buf.config
-    if cfg.sequence is not None:
-        return "sequence items"
+    cfg = parts.config
+    if not parts.unit.fed:
+        return f"{parts.unit.noun}s"
     if cfg.n_step != 1:
         return "n-step returns"
-    if buf._prio.tree is None:
+    if parts.prio.tree is None:
         return "rank-based priorities"
-    if buf._frames is not None and buf._frames.log is not None:
+    if parts.frames is not None and parts.frames.log is not None:
         return "compressed frames"
-    if buf._store.arrays is None and (host or buf._frames is not None):
-        return f"a {buf._store.kind} storage without arrays"
-    for name, (shape, dtype) in buf._ingest.stored.items():
+    if parts.store.arrays is None and (host or parts.frames is not None):
+        return f"a {parts.store.kind} storage without arrays"
+    for name, (shape, dtype) in parts.stored.items():
         if not np.dtype(dtype).isnative:
             return f"field {name!r} of non-native byte order"
     return None
@@ -154,13 +156,13 @@ class Sources:
     for its arrays where there are frames), and the bytes of the fields and
     frames a host gather copies."""
 
-    def __init__(self, buf, layout: Layout, field_arrays: dict | None, frame_ring):
-        t = buf._prio.tree
-        ring = buf._ring
-        self.tree = (t.sums, t.mins, t.offsets)
-        self.book = (ring.ends, ring.gid, buf._reader.discount1)
-        frames = buf._frames
-        arrays = buf._store.arrays
+    def __init__(self, parts, layout: Layout, field_arrays: dict | None, frame_ring):
+        t = parts.prio.tree
+        ring = parts.ring
+        self.tree = t.arrays
+        self.book = (ring.ends, ring.gid, parts.reader.discount1)
+        frames = parts.frames
+        arrays = parts.store.arrays
         if frames is not None:  # (the refs are the storage's even with a tier: the host plans, the device gathers)
             # (frame_ref, frame_off, F, k, whether next_obs stacks are drawn): frames/store.py's layout
             self.refs = (np.asarray(arrays["frame_ref"]), np.asarray(arrays["frame_off"]), frames.F, frames.k,

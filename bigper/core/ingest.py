@@ -15,9 +15,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import kernels as K
+from ..kernels import kernel
+from ..prioritization._tree_kernels import first_bad_priority
 from .._jax import host_values, is_jax_array
-from .._torch import TensorBatch, as_array, as_numpy, carried
+from ..tensors.transport import carried, TensorBatch
+from ..tensors.lazy import as_array, as_numpy
 from ..batch import Batch
 from ..config import BUILTIN, Config
 from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
@@ -169,7 +171,7 @@ class Ingest:
         if p.shape != lead:
             raise InvalidArgumentError(f"priorities must have shape {lead}, got {p.shape}")
         p = np.ascontiguousarray(p, dtype=np.float64).reshape(m)
-        bad = K.first_bad_priority(p)
+        bad = first_bad_priority(p)
         if bad >= 0:
             raise InvalidArgumentError(f"priorities must be finite and >= 0, got {p[bad]} at position {bad}")
         return p
@@ -217,13 +219,13 @@ def _plan(src: np.dtype, dtype: np.dtype, label: str):
         if not compiled:
             plan = (None, lo, hi, ())
         elif dtype.kind == "f":
-            plan = (K.cast_finite, lo, hi, ())
+            plan = (cast_finite, lo, hi, ())
         elif src.kind == "f":  # the field's bounds as the floats inside them (0 or powers of two, exact)
             top = float(hi) if float(hi) <= hi else float(np.nextafter(float(hi), 0.0))
-            plan = (K.cast_in_range, lo, hi, (np.array([float(lo), top]), True))
+            plan = (cast_in_range, lo, hi, (np.array([float(lo), top]), True))
         else:  # the field's bounds within the given type, as that type: compared exactly
             info = np.iinfo(src)
-            plan = (K.cast_in_range, lo, hi, (np.array([max(lo, info.min), min(hi, info.max)], src), False))
+            plan = (cast_in_range, lo, hi, (np.array([max(lo, info.min), min(hi, info.max)], src), False))
     _PLANS[(src, dtype)] = plan
     return plan
 
@@ -443,3 +445,51 @@ def update_target(target) -> tuple:
         idx = as_index(target)
         stamps, use_stamps = idx, False
     return idx, stamps, use_stamps, mask
+
+
+@kernel
+def cast_in_range(src, out, bounds, whole):
+    """Copy ``src`` into ``out`` (flat; the assignment casts) when every value
+    lies in ``[lo, hi] = bounds`` (of ``src``'s type, or float64 for a float
+    ``src``) and, with ``whole``, is integral. Position of the first value that
+    does not (NaN never does; ``out`` then holds garbage), or -1."""
+    n = src.shape[0]
+    lo, hi = bounds[0], bounds[1]
+    ok = True
+    if whole:  # no early exit, no branch: the loops vectorize
+        for i in range(n):
+            x = src[i]
+            good = (x >= lo) & (x <= hi) & (np.floor(x) == x)
+            ok &= good
+            out[i] = x if good else lo
+    else:
+        for i in range(n):
+            x = src[i]
+            good = (x >= lo) & (x <= hi)
+            ok &= good
+            out[i] = x if good else lo
+    if ok:
+        return -1
+    for i in range(n):
+        x = src[i]
+        if not (x >= lo and x <= hi) or (whole and np.floor(x) != x):
+            return i
+    return -1
+
+
+@kernel
+def cast_finite(src, out):
+    """Copy ``src`` into ``out`` (flat, float; the assignment casts). Position
+    of the first finite value that became inf, or -1 when none did."""
+    n = src.shape[0]
+    ok = True
+    for i in range(n):  # no early exit: the loop vectorizes
+        x = src[i]
+        out[i] = x
+        ok &= ~(np.isinf(out[i]) & np.isfinite(x))
+    if ok:
+        return -1
+    for i in range(n):
+        if np.isinf(out[i]) and np.isfinite(src[i]):
+            return i
+    return -1

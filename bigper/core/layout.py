@@ -17,7 +17,7 @@ from ..prioritization import STRATEGIES
 from ..storage import check_kind
 from ..storage.base import RECORD, fits_spec
 from .ring import Ring
-from .sequences import Items
+from .units import unit_class
 
 FRAMED = ("obs", "next_obs")  # with frame stacks these go to the frame ring, not a per-row array
 # Arrays an older format stored and a load still reads (snapshot/_refs.py converts them): no field
@@ -101,8 +101,7 @@ def own_names() -> tuple[str, ...]:
         names |= set(ring.state()[1])
         if frames is not None:
             names |= set(frames.state()[1])
-        if cfg.sequence is not None:
-            names |= set(Items(cfg, ring.gid, ring.status, ring.ends).state())
+        names |= set(unit_class(cfg).ARRAYS)
     for strategy in STRATEGIES.values():
         names |= set(strategy.ARRAYS)
     return tuple(sorted(names))

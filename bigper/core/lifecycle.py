@@ -2,9 +2,10 @@
 under (its lock, an open buffer, device updates settled first), closing the
 buffers still open at interpreter exit, and what a ``fork()`` does to them.
 
-``OPEN`` holds every open buffer (weakly): the exit handler closes them
-(state recorded, so a script that ends without ``close()`` leaves a folder
-that resumes), and the fork handlers take and give back their locks.
+``OPEN`` holds the guard of every open buffer (weakly): the exit handler
+closes those buffers (state recorded, so a script that ends without
+``close()`` leaves a folder that resumes), and the fork handlers take and
+give back their locks.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ OPEN: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _close_all_at_exit() -> None:
-    for buf in list(OPEN):
+    for guard in list(OPEN):
+        close = guard.close_owner()  # (None: the buffer is gone)
         try:
-            buf.close()
+            if close is not None:
+                close()
         except Exception as e:  # noqa: BLE001 (exit must go on; say what was lost)
-            log.warning("bigper: could not close %r at exit: %s", buf, e)
+            log.warning("bigper: could not close %r at exit: %s", close.__self__, e)
 
 
 def run_first_at_exit() -> None:
@@ -61,9 +64,8 @@ _held_for_fork: list = []
 
 
 def _before_fork() -> None:
-    for buf in list(OPEN):
-        guard = getattr(buf, "_guard", None)
-        if guard is not None and guard.lock.acquire(timeout=_FORK_WAIT_S):
+    for guard in list(OPEN):
+        if guard.lock.acquire(timeout=_FORK_WAIT_S):
             _held_for_fork.append(guard.lock)
 
 
@@ -74,8 +76,7 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     _held_for_fork.clear()
-    for buf in list(OPEN):
-        guard = buf._guard
+    for guard in list(OPEN):
         guard.lock = threading.RLock()
         for s in list(guard.samplers):  # their threads are the parent's: what they prepared is too
             try:
@@ -84,11 +85,10 @@ def _after_fork_in_child() -> None:
             except Exception:  # noqa: BLE001 (a child must come up whatever a sampler's state)
                 pass
         guard.samplers = weakref.WeakSet()
-        if not buf._store.in_memory:
-            guard.closed = True
+        if guard.shares_files:
             guard.why = (f"it was opened in process {guard.pid} and this is a forked child, which shares "
                          "its files and lock; open the path here (read_only=True to sample)")
-            OPEN.discard(buf)
+            guard.forget()
 
 
 if hasattr(os, "register_at_fork"):
@@ -104,7 +104,9 @@ class Guard:
     under it); the updates from device tensors in flight (``deferred``, a
     ``device.Deferred``), applied with ``apply``, and the error an invalid one
     left for the next call (``error``); the samplers drawing from it; the
-    process that opened it."""
+    process that opened it. ``opened`` puts it in ``OPEN`` with what closes
+    its buffer at exit (weakly) and whether that buffer's storage is files a
+    forked child must not use; ``forget`` marks it closed, out of ``OPEN``."""
 
     def __init__(self, deferred, apply) -> None:
         self.lock = threading.RLock()
@@ -116,6 +118,18 @@ class Guard:
         self.error: BaseException | None = None
         self.samplers: weakref.WeakSet = weakref.WeakSet()
         self.pid = os.getpid()
+        self.close_owner: Callable = lambda: None
+        self.shares_files = False
+
+    def opened(self, close, shares_files: bool) -> None:
+        self.close_owner = weakref.WeakMethod(close)
+        self.shares_files = bool(shares_files)
+        self.closed = False
+        OPEN.add(self)
+
+    def forget(self) -> None:
+        self.closed = True
+        OPEN.discard(self)
 
     def settle(self, keep: bool = False, arrived: bool = False) -> None:
         """Apply the updates in flight, oldest first (waiting for their copies;

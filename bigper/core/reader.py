@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import nstep
-from ..kernels import batch_meta
+from .ring import batch_meta
 from ..batch import Batch
 from ..frames.distinct import distinct_frames
 from ..errors import InvalidArgumentError, InvalidTypeError, UnknownFieldError
@@ -33,8 +33,8 @@ class Reader:
     """Reads batches of a buffer: its config, storage, frame ring (or None),
     the fields stored row by row, every stored field's (shape, dtype), and its
     ``ends`` and ``gid`` arrays (the buffer changes them in place; the reader
-    only reads them). ``fused``: the kernel paths, else the general ones that
-    tests hold them to."""
+    only reads them). ``fused`` (True): the kernel paths, else the general
+    ones that tests hold them to (``tests/core/test_fused.py``)."""
 
     def __init__(self, cfg, store, frames, plain: dict, stored: dict, ends: np.ndarray, gid: np.ndarray):
         self.cfg, self.store, self.frames, self.plain, self.stored = cfg, store, frames, plain, stored
@@ -42,20 +42,20 @@ class Reader:
         self.gamma = cfg.gamma
         self.discount1 = np.array([cfg.gamma, 0.0, cfg.gamma, 0.0], dtype=np.float32)
         self.successors = {f"next_{n}" for n in cfg.next_of}
+        self.fused = True
 
-    def transitions(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out, fused: bool) -> Batch:
+    def transitions(self, idx: np.ndarray, w: np.ndarray, prob: np.ndarray, out) -> Batch:
         """The batch of the transitions at ``idx``."""
-        if self.cfg.n_step == 1 and fused:
+        if self.cfg.n_step == 1 and self.fused:
             # Generations, end flags and discounts in one kernel call.
             b = idx.shape[0]
             gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
             disc = np.empty(b, np.float32)
             batch_meta(idx, self.ends, self.gid, self.discount1, gen, term, trunc, disc)
-            return Batch.make(self.gather(idx, (term, trunc, disc), out, fused), idx, w, prob, gen)
-        return Batch.make(self.gather(idx, None, out, fused), idx, w, prob, self.gid[idx])
+            return Batch.make(self.gather(idx, (term, trunc, disc), out), idx, w, prob, gen)
+        return Batch.make(self.gather(idx, None, out), idx, w, prob, self.gid[idx])
 
-    def windows(self, slots: np.ndarray, mask: np.ndarray, fused: bool,
-                stacks: bool = True) -> tuple[dict, np.ndarray, tuple | None]:
+    def windows(self, slots: np.ndarray, mask: np.ndarray, stacks: bool = True) -> tuple[dict, np.ndarray, tuple | None]:
         """``(data, mask, once)`` of the steps at ``slots`` (``(B, T)``, real
         where ``mask``: the windows of sequence items, ``Items.window``). With
         frame stacks, ``once`` says how each row's distinct frames travel once:
@@ -69,7 +69,7 @@ class Reader:
         # Compressed frames: decode each row's distinct frames once and build the stacks from them
         # (a row of T steps names about T + k frames, its stacks 2 T k).
         once_first = framed and b > 0 and (not stacks or self.frames.log is not None)
-        flat = self.gather(flat_slots, None, None, fused, stacks="refs" if once_first else True)
+        flat = self.gather(flat_slots, None, None, stacks="refs" if once_first else True)
         pad = ~mask
         some = bool(pad.any())
         once = None
@@ -110,7 +110,7 @@ class Reader:
         frames = self.frames.rows_of(ids.reshape(-1)).reshape((b, n, *self.frames.frame_shape))
         return frames, index
 
-    def gather(self, idx: np.ndarray, meta, out, fused: bool, stacks=True) -> dict:
+    def gather(self, idx: np.ndarray, meta, out, stacks=True) -> dict:
         """The batch's data at slots ``idx``; ``out``: arrays (checked by
         ``check_out``) that large fields are gathered into directly and small
         ones copied into. ``stacks="refs"``: the frame ids of the ``obs`` and
@@ -125,7 +125,7 @@ class Reader:
             data["terminated"], data["truncated"], data["discount"] = meta
             return _into(data, out)
         store = self.store
-        arrays = store.arrays if fused else None
+        arrays = store.arrays if self.fused else None
 
         def read(name, rows, o=None):
             if arrays is not None:  # take() beats fancy indexing for a batch of rows
@@ -238,7 +238,7 @@ class Reader:
 
     def staging_specs(self, b: int) -> dict:
         """``name -> (shape, dtype)`` of what a batch of ``b`` transitions is
-        gathered into when it is bound for a device (``_torch.Staged``): every
+        gathered into when it is bound for a device (``tensors.pinned.Staged``): every
         field, the frames of ``obs``/``next_obs`` as one ``(b, k + 1)`` gather
         where they pair (``FrameStore.pair``), and the bookkeeping."""
         specs = {name: ((b, *shape), np.dtype(dtype)) for name, (shape, dtype) in self.stored.items()}

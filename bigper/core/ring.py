@@ -16,12 +16,16 @@ The ring counts the rows written (``count``), remembers the largest key
 given (``max_leaf``, what a new transition gets) and whether each env's last
 row ended its episode (``env_ended``). The writer, the reader and the
 sequence items change and read these in place; the ring alone records and
-restores them (``state``/``restore``, checked before by ``_statecheck``).
+restores them (``state``/``restore``, checked before by ``core/statecheck.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from ..kernels import kernel
+from ..status import DEAD
+
 
 def expected_gid(count: int, capacity: int) -> np.ndarray:
     """The transition number each slot holds after ``count`` adds (-1: none)."""
@@ -60,7 +64,7 @@ class Ring:
         return meta, {name: getattr(self, name) for name in self.ARRAYS}
 
     def restore(self, meta: dict, arrays: dict) -> None:
-        """Take a recorded state (checked by ``_statecheck`` first); arrays are copied in."""
+        """Take a recorded state (checked by ``core/statecheck.py`` first); arrays are copied in."""
         self.restores += 1
         # (one recorded was checked equal to what count gives; one read from disk is derived)
         self.gid[:] = arrays["gid"] if "gid" in arrays else expected_gid(int(meta["count"]), self.capacity)
@@ -70,3 +74,30 @@ class Ring:
         self.count = int(meta["count"])
         self.max_leaf = float(meta["max_leaf"])
         self.env_ended[:] = meta["env_ended"]
+
+
+# -- kernels over the ring's arrays (the writer's and the reader's) ------------------------------
+
+@kernel
+def batch_meta(idx, ends, gid, discount1, gen_out, term_out, trunc_out, disc_out):
+    """One-step batch bookkeeping: generations and end flags of slots ``idx``,
+    and the discount (``discount1[ends]``: gamma, or 0 where terminated)."""
+    for b in range(idx.shape[0]):
+        s = idx[b]
+        e = ends[s]
+        gen_out[b] = gid[s]
+        term_out[b] = (e & 1) != 0
+        trunc_out[b] = (e & 2) != 0
+        disc_out[b] = discount1[e]
+
+
+@kernel
+def commit_rows(g0, slots, ends, valid, state, gid, ends_arr, status):
+    """Record rows ``g0 ..`` at ``slots``: generation, end bits and status
+    (``state``, or 3 (dead) where ``valid`` is given and False)."""
+    use_valid = valid.shape[0] > 0
+    for r in range(slots.shape[0]):
+        s = slots[r]
+        gid[s] = g0 + r
+        ends_arr[s] = ends[r]
+        status[s] = DEAD if use_valid and not valid[r] else state

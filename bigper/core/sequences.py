@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import kernel, tree_set
-from .._torch import as_array
+from ..kernels import kernel
+from ..prioritization._tree_kernels import tree_set
+from ..tensors.lazy import as_array
 from ..config import Config
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..status import DEAD, EMPTY, LIVE, PENDING
+from .recorded import BIG, array, refuse
 
 # Names of the item tables in a buffer's recorded state (``state_dict``).
 ITEM_ARRAYS = ("seq_pos", "seq_status", "seq_pending", "seq_next", "seq_ptr")
@@ -254,7 +256,7 @@ class Items:
         ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
             else valid
         write_items_tree(g0, count, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
-                         self.tables(), (self.gid, self.step_status), (t.sums, t.mins, t.offsets))
+                         self.tables(), (self.gid, self.step_status), t.arrays)
 
     def _write_general(self, prio, g0, slots, ends, valid, keys, count) -> None:
         m = slots.shape[0]
@@ -390,3 +392,63 @@ def reduce_errors(errors, mask, b: int, burn_in: int, length: int, eta: float):
     scale = np.where(top > 0, top, 1.0)
     mean = np.minimum(scale * ((x / scale[:, None]).sum(axis=1) / n), top)
     return top - (1.0 - eta) * (top - mean)
+
+
+def check_items(cfg, arrays: dict, count: int, gid, status, ends, top: float) -> np.ndarray:
+    """Refuse a recorded state whose sequence item tables (``Items.state``) a
+    buffer could not have written: positions that
+    chain along each env's stream, item status exactly as the positions and
+    the ring imply, pending keys finite in [0, max_leaf] (every key written
+    counts toward max_leaf), pointers in range. Returns the item status."""
+    c, envs, seq = cfg.capacity, cfg.num_envs, cfg.seq
+    pos = array(arrays, "seq_pos", np.int64, (c,))
+    istatus = array(arrays, "seq_status", np.uint8, (c,))
+    pending = array(arrays, "seq_pending", np.float64, (c,))
+    nxt = array(arrays, "seq_next", np.int64, (envs,))
+    ptr = array(arrays, "seq_ptr", np.int64, (envs,))
+    bad = np.flatnonzero((pos < -1) | (pos >= BIG) | ((gid < 0) & (pos != -1)))
+    if bad.size:
+        refuse(f"seq_pos[{bad[0]}] = {pos[bad[0]]} (a position in an episode, -1 for none)")
+    # A step whose previous step of its env is still in the ring continues its position,
+    # or starts at 0 after an episode end or a placeholder row; a placeholder row has -1.
+    written = gid >= 0
+    prev_g = gid - envs
+    inside = written & (prev_g >= max(count - c, 0))
+    prev = np.where(inside, prev_g % c, 0)
+    want_pos = np.where(inside & (pos[prev] >= 0) & (ends[prev] == 0), pos[prev] + 1, 0)
+    bad = np.flatnonzero(inside & (pos >= 0) & (pos != want_pos))
+    if bad.size:
+        s = int(bad[0])
+        refuse(f"seq_pos[{s}] = {pos[s]}, but the step before it in its env's stream gives {want_pos[s]}")
+    bad = np.flatnonzero(written & (pos < 0) & (status != DEAD))
+    if bad.size:
+        refuse(f"seq_pos[{bad[0]}] = -1 for a step that is not a placeholder (status {status[bad[0]]})")
+    truth = np.empty(c, dtype=np.uint8)
+    item_truth(count, c, envs, seq.burn_in, seq.length, seq.period, pos, gid, status, ends, truth)
+    bad = np.flatnonzero(istatus != truth)
+    if bad.size:
+        s = int(bad[0])
+        refuse(f"seq_status[{s}] = {istatus[s]}, but the ring and positions give {truth[s]} "
+             "(0 no item, 1 live, 2 pending, 3 dead)")
+    bad = np.flatnonzero(~((pending >= 0) & (pending <= top)))
+    if bad.size:
+        refuse(f"seq_pending[{bad[0]}] = {pending[bad[0]]!r} (a pending key is finite, >= 0 and <= "
+             f"max_leaf {top!r})")
+    e = np.arange(envs, dtype=np.int64)
+    bad = np.flatnonzero((ptr < 0) | (ptr % envs != e) | (ptr >= count + envs))
+    if bad.size:
+        refuse(f"seq_ptr[{bad[0]}] = {ptr[bad[0]]} (env {bad[0]}'s item pointer after {count} steps)")
+    # The pointer never passes an item that may still live (it would then never be removed).
+    alive = np.flatnonzero((truth == LIVE) | (truth == PENDING))
+    for k in range(envs):
+        g = gid[alive][gid[alive] % envs == k]
+        if g.size and ptr[k] > g.min():
+            refuse(f"seq_ptr[{k}] = {ptr[k]} is past env {k}'s item at step {g.min()}, which still lives")
+    last = count - envs + e  # each env's last row
+    for k in range(envs):
+        g = int(last[k])
+        s = g % c
+        want = 0 if g < 0 or pos[s] < 0 or ends[s] != 0 else int(pos[s]) + 1
+        if nxt[k] != want:
+            refuse(f"seq_next[{k}] = {nxt[k]}, but env {k}'s last step gives {want}")
+    return istatus

@@ -24,27 +24,35 @@ from .lifecycle import entry_point
 
 
 class ShardView:
-    """The shard-coordination calls of one buffer (``buf.shard``).
+    """The shard-coordination calls of one buffer (``buf.shard``), each one of
+    the buffer's entry points (under its guard: ``core.lifecycle``).
 
     Parameters
     ----------
-    buf : PrioritizedReplayBuffer
-        The buffer (the view keeps no state of its own).
+    parts : Parts
+        The buffer's parts (``core.parts``; the view keeps no state of its own).
+    owner : PrioritizedReplayBuffer
+        The buffer, only kept: it stays open while a view of it lives.
     """
 
-    def __init__(self, buf: Any) -> None:
-        self._buf: Any = buf
+    def __init__(self, parts: Any, owner: Any) -> None:
+        self._parts: Any = parts
+        self._owner = owner
+        self._guard = parts.guard  # (what ``entry_point`` runs each call under)
 
     @property
+    @entry_point
     def max_leaf(self) -> float:
         """The largest key so far: what a new transition enters with."""
-        return max_leaf(self._buf)
+        return self._parts.ring.max_leaf
 
     @property
+    @entry_point
     def min_leaf(self) -> float:
         """Smallest non-zero key (``inf`` when nothing is sampleable)."""
-        return min_leaf(self._buf)
+        return self._parts.prio.min_key
 
+    @entry_point
     def raise_max_leaf(self, value: float) -> None:
         """Let new transitions enter at ``value`` if it is larger (the largest
         key any shard has seen).
@@ -54,8 +62,23 @@ class ShardView:
         value : float
             A key: finite, > 0.
         """
-        raise_max_leaf(self._buf, value)
+        v = value.item() if getattr(value, "shape", None) == () and hasattr(value, "item") else value
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise InvalidTypeError(f"value must be a real number (a key), got {value!r:.80}")
+        try:
+            v = float(v)
+        except OverflowError:  # an int past float's range
+            raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r:.80}") from None
+        parts = self._parts
+        prio, top = parts.prio, parts.prio.limit  # (rank: inf, it keeps no float key)
+        if parts.config.max_priority is not None:  # no priority gives a key above max_priority's
+            top = min(top, float(prio.keys(np.array([float(parts.config.max_priority)]))[0]))
+        if not (0 < v <= top and v < np.inf):
+            raise InvalidArgumentError(f"value must be finite, > 0 and a valid key (at most {top!r}), "
+                                       f"got {value!r:.80}")
+        parts.ring.max_leaf = max(parts.ring.max_leaf, v)
 
+    @entry_point
     def sample_at(self, targets: npt.ArrayLike, *, beta: float) -> Batch:
         """Sample the leaves at the given prefix-sum ``targets`` in ``[0, total_priority)``.
 
@@ -74,57 +97,25 @@ class ShardView:
         -------
         Batch
         """
-        return sample_at(self._buf, targets, beta)
-
-
-# The calls themselves, each run as the buffer's entry point (``self`` is the buffer).
-@entry_point
-def max_leaf(self) -> float:
-    return self._ring.max_leaf
-
-
-@entry_point
-def min_leaf(self) -> float:
-    return self._prio.min_key
-
-
-@entry_point
-def raise_max_leaf(self, value) -> None:
-    v = value.item() if getattr(value, "shape", None) == () and hasattr(value, "item") else value
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise InvalidTypeError(f"value must be a real number (a key), got {value!r:.80}")
-    try:
-        v = float(v)
-    except OverflowError:  # an int past float's range
-        raise InvalidArgumentError(f"value must be finite, > 0 and a valid key, got {value!r:.80}") from None
-    prio, top = self._prio, self._prio.limit  # (rank: inf, it keeps no float key)
-    if self.config.max_priority is not None:  # no priority gives a key above max_priority's
-        top = min(top, float(prio.keys(np.array([float(self.config.max_priority)]))[0]))
-    if not (0 < v <= top and v < np.inf):
-        raise InvalidArgumentError(f"value must be finite, > 0 and a valid key (at most {top!r}), got {value!r:.80}")
-    self._ring.max_leaf = max(self._ring.max_leaf, v)
-
-
-@entry_point
-def sample_at(self, targets, beta) -> Batch:
-    if not self._unit.shardable:
-        raise InvalidArgumentError("sample_at is not available with sequence=... (sharded buffers "
-                                   "do not serve sequences)")
-    t = np.asarray(targets)
-    if t.dtype.kind not in "fiu":
-        raise InvalidTypeError(f"targets must be real numbers, got dtype {t.dtype}")
-    # The shape is checked before ascontiguousarray, which makes a 0-d array 1-D: one
-    # number is refused as update_priorities refuses one index (a batch is 1-D).
-    if t.ndim != 1 or t.shape[0] < 1:
-        raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
-    t = np.ascontiguousarray(t, dtype=np.float64)
-    prio = self._prio
-    total = prio.total
-    if not prio.sampleable:
-        raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={len(self)})")
-    ok = np.isfinite(t) & (t >= 0) & (t < total)
-    if not ok.all():
-        bad = int(np.flatnonzero(~ok)[0])
-        raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
-    idx, prob, w = prio.sample_at(t, beta=as_beta(beta))
-    return Batch(self._gather(idx), idx, w, prob, self._ring.gid[idx])
+        parts = self._parts
+        if not parts.unit.shardable:
+            raise InvalidArgumentError("sample_at is not available with sequence=... (sharded buffers "
+                                       "do not serve sequences)")
+        t = np.asarray(targets)
+        if t.dtype.kind not in "fiu":
+            raise InvalidTypeError(f"targets must be real numbers, got dtype {t.dtype}")
+        # The shape is checked before ascontiguousarray, which makes a 0-d array 1-D: one
+        # number is refused as update_priorities refuses one index (a batch is 1-D).
+        if t.ndim != 1 or t.shape[0] < 1:
+            raise InvalidArgumentError(f"targets must be a non-empty 1-D array, got shape {t.shape}")
+        t = np.ascontiguousarray(t, dtype=np.float64)
+        prio = parts.prio
+        total = prio.total
+        if not prio.sampleable:
+            raise InvalidArgumentError(f"cannot sample: no sampleable transition (len={len(parts)})")
+        ok = np.isfinite(t) & (t >= 0) & (t < total)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise InvalidArgumentError(f"targets must be finite and in [0, {total}), got {t[bad]} at {bad}")
+        idx, prob, w = prio.sample_at(t, beta=as_beta(beta))
+        return Batch(parts.unit.gather(parts.reader, idx), idx, w, prob, parts.ring.gid[idx])

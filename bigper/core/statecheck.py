@@ -33,14 +33,13 @@ import sys
 
 import numpy as np
 
-from ..errors import CorruptSnapshotError
 from ..frames.refs import offset_dtype, refs_outside
 from ..frames.store import frame_capacity
+from .recorded import BIG as _BIG, array as _array, refuse as _bad
 from .ring import expected_gid
-from .sequences import ITEM_ARRAYS, item_truth
+from .units import unit_class
 from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
-_BIG = 1 << 62  # far above any count a buffer reaches, far below int64 overflow
 _EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")
 _FRAMES = ("frames_last", "frames_last_ref", "frames_has_last", "frames_ptr")
@@ -48,10 +47,6 @@ _SEGMENTS = ("frames_seg_first", "frames_dict")  # with compression (frames/segm
 _GROWS = ("frames_seg_slot",)
 # The buffer's own arrays whatever the prioritization (its strategy adds its own).
 RING_ARRAYS = tuple(n for n in _BASE if n != "leaves") + _FRAMES + _SEGMENTS + _GROWS
-
-
-def _bad(what: str):
-    raise CorruptSnapshotError(f"recorded buffer state: {what}")
 
 
 def _is_int(v, lo: int, hi: int) -> bool:
@@ -75,15 +70,6 @@ def _positive(meta: dict, key: str) -> float:
     if not ok or not math.isfinite(v) or v <= 0:
         _bad(f"{key} must be a finite number > 0, got {v!r:.80}")
     return float(v)
-
-
-def _array(arrays: dict, name: str, dtype, shape: tuple) -> np.ndarray:
-    a = arrays.get(name)
-    if not isinstance(a, np.ndarray):
-        _bad(f"array {name!r} is missing")
-    if a.dtype != np.dtype(dtype) or a.shape != shape:
-        _bad(f"array {name!r} must be {np.dtype(dtype)} of shape {shape}, got {a.dtype} of shape {a.shape}")
-    return a
 
 
 def _rng(state) -> None:
@@ -123,7 +109,8 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     want = set(_BASE) | (set(_FRAMES) if cfg.frame_stack else set()) \
         | (set(_SEGMENTS) if compressed else set()) \
         | ({"frames_seg_slot"} if compressed and getattr(cfg, "compression_budget", 0) is None else set())
-    want |= set(ITEM_ARRAYS) if getattr(cfg, "sequence", None) else set()
+    unit = unit_class(cfg)
+    want |= set(unit.ARRAYS)
     have = set(arrays)
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
@@ -178,72 +165,13 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     bad = np.flatnonzero((gid < 0) != (status == EMPTY))
     if bad.size:
         _bad(f"slot {bad[0]} has gid {gid[bad[0]]} and status {status[bad[0]]} (written iff not empty)")
-    items = _check_items(cfg, arrays, count, gid, status, ends, top) if getattr(cfg, "sequence", None) else None
+    leafy = unit.check_recorded(cfg, arrays, count, gid, status, ends, top)  # (the unit's own arrays)
     if "leaves" in arrays:
-        _check_leaves(_array(arrays, "leaves", np.float64, (c,)), status if items is None else items, top)
+        _check_leaves(_array(arrays, "leaves", np.float64, (c,)), leafy, top)
     if cfg.n_step == 1 and (status == PENDING).any():
         _bad(f"slot {np.flatnonzero(status == PENDING)[0]} waits for an n-step window, but n_step is 1")
     if cfg.frame_stack:
         _check_frames(cfg, meta, arrays, count, status)
-
-
-def _check_items(cfg, arrays: dict, count: int, gid, status, ends, top: float) -> np.ndarray:
-    """The sequence item tables (``sequences.Items.state``): positions that
-    chain along each env's stream, item status exactly as the positions and
-    the ring imply, pending keys finite in [0, max_leaf] (every key written
-    counts toward max_leaf), pointers in range. Returns the item status."""
-    c, envs, seq = cfg.capacity, cfg.num_envs, cfg.seq
-    pos = _array(arrays, "seq_pos", np.int64, (c,))
-    istatus = _array(arrays, "seq_status", np.uint8, (c,))
-    pending = _array(arrays, "seq_pending", np.float64, (c,))
-    nxt = _array(arrays, "seq_next", np.int64, (envs,))
-    ptr = _array(arrays, "seq_ptr", np.int64, (envs,))
-    bad = np.flatnonzero((pos < -1) | (pos >= _BIG) | ((gid < 0) & (pos != -1)))
-    if bad.size:
-        _bad(f"seq_pos[{bad[0]}] = {pos[bad[0]]} (a position in an episode, -1 for none)")
-    # A step whose previous step of its env is still in the ring continues its position,
-    # or starts at 0 after an episode end or a placeholder row; a placeholder row has -1.
-    written = gid >= 0
-    prev_g = gid - envs
-    inside = written & (prev_g >= max(count - c, 0))
-    prev = np.where(inside, prev_g % c, 0)
-    want_pos = np.where(inside & (pos[prev] >= 0) & (ends[prev] == 0), pos[prev] + 1, 0)
-    bad = np.flatnonzero(inside & (pos >= 0) & (pos != want_pos))
-    if bad.size:
-        s = int(bad[0])
-        _bad(f"seq_pos[{s}] = {pos[s]}, but the step before it in its env's stream gives {want_pos[s]}")
-    bad = np.flatnonzero(written & (pos < 0) & (status != DEAD))
-    if bad.size:
-        _bad(f"seq_pos[{bad[0]}] = -1 for a step that is not a placeholder (status {status[bad[0]]})")
-    truth = np.empty(c, dtype=np.uint8)
-    item_truth(count, c, envs, seq.burn_in, seq.length, seq.period, pos, gid, status, ends, truth)
-    bad = np.flatnonzero(istatus != truth)
-    if bad.size:
-        s = int(bad[0])
-        _bad(f"seq_status[{s}] = {istatus[s]}, but the ring and positions give {truth[s]} "
-             "(0 no item, 1 live, 2 pending, 3 dead)")
-    bad = np.flatnonzero(~((pending >= 0) & (pending <= top)))
-    if bad.size:
-        _bad(f"seq_pending[{bad[0]}] = {pending[bad[0]]!r} (a pending key is finite, >= 0 and <= "
-             f"max_leaf {top!r})")
-    e = np.arange(envs, dtype=np.int64)
-    bad = np.flatnonzero((ptr < 0) | (ptr % envs != e) | (ptr >= count + envs))
-    if bad.size:
-        _bad(f"seq_ptr[{bad[0]}] = {ptr[bad[0]]} (env {bad[0]}'s item pointer after {count} steps)")
-    # The pointer never passes an item that may still live (it would then never be removed).
-    alive = np.flatnonzero((truth == LIVE) | (truth == PENDING))
-    for k in range(envs):
-        g = gid[alive][gid[alive] % envs == k]
-        if g.size and ptr[k] > g.min():
-            _bad(f"seq_ptr[{k}] = {ptr[k]} is past env {k}'s item at step {g.min()}, which still lives")
-    last = count - envs + e  # each env's last row
-    for k in range(envs):
-        g = int(last[k])
-        s = g % c
-        want = 0 if g < 0 or pos[s] < 0 or ends[s] != 0 else int(pos[s]) + 1
-        if nxt[k] != want:
-            _bad(f"seq_next[{k}] = {nxt[k]}, but env {k}'s last step gives {want}")
-    return istatus
 
 
 def _check_leaves(leaves: np.ndarray, status: np.ndarray, top: float) -> None:

@@ -12,8 +12,10 @@ A unit answers (``SampleUnit``): which leaves exist (``status``, ``pending``),
 what a write makes sampleable or kills (``commit``, ``committed``), how a
 batch is gathered (``batch``, ``gather``, ``device_batch``, ``check_out``),
 how priorities reduce to one a leaf (``priorities``, ``check_update``), and
-its recorded state (``state``, ``restore``). A third unit (whole episodes)
-is a class here and one line in ``unit_for``.
+its recorded state (``ARRAYS``, ``state``, ``restore``, ``check_recorded``),
+and which paths serve it (``staged``, ``shardable``, ``fed``). A third unit
+(whole episodes) is a class and one line in ``unit_class``
+(docs/development.md, "Add a sample unit").
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from . import nstep
 from .ingest import as_priorities
 from ..kernels import ring_rows
 from ..batch import Batch
-from .._torch import Transport
+from ..tensors.transport import Transport
 from ..errors import InvalidArgumentError
-from .sequences import Items
+from .sequences import ITEM_ARRAYS, Items, check_items
 from ..status import LIVE
 
 
@@ -41,11 +43,20 @@ class SampleUnit(Protocol):
     status_key: str         # the name of ``status`` in a recorded state
     staged: bool            # a CUDA-bound batch is gathered into one pinned block (else the device rebuilds stacks)
     shardable: bool         # ``sample_at`` (the Ray shards) serves it
+    fed: bool               # the GIL-free feed (``core/feed.py``) serves it
+    ARRAYS: tuple           # the names of its own arrays in a recorded state (beside the ring's)
+
+    @staticmethod
+    def check_recorded(cfg, arrays: dict, count: int, gid, status, ends, top: float) -> np.ndarray:
+        """Refuse (``core.recorded.refuse``) a recorded state whose unit arrays
+        a buffer of ``cfg`` could not have written, given the ring's checked
+        ``gid``, ``status``, ``ends`` after ``count`` rows and the largest key
+        ``top``; returns the status that says which slots hold a leaf."""
 
     def unsampleable(self, n: int) -> str:
         """The message of a draw from a buffer of ``len`` ``n`` with no sampleable leaf."""
 
-    def commit(self, prio, g0: int, slots, ends, valid, keys, count: int, fused: bool, frames) -> None:
+    def commit(self, prio, g0: int, slots, ends, valid, keys, count: int, frames) -> None:
         """Rows ``g0 .. count - 1`` were committed to the ring at ``slots``:
         set the leaves they make sampleable and remove those they end (frames
         that expired included)."""
@@ -59,10 +70,10 @@ class SampleUnit(Protocol):
         after the fact (``Writer.end_episodes``): make sampleable what their
         episodes' ends complete."""
 
-    def batch(self, reader, idx, w, prob, out, fused: bool, stacks: bool) -> Batch:
+    def batch(self, reader, idx, w, prob, out, stacks: bool) -> Batch:
         """The batch of the leaves at ``idx`` (``stacks=False``: frame stacks left for a device to rebuild)."""
 
-    def gather(self, reader, idx, fused: bool) -> dict:
+    def gather(self, reader, idx) -> dict:
         """The data of the leaves at ``idx`` as ``sample`` gives it."""
 
     def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
@@ -99,18 +110,25 @@ class Transitions:
 
     noun = "transition"
     status_key = "status"
+    ARRAYS: tuple = ()  # its own state arrays (the ring's status and pending keys are its)
     staged = True
     shardable = True
+    fed = True
+    fused = True  # (False, for tests only: the general paths, tests/core/test_fused.py)
 
     def __init__(self, cfg, ring):
         self.cfg, self.ring = cfg, ring
         self.status, self.pending = ring.status, ring.pending
 
+    @staticmethod
+    def check_recorded(cfg, arrays, count, gid, status, ends, top) -> np.ndarray:
+        return status  # (the ring's arrays, which the state check checked)
+
     def unsampleable(self, n: int) -> str:
         return (f"cannot sample: no sampleable transition (len={n}; with n_step > 1 a transition becomes "
                 "sampleable once its window completes or its episode ends)")
 
-    def commit(self, prio, g0, slots, ends, valid, keys, count, fused, frames) -> None:
+    def commit(self, prio, g0, slots, ends, valid, keys, count, frames) -> None:
         cfg, ring = self.cfg, self.ring
         if cfg.n_step == 1:
             if valid is None:
@@ -147,11 +165,11 @@ class Transitions:
             self.status[ready] = LIVE
             prio.insert(ready, self.pending[ready])
 
-    def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
-        return reader.transitions(idx, w, prob, out, fused)
+    def batch(self, reader, idx, w, prob, out, stacks) -> Batch:
+        return reader.transitions(idx, w, prob, out)
 
-    def gather(self, reader, idx, fused) -> dict:
-        return reader.gather(idx, None, None, fused)
+    def gather(self, reader, idx) -> dict:
+        return reader.gather(idx, None, None)
 
     def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
         return mirror.batch(reader.plan(idx), idx, w, prob, self.ring.gid[idx])
@@ -188,8 +206,12 @@ class Sequences:
 
     noun = "sequence item"
     status_key = "seq_status"
+    ARRAYS = ITEM_ARRAYS  # the item tables (Items.state)
+    check_recorded = staticmethod(check_items)
     staged = False
     shardable = False
+    fed = False
+    fused = True  # (False, for tests only: the general paths, tests/core/test_fused.py)
 
     def __init__(self, cfg, ring):
         self.cfg, self.ring = cfg, ring
@@ -201,10 +223,10 @@ class Sequences:
                 f"its length={self.items.length} steps are written or its episode ends, and valid=False rows "
                 "start none)")
 
-    def commit(self, prio, g0, slots, ends, valid, keys, count, fused, frames) -> None:
+    def commit(self, prio, g0, slots, ends, valid, keys, count, frames) -> None:
         if frames is not None:  # steps whose frames expired: the items they belong to die with them
             frames.expire(count, self.ring.gid, self.ring.status)
-        self.items.write(prio, g0, slots, ends, valid, keys, count, fused)
+        self.items.write(prio, g0, slots, ends, valid, keys, count, self.fused)
 
     def committed(self, prio, rows, g0, keys, top, valid, count) -> None:
         # write_rows set the leaves per step: the items' tables and leaves replace them
@@ -220,16 +242,16 @@ class Sequences:
         if ready.shape[0]:
             prio.insert(ready, self.pending[ready])
 
-    def batch(self, reader, idx, w, prob, out, fused, stacks) -> Batch:
+    def batch(self, reader, idx, w, prob, out, stacks) -> Batch:
         """Every field ``(B, T, ...)``, padded steps zero (as R2D2 pads), with the ``(B, T)`` mask."""
         slots, mask = self.items.window(idx)
-        data, mask, once = reader.windows(slots, mask, fused, stacks)
+        data, mask, once = reader.windows(slots, mask, stacks)
         # (with ``once``: how to_torch moves each row's frames once)
         return Batch.make(data, idx, w, prob, self.ring.gid[idx], mask, self.items.burn_in,
                           None if once is None else Transport(frames=once))
 
-    def gather(self, reader, idx, fused) -> dict:
-        data, mask, _ = reader.windows(*self.items.window(idx), fused)
+    def gather(self, reader, idx) -> dict:
+        data, mask, _ = reader.windows(*self.items.window(idx))
         return {**data, "mask": mask}
 
     def device_batch(self, reader, mirror, idx, w, prob) -> Batch:
@@ -262,9 +284,14 @@ class Sequences:
         self.items.restore(arrays)
 
 
+def unit_class(cfg) -> type:
+    """The sample unit of a buffer of ``cfg`` (a class: ``unit_for`` makes one)."""
+    return Sequences if cfg.sequence else Transitions
+
+
 def unit_for(cfg, ring) -> SampleUnit:
     """The sample unit of a buffer of ``cfg`` over ``ring``."""
-    return Sequences(cfg, ring) if cfg.sequence else Transitions(cfg, ring)
+    return unit_class(cfg)(cfg, ring)
 
 
 def apply_update(unit, prio, ring, idx, stamps, use_stamps: bool, mask, priorities) -> None:

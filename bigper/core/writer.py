@@ -35,7 +35,9 @@ import numpy as np
 from .._undo import Journal
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, expire, write_direct
-from ..kernels import commit_rows, kernel, ring_rows, tree_set
+from ..kernels import kernel, ring_rows
+from ..prioritization._tree_kernels import tree_set
+from .ring import commit_rows
 from ..status import DEAD, LIVE, PENDING
 from .nstep import TRUNCATED, complete
 
@@ -58,7 +60,7 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     - ``rows``: ``(terminated, truncated, valid)`` of the rows; ``stacks``: their
       ``(obs, next_obs)`` frame stacks (C-contiguous ``(m, k, *frame)``).
     - ``book``: the ring's bookkeeping ``(gid, ends, status, pending, env_ended)``.
-    - ``tree``: ``(sums, mins, offsets)``; ``sizes``: ``(n_step, num_envs)``.
+    - ``tree``: the tree's ``TreeArrays``; ``sizes``: ``(n_step, num_envs)``.
     - ``frames``: the frame ring's (``FrameStore.kernel_args``): ``(framed,
       last_frames, last_ref, has_last, has_next, fref, foff, ring, minref, ptr,
       expired, reach)``.
@@ -185,18 +187,18 @@ class Writer:
             if self.frames is not None:
                 writes.update(self.frames.rows_touched(m, where))
             self.store.prepare(writes)
-        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c) \
-                and (self.frames is None or self.frames.in_place):
+        if 0 < m <= c and self.fused and self._tree is not None and (m <= 1024 or m * 8 < c):
             rw = self.store.writable_arrays
             if rw:
                 g0, top = self.ring.count, self.ring.max_leaf
                 try:
-                    self._write_one_call(rows, keys, valid, rw)
+                    done = self._write_one_call(rows, keys, valid, rw)
                 except BaseException:
                     self.ring.failed += 1
                     raise
-                self.unit.committed(self.prio, rows, g0, keys, top, valid, self.ring.count)
-                return
+                if done:
+                    self.unit.committed(self.prio, rows, g0, keys, top, valid, self.ring.count)
+                    return
         ended = rows["terminated"] | rows["truncated"]
         if valid is not None:
             ended |= ~valid
@@ -277,15 +279,20 @@ class Writer:
         self.unit.episodes_ended(self.prio, last, count)
         return envs
 
-    def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> None:
+    def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> bool:
+        """The fused write; False (nothing written) where compressed frames
+        cannot be written in one call (``FrameStore.write_logged``)."""
         m = rows["terminated"].shape[0]
         g0 = self.ring.count
         c = self.cfg.capacity
         s0 = g0 % c
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else np.arange(g0, g0 + m) % c)
         frames = self.frames
-        if frames is None:
+        logged = frames is not None and not frames.in_place
+        if frames is None or logged:
             stacks, ring, fw = _NO_STACKS, _NO_RING, 0
+            if logged and not frames.write_logged(rows, g0, valid, rw):  # (first, all or nothing)
+                return False
         else:  # (first: nothing is written until every call that can fail went through)
             stacks, ring = frames.kernel_args(rows, rw)
             fw = frames.fw
@@ -296,15 +303,20 @@ class Writer:
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
             self._args = ((self.gid, self.ends, self.status, self.pending, self.env_ended),
-                          (t.sums, t.mins, t.offsets), (cfg.n_step, cfg.num_envs), ring)
+                          t.arrays, (cfg.n_step, cfg.num_envs), ring)
             self._args_of = ring
         fw, top = write_rows(g0, (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys,
                              self.ring.max_leaf, fw, stacks, *self._args)
         self.ring.count = g0 + m
-        if frames is not None:
-            frames.fw = fw
         if top > self.ring.max_leaf:
             self.ring.max_leaf = top
+        if logged:  # (write_rows expires in the ring's case)
+            dead = frames.expire(self.ring.count, self.gid, self.status)
+            if dead.shape[0]:
+                self.prio.remove(dead)
+        elif frames is not None:
+            frames.fw = fw
+        return True
 
     def _write_chunk(self, rows: dict, keys, valid, journal: Journal, final: bool = True) -> None:
         """Rows (at most ``capacity``): first every call that can fail (the
@@ -360,4 +372,4 @@ class Writer:
             self.ends[slots] = ends
             self.status[slots] = state if valid is None else np.where(valid, state, DEAD).astype(np.uint8)
         self.ring.count = g0 + m
-        self.unit.commit(self.prio, g0, slots, ends, valid, keys, self.ring.count, self.fused, self.frames)
+        self.unit.commit(self.prio, g0, slots, ends, valid, keys, self.ring.count, self.frames)

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from .._jax import host_values, is_jax_array, to_host_async
-from .._torch import _POOL, _torch
+from ..tensors.pinned import POOL
+from ..tensors.lazy import load_torch
 from ..errors import BigperError, InvalidArgumentError
 
 
@@ -63,13 +64,13 @@ class Deferred:
         if is_jax_array(values):
             self.items.append(Pending(indices, stamps, use_stamps, mask, ("jax", to_host_async(values)), None))
             return
-        torch = _torch()
+        torch = load_torch()
         t = values.detach()
         if not (t.is_floating_point() and t.dtype in (torch.float32, torch.float64)):
             t = t.to(torch.float64 if t.dtype == torch.int64 else torch.float32)  # on the device
         if t.device.type == "cuda":  # into a reused pinned buffer, behind the kernels that make t
             key = ("deferred", t.device.index, tuple(t.shape), str(t.dtype))
-            slot = _POOL.acquire(key, tuple(t.shape), t.dtype)
+            slot = POOL.acquire(key, tuple(t.shape), t.dtype)
             slot.host.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(t.device))
@@ -102,7 +103,7 @@ class Deferred:
         if key is None:
             return p, held.numpy()
         values = held.view.copy()
-        _POOL.release(key, held, None)
+        POOL.release(key, held, None)
         return p, values
 
     def settle(self, apply, arrived: bool = False) -> BigperError | None:

@@ -37,7 +37,8 @@ from collections import deque
 
 import numpy as np
 
-from .._torch import TensorBatch, _torch, _torch_dtype
+from ..tensors.transport import TensorBatch
+from ..tensors.lazy import load_torch, torch_dtype
 from ..core import feed as plan
 from ..core.prefetch import Failure, Threaded, why_after
 from ..errors import BufferClosedError, InvalidArgumentError
@@ -170,32 +171,33 @@ def _tensors(torch, layout: plan.Layout, block) -> dict:
     out = {}
     for name, (off, shape, dtype) in layout.regions.items():
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        out[name] = block[off:off + n].view(_torch_dtype(torch, dtype, name)).view(shape)
+        out[name] = block[off:off + n].view(torch_dtype(torch, dtype, name)).view(shape)
     return out
 
 
 class Filler:
-    """Fills slots with batches of one buffer (held weakly: the thread keeps
-    no buffer alive between two batches)."""
+    """Fills slots with batches of one buffer (its ``core.parts.Parts``, held
+    weakly: the thread keeps no buffer alive between two batches)."""
 
-    def __init__(self, buf, guard, b: int, dev, beta, stratified: bool):
-        torch = self.torch = _torch()
-        self.ref = weakref.ref(buf)
-        self.guard = guard  # (the buffer's lock, open or closed, its updates in flight: core.lifecycle.Guard)
+    def __init__(self, parts, b: int, dev, beta, stratified: bool):
+        torch = self.torch = load_torch()
+        self.ref = weakref.ref(parts)
+        self.guard = parts.guard  # (the buffer's lock, open or closed, its updates in flight: core.lifecycle.Guard)
         self.dev, self.cuda = dev, dev.type == "cuda"
-        mirror = buf._mirror
+        mirror = parts.mirror
         self.tier = mirror if mirror is not None and self.cuda and mirror.device == dev else None
-        cfg = buf.config
+        cfg = parts.config
         frames = None
-        if buf._frames is not None:
+        if parts.frames is not None:
             shape = cfg.shape("obs")
             frames = (shape[0], tuple(shape[1:]), cfg.dtype("obs"), "obs" in cfg.next_of)
-        fields = {name: ((*shape,), np.dtype(dt)) for name, (shape, dt) in buf._plain.items()}
+        fields = {name: ((*shape,), np.dtype(dt)) for name, (shape, dt) in parts.plain.items()}
         self.layout = plan.Layout(b, {} if self.tier is not None else fields, frames, self.tier is None)
-        self.order = list(buf._plain) + (["obs", "next_obs"] if frames and frames[3] else ["obs"] if frames else [])
+        self.order = list(parts.plain) + (["obs", "next_obs"] if frames and frames[3] else ["obs"] if frames else [])
         self.order += [n for n in ("terminated", "truncated", "discount") if n not in self.order]
-        self.how = None if beta is None and not isinstance(buf._cfg_beta, ConstantSchedule) else \
-            (bool(stratified), float(beta if beta is not None else buf._cfg_beta.value), buf._prio.batch_norm)
+        schedule = parts.draws.schedule
+        self.how = None if beta is None and not isinstance(schedule, ConstantSchedule) else \
+            (bool(stratified), float(beta if beta is not None else schedule.value), parts.prio.batch_norm)
         self.stratified = bool(stratified)
         self.beta = beta
         self.uniforms = np.empty(b, dtype=np.float64)
@@ -220,25 +222,25 @@ class Filler:
         slot.base = slot.counts()
         return slot
 
-    def sources(self, buf) -> plan.Sources:
+    def sources(self, parts) -> plan.Sources:
         """The kernels' arrays, made anew after a restore (or new storage arrays)."""
-        arrays = buf._store.arrays
+        arrays = parts.store.arrays
         fields = None if self.tier is not None else {n: arrays[n] for n in self.layout.fields}
-        ring = arrays["frames"] if buf._frames is not None and self.tier is None else None
-        self.src = plan.Sources(buf, self.layout, fields, ring)
-        self.src_of = (buf._ring.restores, arrays)
+        ring = arrays["frames"] if parts.frames is not None and self.tier is None else None
+        self.src = plan.Sources(parts, self.layout, fields, ring)
+        self.src_of = (parts.ring.restores, arrays)
         return self.src
 
     def fill(self, slot: Slot, stop) -> Slot | None:
         """Draw a batch into ``slot`` and gather it; None when told to stop
         while waiting for the lock. (Each Python call here is one a
         launch-bound learner waits for: about ten a batch, whatever its size.)"""
-        buf = self.ref()
-        if buf is None:
+        parts = self.ref()
+        if parts is None:
             raise BufferClosedError("the buffer of this sampler was dropped")
         if self.cuda:
             self._reuse(slot)
-        if not self.draw_into(buf, slot, stop):
+        if not self.draw_into(parts, slot, stop):
             return None
         if self.tier is not None:
             return slot
@@ -246,7 +248,7 @@ class Filler:
         if self.gathers:
             plan.gather_kernel(block.meta[0], self.src.srcs, block.dsts, block.ids, self.n_ids[block.shape],
                                self.src.ring, block.fdst)
-        if not self.check(buf, block, stop):
+        if not self.check(parts, block, stop):
             return None
         if self.cuda:
             host, dev = slot.used[block.shape]
@@ -256,7 +258,7 @@ class Filler:
             self.event.record(slot.ready, stream)
         return slot
 
-    def draw_into(self, buf, slot: Slot, stop) -> bool:
+    def draw_into(self, parts, slot: Slot, stop) -> bool:
         """Draw a batch into ``slot`` under the buffer's lock (with a device
         tier, its gathers too); False when told to stop while waiting for the lock."""
         lock = self.guard.lock
@@ -268,16 +270,16 @@ class Filler:
         try:
             src = self.src
             if src is None or self.how is None or self.tier is not None or self.guard.closed or self.guard.deferred.items \
-                    or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays \
+                    or self.src_of[0] != parts.ring.restores or self.src_of[1] is not parts.store.arrays \
                     or not src.tree[0][0] > 0:
-                self._draw(buf, block)  # every case
+                self._draw(parts, block)  # every case
             else:  # the common one, inline: one call to the compiled draw
-                buf._rng.random(out=self.uniforms)
+                parts.draws.rng.random(out=self.uniforms)
                 block.shape, block.lowest = plan.draw_kernel(src.tree, self.uniforms, self.how, src.book,
                                                              src.refs, block.meta, block.ids)
                 self.drawn = self.how
-                buf._beta_step += 1
-            ring = buf._ring
+                parts.draws.step += 1
+            ring = parts.ring
             block.count, block.writes, block.failed, block.restores = ring.count, ring.writes, ring.failed, \
                 ring.restores
             if self.tier is not None:  # everything on the device, in order, under the lock
@@ -286,7 +288,7 @@ class Filler:
             lock.release()
         return True
 
-    def check(self, buf, block, stop) -> bool:
+    def check(self, parts, block, stop) -> bool:
         """After a gather without the lock: under it, whether a write or a
         restore raced the gather, and if one did, the batch drawn (and
         gathered) again; False when told to stop while waiting for the lock."""
@@ -295,12 +297,12 @@ class Filler:
             if stop():
                 return False
         try:
-            ring = buf._ring
+            ring = parts.ring
             if ring.restores != block.restores:  # a state taken under the gather: as if taken before this draw
-                self._draw(buf, block)
+                self._draw(parts, block)
                 plan.gather(self.src, block)
-            elif ring.writes != block.writes and not plan.intact(ring, buf._frames, block, block.restores):
-                self._redraw(buf, block)  # a write replaced what was read: again, under the lock
+            elif ring.writes != block.writes and not plan.intact(ring, parts.frames, block, block.restores):
+                self._redraw(parts, block)  # a write replaced what was read: again, under the lock
         finally:
             lock.release()
         return True
@@ -322,7 +324,7 @@ class Filler:
         if not slot.fresh:
             self.event.wait(slot.released, self.stream())
 
-    def _draw(self, buf, block) -> plan.Sources:
+    def _draw(self, parts, block) -> plan.Sources:
         """The draw under the lock, every case (``fill`` inlines the common one)."""
         guard = self.guard
         if guard.closed:
@@ -330,24 +332,24 @@ class Filler:
         if guard.deferred.items:  # priorities from the device whose copies arrived; never a wait for the
             guard.settle(keep=True, arrived=True)  # learner's step (a later draw applies the others)
         src = self.src
-        if self.src_of is None or self.src_of[0] != buf._ring.restores or self.src_of[1] is not buf._store.arrays:
-            src = self.sources(buf)
-        if self.tier is not None and (self.tier.count != buf._ring.count or
-                                      (buf._frames is not None and self.tier.fw != buf._frames.fw)):
-            self.tier.sync(buf._store, buf._frames, buf._ring.count)
-        if not buf._prio.sampleable:
-            raise InvalidArgumentError(buf._unit.unsampleable(len(buf)))
+        if self.src_of is None or self.src_of[0] != parts.ring.restores or self.src_of[1] is not parts.store.arrays:
+            src = self.sources(parts)
+        if self.tier is not None and (self.tier.count != parts.ring.count or
+                                      (parts.frames is not None and self.tier.fw != parts.frames.fw)):
+            self.tier.sync(parts.store, parts.frames, parts.ring.count)
+        if not parts.prio.sampleable:
+            raise InvalidArgumentError(parts.unit.unsampleable(len(parts)))
         how = self.how
         if how is None:
-            beta = buf._cfg_beta(buf._beta_step) if self.beta is None else self.beta
-            how = (self.stratified, float(beta), buf._prio.batch_norm)
-        buf._rng.random(out=self.uniforms)
+            beta = parts.draws.beta() if self.beta is None else self.beta
+            how = (self.stratified, float(beta), parts.prio.batch_norm)
+        parts.draws.rng.random(out=self.uniforms)
         plan.draw(src, block, self.uniforms, how)
         self.drawn = how
-        buf._beta_step += 1
+        parts.draws.step += 1
         return src
 
-    def _redraw(self, buf, block) -> None:
+    def _redraw(self, parts, block) -> None:
         """The batch drawn again under the lock with the same uniforms and beta
         (the random stream and the schedule moved once, as for a draw made
         after the write that raced the gather), and gathered there."""
@@ -394,8 +396,8 @@ class FeedSampler(Threaded):
     ``close``, ``ready``), batches as ``FeedBatch`` dicts. ``depth`` 0: no
     thread, each batch filled in the caller's thread."""
 
-    def __init__(self, buf, guard, b: int, dev, depth: int, beta=None, stratified: bool = True):
-        self._filler = Filler(buf, guard, b, dev, beta, stratified)
+    def __init__(self, parts, b: int, dev, depth: int, beta=None, stratified: bool = True):
+        self._filler = Filler(parts, b, dev, beta, stratified)
         self._torch = self._filler.torch
         self._cuda = self._filler.cuda
         self._dev = dev
@@ -461,10 +463,10 @@ class FeedSampler(Threaded):
         self._free.put(None)  # wakes a thread waiting for a slot
 
 
-def covered(buf, dev) -> str | None:
-    """Why the feed does not serve ``buf`` for device ``dev``, or None."""
-    mirror = buf._mirror
+def covered(parts, dev) -> str | None:
+    """Why the feed does not serve a buffer (its ``core.parts.Parts``) for device ``dev``, or None."""
+    mirror = parts.mirror
     tier = mirror is not None and dev.type == "cuda" and mirror.device == dev
     if mirror is not None and not tier and dev.type == "cuda":
         return f"a device tier on {mirror.device}, batches for {dev}"
-    return plan.covered(buf, host=not tier)
+    return plan.covered(parts, host=not tier)

@@ -24,7 +24,9 @@ import math
 import numpy as np
 
 from ..core.layout import plain_fields
-from .._torch import TensorBatch, Transport, _torch, _torch_dtype, move
+from ..tensors.transport import TensorBatch, Transport
+from ..tensors.lazy import load_torch, torch_dtype
+from ..tensors.transfer import move
 from ..batch import Batch
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..frames.store import frame_capacity
@@ -89,7 +91,7 @@ class Mirror:
     """
 
     def __init__(self, device, capacity: int, plain: dict, frames: tuple | None):
-        torch = _torch()
+        torch = load_torch()
         self.device = device
         self.capacity = capacity
         self.nbytes = need(plain, capacity, frames)
@@ -160,7 +162,7 @@ class Mirror:
         """``dest[a:b] = host`` for every piece, through one staging block and
         one host-to-device copy (non-blocking: a copy from pageable memory
         would wait for every kernel the learner queued), then copies on the device."""
-        torch = _torch()
+        torch = load_torch()
         up = move(torch, {str(i): np.ascontiguousarray(p[3]) for i, p in enumerate(pieces)}, self.device, True)
         for i, (dest, a, b, _) in enumerate(pieces):
             dest[a:b].copy_(up[str(i)], non_blocking=True)
@@ -179,7 +181,7 @@ class Mirror:
         ``generations``, ``probabilities``) stays numpy, and the host copy of
         the mask that ``update_priorities(batch, ...)`` reads is kept with the
         batch's ``to_torch`` tensors."""
-        torch = _torch()
+        torch = load_torch()
         up = plan["up"]
         c, F = self.capacity, self.F
         for key in (".slots", ".last"):
@@ -239,7 +241,7 @@ def _take(src, rows):
     (on the CPU numpy's take, which copies whole rows: torch's CPU
     ``index_select`` of uint8 frames was 4x slower, measured)."""
     if src.device.type == "cpu":
-        torch = _torch()
+        torch = load_torch()
         r = rows.numpy().reshape(-1)
         return torch.from_numpy(src.numpy().take(r, axis=0, mode="clip")).view(*rows.shape, *src.shape[1:])
     return src.index_select(0, rows.reshape(-1)).view(*rows.shape, *src.shape[1:])
@@ -247,7 +249,7 @@ def _take(src, rows):
 
 def _dtype(torch, dtype, name: str):
     try:
-        return _torch_dtype(torch, np.dtype(dtype), name)
+        return torch_dtype(torch, np.dtype(dtype), name)
     except InvalidTypeError as e:  # (a layout the buffer was given: an argument, not a value's type)
         raise InvalidArgumentError(f"{e}, so it cannot live on a device") from None
 

@@ -49,13 +49,13 @@ def _never() -> bool:
     return False
 
 
-def feed_sampler(buf, guard, b: int, dev, depth: int, beta=None, stratified: bool = True):
-    """The feed for ``buf`` (``device.feed.covered`` says it serves it; ``guard``
-    its ``core.lifecycle.Guard``): on the CPU with a thread (POSIX),
-    ``NativeFeed``; else ``FeedSampler``."""
+def feed_sampler(parts, b: int, dev, depth: int, beta=None, stratified: bool = True):
+    """The feed for a buffer (its ``core.parts.Parts``; ``device.feed.covered``
+    says the feed serves it): on the CPU with a thread (POSIX), ``NativeFeed``;
+    else ``FeedSampler``."""
     if dev.type == "cpu" and depth > 0 and os.name == "posix":
-        return NativeFeed(buf, guard, b, dev, depth, beta, stratified)
-    return FeedSampler(buf, guard, b, dev, depth, beta, stratified)
+        return NativeFeed(parts, b, dev, depth, beta, stratified)
+    return FeedSampler(parts, b, dev, depth, beta, stratified)
 
 
 class NativeFeed(Threaded):
@@ -64,8 +64,8 @@ class NativeFeed(Threaded):
     (errors, ``close``, ``ready``), batches as ``FeedBatch`` dicts equal to
     ``sample(B).to_torch()``'s, draw for draw."""
 
-    def __init__(self, buf, guard, b: int, dev, depth: int, beta=None, stratified: bool = True):
-        self._filler = Filler(buf, guard, b, dev, beta, stratified)
+    def __init__(self, parts, b: int, dev, depth: int, beta=None, stratified: bool = True):
+        self._filler = Filler(parts, b, dev, beta, stratified)
         layout = self._filler.layout
         n = depth + _HELD + _SPARE
         self._pool = np.empty((n, layout.size), dtype=np.uint8)
@@ -116,10 +116,10 @@ class NativeFeed(Threaded):
 
     def _next_slot(self) -> Slot:
         filler = self._filler
-        buf = filler.ref()
-        if buf is None:
+        parts = filler.ref()
+        if parts is None:
             raise BufferClosedError("the buffer of this sampler was dropped")
-        self._top_up(buf)
+        self._top_up(parts)
         if not self._flight:
             if self._error is not None:
                 raise self._error
@@ -129,11 +129,11 @@ class NativeFeed(Threaded):
         slot, job = self._flight.popleft()
         try:
             self._wait(job)
-            filler.check(buf, slot.block, _never)
+            filler.check(parts, slot.block, _never)
         except KeyboardInterrupt:
             self._flight.appendleft((slot, job))  # (waited for and checked again by the next next())
             raise
-        self._top_up(buf)  # the next one posted now: gathered while the learner steps
+        self._top_up(parts)  # the next one posted now: gathered while the learner steps
         return slot
 
     def _wait(self, job: int) -> None:
@@ -150,7 +150,7 @@ class NativeFeed(Threaded):
                 self._why = self._why or BufferClosedError("this sampler's thread is gone; make a new sampler")
                 self._stop_iteration()
 
-    def _top_up(self, buf) -> None:
+    def _top_up(self, parts) -> None:
         """Draw and post batches until ``depth`` are in flight (or no slot is free)."""
         filler = self._filler
         while len(self._flight) < self._depth and self._error is None:
@@ -158,7 +158,7 @@ class NativeFeed(Threaded):
             if slot is None:
                 return
             try:
-                filler.draw_into(buf, slot, _never)
+                filler.draw_into(parts, slot, _never)
                 if filler.src is not self._src:
                     self._restart(filler.src)
             except KeyboardInterrupt:

@@ -31,6 +31,7 @@ from ray.exceptions import RayActorError
 from ..batch import Batch
 from ..config import Config
 from ..core.layout import check_field_names
+from ..core.parts import Draws
 from ..schedules import ConstantSchedule, LinearSchedule, as_beta
 from . import _manifest as M
 from . import _options
@@ -200,8 +201,7 @@ class ShardedPrioritizedBuffer:
                 shutil.rmtree(self._tmp_recovery, ignore_errors=True)
             raise
         self._closed = False
-        self._rng = np.random.default_rng(cfg.seed)
-        self._schedule, self._beta_step = cfg.schedule, 0
+        self._draws = Draws(cfg.schedule, cfg.seed)  # the coordinator's random stream and beta schedule
         self._norm_batch = cfg.weight_norm == "batch"
         self._set = ShardSet(self._shards, timeout=self._timeout,
                              max_in_flight=o["max_updates_in_flight"],
@@ -212,8 +212,8 @@ class ShardedPrioritizedBuffer:
                                    max_in_flight=self.max_writes_in_flight)
         if _restore is not None:
             coord = _restore[1]["coordinator"]
-            self._rng.bit_generator.state = coord["rng"]
-            self._beta_step, self._set.max_leaf = int(coord["beta_step"]), float(coord["max_leaf"])
+            self._draws.restore(coord)
+            self._set.max_leaf = float(coord["max_leaf"])
 
     # -- sizes ---------------------------------------------------------------------
     @property
@@ -247,7 +247,7 @@ class ShardedPrioritizedBuffer:
     @_entry
     def beta(self) -> float:
         """The beta the next ``sample`` call will use."""
-        return self._schedule(self._beta_step)
+        return self._draws.beta()
 
     @property
     def shard_offsets(self) -> np.ndarray:
@@ -335,11 +335,11 @@ class ShardedPrioritizedBuffer:
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        b = self._schedule(self._beta_step) if beta is None else as_beta(beta)  # the one beta rule
+        b = self._draws.beta() if beta is None else as_beta(beta)  # the one beta rule
         self._sync()
-        batch = draw(self._set, self._rng, self._offsets, int(batch_size), b, bool(stratified),
+        batch = draw(self._set, self._draws.rng, self._offsets, int(batch_size), b, bool(stratified),
                      fresh=self.fresh_totals, batch_norm=self._norm_batch)
-        self._beta_step += 1
+        self._draws.step += 1
         return batch
 
     # -- priorities --------------------------------------------------------------------
@@ -371,8 +371,7 @@ class ShardedPrioritizedBuffer:
         M.save(self._shards, snapshot, {
             "num_shards": self.num_shards, "capacities": self._caps.tolist(),
             "config": self.config.to_dict(), "path": self._path,
-            "coordinator": {"rng": self._rng.bit_generator.state, "beta_step": self._beta_step,
-                            "max_leaf": self._set.max_leaf}})
+            "coordinator": {**self._draws.state(), "max_leaf": self._set.max_leaf}})
         M.write_recovery_pointer(self.recovery_dir, snapshot)
         return snapshot
 

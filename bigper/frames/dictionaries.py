@@ -7,7 +7,8 @@ newest. At most ``MAX_DICTS`` are kept: generation ``g`` lives in codec slot
 ``(g - 1) % MAX_DICTS + 1``, and a new one is adopted only when the
 generation it would displace names no live frame.
 
-Retraining where it pays (``SegmentLog.maybe_train``): every
+Retraining where it pays (``SegmentLog.maybe_train``, its heavy part in a thread:
+``frames/look.py``): every
 ``TRAIN_FRAMES`` frames the mean stored length of the newest frames is
 compared with what the current dictionary gave when it was adopted
 (``base``); only when it grew by ``DRIFT`` is a candidate trained (on the
@@ -161,7 +162,7 @@ class Dictionaries:
         return meta, (np.concatenate(self.dicts) if self.dicts else np.zeros(0, dtype=np.uint8))
 
     def restore(self, meta: dict, blob: np.ndarray) -> None:
-        """Take recorded dictionaries (checked by ``_statecheck``); one zstd
+        """Take recorded dictionaries (checked by ``core/statecheck.py``); one zstd
         refuses is ``CorruptSnapshotError``. A state of format 1 without
         ``dict_sizes`` holds one dictionary (generation 1) or none (0 or 1 byte)."""
         blob = np.asarray(blob, dtype=np.uint8)

@@ -50,8 +50,13 @@ decodes the frames that name it.
 Dictionaries (``frames/dictionaries.py``): one given by the user is generation 1
 from the first frame; else one is trained on the first ``TRAIN_FRAMES``
 frames, and every ``TRAIN_FRAMES`` frames after that a new one is trained
-and adopted only where it pays (``maybe_train``). Frames keep the
+and adopted only where it pays (``maybe_train``; the training in a thread,
+``frames/look.py``, its outcome applied at the next look). Frames keep the
 generation they were written with.
+
+An add of a few rows whose frames fit in the open segment (not near a look,
+not a capped log) is written in one compiled call (``append_staged``, from
+``FrameStore.write_logged``); anything else takes ``append``.
 """
 
 from __future__ import annotations
@@ -63,7 +68,9 @@ import warnings
 import numpy as np
 
 from . import zstd as _zstd
+from .zstd import compress_rows
 from . import dictionaries
+from . import look as _look
 from .budget import log_geometry
 from ..kernels import kernel
 from .._pool import for_ranges
@@ -149,6 +156,34 @@ def put_rows(scratch, lengths, offsets, log, index, F, f0, did):
 
 
 @kernel
+def append_staged(log, staged, scratch, f0, n):
+    """Frames ``f0 .. f0 + n - 1``, raw in rows ``(f0 + i) % R`` of ``staged``
+    ``(R, row_bytes)``, compressed (into ``scratch``, room for ``n`` frames
+    that do not shrink) and appended to the open segment with their index
+    rows, when they all fit in it; nothing changes otherwise. ``log``:
+    ``(cctx, st, seg, seg_first, seg_slot, used, flat, index, did, fw)``
+    (``SegmentLog.staged_args``). Returns 0, or -1 (they do not fit: the
+    caller takes the general path), or -2 (zstd failed)."""
+    cctx, st, seg, seg_first, seg_slot, used, flat, index, did, _fw = log
+    R = staged.shape[0]
+    F = index.shape[0]
+    lengths = np.empty(n, dtype=np.int64)
+    offsets = np.empty(n, dtype=np.int64)
+    pos = 0
+    for i in range(n):
+        r = (f0 + i) % R
+        got = compress_rows(cctx, staged[r:r + 1], scratch[pos:], lengths[i:i + 1])
+        if got < 0:
+            return -2
+        pos += got
+    if st[POS] + pos > seg:
+        return -1
+    place(lengths, f0, F, seg, False, st, seg_first, seg_slot, used, offsets)
+    put_rows(scratch, lengths, offsets, flat, index, F, f0, did)
+    return 0
+
+
+@kernel
 def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets, lengths, dicts):
     """Index entries ``index[rows]``, checked (inside the log and inside one
     segment, a length in ``1..max_len``, dictionary generation 0 or one in
@@ -190,6 +225,8 @@ class SegmentLog:
         self._scratch = np.empty(0, dtype=np.uint8)  # append's compressed frames, before they are placed
         self._opened = False  # an append opened segments since the last ``trim``
         self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
+        self._look: _look.Look | None = None  # a dictionary look in flight (``maybe_train``)
+        self._staged_key = self._staged = None  # staged_args' arrays and ints, and what they were made of
 
     @property
     def g(self) -> int:
@@ -248,6 +285,26 @@ class SegmentLog:
         segment's rest (``append`` makes the segments it opens writable itself)."""
         first = int(self.seg_slot[self.g % self.S]) * self.seg_rows
         return np.arange(first + self.pos // self.block, first + self.seg_rows, dtype=np.int64)
+
+    @staticmethod
+    def look_due(fw: int, most: int) -> bool:
+        """Whether ``most`` frames more from frame ``fw`` may reach a dictionary look (``maybe_train``)."""
+        return (fw + most) // TRAIN_FRAMES > fw // TRAIN_FRAMES
+
+    def staged_args(self, rw: dict, fw: int):
+        """``append_staged``'s ``log`` group for an append of frames from frame
+        ``fw`` on into the storage's arrays ``rw``, or None where
+        only ``append`` may write (a capped log: its appends may release segments)."""
+        if self.capped:
+            return None
+        ds = self.dicts
+        did, codec, frame_log, index = ds.hi, ds.codec, rw["frame_log"], rw["frame_index"]
+        key = self._staged_key
+        if key is None or key[0] is not frame_log or key[1] is not index or key[2] != did or key[3] is not codec:
+            self._staged_key = (frame_log, index, did, codec)
+            self._staged = (codec.cctx[ds.slot(did)], self.st, self.seg, self.seg_first, self.seg_slot, self.used,
+                            frame_log.reshape(-1), index, did)
+        return self._staged + (fw,)
 
     def append(self, f0: int, frames: np.ndarray, rw: dict | None, journal: Journal | None = None) -> None:
         """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).
@@ -326,13 +383,17 @@ class SegmentLog:
 
     def checkpoint(self):
         """The step that puts back everything in memory (counters, slots,
-        dictionaries) as it is now, for a write of many appends."""
+        dictionaries, the look in flight) as it is now, for a write of many appends."""
         back = self._counters()
         dmeta, blob = self.dicts.state()
         dmeta, blob = json.loads(json.dumps(dmeta)), blob.copy()
+        look = self._look  # (its outcome is kept: applied again at its frame when the write is repeated)
 
         def back_all():
             back()
+            if self._look is not look:  # (one began since: dropped; the one before is back in flight)
+                self.drop_look()
+                self._look = look
             if self.dicts.state()[0] != dmeta:  # (a dictionary was adopted since)
                 self.dicts.restore(dmeta, blob)
         return back_all
@@ -431,9 +492,22 @@ class SegmentLog:
         ``DRIFT`` more bytes than at the last adoption (or none was tried),
         and a candidate trained on the frames before them takes ``PAYS``
         fewer bytes on them than the current dictionary. Frames after it use
-        it; earlier ones keep theirs."""
+        it; earlier ones keep theirs.
+
+        The first dictionary is trained here, in the add. A later look's
+        training and measurements run in a thread (``frames/look.py``)
+        while adds go on; its outcome is applied here when the count reaches
+        the next multiple of ``W`` (waiting for the thread only if it has not
+        finished), before that crossing's own look: where and when a
+        dictionary is adopted depends on the adds, never on the machine's
+        speed. ``settle_look`` applies it sooner (a snapshot, a write of many
+        rows)."""
         W = TRAIN_FRAMES
         if fw // W <= fw0 // W:
+            return
+        if self._look is not None and fw >= self._look.adopt_at:
+            self.settle_look(fw)
+        if self._look is not None:  # (a look in flight, from a write that crossed several multiples)
             return
         # On the frames still in the log, however few a capped log keeps: frames that compress
         # worse than its budget leave fewer than W in it until a dictionary makes them small.
@@ -443,7 +517,7 @@ class SegmentLog:
         ev = max(lo + (fw - lo) // 2, fw - W)  # measured on [ev, fw), trained on [lo, ev)
         # Trained on the newest TRAIN_SAMPLE of those at most: the trainer's time grows faster
         # than its input (measured on Seaquest: 1,000 frames 260 ms, 500 70 ms, the
-        # dictionaries as good), and a look runs inside an add.
+        # dictionaries as good).
         lo = max(lo, ev - TRAIN_SAMPLE)
         ds = self.dicts
         if ds.base is not None and self._lengths(np.arange(ev, fw, dtype=np.int64)).mean() \
@@ -453,40 +527,86 @@ class SegmentLog:
         if fw < ds.retry:  # candidates since the drift did not pay: wait before the next
             return
         # Retraining only saves bytes: it runs after the add's frames were written, so
-        # a failure in it (no memory, a candidate zstd refuses) skips it, changing nothing.
+        # a failure in it (no memory, a damaged frame: sample and verify report it) skips it.
         try:
-            frames = self.decode(np.arange(lo, fw, dtype=np.int64))
-            train, test = frames[:ev - lo], frames[ev - lo:]
-            now = int(self.codec.compress(test, ds.slot(ds.hi))[1].sum())
-            cand = _zstd.train(train, DICT_BYTES)
-            new = None
-            if cand is not None and cand.size >= 256:
-                trial = _zstd.Codec(level=3)
-                try:
-                    trial.set_dictionary(1, cand)
-                    new = int(trial.compress(test, 1)[1].sum())
-                finally:
-                    trial.close()
-        except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:  # (a damaged frame:
-            # sample and verify report it)
+            inputs = self._look_inputs(lo, ev, fw)
+        except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:
             log.warning("bigper: retraining the zstd dictionary at frame %d failed, skipped: %r", fw, e)
             return
+        if ds.hi == 0:  # the first dictionary: trained here, used from the next frame (once a buffer)
+            self._look = _look.Look(inputs, fw, thread=False)
+            self.settle_look(fw)
+        else:
+            self._look = _look.Look(inputs, (fw // W + 1) * W)
+
+    def _look_inputs(self, lo: int, ev: int, fw: int) -> _look.Inputs:
+        """Copies of what a look on frames ``lo .. fw - 1`` needs (checked index
+        entries, their bytes, the dictionaries they name)."""
+        ids = np.arange(lo, fw, dtype=np.int64)
+        n = ids.shape[0]
+        entries = self._entries(ids)
+        offsets, lengths, slots = (np.empty(n, dtype=np.int64) for _ in range(3))
+        bad = gather_index(entries, np.arange(n, dtype=np.int64), self.log_bytes, self.seg, self.max_len,
+                           self.dicts.lo, self.dicts.hi, MAX_DICTS, offsets, lengths, slots)
+        if bad >= 0:
+            raise CorruptSnapshotError(f"frame {lo + bad}'s index entry {entries[bad].tolist()} is damaged")
+        arrays = self.store.arrays
+        if arrays is not None:  # the runs of frames that lie one after another, copied
+            flat = arrays["frame_log"].reshape(-1)
+            parts, at = [], 0
+            starts = np.empty(n, dtype=np.int64)
+            for a, b in self._runs(lengths, offsets):
+                size = int(offsets[b - 1] + lengths[b - 1] - offsets[a])
+                parts.append(flat[int(offsets[a]):int(offsets[a]) + size])
+                starts[a:b] = offsets[a:b] - offsets[a] + at
+                at += size
+            blob = np.concatenate(parts)
+        else:
+            blob, starts = self._read_spans(offsets, lengths)
+        ds = self.dicts
+        current = ds.slot(ds.hi)
+        named = {int(s) for s in np.unique(slots)} | {current}
+        dicts = {s: ds.dicts[(s - ds.slot(ds.lo)) % MAX_DICTS] for s in named if s}
+        return _look.Inputs(fw, ev - lo, blob, np.ascontiguousarray(starts), lengths, slots, dicts, current,
+                            self.row_bytes, DICT_BYTES)
+
+    def settle_look(self, fw_now: int) -> None:
+        """Apply the look in flight now, ``fw_now`` frames written (waiting for
+        its thread): adopt its candidate where it pays, all or nothing; a look
+        that failed changes nothing."""
+        look, self._look = self._look, None
+        if look is None:
+            return
+        fw = look.inputs.fw
+        try:
+            out = look.outcome()
+        except (MemoryError, ValueError, RuntimeError, CorruptSnapshotError) as e:
+            log.warning("bigper: retraining the zstd dictionary at frame %d failed, skipped: %r", fw, e)
+            return
+        ds = self.dicts
         adopted = False
-        if new is not None and new <= (1 - dictionaries.PAYS) * now:
-            oldest = self._entries(np.array([max(self.oldest(), fw - self.F, 0)], dtype=np.int64))[0, 1] >> 32
+        if out.new is not None and out.new <= (1 - dictionaries.PAYS) * out.now:
+            oldest = self._entries(np.array([max(self.oldest(), fw_now - self.F, 0)], dtype=np.int64))[0, 1] >> 32
             try:
-                adopted = ds.adopt(cand, int(oldest))  # (all or nothing)
+                adopted = ds.adopt(out.candidate, int(oldest))  # (all or nothing)
             except (MemoryError, ValueError, RuntimeError) as e:
                 log.warning("bigper: adopting a new zstd dictionary at frame %d failed, skipped: %r", fw, e)
                 return
         if adopted:
-            ds.base = new / test.shape[0]
+            ds.base = out.new / out.measured
             ds.retry = ds.wait = 0
         elif ds.base is None:  # no dictionary was adopted yet: drift is measured from these frames
-            ds.base = now / test.shape[0]
+            ds.base = out.now / out.measured
         else:  # the size at the last adoption stays the reference: try again, later
-            ds.wait = W if ds.wait == 0 else 2 * ds.wait
+            ds.wait = TRAIN_FRAMES if ds.wait == 0 else 2 * ds.wait
             ds.retry = fw + ds.wait
+
+    def drop_look(self) -> None:
+        """Forget the look in flight (waiting for its thread: it holds no state
+        of the log, but the log's codec may be closed next)."""
+        look, self._look = self._look, None
+        if look is not None:
+            look.wait()
 
     def _entries(self, ids: np.ndarray) -> np.ndarray:
         """Index entries (n, 2) of frames ``ids`` (live)."""
@@ -562,9 +682,10 @@ class SegmentLog:
         return meta, arrays
 
     def restore(self, meta: dict, arrays: dict) -> None:
-        """Take a recorded state (checked by ``_statecheck``) and check the
+        """Take a recorded state (checked by ``core/statecheck.py``) and check the
         slots, the live index and the dictionaries against it and the storage:
         ``CorruptSnapshotError``."""
+        self.drop_look()  # (its frames and dictionaries are not these)
         g = int(meta["seg"])
         self.st[G], self.st[POS] = g, int(meta["pos"])
         self.seg_first[:] = arrays["frames_seg_first"]
@@ -633,6 +754,7 @@ class SegmentLog:
         return int(ids.shape[0])
 
     def close(self) -> None:
+        self.drop_look()
         self.dicts.close()
 
 

@@ -29,11 +29,11 @@ import numpy as np
 
 from . import zstd as _zstd
 from .budget import frame_capacity  # (config.py sizes the compressed log by it too)
-from ..kernels import kernel
+from ..kernels import kernel, ring_rows
 from .._pool import for_ranges, workers
 from .._reuse import ReusedArrays
 from .refs import derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
-from .segments import SegmentLog
+from .segments import SegmentLog, append_staged
 from .._undo import Journal
 from ..errors import CorruptSnapshotError
 from ..status import DEAD, LIVE, PENDING
@@ -185,6 +185,66 @@ def write_direct(rows, stream, fw, has_next, fref, foff, ring, slots, minref, re
     fw = assign_refs(rows, stream, fw, has_next, (obs_ref, next_ref), ring, slots, minref, reach, ring.shape[0])
     pack_refs(obs_ref, next_ref, has_next, slots, fref, foff)
     return fw
+
+
+@kernel
+def write_logged(g0, flags, stacks, stream, refs, minref, sizes, work, log):
+    """``write_direct`` for a compressed log, all or nothing, for rows
+    ``g0 ..`` (``flags``: their ``(terminated, truncated, valid)``; ``stacks``:
+    ``(obs, next_obs)``, C-contiguous ``(m, k, *frame)``; ``stream``:
+    ``(last_frames, last_ref, has_last, has_next)``; ``refs``: ``(fref,
+    foff, reach)`` (``write_direct``'s); ``sizes``: ``(capacity, num_envs)``): the new frames go to a
+    staging ring and from there, compressed, to the open segment
+    (``segments.append_staged``). ``work``: ``(staged, saved, scratch)``, the
+    staging ring (``2 * m * k`` rows at least), room for ``m`` rows' streams
+    and for their compressed frames (reused: no page faults). When they do not all fit there (or zstd
+    fails), what it changed (the streams, the slots' oldest references and
+    references) is put back and ``-1`` (``-2``) is returned; else the new frame count."""
+    term, trunc, valid = flags
+    obs, nxt = stacks
+    last_frames, last_ref, has_last, has_next = stream
+    fref, foff, reach = refs
+    capacity, num_envs = sizes
+    m, k, words = term.shape[0], last_frames.shape[1], last_frames.shape[2]
+    slots = np.empty(m, dtype=np.int64)
+    ends = np.empty(m, dtype=np.uint8)
+    ring_rows(g0, capacity, term, trunc, slots, ends)
+    env = np.empty(m, dtype=np.int64)
+    for r in range(m):
+        env[r] = (g0 + r) % num_envs
+    staged, s_frames, scratch = work
+    s_ref = np.empty((m, k), dtype=np.int64)
+    s_fref = np.empty(m, dtype=np.int64)
+    s_foff = np.empty((m, foff.shape[1]), dtype=foff.dtype)
+    s_has = np.empty(m, dtype=np.bool_)
+    s_min = np.empty(m, dtype=np.int64)
+    for r in range(m):
+        e, s = env[r], slots[r]
+        for j in range(k):
+            _copy(s_frames[r, j], last_frames[e, j])
+        s_ref[r] = last_ref[e]
+        s_has[r] = has_last[e]
+        s_min[r] = minref[s]
+        s_fref[r] = fref[s]
+        s_foff[r] = foff[s]
+    ow = obs.reshape((m, k, -1)).view(last_frames.dtype)
+    nw = nxt.reshape((m, k, -1)).view(last_frames.dtype)
+    fw = log[-1]
+    fw1 = write_direct((ow, nw, env, ends, valid), (last_frames, last_ref, has_last), fw, has_next,
+                       fref, foff, staged, slots, minref, reach)
+    code = append_staged(log, staged.view(np.uint8), scratch, fw, fw1 - fw)
+    if code == 0:
+        return fw1
+    for r in range(m - 1, -1, -1):  # (in reverse: an env's first row holds what it had before)
+        e, s = env[r], slots[r]
+        for j in range(k):
+            _copy(last_frames[e, j], s_frames[r, j])
+        last_ref[e] = s_ref[r]
+        has_last[e] = s_has[r]
+        minref[s] = s_min[r]
+        fref[s] = s_fref[r]
+        foff[s] = s_foff[r]
+    return code
 
 
 @kernel
@@ -352,6 +412,7 @@ class FrameStore:
         self._outs = ReusedArrays(depth=4, max_keys=4)  # gathers' outputs (pair's, stacks', rows_of's shapes)
         self._ring_of = self._ring = None  # the storage's frames array, and it as (F, words)
         self._args = self._args_of = None  # kernel_args' ring part, and the arrays it was made of
+        self._work = None  # write_logged's staging ring and scratch
 
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
@@ -433,6 +494,34 @@ class FrameStore:
             else:
                 journal.write(self.store, name, where, r[0] if one else r, self.capacity)
 
+    def write_logged(self, rows: dict, g0: int, valid, rw: dict) -> bool:
+        """``write`` of compressed frames in one compiled call, for a write of
+        at most ``num_envs`` rows whose frames fit in the log's open segment:
+        all or nothing, no journal. False (nothing changed): the general path
+        writes them (they open a segment, the log is capped, or they may
+        reach a dictionary look: ``look`` can fail, so it runs where a
+        journal can put the write back)."""
+        m = rows["terminated"].shape[0]
+        log = None if m > self.num_envs or self.log.look_due(self.fw, 2 * m * self.k) \
+            else self.log.staged_args(rw, self.fw)
+        if log is None:
+            return False
+        ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None else valid
+        if self._work is None:
+            most = 2 * self.num_envs * self.k
+            self._work = (np.empty((most, self.row_words), dtype=self.word), np.empty_like(self.last_frames),
+                          np.empty(most * self.log.max_len, dtype=np.uint8))
+        fw = write_logged(g0, (rows["terminated"], rows["truncated"], ok), self._contiguous(rows),
+                          (self.last_frames, self.last_ref, self.has_last, self.has_next),
+                          (rw["frame_ref"], rw["frame_off"], self.reach), self.minref,
+                          (self.capacity, self.num_envs), self._work, log)
+        if fw == -2:
+            raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes")
+        if fw < 0:
+            return False
+        self.fw = fw
+        return True
+
     def look(self, fw0: int) -> None:
         """After frames ``fw0 .. fw - 1`` were written and the write's other
         calls went through: the compressed log's dictionary look (it only
@@ -510,6 +599,17 @@ class FrameStore:
         (C-contiguous stacks, viewed as words by the kernel), and the ring's
         (the same tuple while the storage keeps its arrays). The caller
         stores the returned frame count in ``fw``."""
+        obs, nxt = self._contiguous(rows)
+        ring, fref, foff = self._in_place(rw)
+        made_of = self._args_of  # the storage's arrays the tuple holds (new ones after a copy-on-write)
+        if made_of is None or made_of[0] is not ring or made_of[1] is not fref or made_of[2] is not foff:
+            self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, fref, foff,
+                          ring, self.minref, self.ptr, self._expired, self.reach)
+            self._args_of = (ring, fref, foff)
+        return (obs, nxt), self._args
+
+    def _contiguous(self, rows: dict) -> tuple:
+        """The rows' ``(obs, next_obs)`` stacks, C-contiguous (``obs`` twice without next_obs)."""
         obs = rows["obs"]
         if not obs.flags.c_contiguous:
             obs = np.ascontiguousarray(obs)
@@ -518,13 +618,7 @@ class FrameStore:
             nxt = rows["next_obs"]
             if not nxt.flags.c_contiguous:
                 nxt = np.ascontiguousarray(nxt)
-        ring, fref, foff = self._in_place(rw)
-        made_of = self._args_of  # the storage's arrays the tuple holds (new ones after a copy-on-write)
-        if made_of is None or made_of[0] is not ring or made_of[1] is not fref or made_of[2] is not foff:
-            self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, fref, foff,
-                          ring, self.minref, self.ptr, self._expired, self.reach)
-            self._args_of = (ring, fref, foff)
-        return (obs, nxt), self._args
+        return obs, nxt
 
     def rows_touched(self, m: int, where) -> dict:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array
@@ -707,6 +801,7 @@ class FrameStore:
                   "frames_has_last": self.has_last, "frames_ptr": self.ptr, "frames_minref": self.minref}
         # (frames_minref is not written to disk, core/layout.DERIVED: restore derives it from frame_ref / frame_off)
         if self.log is not None:
+            self.log.settle_look(self.fw)  # (a dictionary look in flight is applied first: the state is whole)
             lmeta, larrays = self.log.state()
             meta.update(lmeta)
             arrays.update(larrays)

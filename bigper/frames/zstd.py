@@ -236,6 +236,8 @@ class Codec:
         their frames then moved one after another. Each row is its own zstd frame, so
         the bytes, ``lengths`` and the return value are those of one call."""
         m, n = rows.shape
+        if m < 2 * COMPRESS_CHUNK:  # one range whatever the threads (an add's frames: no pool, no environ)
+            return compress_rows(self.cctx[dict_id], rows, dst, lengths)
         parts = ranges(m, COMPRESS_CHUNK)
         if len(parts) == 1:
             return compress_rows(self.cctx[dict_id], rows, dst, lengths)

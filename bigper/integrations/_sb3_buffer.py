@@ -23,7 +23,7 @@ from gymnasium import spaces
 from stable_baselines3.common.buffers import ReplayBuffer
 
 from .. import PrioritizedReplayBuffer as CoreBuffer
-from .._torch import as_numpy
+from ..tensors.lazy import as_numpy
 from ..batch import Batch
 from ..config import Config
 from ..core.ingest import check_batch_size

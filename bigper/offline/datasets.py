@@ -8,7 +8,7 @@
     ds.update_priorities(batch, td_abs)          # as with any buffer
     ds.close()                                   # changed priorities go to the sidecar
 
-The source file is never written (see ``storage/h5source.py`` for how each
+The source file is never written (see ``offline/h5source.py`` for how each
 layout maps onto fields); priorities live in a sidecar directory beside it
 (``offline/sidecar.py``). ``add`` and ``extend`` fail: the data is read-only.
 """
@@ -25,16 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels import first_bad_priority
+from ..prioritization._tree_kernels import first_bad_priority
 from .sidecar import Sidecar, SidecarMismatchError, _xxh, key_params
-from .._torch import as_numpy
+from ..tensors.lazy import as_numpy
 from ..config import Config
 from ..prioritization import make as make_prioritization
 from ..schedules import schedule_from_dict
 from ..core.layout import allocate, own_names
 from ..core.statecheck import RING_ARRAYS
-from ..core.sequences import ITEM_ARRAYS
-from ..storage.h5source import LIVE, H5Source, OfflineDatasetError
+from ..core.units import unit_class
+from .h5source import LIVE, H5Source, OfflineDatasetError
 from ..errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
                      PathNotFoundError)
 
@@ -145,9 +145,9 @@ def _initial_state(cfg: Config, src: H5Source, sidecar: Sidecar) -> tuple[dict, 
     else:
         meta = dict(src.recorded[1], rng=fresh, beta_step=0)
         # the ring and, with sequences, the item tables (items hold the keys there)
-        carried = RING_ARRAYS + (ITEM_ARRAYS if cfg.sequence else ())
+        carried = RING_ARRAYS + unit_class(cfg).ARRAYS
         arrays = {k: v for k, v in src.recorded[2].items() if k in carried}
-    live = np.asarray(arrays["seq_status" if cfg.sequence else "status"]) == LIVE
+    live = np.asarray(arrays[unit_class(cfg).status_key]) == LIVE
     prio = _strategy(cfg)
     keys = _initial_keys(cfg, prio, live, sidecar)
     prio.assign(keys, live)

@@ -1,7 +1,7 @@
 """Bulk priority updates of proportional prioritization: many rows at once
 (``reprioritize``, a whole dataset's scores, a large ``update_priorities``).
 
-The checked update kernel (``_kernels.update_capped``) walks the rows four
+The checked update kernel (``_tree_kernels.update_capped``) walks the rows four
 times in order: check, route, write, read back the largest value. For a
 million rows that is about 70 MB of memory traffic on one core, as much time
 as the keys' ``pow``. Here the same update takes two passes:
@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import BAD_INDEX, NEVER_WRITTEN, UPDATE_OK, kernel
+from ..kernels import kernel
+from ._tree_kernels import BAD_INDEX, NEVER_WRITTEN, UPDATE_OK
 from .._pool import for_ranges
 from ..status import EMPTY, LIVE, PENDING
 
 
 @kernel
 def _key(v, alpha, eps, max_priority):
-    """``(min(v, max_priority) + eps) ** alpha``: ``_kernels.to_leaves``'s formula, bit for bit."""
+    """``(min(v, max_priority) + eps) ** alpha``: ``_tree_kernels.to_leaves``'s formula, bit for bit."""
     if v > max_priority:
         v = max_priority
     return (v + eps) ** alpha

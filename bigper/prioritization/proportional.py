@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from .. import kernels as K
+from . import _tree_kernels as K
 from ..errors import InvalidArgumentError, InvalidIndexError
 from .tree import PriorityTree
 from . import _bulk
@@ -24,7 +24,7 @@ _REBUILD_MIN = 1024
 
 def is_weights(lo: float, keys: np.ndarray, beta: float) -> np.ndarray:
     """``(lo / key) ** beta`` as float32, through logarithms where the ratio
-    underflows (keys more than ~1e308 apart), as ``_kernels.is_weight``."""
+    underflows (keys more than ~1e308 apart), as ``_tree_kernels.is_weight``."""
     with np.errstate(under="ignore", divide="ignore"):
         r = lo / keys
         w = r ** beta

@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from .. import kernels as K
+from . import _tree_kernels as K
 from ..errors import CorruptSnapshotError, InvalidArgumentError, InvalidIndexError
 from . import _rank_kernels as RK
 from . import _rank_law as LAW

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import NamedTuple
 
 import numpy as np
 
-from .. import kernels as K
+from . import _tree_kernels as K
 from .._pool import for_ranges
 from ..errors import InvalidArgumentError
 
@@ -62,6 +63,15 @@ def _alloc(n: int, fill: float) -> np.ndarray:
     return arr
 
 
+class TreeArrays(NamedTuple):
+    """A tree's arrays as the fused kernels of the writer, the sequence items
+    and the feed take them (``PriorityTree.arrays``; see ``_tree_kernels``)."""
+
+    sums: np.ndarray
+    mins: np.ndarray
+    offsets: np.ndarray
+
+
 class PriorityTree:
     """Sum tree (and min tree) over ``capacity`` float64 leaves.
 
@@ -81,9 +91,10 @@ class PriorityTree:
         self.k = FANOUT
         self.offsets, self.sizes, total = _layout(self.capacity)
         self.sums = _alloc(total, 0.0)
-        # The min tree has no leaf level (see _kernels): it ends where the leaves start.
+        # The min tree has no leaf level (see _tree_kernels): it ends where the leaves start.
         self.mins = _alloc(int(self.offsets[-1]) if track_min else 0, np.inf)
         self._leaf_off = int(self.offsets[-1])
+        self.arrays = TreeArrays(self.sums, self.mins, self.offsets)  # (what the fused kernels take)
         # False: bulk writes rebuild in one kernel call (tree_build), for the
         # tests that hold the threaded rebuild to it.
         self.threaded = True

@@ -30,7 +30,7 @@ nothing is allocated from a recorded size before the files on disk are
 known to hold that many bytes: the manifest (its checksum, then types and
 ranges), the config, the data layout against the arrays the config needs,
 every member's size on disk, the state arrays and their invariants
-(``_statecheck``), every data byte; only then is a buffer built.
+(``core/statecheck.py``), every data byte; only then is a buffer built.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from ._frames import check_frames
 from ._load import _config, _state_arrays, inspect
 from .manifest import check_files, read_manifest
 from ..status import LIVE
+from ..core.units import unit_class
 
 
 
@@ -47,7 +48,7 @@ def _rank(cfg: dict):
 def _status(body: dict, state: dict):
     """The status that says which slots hold a leaf: the transitions', or
     with sequences the items' (at their start slots)."""
-    return state.get("seq_status" if body["config"].get("sequence") else "status")
+    return state.get(unit_class(_config(body, "the snapshot")).status_key)  # (its config checked already)
 
 
 def _rank_invariants(body: dict, state: dict) -> list[str]:

@@ -99,7 +99,7 @@ _DIGEST = re.compile(r"^[0-9a-f]{16}$")
 
 def check_record(meta: dict, where) -> None:
     """Types and ranges of the fields a storage's record keeps beside its
-    arrays (``check_arrays``) and its state (``_statecheck``), each as bigper
+    arrays (``check_arrays``) and its state (``core/statecheck.py``), each as bigper
     writes it; ``CorruptSnapshotError`` naming the field otherwise. A JSON
     number is not a bool, a bool is not a number, an int is not a float."""
     def bad(key, what):

@@ -144,10 +144,10 @@ class BufferMachine(RuleBasedStateMachine):
     def sample(self, n, stratified, beta):
         total = math.fsum(self.leaves)
         if total == 0:
-            state = self.buf._rng.bit_generator.state
+            state = self.buf._draws.rng.bit_generator.state
             with pytest.raises(ValueError):
                 self.buf.sample(n, stratified=stratified, beta=beta)
-            assert self.buf._rng.bit_generator.state == state
+            assert self.buf._draws.rng.bit_generator.state == state
             return multiple()
         batch = self.buf.sample(n, stratified=stratified, beta=beta)
         if beta is None:

@@ -629,7 +629,7 @@ def _dev(p):
 
 @needs_torch
 def test_fake_device_tensors_are_device_tensors_and_cpu_ones_are_not():
-    from bigper._torch import is_device_tensor
+    from bigper.tensors.lazy import is_device_tensor
 
     assert is_device_tensor(_dev([1.0])) and not is_device_tensor(torch.ones(2))
     assert not is_device_tensor(np.ones(2)) and not is_device_tensor(torch.ones(2, device="meta"))

@@ -27,7 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import bigper  # noqa: E402
-from bigper._torch import Transport  # noqa: E402
+from bigper.tensors.transport import Transport  # noqa: E402
 from bigper.batch import Batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,7 +187,7 @@ def test_sampler_general_path_batches_equal_sample_to_torch():
 
 
 @pytest.mark.xfail(strict=True, reason="a sequence batch's Transport(frames=('refs', refs)) rebuilds obs/next_obs "
-                   "from each row's distinct frames taken from the batch's own stacks (_torch._fields, first "
+                   "from each row's distinct frames taken from the batch's own stacks (tensors.transfer.fields_of, first "
                    "occurrence): on a copying trip (to_jax to another device; to_torch to CUDA) an in-place edit "
                    "of next_obs alone (the batch's arrays are the caller's) is replaced by the drawn frames")
 def test_an_in_place_edit_of_a_sequence_batchs_next_obs_travels_to_another_device():

@@ -57,7 +57,7 @@ def fingerprint(buf):
     fp["meta"] = repr(meta)  # count, max leaf, beta step, rng state
     for k, v in arrays.items():
         fp["state." + k] = np.array(v, copy=True)
-    fp["rng"] = repr(buf._rng.bit_generator.state)
+    fp["rng"] = repr(buf._draws.rng.bit_generator.state)
     fp["total"] = buf.total_priority
     fp["len"] = len(buf)
     return fp

@@ -39,7 +39,7 @@ def _check_run(r, run: Path, steps: int, *, verify: int = 20, prioritization: st
                learn_every: int = 4, batch_size: int = 32):
     from argparse import Namespace
 
-    from bigper._demo_report import human
+    from bigper.demo.report import human
     from bigper.demo import sample_calls
 
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

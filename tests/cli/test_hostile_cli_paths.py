@@ -1,5 +1,5 @@
-"""Hostile paths for ``bigper verify PATH`` and ``bigper info PATH`` (``bigper/_cli_paths.py``,
-``bigper/cli.py``), run as the real command in a subprocess: a FIFO named ``.pkl``, a symlink
+"""Hostile paths for ``bigper verify PATH`` and ``bigper info PATH`` (``bigper/cli/paths.py``,
+``bigper/cli/__init__.py``), run as the real command in a subprocess: a FIFO named ``.pkl``, a symlink
 to a pickle, a sparse 10 GB ``x.pkl``, pickles of other protocols, truncated, random, or whose
 ``__reduce__`` would run code, an empty folder, a symlink loop, a chmod-000 folder, a folder
 of 10,000 empty subfolders.

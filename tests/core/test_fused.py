@@ -45,6 +45,8 @@ def make(cfg, path=None):
               alpha=0.7, beta=0.5, weight_norm=cfg["norm"], prioritization=cfg["prio"])
     if cfg["storage"] == "memmap":
         kw.update(storage="memmap", path=path)
+    if cfg.get("zstd") and cfg["k"]:  # compressed frames: the fused path's one call (FrameStore.write_logged)
+        kw.update(compression="zstd")
     return bigper.PrioritizedReplayBuffer(cfg["cap"], fields, **kw)
 
 
@@ -112,6 +114,7 @@ configs = st.fixed_dictionaries({
     "prio": st.sampled_from(["proportional", "proportional", "rank"]),
     "storage": st.sampled_from(["memory", "memory", "memmap"]),
     "fdt": st.sampled_from([np.uint8, np.uint8, np.float32]),
+    "zstd": st.sampled_from([False, False, True]),
 })
 
 

@@ -187,8 +187,8 @@ class FailingSteps:
     write calls: each call counts on ``calls`` (a failure there is one in the
     middle of the frame store's work)."""
 
-    FRAMES = ("write", "kernel_args", "rows_touched")
-    LOG = ("append", "touched", "maybe_train", "_open_ahead", "_put_through", "_write_bytes")
+    FRAMES = ("write", "write_logged", "kernel_args", "rows_touched")
+    LOG = ("append", "staged_args", "touched", "maybe_train", "_open_ahead", "_put_through", "_write_bytes")
 
     @classmethod
     def install(cls, buf, calls: Calls) -> None:

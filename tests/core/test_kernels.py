@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from bigper import kernels as K
+from bigper.prioritization import _tree_kernels as K
 from bigper.prioritization.tree import _layout
 
 SETTINGS = settings(max_examples=60, deadline=None)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 import bigper  # noqa: E402
-from bigper import _torch as T  # noqa: E402
+from bigper.tensors import transfer, transport  # noqa: E402
 from bigper.frames.distinct import distinct_frames, frames_of_stacks  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -244,15 +244,15 @@ def test_cpu_to_torch_shares_the_pair_gather():
     for t in range(60):
         buf.add(obs=frames[t:t + 4], next_obs=frames[t + 1:t + 5])
     b = buf.sample(16)
-    base = T.pair_base(b["obs"], b["next_obs"])
+    base = transfer.pair_base(b["obs"], b["next_obs"])
     assert base is not None and base.shape == (16, 5, 6, 5)
     t = b.to_torch()
     assert t["obs"].data_ptr() == b["obs"].ctypes.data  # no copy
     assert t["next_obs"].data_ptr() == b["next_obs"].ctypes.data
     np.testing.assert_array_equal(t["next_obs"].numpy(), b["next_obs"])
     # Two independent arrays are not a pair.
-    assert T.pair_base(b["obs"].copy(), b["next_obs"].copy()) is None
-    assert T.pair_base(b["obs"], b["obs"]) is None
+    assert transfer.pair_base(b["obs"].copy(), b["next_obs"].copy()) is None
+    assert transfer.pair_base(b["obs"], b["obs"]) is None
 
 
 def _seq_buffer(**kw):
@@ -291,7 +291,7 @@ def test_sequence_frames_once_rebuild_the_stacks_exactly():
         for name in ("obs", "next_obs"):
             np.testing.assert_array_equal(t[name].numpy(), b[name])
             assert (b[name][~b.mask] == 0).all()  # padded steps: zeros
-        arrays, derived = T._fields(b, copies=True)
+        arrays, derived = transfer.fields_of(b, copies=True)
         assert "obs" not in arrays and derived["obs"][0] == ".frames"  # what travels: the distinct frames
         # The stacks are the batch's own: writing into them never reaches the buffer.
         again = buf.gather(b.indices)
@@ -315,7 +315,7 @@ def test_update_priorities_takes_to_torch_dicts_without_reading_the_device():
     _fill(buf, 40)
     b = buf.sample(8)
     t = b.to_torch()
-    assert isinstance(t, T.TensorBatch) and isinstance(t, dict)
+    assert isinstance(t, transport.TensorBatch) and isinstance(t, dict)
     np.testing.assert_array_equal(t.host["indices"], b.indices)
     buf.update_priorities(t, np.ones(8))  # from the host copies
     t["indices"] = torch.full((8,), 10**9)  # a key the caller replaced is read as given: never redirected

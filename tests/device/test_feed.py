@@ -269,7 +269,7 @@ def test_what_the_feed_does_not_cover_takes_the_general_path(tmp_path):
                dict(sequence=bigper.Sequence(4))):
         buf = _atari_like(**kw)
         _add(buf, 0, 60)
-        assert covered(buf, torch.device("cpu")) is not None
+        assert covered(buf._parts, torch.device("cpu")) is not None
         it = buf.sampler(4, prefetch=0, device="cpu")
         assert not isinstance(it, (FeedSampler, NativeFeed))
         next(it)

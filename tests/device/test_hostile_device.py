@@ -21,7 +21,7 @@ from tests import hook
 torch = pytest.importorskip("torch")
 
 import bigper  # noqa: E402
-from bigper import _torch as T  # noqa: E402
+from bigper.tensors import transfer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a GPU machine)")
@@ -576,8 +576,8 @@ def test_frames_once_path_equals_materialized_stacks(k, length, burn_in):
         want = a.sample(16)
         got = b._sample_for(16, "cuda", {})  # the batch a sampler bound for CUDA makes: no stacks
         assert "obs" not in got.data
-        arrays, derived = T._fields(got, copies=True)
-        out = T._derive(torch, T.move(torch, arrays, torch.device("cpu")), derived)
+        arrays, derived = transfer.fields_of(got, copies=True)
+        out = transfer._derive(torch, transfer.move(torch, arrays, torch.device("cpu")), derived)
         for name in want:
             np.testing.assert_array_equal(_np(out[name]), want[name], err_msg=name)
             assert _np(out[name]).dtype == want[name].dtype
@@ -1555,8 +1555,8 @@ def test_sequences_with_other_next_of(next_of):
         want = host.sample(8)
         _same(want, tier.sample(8))
         got = twin._sample_for(8, "cuda", {})  # the frames-once path, rebuilt on the CPU
-        arrays, derived = T._fields(got, copies=True)
-        out = T._derive(torch, T.move(torch, arrays, torch.device("cpu")), derived)
+        arrays, derived = transfer.fields_of(got, copies=True)
+        out = transfer._derive(torch, transfer.move(torch, arrays, torch.device("cpu")), derived)
         assert set(out) >= set(want)
         for name in want:
             np.testing.assert_array_equal(_np(out[name]), want[name], err_msg=name)

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import bigper  # noqa: E402
 import bigper.buffer as B  # noqa: E402
-from bigper import _torch as T  # noqa: E402
+from bigper.tensors import pinned, streams, transport  # noqa: E402
 from bigper.errors import BigperError  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -174,7 +174,7 @@ def test_many_prefetching_samplers_then_plain_one(staged):
     for it in its:
         it.close()
     it = b.sampler(8, prefetch=0, device="cpu")
-    for _ in range(T.POOL_DEPTH * 2):
+    for _ in range(pinned.POOL_DEPTH * 2):
         _consistent(b, next(it))
 
 
@@ -190,12 +190,12 @@ def test_sampler_closed_with_batches_never_taken_then_new_sampler(staged):
     """Batches made but never taken hold their pinned slots: a later sampler of the same layout must still run."""
     kw = _kw(3, 1, extra=EXTRA)
     a, b = _pair_of(kw)
-    for _ in range(T.POOL_DEPTH + 3):
+    for _ in range(pinned.POOL_DEPTH + 3):
         it = b.sampler(8, prefetch=4, device="cpu")
         _consistent(b, next(it))
         it.close()
     it = b.sampler(8, prefetch=0, device="cpu")
-    for _ in range(T.POOL_DEPTH + 3):
+    for _ in range(pinned.POOL_DEPTH + 3):
         _consistent(b, next(it))
 
 
@@ -205,7 +205,7 @@ def test_prefetch0_batches_never_sent(staged):
     kw = _kw(3, 1)
     a, b = _pair_of(kw)
     it = b.sampler(8, prefetch=0, device="cpu")
-    for _ in range(T.POOL_DEPTH * 3):
+    for _ in range(pinned.POOL_DEPTH * 3):
         _same(a.sample(8), next(it))
 
 
@@ -215,7 +215,7 @@ def test_staged_tensors_are_not_overwritten_by_next_batch(staged):
     a, b = _pair_of(kw)
     it = b.sampler(8, prefetch=0, device="cpu")
     kept = []
-    for _ in range(T.POOL_DEPTH * 2 + 2):
+    for _ in range(pinned.POOL_DEPTH * 2 + 2):
         want, got = a.sample(8), next(it)
         kept.append((want, got))
     for want, got in kept:
@@ -227,7 +227,7 @@ def test_staged_learner_changes_tensors_in_place(staged):
     kw = _kw(3, 1, extra=EXTRA)
     a, b = _pair_of(kw)
     it = b.sampler(8, prefetch=0, device="cpu")
-    for i in range(T.POOL_DEPTH * 2):
+    for i in range(pinned.POOL_DEPTH * 2):
         want, got = a.sample(8), next(it)
         _same(want, got)
         p = np.linspace(1, 2, 8) + i
@@ -267,7 +267,7 @@ def test_staged_sampler_bad_beta_in_kw(staged):
         next(b.sampler(8, prefetch=0, device="cpu", beta=1.5))
     # the slot from the refused draw went back: the pool still serves
     it = b.sampler(8, prefetch=0, device="cpu")
-    for _ in range(T.POOL_DEPTH + 2):
+    for _ in range(pinned.POOL_DEPTH + 2):
         next(it)
 
 
@@ -277,7 +277,7 @@ def _tb(staged_path=True):
     kw = _kw(3, 1, extra={"aux": ((2,), np.float16)})
     a, b = _pair_of(kw)
     t = next(b.sampler(8, prefetch=0, device="cpu"))
-    assert isinstance(t, T.TensorBatch)
+    assert isinstance(t, transport.TensorBatch)
     return a, b, t
 
 
@@ -333,7 +333,7 @@ def test_host_target_copy_and_deepcopy(staged):
 
     _, b, t = _tb()
     for c in (copy.copy(t), copy.deepcopy(t)):
-        assert isinstance(c, T.TensorBatch)
+        assert isinstance(c, transport.TensorBatch)
         b.update_priorities(c, torch.ones(8))
 
 
@@ -598,7 +598,7 @@ def test_two_buffers_same_layout_share_pool(staged):
     a, b = _pair_of(kw)
     c, d = _pair_of(kw)
     i1, i2 = b.sampler(8, prefetch=2, device="cpu"), d.sampler(8, prefetch=2, device="cpu")
-    for _ in range(T.POOL_DEPTH + 2):
+    for _ in range(pinned.POOL_DEPTH + 2):
         _same(a.sample(8), next(i1))
         _same(c.sample(8), next(i2))
 
@@ -622,28 +622,28 @@ def test_mark_ready_then_handover_on_other_stream():
 
 @needs_cuda
 def test_handover_without_ready_and_twice():
-    t = T.TensorBatch({"indices": torch.zeros(2, dtype=torch.int64, device="cuda")}, {"indices": np.zeros(2),
+    t = transport.TensorBatch({"indices": torch.zeros(2, dtype=torch.int64, device="cuda")}, {"indices": np.zeros(2),
                                                                                       "generations": np.zeros(2),
                                                                                       "mask": None})
-    assert T.handover(t) is t
-    T.mark_ready(t)
+    assert streams.handover(t) is t
+    streams.mark_ready(t)
     assert "ready" in t.host
-    T.handover(t)
-    T.handover(t)
+    streams.handover(t)
+    streams.handover(t)
     assert "ready" not in t.host
 
 
 def test_mark_ready_on_cpu_tensors_is_a_no_op():
-    t = T.TensorBatch({"indices": torch.zeros(2, dtype=torch.int64)}, {"indices": np.zeros(2, np.int64),
+    t = transport.TensorBatch({"indices": torch.zeros(2, dtype=torch.int64)}, {"indices": np.zeros(2, np.int64),
                                                                        "generations": np.zeros(2, np.int64),
                                                                        "mask": None})
-    assert T.mark_ready(t) is t and "ready" not in t.host
-    assert T.handover(t) is t
+    assert streams.mark_ready(t) is t and "ready" not in t.host
+    assert streams.handover(t) is t
 
 
 def test_mark_ready_without_indices():
-    t = T.TensorBatch({"obs": torch.zeros(2)}, {"indices": None, "generations": None, "mask": None})
-    assert T.mark_ready(t) is t and t.host_target() is None
+    t = transport.TensorBatch({"obs": torch.zeros(2)}, {"indices": None, "generations": None, "mask": None})
+    assert streams.mark_ready(t) is t and t.host_target() is None
 
 
 # ---------------------------------------------------------------- 6. two threads
@@ -716,9 +716,9 @@ def test_two_threads(staged, tmp_path, x, y):
 
 _BOOK = ("a field named like the block's bookkeeping: Reader.staging_specs (bigper/core/reader.py:278) "
          "specs.update(weights=, indices=, generations=) replaces the field's spec, and send_staged "
-         "(bigper/_torch.py:523-526) takes the field's own tensor (it lands in `rest`) for the key, so the "
+         "(bigper/tensors/transfer.py, send_staged) takes the field's own tensor (it lands in `rest`) for the key, so the "
          "sampler's {k!r} tensor is the (8, 2) field where to_torch gives the batch's {k} (8,)")
-_KEYS = ("send_staged (bigper/_torch.py:524) `ordered = {{key: out[key] for key in data}}` raises KeyError: "
+_KEYS = ("send_staged (bigper/tensors/transfer.py) `ordered = {{key: out[key] for key in data}}` raises KeyError: "
          "{k!r}: the staged block's own key {k!r} (popped at :519, or by _derive at :338-339) shadows a user field "
          "of that name; to_torch without staging returns it")
 _CASES = [
@@ -768,11 +768,11 @@ def test_staged_draw_failing_repeatedly_returns_slots(staged):
     kw = _kw(3, 3)
     b = bigper.PrioritizedReplayBuffer(**kw)
     it = b.sampler(8, prefetch=0, device="cpu")
-    for _ in range(T.POOL_DEPTH * 3):
+    for _ in range(pinned.POOL_DEPTH * 3):
         with pytest.raises(BigperError):
             next(b.sampler(8, prefetch=0, device="cpu"))
     _fill(b, 30)
-    for _ in range(T.POOL_DEPTH * 2):
+    for _ in range(pinned.POOL_DEPTH * 2):
         _consistent(b, next(it))
 
 
@@ -876,7 +876,7 @@ def test_staged_more_layouts_than_the_cache_keeps(staged):
     """Batch sizes beyond MAX_KEYS layouts: the layout cache and the pool evict, batches stay right."""
     kw = _kw(3, 1, extra={"flag": ((), np.bool_)})
     a, b = _pair_of(kw)
-    sizes = list(range(1, T.MAX_KEYS + 6))
+    sizes = list(range(1, pinned.MAX_KEYS + 6))
     its = {s: b.sampler(s, prefetch=0, device="cpu") for s in sizes}
     for _ in range(2):
         for s in sizes:

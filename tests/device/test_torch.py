@@ -1,4 +1,4 @@
-"""Batch.to_torch and priorities from tensors (bigper._torch)."""
+"""Batch.to_torch and priorities from tensors (bigper.tensors)."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 import bigper  # noqa: E402
-from bigper import _torch as T  # noqa: E402
+from bigper.tensors import lazy, pinned  # noqa: E402
 from bigper.batch import Batch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -106,7 +106,7 @@ def test_update_priorities_from_tensors(make):
     ba, bb = a.sample(16), b.sample(16)
     assert np.array_equal(ba.indices, bb.indices)
     t = make(np.linspace(0.25, 4.0, 16))
-    want = T.as_numpy(t).astype(np.float64).reshape(-1)  # what the tensor holds (f16/bf16 rounded)
+    want = lazy.as_numpy(t).astype(np.float64).reshape(-1)  # what the tensor holds (f16/bf16 rounded)
     a.update_priorities(ba, t)
     b.update_priorities(bb, want)
     np.testing.assert_array_equal(_leaves(a), _leaves(b))
@@ -158,13 +158,13 @@ def test_bad_tensor_priorities_leave_the_buffer_unchanged():
 
 def test_as_numpy_passes_non_tensors_through():
     a = np.arange(3)
-    assert T.as_numpy(a) is a
-    assert T.as_numpy([1, 2]) == [1, 2]
+    assert lazy.as_numpy(a) is a
+    assert lazy.as_numpy([1, 2]) == [1, 2]
     t = torch.arange(4, dtype=torch.float32)
-    assert T.as_numpy(t).ctypes.data == t.data_ptr()  # a CPU tensor is shared
-    assert T.as_numpy(torch.tensor([1.5], dtype=torch.bfloat16)).dtype == np.float32
+    assert lazy.as_numpy(t).ctypes.data == t.data_ptr()  # a CPU tensor is shared
+    assert lazy.as_numpy(torch.tensor([1.5], dtype=torch.bfloat16)).dtype == np.float32
     c = torch.tensor([1 + 2j]).conj()
-    assert T.as_numpy(c)[0] == 1 - 2j
+    assert lazy.as_numpy(c)[0] == 1 - 2j
 
 
 # -- the pinned pool's reuse rule, with fake events (no GPU needed) ------------------
@@ -182,9 +182,9 @@ class _Event:
         self.done = True
 
 
-class _CpuPool(T.PinnedPool):
+class _CpuPool(pinned.PinnedPool):
     def _new_slot(self, shape, dtype):
-        return T._Slot(torch.empty(shape, dtype=dtype))
+        return pinned._Slot(torch.empty(shape, dtype=dtype))
 
 
 def test_pool_never_hands_out_a_buffer_with_a_copy_in_flight():

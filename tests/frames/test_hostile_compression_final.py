@@ -257,11 +257,12 @@ def test_a_full_disk_right_after_a_retrain_is_an_oserror_with_nothing_changed(sm
         path=small_tmpfs / ("r.h5" if storage == "hdf5" else "r"))
     feed = Feed(POOL, K)
     feed.run(buf, 70)
+    before = fingerprint(buf)  # (its state_dict applies the look in flight: as a save would)
     gens = (hook.log(buf).dicts.lo, hook.log(buf).dicts.hi)
     assert gens[1] >= 2
     filler = small_tmpfs / "filler"
     fill_disk(filler)
-    before, on_disk = fingerprint(buf), files(small_tmpfs)
+    on_disk = files(small_tmpfs)
     snap = small_tmpfs / "snap"
     with pytest.raises(OSError) as e:
         buf.save(snap)

@@ -256,9 +256,10 @@ def test_retraining_resumes_after_a_candidate_that_did_not_pay(monkeypatch):
     qbert.g, qbert.added = feed.g, feed.added
     while hook.frames(buf).fw < 300:
         qbert.run(buf, 1)
-    assert log.dicts.hi == 1  # the candidate of Pong frames did not pay
+    assert log.dicts.hi == 1  # the candidate of Pong frames does not pay (its look, begun at 300, ends at 450)
     before = log._lengths(np.arange(hook.frames(buf).fw - 100, hook.frames(buf).fw, dtype=np.int64)).mean()
-    qbert.run(buf, 300)
+    # The look at 450 trains on [150, 300), Qbert: adopted at 600 (a look's outcome is applied at the next one).
+    qbert.run(buf, 450)
     assert log.dicts.hi == 2
     newest = np.arange(hook.frames(buf).fw - 100, hook.frames(buf).fw, dtype=np.int64)
     assert (log._entries(newest)[:, 1] >> 32 == 2).all()

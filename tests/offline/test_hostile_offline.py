@@ -785,7 +785,7 @@ def test_a_writer_cannot_open_the_dataset_while_it_is_read(tmp_path):
 def test_a_file_swapped_between_the_check_and_hdf5s_open_is_refused(tmp_path):
     """The file HDF5 opens is compared with the one checked first (device and inode):
     another file put at the path in between is refused."""
-    from bigper.storage.h5source import H5Source
+    from bigper.offline.h5source import H5Source
 
     a, b = tmp_path / "a.hdf5", tmp_path / "b.hdf5"
     write_d4rl(a)

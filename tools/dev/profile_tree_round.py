@@ -97,7 +97,8 @@ def main() -> int:
     ap.add_argument("--capacity-log2", type=int, default=20)
     a = ap.parse_args()
     bigper = import_bigper()
-    from bigper import kernels as K
+    from bigper.prioritization import _tree_kernels as K
+    from bigper.core import ring
     from bigper.batch import Batch
 
     cap, b = 1 << a.capacity_log2, a.batch
@@ -112,7 +113,7 @@ def main() -> int:
     pool = [np.abs(rng.standard_normal(b)) + 0.01 for _ in range(64)]
 
     # The internals the floor calls directly (a profile, not an API).
-    tree, rd, arrays, g = buf._prio.tree, buf._reader, buf._store.arrays, buf._rng
+    tree, rd, arrays, g = buf._prio.tree, buf._reader, buf._store.arrays, buf._draws.rng
     names = tuple(buf._plain)
 
     def floor_sample(i):
@@ -121,7 +122,7 @@ def main() -> int:
         K.sample_into(tree.sums, tree.mins, tree.offsets, u, True, 0.4, False, idx, prob, w)
         gen, term, trunc = np.empty(b, np.int64), np.empty(b, np.bool_), np.empty(b, np.bool_)
         disc = np.empty(b, np.float32)
-        K.batch_meta(idx, rd.ends, rd.gid, rd.discount1, gen, term, trunc, disc)
+        ring.batch_meta(idx, rd.ends, rd.gid, rd.discount1, gen, term, trunc, disc)
         data = {n: arrays[n].take(idx, axis=0, mode="clip") for n in names}
         data.update(terminated=term, truncated=trunc, discount=disc)
         return Batch.make(data, idx, w, prob, gen)
@@ -145,7 +146,7 @@ def main() -> int:
         "floor sample": floor_sample,
         "descent (kernel)": lambda i: K.sample_into(tree.sums, tree.mins, tree.offsets, g.random(b), True, 0.4,
                                                     False, idx, prob, w),
-        "meta (kernel)": lambda i: K.batch_meta(fresh[i % 4096], rd.ends, rd.gid, rd.discount1, gen, term, trunc,
+        "meta (kernel)": lambda i: ring.batch_meta(fresh[i % 4096], rd.ends, rd.gid, rd.discount1, gen, term, trunc,
                                                 disc),
         "takes (numpy)": lambda i: [arrays[n].take(fresh[i % 4096], axis=0, mode="clip") for n in names],
         "update (kernel)": lambda i: K.update_capped(

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kernels import kernel
 from ..errors import OfflineDatasetError
-from ._h5guard import check_row_bytes
+from ..storage._h5guard import check_row_bytes
 
 # Rows of a contiguous dataset read as one h5py block when read through h5py.
 _BLOCK_BYTES = 1 << 16

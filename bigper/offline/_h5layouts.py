@@ -20,8 +20,8 @@ import numpy as np
 
 from ..frames.dictionaries import DICT_LIMIT, MAX_DICTS
 from ..errors import OfflineDatasetError, StorageLockedError
-from .files import open_regular, read_regular
-from ._h5guard import check_row_bytes, check_rows
+from ..storage.files import open_regular, read_regular
+from ..storage._h5guard import check_row_bytes, check_rows
 from ._h5map import Column
 from ..status import DEAD, LIVE
 
@@ -294,8 +294,8 @@ class Layouts:
     def _open_bigper(self, f) -> None:
         import h5py
 
-        from .state import check_meta
-        from .hdf5 import FORMAT, VERSION
+        from ..storage.state import check_meta
+        from ..storage.hdf5 import FORMAT, VERSION
 
         lock = self.file_path.with_name(self.file_path.name + ".lock")
         if os.path.lexists(lock):  # a writer holds it exclusively while the buffer is open

@@ -2,7 +2,7 @@
 
 Transitions are numbered ``0 .. n-1`` in file order (episode by episode for
 Minari; slots for bigper's layout) and that number is the buffer's slot. Each
-field a batch carries is a :class:`~bigper.storage._h5map.Column` over the
+field a batch carries is a :class:`~bigper.offline._h5map.Column` over the
 file's datasets::
 
     D4RL (one dataset per name at the root, one row per transition)
@@ -49,9 +49,9 @@ from ..errors import (
     UncleanStorageError,
     UnknownFieldError,
 )
-from .files import open_regular
-from .base import StorageBase, fits_spec
-from ._h5guard import check_links
+from ..storage.files import open_regular
+from ..storage.base import StorageBase, fits_spec
+from ..storage._h5guard import check_links
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
 from ._h5map import map_column, read_column, row_order
 

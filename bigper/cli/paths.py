@@ -17,9 +17,9 @@ import pickletools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import IncompatibleSnapshotError, InvalidArgumentError
-from .integrations._sb3_pickle import PICKLE_LIMIT, beside_the_pickle, checked_snapshot
-from .storage.files import read_regular
+from ..errors import IncompatibleSnapshotError, InvalidArgumentError
+from ..integrations._sb3_pickle import PICKLE_LIMIT, beside_the_pickle, checked_snapshot
+from ..storage.files import read_regular
 
 # How far below a folder the survey looks, and how many entries it reads at most:
 # a run folder holds its snapshots a level or two down; a home directory must not take minutes.

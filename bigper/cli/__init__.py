@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .status import LIVE
+from ..status import LIVE
 
 
 def _bench(args) -> int:
     """tools/bench.py with every argument after ``bench`` (``--help`` included: its help
     lists the workloads, which live in tools/, not in the package)."""
-    script = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
     if not script.exists():
         print("bigper bench runs tools/bench.py from a source checkout; it was not found at "
               f"{script}", file=sys.stderr)
@@ -30,7 +30,7 @@ def _bench(args) -> int:
 
 def _line(e: BaseException) -> str:
     """An error as one line (its message names the path)."""
-    from .storage.files import real_names
+    from ..storage.files import real_names
 
     return " ".join(str(real_names(e)).split("\n")) or type(e).__name__
 
@@ -38,8 +38,8 @@ def _line(e: BaseException) -> str:
 def _score_fn(spec: str):
     """``offline.load_score_fn``, with a path that is no Python file said so
     (``random.bin:f`` would otherwise be imported as the module ``random``)."""
-    from .offline import datasets as offline
-    from .errors import InvalidArgumentError
+    from ..offline import datasets as offline
+    from ..errors import InvalidArgumentError
 
     mod = str(spec).partition(":")[0]
     if "/" in mod and not mod.endswith(".py"):
@@ -54,8 +54,8 @@ def _score_fn(spec: str):
 def _reprioritize(args) -> int:
     import time
 
-    from .buffer import PrioritizedReplayBuffer
-    from .errors import BigperError
+    from ..buffer import PrioritizedReplayBuffer
+    from ..errors import BigperError
 
     try:
         score_fn = _score_fn(args.score)
@@ -85,8 +85,8 @@ def _reprioritize(args) -> int:
 
 
 def _convert(args) -> int:
-    from .convert import convert
-    from .offline.dqn_replay import is_dqn_replay
+    from ..convert import convert
+    from ..offline.dqn_replay import is_dqn_replay
 
     if args.layout == "dqn-replay" or (args.layout == "auto" and is_dqn_replay(args.src)):
         return _convert_dqn(args)
@@ -106,7 +106,7 @@ def _convert(args) -> int:
 def _convert_dqn(args) -> int:
     import time
 
-    from .convert_dqn import convert_dqn_replay
+    from ..convert_dqn import convert_dqn_replay
 
     if args.budget is not None or args.allow_external:
         print("bigper convert: --budget and --allow-external are for HDF5 sources, not a DQN Replay run",
@@ -133,8 +133,8 @@ def _print_json(obj) -> None:
 
 
 def _info_snapshot(path: Path, args) -> int:
-    from .snapshot import describe
-    from .snapshot.inspect import format_description
+    from ..snapshot import describe
+    from ..snapshot.inspect import format_description
 
     d = describe(path)
     _print_json(d) if args.json else print(format_description(d) + _device_line(d.get("config")))
@@ -143,8 +143,8 @@ def _info_snapshot(path: Path, args) -> int:
 
 def _device_line(cfg) -> str:
     """``bigper info``'s line on the device memory a tier of this config takes ("" if it cannot say)."""
-    from .config import Config
-    from .device.mirror import describe_need
+    from ..config import Config
+    from ..device.mirror import describe_need
 
     try:
         return "\n  " + describe_need(Config.from_dict(cfg))
@@ -153,7 +153,7 @@ def _device_line(cfg) -> str:
 
 
 def _info_series(path: Path, args) -> int:
-    from .snapshots import Snapshots
+    from ..snapshots import Snapshots
 
     snaps = Snapshots.__new__(Snapshots)  # look only: no cleanup, no directory created
     snaps.root, snaps.keep = path.resolve(), None
@@ -169,13 +169,13 @@ def _info_series(path: Path, args) -> int:
 
 
 def _info_storage(path: Path, args) -> int:
-    from .storage.files import read_json
+    from ..storage.files import read_json
 
     meta = read_json(path / "meta.json")  # a regular file only: never hangs on a FIFO
     if not isinstance(meta, dict):
         print(f"bigper info: {path}/meta.json is not a bigper storage record", file=sys.stderr)
         return 1
-    from .storage.state import check_arrays
+    from ..storage.state import check_arrays
 
     check_arrays(meta.get("arrays", {}), path)  # CorruptSnapshotError for a crafted record
     if args.json:
@@ -217,7 +217,7 @@ def _sampleable(path: Path, cap: int) -> str:
     """``", N sampleable"`` from the status recorded at the last close (a
     compressed log capped by its budget may hold fewer than the ring); empty
     when there is none or it cannot be read."""
-    from .storage.state import load_state_dir
+    from ..storage.state import load_state_dir
 
     try:
         status = load_state_dir(path / "state", ["status"]).get("status")
@@ -231,9 +231,9 @@ def _sampleable(path: Path, cap: int) -> str:
 def _ratio(cfg: dict, state: dict) -> str:
     """The compression ratio of the frames written so far (raw bytes over the
     log bytes they took, segment tails included), from a recorded state."""
-    from .config import Config
-    from .frames.store import frame_capacity
-    from .frames.segments import log_geometry
+    from ..config import Config
+    from ..frames.store import frame_capacity
+    from ..frames.segments import log_geometry
 
     try:
         c = Config.from_dict(cfg)
@@ -256,7 +256,7 @@ def _ratio(cfg: dict, state: dict) -> str:
 def _info(args) -> int:
     """Dispatch on what PATH is; anything that is not a snapshot or a storage
     goes to ``bigper.offline.datasets.describe`` (HDF5 and Minari datasets)."""
-    from .errors import BigperError
+    from ..errors import BigperError
 
     path = Path(args.path)
     if not path.exists():
@@ -275,13 +275,13 @@ def _info(args) -> int:
     if path.is_dir() and not (path / "data" / "main_data.hdf5").exists():
         # A folder that is no Minari dataset either (a run folder, a folder of checkpoints):
         # say what it is not and what below it info reads, not what a Minari folder would hold.
-        from ._cli_paths import not_what_it_reads
+        from .paths import not_what_it_reads
 
         text, named = not_what_it_reads(path, "info")
         print(text, file=sys.stdout if named else sys.stderr)
         return 0 if named else 2
     try:
-        from .offline.datasets import describe
+        from ..offline.datasets import describe
     except ImportError:
         describe = None
     if describe is None:
@@ -318,7 +318,7 @@ VERIFY_OK, VERIFY_BAD, VERIFY_MISSING, VERIFY_IN_USE = 0, 1, 2, 3
 
 def _verify_storage(path: Path, verdict) -> int:
     """Print a live storage's verdict (``snapshot.live``); its exit code."""
-    from .snapshot.live import IN_USE, OK
+    from ..snapshot.live import IN_USE, OK
 
     print(f"{verdict.status:<7}  {path}: {verdict.text}")
     for line in verdict.more:
@@ -331,7 +331,7 @@ def _verify(args) -> int:
     if not path.exists():
         print(f"MISSING  {path}: {_missing(path)}")
         return VERIFY_MISSING
-    from .snapshot.live import verify_live
+    from ..snapshot.live import verify_live
 
     verdict = verify_live(path)
     if verdict is not None:
@@ -349,7 +349,7 @@ def _verify(args) -> int:
             os.path.lexists(path / member) for member in ("data", "state")):
         # Nothing of a snapshot in it (a run folder, an empty folder, a folder of checkpoints):
         # not a snapshot, exit 2; a folder with a snapshot's members but no manifest stays CORRUPT.
-        from ._cli_paths import not_what_it_reads
+        from .paths import not_what_it_reads
 
         print(f"bigper verify: {not_what_it_reads(path, 'verify')[0]}", file=sys.stderr)
         return VERIFY_MISSING
@@ -361,8 +361,8 @@ def _verify(args) -> int:
 def _verify_pickle(path: Path) -> int:
     """An SB3 replay-buffer pickle: the snapshot it names, verified (read
     from its opcodes, never unpickled)."""
-    from ._cli_paths import pickle_snapshot
-    from .errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError, PathNotFoundError
+    from .paths import pickle_snapshot
+    from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError, PathNotFoundError
 
     try:
         snap = pickle_snapshot(path)
@@ -380,8 +380,8 @@ def _verify_pickle(path: Path) -> int:
 
 
 def _verify_snapshots(targets: list) -> int:
-    from .errors import CorruptSnapshotError, IncompatibleSnapshotError
-    from .snapshot import verify
+    from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
+    from ..snapshot import verify
 
     bad = 0
     for t in targets:
@@ -414,18 +414,18 @@ def _verify_snapshots(targets: list) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import run
+    from ..demo import run
 
     return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ._version import __version__
+    from .._version import __version__
 
     p = argparse.ArgumentParser(prog="bigper", description="Prioritized replay on disk.")
     p.add_argument("--version", action="version", version=f"bigper {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    from .demo import add_arguments as demo_arguments
+    from ..demo import add_arguments as demo_arguments
 
     d = sub.add_parser("demo", help="the main job: Pong fills a 1M-capacity memmap buffer beside a "
                                     "learner loop; snapshot, restore, verify; prints what it measured")
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
     error bigper raises on purpose, or the OSError of a path (a FIFO, a
     symlink loop, a file where a directory belongs), is one line on stderr
     naming it, and exit status 2."""
-    from .errors import BigperError
+    from ..errors import BigperError
 
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if argv[:1] == ["bench"]:  # everything after it is tools/bench.py's, --help included

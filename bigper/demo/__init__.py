@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._demo_report import Memory, Stopwatch, Trace, format_table, human, plot
+from .report import Memory, Stopwatch, Trace, format_table, human, plot
 
 GAME = "Pong"
 CAPACITY = 1_000_000
@@ -75,7 +75,7 @@ def capacity_of(args) -> int:
 
 def estimate_bytes(capacity: int) -> int:
     """Disk a demo buffer of ``capacity`` preallocates: frames, refs, the other fields."""
-    from .frames.store import frame_capacity
+    from ..frames.store import frame_capacity
 
     frames = frame_capacity(capacity, 4, 1) * 84 * 84
     per = 2 * 4 * 8 + 8 + 4 + 1 + 1  # obs/next_obs refs, action, reward, flags
@@ -147,8 +147,8 @@ def run(args) -> int:
         import torch
         from tqdm import tqdm
 
-        from .examples._atari import make_env, q_network
-        from .examples._dqn import DoubleDQN
+        from ..examples._atari import make_env, q_network
+        from ..examples._dqn import DoubleDQN
     except ImportError as e:
         print(f"bigper demo: {e} (in a bigper checkout: ./run.sh demo, or pip install -e '.[torch,atari]')", file=sys.stderr)
         return 2
@@ -184,7 +184,7 @@ def run(args) -> int:
     disk = _allocated(run_dir / "replay")
     mem.check()
 
-    from . import Snapshots
+    from .. import Snapshots
 
     print("snapshotting (Snapshots.save) ...", flush=True)
     snaps = Snapshots(run_dir / "snaps", keep=2)
@@ -245,7 +245,7 @@ def run(args) -> int:
 def _open_buffer(path: Path, args):
     import bigper
 
-    from .examples._atari import atari_fields
+    from ..examples._atari import atari_fields
 
     # The schedule advances once per sample() call: its length is the run's
     # number of learner steps, so beta is 1.0 at the last one.
