@@ -12,6 +12,7 @@ frames anywhere.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,3 +152,55 @@ def test_the_references_and_derived_state_a_buffer_writes(tmp_path):
     for where in (tmp_path / "b" / "state", snap / "state"):
         kept = {p.name for p in where.iterdir()}
         assert "status.npy" in kept and not {"gid.npy", "frames_minref.npy"} & kept, kept
+
+
+# -- the older format's references (obs_ref, next_obs_ref) converted ----------------------------------
+
+
+def _old(rows: list[list[int]], k: int = 2) -> list[np.ndarray]:
+    a = np.array(rows, dtype=np.int64)
+    return [a[:, :k], a[:, k:]]
+
+
+def test_older_references_convert_to_the_narrowest_offsets_that_hold_them():
+    """The config's offsets when they hold every sampleable slot's spread, else
+    the next wider ones: old files may legitimately hold references further
+    apart (an older writer reused a frame without a reach)."""
+    from bigper.frames.refs import refs_from_stacks
+
+    used = np.ones(3, np.bool_)
+    for spread, want in ((0, np.uint8), (255, np.uint8), (256, np.uint16), (70_000, np.uint32),
+                         (2**33, np.uint64)):
+        stacks = _old([[10, 11, 11, 12], [5, 5, 5, 6], [100, 100 + spread, 100 + spread, 100 + spread]])
+        fref, foff = refs_from_stacks(stacks, 2, 1, used)
+        assert foff.dtype == want, spread
+        assert fref.tolist() == [12, 6, 100 + spread]
+        assert unpack_refs(fref, foff, 2, 0).tolist() == stacks[0].tolist()
+        assert unpack_refs(fref, foff, 2, 1).tolist() == stacks[1].tolist()
+    # never narrower than what the config writes (many envs: uint16 from the start)
+    assert refs_from_stacks(_old([[1, 2, 2, 3]]), 2, 200, used[:1])[1].dtype == np.uint16
+
+
+def test_only_invalid_older_references_are_refused_naming_the_slot():
+    from bigper.frames.refs import refs_from_stacks
+
+    used = np.array([True, True, False])
+    # a slot no sample reads may hold anything (the padding rule: -1 for a row stored without frames)
+    fref, foff = refs_from_stacks(_old([[3, 4, 4, 5], [7, 8, 8, 9], [-1, -1, -1, -1]]), 2, 1, used)
+    assert fref[2] == -1 and foff.dtype == np.uint8
+    junk = refs_from_stacks(_old([[3, 4, 4, 5], [7, 8, 8, 9], [-(2**63), 2**62, 0, 5]]), 2, 1, used)
+    assert junk[1].dtype == np.uint8  # (an unread slot's spread never widens the offsets)
+    for row in ([-1, -1, -1, -1], [-1, 4, 4, 5], [3, -2, 4, 5]):  # negative ids in a sampleable slot
+        with pytest.raises(ValueError, match="slot 1 .*negative"):
+            refs_from_stacks(_old([[3, 4, 4, 5], row, [0, 0, 0, 0]]), 2, 1, used)
+
+
+def test_offset_dtypes_a_reader_accepts():
+    from bigper.frames.refs import check_offsets
+
+    assert check_offsets(np.dtype(np.uint8), 4, 1) == np.uint8
+    assert check_offsets(np.dtype("<u2"), 4, 1) == np.uint16  # (wider: converted from an older file)
+    for bad, envs in (("<i2", 1), ("<f4", 1), ("|u1", 200), ("<i8", 1), (">u2", 1)):
+        with pytest.raises(ValueError, match="frame_off"):
+            check_offsets(np.dtype(bad), 4, envs)
+    assert offset_reach(4, np.dtype(np.uint64)) < 2**63  # (a reach the kernels' int64 holds)

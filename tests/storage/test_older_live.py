@@ -1,0 +1,232 @@
+"""An older bigper's live memmap folder keeps opening (issue 43 section 2).
+
+The committed fixtures ``tests/data/live-v1-refs64-*memmap`` are run folders
+an older bigper (23b6758) wrote and closed: its frame references whole
+(``obs_ref``, ``next_obs_ref``, int64 x k), ``gid`` and ``frames_minref``
+recorded; ``tests/data/make_live_fixtures.py`` wrote them and recorded what
+that bigper sampled after a resume. This bigper converts the folder in place
+at a writer's resume (journaled in ``meta.json``: a kill -9 at any point
+leaves the old folder or the new one, and either resumes), and reads it
+converted in memory where it may not write (``read_only``, ``bigper
+verify``); every reader gives what the older bigper gave.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bigper
+from bigper.snapshot import verify
+from bigper.snapshot.live import OK, verify_live
+
+from tests._hostile_snapshot_cases import fingerprint
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+FOLDERS = ("live-v1-refs64-memmap", "live-v1-refs64-far-memmap")
+
+
+def expected(name: str) -> dict:
+    return json.loads((DATA / f"{name}.expected.json").read_text())
+
+
+def copy(name: str, tmp_path: Path) -> Path:
+    path = tmp_path / name
+    shutil.copytree(DATA / name, path)
+    return path
+
+
+def open_folder(name: str, path: Path, **kw) -> bigper.PrioritizedReplayBuffer:
+    spec = expected(name)["spec"]
+    fields = {"obs": ((spec["frame_stack"], *spec["frame"]), np.uint8), "reward": ((), np.float32),
+              "action": ((), np.int64)}
+    return bigper.PrioritizedReplayBuffer(
+        spec["capacity"], fields, path=path, num_envs=spec["num_envs"], frame_stack=spec["frame_stack"], seed=11,
+        storage="memmap", n_step=spec["n_step"], alpha=spec["alpha"], beta=spec["beta"], mode="resume", **kw)
+
+
+def later_steps(name: str, n: int = 20):
+    """The steps the older bigper added after its resume (make_live_fixtures.py's
+    stream, replayed: the same generator and random calls)."""
+    sys.path.insert(0, str(DATA))
+    try:
+        import make_live_fixtures as maker
+    finally:
+        sys.path.remove(str(DATA))
+    spec = maker.FIXTURES[name]
+    rng = np.random.default_rng(43)
+    gen = maker.steps(rng, spec["steps"] + n, spec["num_envs"], spec["frame"], spec["static"], spec.get("hi", 256))
+    for _ in range(spec["steps"]):
+        next(gen)
+        if rng.random() < 0.3:
+            rng.random(4)
+    return [next(gen) for _ in range(n)]
+
+
+def same_batches(buf, batches, update: bool = True) -> None:
+    for want in batches:
+        got = buf.sample(want["batch_size"])
+        assert got.indices.tolist() == want["indices"]
+        assert got.weights.tolist() == want["weights"]
+        for field, values in want["data"].items():
+            assert got[field].tolist() == values, field
+        if update:
+            buf.update_priorities(got, np.asarray(want["update"]))
+
+
+def same_far(buf, far: dict) -> None:
+    slots = np.asarray(far["slots"], dtype=np.int64)
+    fs = buf._frames
+    assert fs.stacks("obs_ref", slots).tolist() == far["obs"]
+    assert fs.stacks("next_obs_ref", slots).tolist() == far["next_obs"]
+
+
+def recorded(path: Path) -> dict:
+    return json.loads((path / "meta.json").read_text())
+
+
+@pytest.mark.parametrize("name", FOLDERS)
+def test_an_older_live_folder_resumes_converted_in_place(name, tmp_path):
+    want = expected(name)
+    path = copy(name, tmp_path)
+    buf = open_folder(name, path, continue_episodes=True)
+    assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
+    same_far(buf, want["far"])
+    same_batches(buf, want["batches"])
+    for step in later_steps(name):  # the writer goes on over the converted references
+        buf.add(**step)
+    assert len(buf) == want["after_adds"]["len"]
+    assert buf.total_priority == want["after_adds"]["total_priority"]
+    same_batches(buf, want["after_adds"]["batches"])
+    buf.close()
+    # the folder is the new format now: no older array or derived state file is left
+    meta = recorded(path)
+    assert {"frame_ref", "frame_off"} <= set(meta["arrays"]) and not {"obs_ref", "next_obs_ref"} & set(meta["arrays"])
+    assert not {"converting", "converted"} & set(meta)
+    wide = bool(want["far"]["slots"])  # references further apart than uint8 offsets hold: uint16
+    assert meta["arrays"]["frame_off"]["dtype"] == ("<u2" if wide else "|u1")
+    assert sorted(p.name for p in (path / "data").iterdir()) == sorted(f"{n}.bin" for n in meta["arrays"])
+    assert not {"gid.npy", "frames_minref.npy"} & {p.name for p in (path / "state").iterdir()}
+    assert verify_live(path).status == OK
+    again = open_folder(name, path, continue_episodes=True)  # and it resumes as the new format
+    assert len(again) == want["after_adds"]["len"]
+    same_far(again, want["far"])
+    snap = again.save(tmp_path / "snap")  # a snapshot of the converted folder keeps its offsets
+    again.close()
+    assert verify(snap)["problems"] == []
+    loaded = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "loaded", continue_episodes=True)
+    assert loaded._store.arrays["frame_off"].dtype == meta["arrays"]["frame_off"]["dtype"]
+    same_far(loaded, want["far"])
+    loaded.close()
+
+
+@pytest.mark.parametrize("name", FOLDERS)
+def test_an_older_live_folder_is_read_converted_in_memory_where_nothing_may_change(name, tmp_path):
+    """``read_only`` and ``bigper verify``: the folder converted in memory, its files untouched."""
+    want = expected(name)
+    path = copy(name, tmp_path)
+    (path / ".lock").touch()  # (a reader takes the lock file a writer made)
+    before = fingerprint(path)
+    buf = open_folder(name, path, read_only=True)
+    assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
+    same_far(buf, want["far"])
+    same_batches(buf, want["batches"][:1], update=False)
+    buf.close()
+    verdict = verify_live(path)
+    assert verdict.status == OK, verdict
+    assert fingerprint(path) == before
+
+
+def test_bigper_info_names_an_older_folders_arrays(tmp_path, capsys):
+    from bigper.cli import main
+
+    path = copy(FOLDERS[0], tmp_path)
+    before = fingerprint(path)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "obs_ref" in out and "converted" in out
+    assert main(["verify", str(path)]) == 0
+    assert fingerprint(path) == before
+
+
+# -- kill -9 at every file operation of the conversion ----------------------------------------------
+
+_OPS = ("open", "write", "pwrite", "fsync", "replace", "rename", "unlink", "posix_fallocate", "mkdir", "ftruncate")
+
+
+def _child(name: str, path: Path, shm: np.ndarray) -> None:
+    """Resume ``path`` (converting it), SIGKILL-ing this process just before
+    its file operation number ``shm[0]`` (counted in ``shm[1]``)."""
+    def wrap(op):
+        real = getattr(os, op)
+
+        def call(*a, **k):
+            shm[1] += 1
+            if shm[1] == shm[0]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+        setattr(os, op, call)
+    for op in _OPS:
+        wrap(op)
+    buf = open_folder(name, path, continue_episodes=True)
+    shm[2] = 1  # the resume (and the conversion) is done
+    buf._store.abort()  # (nothing more is recorded: the check below resumes what the conversion left)
+    buf._guard.closed = True
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="forks a child to kill (Linux)")
+def test_kill_9_at_any_point_of_the_conversion_leaves_the_old_folder_or_the_new_one(tmp_path):
+    name = FOLDERS[0]
+    want = expected(name)
+    old = {n for n in recorded(DATA / name)["arrays"]}
+    warm = open_folder(name, copy(name, tmp_path / "warm"), continue_episodes=True)  # kernels compiled before forks
+    warm.sample(4)
+    warm.close()
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    shm = np.frombuffer(page, dtype=np.int64, count=3)
+    kinds, n, total = set(), 0, None
+    while total is None or n < total:
+        n += 1
+        path = copy(name, tmp_path / f"t{n}")
+        shm[:] = (n, 0, 0)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _child(name, path, shm)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFEXITED(status):
+            assert os.WEXITSTATUS(status) == 0, f"the child failed at op {n}; see its traceback"
+            assert shm[2] == 1
+            total = n  # the first trial that was not killed: every op before it was tried
+        else:
+            assert os.WTERMSIG(status) == signal.SIGKILL
+        arrays = set(recorded(path)["arrays"])
+        # the old folder or the new one: never a mix
+        assert arrays == old or arrays == (old - {"obs_ref", "next_obs_ref"}) | {"frame_ref", "frame_off"}, arrays
+        kinds.add("old" if "obs_ref" in arrays else "new")
+        buf = open_folder(name, path, continue_episodes=True)
+        assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
+        same_batches(buf, want["batches"][:1])
+        buf.close()
+        meta = recorded(path)
+        assert "frame_off" in meta["arrays"] and not {"converting", "converted"} & set(meta)
+        assert sorted(p.name for p in (path / "data").iterdir()) == sorted(f"{a}.bin" for a in meta["arrays"])
+        shutil.rmtree(path)
+    del shm
+    page.close()
+    assert kinds == {"old", "new"} and total > 10, (kinds, total)
