@@ -136,6 +136,19 @@ def storage_growth(cfg: Config, frames: FrameStore | None = None) -> dict:
 
 
 
+def held_offsets(store) -> np.dtype | None:
+    """The dtype of the ``frame_off`` that ``store`` (allocated) holds; None
+    when it holds none (``check_storage`` names what is missing)."""
+    held = store.arrays if store.arrays is not None else store.dsets
+    if held is not None:
+        a = held.get("frame_off")
+        return None if a is None else np.dtype(a.dtype)
+    try:
+        return np.dtype(np.asarray(store.read("frame_off", np.zeros(1, dtype=np.int64))).dtype)
+    except (LookupError, ValueError, TypeError):  # (no such array: check_storage says so)
+        return None
+
+
 def allocate(store, cfg: Config, frames: FrameStore | None = None) -> None:
     """``store.allocate`` of what a buffer of ``cfg`` keeps (the arrays that
     grow, from one step); then the log takes the segments the storage holds."""

@@ -19,7 +19,8 @@ from ..frames.dictionaries import as_dictionary
 from ..frames.store import FrameStore, require_compression
 from ..storage import open_storage, storage_class
 from ..storage.files import real_names
-from .layout import allocate, check_field_names
+from . import legacy
+from .layout import DERIVED, allocate, check_field_names
 from .statecheck import check_state
 
 MODES = ("new", "resume", "overwrite")
@@ -102,6 +103,13 @@ def check_arguments(cfg: Config, path, read_only: bool, dictionary):
     return dictionary
 
 
+def recorded_offsets(recorded: dict):
+    """The dtype a storage records for its ``frame_off`` (None: none recorded)."""
+    arrays = recorded.get("arrays")
+    rec = arrays.get("frame_off") if isinstance(arrays, dict) else None
+    return rec.get("dtype") if isinstance(rec, dict) else None
+
+
 def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictionary):
     """``(store, frames, state, old)`` of a new buffer of ``cfg``: its storage
     opened at ``path`` as ``mode`` says and allocated, its frame store (or
@@ -113,7 +121,7 @@ def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictiona
         store, recorded = open_path(cfg, path, mode, read_only, options)
     except (OSError, BigperError) as e:
         raise real_names(e)
-    state = old = None
+    state = old = offsets = None
     try:
         if recorded is not None:
             old = Config.from_dict(recorded["config"])
@@ -122,14 +130,15 @@ def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictiona
                 raise IncompatibleSnapshotError(
                     f"{path} holds a buffer of another layout; differing key(s): " + "; ".join(diff)
                     + " (the stored data depends on these; use another path or mode='overwrite')")
-            if cfg.frame_stack and "obs_ref" in (recorded.get("arrays") or {}):
-                raise IncompatibleSnapshotError(
-                    f"{path} holds frame references in an older bigper's format (obs_ref and next_obs_ref "
-                    "int64, now frame_ref and frame_off): this bigper converts them from a snapshot, not in "
-                    "place; save one with the bigper that wrote it and load it here (nothing was changed)")
             state = store.saved_state()
             check_state(cfg, *state)
-        frames = FrameStore(cfg, store, dictionary) if cfg.frame_stack else None
+            if legacy.is_older(cfg, recorded.get("arrays")):  # an older bigper's folder: converted first
+                offsets = legacy.convert(cfg, store, recorded, state, path)
+            else:
+                offsets = recorded_offsets(recorded)
+            # (what a recorded state holds that follows from the rest is derived, not taken: layout.DERIVED)
+            state = (state[0], {n: a for n, a in state[1].items() if n not in DERIVED})
+        frames = FrameStore(cfg, store, dictionary, offsets) if cfg.frame_stack else None
         allocate(store, cfg, frames)
     except BaseException as e:
         real_names(e)

@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-from ..frames.refs import offset_dtype, refs_outside
+from ..frames.refs import check_offsets, refs_outside
 from ..frames.store import frame_capacity
 from .recorded import BIG as _BIG, array as _array, refuse as _bad
 from .ring import expected_gid
@@ -238,7 +238,11 @@ def check_refs(cfg, meta: dict, arrays: dict, frame_ref: np.ndarray, frame_off: 
     c, k = cfg.capacity, cfg.frame_stack
     n_off = k * (2 if "obs" in cfg.next_of else 1)
     fref = _array({"frame_ref": frame_ref}, "frame_ref", np.int64, (c,))
-    foff = _array({"frame_off": frame_off}, "frame_off", offset_dtype(k, cfg.num_envs), (c, n_off))
+    try:  # the config's offsets, or wider ones (a buffer converted from the older format keeps them)
+        dt = check_offsets(getattr(frame_off, "dtype", None), k, cfg.num_envs)
+    except (TypeError, ValueError) as e:
+        _bad(str(e))
+    foff = _array({"frame_off": frame_off}, "frame_off", dt, (c, n_off))
     fm = meta["frames"]
     fw = int(fm["fw"])
     lo = fw - frame_capacity(c, k, cfg.num_envs)

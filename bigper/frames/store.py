@@ -32,10 +32,10 @@ from .budget import frame_capacity  # (config.py sizes the compressed log by it 
 from ..kernels import kernel, ring_rows
 from .._pool import for_ranges, workers
 from .._reuse import ReusedArrays
-from .refs import derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
+from .refs import check_offsets, derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
 from .segments import SegmentLog, append_staged
 from .._undo import Journal
-from ..errors import CorruptSnapshotError
+from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
 from ..status import DEAD, LIVE, PENDING
 
 
@@ -380,7 +380,11 @@ class FrameStore:
     written, expires transitions whose frames were overwritten, and rebuilds
     stacks at sample time."""
 
-    def __init__(self, cfg, store, dictionary=None):
+    def __init__(self, cfg, store, dictionary=None, offsets=None):
+        """``offsets``: the dtype of the stored ``frame_off`` (None: the
+        config's, ``offset_dtype``; a wider one: what a buffer converted from
+        the older format keeps, ``check_offsets``; another is
+        ``IncompatibleSnapshotError``)."""
         self.k = cfg.frame_stack
         obs_shape = cfg.shape("obs")
         self.frame_shape = tuple(obs_shape[1:])
@@ -390,7 +394,11 @@ class FrameStore:
         self.word = np.dtype(np.uint64 if self.row_bytes % 8 == 0 else np.uint8)
         self.row_words = self.row_bytes // self.word.itemsize
         self.has_next = "obs" in cfg.next_of
-        self.off_dtype = offset_dtype(self.k, cfg.num_envs)
+        try:
+            self.off_dtype = offset_dtype(self.k, cfg.num_envs) if offsets is None else \
+                check_offsets(offsets, self.k, cfg.num_envs)
+        except (TypeError, ValueError) as e:
+            raise IncompatibleSnapshotError(f"the stored frame offsets: {e}") from None
         self.reach = offset_reach(self.k, self.off_dtype)
         self.n_off = self.k * (2 if self.has_next else 1)
         self.num_envs = cfg.num_envs

@@ -313,11 +313,8 @@ class Layouts:
             raise OfflineDatasetError(f"{self.file_path}: /_bigper's meta attribute is not a JSON string")
         meta = check_meta(json.loads(raw), FORMAT, VERSION, self.file_path)
         self._check_bigper_meta(f, meta)
-        if "obs_ref" in meta["arrays"] and "frame_ref" not in meta["arrays"]:
-            raise OfflineDatasetError(
-                f"{self.file_path} holds frame references in an older bigper's format (obs_ref and next_obs_ref "
-                "int64, now frame_ref and frame_off); this bigper reads them from a snapshot: save one with the "
-                "bigper that wrote the file and load it, or convert the source again")
+        # (an older bigper's frame references, obs_ref / next_obs_ref, are converted in memory: datasets.py)
+        self.recorded_arrays = meta["arrays"]
         g = f.get("_bigper/state")
         if not isinstance(g, h5py.Group) or meta.get("state") is None:
             raise OfflineDatasetError(f"{self.file_path}: no recorded buffer state in /_bigper/state")

@@ -31,8 +31,11 @@ from ..tensors.lazy import as_numpy
 from ..config import Config
 from ..prioritization import make as make_prioritization
 from ..schedules import schedule_from_dict
-from ..core.layout import allocate, own_names
-from ..core.statecheck import RING_ARRAYS
+from ..core import legacy
+from ..core.layout import own_names, storage_growth, storage_specs
+from ..core.opening import recorded_offsets
+from ..core.statecheck import RING_ARRAYS, check_state
+from ..frames.store import FrameStore
 from ..core.units import unit_class
 from .h5source import LIVE, H5Source, OfflineDatasetError
 from ..errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
@@ -90,13 +93,31 @@ def open_dataset(dataset, *, layout: str = "auto", priorities=None, prioritizati
         where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
         sidecar = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
         sidecar.load()
-        allocate(src, cfg)
+        frames = FrameStore(cfg, None, offsets=_offsets(src)) if cfg.frame_stack else None
+        specs, growth = storage_specs(cfg, frames), storage_growth(cfg, frames)
+        src.allocate(specs, growth)
         state = _initial_state(cfg, src, sidecar)
         src.sidecar = sidecar
     except BaseException:
         src.close()
         raise
     return cfg, src, state
+
+
+def _offsets(src: H5Source):
+    """The dtype of the frame offsets of a bigper file (None: the config's).
+    A file of the older format (its references whole, ``obs_ref``,
+    ``next_obs_ref``) has them converted in memory first, never written
+    (``core/legacy.py``): its recorded state checked, then its references
+    (every live one naming frames the file holds)."""
+    if src.recorded is None:
+        return None
+    rcfg = Config.from_dict(src.recorded[0])  # (as the writer recorded it: its state is that config's)
+    if not legacy.is_older(rcfg, src.recorded_arrays):
+        return recorded_offsets({"arrays": src.recorded_arrays})
+    check_state(rcfg, src.recorded[1], src.recorded[2])
+    return legacy.convert(rcfg, src, {"arrays": src.recorded_arrays}, (src.recorded[1], src.recorded[2]),
+                          src.file_path)
 
 
 def watch_priorities(src: H5Source, cfg: Config, leaves) -> None:

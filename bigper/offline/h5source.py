@@ -102,6 +102,8 @@ class H5Source(Layouts, StorageBase):
         self._lock_fd = -1
         self._map = None
         self._file = None
+        self.recorded_arrays: dict = {}  # bigper's layout: the arrays its record names
+        self.overlay: dict = {}  # an older bigper's references, converted in memory (convert)
         # The file itself first, without blocking: a FIFO or a device in its place (or at
         # the end of a symlink the user gave) is refused before HDF5 opens it. Read-only,
         # here and in h5py: nothing in bigper ever opens a dataset for writing.
@@ -203,11 +205,28 @@ class H5Source(Layouts, StorageBase):
     def saved_state(self):
         return ({}, {}) if self.recorded is None else (self.recorded[1], self.recorded[2])
 
+    def recorded_array(self, name: str):
+        """Dataset ``name`` of bigper's layout, read-only (its record and shape checked at open)."""
+        return self._file[name]
+
+    def convert(self, new: dict, old: tuple, old_state: tuple = ()) -> None:
+        """An older bigper's arrays ``old`` read as ``new`` (name -> array), in
+        memory: the file is never written."""
+        for a in new.values():
+            a.flags.writeable = False
+        self.overlay = dict(new)
+
     def allocate(self, specs, growth=None) -> None:
         """Check the dataset holds ``specs`` (an array of ``growth``: whole steps, at most its rows)."""
         growth = growth or {}
         for name, (rows, shape, dtype) in specs.items():
             if name in ("terminated", "truncated"):
+                continue
+            if name in self.overlay:
+                a = self.overlay[name]
+                if (a.shape[0], a.shape[1:], a.dtype) != (rows, tuple(shape), np.dtype(dtype)):
+                    raise OfflineDatasetError(f"{self.file_path}: the buffer asks for {name!r} {(rows, tuple(shape))} "
+                                              f"{np.dtype(dtype)}, converted it is {a.shape} {a.dtype}")
                 continue
             col = self.columns.get(name)
             want = None if col is None else (int(col.seg_rows.sum()) if self.recorded else self.n)
@@ -218,11 +237,18 @@ class H5Source(Layouts, StorageBase):
 
     def rows(self, name: str) -> int:
         """Rows the dataset holds of array ``name``."""
+        if name in self.overlay:
+            return int(self.overlay[name].shape[0])
         col = self.columns[name]
         return int(col.seg_rows.sum()) if self.recorded else self.n
 
     def read(self, name, rows):
         rows = np.asarray(rows)
+        if name in self.overlay:  # (converted in memory: bounds as for a column)
+            a = self.overlay[name]
+            if rows.size and (rows.min() < 0 or rows.max() >= a.shape[0]):
+                raise InvalidIndexError(f"a row of {name!r} is out of range [0, {a.shape[0]}) in {self.path}")
+            return a[rows]
         if rows.ndim != 1:
             return self.read(name, rows.reshape(-1)).reshape(rows.shape + self._shape(name))
         flags = name in ("terminated", "truncated")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.layout import DERIVED
 from ..errors import BigperError
 from ..frames.store import FrameStore
 from ..storage.files import open_regular
@@ -75,8 +76,10 @@ def check_frames(snap: Path, body: dict, cfg, state: dict) -> int:
     files = _ChunkFiles(snap, body["data"], [n for n in ("frame_index", "frame_log", "frame_ref", "frame_off")
                                             if n in body["data"]])
     try:
-        frames = FrameStore(cfg, files)
-        frames.restore(body["state"]["meta"]["frames"], state)
+        held = body["data"].get("frame_off")
+        frames = FrameStore(cfg, files, offsets=None if held is None else np.dtype(held["dtype"]))
+        # (each slot's oldest frame derived from the references, as a load does: layout.DERIVED)
+        frames.restore(body["state"]["meta"]["frames"], {n: a for n, a in state.items() if n not in DERIVED})
         return frames.check_live(state["status"])
     except (IndexError, ValueError) as e:  # a layout the manifest checks let through: said, not a crash
         raise BigperError(f"its frames could not be read: {e!r}") from e

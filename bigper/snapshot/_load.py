@@ -51,7 +51,8 @@ from ..errors import (
     InvalidTypeError,
     PathExistsError,
 )
-from ..core.layout import allocate, check_field_names, storage_growth, storage_specs
+from ..core.layout import DERIVED, check_field_names, storage_growth, storage_specs
+from ..frames.store import FrameStore
 from ..storage import storage_class
 from ..storage.base import fits_spec
 from ..core.statecheck import check_state
@@ -106,11 +107,25 @@ def _state_arrays(body: dict, snap) -> dict:
     return out
 
 
-def _needed_specs(cfg: Config) -> dict:
+def _frames(cfg: Config, layouts: dict, snap) -> FrameStore | None:
+    """The frame store of ``cfg`` (none without frame stacks) with the frame
+    offsets the snapshot holds: the config's, or wider ones (a buffer
+    converted from the older format keeps them); another dtype is
+    ``IncompatibleSnapshotError``."""
+    if not cfg.frame_stack:
+        return None
+    held = layouts.get("frame_off")
+    try:
+        return FrameStore(cfg, None, offsets=None if held is None else held[2])
+    except IncompatibleSnapshotError as e:
+        raise IncompatibleSnapshotError(f"{snap}: {e}") from None
+
+
+def _needed_specs(cfg: Config, frames: FrameStore | None = None) -> dict:
     """name -> (rows, shape, dtype) of the arrays a buffer of ``cfg`` stores,
     found without allocating them."""
     return {n: (int(r), tuple(int(d) for d in sh), np.dtype(t))
-            for n, (r, sh, t) in storage_specs(cfg).items()}
+            for n, (r, sh, t) in storage_specs(cfg, frames).items()}
 
 
 def _check_sizes(body: dict, snap, cfg: Config, layouts: dict) -> None:
@@ -124,7 +139,7 @@ def _check_sizes(body: dict, snap, cfg: Config, layouts: dict) -> None:
         raise CorruptSnapshotError(
             f"{snap}: its config declares capacity {cfg.capacity}, but its recorded status "
             f"({status!r}) does not hold {cfg.capacity} slots")
-    _compare_specs(_needed_specs(cfg), layouts, snap, cfg, storage_growth(cfg))
+    _compare_specs(_needed_specs(cfg, _frames(cfg, layouts, snap)), layouts, snap, cfg, storage_growth(cfg))
 
 
 def _fill(store, snap: Path, body: dict, layouts: dict) -> None:
@@ -240,8 +255,11 @@ def _release(store) -> None:
     store.abort()
 
 
-def _allocate(cfg: Config, store) -> None:
-    allocate(store, cfg)
+def _allocate(cfg: Config, store, layouts: dict, snap) -> None:
+    # (as core/layout.allocate, with the snapshot's frame offsets; the buffer's frame store attaches later)
+    frames = _frames(cfg, layouts, snap)
+    specs, growth = storage_specs(cfg, frames), storage_growth(cfg, frames)
+    store.allocate(specs, growth) if growth else store.allocate(specs)
 
 
 def _check_specs(store, layouts: dict, snap, cfg: Config) -> None:
@@ -295,11 +313,11 @@ def _restore(cfg, body, snap, live, layouts, rewind):
                 store.adopt({n: {**native[n], "files": [(snap / m, body["files"][m]["xxh3_64"])
                                                         for m in body["data"][n]["files"]]}
                              for n in layouts})
-                _allocate(cfg, store)
+                _allocate(cfg, store, layouts, snap)
                 return store
             # written with another chunking (another page size): copy the rows
         store.check_room(sum(body["files"][m]["size"] for rec in body["data"].values() for m in rec["files"]))
-        _allocate(cfg, store)
+        _allocate(cfg, store, layouts, snap)
         _check_specs(store, layouts, snap, cfg)
         _fill(store, snap, body, layouts)
     except BaseException:
@@ -328,13 +346,14 @@ def inspect(snap: Path, problems: list | None = None):
         return body, cfg, _refs.layouts_of(snap, cfg, layouts), state
     # An older snapshot's frame references, converted in memory (the snapshot is never changed);
     # then the references of every sampleable transition checked against the frames held.
-    body, layouts = _refs.convert(snap, body, cfg, layouts, state)
     try:
+        body, layouts = _refs.convert(snap, body, cfg, layouts, state)
         _refs.check(snap, body, cfg, layouts, state)
     except CorruptSnapshotError as e:
         if problems is None:
             raise CorruptSnapshotError(f"{snap}: {e}") from None
         problems.append(str(e))
+        layouts = _refs.layouts_of(snap, cfg, layouts)
     return body, cfg, layouts, state
 
 
@@ -387,7 +406,8 @@ def load(snapshot, *, path=None, rewind=False) -> "Restored":
     # The caller's files are part of what resumes: a damaged checkpoint makes the snapshot corrupt.
     check_files(snap, [(m, body["files"][m]) for m in (body.get("user") or {}).get("files", {}).values()])
     store = _restore(cfg, body, snap, live, layouts, rewind)
-    return Restored(snap, cfg, store, body["state"]["meta"], state)
+    # (what the recorded state holds that follows from the rest is derived, not taken: layout.DERIVED)
+    return Restored(snap, cfg, store, body["state"]["meta"], {n: a for n, a in state.items() if n not in DERIVED})
 
 
 @dataclass(frozen=True)

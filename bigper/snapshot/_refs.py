@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import IncompatibleSnapshotError
+from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
 from ..core.statecheck import check_refs
 from ..frames.refs import offset_dtype, refs_from_stacks
 from ..status import LIVE, PENDING
@@ -74,10 +74,13 @@ def convert(snap: Path, body: dict, cfg, layouts: dict, state: dict) -> tuple[di
     snapshot is unchanged; so are a newer snapshot's ``body`` and
     ``layouts``, returned as they are).
 
+    The offsets are the config's, or wider where a live transition's
+    references lie further apart than those hold (``refs_from_stacks``).
+
     Raises
     ------
-    IncompatibleSnapshotError
-        A live transition's references lie further apart than the offsets hold.
+    CorruptSnapshotError
+        A live or pending transition references a negative frame id.
     """
     data = body["data"]
     if not cfg.frame_stack or "obs_ref" not in data or "frame_ref" in data:
@@ -90,9 +93,11 @@ def convert(snap: Path, body: dict, cfg, layouts: dict, state: dict) -> tuple[di
         fref, foff = refs_from_stacks([read_array(snap, body, n, layouts[n]) for n in names], cfg.frame_stack,
                                       cfg.num_envs, used)
     except ValueError as e:
-        raise IncompatibleSnapshotError(f"{snap}: its frame references cannot be converted: {e}") from None
+        raise CorruptSnapshotError(f"its frame references (obs_ref / next_obs_ref, the older format) cannot be "
+                                   f"converted: {e}") from None
     data = {n: r for n, r in data.items() if n not in LEGACY}
     layouts = layouts_of(snap, cfg, layouts)
+    layouts["frame_off"] = (cfg.capacity, tuple(foff.shape[1:]), foff.dtype)
     for name, a in (("frame_ref", fref), ("frame_off", foff)):
         data[name] = {"rows": cfg.capacity, "shape": list(a.shape[1:]), "dtype": a.dtype.str, "chunk_rows": None,
                       "files": [], "array": a}

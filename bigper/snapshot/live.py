@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..config import Config
+from ..core import legacy
+from ..core.layout import DERIVED
+from ..core.opening import recorded_offsets
 from ..core.statecheck import check_state
 from ..errors import (
     BigperError,
@@ -90,7 +93,13 @@ def verify_live(path: Path) -> Verdict | None:
             return Verdict(OK, f"a {kind} storage closed before anything was recorded")
         cfg = Config.from_dict(meta["config"])
         check_state(cfg, state_meta, arrays)
-        frames_checked = _verify_frames(cfg, store, state_meta, arrays)
+        offsets, older = None, legacy.is_older(cfg, meta.get("arrays"))
+        if older:  # an older bigper's folder: its references converted in memory (and checked)
+            offsets = legacy.convert(cfg, store, meta, (state_meta, arrays), path)
+        elif cfg.frame_stack:
+            offsets = recorded_offsets(meta)
+        arrays = {n: a for n, a in arrays.items() if n not in DERIVED}
+        frames_checked = _verify_frames(cfg, store, state_meta, arrays, offsets)
     except BigperError as e:
         return Verdict(INVALID, f"its recorded state is inconsistent: {_line(e)}")
     except Exception as e:  # noqa: BLE001  (a config this bigper cannot read)
@@ -100,18 +109,22 @@ def verify_live(path: Path) -> Verdict | None:
     return Verdict(OK, f"a {kind} storage closed cleanly; layout and recorded state consistent "
                        f"({min(int(state_meta['count']), int(meta['config']['capacity'])):,} transitions"
                        + (f"; {frames_checked:,} compressed frames decompressed and checked)"
-                          if cfg.compression else ")"))
+                          if cfg.compression else ")"),
+                   ("its frame references are in an older bigper's format (obs_ref / next_obs_ref): read "
+                    "converted, and converted in place at the next resume",) if older else ())
 
 
-def _verify_frames(cfg: Config, store: StorageBase, state_meta: dict[str, Any], arrays: dict[str, Any]) -> int:
+def _verify_frames(cfg: Config, store: StorageBase, state_meta: dict[str, Any], arrays: dict[str, Any],
+                   offsets=None) -> int:
     """With compression: decompress every live frame of ``store`` (bounds,
-    size and checksum of each); the count checked."""
+    size and checksum of each); the count checked. ``offsets``: the dtype
+    of the frame offsets it holds."""
     if not cfg.compression:
         return 0
     from ..core.layout import allocate
     from ..frames.store import FrameStore
 
-    frames = FrameStore(cfg, store)
+    frames = FrameStore(cfg, store, offsets=offsets)
     allocate(store, cfg, frames)
     frames.restore(state_meta["frames"], arrays)
     try:

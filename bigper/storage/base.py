@@ -13,7 +13,8 @@ new storage's author reads one file:
   told grow (the compressed frame log, ``frames/segments.py``).
 - ``OnDisk``: what snapshots, loads and ``bigper info`` ask of a storage at a
   path: ``path``, ``read_only``, ``abort`` (let go, recording nothing),
-  ``check_present``. The memmap storage adds its chunk files
+  ``check_present``; ``recorded_array`` and ``convert`` (an older format's
+  arrays, converted at open: ``core/legacy.py``). The memmap storage adds its chunk files
   (``chunk_table``, ``chunk_view``, ``mark_shared``, ``layout``, ``adopt``,
   ``replace``: ``snapshot/_save.py`` and ``_load.py``), the HDF5 one ``dsets``.
 
@@ -45,6 +46,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from ..errors import IncompatibleSnapshotError
 
 Specs = dict[str, tuple[int, tuple[int, ...], np.dtype[Any]]]  # name -> (rows, row shape, dtype)
 
@@ -184,6 +187,21 @@ class StorageBase:
 
     def abort(self) -> None:
         """Nothing to let go."""
+
+    def recorded_array(self, name: str) -> Any:
+        """OnDisk: array ``name`` as the storage ``open`` found records it, read
+        only, before ``allocate`` (an older format's, for ``core/legacy.py``).
+        Refused here: this storage holds none."""
+        raise IncompatibleSnapshotError(f"a {self.kind or type(self).__name__} storage holds no recorded "
+                                        f"{name!r} to convert")
+
+    def convert(self, new: dict[str, np.ndarray], old: tuple[str, ...], old_state: tuple[str, ...] = ()) -> None:
+        """OnDisk: record the arrays ``new`` in place of the recorded ``old``
+        (and the state arrays ``old_state``), before ``allocate``: a writer on
+        disk, so that a kill -9 leaves the old or the new; a reader in memory.
+        Refused here: this storage cannot."""
+        raise IncompatibleSnapshotError(f"a {self.kind or type(self).__name__} storage cannot convert the older "
+                                        f"format's {list(old)}")
 
     # -- what the kind answers: making one, snapshots, loads, verify ---------------
     @classmethod

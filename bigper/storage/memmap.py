@@ -54,6 +54,7 @@ from ..errors import (
     PathExistsError,
     PathNotFoundError,
 )
+from . import _relayout
 from .chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
 from .files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
 from .base import StorageBase, fits_spec
@@ -158,6 +159,9 @@ class MemmapStorage(StorageBase):
         self._dir: HeldDir | None = None
         self._root = self.path  # the path file operations go through (see open)
         self._aside: dict | None = None  # takeover: the old buffer's data/state, moved aside
+        self._converted: tuple | None = None  # convert: (the record before, the new arrays' layout), for abort
+        self._overlay: dict = {}  # convert, read_only: the new arrays, in memory, in place of ``_hidden``
+        self._hidden: tuple = ()
 
     # -- open / create -------------------------------------------------------
     def open(self, config: dict) -> dict | None:
@@ -206,11 +210,14 @@ class MemmapStorage(StorageBase):
             if meta_path.exists():
                 self._meta = check_meta(read_json(meta_path), FORMAT, VERSION, self.path)
                 check_arrays(self._meta.get("arrays"), self.path)
+                _relayout.check_journal(self._meta, self.path)
                 for sub in ("data", "state"):  # names resolve inside: no symlinked subdirectory
                     if os.path.lexists(self._root / sub) and entry_kind(self._root / sub) != "dir":
                         raise CorruptSnapshotError(f"{self.path / sub} is not a plain directory (a symlink?)")
                 if not self.read_only:
                     self._leftovers()  # refused here, before allocate changes anything
+                    # a conversion a kill interrupted: back to the old folder, or on to the new one
+                    self._meta = _relayout.recover(self._root, self._meta)
                 return self._meta
         except BaseException:
             if made_lock:  # a refused path keeps no lock file this open made (bigper verify, a reader)
@@ -260,6 +267,14 @@ class MemmapStorage(StorageBase):
             if not isinstance(previous, dict) or previous.get("format") != FORMAT:
                 foreign("a meta.json without bigper's memmap marker")
         names = {"data": set(), "state": set()}
+        journal = (set(), set())
+        if previous:
+            try:
+                _relayout.check_journal(previous, self.path)
+                journal = _relayout.journal_files(previous)  # a conversion's files, old or new: bigper's
+            except CorruptSnapshotError:
+                pass  # (a damaged journal proves nothing)
+        names["data"] |= journal[0]
         arrays = previous.get("arrays") if previous else None
         if isinstance(arrays, dict):
             try:
@@ -284,7 +299,7 @@ class MemmapStorage(StorageBase):
                     stem = entry[1:-8] if entry.startswith(".") and entry.endswith(".npy.tmp") else \
                         entry[:-4] if entry.endswith(".npy") else None
                     ok = stem is not None and STATE_NAME.match(stem) and \
-                        (stem in recorded if isinstance(recorded, list) else previous is not None)
+                        (stem in recorded or stem in journal[1] if isinstance(recorded, list) else previous is not None)
                 else:
                     ok = entry in names["data"]
                 if not ok or entry_kind(self._root / sub / entry) != "file":
@@ -392,7 +407,7 @@ class MemmapStorage(StorageBase):
                 fsync_dir(data)
             else:
                 want = self.layout(specs, growth)
-                rec = self._meta["arrays"]
+                rec = self._recorded()
                 key = lambda r: (r["rows"], tuple(r["shape"]), r["dtype"])  # noqa: E731
                 if set(rec) != set(want) or not all(
                         fits_spec(n, key(rec[n]), key(want[n]), growth)
@@ -401,13 +416,15 @@ class MemmapStorage(StorageBase):
                         f"{self.path} holds arrays {rec}, but the buffer needs {want}")
             known = self._meta.get("shared_digests") or {}
             arrays = {name: _Array(self._root, name, rec, specs[name][0] if name in growth else None)
-                      for name, rec in self._meta["arrays"].items()}
+                      for name, rec in self._meta["arrays"].items() if name not in self._hidden}
             random = self.random_reads
             if random is None:
                 random = random_reads_pay(sum(sum(a.sizes) for a in arrays.values()))
             for name, a in arrays.items():
                 a.map(not self.read_only, known.get(name, {}), random)
                 self._arr[name], self._rw[name], self.arrays[name] = a, a.rw, a.ro
+            for name, arr in self._overlay.items():  # (read_only: converted in memory, never written)
+                self._rw[name] = self.arrays[name] = arr
             self._nshared = sum(int(a.shared.sum()) for a in self._arr.values())
             if not fresh and not self.read_only:
                 for stale in self._leftovers():
@@ -423,6 +440,40 @@ class MemmapStorage(StorageBase):
         except BaseException:
             self._abort()
             raise
+
+    # -- an older format's arrays, converted (core/legacy.py) ---------------------
+    def recorded_array(self, name: str) -> np.ndarray:
+        """Array ``name`` as the record ``open`` read names it, mapped
+        read-only (before ``allocate``): its chunk files regular files of
+        their sizes, else the error that names the file."""
+        a = _Array(self._root, name, self._meta["arrays"][name])
+        a.map(False, {})
+        return a.ro
+
+    def convert(self, new: dict, old: tuple, old_state: tuple = ()) -> None:
+        """Record the arrays ``new`` (name -> array) in place of the recorded
+        arrays ``old`` and the state files ``old_state`` (before ``allocate``,
+        which then maps them). A writer writes them into this folder,
+        journaled (``_relayout``: a kill -9 leaves the old folder or the new
+        one); the old files go at ``close``, and an ``abort`` before puts the
+        old folder back. A reader keeps ``new`` in memory, changing nothing."""
+        if self._arr or self._lock is None:
+            raise RuntimeError("convert() is for a storage open() just locked, before allocate()")
+        layout = self.layout({n: (a.shape[0], a.shape[1:], a.dtype) for n, a in new.items()})
+        if self.read_only:
+            for a in new.values():
+                a.flags.writeable = False
+            self._overlay, self._hidden = dict(new), tuple(old)
+            return
+        before = self._meta
+        self._meta = _relayout.write_new(self._root, before, new, layout, tuple(old), tuple(old_state))
+        self._converted = (before, layout)
+
+    def _recorded(self) -> dict:
+        """The arrays this storage holds: the record's (a reader's conversion in memory in place of the old)."""
+        rec = {n: r for n, r in self._meta["arrays"].items() if n not in self._hidden}
+        rec.update(self.layout({n: (a.shape[0], a.shape[1:], a.dtype) for n, a in self._overlay.items()}))
+        return rec
 
     def _leftovers(self) -> list[str]:
         """The copies an interrupted copy-on-write left in ``data/``: only names
@@ -454,6 +505,10 @@ class MemmapStorage(StorageBase):
         if getattr(self, "_record_before", None) is not None and self._lock:
             write_json(self._root / "meta.json", self._record_before)  # resumed, then refused: as it was
             self._record_before = None
+        if self._converted is not None and self._lock:  # converted, then refused: the old folder back
+            before, layout = self._converted
+            self._converted = None
+            _relayout.undo(self._root, before, layout)
         if self._lock:
             self._lock.release()
             self._lock = None
@@ -635,6 +690,8 @@ class MemmapStorage(StorageBase):
                     self._meta["shared_digests"] = {
                         name: {str(k): [a.inodes[k], a.digests[k]] for k in range(a.n) if a.digests[k]}
                         for name, a in self._arr.items()}
+                self._meta = _relayout.finish(self._root, self._meta)  # a conversion's old files go now
+                self._converted = None
                 self._meta["clean"] = True
                 write_json(self._root / "meta.json", self._meta)
         except FileNotFoundError as e:

@@ -111,17 +111,22 @@ def test_older_reference_arrays_of_another_layout_are_refused(what, tmp_path):
     _refused(path, BigperError, "obs_ref")
 
 
-def test_an_older_files_recorded_oldest_references_are_derived_not_read(tmp_path):
+def test_an_older_files_recorded_oldest_references_are_checked_then_derived(tmp_path):
     """The older format recorded each slot's oldest frame (``frames_minref``):
-    it follows from the references, so it is derived from them (checked
-    against the frames stored) and a lie in it changes nothing read."""
+    read from disk, it is checked like any state array (a live slot's frames
+    said to be gone: refused), then derived from the references, so a lie
+    that passes the check changes nothing read."""
     want = json.loads((DATA / f"{NAME}.expected.json").read_text())
 
-    def change(f, meta):
-        m = f["_bigper/state/frames_minref"][()]
-        m[_live_slot(f)] = 10**9
-        f["_bigper/state/frames_minref"][...] = m
-    path = _lie(tmp_path, change)
+    def lie(value):
+        def change(f, meta):
+            m = f["_bigper/state/frames_minref"][()]
+            m[_live_slot(f)] = value
+            f["_bigper/state/frames_minref"][...] = m
+        return change
+    (tmp_path / "a").mkdir()
+    _refused(_lie(tmp_path / "a", lie(-7)), CorruptSnapshotError, "frames_minref")
+    path = _lie(tmp_path, lie(200))  # (a frame still stored, not the slot's oldest)
     before = sha(path)
     ds = bigper.PrioritizedReplayBuffer.from_hdf5(path, priorities=tmp_path / "sidecar")
     same_batches(ds, want["batches"])

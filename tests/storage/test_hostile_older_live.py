@@ -48,7 +48,7 @@ def edit_meta(path: Path, change) -> None:
 def refused_everywhere(path: Path, exc, match: str) -> None:
     """A writer's resume, a reader's and ``bigper verify`` refuse ``path``
     (``exc`` naming ``match``) and leave it byte for byte as it was."""
-    (path / ".lock").touch()
+    (path / ".lock").write_text(f"{os.getpid()}\n")  # (what a writer of this process writes there)
     before = fingerprint(path)
     for kw in ({"continue_episodes": True}, {"read_only": True}):
         with deadline():

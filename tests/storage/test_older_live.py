@@ -133,7 +133,7 @@ def test_an_older_live_folder_is_read_converted_in_memory_where_nothing_may_chan
     """``read_only`` and ``bigper verify``: the folder converted in memory, its files untouched."""
     want = expected(name)
     path = copy(name, tmp_path)
-    (path / ".lock").touch()  # (a reader takes the lock file a writer made)
+    (path / ".lock").write_text(f"{os.getpid()}\n")  # (the lock file a writer of this process made)
     before = fingerprint(path)
     buf = open_folder(name, path, read_only=True)
     assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
@@ -149,6 +149,7 @@ def test_bigper_info_names_an_older_folders_arrays(tmp_path, capsys):
     from bigper.cli import main
 
     path = copy(FOLDERS[0], tmp_path)
+    (path / ".lock").write_text(f"{os.getpid()}\n")  # (the lock file a writer of this process made)
     before = fingerprint(path)
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
@@ -159,49 +160,54 @@ def test_bigper_info_names_an_older_folders_arrays(tmp_path, capsys):
 
 # -- kill -9 at every file operation of the conversion ----------------------------------------------
 
-_OPS = ("open", "write", "pwrite", "fsync", "replace", "rename", "unlink", "posix_fallocate", "mkdir", "ftruncate")
+# the operations that change what is on disk (a kill before a read is a kill before the next of these)
+_OPS = ("write", "pwrite", "fsync", "replace", "rename", "unlink", "link", "posix_fallocate", "mkdir", "ftruncate")
 
 
-def _child(name: str, path: Path, shm: np.ndarray) -> None:
-    """Resume ``path`` (converting it), SIGKILL-ing this process just before
-    its file operation number ``shm[0]`` (counted in ``shm[1]``)."""
-    def wrap(op):
-        real = getattr(os, op)
+def _child(name: str, path: Path, shm: np.ndarray, step: str) -> None:
+    """Resume ``path``, SIGKILL-ing this process just before its file
+    operation number ``shm[0]`` counted from the start of ``step`` of the
+    conversion (``_relayout.write_new``: the conversion written;
+    ``recover``: the next open clearing what an interrupted one left);
+    ``shm[2]``: the ops ``step`` made. The ops are counted, never changed."""
+    from bigper.storage import _relayout
+
+    def wrap(mod, op, step=False):
+        real = getattr(mod, op)
 
         def call(*a, **k):
-            shm[1] += 1
-            if shm[1] == shm[0]:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if step:
+                shm[3] = 1
+                out = real(*a, **k)
+                shm[2] = shm[2] or shm[1]
+                return out
+            if shm[3]:
+                shm[1] += 1
+                if shm[1] == shm[0]:
+                    os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **k)
-        setattr(os, op, call)
+        setattr(mod, op, call)
     for op in _OPS:
-        wrap(op)
+        wrap(os, op)
+    wrap(_relayout, step, step=True)
     buf = open_folder(name, path, continue_episodes=True)
-    shm[2] = 1  # the resume (and the conversion) is done
-    buf._store.abort()  # (nothing more is recorded: the check below resumes what the conversion left)
-    buf._guard.closed = True
+    buf.close()
 
 
-@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="forks a child to kill (Linux)")
-def test_kill_9_at_any_point_of_the_conversion_leaves_the_old_folder_or_the_new_one(tmp_path):
-    name = FOLDERS[0]
-    want = expected(name)
-    old = {n for n in recorded(DATA / name)["arrays"]}
-    warm = open_folder(name, copy(name, tmp_path / "warm"), continue_episodes=True)  # kernels compiled before forks
-    warm.sample(4)
-    warm.close()
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    shm = np.frombuffer(page, dtype=np.int64, count=3)
-    kinds, n, total = set(), 0, None
-    while total is None or n < total:
+def _kill_at_each_op(name: str, src: Path, work: Path, step: str, shm: np.ndarray) -> list[Path]:
+    """A child resumes a copy of ``src`` and is killed at op 1, 2, ... up to
+    the op after ``step`` returned; returns the folders left, in order."""
+    out, n, last = [], 0, None
+    while last is None or n <= last:
         n += 1
-        path = copy(name, tmp_path / f"t{n}")
-        shm[:] = (n, 0, 0)
+        path = work / f"t{n}"
+        shutil.copytree(src, path)
+        shm[:] = (n, 0, 0, 0)
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                _child(name, path, shm)
+                _child(name, path, shm, step)
             except BaseException:
                 import traceback
 
@@ -209,24 +215,51 @@ def test_kill_9_at_any_point_of_the_conversion_leaves_the_old_folder_or_the_new_
                 code = 3
             os._exit(code)
         _, status = os.waitpid(pid, 0)
-        if os.WIFEXITED(status):
-            assert os.WEXITSTATUS(status) == 0, f"the child failed at op {n}; see its traceback"
-            assert shm[2] == 1
-            total = n  # the first trial that was not killed: every op before it was tried
-        else:
-            assert os.WTERMSIG(status) == signal.SIGKILL
-        arrays = set(recorded(path)["arrays"])
-        # the old folder or the new one: never a mix
-        assert arrays == old or arrays == (old - {"obs_ref", "next_obs_ref"}) | {"frame_ref", "frame_off"}, arrays
-        kinds.add("old" if "obs_ref" in arrays else "new")
-        buf = open_folder(name, path, continue_episodes=True)
-        assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
-        same_batches(buf, want["batches"][:1])
-        buf.close()
-        meta = recorded(path)
-        assert "frame_off" in meta["arrays"] and not {"converting", "converted"} & set(meta)
-        assert sorted(p.name for p in (path / "data").iterdir()) == sorted(f"{a}.bin" for a in meta["arrays"])
-        shutil.rmtree(path)
-    del shm
-    page.close()
-    assert kinds == {"old", "new"} and total > 10, (kinds, total)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, \
+            f"the child ended by itself at op {n} (status {status}); see its traceback"
+        if shm[2]:
+            last = int(shm[2]) + 1  # (the op after the step: its result is on disk, the resume goes on)
+        out.append(path)
+    return out
+
+
+def _resumes_as_before(name: str, path: Path, want: dict) -> str:
+    """The folder left is the older bigper's or this one's, never a mix, and a
+    resume gives what the older bigper gave; which one it was."""
+    arrays = set(recorded(path)["arrays"])
+    old = set(recorded(DATA / name)["arrays"])
+    assert arrays == old or arrays == (old - {"obs_ref", "next_obs_ref"}) | {"frame_ref", "frame_off"}, arrays
+    buf = open_folder(name, path, continue_episodes=True)
+    assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
+    same_batches(buf, want["batches"][:1])
+    buf.close()
+    meta = recorded(path)
+    assert "frame_off" in meta["arrays"] and not {"converting", "converted"} & set(meta)
+    assert sorted(p.name for p in (path / "data").iterdir()) == sorted(f"{a}.bin" for a in meta["arrays"])
+    assert not {"gid.npy", "frames_minref.npy"} & {p.name for p in (path / "state").iterdir()}
+    return "old" if "obs_ref" in arrays else "new"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="forks a child to kill (Linux)")
+def test_kill_9_at_any_point_of_the_conversion_leaves_the_old_folder_or_the_new_one(tmp_path):
+    """A real SIGKILL before each file operation of the conversion (then of
+    the next open's clearing of the old files it left), one trial each."""
+    name = FOLDERS[0]
+    want = expected(name)
+    warm = open_folder(name, copy(name, tmp_path / "warm"), continue_episodes=True)  # kernels compiled before forks
+    warm.sample(4)
+    warm.close()
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    shm = np.frombuffer(page, dtype=np.int64, count=4)
+    try:
+        left = _kill_at_each_op(name, DATA / name, tmp_path / "convert", "write_new", shm)
+        committed = left[-1]  # killed just after the commit: the new folder, the old files still named
+        assert "converted" in recorded(committed)
+        shutil.copytree(committed, tmp_path / "committed")
+        # the next open clears what the conversion left (the old files), killed at each step of that too
+        left += _kill_at_each_op(name, tmp_path / "committed", tmp_path / "recover", "recover", shm)
+    finally:
+        del shm
+        page.close()
+    kinds = [_resumes_as_before(name, path, want) for path in left]
+    assert set(kinds) == {"old", "new"} and len(left) > 15, (kinds, len(left))
