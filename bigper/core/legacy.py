@@ -81,7 +81,6 @@ def convert(cfg, store, recorded: dict, state: tuple[dict, dict], where) -> np.d
     except (ValueError, CorruptSnapshotError) as e:
         raise CorruptSnapshotError(f"{where}: its frame references ({' / '.join(names)}, the older format) "
                                    f"cannot be read: {e} (nothing was changed)") from None
-    files = recorded.get("state_files")
-    old_state = tuple(n for n in OLD_STATE if isinstance(files, list) and n in files)
+    old_state = tuple(n for n in OLD_STATE if n in arrays)  # (recorded, so on disk: they go too)
     store.convert({"frame_ref": fref, "frame_off": foff}, names, old_state)
     return foff.dtype

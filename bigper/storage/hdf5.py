@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _h5relayout
 from .files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from .base import RECORD, StorageBase, fits_spec
@@ -131,6 +132,9 @@ class HDF5Storage(StorageBase):
         self._trash: Path | None = None  # the replaced file, until the new one is complete
         self._dir: HeldDir | None = None  # the folder, held from open (see open)
         self._fp = self.path  # the path file operations go through
+        self._older: Path | None = None  # convert: the file it replaced, kept until close (abort puts it back)
+        self._overlay: dict = {}  # convert, read_only: the new arrays, in memory, in place of ``_hidden``
+        self._hidden: tuple = ()
 
     def open(self, config: dict) -> dict | None:
         """Lock the path (``<file>.lock``), then look at the file: its recorded
@@ -174,6 +178,8 @@ class HDF5Storage(StorageBase):
                     raise CorruptSnapshotError(f"{self.path}: its /_bigper meta is not JSON ({str(e)[:200]})") \
                         from None
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
+                if not self.read_only:  # a clean file: what a replace or a conversion left beside it goes
+                    _h5relayout.clear(self._dir.root, self.path.name)
                 return self._meta
             self._created = True
             self._file = h5py.File(self._fp, "w-", rdcc_nbytes=0)
@@ -201,14 +207,9 @@ class HDF5Storage(StorageBase):
         self._pending = True
 
     def _clear_trash(self) -> None:
-        """Remove what an interrupted replace left beside the file: plain files named
-        as bigper names the file it moves aside (``.<name>.trash-<12 hex>``)."""
-        pat = re.compile(r"^\." + re.escape(self.path.name) + r"\.trash-[0-9a-f]{12}$")
-        for entry in os.listdir(self._dir.root):
-            if pat.match(entry):
-                p = self._dir.root / entry
-                if stat.S_ISREG(os.lstat(p).st_mode):
-                    p.unlink(missing_ok=True)
+        """Remove what an interrupted replace (or conversion) left beside the file: plain
+        files named as bigper names them (``.<name>.trash-<12 hex>``, ``.convert-``)."""
+        _h5relayout.clear(self._dir.root, self.path.name)
 
     def _swap(self) -> None:
         """The old file aside, a new empty one in its place (under the lock)."""
@@ -276,7 +277,8 @@ class HDF5Storage(StorageBase):
                 if not self.read_only:
                     self._meta["clean"] = False
                     self._write_meta()
-            self.dsets = {name: self._open_dataset(name) for name in self._meta["arrays"]}
+            self.dsets = {name: self._open_dataset(name) for name in self._meta["arrays"] if name not in self._hidden}
+            self.dsets.update(self._overlay)  # (read_only: converted in memory, never written)
         except BaseException:
             self._abort()
             raise
@@ -284,6 +286,63 @@ class HDF5Storage(StorageBase):
             self._trash.unlink(missing_ok=True)
             self._trash = None
             fsync_dir(self._dir.root)
+
+    # -- an older format's arrays, converted (core/legacy.py) ---------------------
+    def recorded_array(self, name: str):
+        """Dataset ``name`` as the record ``open`` read names it (before
+        ``allocate``): a dataset of this file of the record's rows, shape and
+        dtype, else ``IncompatibleSnapshotError``."""
+        h5py = _h5py()
+        rec, d = self._meta["arrays"].get(name), self._file.get(name)
+        want = None
+        if isinstance(rec, dict):
+            try:
+                want = ((int(rec["rows"]), *(int(x) for x in rec["shape"])), np.dtype(rec["dtype"]))
+            except (KeyError, TypeError, ValueError):
+                pass
+        if not isinstance(d, h5py.Dataset) or want is None or (d.shape, d.dtype) != want:
+            have = (d.shape, d.dtype) if isinstance(d, h5py.Dataset) else type(d).__name__
+            raise IncompatibleSnapshotError(f"{self.path}: array {name!r} is {have}; its record says {want}")
+        return d
+
+    def convert(self, new: dict, old: tuple, old_state: tuple = ()) -> None:
+        """Record the arrays ``new`` (name -> array) in place of the recorded
+        ``old`` and the state arrays ``old_state`` (before ``allocate``). A
+        writer writes a new file beside this one and renames it over it
+        (``_h5relayout``: a kill -9 leaves the old file or the new one); the
+        old file goes at ``close``, and an ``abort`` before puts it back. A
+        reader keeps ``new`` in memory, changing nothing."""
+        if self.dsets or self._lock is None:
+            raise RuntimeError("convert() is for a storage open() just locked, before allocate()")
+        if self.read_only:
+            for a in new.values():
+                a.flags.writeable = False
+            self._overlay, self._hidden = dict(new), tuple(old)
+            return
+        meta = json.loads(json.dumps(self._meta))
+        meta["arrays"] = {n: r for n, r in meta["arrays"].items() if n not in old}
+        for name, a in new.items():
+            row_bytes = int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
+            meta["arrays"][name] = {"rows": int(a.shape[0]), "shape": list(a.shape[1:]), "dtype": a.dtype.str,
+                                    "chunk_rows": int(max(1, min(a.shape[0], CHUNK_BYTES // max(row_bytes, 1))))}
+        size = os.fstat(self._file.id.get_vfd_handle()).st_size
+        st = os.statvfs(self._dir.root)
+        if st.f_bavail * st.f_frsize < size + size // 16 + (1 << 20):
+            raise OSError(errno.ENOSPC, f"{self.path} is converted from an older bigper's format into a new file "
+                                        f"beside it, which needs about {size:,} bytes free; the folder has "
+                                        f"{st.f_bavail * st.f_frsize:,} (nothing was changed)", str(self.path.parent))
+        tmp = _h5relayout.rewrite(_h5py(), self._file, self._dir.root, self.path.name, new, tuple(old),
+                                  tuple(old_state), meta)
+        self._file.close()
+        self._file = None
+        try:
+            self._older = _h5relayout.swap(self._dir.root, self.path.name, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            self._file = self._open_existing(_h5py())
+        self._meta = meta
 
     def rows(self, name: str) -> int:
         """Rows array ``name`` holds (an array that grows: what it grew to)."""
@@ -345,19 +404,21 @@ class HDF5Storage(StorageBase):
         must not let rows land outside a dataset or in another one."""
         h5py = _h5py()
         arrays = self._meta.get("arrays")
+        if isinstance(arrays, dict) and self._hidden:
+            arrays = {n: r for n, r in arrays.items() if n not in self._hidden} | dict.fromkeys(self._overlay)
         if not isinstance(arrays, dict) or set(arrays) != set(specs):
             got = sorted(arrays) if isinstance(arrays, dict) else arrays
             raise IncompatibleSnapshotError(f"{self.path} records arrays {got!r:.200}; this buffer has "
                                             f"{sorted(specs)}")
         growth = growth or {}
         for name, (rows, shape, dtype) in specs.items():
-            d = self._file.get(name)
+            d = self._overlay[name] if name in self._overlay else self._file.get(name)
             want = ((int(rows), *map(int, shape)), np.dtype(dtype))
-            if not isinstance(d, h5py.Dataset) or not fits_spec(
+            if not isinstance(d, (h5py.Dataset, np.ndarray)) or not fits_spec(
                     name, (d.shape[0], d.shape[1:], d.dtype), (want[0][0], want[0][1:], want[1]), growth) \
-                    or (name in growth and (d.chunks is None or d.chunks[0] != growth[name]
+                    or (name in growth and (isinstance(d, np.ndarray) or d.chunks is None or d.chunks[0] != growth[name]
                                             or (d.maxshape[0] or 0) < int(rows))):
-                have = (d.shape, d.dtype) if isinstance(d, h5py.Dataset) else type(d).__name__
+                have = (d.shape, d.dtype) if isinstance(d, (h5py.Dataset, np.ndarray)) else type(d).__name__
                 raise IncompatibleSnapshotError(f"{self.path}: array {name!r} is {have}; this buffer needs "
                                                 f"{want}")
 
@@ -385,6 +446,10 @@ class HDF5Storage(StorageBase):
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._older is not None:  # converted, then refused: the older file back at its name
+            os.replace(self._older, self._fp)
+            self._older = None
+            fsync_dir(self._dir.root)
         if self._created and os.path.lexists(self._fp):
             os.unlink(self._fp)
         if self._trash is not None:
@@ -436,7 +501,8 @@ class HDF5Storage(StorageBase):
         self._file.flush()
 
     def nbytes(self) -> int:
-        return sum(int(d.id.get_storage_size()) for d in self.dsets.values())
+        return sum(int(d.nbytes) if name in self._overlay else int(d.id.get_storage_size())
+                   for name, d in self.dsets.items())
 
     # -- state and close -------------------------------------------------------
     def saved_state(self):
@@ -509,6 +575,9 @@ class HDF5Storage(StorageBase):
                 finally:
                     os.close(fd)
                 if failed is None:
+                    if self._older is not None:  # a conversion's older file: recorded over, it goes
+                        self._older.unlink(missing_ok=True)
+                        self._older = None
                     fsync_dir(self._dir.root)
         except OSError as e:
             failed = e

@@ -22,7 +22,8 @@ Writes, beside this file:
 - ``live-v1-refs64-zstd.h5`` (storage="hdf5", zstd, 3 envs, a static env
   as above) and ``live-v1-refs64-zstd.expected.json``: what ``from_hdf5``
   of it sampled (a sidecar elsewhere): the far slots' stacks as above, and
-  three batches with their updates.
+  three batches with their updates; and what a ``mode="resume"`` of a copy
+  sampled (``resume``: three batches).
 
 A fixture is written once, by the bigper it names, and kept; do not
 regenerate one to make a test pass.
@@ -129,6 +130,13 @@ def make(name: str, spec: dict, tmp: Path) -> dict:
         expected = {"len": len(ds), "total_priority": ds.total_priority, "far": far(ds),
                     "batches": batches(ds, rng, 3)}
         ds.close()
+        again = tmp / "resumed.h5"
+        shutil.copyfile(dst, again)
+        res = bigper.PrioritizedReplayBuffer(spec["capacity"], fields, path=again, num_envs=spec["num_envs"],
+                                             frame_stack=K, seed=11, mode="resume", continue_episodes=True,
+                                             **spec["kw"])
+        expected["resume"] = {"len": len(res), "total_priority": res.total_priority, "batches": batches(res, rng, 3)}
+        res.close()
     else:
         res = bigper.PrioritizedReplayBuffer(spec["capacity"], fields, path=ref, num_envs=spec["num_envs"],
                                              frame_stack=K, seed=11, mode="resume", continue_episodes=True,

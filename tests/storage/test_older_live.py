@@ -32,6 +32,7 @@ from tests._hostile_snapshot_cases import fingerprint
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 FOLDERS = ("live-v1-refs64-memmap", "live-v1-refs64-far-memmap")
+H5 = "live-v1-refs64-zstd"  # storage="hdf5": one file (tests/offline/test_older_bigper_h5.py: from_hdf5 of it)
 
 
 def expected(name: str) -> dict:
@@ -39,8 +40,13 @@ def expected(name: str) -> dict:
 
 
 def copy(name: str, tmp_path: Path) -> Path:
-    path = tmp_path / name
-    shutil.copytree(DATA / name, path)
+    if (DATA / name).is_dir():
+        path = tmp_path / name
+        shutil.copytree(DATA / name, path)
+        return path
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / f"{name}.h5"
+    shutil.copyfile(DATA / f"{name}.h5", path)
     return path
 
 
@@ -50,7 +56,8 @@ def open_folder(name: str, path: Path, **kw) -> bigper.PrioritizedReplayBuffer:
               "action": ((), np.int64)}
     return bigper.PrioritizedReplayBuffer(
         spec["capacity"], fields, path=path, num_envs=spec["num_envs"], frame_stack=spec["frame_stack"], seed=11,
-        storage="memmap", n_step=spec["n_step"], alpha=spec["alpha"], beta=spec["beta"], mode="resume", **kw)
+        storage=spec["storage"], compression=spec.get("compression"), n_step=spec["n_step"], alpha=spec["alpha"],
+        beta=spec["beta"], mode="resume", **kw)
 
 
 def later_steps(name: str, n: int = 20):
@@ -90,7 +97,13 @@ def same_far(buf, far: dict) -> None:
 
 
 def recorded(path: Path) -> dict:
-    return json.loads((path / "meta.json").read_text())
+    """What the storage at ``path`` records (its meta.json, or the HDF5 file's /_bigper meta)."""
+    if path.is_dir():
+        return json.loads((path / "meta.json").read_text())
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return json.loads(f["_bigper"].attrs["meta"])
 
 
 @pytest.mark.parametrize("name", FOLDERS)
@@ -164,22 +177,26 @@ def test_bigper_info_names_an_older_folders_arrays(tmp_path, capsys):
 _OPS = ("write", "pwrite", "fsync", "replace", "rename", "unlink", "link", "posix_fallocate", "mkdir", "ftruncate")
 
 
-def _child(name: str, path: Path, shm: np.ndarray, step: str) -> None:
+def _child(name: str, path: Path, shm: np.ndarray, step: tuple) -> None:
     """Resume ``path``, SIGKILL-ing this process just before its file
-    operation number ``shm[0]`` counted from the start of ``step`` of the
-    conversion (``_relayout.write_new``: the conversion written;
-    ``recover``: the next open clearing what an interrupted one left);
-    ``shm[2]``: the ops ``step`` made. The ops are counted, never changed."""
-    from bigper.storage import _relayout
+    operation number ``shm[0]`` counted from the start of the conversion's
+    step ``step`` (``(module, first function, last function)``: the
+    conversion written, ``_relayout.write_new``; the next open clearing what
+    an interrupted one left, ``recover``; an HDF5 file's new file written and
+    renamed over it, ``_h5relayout.rewrite`` to ``swap``); ``shm[2]``: the
+    ops made when the last function returned. The ops are counted, never
+    changed."""
+    module, first, last = step
 
-    def wrap(mod, op, step=False):
+    def wrap(mod, op, role=None):
         real = getattr(mod, op)
 
         def call(*a, **k):
-            if step:
-                shm[3] = 1
+            if role is not None:
+                shm[3] |= role == "first"
                 out = real(*a, **k)
-                shm[2] = shm[2] or shm[1]
+                if role == "last":
+                    shm[2] = shm[2] or shm[1]
                 return out
             if shm[3]:
                 shm[1] += 1
@@ -189,19 +206,31 @@ def _child(name: str, path: Path, shm: np.ndarray, step: str) -> None:
         setattr(mod, op, call)
     for op in _OPS:
         wrap(os, op)
-    wrap(_relayout, step, step=True)
+    if first == last:
+        wrap(module, first, "first")
+        real = getattr(module, first)
+
+        def both(*a, **k):
+            out = real(*a, **k)
+            shm[2] = shm[2] or shm[1]
+            return out
+        setattr(module, first, both)
+    else:
+        wrap(module, first, "first")
+        wrap(module, last, "last")
     buf = open_folder(name, path, continue_episodes=True)
     buf.close()
 
 
-def _kill_at_each_op(name: str, src: Path, work: Path, step: str, shm: np.ndarray) -> list[Path]:
+def _kill_at_each_op(name: str, src: Path, work: Path, step: tuple, shm: np.ndarray) -> list[Path]:
     """A child resumes a copy of ``src`` and is killed at op 1, 2, ... up to
-    the op after ``step`` returned; returns the folders left, in order."""
+    the op after ``step`` ended; returns the storages left, in order."""
     out, n, last = [], 0, None
     while last is None or n <= last:
         n += 1
-        path = work / f"t{n}"
-        shutil.copytree(src, path)
+        path = work / f"t{n}" / src.name
+        path.parent.mkdir(parents=True)
+        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, path)
         shm[:] = (n, 0, 0, 0)
         pid = os.fork()
         if pid == 0:
@@ -224,10 +253,10 @@ def _kill_at_each_op(name: str, src: Path, work: Path, step: str, shm: np.ndarra
 
 
 def _resumes_as_before(name: str, path: Path, want: dict) -> str:
-    """The folder left is the older bigper's or this one's, never a mix, and a
-    resume gives what the older bigper gave; which one it was."""
+    """The storage left is the older bigper's or this one's, never a mix, and
+    a resume gives what the older bigper gave; which one it was."""
     arrays = set(recorded(path)["arrays"])
-    old = set(recorded(DATA / name)["arrays"])
+    old = set(recorded(DATA / name if (DATA / name).is_dir() else DATA / f"{name}.h5")["arrays"])
     assert arrays == old or arrays == (old - {"obs_ref", "next_obs_ref"}) | {"frame_ref", "frame_off"}, arrays
     buf = open_folder(name, path, continue_episodes=True)
     assert len(buf) == want["len"] and buf.total_priority == want["total_priority"]
@@ -235,31 +264,97 @@ def _resumes_as_before(name: str, path: Path, want: dict) -> str:
     buf.close()
     meta = recorded(path)
     assert "frame_off" in meta["arrays"] and not {"converting", "converted"} & set(meta)
-    assert sorted(p.name for p in (path / "data").iterdir()) == sorted(f"{a}.bin" for a in meta["arrays"])
-    assert not {"gid.npy", "frames_minref.npy"} & {p.name for p in (path / "state").iterdir()}
+    if path.is_dir():
+        assert sorted(p.name for p in (path / "data").iterdir()) == sorted(f"{a}.bin" for a in meta["arrays"])
+        assert not {"gid.npy", "frames_minref.npy"} & {p.name for p in (path / "state").iterdir()}
+    else:  # nothing beside the file but its lock
+        assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, path.name + ".lock"])
     return "old" if "obs_ref" in arrays else "new"
+
+
+def _warm(name: str, tmp_path: Path) -> None:
+    warm = open_folder(name, copy(name, tmp_path / "warm"), continue_episodes=True)  # kernels compiled before forks
+    warm.sample(4)
+    warm.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="forks a child to kill (Linux)")
 def test_kill_9_at_any_point_of_the_conversion_leaves_the_old_folder_or_the_new_one(tmp_path):
     """A real SIGKILL before each file operation of the conversion (then of
     the next open's clearing of the old files it left), one trial each."""
+    from bigper.storage import _relayout
+
     name = FOLDERS[0]
     want = expected(name)
-    warm = open_folder(name, copy(name, tmp_path / "warm"), continue_episodes=True)  # kernels compiled before forks
-    warm.sample(4)
-    warm.close()
+    _warm(name, tmp_path)
     page = mmap.mmap(-1, mmap.PAGESIZE)
     shm = np.frombuffer(page, dtype=np.int64, count=4)
     try:
-        left = _kill_at_each_op(name, DATA / name, tmp_path / "convert", "write_new", shm)
+        left = _kill_at_each_op(name, DATA / name, tmp_path / "convert", (_relayout, "write_new", "write_new"), shm)
         committed = left[-1]  # killed just after the commit: the new folder, the old files still named
         assert "converted" in recorded(committed)
-        shutil.copytree(committed, tmp_path / "committed")
+        shutil.copytree(committed, tmp_path / "committed" / name)
         # the next open clears what the conversion left (the old files), killed at each step of that too
-        left += _kill_at_each_op(name, tmp_path / "committed", tmp_path / "recover", "recover", shm)
+        left += _kill_at_each_op(name, tmp_path / "committed" / name, tmp_path / "recover",
+                                 (_relayout, "recover", "recover"), shm)
     finally:
         del shm
         page.close()
     kinds = [_resumes_as_before(name, path, want) for path in left]
     assert set(kinds) == {"old", "new"} and len(left) > 15, (kinds, len(left))
+
+
+# -- the HDF5 storage's file ------------------------------------------------------------------------
+
+
+def test_an_older_hdf5_storage_resumes_converted_into_a_new_file(tmp_path):
+    want = expected(H5)
+    path = copy(H5, tmp_path)
+    buf = open_folder(H5, path, continue_episodes=True)
+    assert len(buf) == want["resume"]["len"] and buf.total_priority == want["resume"]["total_priority"]
+    same_far(buf, want["far"])
+    same_batches(buf, want["resume"]["batches"])
+    buf.close()
+    meta = recorded(path)
+    assert {"frame_ref", "frame_off"} <= set(meta["arrays"]) and not {"obs_ref", "next_obs_ref"} & set(meta["arrays"])
+    assert meta["arrays"]["frame_off"]["dtype"] == "<u2"  # (its references lie further apart than uint8 holds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, path.name + ".lock"])
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        assert not {"gid", "frames_minref"} & set(f["_bigper/state"])
+    assert verify_live(path).status == OK
+    again = open_folder(H5, path, continue_episodes=True)
+    same_far(again, want["far"])
+    again.close()
+
+
+def test_an_older_hdf5_storage_is_read_converted_in_memory_where_nothing_may_change(tmp_path):
+    want = expected(H5)
+    path = copy(H5, tmp_path)
+    before = fingerprint(tmp_path)
+    buf = open_folder(H5, path, read_only=True)
+    assert len(buf) == want["resume"]["len"]
+    same_far(buf, want["far"])
+    same_batches(buf, want["resume"]["batches"][:1], update=False)
+    buf.close()
+    assert verify_live(path).status == OK
+    after = fingerprint(tmp_path)
+    assert {k: v for k, v in after.items() if not k.endswith(".lock")} == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="forks a child to kill (Linux)")
+def test_kill_9_at_any_point_of_an_hdf5_files_conversion_leaves_the_old_file_or_the_new_one(tmp_path):
+    from bigper.storage import _h5relayout
+
+    want = dict(expected(H5)["resume"], len=expected(H5)["resume"]["len"])
+    _warm(H5, tmp_path)
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    shm = np.frombuffer(page, dtype=np.int64, count=4)
+    try:
+        left = _kill_at_each_op(H5, DATA / f"{H5}.h5", tmp_path / "convert", (_h5relayout, "rewrite", "swap"), shm)
+    finally:
+        del shm
+        page.close()
+    kinds = [_resumes_as_before(H5, path, want) for path in left]
+    assert set(kinds) == {"old", "new"}, kinds
