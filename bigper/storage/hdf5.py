@@ -256,8 +256,7 @@ class HDF5Storage(StorageBase):
                 for name, (most, shape, dtype) in specs.items():
                     row_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                     rows = min(int(most), growth[name]) if name in growth else most
-                    chunk_rows = growth[name] if name in growth else \
-                        int(max(1, min(rows, CHUNK_BYTES // max(row_bytes, 1))))
+                    chunk_rows = growth[name] if name in growth else _chunk_rows(int(rows), row_bytes)
                     early = {}
                     if reserve:  # every chunk placed now; never written with fill values
                         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -324,7 +323,7 @@ class HDF5Storage(StorageBase):
         for name, a in new.items():
             row_bytes = int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
             meta["arrays"][name] = {"rows": int(a.shape[0]), "shape": list(a.shape[1:]), "dtype": a.dtype.str,
-                                    "chunk_rows": int(max(1, min(a.shape[0], CHUNK_BYTES // max(row_bytes, 1))))}
+                                    "chunk_rows": _chunk_rows(int(a.shape[0]), row_bytes)}
         size = os.fstat(self._file.id.get_vfd_handle()).st_size
         st = os.statvfs(self._dir.root)
         if st.f_bavail * st.f_frsize < size + size // 16 + (1 << 20):
@@ -366,21 +365,24 @@ class HDF5Storage(StorageBase):
             raise InvalidArgumentError(f"{self.path} is open read_only")
         d = self.dsets[name]
         before = int(d.shape[0])
-        # The new chunks' bytes (and room for HDF5's metadata) reserved past the end of the
-        # file before HDF5 writes them: HDF5 places them at its end of allocation, inside what
-        # is reserved, so a full disk is an OSError here with nothing changed. (An ENOSPC
-        # inside HDF5 leaves the library's state broken: every later flush fails.)
-        size = os.stat(self._fp).st_size
+        # The new chunks' bytes (and room for HDF5's metadata) reserved past HDF5's end of
+        # allocation before HDF5 writes them: HDF5 places them there, inside what is reserved,
+        # so a full disk is an OSError here with nothing changed. (An ENOSPC inside HDF5 leaves
+        # the library's state broken: every later flush fails.) Reserved without lengthening
+        # the file (FALLOC_FL_KEEP_SIZE): a file lengthened by the reservation keeps the
+        # part HDF5 does not use as zeros past its last object, 64 KiB a growth (issue 43 s. 2:
+        # 171-187 bytes a transition at 20,000 Atari transitions); what is left goes at close.
+        size = max(int(self._file.id.get_filesize()), 0)  # (HDF5's end of allocation, or its end of file)
         extra = (int(rows) - before) * int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize + (1 << 16)
         try:
             fd = open_regular(self._fp, os.O_RDWR)
             try:
-                os.posix_fallocate(fd, size, extra)
+                _fallocate_keep_size(fd, size, extra)
             finally:
                 os.close(fd)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.truncate(self._fp, size)
+            with contextlib.suppress(OSError):  # (blocks reserved past the end go back)
+                os.truncate(self._fp, os.stat(self._fp).st_size)
             raise OSError(e.errno, f"{e.strerror or e} (growing {name} to {int(rows):,} rows: reserving "
                           f"{extra:,} bytes)", str(self.path)) from None
         try:
@@ -643,6 +645,15 @@ class HDF5Storage(StorageBase):
 _FALLOC_FL_KEEP_SIZE = 1
 
 
+def _chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows a chunk of a dataset of ``rows`` rows: about ``CHUNK_BYTES`` a
+    chunk, the rows spread evenly over the chunks, so the last one does not
+    hang far past them (its space is allocated whole)."""
+    per = max(1, min(rows, CHUNK_BYTES // max(row_bytes, 1)))
+    n = -(-rows // per)
+    return max(1, -(-rows // n))
+
+
 def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
     """``fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length)``: blocks reserved, size unchanged.
     Where the call or the flag is missing, the free space is only looked at (``statvfs``),
@@ -665,7 +676,7 @@ def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
     st = os.fstatvfs(fd)
     if st.f_bavail * st.f_frsize < length:
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({st.f_bavail * st.f_frsize} bytes free, "
-                                    f"close needs up to {length})")
+                                    f"{length} needed)")
 
 
 _LIBC = None
