@@ -46,13 +46,14 @@ from tensordict import TensorDict, TensorDictBase
 from .. import PrioritizedReplayBuffer as CoreBuffer
 from ..errors import (
     BigperError,
+    IncompatibleSnapshotError,
     InvalidArgumentError,
     InvalidTypeError,
     PathExistsError,
 )
 from ..frames.refs import refs_from_stacks
 from ..status import LIVE, PENDING
-from ..storage import in_memory
+from ..storage import in_memory, open_storage
 from ._torchrl_layout import NEXT, SAMPLE_KEYS, STEPS_KEY, DONE, TERMINATED, TRUNCATED, Key, Layout
 
 __all__ = ["PrioritizedReplayBuffer"]
@@ -81,6 +82,8 @@ def _current_refs(cfg, data: dict, arrays: dict) -> dict:
     out = {n: a for n, a in data.items() if n not in ("obs_ref", "next_obs_ref")}
     out["frame_ref"], out["frame_off"] = fref, foff
     return out
+
+
 _REDUCTIONS = ("max", "min", "mean", "median", "sum")
 # torch dtypes a field can hold (numpy has the same one): anything else is refused by name
 _DTYPES = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
@@ -623,7 +626,10 @@ class PrioritizedReplayBuffer:
                 meta = json.loads(state_dict["meta"])
                 arrays = {str(k): np.array(v.numpy()) for k, v in state_dict["state"].items()}
                 data = {str(k): v.numpy() for k, v in state_dict["data"].items()}
+                older = cfg.frame_stack and "obs_ref" in data and "frame_ref" not in data
                 data = _current_refs(cfg, data, arrays)
+                if older:  # each slot's oldest frame follows from the converted references: derived, not taken
+                    arrays.pop("frames_minref", None)
             except BigperError:
                 raise
             except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -638,6 +644,9 @@ class PrioritizedReplayBuffer:
                                            f"{sorted(self._layout.fields)}")
             new = self._open(layout)
             try:
+                off, was = data.get("frame_off"), new.storage.writable_arrays.get("frame_off")
+                if off is not None and was is not None and off.dtype != was.dtype:
+                    new = self._widened(new, off.dtype)  # (converted references that need wider offsets)
                 have = new.storage.writable_arrays
                 if set(have) != set(data):
                     raise InvalidArgumentError(f"state_dict['data'] has arrays {sorted(data)}, expected {sorted(have)}")
@@ -654,6 +663,27 @@ class PrioritizedReplayBuffer:
             self._issued.clear()
             if old is not None:
                 old.close()
+
+    def _widened(self, core: CoreBuffer, dtype) -> CoreBuffer:
+        """``core`` (empty, in memory; closed here) made again with frame
+        offsets of ``dtype``: wider than its config's, as a buffer converted
+        from the older format keeps them (``frames.refs.check_offsets``;
+        another dtype is ``InvalidArgumentError``)."""
+        from ..core.layout import storage_growth, storage_specs
+        from ..frames.store import FrameStore
+
+        cfg = core.config
+        try:
+            frames = FrameStore(cfg, None, offsets=dtype)
+        except IncompatibleSnapshotError as e:
+            core.close()
+            raise InvalidArgumentError(f"state_dict['data']['frame_off']: {e}") from None
+        store = open_storage(cfg.storage)
+        store.open(cfg.to_dict())
+        specs, growth = storage_specs(cfg, frames), storage_growth(cfg, frames)
+        store.allocate(specs, growth) if growth else store.allocate(specs)
+        core.close()
+        return CoreBuffer.from_parts(cfg, store, device=self._core_kw["device"])
 
     def dumps(self, path: str | os.PathLike[str]) -> Path:
         """Write a bigper snapshot (crash-consistent, checksummed, no pickle) at

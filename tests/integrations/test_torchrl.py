@@ -278,3 +278,43 @@ def test_constructor_refusals_name_the_argument():
     with pytest.raises(InvalidArgumentError, match="batch_size must be a positive int"):
         PrioritizedReplayBuffer(capacity=4, batch_size=0)
     assert os.environ.get("BIGPER_NEVER_SET") is None
+
+
+def test_an_older_state_dict_converts_with_the_offsets_its_references_need():
+    """A state_dict an older bigper gave (frame references whole: ``obs_ref``,
+    ``next_obs_ref``) loads converted, to wider offsets where a live
+    transition's frames lie further apart than the config's uint8 hold (an
+    older writer reused frames without a reach); a negative id in a live slot
+    is refused, the buffer as it was."""
+    from bigper.frames.store import frame_capacity
+
+    rb = PrioritizedReplayBuffer(capacity=300, frame_stack=4, batch_size=8, seed=1)
+    rb.extend(stream(300))
+    sd = rb.state_dict()
+    core, slots = rb.buffer, np.arange(300)
+    obs, nxt = core._frames.refs("obs_ref", slots), core._frames.refs("next_obs_ref", slots)
+    live = np.flatnonzero(sd["state"]["status"].numpy() == 1)
+    fw = json.loads(sd["meta"])["frames"]["fw"]
+    s, oldest = int(live[-1]), fw - frame_capacity(300, 4, 1)
+
+    def older(o):
+        out = dict(sd, data={k: v for k, v in sd["data"].items() if k not in ("frame_ref", "frame_off")})
+        out["data"].update(obs_ref=torch.from_numpy(o), next_obs_ref=torch.from_numpy(nxt))
+        return out
+    same = PrioritizedReplayBuffer(capacity=300, frame_stack=4, batch_size=8, seed=8)
+    same.load_state_dict(older(obs))
+    assert same.buffer.storage.arrays["frame_off"].dtype == np.uint8
+    _same_draws(_draws(rb), _draws(same))
+    far = obs.copy()
+    far[s, 0] = oldest  # a frame still stored, further back than uint8 offsets reach
+    assert nxt[s].max() - oldest > 255
+    wide = PrioritizedReplayBuffer(capacity=300, frame_stack=4, batch_size=8, seed=8)
+    wide.load_state_dict(older(far))
+    assert wide.buffer.storage.arrays["frame_off"].dtype == np.uint16
+    assert wide.buffer._frames.refs("obs_ref", np.array([s])).tolist() == [far[s].tolist()]
+    assert _draws(wide)
+    bad = obs.copy()
+    bad[s, 1] = -4
+    with pytest.raises(InvalidArgumentError, match=f"slot {s}"):
+        wide.load_state_dict(older(bad))
+    assert wide.buffer._frames.refs("obs_ref", np.array([s])).tolist() == [far[s].tolist()]
