@@ -206,7 +206,7 @@ def _info_storage(path: Path, args) -> int:
         print(f"  {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']}")
     if "obs_ref" in meta.get("arrays", {}) and "frame_ref" not in meta.get("arrays", {}):
         print("  its frame references are an older bigper's (obs_ref / next_obs_ref, whole int64 ids): read "
-              "converted, and converted in place at the next resume (frame_ref + frame_off)")
+              "converted in memory; a writer's next resume converts them on disk (frame_ref + frame_off)")
     line = _device_line(cfg)
     if line:
         print(line.lstrip("\n"))

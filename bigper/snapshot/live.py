@@ -111,7 +111,7 @@ def verify_live(path: Path) -> Verdict | None:
                        + (f"; {frames_checked:,} compressed frames decompressed and checked)"
                           if cfg.compression else ")"),
                    ("its frame references are in an older bigper's format (obs_ref / next_obs_ref): read "
-                    "converted, and converted in place at the next resume",) if older else ())
+                    "converted in memory; a writer's next resume converts them on disk",) if older else ())
 
 
 def _verify_frames(cfg: Config, store: StorageBase, state_meta: dict[str, Any], arrays: dict[str, Any],
