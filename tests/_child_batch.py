@@ -41,12 +41,11 @@ def exit_like():
     # still open closed by bigper's own exit handler, HDF5 files still open closed.
     import gc
     gc.collect()
-    # (A stale name: bigper._lifecycle is gone since the redesign, so this never runs. With the right one,
-    # bigper.core.lifecycle, the batches pass but take twice as long, which would push CI past its 15
-    # minutes; left as it was until the batches are made cheaper. See the issue 42 closing note.)
-    lifecycle = sys.modules.get("bigper._lifecycle")
-    if lifecycle is not None:
-        lifecycle._close_all_at_exit()
+    # (bigper's exit handler, by its module: imported, not looked up, so that a rename fails here
+    # loudly instead of leaving the buffers to the next case)
+    if "bigper" in sys.modules:
+        from bigper.core.lifecycle import _close_all_at_exit
+        _close_all_at_exit()
     h5py = sys.modules.get("h5py")
     if h5py is not None:
         for fid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):

@@ -4,11 +4,15 @@ after the point the child reported, however slow the child is to get there."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 from tests._child import Child
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A child that reports "ready" and then dies of an error before the point the test waits for,
 # the way a child that finds an unclean folder does.
@@ -64,3 +68,33 @@ def test_a_child_silent_past_the_timeout_fails_and_is_killed():
         with pytest.raises(pytest.fail.Exception, match="printed nothing for 0.5 s"):
             child.said("saved", timeout=0.5)
         assert child.proc.returncode is not None  # not left running
+
+
+# -- tests/_child_batch.py: many cases in one child, each as if in a fresh interpreter --------------
+
+LEAVE_OPEN = r"""
+import sys, numpy as np, bigper
+path, what = sys.argv[1], sys.argv[2]
+fields = {"obs": ((2,), np.float32)}
+if what == "leave":  # opened, written, never closed: the interpreter's exit closes it
+    buf = bigper.PrioritizedReplayBuffer(8, fields, storage="memmap", path=path, mode="new")
+    buf.add(obs=np.zeros(2, np.float32), next_obs=np.ones(2, np.float32))
+    import builtins
+    builtins.kept_by_the_case = buf  # alive past the case's globals, as a module's would be till exit
+else:  # the next case resumes it: its lock released and its state recorded by that exit
+    with bigper.PrioritizedReplayBuffer(8, fields, storage="memmap", path=path, mode="resume") as back:
+        print("len", len(back))
+"""
+
+
+def test_a_batch_case_ends_as_an_interpreter_exit_would(tmp_path):
+    """A buffer a case leaves open is closed by bigper's own exit handler before the next case
+    runs (its lock released, its state on disk), as a fresh interpreter's exit would."""
+    from tests._child_batch import run_batch
+
+    path = tmp_path / "run"
+    got = run_batch(LEAVE_OPEN, {"leave": [path, "leave"], "resume": [path, "resume"]},
+                    env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert got["leave"].returncode == 0, got["leave"].stderr
+    assert got["resume"].returncode == 0, got["resume"].stderr
+    assert "len 1" in got["resume"].stdout

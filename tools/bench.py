@@ -3,7 +3,7 @@
 Every workload runs bigper and the installed peers (cpprb, Tianshou, TorchRL)
 on the same data and reports times plus ratios ``peer time / bigper time``.
 Absolute numbers move with the machine and its load; ratios taken in the same
-run are what the targets in DESIGN.md use.
+run are what the targets (docs/benchmarks.md) use.
 
 Usage::
 

@@ -17,7 +17,7 @@ Reported:
 - ``disk B/tr``: the blocks every file of the buffer's directory holds
   (``st_blocks * 512``, summed) over the capacity;
 - ``held``: sampleable transitions (``status == 1``, the public status
-  array) over the capacity: ``capacity`` is a promise (DESIGN.md, 15);
+  array) over the capacity: ``capacity`` is a promise (docs/reliability.md);
 - ``frame B``: the mean compressed size of the frames the live transitions
   use, and ``log B/frame``: the budget the buffer chose;
 - the round: ``sample(32)`` + ``update_priorities``, median µs, warm (after

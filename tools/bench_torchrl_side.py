@@ -243,12 +243,19 @@ def resume_reader(cfg: dict) -> dict:
     torch.set_num_threads(1)
     n, lib = cfg["transitions"], cfg["lib"]
     rb, _ = make_buffer(lib, 2 * n, cfg["scratch"], seed=4)
+    notes = {}
     t0 = time.perf_counter()
     if lib == "bigper":
         rb.loads(cfg["snap"], rewind=True)  # the killed run wrote past its snapshot at this path
     else:
-        rb.loads(cfg["snap"])
-    out = {"loads_s": time.perf_counter() - t0, "len": len(rb), **_digest(rb.sample(32))}
+        try:
+            rb.loads(cfg["snap"])
+        except RuntimeError as e:  # TorchRL: its loads will not write over the killed run's memmap files
+            notes = {"same_scratch_dir": f"{type(e).__name__}: {e}"[:300], "loaded_into": "a new scratch_dir"}
+            rb, _ = make_buffer(lib, 2 * n, cfg["scratch"] + "-fresh", seed=4)
+            t0 = time.perf_counter()
+            rb.loads(cfg["snap"])
+    out = {**notes, "loads_s": time.perf_counter() - t0, "len": len(rb), **_digest(rb.sample(32))}
     p = _priorities(rb, lib, n)
     if p is not None and os.path.exists(cfg["snap_prio"]):
         out["same_priorities"] = bool(np.array_equal(p, np.load(cfg["snap_prio"])))

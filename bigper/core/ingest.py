@@ -1,7 +1,7 @@
 """Validation of what ``add`` and ``extend`` take: every check happens before
 anything is written, so bad input leaves the buffer exactly as it was.
 
-Values are stored losslessly or refused (DESIGN promise 12, ``cast_exact``):
+Values are stored losslessly or refused (promise 12 in docs/reliability.md, ``cast_exact``):
 into an integer field only integers (and integral floats) in its range, into
 a bool field only 0 and 1, into a float field any value whose cast is finite
 (or that was already inf or NaN). Complex values go into complex fields only.

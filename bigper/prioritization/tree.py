@@ -48,10 +48,14 @@ def _layout(n: int, k: int = FANOUT) -> tuple[np.ndarray, np.ndarray, int]:
 
 def _alloc(n: int, fill: float) -> np.ndarray:
     """float64 array on fresh anonymous pages, 4 KiB aligned, backed by huge
-    pages where the kernel allows it: random descents then miss the TLB less."""
+    pages where the kernel allows it: random descents then miss the TLB less.
+    Private pages (``mmap``'s default is a shared mapping): a forked child
+    gets its own copy of the tree, as of every other array, never the
+    parent's live one."""
     if n == 0:
         return np.zeros(0, dtype=np.float64)
-    m = mmap.mmap(-1, n * 8)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    m = mmap.mmap(-1, n * 8, flags=flags) if flags else mmap.mmap(-1, n * 8)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)

@@ -85,33 +85,24 @@ def test_demo_3000_steps_prints_its_table_and_writes_its_png(tmp_path):
     _check_run(r, run, 3000)
 
 
-def test_demo_sizes_its_buffer_to_the_run(tmp_path):
+def test_demo_sizes_its_buffer_to_the_run_with_rank(tmp_path):
     """Without ``--capacity`` a run of fewer steps than 1M preallocates the slots it fills (every
     one of them, so a full disk is still an error at creation), not 7.2 GB of slots it never writes,
-    and says so before it starts."""
+    and says so before it starts. The same run takes ``--prioritization rank`` through the same
+    checks (snapshot, restore, identical batches): one short run for both, for CI's time."""
     pytest.importorskip("torch")
     pytest.importorskip("ale_py")
     pytest.importorskip("matplotlib")
     from bigper.demo import CAPACITY, estimate_bytes
 
     run = tmp_path / "run"
-    r = _bigper("demo", "--steps", "600", "--verify-batches", "3", "--path", str(run), cwd=tmp_path)
-    res = _check_run(r, run, 600, verify=3)
+    r = _bigper("demo", "--steps", "600", "--verify-batches", "3", "--prioritization", "rank",
+                "--path", str(run), cwd=tmp_path)
+    res = _check_run(r, run, 600, verify=3, prioritization="rank")
     assert res["capacity"] == res["held"] == 600
     assert res["bytes_per_transition_held"] == pytest.approx(res["bytes_per_slot"])
     assert res["disk_bytes"] < estimate_bytes(600) < estimate_bytes(CAPACITY) / 100
     assert "sized to --steps" in r.stdout
-
-
-def test_demo_rank_switch(tmp_path):
-    """``--prioritization rank``: a shorter run through the same checks (snapshot, restore, identical batches)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("ale_py")
-    pytest.importorskip("matplotlib")
-    run = tmp_path / "run"
-    r = _bigper("demo", "--steps", "700", "--capacity", "5000", "--verify-batches", "5",
-                "--prioritization", "rank", "--path", str(run), cwd=tmp_path)
-    _check_run(r, run, 700, verify=5, prioritization="rank")
 
 
 def test_sample_calls_counts_the_learner_steps():

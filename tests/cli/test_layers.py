@@ -78,7 +78,7 @@ print(len(names), sorted(k for k in heavy if k in sys.modules))
 def test_core_imports_no_heavy_extra():
     """Every module outside distributed/integrations/examples imports without
     torch, JAX, Ray, SB3, Gymnasium or matplotlib: those load inside the functions
-    that need them (DESIGN: ``import bigper`` stays light)."""
+    that need them (``import bigper`` stays light)."""
     p = _run(CORE_LIGHT)
     assert p.returncode == 0, p.stderr
     count, loaded = p.stdout.strip().split(" ", 1)

@@ -1,4 +1,4 @@
-"""Input is stored losslessly or refused (DESIGN promise 12).
+"""Input is stored losslessly or refused (promise 12, docs/reliability.md).
 
 Every value ``add``/``extend`` take is either stored exactly (integer and bool
 fields: the very number given; float fields: the nearest value of the field's
