@@ -712,12 +712,21 @@ class FrameStore:
 
     def _refs(self, name: str, slots: np.ndarray) -> np.ndarray:
         stack = REF_NAMES.index(name)
+        fref, foff = self._stored(slots)
+        return unpack_refs(fref, foff, self.k, stack)
+
+    def _stored(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(frame_ref, frame_off)`` rows of ``slots`` as stored."""
         arrays = self.store.arrays
         if arrays is None:
-            fref, foff = self.store.read("frame_ref", slots), self.store.read("frame_off", slots)
-        else:  # take() beats fancy indexing for a batch
-            fref, foff = arrays["frame_ref"].take(slots, axis=0), arrays["frame_off"].take(slots, axis=0)
-        return unpack_refs(fref, foff, self.k, stack)
+            return self.store.read("frame_ref", slots), self.store.read("frame_off", slots)
+        # take() beats fancy indexing for a batch
+        return arrays["frame_ref"].take(slots, axis=0), arrays["frame_off"].take(slots, axis=0)
+
+    def _ids(self, slots: np.ndarray) -> np.ndarray:
+        """``(B, 2k)`` frame ids of the obs then the next_obs stacks at ``slots``."""
+        fref, foff = self._stored(slots)
+        return fref[:, None] - foff.astype(np.int64)
 
     def pair(self, slots: np.ndarray, out: np.ndarray | None = None,
              last: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -732,8 +741,11 @@ class FrameStore:
         the stacks are not such a pair.
         """
         last = slots if last is None else last
-        ro = self._refs("obs_ref", slots)
-        rn = self._refs("next_obs_ref", last)
+        if last is slots and self.has_next:  # (one read of each slot's references for both stacks)
+            ids = self._ids(slots)
+            ro, rn = ids[:, :self.k], ids[:, self.k:]
+        else:
+            ro, rn = self._refs("obs_ref", slots), self._refs("next_obs_ref", last)
         arrays = self.store.arrays
         b, k = slots.shape[0], self.k
         if (arrays is None and self.log is None) or not (rn[:, :-1] == ro[:, 1:]).all():

@@ -141,6 +141,28 @@ def test_an_older_live_folder_resumes_converted_in_place(name, tmp_path):
     loaded.close()
 
 
+def test_an_older_live_folder_converts_into_several_chunk_files(tmp_path):
+    """Opened with small chunks, the converted arrays are laid out in several
+    chunk files each, named before they exist; the folder resumes again."""
+    name = FOLDERS[1]
+    want = expected(name)
+    path = copy(name, tmp_path)
+    buf = open_folder(name, path, continue_episodes=True, storage_options={"chunk_bytes": 4096})
+    same_far(buf, want["far"])
+    same_batches(buf, want["batches"])
+    buf.close()
+    meta = recorded(path)
+    for array in ("frame_ref", "frame_off"):
+        rec = meta["arrays"][array]
+        assert rec["chunk_rows"] < rec["rows"] and (path / "data" / f"{array}.000001.bin").is_file(), rec
+    assert sorted(p.name for p in (path / "data").iterdir()) == sorted(
+        f"{n}.bin" if k == 0 else f"{n}.{k:06d}.bin" for n, r in meta["arrays"].items()
+        for k in range(-(-r["rows"] // r["chunk_rows"])))
+    again = open_folder(name, path, continue_episodes=True)
+    same_far(again, want["far"])
+    again.close()
+
+
 @pytest.mark.parametrize("name", FOLDERS)
 def test_an_older_live_folder_is_read_converted_in_memory_where_nothing_may_change(name, tmp_path):
     """``read_only`` and ``bigper verify``: the folder converted in memory, its files untouched."""
