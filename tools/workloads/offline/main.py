@@ -235,10 +235,11 @@ def run_offline(size: str, root: Path, cold: bool = True, say=print) -> dict:
     r["stream_warm"] = stream_pair(bigper, src, names, root / "d4rl.prio", 5, cold=False)
     if cold:
         r["stream_cold"] = stream_pair(bigper, src, names, root / "d4rl.prio", 1, cold=True)
-    def open_twin():
-        return bigper.PrioritizedReplayBuffer(n_vec, D4RL_FIELDS, storage="memmap", path=root / "d4rl-memmap")
+    def open_twin(mode="resume"):  # made once, then reopened as it is for each sample run
+        return bigper.PrioritizedReplayBuffer(n_vec, D4RL_FIELDS, storage="memmap", path=root / "d4rl-memmap",
+                                              mode=mode)
 
-    with open_twin() as twin:
+    with open_twin("new") as twin:
         d4rl_twin(twin, src, n_vec)
     r["sample"] = sample_both(bigper, src, root / "d4rl-memmap", open_twin, root / "d4rl.prio2", rounds, blocks,
                               cold)
@@ -258,11 +259,11 @@ def run_offline(size: str, root: Path, cold: bool = True, say=print) -> dict:
     if cold:
         r["stream_cold"] = stream_pair(bigper, src, names, root / "atari.prio", 1, cold=True)
     say("[offline] atari: memmap twin ...", flush=True)
-    def open_twin_atari():
+    def open_twin_atari(mode="resume"):  # likewise
         return bigper.PrioritizedReplayBuffer(n_atari, ATARI_FIELDS, storage="memmap", path=root / "atari-memmap",
-                                              **kw)
+                                              mode=mode, **kw)
 
-    with open_twin_atari() as twin:
+    with open_twin_atari("new") as twin:
         fill_atari(twin, n_atari, pool)
     r["sample"] = sample_both(bigper, src, root / "atari-memmap", open_twin_atari, root / "atari.prio2", rounds,
                               blocks, cold)
