@@ -124,8 +124,9 @@ def _tools_graph() -> dict[str, set[str]]:
                 deps |= {known(a.name) for a in node.names}
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base]).strip(".")
                 deps |= {known(f"{base}.{a.name}") for a in node.names}
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" \
                     and node.args and isinstance(node.args[0], ast.Constant):
@@ -201,11 +202,11 @@ def test_tools_are_grouped_by_workload():
     """tools/ holds the command line, the shared helpers and one package per workload
     under workloads/ (plus dev/ and results/); every workload of the command line is
     the ``main`` module of its own package there."""
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import bench
-    finally:
-        sys.path.remove(str(TOOLS))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_tools_bench", TOOLS / "bench.py")  # not "bench" in sys.modules
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     assert sorted(p.name for p in TOOLS.glob("*.py")) == ["bench.py", "benchkit.py"]
     assert sorted(p.name for p in TOOLS.iterdir() if p.is_dir() and p.name != "__pycache__") == \
         ["dev", "results", "workloads"]
@@ -241,7 +242,7 @@ def test_tools_names_shadow_nothing_installed():
 @pytest.mark.parametrize("script", ["atari/child.py", "atari/loop.py", "atari/scale.py", "codecs/frames.py"])
 def test_a_child_script_started_by_path_finds_benchkit_and_its_siblings(script, tmp_path):
     """The scripts a workload starts by path in a child process import from tools/ (benchkit,
-    workloads.*) whatever the working directory; their own folder is not an import root."""
+    workloads.*) from any working directory (torchrl/side.py: tests/cli/test_bench_torchrl.py)."""
     args = [] if script == "atari/scale.py" else ["--help"]  # scale.py's child runs only with --child
     p = subprocess.run([sys.executable, str(TOOLS / "workloads" / script), *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)

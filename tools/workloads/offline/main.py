@@ -337,7 +337,8 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoints", type=int, default=3, help="--dqn-replay: checkpoints (3)")
     p.add_argument("--workers", type=int, help="--dqn-replay: gunzip threads (default: one per core)")
     p.add_argument("--scale", action="store_true", help="--dqn-replay: the issue 43 §4 scale run: kill -9 "
-                   "and resume of convert and reprioritize, sample + update rounds (tools/workloads/offline/dqn_scale.py)")
+                   "and resume of convert and reprioritize, sample + update rounds "
+                   "(tools/workloads/offline/dqn_scale.py)")
     p.add_argument("--distinct", type=int, default=2, help="--scale: checkpoints written (the rest are links; 2)")
     p.add_argument("--pool", type=int, default=100_000, help="--scale: steps of ALE play recorded (100,000)")
     p.add_argument("--gzip-level", type=int, default=1, help="--scale: gzip level of the run's files (1)")
