@@ -16,11 +16,16 @@ such; a library that fails (bigper while it is being written, say) is reported
 with its error and the others still run.
 
 Layout: this file only parses the command line and dispatches. Each workload
-lives in ``tools/bench_<workload>.py`` (``add_arguments(parser)``, and either
-``func`` set on the parser's defaults or ``main(args) -> int``) and is
-imported only when it runs; the shared helpers (versions, timing, tables) are
-in ``tools/benchkit.py``. To add a workload, write its module and add a line to
-``WORKLOADS``.
+is a package of its own, ``tools/workloads/<workload>/``: its ``main.py``
+(``add_arguments(parser)``, and either ``func`` set on the parser's defaults
+or ``main(args) -> int``) is imported only when it runs; the package's other
+modules are its helpers and the scripts it starts by path in child processes
+(``atari/child.py``, ``torchrl/side.py``). tools/ is the import root
+(``import benchkit``, ``from workloads.atari.data import Stream``); the shared
+helpers (versions, timing, tables) are in ``tools/benchkit.py``. A workload
+may use another's module (learner and torchrl take atari's data, torchrl runs
+sequences' sides), never this file. To add a workload, write its package and
+add a line to ``WORKLOADS``.
 """
 
 from __future__ import annotations
@@ -32,31 +37,47 @@ import sys
 
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# workload -> (module in tools/, one line of help)
+# workload -> (its module: tools/workloads/<workload>/main.py, one line of help)
 WORKLOADS: dict[str, tuple[str, str]] = {
-    "offline": ("bench_offline", "HDF5 datasets in place: reprioritize vs h5py streaming, sample(256) vs memmap"),
-    "tree": ("bench_tree", "capacity 2^20: sample + IS weights + priority update, batch 32 and 256"),
-    "storage": ("bench_storage", "memory vs memmap vs HDF5 on Atari-shaped data: fill, bytes, rounds"),
-    "atari": ("bench_atari", "Atari-shaped replay, one process per library: add, sample+update, bytes; "
-                             "--compression zstd [--games|--adds]: compressed frames at scale, or game by game, or compressed adds against raw"),
-    "snapshot": ("bench_snapshot", "memmap snapshots of 100k (--million: 1M) Atari frames: first and second "
-                                   "snapshot, load with verification, each beside its baseline"),
-    "ray": ("bench_ray", "sharded buffer on a local Ray cluster: inserts/s from 2 writer actors and "
-                         "samples/s at the learner for 1, 2, 4 shards, beside one local buffer"),
-    "sb3": ("bench_sb3", "the Stable-Baselines3 drop-in beside SB3's own replay buffer"),
-    "learner": ("bench_learner", "a Nature-CNN DQN learner fed by each feed (ceiling, numpy, sample, sampler, "
-                                 "device tier, zstd), B 32 and 256, as a share of its ceiling; sequences to the device"),
-    "codecs": ("bench_codecs", "which codec for compressed frames: zstd (bigper's numba kernel), lz4, blosc2 and "
-                               "the zstandard package on real ALE frames: ratio, one frame, a batch of 160"),
-    "torchrl": ("bench_torchrl", "bigper's TorchRL drop-in beside TorchRL's TensorDictPrioritizedReplayBuffer + "
-                                 "LazyMemmapStorage: sample + update, learner share, bytes, resume after kill -9"),
-    "sequences": ("bench_sequences", "prioritized sequences (R2D2: 32 x 40+80 steps) on Atari-shaped steps: "
-                                     "add with/without, sample + update, bytes; flashbax, TorchRL"),
+    "offline": ("workloads.offline.main",
+                "HDF5 datasets in place: reprioritize vs h5py streaming, sample(256) vs memmap"),
+    "tree": ("workloads.tree.main",
+             "capacity 2^20: sample + IS weights + priority update, batch 32 and 256"),
+    "storage": ("workloads.storage.main",
+                "memory vs memmap vs HDF5 on Atari-shaped data: fill, bytes, rounds"),
+    "atari": ("workloads.atari.main",
+              "Atari-shaped replay, one process per library: add, sample+update, bytes; --compression zstd "
+              "[--games|--adds]: compressed frames at scale, or game by game, or compressed adds against raw"),
+    "snapshot": ("workloads.snapshot.main",
+                 "memmap snapshots of 100k (--million: 1M) Atari frames: first and second snapshot, load with "
+                 "verification, each beside its baseline"),
+    "ray": ("workloads.ray.main",
+            "sharded buffer on a local Ray cluster: inserts/s from 2 writer actors and samples/s at the "
+            "learner for 1, 2, 4 shards, beside one local buffer"),
+    "sb3": ("workloads.sb3.main",
+            "the Stable-Baselines3 drop-in beside SB3's own replay buffer"),
+    "learner": ("workloads.learner.main",
+                "a Nature-CNN DQN learner fed by each feed (ceiling, numpy, sample, sampler, device tier, "
+                "zstd), B 32 and 256, as a share of its ceiling; sequences to the device"),
+    "codecs": ("workloads.codecs.main",
+               "which codec for compressed frames: zstd (bigper's numba kernel), lz4, blosc2 and the zstandard "
+               "package on real ALE frames: ratio, one frame, a batch of 160"),
+    "torchrl": ("workloads.torchrl.main",
+                "bigper's TorchRL drop-in beside TorchRL's TensorDictPrioritizedReplayBuffer + "
+                "LazyMemmapStorage: sample + update, learner share, bytes, resume after kill -9"),
+    "sequences": ("workloads.sequences.main",
+                  "prioritized sequences (R2D2: 32 x 40+80 steps) on Atari-shaped steps: add with/without, "
+                  "sample + update, bytes; flashbax, TorchRL"),
 }
 
 
 class WorkloadMissing(Exception):
     """The workload's module is not in tools/ (a checkout without it, or one being written)."""
+
+
+def module_path(module: str) -> str:
+    """The file of ``module`` (``workloads.tree.main``) under tools/."""
+    return os.path.join(TOOLS_DIR, *module.split(".")) + ".py"
 
 
 def load_workload(name: str):
@@ -65,8 +86,9 @@ def load_workload(name: str):
     Raises
     ------
     WorkloadMissing
-        When ``tools/<module>.py`` is not there. Any other ImportError (a
-        dependency the module needs) propagates: that is the module's error.
+        When ``tools/workloads/<name>/main.py`` (or its package) is not there.
+        Any other ImportError (a dependency the module needs) propagates: that
+        is the module's error.
     """
     module = WORKLOADS[name][0]
     if TOOLS_DIR not in sys.path:  # `bigper bench` runs this file through runpy
@@ -74,10 +96,9 @@ def load_workload(name: str):
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name != module:
+        if not exc.name or not (module == exc.name or module.startswith(exc.name + ".")):
             raise
-        raise WorkloadMissing(f"bench {name}: its module {os.path.join(TOOLS_DIR, module + '.py')} "
-                              "is not there") from exc
+        raise WorkloadMissing(f"bench {name}: its module {module_path(module)} is not there") from exc
 
 
 def _chosen(argv: list[str]) -> str | None:

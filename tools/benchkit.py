@@ -1,13 +1,13 @@
 """Shared helpers of the benchmarks in tools/: versions, timing, tables.
 
-Every ``tools/bench_<workload>.py`` imports what it needs from here, and
-nothing in this module imports a bench, so the tools have one direction:
-``benchkit <- bench_<workload> <- bench`` (the command line, which imports
-the chosen workload's module only when it runs it).
+Every workload (``tools/workloads/<workload>/``) imports what it needs from
+here, and nothing in this module imports a workload, so the tools have one
+direction: ``benchkit <- workloads.<workload>.* <- bench`` (the command line,
+which imports the chosen workload's ``main`` module only when it runs it).
 
-A workload module gives ``add_arguments(parser)`` (optional) and either sets
-``func`` on the parser's defaults or defines ``main(args) -> int``; it prints
-a table and, last, one JSON line ``{"bench": "<workload>", ...}``.
+A workload's ``main`` module gives ``add_arguments(parser)`` (optional) and
+either sets ``func`` on the parser's defaults or defines ``main(args) -> int``;
+it prints a table and, last, one JSON line ``{"bench": "<workload>", ...}``.
 """
 
 from __future__ import annotations

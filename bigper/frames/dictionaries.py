@@ -18,7 +18,7 @@ the newest frames. A candidate that does not pay leaves ``base`` as it was
 (one trained on frames from before a change of content cannot pay; the next
 one can), and the next try waits ``TRAIN_FRAMES``, then twice as long after
 each candidate that does not pay either, until one is adopted or the frames
-shrink back. Measured on the real ALE pool (tools/bench_codec_frames.py,
+shrink back. Measured on the real ALE pool (tools/workloads/codecs/frames.py,
 3,000 frames a game, dictionaries trained on 1,000 frames, compared on 1,000
 later ones): a candidate of the same game saves -30% .. +14% (Qbert's levels
 change), one after a switch of game saves +26% .. +90%; 10% adopts every

@@ -89,22 +89,49 @@ def test_core_imports_no_heavy_extra():
 # -- tools/ ---------------------------------------------------------------------------
 
 
+def _tools_modules() -> dict[str, Path]:
+    """Every Python file of tools/ (tools/dev/'s maintainer scripts aside) by the
+    name it is imported as with tools/ on sys.path: ``bench``, ``benchkit``,
+    ``workloads.atari.child``, ``workloads.atari`` (its ``__init__.py``)."""
+    out = {}
+    for path in sorted(TOOLS.rglob("*.py")):
+        parts = path.relative_to(TOOLS).with_suffix("").parts
+        if parts[0] == "dev":
+            continue
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
 def _tools_graph() -> dict[str, set[str]]:
-    """script -> the tools/ scripts it imports, from the AST (every import
-    statement, inside functions too)."""
-    names = {p.stem for p in TOOLS.glob("*.py")}
+    """module -> the tools/ modules it imports, from the AST (every import
+    statement, inside functions too; ``from package import module`` is an
+    import of the module)."""
+    modules = _tools_modules()
+
+    def known(name: str) -> str | None:  # the longest prefix of ``name`` that is a module of tools/
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in modules:
+                return ".".join(parts[:i])
+        return None
+
     graph: dict[str, set[str]] = {}
-    for path in sorted(TOOLS.glob("*.py")):
-        deps = set()
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str | None] = set()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                deps.add(node.module.split(".")[0])
+                deps |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base]).strip(".")
+                deps |= {known(f"{base}.{a.name}") for a in node.names}
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" \
                     and node.args and isinstance(node.args[0], ast.Constant):
-                deps.add(str(node.args[0].value).split(".")[0])
-        graph[path.stem] = (deps & names) - {path.stem}
+                deps.add(known(str(node.args[0].value)))
+        graph[name] = {d for d in deps if d} - {name}
     return graph
 
 
@@ -140,19 +167,92 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
+def test_tools_graph_follows_package_imports(tmp_path, monkeypatch):
+    """``from workloads.x import y`` and ``import workloads.x.y`` are edges to the module
+    ``workloads.x.y``; a name that is not a module is an edge to its package."""
+    for rel, text in {"bench.py": "", "benchkit.py": "", "workloads/__init__.py": "",
+                      "workloads/x/__init__.py": "C = 1\n",
+                      "workloads/x/main.py": "from workloads.x import y\nfrom workloads.x import C\n",
+                      "workloads/x/y.py": "import benchkit\ndef f():\n    import workloads.z.data\n",
+                      "workloads/z/__init__.py": "", "workloads/z/data.py": "from . import _k\n",
+                      "workloads/z/_k.py": "from .. import x\n", "dev/script.py": "import bench\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "TOOLS", tmp_path)
+    graph = _tools_graph()
+    assert "dev.script" not in graph
+    assert graph["workloads.x.main"] == {"workloads.x.y", "workloads.x"}
+    assert graph["workloads.x.y"] == {"benchkit", "workloads.z.data"}
+    assert graph["workloads.z.data"] == {"workloads.z._k"} and graph["workloads.z._k"] == {"workloads.x"}
+
+
 def test_tools_have_no_import_cycle():
     graph = _tools_graph()
     assert "benchkit" in graph and graph["benchkit"] == set(), graph.get("benchkit")
+    assert "workloads.tree.main" in graph and "workloads.tree.peers" in graph["workloads.tree.main"], graph
     cyc = _cycle(graph)
     assert cyc is None, f"import cycle in tools/: {' -> '.join(cyc)}"
     # the command line imports no workload at module level (it dispatches, by
     # importlib), and no script imports the command line back
-    assert {m for m in graph["bench"] if m.startswith("bench_")} == set(), graph["bench"]
+    assert {m for m in graph["bench"] if m.startswith("workloads")} == set(), graph["bench"]
     assert sorted(n for n, deps in graph.items() if "bench" in deps) == []
 
 
+def test_tools_are_grouped_by_workload():
+    """tools/ holds the command line, the shared helpers and one package per workload
+    under workloads/ (plus dev/ and results/); every workload of the command line is
+    the ``main`` module of its own package there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_tools_bench", TOOLS / "bench.py")  # not "bench" in sys.modules
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert sorted(p.name for p in TOOLS.glob("*.py")) == ["bench.py", "benchkit.py"]
+    assert sorted(p.name for p in TOOLS.iterdir() if p.is_dir() and p.name != "__pycache__") == \
+        ["dev", "results", "workloads"]
+    packages = sorted(p.parent.name for p in (TOOLS / "workloads").glob("*/__init__.py"))
+    assert sorted(p.name for p in (TOOLS / "workloads").iterdir() if p.is_dir() and p.name != "__pycache__") \
+        == packages
+    assert {name: module for name, (module, _) in bench.WORKLOADS.items()} == \
+        {name: f"workloads.{name}.main" for name in bench.WORKLOADS}
+    assert set(bench.WORKLOADS) <= set(packages), sorted(set(bench.WORKLOADS) - set(packages))
+
+
+TOOLS_NAMES = """
+import importlib.util, sys
+tools, names = sys.argv[1], sys.argv[2:]
+print([n for n in names if importlib.util.find_spec(n) is not None])  # without tools/ on sys.path
+sys.path.insert(0, tools)
+print([n for n in names if not importlib.util.find_spec(n).origin.startswith(tools)])
+theirs = ("ray", "torch", "torchrl", "h5py", "numpy", "codecs", "cpprb", "tianshou", "stable_baselines3")
+print([n for n in theirs if (s := importlib.util.find_spec(n)) and (s.origin or "").startswith(tools)])
+"""
+
+
+def test_tools_names_shadow_nothing_installed():
+    """The names tools/ puts on sys.path (its modules and packages) are nobody else's, and
+    the workload packages (ray/, torchrl/, codecs/, ...) live under workloads/, so an
+    ``import ray`` with tools/ on sys.path still finds Ray (looked up, not imported)."""
+    names = sorted({p.stem for p in TOOLS.glob("*.py")} | {"workloads"})
+    p = _run(TOOLS_NAMES, str(TOOLS), *names)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[:3] == ["[]", "[]", "[]"], p.stdout
+
+
+@pytest.mark.parametrize("script", ["atari/child.py", "atari/loop.py", "atari/scale.py", "codecs/frames.py"])
+def test_a_child_script_started_by_path_finds_benchkit_and_its_siblings(script, tmp_path):
+    """The scripts a workload starts by path in a child process import from tools/ (benchkit,
+    workloads.*) from any working directory (torchrl/side.py: tests/cli/test_bench_torchrl.py)."""
+    args = [] if script == "atari/scale.py" else ["--help"]  # scale.py's child runs only with --child
+    p = subprocess.run([sys.executable, str(TOOLS / "workloads" / script), *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert args == [] or "usage:" in p.stdout, p.stdout
+
+
 def test_tools_files_stay_small():
-    long = {p.name: n for p in TOOLS.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {str(p.relative_to(TOOLS)): n for p in TOOLS.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"files in tools/ over {MAX_LINES} lines (split them by job): {long}"
 
 
@@ -160,11 +260,12 @@ BENCH_LAZY = """
 import sys
 sys.path.insert(0, "tools")
 import bench
+mine = lambda: sorted(m for m in sys.modules if m.startswith(("bench", "workloads")))
 bench.build_parser()
-before = sorted(m for m in sys.modules if m.startswith("bench"))
+before = mine()
 bench.build_parser("tree")
-after = sorted(m for m in sys.modules if m.startswith("bench"))
-bench.WORKLOADS["nosuch"] = ("bench_nosuch_workload", "a workload whose module is not there")
+after = mine()
+bench.WORKLOADS["nosuch"] = ("workloads.nosuch.main", "a workload whose module is not there")
 rc = bench.main(["nosuch"])
 print(before, after, rc)
 """
@@ -175,9 +276,11 @@ def test_bench_imports_a_workload_only_to_run_it():
     assert p.returncode == 0, p.stderr
     before, rest = p.stdout.strip().split("] ", 1)
     assert before == "['bench'", p.stdout
-    assert "'bench_tree'" in rest and "'bench_atari'" not in rest and "'bench_storage'" not in rest, p.stdout
+    assert "'workloads.tree.main'" in rest, p.stdout
+    assert "'workloads.atari.main'" not in rest and "'workloads.storage.main'" not in rest, p.stdout
     assert rest.endswith(" 2"), p.stdout
-    assert "bench nosuch: its module" in p.stderr and "bench_nosuch_workload.py is not there" in p.stderr, p.stderr
+    missing = os.path.join("tools", "workloads", "nosuch", "main.py")
+    assert "bench nosuch: its module" in p.stderr and f"{missing} is not there" in p.stderr, p.stderr
 
 
 def test_bench_help_lists_every_workload():

@@ -123,7 +123,7 @@ def test_a_lost_node_restarts_its_shard_elsewhere_and_loses_only_its_new_writes(
         # (a restarting shard holds its calls), then drew from the live ones.
         assert longest < 1.0 + 3.0
         assert samples_while_down >= 1 and (back < longest + 3.0 or samples_while_down > 3)
-        buf.shard_timeout_s = 10.0
+        buf.shard_timeout_s = 120.0  # the counting below needs every shard: on a loaded machine one may take > 10 s
         total = sum(ray.get(runs))
         assert total == 2 * 2100
         stored = np.array(ray.get([w.stored.remote() for w in writers])).sum(axis=0)

@@ -6,7 +6,7 @@ Atari buffer stores besides the user's fields and the compressed frames.
 Builds a buffer of ``--capacity`` one-step transitions at the defaults
 (``frame_stack=4``, ``compression="zstd"``, fields ``action`` int64 and
 ``reward`` float32) on memmap storage and on hdf5 storage, fills each with
-``capacity * 3 // 2`` steps of real ALE play (``bench_atari_scale.episodes``:
+``capacity * 3 // 2`` steps of real ALE play (``workloads/atari/scale.py`` ``episodes``:
 episodes of random length from random starts, shifted so none repeats),
 closes it, and saves a snapshot of it. Each of the four (two live storages,
 two snapshots) is measured array by array:
@@ -80,7 +80,7 @@ def hdf5_by_array(path: Path) -> dict:
 
 def build(bigper, storage: str, capacity: int, game: str, root: Path) -> tuple[Path, Path]:
     """A filled, closed buffer of ``storage`` at ``root/storage`` and its snapshot; their paths."""
-    from bench_atari_games import fill
+    from workloads.atari.games import fill
 
     live, snap = root / storage, root / f"snap-{storage}"
     buf = bigper.PrioritizedReplayBuffer(capacity, FIELDS, frame_stack=4, storage=storage, path=live,

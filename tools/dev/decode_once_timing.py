@@ -2,7 +2,7 @@
 cost anything when a batch has no repeated frame?
 
 A compressed buffer of ``--capacity`` (default 20,000) transitions with
-4-frame stacks, filled with real ALE frames (``bench_codec_frames``, default
+4-frame stacks, filled with real ALE frames (``workloads.codecs.frames``, default
 MsPacman), then, interleaved in one process: ``SegmentLog.decode`` of a
 batch's ``pair`` ids as the read path called it before (every id decoded,
 repeats included) and ``FrameStore._decode`` of the same ids, for batches
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_codec_frames import frames  # noqa: E402
+from workloads.codecs.frames import frames  # noqa: E402
 
 import bigper  # noqa: E402
 

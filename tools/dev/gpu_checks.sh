@@ -4,7 +4,7 @@
 # Here, first (the device machine has no ALE): write real frames where the call can carry them,
 #   echo /.gpu/ >> .git/info/exclude; mkdir -p .gpu
 #   .venv/bin/python -c "import sys; sys.path.insert(0, 'tools'); import numpy as np; \
-#     from bench_atari_data import real_frames; np.savez_compressed('.gpu/frames.npz', frames=real_frames()[0])"
+#     from workloads.atari.data import real_frames; np.savez_compressed('.gpu/frames.npz', frames=real_frames()[0])"
 # then run `bash tools/dev/gpu_checks.sh` with carry [".gpu"] (about 4 minutes with the machine's start).
 # It runs the CUDA tests (tier, deferred updates, the attack suite) and `tools/bench.py learner`;
 # `python tools/dev/learner_table.py $OUT/bench.log` turns the bench's JSON into the docs' tables.
