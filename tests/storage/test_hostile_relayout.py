@@ -282,3 +282,48 @@ def test_a_chdir_between_a_relative_open_and_close_converts_the_folder_opened(tm
     meta = recorded(a / NAME)
     assert "frame_off" in meta["arrays"] and not {"converting", "converted"} & set(meta)
     assert sorted(p.name for p in (a / NAME / "data").iterdir()) == sorted(f"{n}.bin" for n in meta["arrays"])
+
+
+# -- the older references' record and values ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,shape", [("<f8", [4]), ("<u8", [4]), (">i8", [4]), ("|i1", [4]), ("<i8", [4, 1]),
+                                         ("<i8", [2, 2]), ("<i8", [32]), ("<i8", [1])])
+def test_older_references_recorded_as_another_dtype_or_shape_are_refused(dtype, shape, tmp_path):
+    """``obs_ref`` recorded (and written) as floats of the same size, uint64,
+    big-endian, int8, with extra or fewer dims: refused by name by a resume
+    and a reader, the folder unchanged."""
+    path = copy(NAME, tmp_path)
+    meta = recorded(path)
+    ids = np.fromfile(path / "data" / "obs_ref.bin", dtype="<i8")
+    n = 48 * int(np.prod(shape)) * np.dtype(dtype).itemsize
+    (path / "data" / "obs_ref.bin").write_bytes((ids.astype(dtype).tobytes() * 8)[:n])
+    meta["arrays"]["obs_ref"].update(dtype=dtype, shape=shape)
+    write_meta(path, meta)
+    lock_mark(path)
+    before = fingerprint(path)
+    for kw in ({"continue_episodes": True}, {"read_only": True}):
+        with deadline():
+            with pytest.raises(IncompatibleSnapshotError, match="obs_ref"):
+                open_folder(NAME, path, **kw)
+        assert fingerprint(path) == before, kw
+
+
+def test_int64_extremes_in_slots_no_sample_reads_convert_and_resume_exactly(tmp_path):
+    """Empty slots of the older folder holding int64 min / max and negative
+    ids: never read, so the conversion takes them (clipped offsets) and the
+    resume samples what the older bigper sampled."""
+    name = FOLDERS[1]
+    path = copy(name, tmp_path)
+    empty = np.flatnonzero(np.load(path / "state" / "status.npy") == 0)
+    assert empty.size
+    for array, v in (("obs_ref", np.iinfo(np.int64).min), ("next_obs_ref", np.iinfo(np.int64).max)):
+        a = np.fromfile(path / "data" / f"{array}.bin", dtype="<i8").reshape(-1, 4)
+        a[empty] = v
+        a[empty[::2], 0] = -7
+        a.tofile(path / "data" / f"{array}.bin")
+    buf = open_folder(name, path, continue_episodes=True)
+    same_batches(buf, expected(name)["batches"])
+    buf.close()
+    assert recorded(path)["arrays"]["frame_off"]["dtype"] == "<u2"
+    assert verify_live(path).status == OK
