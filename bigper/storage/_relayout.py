@@ -27,16 +27,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import CorruptSnapshotError, PathExistsError
+from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, PathExistsError
 from .chunks import _Array, chunk_name
 from .files import fsync_dir, open_regular, write_json
 from .state import STATE_NAME, check_arrays, entry_kind
 
 KEYS = ("converting", "converted")
+# The state files a conversion drops: what the older format recorded and this one derives
+# (core/layout.DERIVED). A journal naming another would delete state a resume reads.
+DROPPED_STATE = ("gid", "frames_minref")
+_CHUNK = re.compile(r"^([A-Za-z_][A-Za-z0-9_\-]{0,127})(?:\.(\d{6,}))?\.bin$")
 
 
 def check_journal(meta: dict, where) -> None:
@@ -61,6 +67,9 @@ def check_journal(meta: dict, where) -> None:
             bad(f"names {taken}, which the folder records as its arrays")
         if not all(isinstance(s, str) and STATE_NAME.match(s) for s in j["state"]):
             bad(f"names state files {str(j['state'])[:80]} that are not plain names")
+        if not set(j["state"]) <= set(DROPPED_STATE):
+            bad(f"names state files {sorted(set(j['state']) - set(DROPPED_STATE))[:8]}, which no conversion "
+                f"drops (only {list(DROPPED_STATE)})")
         if key == "converting" and j["state"]:
             bad("names state files (a conversion in progress deletes none)")
         if isinstance(files, list) and set(j["state"]) & set(files):
@@ -69,14 +78,36 @@ def check_journal(meta: dict, where) -> None:
         raise CorruptSnapshotError(f"{where}/meta.json: converting and converted at once")
 
 
-def journal_files(meta: dict) -> tuple[set, set]:
-    """``(data file names, state names)`` the journal names: bigper's, for a takeover."""
+def _chunk_files(arrays: dict, present) -> list[str]:
+    """The names among ``present`` (a folder's entries) that are chunk files
+    of ``arrays`` (name -> record, read from disk): looked up entry by entry,
+    so a record of 2**55 one-row chunks costs what the folder holds."""
+    out = []
+    for entry in present:
+        m = _CHUNK.match(entry)
+        if m is None or m.group(1) not in arrays:
+            continue
+        k = int(m.group(2) or 0)
+        if chunk_name(m.group(1), k) == entry and k < _chunks(arrays[m.group(1)]):
+            out.append(entry)
+    return sorted(out)
+
+
+def _entries(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def journal_files(meta: dict, present=()) -> tuple[set, set]:
+    """``(data file names, state names)`` the journal names among ``present``
+    (the entries of ``data/``): bigper's, for a takeover."""
     data, state = set(), set()
     for key in KEYS:
         j = meta.get(key)
         if isinstance(j, dict) and isinstance(j.get("arrays"), dict):
-            for name, rec in j["arrays"].items():
-                data |= {chunk_name(name, k) for k in range(_chunks(rec))}
+            data |= set(_chunk_files(j["arrays"], present))
             state |= {s for s in j.get("state") or () if isinstance(s, str)}
     return data, state
 
@@ -93,7 +124,7 @@ def _named(root: Path, j: dict, strict: bool = True) -> list[Path]:
     not (a FIFO, a symlink: not bigper's) is ``PathExistsError`` (``strict``)
     or left where it is."""
     out = []
-    paths = [root / "data" / chunk_name(n, k) for n, rec in j["arrays"].items() for k in range(_chunks(rec))]
+    paths = [root / "data" / e for e in _chunk_files(j["arrays"], _entries(root / "data"))]
     paths += [root / "state" / f"{s}.npy" for s in j["state"]]
     for p in paths:
         if os.path.lexists(p):
@@ -106,6 +137,16 @@ def _named(root: Path, j: dict, strict: bool = True) -> list[Path]:
     return out
 
 
+def check_files(root: Path, meta: dict) -> None:
+    """What ``recover`` checks before it deletes anything, changing nothing
+    (a writer's open: refused there, before the lock file is its own)."""
+    for key in KEYS:
+        j = meta.get(key)
+        if j is not None:
+            _kept_whole(root, meta)
+            _named(root, j)
+
+
 def recover(root: Path, meta: dict) -> dict:
     """A writer's open of a folder whose conversion was interrupted: S1 back
     to S0 (the new files deleted), S2 on to S3 (the old ones); the meta it
@@ -113,6 +154,7 @@ def recover(root: Path, meta: dict) -> dict:
     for key in KEYS:
         j = meta.get(key)
         if j is not None:
+            _kept_whole(root, meta)  # (the files it goes on with are there: else nothing is deleted)
             for p in _named(root, j):  # (all checked before the first goes)
                 p.unlink()
             for sub in ("data", "state"):
@@ -121,6 +163,31 @@ def recover(root: Path, meta: dict) -> dict:
             meta = {k: v for k, v in meta.items() if k != key}
             write_json(root / "meta.json", meta)
     return meta
+
+
+def _kept_whole(root: Path, meta: dict) -> None:
+    """Every chunk file of the arrays ``meta`` records (what a recovery goes
+    on with) is a regular file of its size, else ``IncompatibleSnapshotError``
+    naming it: the journal's other files are then the only copy, kept."""
+    held = len(_entries(root / "data"))
+    for name, rec in (meta.get("arrays") or {}).items():
+        if _chunks(rec) > held:  # (more chunk files than data/ holds entries: not counted one by one)
+            raise IncompatibleSnapshotError(
+                f"{root / 'data'}: the record names {_chunks(rec)} chunk files of {name}, the folder holds "
+                f"{held} entries; the interrupted conversion's other files are kept (nothing was changed)")
+        a = _Array(root, name, rec)
+        for k in range(a.n):
+            p = a.path(k)
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < a.sizes[k]:
+                what = "missing" if st is None else "not a regular file" if not stat.S_ISREG(st.st_mode) \
+                    else f"{st.st_size} bytes, expected {a.sizes[k]}"
+                raise IncompatibleSnapshotError(
+                    f"chunk file {p} is {what}: the record names {a.rows} rows of {name}; the interrupted "
+                    f"conversion's other files are kept (nothing was changed)")
 
 
 def write_new(root: Path, meta: dict, new: dict, layout: dict, old: tuple, old_state: tuple) -> dict:

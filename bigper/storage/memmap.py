@@ -162,6 +162,7 @@ class MemmapStorage(StorageBase):
         self._converted: tuple | None = None  # convert: (the record before, the new arrays' layout), for abort
         self._overlay: dict = {}  # convert, read_only: the new arrays, in memory, in place of ``_hidden``
         self._hidden: tuple = ()
+        self._journaled = False  # open found an interrupted conversion's journal: _recover acts on it
 
     # -- open / create -------------------------------------------------------
     def open(self, config: dict) -> dict | None:
@@ -216,8 +217,10 @@ class MemmapStorage(StorageBase):
                         raise CorruptSnapshotError(f"{self.path / sub} is not a plain directory (a symlink?)")
                 if not self.read_only:
                     self._leftovers()  # refused here, before allocate changes anything
-                    # a conversion a kill interrupted: back to the old folder, or on to the new one
-                    self._meta = _relayout.recover(self._root, self._meta)
+                    # a conversion a kill interrupted: back to the old folder, or on to the new one,
+                    # once the buffer is known to be this one (convert or allocate: _recover)
+                    _relayout.check_files(self._root, self._meta)  # (refused here: nothing changed)
+                    self._journaled = any(self._meta.get(k) is not None for k in _relayout.KEYS)
                 return self._meta
         except BaseException:
             if made_lock:  # a refused path keeps no lock file this open made (bigper verify, a reader)
@@ -271,7 +274,8 @@ class MemmapStorage(StorageBase):
         if previous:
             try:
                 _relayout.check_journal(previous, self.path)
-                journal = _relayout.journal_files(previous)  # a conversion's files, old or new: bigper's
+                present = os.listdir(self._root / "data") if entry_kind(self._root / "data") == "dir" else ()
+                journal = _relayout.journal_files(previous, present)  # a conversion's files: bigper's
             except CorruptSnapshotError:
                 pass  # (a damaged journal proves nothing)
         names["data"] |= journal[0]
@@ -414,6 +418,7 @@ class MemmapStorage(StorageBase):
                         and (n not in growth or rec[n]["chunk_rows"] == want[n]["chunk_rows"]) for n in want):
                     raise IncompatibleSnapshotError(
                         f"{self.path} holds arrays {rec}, but the buffer needs {want}")
+                self._recover()  # (an interrupted conversion's leftovers, once the arrays are known to fit)
             known = self._meta.get("shared_digests") or {}
             arrays = {name: _Array(self._root, name, rec, specs[name][0] if name in growth else None)
                       for name, rec in self._meta["arrays"].items() if name not in self._hidden}
@@ -465,9 +470,18 @@ class MemmapStorage(StorageBase):
                 a.flags.writeable = False
             self._overlay, self._hidden = dict(new), tuple(old)
             return
+        self._recover()
         before = self._meta
         self._meta = _relayout.write_new(self._root, before, new, layout, tuple(old), tuple(old_state))
         self._converted = (before, layout)
+
+    def _recover(self) -> None:
+        """A writer's first change: an interrupted conversion (the journal
+        open found) back to the old folder, or on to the new one. Not at open:
+        a resume refused there (another config) leaves the folder as it was."""
+        if self._journaled and not self.read_only:
+            self._journaled = False
+            self._meta = _relayout.recover(self._root, self._meta)
 
     def _recorded(self) -> dict:
         """The arrays this storage holds: the record's (a reader's conversion in memory in place of the old)."""
