@@ -21,6 +21,8 @@ restores them (``state``/``restore``, checked before by ``core/statecheck.py``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..kernels import kernel
@@ -34,6 +36,17 @@ def expected_gid(count: int, capacity: int) -> np.ndarray:
         return np.full(capacity, -1, dtype=np.int64)
     g = s + ((count - 1 - s) // capacity) * capacity
     return np.where(s < count, g, -1)
+
+
+class Book(NamedTuple):
+    """The ring's bookkeeping as the writer's kernel takes it (``Ring.book``):
+    the same arrays every call (their values change, never the arrays)."""
+
+    gid: np.ndarray
+    ends: np.ndarray
+    status: np.ndarray
+    pending: np.ndarray
+    env_ended: np.ndarray
 
 
 class Ring:
@@ -50,6 +63,7 @@ class Ring:
         self.count = 0
         self.max_leaf = 1.0
         self.env_ended = np.ones(num_envs, dtype=bool)  # no episode in progress
+        self.book = Book(self.gid, self.ends, self.status, self.pending, self.env_ended)
         # Writes begun (``Writer.write``), writes that failed (rolled back) and states taken
         # (``restore``): a feed's gather without the lock checks what it raced.
         self.writes = self.failed = self.restores = 0

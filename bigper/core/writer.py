@@ -34,7 +34,7 @@ import numpy as np
 
 from .._undo import Journal
 from ..errors import InvalidArgumentError
-from ..frames.store import ALL_VALID, expire, write_direct
+from ..frames.store import ALL_VALID, RingArgs, expire, write_direct
 from ..kernels import kernel, ring_rows
 from ..prioritization._tree_kernels import tree_set
 from .ring import commit_rows
@@ -47,9 +47,9 @@ _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
 # For a buffer without frame stacks (never read): write_rows' ``stacks`` and
 # ``frames`` groups (FrameStore.kernel_args gives both otherwise, in this order).
 _NO_STACKS = (np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1, 1), np.uint8))
-_NO_RING = (False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), False,
-            np.zeros(1, np.int64), np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.uint8),
-            np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0)
+_NO_RING = RingArgs(False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), False,
+                    np.zeros(1, np.int64), np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.uint8),
+                    np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0)
 
 
 @kernel
@@ -59,11 +59,10 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
 
     - ``rows``: ``(terminated, truncated, valid)`` of the rows; ``stacks``: their
       ``(obs, next_obs)`` frame stacks (C-contiguous ``(m, k, *frame)``).
-    - ``book``: the ring's bookkeeping ``(gid, ends, status, pending, env_ended)``.
+    - ``book``: the ring's bookkeeping (``ring.Book``: gid, ends, status, pending, env_ended).
     - ``tree``: the tree's ``TreeArrays``; ``sizes``: ``(n_step, num_envs)``.
-    - ``frames``: the frame ring's (``FrameStore.kernel_args``): ``(framed,
-      last_frames, last_ref, has_last, has_next, fref, foff, ring, minref, ptr,
-      expired, reach)``.
+    - ``frames``: the frame ring's (``frames.store.RingArgs``, from
+      ``FrameStore.kernel_args``).
 
     Rows with ``valid`` False are recorded dead (leaf 0). Keys are ``keys``
     (or ``max_leaf`` for every row when ``keys`` is empty). With ``n_step`` 1
@@ -302,7 +301,7 @@ class Writer:
             if valid is None else valid
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
-            self._args = ((self.gid, self.ends, self.status, self.pending, self.env_ended),
+            self._args = (self.ring.book,
                           t.arrays, (cfg.n_step, cfg.num_envs), ring)
             self._args_of = ring
         fw, top = write_rows(g0, (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys,

@@ -25,6 +25,8 @@ they are marked dead (leaf 0) and never sampled again.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import zstd as _zstd
@@ -49,6 +51,25 @@ REF_NAMES = ("obs_ref", "next_obs_ref")  # the stacks whose ids ``refs`` gives (
 
 
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
+
+
+
+class RingArgs(NamedTuple):
+    """The frame ring as ``core/writer.write_rows`` takes it (``FrameStore.kernel_args``;
+    ``framed`` False: a buffer without one, the others never read)."""
+
+    framed: bool
+    last_frames: np.ndarray  # (num_envs, k, words): each env's last stack
+    last_ref: np.ndarray  # (num_envs, k): its frames' ids
+    has_last: np.ndarray  # (num_envs,): whether it has one
+    has_next: bool  # whether rows carry next_obs
+    fref: np.ndarray  # (capacity,): each slot's frame id
+    foff: np.ndarray  # (capacity, 2k): its stacks' offsets back from it
+    ring: np.ndarray  # (F, words): the frames
+    minref: np.ndarray  # (capacity,): each slot's oldest frame
+    ptr: np.ndarray  # the frames written (one element)
+    expired: np.ndarray  # scratch: the slots a write expires
+    reach: int  # the farthest offset ``foff`` holds
 
 
 @kernel
@@ -611,8 +632,8 @@ class FrameStore:
         ring, fref, foff = self._in_place(rw)
         made_of = self._args_of  # the storage's arrays the tuple holds (new ones after a copy-on-write)
         if made_of is None or made_of[0] is not ring or made_of[1] is not fref or made_of[2] is not foff:
-            self._args = (True, self.last_frames, self.last_ref, self.has_last, self.has_next, fref, foff,
-                          ring, self.minref, self.ptr, self._expired, self.reach)
+            self._args = RingArgs(True, self.last_frames, self.last_ref, self.has_last, self.has_next, fref, foff,
+                                  ring, self.minref, self.ptr, self._expired, self.reach)
             self._args_of = (ring, fref, foff)
         return (obs, nxt), self._args
 
