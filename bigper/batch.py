@@ -193,7 +193,7 @@ class Batch(Mapping[str, np.ndarray]):
         Returns
         -------
         JaxBatch
-            A ``dict[str, jax.Array]`` (``bigper._jax.JaxBatch``) that, like
+            A ``dict[str, jax.Array]`` (``bigper.tensors.jax.JaxBatch``) that, like
             ``to_torch``'s dict, keeps host copies of ``indices``,
             ``generations`` and ``mask`` so that ``update_priorities(arrays,
             td)`` reads nothing back from a device. Arrays shared with the
@@ -208,7 +208,7 @@ class Batch(Mapping[str, np.ndarray]):
             ``device`` names no device JAX has, or an int64/float64 value
             would change in JAX's 32-bit dtype (``jax_enable_x64`` off).
         """
-        from ._jax import batch_to_jax
+        from .tensors.jax import batch_to_jax
 
         return batch_to_jax(self, device=device)
 
@@ -220,7 +220,7 @@ _pytree = [False]
 
 def _as_pytree() -> None:
     _pytree[0] = True  # one try: a broken jax install must not cost every batch a retry
-    from ._jax import register_batch
+    from .tensors.jax import register_batch
 
     try:
         register_batch(Batch)

@@ -31,7 +31,7 @@ from .core.parts import Draws, Parts
 from .core.reader import Reader
 from .core.statecheck import check_state
 from .core.writer import Writer
-from ._jax import check_deferred, host_values, is_jax_array, on_host
+from .tensors.jax import check_deferred, host_values, is_jax_array, on_host
 from .tensors.transport import Transport
 from .tensors.lazy import as_device, is_device_tensor
 from .batch import Batch
@@ -52,7 +52,7 @@ from .core.prefetch import Direct, Prefetcher
 from .core.ring import Ring
 from .prioritization import make as make_prioritization
 from .prioritization.base import LIVE, Prioritization
-from .storage.files import real_names
+from .common.files import real_names
 from .schedules import ConstantSchedule, LinearSchedule, as_beta
 from .storage.base import Storage, StorageBase
 from .core.shardview import ShardView

@@ -37,10 +37,10 @@ from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
 from .core.layout import allocate
 from .config import Config
 from .frames.store import frame_capacity, require_compression
-from .storage.files import FileLock, fsync_dir, real_names
+from .common.files import FileLock, fsync_dir, real_names
 from .storage.hdf5 import HDF5Storage
 from .frames.segments import log_geometry
-from .status import EMPTY
+from .common.status import EMPTY
 
 __all__ = ["convert", "infer_frame_stack"]
 

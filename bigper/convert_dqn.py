@@ -47,7 +47,7 @@ from .frames.budget import frame_capacity
 from .frames.store import require_compression
 from .offline.dqn_replay import open_run, prefetch_frames, scan_run, stream_transitions, _workers
 from .snapshots import Snapshots
-from .storage.files import fsync_dir, read_json, real_names, write_json
+from .common.files import fsync_dir, read_json, real_names, write_json
 from .storage.hdf5 import HDF5Storage
 from .storage.memmap import MemmapStorage
 

@@ -24,7 +24,7 @@ from .errors import (
 )
 from .snapshot.manifest import MANIFEST, read_manifest
 from .snapshot.series import DEL_PREFIX, LEFTOVER, NAME, SnapshotInfo, seq_of, snapshot_info
-from .storage.files import fsync_dir, open_regular
+from .common.files import fsync_dir, open_regular
 
 
 class Snapshots:

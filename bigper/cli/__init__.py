@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..status import LIVE
+from ..common.status import LIVE
 
 
 def _bench(args) -> int:
@@ -30,7 +30,7 @@ def _bench(args) -> int:
 
 def _line(e: BaseException) -> str:
     """An error as one line (its message names the path)."""
-    from ..storage.files import real_names
+    from ..common.files import real_names
 
     return " ".join(str(real_names(e)).split("\n")) or type(e).__name__
 
@@ -169,7 +169,7 @@ def _info_series(path: Path, args) -> int:
 
 
 def _info_storage(path: Path, args) -> int:
-    from ..storage.files import read_json
+    from ..common.files import read_json
 
     meta = read_json(path / "meta.json")  # a regular file only: never hangs on a FIFO
     if not isinstance(meta, dict):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import IncompatibleSnapshotError, InvalidArgumentError
 from ..integrations._sb3_pickle import PICKLE_LIMIT, beside_the_pickle, checked_snapshot
-from ..storage.files import read_regular
+from ..common.files import read_regular
 
 # How far below a folder the survey looks, and how many entries it reads at most:
 # a run folder holds its snapshots a level or two down; a home directory must not take minutes.

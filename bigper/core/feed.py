@@ -34,7 +34,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 from ..prioritization._tree_kernels import sample_into
 from .ring import batch_meta
 

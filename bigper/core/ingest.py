@@ -15,9 +15,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 from ..prioritization._tree_kernels import first_bad_priority
-from .._jax import host_values, is_jax_array
+from ..tensors.jax import host_values, is_jax_array
 from ..tensors.transport import carried, TensorBatch
 from ..tensors.lazy import as_array, as_numpy
 from ..batch import Batch

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
 from ..frames.refs import refs_from_stacks
-from ..status import LIVE, PENDING
+from ..common.status import LIVE, PENDING
 from .statecheck import check_refs
 
 LEGACY = ("obs_ref", "next_obs_ref")  # the older format's names (core/layout.LEGACY_NAMES)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from ..errors import BigperError, BufferClosedError
-from ..storage.files import real_names
+from ..common.files import real_names
 
 log: logging.Logger = logging.getLogger("bigper")
 P = ParamSpec("P")

@@ -10,8 +10,8 @@ terminated and bit 1 truncated of the transition in that slot.
 
 import numpy as np
 
-from ..kernels import kernel
-from ..status import PENDING
+from ..common.kernels import kernel
+from ..common.status import PENDING
 
 TERMINATED = 1
 TRUNCATED = 2

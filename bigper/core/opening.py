@@ -18,7 +18,7 @@ from ..errors import BigperError, IncompatibleSnapshotError, InvalidArgumentErro
 from ..frames.dictionaries import as_dictionary
 from ..frames.store import FrameStore, require_compression
 from ..storage import open_storage, storage_class
-from ..storage.files import real_names
+from ..common.files import real_names
 from . import legacy
 from .layout import DERIVED, allocate, check_field_names
 from .statecheck import check_state

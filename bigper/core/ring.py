@@ -4,7 +4,7 @@ Transition ``g`` (the ``g``-th row ever written, over every env) lives in
 slot ``g % capacity``; each slot records::
 
     gid      the transition it holds (-1: none yet)      int64
-    status   EMPTY, LIVE, PENDING or DEAD (``status.py``)  uint8
+    status   EMPTY, LIVE, PENDING or DEAD (``common/status.py``)  uint8
     ends     bit 0 terminated, bit 1 truncated            uint8
     pending  the key of a PENDING transition (n_step > 1)  float64
 
@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..kernels import kernel
-from ..status import DEAD
+from ..common.kernels import kernel
+from ..common.status import DEAD
 
 
 def expected_gid(count: int, capacity: int) -> np.ndarray:

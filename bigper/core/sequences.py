@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 from ..prioritization._tree_kernels import tree_set
 from ..tensors.lazy import as_array
 from ..config import Config
 from ..errors import InvalidArgumentError, InvalidTypeError
-from ..status import DEAD, EMPTY, LIVE, PENDING
+from ..common.status import DEAD, EMPTY, LIVE, PENDING
 from .recorded import BIG, array, refuse
 
 # Names of the item tables in a buffer's recorded state (``state_dict``).

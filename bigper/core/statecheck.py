@@ -38,7 +38,7 @@ from ..frames.store import frame_capacity
 from .recorded import BIG as _BIG, array as _array, refuse as _bad
 from .ring import expected_gid
 from .units import unit_class
-from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
+from ..common.status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
 _EXACT = 1 << 53  # ints up to this are floats exactly
 _BASE = ("leaves", "gid", "status", "ends", "pending")

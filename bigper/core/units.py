@@ -26,19 +26,19 @@ import numpy as np
 
 from . import nstep
 from .ingest import as_priorities
-from ..kernels import ring_rows
+from ..common.kernels import ring_rows
 from ..batch import Batch
 from ..tensors.transport import Transport
 from ..errors import InvalidArgumentError
 from .sequences import ITEM_ARRAYS, Items, check_items
-from ..status import LIVE
+from ..common.status import LIVE
 
 
 class SampleUnit(Protocol):
     """What a buffer asks of its sample unit (see the module's docstring)."""
 
     noun: str               # "transition", "sequence item": for messages
-    status: np.ndarray      # (capacity,) uint8: each leaf slot's status (bigper.status)
+    status: np.ndarray      # (capacity,) uint8: each leaf slot's status (bigper.common.status)
     pending: np.ndarray     # (capacity,) float64: the keys of pending leaves
     status_key: str         # the name of ``status`` in a recorded state
     staged: bool            # a CUDA-bound batch is gathered into one pinned block (else the device rebuilds stacks)

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._undo import Journal
+from ..common.undo import Journal
 from ..errors import InvalidArgumentError
 from ..frames.store import ALL_VALID, RingArgs, expire, write_direct
-from ..kernels import kernel, ring_rows
+from ..common.kernels import kernel, ring_rows
 from ..prioritization._tree_kernels import tree_set
 from .ring import commit_rows
-from ..status import DEAD, LIVE, PENDING
+from ..common.status import DEAD, LIVE, PENDING
 from .nstep import TRUNCATED, complete
 
 _NO_VALID = np.zeros(0, dtype=np.bool_)  # commit_rows: every row valid

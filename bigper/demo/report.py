@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..status import LIVE
+from ..common.status import LIVE
 
 NAIVE_BYTES = 2 * 4 * 84 * 84  # obs and next_obs, four 84x84 frames each, per transition
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .._jax import host_values, is_jax_array, to_host_async
+from ..tensors.jax import host_values, is_jax_array, to_host_async
 from ..tensors.pinned import POOL
 from ..tensors.lazy import load_torch
 from ..errors import BigperError, InvalidArgumentError

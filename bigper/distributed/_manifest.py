@@ -41,7 +41,7 @@ from ..errors import (
     PathExistsError,
     PathNotFoundError,
 )
-from ..storage.files import fsync_dir, read_json, read_regular, write_durable, write_json
+from ..common.files import fsync_dir, read_json, read_regular, write_durable, write_json
 
 FORMAT = "bigper-sharded"
 VERSION = 1

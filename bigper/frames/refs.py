@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 
 
 def offset_dtype(k: int, num_envs: int) -> np.dtype:

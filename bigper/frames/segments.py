@@ -25,7 +25,7 @@ few spare ones beyond (``spare``, kept by ``trim``), really reserved on disk, so
 ``OSError`` naming the file before anything changed), up to the ``S`` slots
 ``F`` frames that do not compress would need; a storage that does not grow
 (``rows`` None: ``storage/base.py``) holds all ``S`` from the start, and an
-append that fails later in its write gives a growth back (``_undo``). A log with a budget has
+append that fails later in its write gives a growth back (``common.undo``). A log with a budget has
 ``S`` slots from its creation and never grows: slot ``g % S``, and the
 segment that lived there is released whole when ``g`` opens, expired or not
 (frames that compress worse than the budget cost capacity then: said once).
@@ -72,11 +72,11 @@ from .zstd import compress_rows
 from . import dictionaries
 from . import look as _look
 from .budget import log_geometry
-from ..kernels import kernel
-from .._pool import for_ranges
+from ..common.kernels import kernel
+from ..common.pool import for_ranges
 from .dictionaries import MAX_DICTS, Dictionaries
 from ..errors import CorruptSnapshotError
-from .._undo import Journal
+from ..common.undo import Journal
 
 log = logging.getLogger("bigper")
 
@@ -314,7 +314,7 @@ class SegmentLog:
         disk, naming the file) leaves it as it was. What it changes then (the
         counters and slots, the storage grown, the log bytes and index rows it
         overwrites) is recorded in ``journal`` first, so that a later call of
-        the same write that fails puts it back (``_undo.Journal``). Free
+        the same write that fails puts it back (``common.undo.Journal``). Free
         segments are given back by ``trim``, once the write went through."""
         m = frames.shape[0]
         if m == 0:

@@ -31,14 +31,14 @@ import numpy as np
 
 from . import zstd as _zstd
 from .budget import frame_capacity  # (config.py sizes the compressed log by it too)
-from ..kernels import kernel, ring_rows
-from .._pool import for_ranges, workers
-from .._reuse import ReusedArrays
+from ..common.kernels import kernel, ring_rows
+from ..common.pool import for_ranges, workers
+from ..common.reuse import ReusedArrays
 from .refs import check_offsets, derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
 from .segments import SegmentLog, append_staged
-from .._undo import Journal
+from ..common.undo import Journal
 from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
-from ..status import DEAD, LIVE, PENDING
+from ..common.status import DEAD, LIVE, PENDING
 
 
 def require_compression() -> None:
@@ -475,7 +475,7 @@ class FrameStore:
         ``prepare``), when it has them: frames and references are then written
         in place by the kernel, without a staging copy and the storage's calls.
         ``journal``: what this changes is recorded there first, to be put back
-        when a later call of the write fails (``_undo.Journal``); raw frames
+        when a later call of the write fails (``common.undo.Journal``); raw frames
         written in place need none (no call that can fail follows them in a
         write of at most ``capacity`` rows). The caller runs ``look`` after
         its last call that can fail.
@@ -814,7 +814,7 @@ class FrameStore:
         return out
 
     def _out(self, shape: tuple) -> np.ndarray:
-        """An output array for a gather (``_reuse``: no page faults for a fresh one)."""
+        """An output array for a gather (``common.reuse``: no page faults for a fresh one)."""
         return self._outs.take(shape, self.dtype)
 
     def check_live(self, status: np.ndarray, chunk: int = 4096) -> int:

@@ -22,8 +22,8 @@ import threading
 import numpy as np
 from numba import types
 
-from ..kernels import kernel
-from .._pool import for_ranges, ranges
+from ..common.kernels import kernel
+from ..common.pool import for_ranges, ranges
 from ..errors import CompressionUnavailableError
 
 EXTRA = "in a bigper checkout, pip install -e '.[compression]' (from an index: pip install 'bigper[compression]')"

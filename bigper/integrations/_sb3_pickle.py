@@ -61,7 +61,7 @@ from ..errors import (
 )
 from ..snapshot import counterpart, default_live_path, describe
 from ..storage import in_memory
-from ..storage.files import read_regular, write_durable
+from ..common.files import read_regular, write_durable
 
 MANIFEST = "manifest.json"
 _SNAP = re.compile(r"^snap-\d{8}$")

@@ -52,7 +52,7 @@ from ..errors import (
     PathExistsError,
 )
 from ..frames.refs import refs_from_stacks
-from ..status import LIVE, PENDING
+from ..common.status import LIVE, PENDING
 from ..storage import in_memory, open_storage
 from ._torchrl_layout import NEXT, SAMPLE_KEYS, STEPS_KEY, DONE, TERMINATED, TRUNCATED, Key, Layout
 
@@ -258,7 +258,7 @@ class PrioritizedReplayBuffer:
     def _resume_at_path(self) -> None:
         """``mode="resume"`` on a path that holds a buffer: its layout from its recorded config."""
         from ..config import Config
-        from ..storage.files import read_json
+        from ..common.files import read_json
 
         try:  # read before the lock is taken, only to learn the fields: the open below checks everything
             rec = read_json(Path(self._path) / "meta.json")

@@ -20,10 +20,10 @@ import numpy as np
 
 from ..frames.dictionaries import DICT_LIMIT, MAX_DICTS
 from ..errors import OfflineDatasetError, StorageLockedError
-from ..storage.files import open_regular, read_regular
+from ..common.files import open_regular, read_regular
 from ..storage._h5guard import check_row_bytes, check_rows
 from ._h5map import Column
-from ..status import DEAD, LIVE
+from ..common.status import DEAD, LIVE
 
 _RESERVED = {"terminated", "truncated", "discount", "priorities"}
 _FLAG_BLOCK = 1 << 20

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 from ..errors import OfflineDatasetError
 from ..storage._h5guard import check_row_bytes
 

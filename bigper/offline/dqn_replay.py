@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidArgumentError, OfflineDatasetError, PathNotFoundError
-from ..storage.files import open_regular
+from ..common.files import open_regular
 
 __all__ = ["Checkpoint", "scan_run", "valid_slots", "is_dqn_replay", "stream_transitions", "KINDS"]
 

@@ -49,7 +49,7 @@ from ..errors import (
     UncleanStorageError,
     UnknownFieldError,
 )
-from ..storage.files import open_regular
+from ..common.files import open_regular
 from ..storage.base import StorageBase, fits_spec
 from ..storage._h5guard import check_links
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..errors import CorruptSnapshotError, PathExistsError, SidecarMismatchError, StorageLockedError
 from ..prioritization import KINDS
-from ..storage.files import fsync_dir, open_regular, read_json, write_durable, write_json
+from ..common.files import fsync_dir, open_regular, read_json, write_durable, write_json
 
 FORMAT = "bigper-priorities"
 VERSION = 1

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 from ._tree_kernels import BAD_INDEX, NEVER_WRITTEN, UPDATE_OK
-from .._pool import for_ranges
-from ..status import EMPTY, LIVE, PENDING
+from ..common.pool import for_ranges
+from ..common.status import EMPTY, LIVE, PENDING
 
 
 @kernel

@@ -24,9 +24,9 @@ given the largest priority seen goes to position 0 (rank 1).
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 from ._tree_kernels import BAD_INDEX, BAD_PRIORITY, NEVER_WRITTEN, UPDATE_OK
-from ..status import EMPTY, LIVE, PENDING
+from ..common.status import EMPTY, LIVE, PENDING
 # Constants only: numba's cache does not notice when another file's kernel
 # changes, so no kernel here calls one from another file.
 from ._rank_sort import SLOT_BITS, SLOT_MASK

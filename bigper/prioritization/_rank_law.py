@@ -10,7 +10,7 @@ within its error of a rank boundary. Nothing here validates input.
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 
 # Ranks up to R0 use the summed table; beyond it the Euler-Maclaurin remainder
 # is below 1e-13 of f(R0) for alpha <= 3.

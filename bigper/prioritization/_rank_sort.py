@@ -13,7 +13,7 @@ Nothing here validates input.
 
 import numpy as np
 
-from ..kernels import kernel
+from ..common.kernels import kernel
 
 SLOT_BITS = 31
 SLOT_MASK = (1 << SLOT_BITS) - 1

@@ -14,8 +14,8 @@ the children ``j*FANOUT .. j*FANOUT+FANOUT-1`` of level ``l+1``.
 
 import numpy as np
 
-from ..kernels import kernel
-from ..status import EMPTY, LIVE, PENDING
+from ..common.kernels import kernel
+from ..common.status import EMPTY, LIVE, PENDING
 
 # What ``update_capped`` (and ``_bulk.scan``) say of an update: applied, or why nothing was.
 UPDATE_OK, BAD_PRIORITY, BAD_INDEX, NEVER_WRITTEN, ABOVE_LIMIT = 0, 1, 2, 3, 4

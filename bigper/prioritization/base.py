@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-from ..status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401  (the slot status codes, re-exported)
+from ..common.status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401  (the slot status codes, re-exported)
 
 
 class Prioritization(ABC):

@@ -12,7 +12,7 @@ from ..errors import InvalidArgumentError, InvalidIndexError
 from .tree import PriorityTree
 from . import _bulk
 from .base import Prioritization
-from ..status import LIVE
+from ..common.status import LIVE
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _BULK = 4096  # above this many rows the keys are computed in threads first

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _tree_kernels as K
-from .._pool import for_ranges
+from ..common.pool import for_ranges
 from ..errors import InvalidArgumentError
 
 FANOUT = K.FANOUT

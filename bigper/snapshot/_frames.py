@@ -16,7 +16,7 @@ import numpy as np
 from ..core.layout import DERIVED
 from ..errors import BigperError
 from ..frames.store import FrameStore
-from ..storage.files import open_regular
+from ..common.files import open_regular
 from ..storage.base import StorageBase
 
 

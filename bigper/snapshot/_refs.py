@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
 from ..core.statecheck import check_refs
 from ..frames.refs import offset_dtype, refs_from_stacks
-from ..status import LIVE, PENDING
+from ..common.status import LIVE, PENDING
 from .manifest import check_file
 
 LEGACY = ("obs_ref", "next_obs_ref")

@@ -50,7 +50,7 @@ from ..errors import (
 )
 from ..storage import kinds
 from ..storage.chunks import chunk_name, chunk_rows_for
-from ..storage.files import fsync_dir, open_regular
+from ..common.files import fsync_dir, open_regular
 from .manifest import _PART, FORMAT, MAGIC, MANIFEST, READ_BLOCK, digest, encode
 from .series import TMP_PREFIX
 

@@ -13,7 +13,7 @@ from ..errors import BigperError, CorruptSnapshotError
 from ._frames import check_frames
 from ._load import _config, _state_arrays, inspect
 from .manifest import check_files, read_manifest
-from ..status import LIVE
+from ..common.status import LIVE
 from ..core.units import unit_class
 
 

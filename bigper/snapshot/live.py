@@ -33,7 +33,7 @@ from ..errors import (
 )
 from ..storage import kind_at
 from ..storage.base import StorageBase
-from ..storage.files import FileLock, real_names
+from ..common.files import FileLock, real_names
 
 # What a verdict says, worst last; the CLI's exit code follows from it.
 OK, IN_USE, UNCLEAN, INCOMPATIBLE, CORRUPT, INVALID = "OK", "IN USE", "UNCLEAN", "INCOMPATIBLE", "CORRUPT", "INVALID"

@@ -48,7 +48,7 @@ from ..errors import (
     InvalidArgumentError,
     PathNotFoundError,
 )
-from ..storage.files import check_dense, open_regular
+from ..common.files import check_dense, open_regular
 
 MAGIC = "bigper-snapshot"
 FORMAT = 1

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .base import RECORD
-from .files import fsync_dir, preallocate
+from ..common.files import fsync_dir, preallocate
 
 
 def clear(root: Path, name: str) -> None:

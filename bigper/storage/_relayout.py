@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, PathExistsError
 from .chunks import _Array, chunk_name
-from .files import fsync_dir, open_regular, write_json
+from ..common.files import fsync_dir, open_regular, write_json
 from .state import STATE_NAME, check_arrays, entry_kind
 
 KEYS = ("converting", "converted")

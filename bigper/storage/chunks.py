@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IncompatibleSnapshotError, PathExistsError
-from .files import open_regular, preallocate
+from ..common.files import open_regular, preallocate
 from ._region import PAGE, Region, round_up
 
 CHUNK_BYTES = 4 << 20

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import _h5relayout
-from .files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
+from ..common.files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from .base import RECORD, StorageBase, fits_spec
 from .state import check_meta

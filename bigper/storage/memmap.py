@@ -56,7 +56,7 @@ from ..errors import (
 )
 from . import _relayout
 from .chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F401  (CHUNK_BYTES, _Array: used by snapshots and tools)
-from .files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
+from ..common.files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
 from .base import StorageBase, fits_spec
 from .state import STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir, save_state_dir
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptSnapshotError, IncompatibleSnapshotError, UncleanStorageError
-from .files import fsync_dir, open_regular, read_regular
+from ..common.files import fsync_dir, open_regular, read_regular
 
 # Names of the buffer's state arrays (``state/<name>.npy``): plain identifiers.
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,99}$")

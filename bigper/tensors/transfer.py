@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._reuse import ReusedArrays
+from ..common.reuse import ReusedArrays
 from ..errors import InvalidTypeError
 from ..frames.distinct import distinct_frames, frames_of_stacks
 from .lazy import as_device, as_numpy, load_torch

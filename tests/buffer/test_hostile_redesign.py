@@ -51,7 +51,7 @@ from bigper.errors import (
     InvalidTypeError,
     StorageLockedError,
 )
-from bigper.status import LIVE
+from bigper.common.status import LIVE
 from bigper.storage.base import StorageBase
 from bigper.storage.memory import MemoryStorage
 

@@ -1,4 +1,4 @@
-"""The shared thread pool (``bigper/_pool.py``) across ``fork()``: a child
+"""The shared thread pool (``bigper/common/pool.py``) across ``fork()``: a child
 inherits the parent's pool object but none of its threads, so a job sent to it
 waited for ever (found beside issue 43 §3: a forked child's first large decode
 hung). The child now makes a pool of its own."""
@@ -13,7 +13,7 @@ def test_a_forked_child_runs_jobs_on_a_pool_of_its_own():
     script = textwrap.dedent("""
         import os, signal, sys
         os.environ["BIGPER_THREADS"] = "2"
-        from bigper import _pool
+        from bigper.common import pool as _pool
         seen = []
         _pool.for_ranges(lambda lo, hi: seen.append((lo, hi)), 100, 10)  # the parent's pool is made here
         assert len(seen) == 2, seen

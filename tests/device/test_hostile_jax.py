@@ -17,7 +17,7 @@ jnp = jax.numpy
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 import bigper  # noqa: E402
-from bigper import _jax as J  # noqa: E402
+from bigper.tensors import jax as J  # noqa: E402
 from bigper.batch import Batch  # noqa: E402
 from tests.buffer.test_validation import assert_same, fingerprint  # noqa: E402
 

@@ -52,7 +52,7 @@ def test_to_jax_refuses_values_32_bits_cannot_hold(vals, dtype):
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="_jax.py:_canonical refuses a float64 that becomes inf in float32 but lets a nonzero "
+                   reason="tensors/jax.py:_canonical refuses a float64 that becomes inf in float32 but lets a nonzero "
                           "float64 (1e-300, a subnormal) silently become 0.0: the value changes with no error")
 def test_to_jax_refuses_float64_that_flushes_to_zero():
     b = one(np.array([1e-300, 5e-324, -1e-200], np.float64))

@@ -1,4 +1,4 @@
-"""Batch.to_jax, Batch as a JAX pytree, and priorities from jax.Array (bigper._jax), with real JAX.
+"""Batch.to_jax, Batch as a JAX pytree, and priorities from jax.Array (bigper.tensors.jax), with real JAX.
 
 What needs another JAX device (the one-transfer path, priorities deferred from a device) runs in a
 child process with two CPU devices (``--xla_force_host_platform_device_count=2``): the same code a
@@ -20,7 +20,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import bigper  # noqa: E402
-from bigper import _jax as J  # noqa: E402
+from bigper.tensors import jax as J  # noqa: E402
 from bigper.batch import Batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def test_64_bit_values_follow_jax_x64_and_a_value_that_would_change_is_refused()
 def test_64_bit_values_with_x64_on_are_kept_and_shared():
     out = _child("""
         import numpy as np, jax, bigper
-        from bigper import _jax as J
+        from bigper.tensors import jax as J
         buf = bigper.PrioritizedReplayBuffer(16, {"obs": ((3,), np.float64), "action": ((), np.int64)}, seed=0)
         for t in range(10):
             buf.add(obs=np.full(3, 1e300), action=2**40 + t, next_obs=np.zeros(3))
@@ -135,7 +135,7 @@ def test_one_transfer_to_another_device_with_stacks_rebuilt_there():
     obs/next_obs travel once, sequence stacks are rebuilt from each row's distinct frames."""
     out = _child("""
         import numpy as np, jax, bigper
-        from bigper import _jax as J
+        from bigper.tensors import jax as J
         dev = jax.devices()[1]
         puts = []
         real = jax.device_put
@@ -258,7 +258,7 @@ def test_priorities_on_a_device_are_applied_later_in_order_and_survive_deletion(
     real deferred path, with real jax arrays)."""
     out = _child("""
         import numpy as np, jax, jax.numpy as jnp, bigper
-        from bigper import _jax as J
+        from bigper.tensors import jax as J
         J.HOST_PLATFORMS = frozenset()
         dev = jax.devices()[1]
         def make():

@@ -276,7 +276,7 @@ def test_cpu_copies_from_threads_stay_intact():
 
 
 def test_reused_arrays_hand_out_only_what_nobody_holds():
-    from bigper._reuse import ReusedArrays
+    from bigper.common.reuse import ReusedArrays
 
     pool = ReusedArrays(depth=2, max_keys=2)
     a = pool.take((3,), np.dtype(np.uint8))

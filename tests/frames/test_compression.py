@@ -311,7 +311,7 @@ def test_decode_on_threads_matches_one_thread(tmp_path):
     Feed(frames, 4).run(buf, 200)
     fs = hook.frames(buf)
     ids = np.arange(fs.fw - 150, fs.fw, dtype=np.int64)
-    code = ("import os, numpy as np; from bigper import _pool; print(_pool.workers())")
+    code = ("import os, numpy as np; from bigper.common import pool; print(pool.workers())")
     del code
     env_before = os.environ.get("BIGPER_THREADS")
     try:

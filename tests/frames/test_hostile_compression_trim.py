@@ -422,7 +422,7 @@ def test_nstep_pair_decoding_equals_the_uncompressed_twin(kind, n_step, num_envs
 # -- 5. write_durable leaves no .tmp behind ---------------------------------------
 
 def test_write_durable_removes_its_tmp_on_a_full_disk(small_tmpfs):
-    from bigper.storage.files import write_durable
+    from bigper.common.files import write_durable
 
     target = small_tmpfs / "x.json"
     target.write_bytes(b"old")

@@ -34,7 +34,7 @@ from bigper.errors import (
 from tests import hook
 from tests._hostile_snapshot_cases import deadline, fingerprint, resign
 
-LIVE, PENDING = bigper.status.LIVE, bigper.status.PENDING
+LIVE, PENDING = bigper.common.status.LIVE, bigper.common.status.PENDING
 F = {"obs": ((1,), np.float32), "reward": ((), np.float32)}
 load = bigper.PrioritizedReplayBuffer.load
 

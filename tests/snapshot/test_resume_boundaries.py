@@ -69,7 +69,7 @@ def test_nstep_windows_end_at_the_resume_point(tmp_path):
     np.testing.assert_array_equal(g["next_obs"].ravel(), [3, 4, 5, 5, 5])
     np.testing.assert_allclose(g["discount"], [0.125, 0.125, 0.125, 0.25, 0.5])  # truncated: bootstraps
     assert g["truncated"].tolist() == [False, False, True, True, True]  # windows that reach step 4
-    assert (r.status[:5] == bigper.status.LIVE).all()  # their windows completed at the resume
+    assert (r.status[:5] == bigper.common.status.LIVE).all()  # their windows completed at the resume
     r.close()
 
 
@@ -98,7 +98,7 @@ def test_mode_resume_ends_the_open_episode_and_read_only_changes_nothing(tmp_pat
     b.close()
     ro = bigper.PrioritizedReplayBuffer(100, F, n_step=2, gamma=0.5, storage="memmap", path="live",
                                         mode="resume", read_only=True)
-    assert ro.status[3] == bigper.status.PENDING  # a reader looks at what is there
+    assert ro.status[3] == bigper.common.status.PENDING  # a reader looks at what is there
     ro.close()
     r = bigper.PrioritizedReplayBuffer(100, F, n_step=2, gamma=0.5, storage="memmap", path="live", mode="resume")
     r.add(obs=[50], reward=NEW, next_obs=[51], terminated=False)
@@ -191,7 +191,7 @@ def test_no_window_mixes_the_two_sides_of_a_resume(tmp_path_factory, k, n, stora
         buf = bigper.PrioritizedReplayBuffer(64, F, path=path, mode="resume", **kw)
     add(buf, b_rows)
     stream = a_rows + b_rows
-    live = np.flatnonzero(buf.status == bigper.status.LIVE)
+    live = np.flatnonzero(buf.status == bigper.common.status.LIVE)
     got = buf.gather(live)
     for row, slot in enumerate(live.tolist()):
         side_old = slot < len(a_rows)
@@ -236,8 +236,8 @@ def test_no_sequence_item_mixes_the_two_sides_of_a_resume(tmp_path_factory, k, l
     buf = bigper.PrioritizedReplayBuffer.load(snap, path=tmp / "resumed", continue_episodes=go_on)
     add(buf, new, 2)
     items = hook.unit(buf).status  # item status, at each item's start step
-    live = np.flatnonzero(items == bigper.status.LIVE)
-    pending = np.flatnonzero(items == bigper.status.PENDING)
+    live = np.flatnonzero(items == bigper.common.status.LIVE)
+    pending = np.flatnonzero(items == bigper.common.status.PENDING)
     if not go_on:  # every item of the old side is complete: none waits for steps of the new one
         assert not any(s < len(old) for s in pending.tolist())
     if live.size:

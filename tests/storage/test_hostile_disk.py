@@ -185,7 +185,7 @@ MIB = 1 << 20
 def test_check_dense_on_real_files(tmp_path, size_mib, hole_mib, refused_):
     """The threshold: holes beyond both half the size and HOLE_SLACK are refused,
     whatever st_size claims; written bytes count as data."""
-    from bigper.storage.files import HOLE_SLACK, check_dense
+    from bigper.common.files import HOLE_SLACK, check_dense
 
     assert HOLE_SLACK == 64 * MIB
     p = tmp_path / "f"

@@ -22,7 +22,7 @@ import bigper
 from bigper import CorruptSnapshotError, StorageLockedError
 from bigper.cli import main
 from bigper.errors import BigperError, IncompatibleSnapshotError, PathExistsError
-from bigper.storage.files import FileLock, open_regular, read_json, read_regular, write_json
+from bigper.common.files import FileLock, open_regular, read_json, read_regular, write_json
 
 from tests._storage_cases import AGENT_FIELDS, DISK, AgentPool, open_buffer, where
 from tests._hostile_snapshot_cases import deadline, fingerprint
@@ -488,7 +488,7 @@ def test_errors_after_open_name_the_users_path_never_proc_self_fd(kind, harm, tm
 
 
 def test_real_names_fixes_an_oserror_with_an_errno_and_a_message():
-    from bigper.storage.files import HeldDir, real_names
+    from bigper.common.files import HeldDir, real_names
     import errno as _errno
     import tempfile
     with tempfile.TemporaryDirectory() as d:

@@ -127,7 +127,7 @@ def _assert_durable(events, dst) -> int:
 
 
 def test_write_durable_fsyncs_the_bytes_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
-    from bigper.storage.files import write_durable
+    from bigper.common.files import write_durable
 
     events = _spy_durability(monkeypatch)
     write_durable(tmp_path / "x.json", b"first")

@@ -18,7 +18,7 @@ from benchkit import import_bigper
 from workloads.codecs.frames import GAMES, frames
 
 import_bigper()  # the checkout's bigper, for its private modules below
-from bigper import _pool  # noqa: E402
+from bigper.common import pool as _pool  # noqa: E402
 from bigper.frames import zstd as _zstd  # noqa: E402
 
 BATCH = 160

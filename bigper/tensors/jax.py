@@ -39,10 +39,10 @@ import threading
 from collections import OrderedDict
 import numpy as np
 
-from .tensors.transport import carried, TensorBatch
-from .tensors.transfer import fields_of, host_of
-from .tensors.pinned import flat_arrays
-from .errors import InvalidArgumentError, InvalidTypeError
+from .transport import carried, TensorBatch
+from .transfer import fields_of, host_of
+from .pinned import flat_arrays
+from ..errors import InvalidArgumentError, InvalidTypeError
 
 # XLA's CPU client shares a host buffer only at this alignment (it copies a less aligned one).
 ALIGN = 64
