@@ -78,7 +78,7 @@ def check_journal(meta: dict, where) -> None:
         raise CorruptSnapshotError(f"{where}/meta.json: converting and converted at once")
 
 
-def _chunk_files(arrays: dict, present) -> list[str]:
+def chunk_files(arrays: dict, present) -> list[str]:
     """The names among ``present`` (a folder's entries) that are chunk files
     of ``arrays`` (name -> record, read from disk): looked up entry by entry,
     so a record of 2**55 one-row chunks costs what the folder holds."""
@@ -107,7 +107,7 @@ def journal_files(meta: dict, present=()) -> tuple[set, set]:
     for key in KEYS:
         j = meta.get(key)
         if isinstance(j, dict) and isinstance(j.get("arrays"), dict):
-            data |= set(_chunk_files(j["arrays"], present))
+            data |= set(chunk_files(j["arrays"], present))
             state |= {s for s in j.get("state") or () if isinstance(s, str)}
     return data, state
 
@@ -124,7 +124,7 @@ def _named(root: Path, j: dict, strict: bool = True) -> list[Path]:
     not (a FIFO, a symlink: not bigper's) is ``PathExistsError`` (``strict``)
     or left where it is."""
     out = []
-    paths = [root / "data" / e for e in _chunk_files(j["arrays"], _entries(root / "data"))]
+    paths = [root / "data" / e for e in chunk_files(j["arrays"], _entries(root / "data"))]
     paths += [root / "state" / f"{s}.npy" for s in j["state"]]
     for p in paths:
         if os.path.lexists(p):

@@ -178,8 +178,6 @@ class HDF5Storage(StorageBase):
                     raise CorruptSnapshotError(f"{self.path}: its /_bigper meta is not JSON ({str(e)[:200]})") \
                         from None
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
-                if not self.read_only:  # a clean file: what a replace or a conversion left beside it goes
-                    _h5relayout.clear(self._dir.root, self.path.name)
                 return self._meta
             self._created = True
             self._file = h5py.File(self._fp, "w-", rdcc_nbytes=0)
@@ -220,15 +218,18 @@ class HDF5Storage(StorageBase):
         self._file = _h5py().File(self._fp, "w-", rdcc_nbytes=0)
         self._pending = False
 
-    def _open_existing(self, h5py):
+    def _open_existing(self, h5py, mode: str = "r"):
         """The file at the storage path, when it is a regular HDF5 file: a FIFO or a device
         there is refused without blocking, anything h5py cannot open is left untouched. A file
         whose datasets live elsewhere (external storage or links, virtual datasets of other
-        files) is refused: writing rows would write into those other files."""
+        files) is refused: writing rows would write into those other files. Opened read-only
+        (``mode``) until a writer's ``allocate``: HDF5 cuts a file opened for writing back to
+        its end of allocation when it closes, so a writer refused before then (another
+        config, a full disk in a conversion) would still have changed the file."""
         fd = open_regular(self._fp, os.O_RDONLY, follow=True, error=PathExistsError)
         os.close(fd)
         try:
-            f = h5py.File(self._fp, "r" if self.read_only else "r+", rdcc_nbytes=0)
+            f = h5py.File(self._fp, mode, rdcc_nbytes=0)
         except OSError as e:
             if "unable to lock" in str(e).lower():
                 raise StorageLockedError(f"{self.path} is open in another process (HDF5 file lock: {e})") \
@@ -250,6 +251,12 @@ class HDF5Storage(StorageBase):
         try:
             if self._pending:
                 self._swap()
+            elif not self.read_only and self._file.mode != "r+":  # open() read it: now it is written
+                self._file.close()
+                self._file = None
+                self._file = self._open_existing(_h5py(), "r+")
+                if self._older is None:  # (convert() cleared them, and keeps its own older file)
+                    self._clear_trash()  # what a replace or a conversion left beside it: at the first change
             f = self._file
             if not self._meta["arrays"]:
                 h5py, reserve = _h5py(), self.compression is None
@@ -318,6 +325,7 @@ class HDF5Storage(StorageBase):
                 a.flags.writeable = False
             self._overlay, self._hidden = dict(new), tuple(old)
             return
+        self._clear_trash()  # (an interrupted conversion's leftovers: not counted against the free space)
         meta = json.loads(json.dumps(self._meta))
         meta["arrays"] = {n: r for n, r in meta["arrays"].items() if n not in old}
         for name, a in new.items():
@@ -551,8 +559,9 @@ class HDF5Storage(StorageBase):
         if self._file is None:
             return
         failed = None
+        written = not self.read_only and self._file.mode == "r+"  # (a writer before allocate changed nothing)
         try:
-            if not self.read_only:
+            if written:
                 self._file.flush()  # rows still cached (compressed chunks): their errors raise here
                 self._reserve(state)
                 if state is not None:
@@ -568,7 +577,7 @@ class HDF5Storage(StorageBase):
             failed = failed or e
         self._file = None
         try:
-            if not self.read_only:
+            if written:
                 fd = os.open(self._fp, os.O_RDWR)
                 try:  # blocks reserved past the end and not used go back (size unchanged)
                     os.ftruncate(fd, os.fstat(fd).st_size)

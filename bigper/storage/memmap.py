@@ -271,21 +271,22 @@ class MemmapStorage(StorageBase):
                 foreign("a meta.json without bigper's memmap marker")
         names = {"data": set(), "state": set()}
         journal = (set(), set())
+        data = self._root / "data"  # (a writer killed before it made data/ left none)
+        present = os.listdir(data) if os.path.lexists(data) and entry_kind(data) == "dir" else []
         if previous:
             try:
                 _relayout.check_journal(previous, self.path)
-                present = os.listdir(self._root / "data") if entry_kind(self._root / "data") == "dir" else ()
                 journal = _relayout.journal_files(previous, present)  # a conversion's files: bigper's
             except CorruptSnapshotError:
                 pass  # (a damaged journal proves nothing)
         names["data"] |= journal[0]
         arrays = previous.get("arrays") if previous else None
         if isinstance(arrays, dict):
-            try:
-                for name, rec in check_arrays(arrays, self.path).items():
-                    n = -(-rec["rows"] // rec["chunk_rows"])
-                    for k in range(n):
-                        names["data"] |= {chunk_name(name, k), chunk_name(name, k) + ".cow"}
+            try:  # the chunk files (and their copies on write) the record names, looked up entry by
+                # entry: a record of 2**55 one-row chunks costs what data/ holds
+                own = _relayout.chunk_files(check_arrays(arrays, self.path),
+                                            [e[:-4] if e.endswith(".cow") else e for e in present])
+                names["data"] |= set(own) | {e + ".cow" for e in own}
             except CorruptSnapshotError:
                 pass  # a damaged record proves nothing: only an empty data/ is taken over
         recorded = previous.get("state_files") if previous else None

@@ -216,6 +216,14 @@ def test_invalid_updates_from_sampler_and_learner_leave_tree(tmp_path, bad):
     buf.close()
 
 
+def _fork() -> int:
+    """``os.fork()`` without Python's warning that this process has threads (the point here)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 # (memory: the child's tree total and the sum of its leaves used to differ in 3 of 4 runs: the tree's
 # pages were a shared mapping, so the parent's updates after the fork went on in the child's tree;
@@ -235,10 +243,7 @@ def test_fork_mid_traffic(tmp_path, storage):
     t = threading.Thread(target=busy, daemon=True)
     t.start()
     r, w = os.pipe()
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    pid = _fork()
     if pid == 0:
         code = 9
         try:
@@ -299,10 +304,7 @@ def test_a_forked_child_and_its_parent_never_share_a_tree(prioritization):
     buf.update_priorities(np.arange(CAP), np.linspace(0.5, 2.0, CAP))
     leaves0, total0 = buf.leaves(np.arange(CAP)).copy(), buf.total_priority
     go_child, go_parent = os.pipe(), os.pipe()
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    pid = _fork()
     if pid == 0:
         code = 9
         try:

@@ -198,12 +198,32 @@ def test_a_full_disk_during_a_folders_conversion_leaves_the_old_folder(small_tmp
     buf.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a writer opens the older file with h5py 'r+', and HDF5 truncates a file opened for writing to its end "
-    "of allocation when it closes (storage/hdf5.py _abort, and convert() before its swap): the older bigper "
-    "left its 64 KiB growth reservations as zeros past that end, so a refused resume (a full disk, another "
-    "config) shortens the older file by them: what HDF5 reads is the same, but the file is not byte for "
-    "byte as it was (361,784 -> 127,227 bytes for the fixture)"))
+def test_a_writer_refused_for_another_config_leaves_an_older_hdf5_file_byte_for_byte(tmp_path):
+    """The older HDF5 file (its growth reservations as zeros past HDF5's end of
+    allocation) met by a resume with another capacity: refused, and the file is
+    what it was to the byte (a writer reads the file until ``allocate``: HDF5
+    cuts a file opened for writing back to its end of allocation at close);
+    the right config then resumes it as the older bigper would."""
+    path = tmp_path / f"{H5}.h5"
+    shutil.copyfile(DATA / f"{H5}.h5", path)
+    lock_mark(path)
+    spec = expected(H5)["spec"]
+    fields = {"obs": ((spec["frame_stack"], *spec["frame"]), np.uint8), "reward": ((), np.float32),
+              "action": ((), np.int64)}
+    before = fingerprint(tmp_path)
+    with deadline():
+        with pytest.raises(IncompatibleSnapshotError, match="capacity"):
+            bigper.PrioritizedReplayBuffer(
+                spec["capacity"] - 1, fields, path=path, num_envs=spec["num_envs"],
+                frame_stack=spec["frame_stack"], seed=11, storage=spec["storage"],
+                compression=spec.get("compression"), n_step=spec["n_step"], alpha=spec["alpha"],
+                beta=spec["beta"], mode="resume", continue_episodes=True)
+    assert fingerprint(tmp_path) == before
+    buf = open_folder(H5, path, continue_episodes=True)
+    same_batches(buf, expected(H5)["resume"]["batches"])
+    buf.close()
+
+
 def test_a_full_disk_during_an_hdf5_files_conversion_leaves_the_old_file(small_tmpfs):
     path = small_tmpfs / f"{H5}.h5"
     shutil.copyfile(DATA / f"{H5}.h5", path)
@@ -327,3 +347,45 @@ def test_int64_extremes_in_slots_no_sample_reads_convert_and_resume_exactly(tmp_
     buf.close()
     assert recorded(path)["arrays"]["frame_off"]["dtype"] == "<u2"
     assert verify_live(path).status == OK
+
+
+def test_a_load_takes_over_a_live_folder_whose_writer_was_killed_before_it_made_data(tmp_path):
+    """A kill -9 can leave a live folder with its meta.json and no data/ yet
+    (found by tools/dev/crash_test.py): a snapshot's load into that path takes
+    it over (the journal's and the record's files are looked up in a data/
+    that is not there) instead of raising FileNotFoundError."""
+    fields = {"obs": ((2,), np.float32)}
+    live = tmp_path / "live"
+    with bigper.PrioritizedReplayBuffer(8, fields, storage="memmap", path=live) as buf:
+        for i in range(5):
+            buf.add(obs=np.full(2, i, np.float32), next_obs=np.full(2, i + 1, np.float32))
+        buf.save(tmp_path / "snap")
+        want = buf.sample(4)
+    shutil.rmtree(live / "data")
+    with deadline():
+        back = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=live)
+    assert len(back) == 5
+    got = back.sample(4)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got["obs"], want["obs"])
+    back.close()
+
+
+def test_a_live_record_naming_two_to_the_55_chunk_files_does_not_hang_a_loads_takeover(tmp_path):
+    """The live folder's meta.json records an array of 2**55 one-row chunks: a
+    snapshot's load into that path looks its files up in what data/ holds
+    (not chunk name by chunk name) and answers at once."""
+    fields = {"obs": ((2,), np.float32)}
+    live = tmp_path / "live"
+    with bigper.PrioritizedReplayBuffer(8, fields, storage="memmap", path=live) as buf:
+        for i in range(5):
+            buf.add(obs=np.full(2, i, np.float32), next_obs=np.full(2, i + 1, np.float32))
+        buf.save(tmp_path / "snap")
+    meta = recorded(live)
+    meta["arrays"]["obs"] = {**meta["arrays"]["obs"], "rows": 2**55, "chunk_rows": 1}
+    write_meta(live, meta)
+    with deadline(20):
+        try:
+            bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=live).close()
+        except BigperError:
+            pass  # refused (the folder's record is not the snapshot's) is an answer too
