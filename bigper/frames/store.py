@@ -53,7 +53,6 @@ REF_NAMES = ("obs_ref", "next_obs_ref")  # the stacks whose ids ``refs`` gives (
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
 
 
-
 class RingArgs(NamedTuple):
     """The frame ring as ``core/writer.write_rows`` takes it (``FrameStore.kernel_args``;
     ``framed`` False: a buffer without one, the others never read)."""

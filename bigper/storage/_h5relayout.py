@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .base import RECORD
-from ..common.files import fsync_dir, preallocate
+from ..common.files import fsync_dir, open_regular, preallocate
 
 
 def clear(root: Path, name: str) -> None:
@@ -61,7 +61,7 @@ def rewrite(h5py, f, root: Path, name: str, new: dict, old: tuple, old_state: tu
                                  compression=meta.get("compression"))
             rec.attrs["meta"] = json.dumps(meta)
         preallocate(tmp, os.stat(tmp).st_size)  # (its blocks really reserved, as a new storage's)
-        fd = os.open(tmp, os.O_RDONLY)
+        fd = open_regular(tmp, os.O_RDONLY)  # (the file just written: a regular one, or refused)
         try:
             os.fsync(fd)
         finally:

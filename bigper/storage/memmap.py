@@ -496,15 +496,16 @@ class MemmapStorage(StorageBase):
         ``my-notes.cow`` is never touched; such a name that is not a plain file
         (a directory, FIFO, symlink) is not bigper's: ``PathExistsError``."""
         out = []
-        for name, rec in (self._meta.get("arrays") or {}).items():
-            for k in range(-(-rec["rows"] // rec["chunk_rows"])):
-                cow = chunk_name(name, k) + ".cow"
-                if os.path.lexists(self._root / "data" / cow):
-                    if entry_kind(self._root / "data" / cow) != "file":
-                        raise PathExistsError(
-                            f"{self.path / 'data' / cow} is not a plain file, so not a leftover copy of "
-                            "bigper's: refusing to open over it (nothing was changed)")
-                    out.append(cow)
+        data = self._root / "data"
+        cows = [e[:-4] for e in os.listdir(data) if e.endswith(".cow")] if os.path.isdir(data) else []
+        # (looked up entry by entry, as a takeover does: a record's numbers read from disk bound nothing)
+        for chunk in _relayout.chunk_files(self._meta.get("arrays") or {}, cows):
+            cow = chunk + ".cow"
+            if entry_kind(data / cow) != "file":
+                raise PathExistsError(
+                    f"{self.path / 'data' / cow} is not a plain file, so not a leftover copy of "
+                    "bigper's: refusing to open over it (nothing was changed)")
+            out.append(cow)
         return out
 
     def abort(self) -> None:

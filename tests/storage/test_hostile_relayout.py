@@ -389,3 +389,22 @@ def test_a_live_record_naming_two_to_the_55_chunk_files_does_not_hang_a_loads_ta
             bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=live).close()
         except BigperError:
             pass  # refused (the folder's record is not the snapshot's) is an answer too
+
+
+def test_a_live_record_naming_two_to_the_55_chunk_files_does_not_hang_a_resume(tmp_path):
+    """The same record met by ``mode="resume"``: its copy-on-write leftovers
+    are looked up in what data/ holds too, and the resume answers at once
+    (refused: the record is not the config's), the folder unchanged."""
+    fields = {"obs": ((2,), np.float32)}
+    live = tmp_path / "live"
+    with bigper.PrioritizedReplayBuffer(8, fields, storage="memmap", path=live) as buf:
+        buf.add(obs=np.zeros(2, np.float32), next_obs=np.ones(2, np.float32))
+    meta = recorded(live)
+    meta["arrays"]["obs"] = {**meta["arrays"]["obs"], "rows": 2**55, "chunk_rows": 1}
+    write_meta(live, meta)
+    lock_mark(live)
+    before = fingerprint(live)
+    with deadline(20):
+        with pytest.raises(BigperError):
+            bigper.PrioritizedReplayBuffer(8, fields, storage="memmap", path=live, mode="resume")
+    assert fingerprint(live) == before
