@@ -11,9 +11,79 @@ once at the public boundary and hands over arrays of the right dtype. Every
 kernel works on a whole batch a call.
 """
 
+import signal
+import threading
+from contextlib import contextmanager
+
 from numba import njit
 
-kernel = njit(cache=True, nogil=True)
+# The signals whose Python handlers are held back while a kernel compiles (or loads from the cache).
+_HELD_BACK = (signal.SIGINT, signal.SIGTERM)
+_holding = [False]
+
+
+@contextmanager
+def _signals_held_back():
+    """Signals with a Python handler (Ctrl-C's ``KeyboardInterrupt``) run
+    after the block, not inside it. An exception raised inside llvmlite's
+    calls (between a C call that frees and the line that records it) makes
+    its finalizer free the same memory again: the process aborts ("double
+    free") instead of raising. Handlers run only in the main thread, so only
+    it needs this; the first signal of each kind is delivered once the
+    compile is done."""
+    if _holding[0] or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: dict = {}
+    saved: dict = {}
+    over = [False]
+
+    def hold(signum, frame):  # (once the block is over, a handler not put back yet forwards)
+        if over[0]:
+            saved[signum](signum, frame)
+        else:
+            caught.setdefault(signum, frame)
+
+    try:
+        for s in _HELD_BACK:
+            h = signal.getsignal(s)
+            if callable(h):
+                saved[s] = h
+                signal.signal(s, hold)
+    except ValueError:  # (not the main interpreter: its handlers are not ours to move)
+        pass
+    _holding[0] = True
+    try:
+        yield
+    finally:
+        _holding[0] = False
+        over[0] = True
+        for s, h in saved.items():
+            signal.signal(s, h)
+        for s, frame in caught.items():
+            saved[s](s, frame)
+
+
+def jit(**options):
+    """``numba.njit(**options)`` whose compiles (first calls, new types, cache
+    loads) hold Ctrl-C back until they are done (``_signals_held_back``)."""
+    make = njit(**options)
+
+    def decorate(fn):
+        dispatcher = make(fn)
+        compile_for_args = dispatcher._compile_for_args  # (what numba's dispatcher calls on a type it has not seen)
+
+        def compile_held(*args, **kws):
+            with _signals_held_back():
+                return compile_for_args(*args, **kws)
+
+        dispatcher._compile_for_args = compile_held
+        return dispatcher
+
+    return decorate
+
+
+kernel = jit(cache=True, nogil=True)
 
 
 @kernel

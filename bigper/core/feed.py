@@ -30,11 +30,11 @@ from __future__ import annotations
 import numpy as np
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..common.kernels import kernel
+from ..common.kernels import jit, kernel
 from ..prioritization._tree_kernels import sample_into
 from .ring import batch_meta
 
@@ -42,7 +42,7 @@ from .ring import batch_meta
 # it back from a launch-bound learner, which needs it at every op, and that handover costs the
 # learner far more than the kernel (measured: hundreds of µs a batch). Only the gather, long
 # enough to be worth it, runs without the GIL.
-held = njit(cache=True)
+held = jit(cache=True)
 
 # Offsets of the regions of a block: aligned for any dtype's view (and for fast copies).
 ALIGN = 64
