@@ -2,7 +2,8 @@
 where it needs a GPU or a long run, in its marked smoke form), and the site
 checker catches a link to something missing.
 
-A block runs as a script of its own; the blocks of one page run in order in
+A block runs as a script of its own (the blocks of a page in one child
+interpreter, each with fresh globals); the blocks of one page run in order in
 one fresh folder, so a page's later block sees what an earlier one wrote (the
 restarted job of the snapshots page). A marker comment right before a block:
 
@@ -86,9 +87,19 @@ def _runnable_pages() -> list[Path]:
     return [p for p in pages() if any(as_run(b, p) is not None for b in python_blocks(p))]
 
 
+# A block as ``python block.py`` runs it (``__main__``, its own globals, ``__file__``).
+_BLOCK = "import runpy, sys\nrunpy.run_path(sys.argv[1], run_name='__main__')\n"
+
+
 @pytest.mark.parametrize("page", _runnable_pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run_in_order(page, tmp_path):
+    """The page's blocks in one child interpreter, each as a script of its own (``_child_batch``:
+    fresh globals, then what its exit would do), one after the other, so that a page does not pay
+    an interpreter start and torch's import a block."""
+    from tests._child_batch import run_batch
+
     env = dict(os.environ, PYTHONPATH=str(ROOT), BIGPER_THREADS="1")
+    scripts = {}
     for n, block in enumerate(python_blocks(page)):
         code = as_run(block, page)
         if code is None:
@@ -97,9 +108,11 @@ def test_page_blocks_run_in_order(page, tmp_path):
             pytest.importorskip(mod, reason=f"{page.name}:{block['line']} needs {mod}")
         script = tmp_path / f"block{n}_line{block['line']}.py"
         script.write_text(code)
-        r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, (f"{page.relative_to(ROOT)}:{block['line']} failed\n"
+        scripts[f"line{block['line']}"] = [str(script)]
+    results = run_batch(_BLOCK, scripts, env=env, cwd=tmp_path, timeout=600)
+    for name in scripts:
+        r = results[name]
+        assert r.returncode == 0, (f"{page.relative_to(ROOT)}:{name[4:]} failed\n"
                                    + r.stdout[-2000:] + r.stderr[-4000:])
 
 

@@ -155,7 +155,7 @@ def test_r2d2_prints_its_progress_and_returns(tmp_path):
 
 
 def _sequences_page_blocks() -> list[str]:
-    text = (ROOT / "docs" / "guide" / "sequences.md").read_text()
+    text = (ROOT / "docs/guide/sequences.md").read_text()
     return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
 
 
