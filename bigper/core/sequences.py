@@ -32,6 +32,8 @@ transition ones.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..common.kernels import kernel
@@ -48,18 +50,53 @@ ITEM_ARRAYS = ("seq_pos", "seq_status", "seq_pending", "seq_next", "seq_ptr")
 Positions = np.ndarray  # int64 (C,): a step's position in its episode, -1 for a placeholder row
 
 
+class ItemRows(NamedTuple):
+    """The rows a write records, as the item kernels take them."""
+
+    slots: np.ndarray  # (m,) int64: the slots written
+    ends: np.ndarray  # (m,) uint8: their end bits
+    valid: np.ndarray  # (m,) bool: False for a placeholder row
+    keys: np.ndarray  # (m,) float64: the key of the item a row starts
+
+
+class ItemSizes(NamedTuple):
+    """The buffer's and the sequence's sizes (``Items.sizes``)."""
+
+    capacity: int
+    num_envs: int
+    length: int
+    period: int
+    burn_in: int
+
+
+class ItemTables(NamedTuple):
+    """The item arrays the write kernels change (``Items.tables``; the same arrays every call)."""
+
+    next_pos: np.ndarray  # (num_envs,) int64: each env's next step's position
+    pos: np.ndarray  # (C,) int64: each slot's position in its episode
+    status: np.ndarray  # (C,) uint8: item status by start slot
+    pending: np.ndarray  # (C,) float64: the keys of pending items
+    ptr: np.ndarray  # (num_envs,) int64: each env's oldest item that may live
+    dead: np.ndarray  # (C,) int64: scratch, the items a write kills
+
+
+class StepBook(NamedTuple):
+    """The ring's arrays the item kernels read."""
+
+    gid: np.ndarray  # (C,) int64: the step each slot holds
+    status: np.ndarray  # (C,) uint8: each step's status
+
+
 @kernel
 def write_items(g0, rows, sizes, tables, gid, ready):
-    """Record rows ``g0 ..`` (already committed to ``gid``/``ends``): each
-    valid row's position, a pending item where it starts one (with key
-    ``keys[r]``), and the items it completes (made live, their slots written
-    to ``ready``). Returns how many are in ``ready``. Grouped arguments:
-    ``rows`` ``(slots, ends, valid, keys)``; ``sizes`` ``(capacity,
-    num_envs, length, period, burn_in)``; ``tables``, the items' ``(next_pos,
-    pos, status, pending, ptr, dead)`` (``Items.tables``)."""
-    slots, ends, valid, keys = rows
-    capacity, num_envs, length, period, _burn_in = sizes
-    next_pos, pos_arr, status, pending, _ptr, _dead = tables
+    """Record rows ``g0 ..`` (``ItemRows``, already committed to
+    ``gid``/``ends``): each valid row's position, a pending item where it
+    starts one (with its key), and the items it completes (made live, their
+    slots written to ``ready``). Returns how many are in ``ready``.
+    ``sizes``: ``ItemSizes``; ``tables``: ``ItemTables``."""
+    slots, ends, valid, keys = rows.slots, rows.ends, rows.valid, rows.keys
+    capacity, num_envs, length, period = sizes.capacity, sizes.num_envs, sizes.length, sizes.period
+    next_pos, pos_arr, status, pending = tables.next_pos, tables.pos, tables.status, tables.pending
     nr = 0
     for r in range(slots.shape[0]):
         g = g0 + r
@@ -125,18 +162,17 @@ def write_items_tree(g0, count, rows, sizes, tables, book, tree):
     """``write_items`` and ``kill_items`` with the leaves set in the sum tree
     (proportional) in the same call: the written slots' leaves go, the dead
     items' go, the completed items get their keys. The same leaves as
-    ``Items.write``'s general path, in one call. ``book``: the ring's
-    ``(gid, step status)``; ``tree``: ``(sums, mins, offsets)``; the rest as
-    ``write_items``."""
-    slots = rows[0]
-    capacity, num_envs, length, period, burn_in = sizes
-    next_pos, pos_arr, status, pending, ptr, dead = tables
-    gid, step_status = book
-    sums, mins, offsets = tree
+    ``Items.write``'s general path, in one call. ``book``: ``StepBook``;
+    ``tree``: the tree's ``TreeArrays``; the rest as ``write_items``."""
+    slots = rows.slots
+    num_envs, length, period = sizes.num_envs, sizes.length, sizes.period
+    status, pending, dead = tables.status, tables.pending, tables.dead
+    sums, mins, offsets = tree.sums, tree.mins, tree.offsets
     m = slots.shape[0]
     ready = np.empty(m + num_envs * (length // period + 2), dtype=np.int64)
-    nr = write_items(g0, rows, sizes, tables, gid, ready)
-    nd = kill_items(ptr, count, capacity, num_envs, burn_in, period, pos_arr, gid, step_status, status, dead)
+    nr = write_items(g0, rows, sizes, tables, book.gid, ready)
+    nd = kill_items(tables.ptr, count, sizes.capacity, num_envs, sizes.burn_in, period, tables.pos, book.gid,
+                    book.status, status, dead)
     tree_set(sums, mins, offsets, slots, np.zeros(m, dtype=np.float64))
     if nd > 0:
         tree_set(sums, mins, offsets, dead[:nd], np.zeros(nd, dtype=np.float64))
@@ -232,11 +268,12 @@ class Items:
         self._dead = np.empty(c, dtype=np.int64)       # scratch for kill_items
         self._ones = np.ones(256, dtype=np.bool_)       # valid rows of a small write
         self._ready = np.empty(256 + k * (self.length // self.period + 2), dtype=np.int64)  # scratch
-        self.sizes = (self.capacity, self.num_envs, self.length, self.period, self.burn_in)  # (write_items)
+        self.sizes = ItemSizes(self.capacity, self.num_envs, self.length, self.period, self.burn_in)
+        self.book = StepBook(gid, step_status)
 
-    def tables(self) -> tuple:
-        """The items' arrays the write kernels change: ``(next_pos, pos, status, pending, ptr, dead)``."""
-        return self.next_pos, self.pos, self.status, self.pending, self.ptr, self._dead
+    def tables(self) -> ItemTables:
+        """The items' arrays the write kernels change."""
+        return ItemTables(self.next_pos, self.pos, self.status, self.pending, self.ptr, self._dead)
 
     # -- writes ------------------------------------------------------------------
     def write(self, prio, g0: int, slots: np.ndarray, ends: np.ndarray, valid, keys: np.ndarray,
@@ -255,8 +292,8 @@ class Items:
         m = slots.shape[0]
         ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
             else valid
-        write_items_tree(g0, count, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
-                         self.tables(), (self.gid, self.step_status), t.arrays)
+        write_items_tree(g0, count, ItemRows(slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)),
+                         self.sizes, self.tables(), self.book, t.arrays)
 
     def _write_general(self, prio, g0, slots, ends, valid, keys, count) -> None:
         m = slots.shape[0]
@@ -264,7 +301,7 @@ class Items:
             else valid
         need = m + self.num_envs * (self.length // self.period + 2)
         ready = self._ready if need <= self._ready.shape[0] else np.empty(need, dtype=np.int64)
-        nr = write_items(g0, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
+        nr = write_items(g0, ItemRows(slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
                          self.tables(), self.gid, ready)
         nd = kill_items(self.ptr, count, self.capacity, self.num_envs, self.burn_in, self.period, self.pos,
                         self.gid, self.step_status, self.status, self._dead)
