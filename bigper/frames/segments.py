@@ -64,6 +64,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
@@ -155,16 +156,30 @@ def put_rows(scratch, lengths, offsets, log, index, F, f0, did):
         src += ln
 
 
+class StagedLog(NamedTuple):
+    """The open segment as ``append_staged`` writes it (``SegmentLog.staged_args``)."""
+
+    cctx: int  # the compression context of the newest dictionary (a ZSTD_CCtx pointer)
+    st: np.ndarray  # the log's counters
+    seg: int  # bytes a segment
+    seg_first: np.ndarray  # each segment slot's first frame
+    seg_slot: np.ndarray  # each segment's slot
+    used: np.ndarray  # each slot's bytes in use
+    flat: np.ndarray  # the storage's log bytes, flat
+    index: np.ndarray  # (F, 2) int64: each frame's offset and (dictionary, length)
+    did: int  # the newest dictionary's generation
+
+
 @kernel
 def append_staged(log, staged, scratch, f0, n):
     """Frames ``f0 .. f0 + n - 1``, raw in rows ``(f0 + i) % R`` of ``staged``
     ``(R, row_bytes)``, compressed (into ``scratch``, room for ``n`` frames
     that do not shrink) and appended to the open segment with their index
-    rows, when they all fit in it; nothing changes otherwise. ``log``:
-    ``(cctx, st, seg, seg_first, seg_slot, used, flat, index, did, fw)``
-    (``SegmentLog.staged_args``). Returns 0, or -1 (they do not fit: the
-    caller takes the general path), or -2 (zstd failed)."""
-    cctx, st, seg, seg_first, seg_slot, used, flat, index, did, _fw = log
+    rows, when they all fit in it; nothing changes otherwise. ``log``: the
+    log's ``StagedLog`` (``SegmentLog.staged_args``). Returns 0, or -1 (they
+    do not fit: the caller takes the general path), or -2 (zstd failed)."""
+    cctx, st, seg, seg_first, seg_slot, used = log.cctx, log.st, log.seg, log.seg_first, log.seg_slot, log.used
+    flat, index, did = log.flat, log.index, log.did
     R = staged.shape[0]
     F = index.shape[0]
     lengths = np.empty(n, dtype=np.int64)
@@ -291,10 +306,10 @@ class SegmentLog:
         """Whether ``most`` frames more from frame ``fw`` may reach a dictionary look (``maybe_train``)."""
         return (fw + most) // TRAIN_FRAMES > fw // TRAIN_FRAMES
 
-    def staged_args(self, rw: dict, fw: int):
-        """``append_staged``'s ``log`` group for an append of frames from frame
-        ``fw`` on into the storage's arrays ``rw``, or None where
-        only ``append`` may write (a capped log: its appends may release segments)."""
+    def staged_args(self, rw: dict) -> StagedLog | None:
+        """``append_staged``'s ``log`` group for an append of frames into the
+        storage's arrays ``rw``, or None where only ``append`` may write (a
+        capped log: its appends may release segments)."""
         if self.capped:
             return None
         ds = self.dicts
@@ -302,9 +317,9 @@ class SegmentLog:
         key = self._staged_key
         if key is None or key[0] is not frame_log or key[1] is not index or key[2] != did or key[3] is not codec:
             self._staged_key = (frame_log, index, did, codec)
-            self._staged = (codec.cctx[ds.slot(did)], self.st, self.seg, self.seg_first, self.seg_slot, self.used,
-                            frame_log.reshape(-1), index, did)
-        return self._staged + (fw,)
+            self._staged = StagedLog(codec.cctx[ds.slot(did)], self.st, self.seg, self.seg_first, self.seg_slot,
+                                     self.used, frame_log.reshape(-1), index, did)
+        return self._staged
 
     def append(self, f0: int, frames: np.ndarray, rw: dict | None, journal: Journal | None = None) -> None:
         """Compress and store frames ``f0 .. f0 + m - 1`` ((m, row_bytes) uint8).

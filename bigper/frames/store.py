@@ -208,22 +208,22 @@ def write_direct(rows, stream, fw, has_next, fref, foff, ring, slots, minref, re
 
 
 @kernel
-def write_logged(g0, flags, stacks, stream, refs, minref, sizes, work, log):
+def write_logged(g0, flags, stacks, ra, sizes, work, log, fw):
     """``write_direct`` for a compressed log, all or nothing, for rows
     ``g0 ..`` (``flags``: their ``(terminated, truncated, valid)``; ``stacks``:
-    ``(obs, next_obs)``, C-contiguous ``(m, k, *frame)``; ``stream``:
-    ``(last_frames, last_ref, has_last, has_next)``; ``refs``: ``(fref,
-    foff, reach)`` (``write_direct``'s); ``sizes``: ``(capacity, num_envs)``): the new frames go to a
+    ``(obs, next_obs)``, C-contiguous ``(m, k, *frame)``; ``ra``: the
+    streams and references (``RingArgs``; its ``ring`` unused); ``sizes``:
+    ``(capacity, num_envs)``; ``fw``: the frames written): the new frames go to a
     staging ring and from there, compressed, to the open segment
-    (``segments.append_staged``). ``work``: ``(staged, saved, scratch)``, the
+    (``segments.append_staged``, ``log`` its ``StagedLog``). ``work``: ``(staged, saved, scratch)``, the
     staging ring (``2 * m * k`` rows at least), room for ``m`` rows' streams
     and for their compressed frames (reused: no page faults). When they do not all fit there (or zstd
     fails), what it changed (the streams, the slots' oldest references and
     references) is put back and ``-1`` (``-2``) is returned; else the new frame count."""
     term, trunc, valid = flags
     obs, nxt = stacks
-    last_frames, last_ref, has_last, has_next = stream
-    fref, foff, reach = refs
+    last_frames, last_ref, has_last = ra.last_frames, ra.last_ref, ra.has_last
+    fref, foff, minref = ra.fref, ra.foff, ra.minref
     capacity, num_envs = sizes
     m, k, words = term.shape[0], last_frames.shape[1], last_frames.shape[2]
     slots = np.empty(m, dtype=np.int64)
@@ -249,9 +249,8 @@ def write_logged(g0, flags, stacks, stream, refs, minref, sizes, work, log):
         s_foff[r] = foff[s]
     ow = obs.reshape((m, k, -1)).view(last_frames.dtype)
     nw = nxt.reshape((m, k, -1)).view(last_frames.dtype)
-    fw = log[-1]
-    fw1 = write_direct((ow, nw, env, ends, valid), (last_frames, last_ref, has_last), fw, has_next,
-                       fref, foff, staged, slots, minref, reach)
+    fw1 = write_direct((ow, nw, env, ends, valid), (last_frames, last_ref, has_last), fw, ra.has_next,
+                       fref, foff, staged, slots, minref, ra.reach)
     code = append_staged(log, staged.view(np.uint8), scratch, fw, fw1 - fw)
     if code == 0:
         return fw1
@@ -531,7 +530,7 @@ class FrameStore:
         journal can put the write back)."""
         m = rows["terminated"].shape[0]
         log = None if m > self.num_envs or self.log.look_due(self.fw, 2 * m * self.k) \
-            else self.log.staged_args(rw, self.fw)
+            else self.log.staged_args(rw)
         if log is None:
             return False
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None else valid
@@ -540,9 +539,8 @@ class FrameStore:
             self._work = (np.empty((most, self.row_words), dtype=self.word), np.empty_like(self.last_frames),
                           np.empty(most * self.log.max_len, dtype=np.uint8))
         fw = write_logged(g0, (rows["terminated"], rows["truncated"], ok), self._contiguous(rows),
-                          (self.last_frames, self.last_ref, self.has_last, self.has_next),
-                          (rw["frame_ref"], rw["frame_off"], self.reach), self.minref,
-                          (self.capacity, self.num_envs), self._work, log)
+                          self._ring_args(self._work[0], rw["frame_ref"], rw["frame_off"]),
+                          (self.capacity, self.num_envs), self._work, log, self.fw)
         if fw == -2:
             raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes")
         if fw < 0:
@@ -627,14 +625,18 @@ class FrameStore:
         (C-contiguous stacks, viewed as words by the kernel), and the ring's
         (the same tuple while the storage keeps its arrays). The caller
         stores the returned frame count in ``fw``."""
-        obs, nxt = self._contiguous(rows)
-        ring, fref, foff = self._in_place(rw)
-        made_of = self._args_of  # the storage's arrays the tuple holds (new ones after a copy-on-write)
+        return self._contiguous(rows), self._ring_args(*self._in_place(rw))
+
+    def _ring_args(self, ring, fref, foff) -> RingArgs:
+        """The ring's ``RingArgs`` over these arrays (made again only when
+        the storage's arrays change: a copy-on-write); a compressed log's
+        writes pass their staging ring as ``ring``."""
+        made_of = self._args_of
         if made_of is None or made_of[0] is not ring or made_of[1] is not fref or made_of[2] is not foff:
             self._args = RingArgs(True, self.last_frames, self.last_ref, self.has_last, self.has_next, fref, foff,
                                   ring, self.minref, self.ptr, self._expired, self.reach)
             self._args_of = (ring, fref, foff)
-        return (obs, nxt), self._args
+        return self._args
 
     def _contiguous(self, rows: dict) -> tuple:
         """The rows' ``(obs, next_obs)`` stacks, C-contiguous (``obs`` twice without next_obs)."""
