@@ -232,21 +232,40 @@ def default_live_path(snap: Path, body: dict) -> Path | None:
     return live
 
 
-def _check_newer(previous, count: int, live, rewind: bool) -> None:
+def _check_newer(previous, snap_meta: dict, live, rewind: bool) -> None:
     """A live path whose buffer was closed holding more transitions than the
-    snapshot (``count``) keeps them unless ``rewind``: loading would discard
+    snapshot (its ``snap_meta``), or as many but priorities raised since
+    (``_raised_since``), keeps them unless ``rewind``: loading would discard
     newer data (a crashed writer's folder, unclean, records nothing newer that
     could be resumed: it is taken over as before)."""
     if rewind or not isinstance(previous, dict) or previous.get("clean") is not True:
         return
     st = previous.get("state")
     held = st.get("count") if isinstance(st, dict) else None
+    count = snap_meta["count"]
+    if held == count and not isinstance(held, bool) and _raised_since(st, snap_meta):
+        raise PathExistsError(
+            f"path={str(live)!r} holds a buffer closed with this snapshot's {count} transitions but priorities "
+            f"raised since (its largest {st['max_leaf']:.6g}, the snapshot's {snap_meta['max_leaf']:.6g}): "
+            "loading it there would discard them. Resume that buffer with mode='resume', load the snapshot "
+            "into a new path=, or pass rewind=True to replace it with the snapshot; nothing was changed")
     if isinstance(held, int) and not isinstance(held, bool) and held > count:
         raise PathExistsError(
             f"path={str(live)!r} holds a buffer closed with {held} transitions written, newer than this "
             f"snapshot's {count}: loading it there would discard the {held - count} transitions (and the "
             "priority updates) since. Resume that buffer with mode='resume', load the snapshot into a new "
             "path=, or pass rewind=True to replace it with the snapshot; nothing was changed")
+
+
+def _raised_since(meta: dict, snap_meta: dict) -> bool:
+    """Whether a closed buffer's recorded ``meta`` shows priorities raised
+    since the snapshot whose meta is ``snap_meta`` (same count): its largest
+    leaf ever is larger. (A load ends the episodes open at the snapshot, which
+    changes the ring's arrays and the leaves: a buffer loaded and closed
+    untouched differs there from its snapshot, so those are not compared;
+    batches drawn since, its random state, are no data of the run.)"""
+    have, had = meta.get("max_leaf"), snap_meta.get("max_leaf")
+    return isinstance(have, float) and isinstance(had, (int, float)) and have > had
 
 
 def _release(store) -> None:
@@ -306,7 +325,7 @@ def _restore(cfg, body, snap, live, layouts, rewind):
     store.open(cfg.to_dict())
     try:
         _check_previous(store.previous, cfg, live)  # previous: None in memory
-        _check_newer(store.previous, body["state"]["meta"]["count"], live, rewind)
+        _check_newer(store.previous, body["state"]["meta"], live, rewind)
         if store.chunked:
             native = store.layout(layouts, storage_growth(cfg))
             if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):

@@ -518,11 +518,9 @@ def test_a_killed_writers_newer_folder_is_taken_over_and_verifies(tmp_path, stor
     assert verify(live) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="_check_newer compares transition counts only: a live path closed with the "
-                   "snapshot's count but priority updates, draws and beta steps since is replaced without rewind, "
-                   "silently discarding that newer state (promise 18: a load never discards newer data)")
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
 def test_equal_count_with_newer_priorities_is_not_silently_rewound(tmp_path, storage):
+    """(Was a strict xfail: ``_check_newer`` compared transition counts only.)"""
     live = live_of(storage, tmp_path)
     b = run_folder(tmp_path, storage=storage, live_rel=live.name, more=0, close=False)
     for _ in range(5):  # a learner that only samples and updates after the snapshot
@@ -533,6 +531,43 @@ def test_equal_count_with_newer_priorities_is_not_silently_rewound(tmp_path, sto
     with pytest.raises(PathExistsError, match="rewind"):
         load(tmp_path / "ckpt/snap-00000001").close()
     assert fingerprint(tmp_path) == before
+
+
+_UNSEEN = ("a closed buffer's recorded meta shows priorities raised past its largest leaf; a load ends the open "
+           "episodes (the ring's arrays and the leaves change), so a buffer loaded and closed untouched differs "
+           "there from its snapshot and those are not compared: priorities only lowered since go unseen")
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("since", [pytest.param("lowered", marks=pytest.mark.xfail(strict=True, reason=_UNSEEN)),
+                                   "raised_once",
+                                   pytest.param("reprioritized", marks=pytest.mark.xfail(strict=True, reason=_UNSEEN))])
+def test_equal_count_with_any_change_since_is_not_silently_rewound(tmp_path, storage, since):
+    """Priorities changed since, no transition written: lowered (the largest
+    leaf stays), one raised past the largest (no draw), every one set anew as
+    ``reprioritize`` sets them (no draw). Refused without ``rewind``, the
+    folder byte for byte as it was; with it, the state a load of the
+    snapshot into a new path gives."""
+    live = live_of(storage, tmp_path)
+    b = run_folder(tmp_path, storage=storage, live_rel=live.name, more=0, close=False)
+    if since == "lowered":
+        b.update_priorities(np.array([1, 2, 3]), np.array([0.25, 0.5, 0.125]))
+    elif since == "raised_once":
+        b.update_priorities(np.array([4]), np.array([3.0]))
+    else:
+        b.update_priorities(np.arange(10), np.linspace(0.1, 0.9, 10))
+    b.close()
+    before = fingerprint(tmp_path)
+    with pytest.raises(PathExistsError, match="rewind=True"):
+        load(tmp_path / "ckpt/snap-00000001").close()
+    assert fingerprint(tmp_path) == before
+    r = load(tmp_path / "ckpt/snap-00000001", path=tmp_path / "elsewhere" / live.name)
+    want = copy_state(r)
+    r.close()
+    r = load(tmp_path / "ckpt/snap-00000001", rewind=True)
+    got = copy_state(r)
+    r.close()
+    assert same_state(got, want)
 
 
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
