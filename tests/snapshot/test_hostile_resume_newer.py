@@ -1,0 +1,303 @@
+"""Hostile tests of the equal-count rule of ``_check_newer`` (promise 18): a
+live path closed at the snapshot's count whose recorded largest leaf is
+larger than the snapshot's is refused without ``rewind=True``.
+
+Attacked: the live path's recorded meta crafted (``state`` / ``count`` /
+``max_leaf`` of every JSON type, NaN and infinities) for memmap and HDF5 --
+each must be a clear ``PathExistsError`` leaving the path byte for byte as it
+was, or the load goes on as before, never a raw exception; the snapshot's own
+``max_leaf`` crafted and re-signed; rank and proportional, n-step and
+sequences; legitimate flows that must load without ``rewind`` (a loaded
+buffer closed untouched or after sampling, loaded again); the SB3 drop-in's
+``load_replay_buffer`` in process; two threads loading into one path.
+
+A case that holds is a plain test; a case that shows a bug is
+``xfail(strict=True)`` with the bug in its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import bigper
+from bigper.errors import BigperError, PathExistsError, StorageLockedError
+from tests._hostile_snapshot_cases import deadline, fingerprint, resign
+from tests.snapshot.test_hostile_resume import CASES, build, live_of, run_folder
+
+load = bigper.PrioritizedReplayBuffer.load
+F = {"obs": ((1,), np.float32), "reward": ((), np.float32)}
+SNAP = "ckpt/snap-00000001"
+
+
+def raised_run(root, storage, value=3.0):
+    """run_folder at 10 transitions, one priority raised to ``value`` after the snapshot, closed."""
+    live = live_of(storage, root)
+    b = run_folder(root, storage=storage, live_rel=live.name, more=0, close=False)
+    b.update_priorities(np.array([4]), np.array([value]))
+    b.close()
+    raised_run.top = b.state_dict()[0]["max_leaf"]  # the recorded largest leaf (3.0 ** alpha)
+    return live
+
+
+def edit_meta(live, storage, change) -> None:
+    """Apply ``change(meta)`` to the closed buffer's recorded meta, as an attacker would."""
+    if storage == "memmap":
+        p = live / "meta.json"
+        meta = json.loads(p.read_text())
+        change(meta)
+        p.write_text(json.dumps(meta))
+    else:
+        import h5py
+        with h5py.File(live, "a") as f:
+            g = f["_bigper"]
+            meta = json.loads(g.attrs["meta"])
+            change(meta)
+            g.attrs["meta"] = json.dumps(meta)
+
+
+def _set(keys, value):
+    def change(meta):
+        d = meta
+        for k in keys[:-1]:
+            d = d[k]
+        if value is KeyError:
+            d.pop(keys[-1], None)
+        else:
+            d[keys[-1]] = value
+    return change
+
+
+CRAFTED = {
+    "max_leaf-nan": (("state", "max_leaf"), float("nan")),
+    "max_leaf-inf": (("state", "max_leaf"), float("inf")),
+    "max_leaf--inf": (("state", "max_leaf"), float("-inf")),
+    "max_leaf-huge": (("state", "max_leaf"), 1e308),
+    "max_leaf-str": (("state", "max_leaf"), "9"),
+    "max_leaf-null": (("state", "max_leaf"), None),
+    "max_leaf-bool": (("state", "max_leaf"), True),
+    "max_leaf-list": (("state", "max_leaf"), [9.0]),
+    "max_leaf-dict": (("state", "max_leaf"), {"v": 9.0}),
+    "max_leaf-int": (("state", "max_leaf"), 9),
+    "max_leaf-missing": (("state", "max_leaf"), KeyError),
+    "count-bool": (("state", "count"), True),
+    "count-float": (("state", "count"), 10.0),
+    "count-str": (("state", "count"), "10"),
+    "count-null": (("state", "count"), None),
+    "count-huge": (("state", "count"), 10 ** 30),
+    "state-missing": (("state",), KeyError),
+    "state-list": (("state",), [10, 9.0]),
+    "state-str": (("state",), "x"),
+    "state-null": (("state",), None),
+    "clean-str": (("clean",), "true"),
+}
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("crafted", sorted(CRAFTED))
+def test_a_crafted_live_meta_is_a_clean_refusal_or_the_load_goes_on(tmp_path, storage, crafted):
+    """Whatever the live path's recorded meta says: a ``PathExistsError``
+    naming ``rewind=True`` with the path byte for byte as it was, or a load
+    that goes on (and verifies) -- never a raw TypeError/KeyError/ValueError
+    or a formatting error in the message."""
+    live = raised_run(tmp_path, storage)
+    keys, value = CRAFTED[crafted]
+    edit_meta(live, storage, _set(keys, value))
+    before = fingerprint(tmp_path)
+    with deadline():
+        try:
+            b = load(tmp_path / SNAP)
+        except PathExistsError as e:
+            assert "rewind=True" in str(e)
+            assert fingerprint(tmp_path) == before
+            return
+    assert len(b) == 10
+    b.close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("value", [float("inf"), 1e308, float("nan")])
+def test_a_crafted_large_live_max_leaf_refusal_message_is_well_formed(tmp_path, storage, value):
+    """The message formats any float the live meta holds (inf, nan, 1e308)."""
+    live = raised_run(tmp_path, storage)
+    edit_meta(live, storage, _set(("state", "max_leaf"), value))
+    before = fingerprint(tmp_path)
+    if value != value:  # NaN is larger than nothing: the load goes on
+        load(tmp_path / SNAP).close()
+        return
+    with pytest.raises(PathExistsError, match="rewind=True") as e:
+        load(tmp_path / SNAP)
+    assert "holds a buffer closed with this snapshot's 10 transitions" in str(e.value)
+    assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("snap_max", [1, 2.5, 100.0, 2 ** 53, float("nan"), float("inf"), True, "3", None])
+def test_a_resigned_snapshot_max_leaf_is_refused_as_corrupt_or_judged_cleanly(tmp_path, storage, snap_max):
+    """The snapshot's own recorded ``max_leaf`` crafted and re-signed: the
+    snapshot is refused (a ``BigperError``), or the rule compares it cleanly
+    (refused with the path untouched below the live largest leaf, loaded at
+    or above it)."""
+    raised_run(tmp_path, storage)
+    top = raised_run.top
+    resign(tmp_path / SNAP, lambda body: body["state"]["meta"].__setitem__("max_leaf", snap_max))
+    before = fingerprint(tmp_path)
+    try:
+        b = load(tmp_path / SNAP)
+    except PathExistsError as e:
+        assert "rewind=True" in str(e) and fingerprint(tmp_path) == before
+        assert isinstance(snap_max, (int, float)) and snap_max < top
+        return
+    except BigperError:
+        assert fingerprint(tmp_path) == before
+        return
+    assert isinstance(snap_max, (int, float)) and not isinstance(snap_max, bool) and snap_max >= top
+    b.close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("case", ["rank-nstep3", "seq-rank-zstd", "seq-envs3-wrap", "nstep5-wrap",
+                                  "stack2-zstd-nstep2-envs3-wrap"])
+def test_priorities_raised_since_are_refused_in_every_shape(tmp_path, storage, case):
+    """Rank and proportional, n-step, sequences, frames: a batch's priorities
+    raised past the largest after the snapshot, closed: refused untouched;
+    with ``rewind=True`` it loads the snapshot's count."""
+    path = tmp_path / ("live.h5" if storage == "hdf5" else "live")
+    buf, rows, cap, kw = build(case, storage, path)
+    snap = buf.save(tmp_path / "snap")
+    buf.update_priorities(buf.sample(2), np.full(2, 50.0))
+    buf.close()
+    before = fingerprint(tmp_path)
+    with pytest.raises(PathExistsError, match="rewind=True"):
+        load(snap)
+    assert fingerprint(tmp_path) == before
+    load(snap, rewind=True).close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("case", ["rank-nstep2-envs3-wrap", "seq-stack4-autoreset", "nstep4-envs3-wrap",
+                                  "capacity1-nstep3", "empty-nstep3"])
+def test_a_loaded_buffer_closed_untouched_or_after_sampling_loads_again_without_rewind(tmp_path, storage, case):
+    """A snapshot loaded, closed untouched; loaded, sampled, closed; loaded
+    with ``continue_episodes``: each time the same snapshot loads again
+    without ``rewind`` (ending the open episodes at a load raises no leaf)."""
+    path = tmp_path / ("live.h5" if storage == "hdf5" else "live")
+    buf, rows, cap, kw = build(case, storage, path)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    for step in ("untouched", "sampled", "continued", "again"):
+        b = load(snap, continue_episodes=step == "continued")
+        if step == "sampled" and len(b):
+            b.sample(2)
+        b.close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_load_latest_refuses_a_path_with_priorities_raised_after_its_newest(tmp_path, storage):
+    """``Snapshots.load_latest``: the newest snapshot at the live count,
+    priorities raised after it -> PathExistsError (no fall back to an older
+    snapshot, nothing changed); saved again right before close -> loads."""
+    live = live_of(storage, tmp_path)
+    snaps = bigper.Snapshots(tmp_path / "snaps", keep=None)
+    b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0)
+    for t in range(8):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    snaps.save(b)
+    b.update_priorities(np.array([2]), np.array([4.0]))
+    snaps.save(b)
+    b.update_priorities(np.array([3]), np.array([9.0]))
+    b.close()
+    before = fingerprint(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fall back
+        with pytest.raises(PathExistsError, match="rewind=True"):
+            snaps.load_latest()
+    assert fingerprint(tmp_path) == before
+    r = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, mode="resume")
+    snaps.save(r)  # a snapshot right before close
+    r.close()
+    got = snaps.load_latest()
+    assert len(got) == 8
+    got.close()
+
+
+def test_sb3_load_replay_buffer_refuses_priorities_raised_since_and_keeps_the_models_buffer(tmp_path):
+    """The SB3 drop-in in process: save_replay_buffer, a priority raised on
+    the model's open buffer, load_replay_buffer of that pickle -> refused,
+    the model keeps its buffer, open and writable; rewind=True loads."""
+    pytest.importorskip("stable_baselines3")
+    from tests.integrations.test_sb3_resume import add, model
+    m = model(replay_buffer_kwargs={"storage": "memmap", "path": str(tmp_path / "replay")})
+    rb = m.replay_buffer
+    for t in range(5):
+        add(rb, t, 1.0)
+    m.save_replay_buffer(tmp_path / "ckpt" / "replay")
+    rb.update_priorities(np.array([1]), np.array([7.0]))
+    with pytest.raises(PathExistsError, match="rewind=True"):
+        m.load_replay_buffer(tmp_path / "ckpt" / "replay.pkl")
+    assert m.replay_buffer is rb and not rb.closed
+    add(rb, 5, 1.0)  # still writable
+    with pytest.warns(UserWarning, match="discarded"):
+        m.load_replay_buffer(tmp_path / "ckpt" / "replay.pkl", rewind=True)
+    assert m.replay_buffer is not rb
+    m.replay_buffer.close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_two_threads_loading_one_snapshot_into_one_path(tmp_path, storage):
+    """One wins, the other is ``StorageLockedError``; after the winner's
+    close the snapshot loads again without rewind."""
+    live = live_of(storage, tmp_path)
+    run_folder(tmp_path, storage=storage, live_rel=live.name, more=0)
+    out, gate = [], threading.Barrier(2)
+
+    def go():
+        gate.wait()
+        try:
+            out.append(load(tmp_path / SNAP))
+        except BigperError as e:
+            out.append(e)
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    bufs = [o for o in out if isinstance(o, bigper.PrioritizedReplayBuffer)]
+    errs = [o for o in out if not isinstance(o, bigper.PrioritizedReplayBuffer)]
+    assert len(bufs) == 1 and len(errs) == 1 and isinstance(errs[0], StorageLockedError), out
+    bufs[0].close()
+    load(tmp_path / SNAP).close()
+
+
+_BELOW = ("_check_newer compares only the recorded largest leaf EVER: priorities raised after the snapshot but "
+          "not past the largest leaf the run ever had (a learner's usual updates, once an early TD error set "
+          "the maximum) are not seen, and the load silently discards them, although the guide says a path "
+          "'with as many but priorities raised since' is refused")
+
+
+@pytest.mark.xfail(strict=True, reason=_BELOW)
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("prioritization", ["proportional", "rank"])
+def test_priorities_raised_below_the_largest_ever_are_not_silently_rewound(tmp_path, storage, prioritization):
+    """Priorities lowered to 0.01 before the snapshot, raised to 0.9 after
+    (below the largest leaf ever, 1.0), closed: a load must not discard them."""
+    live = live_of(storage, tmp_path)
+    b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, prioritization=prioritization)
+    for t in range(10):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    b.update_priorities(np.arange(10), np.full(10, 0.01))
+    snap = b.save(tmp_path / "snap")
+    b.update_priorities(np.arange(10), np.full(10, 0.9))
+    b.close()
+    before = fingerprint(tmp_path)
+    try:
+        load(snap).close()
+    except PathExistsError:
+        assert fingerprint(tmp_path) == before
+        return
+    pytest.fail("the priorities raised since were silently discarded")
