@@ -234,8 +234,9 @@ def default_live_path(snap: Path, body: dict) -> Path | None:
 
 def _check_newer(previous, snap_meta: dict, live, rewind: bool) -> None:
     """A live path whose buffer was closed holding more transitions than the
-    snapshot (its ``snap_meta``), or as many but priorities raised since
-    (``_raised_since``), keeps them unless ``rewind``: loading would discard
+    snapshot (its ``snap_meta``), or as many but a priority raised since past
+    the largest leaf ever (``_raised_since``; one raised no higher is not
+    seen), keeps them unless ``rewind``: loading would discard
     newer data (a crashed writer's folder, unclean, records nothing newer that
     could be resumed: it is taken over as before)."""
     if rewind or not isinstance(previous, dict) or previous.get("clean") is not True:
