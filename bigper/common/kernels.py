@@ -30,7 +30,15 @@ def _signals_held_back():
     its finalizer free the same memory again: the process aborts ("double
     free") instead of raising. Handlers run only in the main thread, so only
     it needs this; the first signal of each kind is delivered once the
-    compile is done."""
+    compile is done.
+
+    A handler may raise wherever CPython runs it: at the check
+    ``signal.signal`` makes before it changes anything, and after each call.
+    So the holds go in inside the ``try`` (one that raises meanwhile takes
+    the others out again), the originals go back in one call from C (no
+    point between two of them where Python runs a handler), again until a
+    round gets through, and every caught signal is delivered even when an
+    earlier handler raised: the first exception is raised once all is done."""
     if _holding[0] or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -45,23 +53,36 @@ def _signals_held_back():
             caught.setdefault(signum, frame)
 
     try:
-        for s in _HELD_BACK:
-            h = signal.getsignal(s)
-            if callable(h):
-                saved[s] = h
-                signal.signal(s, hold)
-    except ValueError:  # (not the main interpreter: its handlers are not ours to move)
-        pass
-    _holding[0] = True
-    try:
+        _holding[0] = True
+        try:
+            for s in _HELD_BACK:
+                h = signal.getsignal(s)
+                if callable(h):
+                    saved[s] = h
+                    signal.signal(s, hold)
+        except ValueError:  # (not the main interpreter: its handlers are not ours to move)
+            pass
         yield
     finally:
         _holding[0] = False
         over[0] = True
-        for s, h in saved.items():
-            signal.signal(s, h)
+        raised = None  # what a handler raised while the originals went back
+        while True:
+            try:
+                list(map(signal.signal, saved, saved.values()))
+                break
+            except BaseException as e:  # (an original, put back already, ran and raised: again)
+                if raised is None:
+                    raised = e
+        first = None  # what the first delivered handler to raise raised (those after it still run)
         for s, frame in caught.items():
-            saved[s](s, frame)
+            try:
+                saved[s](s, frame)
+            except BaseException as e:
+                if first is None:
+                    first = e
+        if first is not None or raised is not None:
+            raise first if first is not None else raised
 
 
 def jit(**options):
