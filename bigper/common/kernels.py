@@ -32,25 +32,33 @@ def _signals_held_back():
     it needs this; the first signal of each kind is delivered once the
     compile is done.
 
-    A handler may raise wherever CPython runs it: at the check
-    ``signal.signal`` makes before it changes anything, and after each call.
-    So the holds go in inside the ``try`` (one that raises meanwhile takes
-    the others out again), the originals go back in one call from C (no
-    point between two of them where Python runs a handler), again until a
-    round gets through, and every caught signal is delivered even when an
-    earlier handler raised: the first exception is raised once all is done."""
+    A handler may raise wherever CPython runs it: inside ``signal.signal``
+    (before it changes anything), after any call, at a loop's jump back; and
+    when two signals are pending and the first raises, CPython runs the
+    second at its next such point. So the holds go in inside the ``try`` (one
+    that raises meanwhile takes the others out again); while the originals go
+    back (in one call from C, again until a round gets through) a signal
+    still meeting ``hold`` runs its original at once and what it raises waits;
+    every caught signal is delivered even when an earlier handler raised. The
+    first exception a handler raised is raised once all is done."""
     if _holding[0] or threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: dict = {}
     saved: dict = {}
-    over = [False]
+    kept: list = []  # what handlers raised while the originals went back and ran
+    phase = [0]  # 0 holding, 1 putting back, 2 done
 
-    def hold(signum, frame):  # (once the block is over, a handler not put back yet forwards)
-        if over[0]:
-            saved[signum](signum, frame)
-        else:
+    def hold(signum, frame):
+        if phase[0] == 0:
             caught.setdefault(signum, frame)
+        elif phase[0] == 1:  # (not put back yet: runs now; what it raises waits for the others)
+            try:
+                saved[signum](signum, frame)
+            except BaseException as e:
+                kept.append(e)
+        else:  # (left in by an exception: forwards)
+            saved[signum](signum, frame)
 
     try:
         _holding[0] = True
@@ -65,24 +73,23 @@ def _signals_held_back():
         yield
     finally:
         _holding[0] = False
-        over[0] = True
-        raised = None  # what a handler raised while the originals went back
-        while True:
-            try:
-                list(map(signal.signal, saved, saved.values()))
-                break
-            except BaseException as e:  # (an original, put back already, ran and raised: again)
-                if raised is None:
-                    raised = e
-        first = None  # what the first delivered handler to raise raised (those after it still run)
-        for s, frame in caught.items():
-            try:
-                saved[s](s, frame)
-            except BaseException as e:
-                if first is None:
-                    first = e
-        if first is not None or raised is not None:
-            raise first if first is not None else raised
+        phase[0] = 1
+        try:
+            while True:
+                try:
+                    list(map(signal.signal, saved, saved.values()))
+                    break
+                except BaseException as e:  # (an original, put back already, ran and raised: again)
+                    kept += (e,)  # (not a call: CPython runs no handler between here and the retry)
+        finally:
+            phase[0] = 2
+            for s, frame in caught.items():
+                try:
+                    saved[s](s, frame)
+                except BaseException as e:  # (the ones after it still run)
+                    kept.append(e)
+        if kept:
+            raise kept[0]
 
 
 def jit(**options):
