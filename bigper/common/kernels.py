@@ -57,7 +57,8 @@ def _signals_held_back():
                 saved[signum](signum, frame)
             except BaseException as e:
                 kept.append(e)
-        else:  # (left in by an exception: forwards)
+        else:  # (left in by an exception: puts its original back, and forwards)
+            signal.signal(signum, saved[signum])
             saved[signum](signum, frame)
 
     try:
