@@ -11,6 +11,7 @@ once at the public boundary and hands over arrays of the right dtype. Every
 kernel works on a whole batch a call.
 """
 
+import os
 import signal
 import threading
 from contextlib import contextmanager
@@ -20,6 +21,8 @@ from numba import njit
 # The signals whose Python handlers are held back while a kernel compiles (or loads from the cache).
 _HELD_BACK = (signal.SIGINT, signal.SIGTERM)
 _holding = [False]
+# The hold in progress: its thread, its hold and the handlers it took out (a fork's child puts them back).
+_taken: dict = {}
 
 
 @contextmanager
@@ -63,6 +66,7 @@ def _signals_held_back():
 
     try:
         _holding[0] = True
+        _taken.update(thread=threading.get_ident(), hold=hold, saved=saved)
         try:
             for s in _HELD_BACK:
                 h = signal.getsignal(s)
@@ -84,6 +88,7 @@ def _signals_held_back():
                     kept += (e,)  # (not a call: CPython runs no handler between here and the retry)
         finally:
             phase[0] = 2
+            _taken.clear()
             for s, frame in caught.items():
                 try:
                     saved[s](s, frame)
@@ -91,6 +96,27 @@ def _signals_held_back():
                     kept.append(e)
         if kept:
             raise kept[0]
+
+
+def _after_fork_in_child() -> None:
+    """A fork made by another thread while the main thread held signals back
+    (``os.fork``, multiprocessing's fork): the child has the recording
+    handler and no thread to put the originals back (its Ctrl-C and SIGTERM
+    would be recorded forever), and the hold marked in progress (its own
+    compiles would hold nothing). Put both right; what the parent caught was
+    the parent's."""
+    if not _taken or _taken["thread"] == threading.get_ident():
+        return  # (no hold, or the fork came from inside the block: it ends in the child too)
+    hold, saved = _taken["hold"], _taken["saved"]
+    _taken.clear()
+    _holding[0] = False
+    for s, h in saved.items():
+        if signal.getsignal(s) is hold:
+            signal.signal(s, h)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def jit(**options):
