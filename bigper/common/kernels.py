@@ -18,8 +18,11 @@ from contextlib import contextmanager
 
 from numba import njit
 
-# The signals whose Python handlers are held back while a kernel compiles (or loads from the cache).
-_HELD_BACK = (signal.SIGINT, signal.SIGTERM)
+# The signals whose Python handlers are held back while a kernel compiles (or loads from the cache):
+# all of them, since any handler may raise (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's exit, a
+# SIGALRM timeout's exception: one inside a compile segfaulted it, or left numba's registrations
+# half done so that every later compile failed).
+_HELD_BACK = tuple(sorted(signal.valid_signals()))
 _holding = [False]
 # The hold in progress: its thread, its hold and the handlers it took out (a fork's child puts them back).
 _taken: dict = {}
@@ -27,8 +30,8 @@ _taken: dict = {}
 
 @contextmanager
 def _signals_held_back():
-    """Signals with a Python handler (Ctrl-C's ``KeyboardInterrupt``) run
-    after the block, not inside it. An exception raised inside llvmlite's
+    """Signals with a Python handler (Ctrl-C's ``KeyboardInterrupt``, a
+    SIGALRM timeout) run after the block, not inside it. An exception raised inside llvmlite's
     calls (between a C call that frees and the line that records it) makes
     its finalizer free the same memory again: the process aborts ("double
     free") instead of raising. Handlers run only in the main thread, so only
@@ -101,8 +104,8 @@ def _signals_held_back():
 def _after_fork_in_child() -> None:
     """A fork made by another thread while the main thread held signals back
     (``os.fork``, multiprocessing's fork): the child has the recording
-    handler and no thread to put the originals back (its Ctrl-C and SIGTERM
-    would be recorded forever), and the hold marked in progress (its own
+    handler and no thread to put the originals back (its Ctrl-C, SIGTERM,
+    ... would be recorded forever), and the hold marked in progress (its own
     compiles would hold nothing). Put both right; what the parent caught was
     the parent's."""
     if not _taken or _taken["thread"] == threading.get_ident():
@@ -121,7 +124,8 @@ if hasattr(os, "register_at_fork"):
 
 def jit(**options):
     """``numba.njit(**options)`` whose compiles (first calls, new types, cache
-    loads) hold Ctrl-C back until they are done (``_signals_held_back``)."""
+    loads) hold Ctrl-C (any Python signal handler) back until they are done
+    (``_signals_held_back``)."""
     make = njit(**options)
 
     def decorate(fn):
