@@ -18,7 +18,8 @@ result, hence the timeouts):
   thread is inside a compile: the child inherits the recording handler with
   nobody left to put the original back;
 - asyncio's ``add_signal_handler`` (a wakeup fd) and ``asyncio.run``'s
-  Ctrl-C across a compile;
+  Ctrl-C across a compile; a compile in a subinterpreter (no handler may
+  move there);
 - a signal whose handler raises at every point where the handlers go in or
   come back (``signal.signal``/``getsignal`` wrapped so a signal lands just
   before or just after each call): every handler back, no signal lost;
@@ -132,18 +133,19 @@ def ok(*what):
 '''
 
 
-def _run(tmp_path, body: str, name: str = "child", cache: str = "cache") -> str:
-    """Run ``_PRELUDE`` + ``body`` in a fresh interpreter (a file, so numba can cache its
+def _run(tmp_path, body: str, name: str = "child", cache: str = "cache", prelude: str = _PRELUDE,
+         limit: float = _LIMIT) -> str:
+    """Run ``prelude`` + ``body`` in a fresh interpreter (a file, so numba can cache its
     kernels), numba's cache in ``tmp_path/cache``; its stdout, after it exited 0 in time."""
     script = tmp_path / f"{name}.py"
-    script.write_text(_PRELUDE + textwrap.dedent(body))
+    script.write_text(prelude + textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                NUMBA_CACHE_DIR=str(tmp_path / cache), PYTHONFAULTHANDLER="1")
     try:
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                           timeout=_LIMIT, cwd=str(tmp_path), env=env)
+                           timeout=limit, cwd=str(tmp_path), env=env)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the child hung for {_LIMIT} s: {(e.stdout or b'')[-1000:]!r} {(e.stderr or b'')[-3000:]!r}")
+        pytest.fail(f"the child hung for {limit} s: {(e.stdout or b'')[-1000:]!r} {(e.stderr or b'')[-3000:]!r}")
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
     return r.stdout
 
@@ -357,6 +359,39 @@ def test_a_main_thread_compile_waiting_on_another_threads_compile(tmp_path):
     ok()
     ''')
     assert "OK" in out
+
+
+def test_a_compile_in_a_subinterpreter(tmp_path):
+    """A subinterpreter may not move signal handlers (``signal.signal``
+    raises ValueError there): its compiles hold nothing and still compile,
+    neither raising that ValueError at the end of the hold nor retrying
+    the put-back forever; the main interpreter's handlers are untouched."""
+    out = _run(tmp_path, '''
+    import signal, sys  # (and no numpy or numba here: their modules load once a process)
+    try:
+        import _xxsubinterpreters as interpreters
+    except ImportError:  # (3.13 renamed it)
+        import _interpreters as interpreters
+    import warnings
+    warnings.simplefilter("ignore")  # (numpy's: sub-interpreters are not supported)
+    code = """if 1:
+        import sys, warnings
+        warnings.simplefilter("ignore")
+        sys.path[:0] = %r
+        import numpy as np
+        from bigper.common.kernels import jit
+        @jit(cache=False)
+        def twice(a):
+            return a * 2
+        print("sub", twice(21), twice(1.5), flush=True)
+    """ % (sys.path,)
+    i = interpreters.create()
+    interpreters.run_string(i, code)
+    interpreters.destroy(i)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    print("OK", flush=True)
+    ''', prelude="", limit=60)  # (a few seconds: one that takes a minute retries forever)
+    assert "sub 42 3.0" in out and "OK" in out, out
 
 
 # -- a fork while the main thread compiles -----------------------------------------------------
