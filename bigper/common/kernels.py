@@ -24,6 +24,9 @@ from numba import njit
 # half done so that every later compile failed).
 _HELD_BACK = tuple(sorted(signal.valid_signals()))
 _holding = [False]
+# Rounds of putting the originals back before giving up (a handler raising each round, or signal.signal
+# failing each time: forever would hang the compile; what is left forwards, see ``hold``).
+_ROUNDS = 1000
 # The hold in progress: its thread, its hold and the handlers it took out (a fork's child puts them back).
 _taken: dict = {}
 
@@ -77,13 +80,13 @@ def _signals_held_back():
                     saved[s] = h
                     signal.signal(s, hold)
         except ValueError:  # (not the main interpreter: its handlers are not ours to move)
-            pass
+            saved.pop(s, None)
         yield
     finally:
         _holding[0] = False
         phase[0] = 1
         try:
-            while True:
+            for _ in range(_ROUNDS):
                 try:
                     list(map(signal.signal, saved, saved.values()))
                     break
