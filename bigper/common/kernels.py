@@ -34,12 +34,12 @@ _taken: dict = {}
 @contextmanager
 def _signals_held_back():
     """Signals with a Python handler (Ctrl-C's ``KeyboardInterrupt``, a
-    SIGALRM timeout) run after the block, not inside it. An exception raised inside llvmlite's
-    calls (between a C call that frees and the line that records it) makes
-    its finalizer free the same memory again: the process aborts ("double
-    free") instead of raising. Handlers run only in the main thread, so only
-    it needs this; the first signal of each kind is delivered once the
-    compile is done.
+    SIGALRM timeout) run after the block, not inside it. An exception raised
+    inside llvmlite's calls (between a C call that frees and the line that
+    records it) makes its finalizer free the same memory again: the process
+    aborts ("double free") instead of raising. Handlers run only in the main
+    thread, so only it needs this; the first signal of each kind is
+    delivered once the compile is done.
 
     A handler may raise wherever CPython runs it: inside ``signal.signal``
     (before it changes anything), after any call, at a loop's jump back; and
