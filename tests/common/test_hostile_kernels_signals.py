@@ -1,8 +1,8 @@
 """Hostile tests of the signal hold around bigper's compiles
 (``common.kernels.jit`` and ``_signals_held_back``): while a kernel compiles
-or loads from numba's cache on the main thread, the Python handlers of SIGINT
-and SIGTERM are swapped for one that records, and the originals are put back
-and called once the compile is done.
+or loads from numba's cache on the main thread, the Python signal handlers
+(SIGINT's, SIGTERM's, any other's) are swapped for one that records, and the
+originals are put back and called once the compile is done.
 
 What is attacked, each case in a fresh child interpreter with a numba cache
 dir of its own (so every kernel really compiles; a crash or a hang is a
@@ -23,6 +23,7 @@ result, hence the timeouts):
 - a signal whose handler raises at every point where the handlers go in or
   come back (``signal.signal``/``getsignal`` wrapped so a signal lands just
   before or just after each call): every handler back, no signal lost;
+  SIGINT+SIGTERM bursts every 0.5 ms across thousands of holds;
 - SIGINTs every 0.5 ms while kernels load from numba's on-disk cache;
 - a handler of another signal (a SIGALRM timeout) that raises inside a
   compile: numba's half-done imports and registrations.
