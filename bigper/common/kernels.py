@@ -11,62 +11,124 @@ once at the public boundary and hands over arrays of the right dtype. Every
 kernel works on a whole batch a call.
 """
 
+import os
 import signal
 import threading
 from contextlib import contextmanager
 
 from numba import njit
 
-# The signals whose Python handlers are held back while a kernel compiles (or loads from the cache).
-_HELD_BACK = (signal.SIGINT, signal.SIGTERM)
+# The signals whose Python handlers are held back while a kernel compiles (or loads from the cache):
+# all of them, since any handler may raise (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's exit, a
+# SIGALRM timeout's exception: one inside a compile segfaulted it, or left numba's registrations
+# half done so that every later compile failed).
+_HELD_BACK = tuple(sorted(signal.valid_signals()))
 _holding = [False]
+# Rounds of putting the originals back before giving up (a handler raising each round, or signal.signal
+# failing each time: forever would hang the compile; what is left forwards, see ``hold``).
+_ROUNDS = 1000
+# The hold in progress: its thread, its hold and the handlers it took out (a fork's child puts them back).
+_taken: dict = {}
 
 
 @contextmanager
 def _signals_held_back():
-    """Signals with a Python handler (Ctrl-C's ``KeyboardInterrupt``) run
-    after the block, not inside it. An exception raised inside llvmlite's
-    calls (between a C call that frees and the line that records it) makes
-    its finalizer free the same memory again: the process aborts ("double
-    free") instead of raising. Handlers run only in the main thread, so only
-    it needs this; the first signal of each kind is delivered once the
-    compile is done."""
+    """Signals with a Python handler (Ctrl-C's ``KeyboardInterrupt``, a
+    SIGALRM timeout) run after the block, not inside it. An exception raised
+    inside llvmlite's calls (between a C call that frees and the line that
+    records it) makes its finalizer free the same memory again: the process
+    aborts ("double free") instead of raising. Handlers run only in the main
+    thread, so only it needs this; the first signal of each kind is
+    delivered once the compile is done.
+
+    A handler may raise wherever CPython runs it: inside ``signal.signal``
+    (before it changes anything), after any call, at a loop's jump back; and
+    when two signals are pending and the first raises, CPython runs the
+    second at its next such point. So the holds go in inside the ``try`` (one
+    that raises meanwhile takes the others out again); while the originals go
+    back (in one call from C, again until a round gets through) a signal
+    still meeting ``hold`` runs its original at once and what it raises waits;
+    every caught signal is delivered even when an earlier handler raised. The
+    first exception a handler raised is raised once all is done."""
     if _holding[0] or threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: dict = {}
     saved: dict = {}
-    over = [False]
+    kept: list = []  # what handlers raised while the originals went back and ran
+    phase = [0]  # 0 holding, 1 putting back, 2 done
 
-    def hold(signum, frame):  # (once the block is over, a handler not put back yet forwards)
-        if over[0]:
-            saved[signum](signum, frame)
-        else:
+    def hold(signum, frame):
+        if phase[0] == 0:
             caught.setdefault(signum, frame)
+        elif phase[0] == 1:  # (not put back yet: runs now; what it raises waits for the others)
+            try:
+                saved[signum](signum, frame)
+            except BaseException as e:
+                kept.append(e)
+        else:  # (left in by an exception: puts its original back, and forwards)
+            signal.signal(signum, saved[signum])
+            saved[signum](signum, frame)
 
     try:
-        for s in _HELD_BACK:
-            h = signal.getsignal(s)
-            if callable(h):
-                saved[s] = h
-                signal.signal(s, hold)
-    except ValueError:  # (not the main interpreter: its handlers are not ours to move)
-        pass
-    _holding[0] = True
-    try:
+        _holding[0] = True
+        _taken.update(thread=threading.get_ident(), hold=hold, saved=saved)
+        try:
+            for s in _HELD_BACK:
+                h = signal.getsignal(s)
+                if callable(h):
+                    saved[s] = h
+                    signal.signal(s, hold)
+        except ValueError:  # (not the main interpreter: its handlers are not ours to move)
+            saved.pop(s, None)
         yield
     finally:
         _holding[0] = False
-        over[0] = True
-        for s, h in saved.items():
+        phase[0] = 1
+        try:
+            for _ in range(_ROUNDS):
+                try:
+                    list(map(signal.signal, saved, saved.values()))
+                    break
+                except BaseException as e:  # (an original, put back already, ran and raised: again)
+                    kept += (e,)  # (not a call: CPython runs no handler between here and the retry)
+        finally:
+            phase[0] = 2
+            _taken.clear()
+            for s, frame in caught.items():
+                try:
+                    saved[s](s, frame)
+                except BaseException as e:  # (the ones after it still run)
+                    kept.append(e)
+        if kept:
+            raise kept[0]
+
+
+def _after_fork_in_child() -> None:
+    """A fork made by another thread while the main thread held signals back
+    (``os.fork``, multiprocessing's fork): the child has the recording
+    handler and no thread to put the originals back (its Ctrl-C, SIGTERM,
+    ... would be recorded forever), and the hold marked in progress (its own
+    compiles would hold nothing). Put both right; what the parent caught was
+    the parent's."""
+    if not _taken or _taken["thread"] == threading.get_ident():
+        return  # (no hold, or the fork came from inside the block: it ends in the child too)
+    hold, saved = _taken["hold"], _taken["saved"]
+    _taken.clear()
+    _holding[0] = False
+    for s, h in saved.items():
+        if signal.getsignal(s) is hold:
             signal.signal(s, h)
-        for s, frame in caught.items():
-            saved[s](s, frame)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def jit(**options):
     """``numba.njit(**options)`` whose compiles (first calls, new types, cache
-    loads) hold Ctrl-C back until they are done (``_signals_held_back``)."""
+    loads) hold Ctrl-C (any Python signal handler) back until they are done
+    (``_signals_held_back``)."""
     make = njit(**options)
 
     def decorate(fn):
