@@ -56,6 +56,7 @@ from ..frames.store import FrameStore
 from ..storage import storage_class
 from ..storage.base import fits_spec
 from ..core.statecheck import check_state
+from ..common.status import LIVE
 from ..storage.state import npy_from_bytes
 from .manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of
@@ -232,18 +233,26 @@ def default_live_path(snap: Path, body: dict) -> Path | None:
     return live
 
 
-def _check_newer(previous, snap_meta: dict, live, rewind: bool) -> None:
+def _check_newer(store, snap_meta: dict, snap_arrays: dict, live, rewind: bool) -> None:
     """A live path whose buffer was closed holding more transitions than the
-    snapshot (its ``snap_meta``), or as many but a priority raised since past
-    the largest leaf ever (``_raised_since``; one raised no higher is not
-    seen), keeps them unless ``rewind``: loading would discard
-    newer data (a crashed writer's folder, unclean, records nothing newer that
-    could be resumed: it is taken over as before)."""
+    snapshot (its ``snap_meta``), or as many but priorities changed since (a
+    proportional buffer's leaves, ``_leaves_changed``; a rank buffer's only
+    when raised past the largest leaf ever, ``_raised_since``), keeps them
+    unless ``rewind``: loading would discard newer data (a crashed writer's
+    folder, unclean, records nothing newer that could be resumed: it is taken
+    over as before)."""
+    previous = store.previous
     if rewind or not isinstance(previous, dict) or previous.get("clean") is not True:
         return
     st = previous.get("state")
     held = st.get("count") if isinstance(st, dict) else None
     count = snap_meta["count"]
+    if held == count and not isinstance(held, bool) and _leaves_changed(store.previous_arrays(), snap_arrays):
+        raise PathExistsError(
+            f"path={str(live)!r} holds a buffer closed with this snapshot's {count} transitions but priorities "
+            "changed since (a leaf of a transition live at the snapshot differs): loading it there would "
+            "discard them. Resume that buffer with mode='resume', load the snapshot into a new path=, or pass "
+            "rewind=True to replace it with the snapshot; nothing was changed")
     if held == count and not isinstance(held, bool) and _raised_since(st, snap_meta):
         raise PathExistsError(
             f"path={str(live)!r} holds a buffer closed with this snapshot's {count} transitions but priorities "
@@ -267,6 +276,26 @@ def _raised_since(meta: dict, snap_meta: dict) -> bool:
     batches drawn since, its random state, are no data of the run.)"""
     have, had = meta.get("max_leaf"), snap_meta.get("max_leaf")
     return isinstance(have, float) and isinstance(had, (int, float)) and have > had
+
+
+def _leaves_changed(arrays: dict | None, snap_arrays: dict) -> bool:
+    """Whether the leaves a closed buffer recorded (``arrays``, read from
+    disk: hostile) differ from the snapshot's at any slot live in the
+    snapshot (a sequence buffer's: its items'). A load ends the episodes
+    open at the snapshot, which gives its pending slots leaves: those are not
+    compared. False where either has no leaves (a rank buffer) or they do not
+    match in shape."""
+    if not arrays:
+        return False
+    have, had = arrays.get("leaves"), snap_arrays.get("leaves")
+    status = snap_arrays.get("seq_status", snap_arrays.get("status"))
+    if have is None or had is None or status is None:
+        return False
+    have, had, status = np.asarray(have), np.asarray(had), np.asarray(status)
+    if have.dtype != np.float64 or have.shape != had.shape or status.shape != had.shape:
+        return False
+    live = status == LIVE
+    return not np.array_equal(have[live], had[live])
 
 
 def _release(store) -> None:
@@ -308,7 +337,7 @@ def _compare_specs(have: dict, layouts: dict, snap, cfg: Config, growth=None) ->
             f"{n!r} is recorded as {fmt(layouts.get(n))}, the config needs {fmt(have.get(n))}")
 
 
-def _restore(cfg, body, snap, live, layouts, rewind):
+def _restore(cfg, body, snap, live, layouts, rewind, state):
     """The storage of the snapshot's kind, made at ``live`` (none in memory)
     and filled with its data. A disk storage takes the lock first, then looks
     at what is there (a live writer is ``StorageLockedError`` naming it;
@@ -326,7 +355,7 @@ def _restore(cfg, body, snap, live, layouts, rewind):
     store.open(cfg.to_dict())
     try:
         _check_previous(store.previous, cfg, live)  # previous: None in memory
-        _check_newer(store.previous, body["state"]["meta"], live, rewind)
+        _check_newer(store, body["state"]["meta"], state, live, rewind)
         if store.chunked:
             native = store.layout(layouts, storage_growth(cfg))
             if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):
@@ -425,7 +454,7 @@ def load(snapshot, *, path=None, rewind=False) -> "Restored":
         raise InvalidArgumentError(f"{snap} holds a storage={kind!r} buffer, which takes no path=, got {path!r}")
     # The caller's files are part of what resumes: a damaged checkpoint makes the snapshot corrupt.
     check_files(snap, [(m, body["files"][m]) for m in (body.get("user") or {}).get("files", {}).values()])
-    store = _restore(cfg, body, snap, live, layouts, rewind)
+    store = _restore(cfg, body, snap, live, layouts, rewind, state)
     # (what the recorded state holds that follows from the rest is derived, not taken: layout.DERIVED)
     return Restored(snap, cfg, store, body["state"]["meta"], {n: a for n, a in state.items() if n not in DERIVED})
 

@@ -188,6 +188,13 @@ class StorageBase:
     def abort(self) -> None:
         """Nothing to let go."""
 
+    def previous_arrays(self) -> dict[str, np.ndarray] | None:
+        """OnDisk, after ``open`` with takeover: the state arrays the buffer
+        found here recorded at its clean close (the other half of
+        ``previous["state"]``), None where it recorded none or they do not
+        read. None here: this storage replaces nothing."""
+        return None
+
     def recorded_array(self, name: str) -> Any:
         """OnDisk: array ``name`` as the storage ``open`` found records it, read
         only, before ``allocate`` (an older format's, for ``core/legacy.py``).

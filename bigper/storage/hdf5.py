@@ -516,27 +516,23 @@ class HDF5Storage(StorageBase):
 
     # -- state and close -------------------------------------------------------
     def saved_state(self):
-        """The recorded state: meta and arrays. Arrays are checked before they are read: numeric
-        datasets of this file, none larger than a state of the recorded capacity can be."""
+        """The recorded state: meta and arrays (``_state_group``)."""
+        return self._meta["state"], _state_group(self._file, self._meta, self.path)
+
+    def previous_arrays(self):
+        """The state arrays the buffer a takeover found recorded at its clean
+        close (``StorageBase.previous_arrays``): the file read, never changed."""
+        prev = self.previous
+        if not isinstance(prev, dict) or prev.get("clean") is not True or self._file is not None:
+            return None
         h5py = _h5py()
-        g = self._file.get(f"{RECORD}/state")
-        if g is None:
-            return self._meta["state"], {}
-        if not isinstance(g, h5py.Group):
-            raise CorruptSnapshotError(f"{self.path}: /_bigper/state is not a group")
-        cap = (self._meta.get("config") or {}).get("capacity")
-        cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
-        arrays = {}
-        for name in g:
-            d = g.get(name)
-            if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
-                raise CorruptSnapshotError(f"{self.path}: recorded state {name!r} is not a numeric dataset")
-            nbytes = int(np.prod(d.shape, dtype=object)) * d.dtype.itemsize
-            if nbytes > STATE_BYTES_PER_SLOT * (cap + 1024):
-                raise CorruptSnapshotError(f"{self.path}: recorded state {name!r} of shape {d.shape} is larger "
-                                           f"than any state of a {cap}-slot buffer")
-            arrays[name] = d[()]
-        return self._meta["state"], arrays
+        try:
+            if not stat.S_ISREG(os.lstat(self._fp).st_mode):  # (peek_meta proved it one; no FIFO reaches h5py)
+                return None
+            with h5py.File(self._fp, "r") as f:
+                return _state_group(f, prev, self.path)
+        except Exception:  # noqa: BLE001  (h5py refuses in many ways; each means "none to compare")
+            return None
 
     def close(self, state: tuple[dict, dict] | None = None) -> None:
         """Record ``state`` and mark the file clean, then release it.
@@ -692,6 +688,31 @@ _LIBC = None
 
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _state_group(f, meta: dict, where) -> dict:
+    """The arrays of ``f``'s recorded state (``/_bigper/state``), each checked
+    before it is read: a numeric dataset of this file, none larger than a
+    state of the recorded capacity can be."""
+    h5py = _h5py()
+    g = f.get(f"{RECORD}/state")
+    if g is None:
+        return {}
+    if not isinstance(g, h5py.Group):
+        raise CorruptSnapshotError(f"{where}: /_bigper/state is not a group")
+    cap = (meta.get("config") or {}).get("capacity")
+    cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+    arrays = {}
+    for name in g:
+        d = g.get(name)
+        if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
+            raise CorruptSnapshotError(f"{where}: recorded state {name!r} is not a numeric dataset")
+        nbytes = int(np.prod(d.shape, dtype=object)) * d.dtype.itemsize
+        if nbytes > STATE_BYTES_PER_SLOT * (cap + 1024):
+            raise CorruptSnapshotError(f"{where}: recorded state {name!r} of shape {d.shape} is larger "
+                                       f"than any state of a {cap}-slot buffer")
+        arrays[name] = d[()]
+    return arrays
 
 
 def peek_meta(path: Path, where=None) -> dict:

@@ -684,6 +684,18 @@ class MemmapStorage(StorageBase):
             os.close(fd)
 
     # -- state and close -------------------------------------------------------
+    def previous_arrays(self):
+        """The state arrays the buffer a takeover found recorded at its clean
+        close (``StorageBase.previous_arrays``): read, never changed."""
+        prev = self.previous
+        if not isinstance(prev, dict) or prev.get("clean") is not True:
+            return None
+        names = prev.get("state_files")
+        try:
+            return load_state_dir(self._root / "state", names if isinstance(names, list) else None)
+        except (CorruptSnapshotError, OSError, ValueError):
+            return None
+
     def saved_state(self):
         """``(meta, arrays)`` the last writer recorded at close."""
         names = self._meta.get("state_files")

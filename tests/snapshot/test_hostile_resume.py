@@ -533,15 +533,8 @@ def test_equal_count_with_newer_priorities_is_not_silently_rewound(tmp_path, sto
     assert fingerprint(tmp_path) == before
 
 
-_UNSEEN = ("a closed buffer's recorded meta shows priorities raised past its largest leaf; a load ends the open "
-           "episodes (the ring's arrays and the leaves change), so a buffer loaded and closed untouched differs "
-           "there from its snapshot and those are not compared: priorities only lowered since go unseen")
-
-
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
-@pytest.mark.parametrize("since", [pytest.param("lowered", marks=pytest.mark.xfail(strict=True, reason=_UNSEEN)),
-                                   "raised_once",
-                                   pytest.param("reprioritized", marks=pytest.mark.xfail(strict=True, reason=_UNSEEN))])
+@pytest.mark.parametrize("since", ["lowered", "raised_once", "reprioritized"])
 def test_equal_count_with_any_change_since_is_not_silently_rewound(tmp_path, storage, since):
     """Priorities changed since, no transition written: lowered (the largest
     leaf stays), one raised past the largest (no draw), every one set anew as
