@@ -247,7 +247,7 @@ def _check_newer(store, snap_meta: dict, snap_arrays: dict, live, rewind: bool) 
     st = previous.get("state")
     held = st.get("count") if isinstance(st, dict) else None
     count = snap_meta["count"]
-    if held == count and not isinstance(held, bool) and _leaves_changed(store.previous_arrays(), snap_arrays):
+    if held == count and not isinstance(held, bool) and _leaves_changed(store.previous_arrays(("leaves",)), snap_arrays):
         raise PathExistsError(
             f"path={str(live)!r} holds a buffer closed with this snapshot's {count} transitions but priorities "
             "changed since (a leaf of a transition live at the snapshot differs): loading it there would "

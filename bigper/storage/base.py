@@ -188,9 +188,9 @@ class StorageBase:
     def abort(self) -> None:
         """Nothing to let go."""
 
-    def previous_arrays(self) -> dict[str, np.ndarray] | None:
-        """OnDisk, after ``open`` with takeover: the state arrays the buffer
-        found here recorded at its clean close (the other half of
+    def previous_arrays(self, wanted: tuple | None = None) -> dict[str, np.ndarray] | None:
+        """OnDisk, after ``open`` with takeover: the state arrays (those named
+        in ``wanted``, or all) the buffer found here recorded at its clean close (the other half of
         ``previous["state"]``), None where it recorded none or they do not
         read. None here: this storage replaces nothing."""
         return None

@@ -32,7 +32,7 @@ from . import _h5relayout
 from ..common.files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from .base import RECORD, StorageBase, fits_spec
-from .state import check_meta
+from .state import STATE_BYTES_PER_SLOT, check_meta
 from ..errors import (
     BigperError,
     CorruptSnapshotError,
@@ -49,8 +49,6 @@ VERSION = 1
 CHUNK_BYTES = 256 * 1024
 ROW_READ_BYTES = 4096  # rows at least this large are read one by one
 COMPRESSIONS = (None, "lzf", "gzip")
-# A recorded state array holds at most this many bytes per slot (a crafted larger one is not read).
-STATE_BYTES_PER_SLOT = 64
 # Bytes reserved at close beyond the state's own (HDF5 object headers, heaps, B-trees).
 RESERVE_SLACK = 256 * 1024
 
@@ -519,9 +517,10 @@ class HDF5Storage(StorageBase):
         """The recorded state: meta and arrays (``_state_group``)."""
         return self._meta["state"], _state_group(self._file, self._meta, self.path)
 
-    def previous_arrays(self):
-        """The state arrays the buffer a takeover found recorded at its clean
-        close (``StorageBase.previous_arrays``): the file read, never changed."""
+    def previous_arrays(self, wanted=None):
+        """The state arrays (those named in ``wanted``, or all) the buffer a
+        takeover found recorded at its clean close
+        (``StorageBase.previous_arrays``): the file read, never changed."""
         prev = self.previous
         if not isinstance(prev, dict) or prev.get("clean") is not True or self._file is not None:
             return None
@@ -530,7 +529,7 @@ class HDF5Storage(StorageBase):
             if not stat.S_ISREG(os.lstat(self._fp).st_mode):  # (peek_meta proved it one; no FIFO reaches h5py)
                 return None
             with h5py.File(self._fp, "r") as f:
-                return _state_group(f, prev, self.path)
+                return _state_group(f, prev, self.path, wanted)
         except Exception:  # noqa: BLE001  (h5py refuses in many ways; each means "none to compare")
             return None
 
@@ -690,10 +689,10 @@ _LIBC = None
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
-def _state_group(f, meta: dict, where) -> dict:
-    """The arrays of ``f``'s recorded state (``/_bigper/state``), each checked
-    before it is read: a numeric dataset of this file, none larger than a
-    state of the recorded capacity can be."""
+def _state_group(f, meta: dict, where, wanted=None) -> dict:
+    """The arrays of ``f``'s recorded state (``/_bigper/state``; those named
+    in ``wanted``, or all), each checked before it is read: a numeric dataset
+    of this file, none larger than a state of the recorded capacity can be."""
     h5py = _h5py()
     g = f.get(f"{RECORD}/state")
     if g is None:
@@ -704,6 +703,8 @@ def _state_group(f, meta: dict, where) -> dict:
     cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
     arrays = {}
     for name in g:
+        if wanted is not None and name not in wanted:
+            continue
         d = g.get(name)
         if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} is not a numeric dataset")

@@ -14,6 +14,8 @@ from ..common.files import fsync_dir, open_regular, read_regular
 
 # Names of the buffer's state arrays (``state/<name>.npy``): plain identifiers.
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,99}$")
+# A recorded state array holds at most this many bytes per slot (a crafted larger one is not read).
+STATE_BYTES_PER_SLOT = 64
 _ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,127}$")  # config.check_name's field names
 _BIG = 1 << 62
 

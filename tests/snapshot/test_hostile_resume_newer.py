@@ -296,3 +296,46 @@ def test_priorities_raised_below_the_largest_ever_are_not_silently_rewound(tmp_p
         assert fingerprint(tmp_path) == before
         return
     pytest.fail("the priorities raised since were silently discarded")
+
+
+@pytest.mark.parametrize("what", ["dense past any state", "sparse 64 MiB", "fifo", "symlink", "not npy",
+                                  "wrong dtype", "wrong shape"])
+def test_a_crafted_recorded_leaves_file_is_never_trusted(tmp_path, what):
+    """The leaves a closed memmap buffer recorded (``state/leaves.npy``),
+    read before the takeover to compare with the snapshot's: a file larger
+    than any state of the buffer's capacity, a sparse one, a FIFO, a symlink,
+    bytes that are no ``.npy``, another dtype or shape. Never read past what
+    it can hold, never a hang or a crash: the load goes on (the comparison
+    left out) or is refused with the folder unchanged."""
+    import os
+
+    live = tmp_path / "replay"
+    b = bigper.PrioritizedReplayBuffer(50, F, storage="memmap", path=live, seed=0)
+    for t in range(10):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    snap = b.save(tmp_path / "snap")
+    b.update_priorities(np.array([1, 2]), np.array([0.3, 0.2]))
+    b.close()
+    leaves = live / "state" / "leaves.npy"
+    if what == "dense past any state":
+        with open(leaves, "ab") as f:
+            f.write(b"\0" * (64 * 1100))
+    elif what == "sparse 64 MiB":
+        os.truncate(leaves, 64 << 20)  # (the fingerprint reads it: not GiBs)
+    elif what == "fifo":
+        leaves.unlink()
+        os.mkfifo(leaves)
+    elif what == "symlink":
+        (tmp_path / "elsewhere.npy").write_bytes(leaves.read_bytes())
+        leaves.unlink()
+        os.symlink(tmp_path / "elsewhere.npy", leaves)
+    elif what == "not npy":
+        leaves.write_bytes(b"\x93NUMPY garbage" * 10)
+    else:
+        np.save(leaves, np.zeros(50, np.float32) if what == "wrong dtype" else np.zeros(49, np.float64))
+    before = fingerprint(tmp_path)
+    with deadline(20):
+        try:
+            load(snap).close()
+        except (PathExistsError, BigperError):
+            assert fingerprint(tmp_path) == before
