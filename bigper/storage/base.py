@@ -188,7 +188,7 @@ class StorageBase:
     def abort(self) -> None:
         """Nothing to let go."""
 
-    def previous_arrays(self, wanted: tuple | None = None) -> dict[str, np.ndarray] | None:
+    def previous_arrays(self, wanted: tuple[str, ...] | None = None) -> dict[str, np.ndarray] | None:
         """OnDisk, after ``open`` with takeover: the state arrays (those named
         in ``wanted``, or all) the buffer found here recorded at its clean close (the other half of
         ``previous["state"]``), None where it recorded none or they do not
