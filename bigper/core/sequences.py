@@ -270,10 +270,8 @@ class Items:
         self._ready = np.empty(256 + k * (self.length // self.period + 2), dtype=np.int64)  # scratch
         self.sizes = ItemSizes(self.capacity, self.num_envs, self.length, self.period, self.burn_in)
         self.book = StepBook(gid, step_status)
-
-    def tables(self) -> ItemTables:
-        """The items' arrays the write kernels change."""
-        return ItemTables(self.next_pos, self.pos, self.status, self.pending, self.ptr, self._dead)
+        # (the same arrays for the buffer's life: changed in place, never replaced)
+        self.tables = ItemTables(self.next_pos, self.pos, self.status, self.pending, self.ptr, self._dead)
 
     # -- writes ------------------------------------------------------------------
     def write(self, prio, g0: int, slots: np.ndarray, ends: np.ndarray, valid, keys: np.ndarray,
@@ -293,7 +291,7 @@ class Items:
         ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
             else valid
         write_items_tree(g0, count, ItemRows(slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)),
-                         self.sizes, self.tables(), self.book, t.arrays)
+                         self.sizes, self.tables, self.book, t.arrays)
 
     def _write_general(self, prio, g0, slots, ends, valid, keys, count) -> None:
         m = slots.shape[0]
@@ -302,7 +300,7 @@ class Items:
         need = m + self.num_envs * (self.length // self.period + 2)
         ready = self._ready if need <= self._ready.shape[0] else np.empty(need, dtype=np.int64)
         nr = write_items(g0, ItemRows(slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
-                         self.tables(), self.gid, ready)
+                         self.tables, self.gid, ready)
         nd = kill_items(self.ptr, count, self.capacity, self.num_envs, self.burn_in, self.period, self.pos,
                         self.gid, self.step_status, self.status, self._dead)
         prio.remove(slots)  # whatever these slots held is gone

@@ -246,25 +246,26 @@ def _check_newer(store, snap_meta: dict, snap_arrays: dict, live, rewind: bool) 
         return
     st = previous.get("state")
     held = st.get("count") if isinstance(st, dict) else None
+    if not isinstance(held, int) or isinstance(held, bool):
+        return
     count = snap_meta["count"]
-    if held == count and not isinstance(held, bool) and _leaves_changed(store.previous_arrays(("leaves",)), snap_arrays):
-        raise PathExistsError(
-            f"path={str(live)!r} holds a buffer closed with this snapshot's {count} transitions but priorities "
-            "changed since (a leaf of a transition live at the snapshot differs): loading it there would "
-            "discard them. Resume that buffer with mode='resume', load the snapshot into a new path=, or pass "
-            "rewind=True to replace it with the snapshot; nothing was changed")
-    if held == count and not isinstance(held, bool) and _raised_since(st, snap_meta):
-        raise PathExistsError(
-            f"path={str(live)!r} holds a buffer closed with this snapshot's {count} transitions but priorities "
-            f"raised since (its largest {st['max_leaf']:.6g}, the snapshot's {snap_meta['max_leaf']:.6g}): "
-            "loading it there would discard them. Resume that buffer with mode='resume', load the snapshot "
-            "into a new path=, or pass rewind=True to replace it with the snapshot; nothing was changed")
-    if isinstance(held, int) and not isinstance(held, bool) and held > count:
-        raise PathExistsError(
-            f"path={str(live)!r} holds a buffer closed with {held} transitions written, newer than this "
-            f"snapshot's {count}: loading it there would discard the {held - count} transitions (and the "
-            "priority updates) since. Resume that buffer with mode='resume', load the snapshot into a new "
-            "path=, or pass rewind=True to replace it with the snapshot; nothing was changed")
+    if held > count:
+        why = (f"{held} transitions written, newer than this snapshot's {count}: loading it there would discard "
+               f"the {held - count} transitions (and the priority updates) since")
+    elif held < count:
+        return
+    elif _leaves_changed(store.previous_arrays(("leaves",)), snap_arrays):
+        why = (f"this snapshot's {count} transitions but priorities changed since (a leaf of a transition live "
+               "at the snapshot differs): loading it there would discard them")
+    elif _raised_since(st, snap_meta):
+        why = (f"this snapshot's {count} transitions but priorities raised since (its largest "
+               f"{st['max_leaf']:.6g}, the snapshot's {snap_meta['max_leaf']:.6g}): loading it there would "
+               "discard them")
+    else:
+        return
+    raise PathExistsError(f"path={str(live)!r} holds a buffer closed with {why}. Resume that buffer with "
+                          "mode='resume', load the snapshot into a new path=, or pass rewind=True to replace it "
+                          "with the snapshot; nothing was changed")
 
 
 def _raised_since(meta: dict, snap_meta: dict) -> bool:
