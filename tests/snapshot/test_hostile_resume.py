@@ -559,8 +559,16 @@ def test_equal_count_with_any_change_since_is_not_silently_rewound(tmp_path, sto
     r.close()
     r = load(tmp_path / "ckpt/snap-00000001", rewind=True)
     got = copy_state(r)
+    for t in range(3):  # the run goes on with a new episode, as after a restart
+        r.add(obs=[100 + t], reward=3.0, next_obs=[101 + t], terminated=t == 2)
+    assert len(r) == 13 and set(r.sample(8)["reward"].tolist()) <= {1.0, 3.0}
     r.close()
     assert same_state(got, want)
+    assert verify(live) == 0
+    before = fingerprint(tmp_path)
+    with pytest.raises(PathExistsError, match="rewind=True"):  # older than the live path now: refused
+        load(tmp_path / "ckpt/snap-00000001")
+    assert fingerprint(tmp_path) == before
 
 
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
