@@ -392,3 +392,19 @@ def test_a_crafted_hdf5_recorded_leaves_dataset_is_never_trusted(tmp_path, what)
             assert what in ("changed, chunked gzip",), what
             return
     assert what != "changed, chunked gzip", "a changed leaf in a chunked dataset was not seen"
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("case", ["seq-envs3-wrap", "stack2-zstd-nstep2-envs3-wrap", "nstep5-wrap"])
+def test_a_sampled_items_priority_changed_after_the_snapshot_is_refused(tmp_path, storage, case):
+    """Sequences, several envs, compressed frames, a wrapped ring: the item a
+    sample drew, reprioritized after the snapshot, closed -> refused; unchanged."""
+    path = tmp_path / ("live.h5" if storage == "hdf5" else "live")
+    buf, rows, cap, kw = build(case, storage, path)
+    snap = buf.save(tmp_path / "snap")
+    buf.update_priorities(np.asarray(buf.sample(1).indices), np.array([123.0]))
+    buf.close()
+    before = fingerprint(tmp_path)
+    with pytest.raises(PathExistsError, match="rewind=True"):
+        load(snap)
+    assert fingerprint(tmp_path) == before
