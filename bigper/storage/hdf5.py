@@ -708,6 +708,8 @@ def _state_group(f, meta: dict, where, wanted=None) -> dict:
         d = g.get(name)
         if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} is not a numeric dataset")
+        if d.external or d.is_virtual:  # (its bytes elsewhere: a FIFO there blocks the read forever)
+            raise CorruptSnapshotError(f"{where}: recorded state {name!r} is stored outside the file")
         nbytes = int(np.prod(d.shape, dtype=object)) * d.dtype.itemsize
         if nbytes > STATE_BYTES_PER_SLOT * (cap + 1024):
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} of shape {d.shape} is larger "

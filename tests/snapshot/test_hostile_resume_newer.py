@@ -339,3 +339,72 @@ def test_a_crafted_recorded_leaves_file_is_never_trusted(tmp_path, what):
             load(snap).close()
         except (PathExistsError, BigperError):
             assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("what", ["external fifo", "external /dev/zero", "external same bytes", "float32",
+                                  "2-d", "huge declared gzip", "-0.0 for 0.0", "changed, chunked gzip"])
+def test_a_crafted_hdf5_recorded_leaves_dataset_is_never_trusted(tmp_path, what):
+    """The leaves a closed HDF5 buffer recorded (``/_bigper/state/leaves``),
+    read before the takeover: a dataset whose bytes live in an external file
+    (a FIFO blocked the load forever: fixed, storage outside the file is not
+    read), another dtype or shape, a huge declared shape, chunked and
+    compressed. Never a hang; the load goes on or is refused, file unchanged."""
+    import os
+
+    h5py = pytest.importorskip("h5py")
+    live = tmp_path / "replay.h5"
+    b = bigper.PrioritizedReplayBuffer(50, F, storage="hdf5", path=live, seed=0)
+    for t in range(10):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    snap = b.save(tmp_path / "snap")
+    b.close()
+    ext = tmp_path / "ext.bin"
+    with h5py.File(live, "a") as f:
+        g = f["_bigper/state"]
+        old = g["leaves"][()]
+        del g["leaves"]
+        x = old.copy()
+        if what.startswith("external"):
+            if what == "external fifo":
+                os.mkfifo(ext)
+            elif what == "external same bytes":
+                old.tofile(ext)
+            src = "/dev/zero" if what == "external /dev/zero" else str(ext)
+            g.create_dataset("leaves", shape=old.shape, dtype=old.dtype, external=[(src, 0, h5py.h5f.UNLIMITED)])
+        elif what == "huge declared gzip":
+            g.create_dataset("leaves", shape=(10 ** 12,), dtype=old.dtype, chunks=(1024,), compression="gzip")
+        elif what == "float32":
+            g.create_dataset("leaves", data=old.astype(np.float32))
+        elif what == "2-d":
+            g.create_dataset("leaves", data=old.reshape(1, -1))
+        elif what == "-0.0 for 0.0":
+            x[x == 0] = -0.0
+            g.create_dataset("leaves", data=x)
+        else:
+            x[3] *= 1.0000001
+            g.create_dataset("leaves", data=x, chunks=(7,), compression="gzip", shuffle=True, fletcher32=True)
+    before = fingerprint(tmp_path)
+    with deadline(20):
+        try:
+            load(snap).close()
+        except (PathExistsError, BigperError):
+            assert fingerprint(tmp_path) == before
+            assert what in ("changed, chunked gzip",), what
+            return
+    assert what != "changed, chunked gzip", "a changed leaf in a chunked dataset was not seen"
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("case", ["seq-envs3-wrap", "stack2-zstd-nstep2-envs3-wrap", "nstep5-wrap"])
+def test_a_sampled_items_priority_changed_after_the_snapshot_is_refused(tmp_path, storage, case):
+    """Sequences, several envs, compressed frames, a wrapped ring: the item a
+    sample drew, reprioritized after the snapshot, closed -> refused; unchanged."""
+    path = tmp_path / ("live.h5" if storage == "hdf5" else "live")
+    buf, rows, cap, kw = build(case, storage, path)
+    snap = buf.save(tmp_path / "snap")
+    buf.update_priorities(np.asarray(buf.sample(1).indices), np.array([123.0]))
+    buf.close()
+    before = fingerprint(tmp_path)
+    with pytest.raises(PathExistsError, match="rewind=True"):
+        load(snap)
+    assert fingerprint(tmp_path) == before
