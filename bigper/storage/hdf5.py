@@ -529,6 +529,7 @@ class HDF5Storage(StorageBase):
             if not stat.S_ISREG(os.lstat(self._fp).st_mode):  # (peek_meta proved it one; no FIFO reaches h5py)
                 return None
             with h5py.File(self._fp, "r") as f:
+                check_links(f, self.path, allow_external=False)  # (as open does: no bytes read from elsewhere)
                 return _state_group(f, prev, self.path, wanted)
         except Exception:  # noqa: BLE001  (h5py refuses in many ways; each means "none to compare")
             return None
@@ -708,8 +709,6 @@ def _state_group(f, meta: dict, where, wanted=None) -> dict:
         d = g.get(name)
         if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} is not a numeric dataset")
-        if d.external or d.is_virtual:  # (its bytes elsewhere: a FIFO there blocks the read forever)
-            raise CorruptSnapshotError(f"{where}: recorded state {name!r} is stored outside the file")
         nbytes = int(np.prod(d.shape, dtype=object)) * d.dtype.itemsize
         if nbytes > STATE_BYTES_PER_SLOT * (cap + 1024):
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} of shape {d.shape} is larger "
