@@ -163,3 +163,13 @@ class Prioritization(ABC):
     @abstractmethod
     def check(self, status: np.ndarray) -> list[str]:
         """Invariant violations (empty when healthy), for ``bigper verify``."""
+
+    @classmethod
+    def recorded_keys(cls, meta: Any, arrays: Any, capacity: int) -> np.ndarray | None:
+        """Each slot's priority key (float64, ``capacity`` of them) in a
+        recorded state (``meta``, ``arrays``: what ``state`` gave, read from
+        disk and not checked: hostile), or None where they do not decode.
+        A slot that holds no key reads NaN. Compares two records of one run
+        (``snapshot._load``: a live path's priorities changed since a
+        snapshot); nothing is trusted beyond the comparison."""
+        return None

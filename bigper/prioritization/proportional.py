@@ -170,6 +170,13 @@ class Proportional(Prioritization):
     def restore(self, meta, arrays, status) -> None:
         self.tree.set_all(arrays["leaves"])
 
+    @classmethod
+    def recorded_keys(cls, meta, arrays, capacity):
+        leaves = arrays.get("leaves") if isinstance(arrays, dict) else None
+        if not isinstance(leaves, np.ndarray) or leaves.dtype != np.float64 or leaves.shape != (capacity,):
+            return None
+        return leaves
+
     def check(self, status) -> list[str]:
         problems = self.tree.check()
         leaves = self.tree.leaves

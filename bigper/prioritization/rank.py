@@ -209,6 +209,25 @@ class RankPrioritizer(Prioritization):
         self._spos[:] = got["spos"]
         self.n, self.tick, self.writes, self.sort_every = (got[k] for k in _META)
 
+    @classmethod
+    def recorded_keys(cls, meta, arrays, capacity):
+        """Slot ``s``'s key is the priority (its bit pattern, ``_rank_kernels``)
+        at the heap position that names ``s``; positions past ``meta["n"]``
+        hold none. None where the heap does not decode (a slot out of range,
+        or named twice)."""
+        n = meta.get("n") if isinstance(meta, dict) else None
+        heap = arrays.get("rank_heap") if isinstance(arrays, dict) else None
+        if (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= capacity
+                or not isinstance(heap, np.ndarray) or heap.dtype != np.int64 or heap.shape != (capacity, 2)):
+            return None
+        words = heap[:n, 1]
+        slots = words & SLOT_MASK
+        if n and (words.min() < 0 or slots.max() >= capacity or np.unique(slots).size != n):
+            return None
+        keys = np.full(capacity, np.nan)
+        keys[slots] = heap[:n, 0].view(np.float64)
+        return keys
+
     def _checked(self, meta, arrays, status) -> dict:
         def bad(what):
             raise CorruptSnapshotError(f"rank prioritization state: {what}")

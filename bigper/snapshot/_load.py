@@ -56,6 +56,8 @@ from ..frames.store import FrameStore
 from ..storage import storage_class
 from ..storage.base import fits_spec
 from ..core.statecheck import check_state
+from ..prioritization import STRATEGIES
+from ..core.units import unit_class
 from ..common.status import LIVE
 from ..storage.state import npy_from_bytes
 from .manifest import check_file, check_files, member_sizes, read_manifest
@@ -233,14 +235,14 @@ def default_live_path(snap: Path, body: dict) -> Path | None:
     return live
 
 
-def _check_newer(store, snap_meta: dict, snap_arrays: dict, live, rewind: bool) -> None:
+def _check_newer(store, cfg: Config, snap_meta: dict, snap_arrays: dict, live, rewind: bool) -> None:
     """A live path whose buffer was closed holding more transitions than the
-    snapshot (its ``snap_meta``), or as many but priorities changed since (a
-    proportional buffer's leaves, ``_leaves_changed``; a rank buffer's only
-    when raised past the largest leaf ever, ``_raised_since``), keeps them
-    unless ``rewind``: loading would discard newer data (a crashed writer's
-    folder, unclean, records nothing newer that could be resumed: it is taken
-    over as before)."""
+    snapshot (its ``snap_meta``), or as many but priorities changed since
+    (``_priorities_changed``), or its largest leaf ever raised since (what a
+    record without keys still shows, ``_raised_since``), keeps them unless
+    ``rewind``: loading would discard newer data (a crashed writer's folder,
+    unclean, records nothing newer that could be resumed: it is taken over
+    as before)."""
     previous = store.previous
     if rewind or not isinstance(previous, dict) or previous.get("clean") is not True:
         return
@@ -254,9 +256,10 @@ def _check_newer(store, snap_meta: dict, snap_arrays: dict, live, rewind: bool) 
                f"the {held - count} transitions (and the priority updates) since")
     elif held < count:
         return
-    elif _leaves_changed(store.previous_arrays(("leaves",)), snap_arrays):
-        why = (f"this snapshot's {count} transitions but priorities changed since (a leaf of a transition live "
-               "at the snapshot differs): loading it there would discard them")
+    elif _priorities_changed(STRATEGIES.get(cfg.prioritization), st, store, snap_meta, snap_arrays,
+                             snap_arrays.get(unit_class(cfg).status_key)):
+        why = (f"this snapshot's {count} transitions but priorities changed since (the priority of a transition "
+               "live at the snapshot differs): loading it there would discard them")
     elif _raised_since(st, snap_meta):
         why = (f"this snapshot's {count} transitions but priorities raised since (its largest "
                f"{st['max_leaf']:.6g}, the snapshot's {snap_meta['max_leaf']:.6g}): loading it there would "
@@ -279,24 +282,26 @@ def _raised_since(meta: dict, snap_meta: dict) -> bool:
     return isinstance(have, float) and isinstance(had, (int, float)) and have > had
 
 
-def _leaves_changed(arrays: dict | None, snap_arrays: dict) -> bool:
-    """Whether the leaves a closed buffer recorded (``arrays``, read from
-    disk: hostile) differ from the snapshot's at any slot live in the
-    snapshot (a sequence buffer's: its items'). A load ends the episodes
-    open at the snapshot, which gives its pending slots leaves: those are not
-    compared. False where either has no leaves (a rank buffer) or they do not
-    match in shape."""
-    if not arrays:
+def _priorities_changed(strategy, meta: dict, store, snap_meta: dict, snap_arrays: dict, status) -> bool:
+    """Whether the priority keys a closed buffer recorded (its state ``meta``
+    and the arrays ``store.previous_arrays`` reads: hostile) differ from the
+    snapshot's at any slot live in the snapshot (``status``: a sequence
+    buffer's items'), the ``strategy`` decoding both (``Prioritization.recorded_keys``:
+    the leaves, a rank buffer's heap). A load ends the episodes open at the
+    snapshot, which gives its pending slots keys: those are not compared.
+    False where either record does not decode."""
+    if strategy is None or not strategy.ARRAYS:
         return False
-    have, had = arrays.get("leaves"), snap_arrays.get("leaves")
-    status = snap_arrays.get("seq_status", snap_arrays.get("status"))
-    if have is None or had is None or status is None:
+    if status is None or np.ndim(status) != 1:
         return False
-    have, had, status = np.asarray(have), np.asarray(had), np.asarray(status)
-    if have.dtype != np.float64 or have.shape != had.shape or status.shape != had.shape:
+    capacity = len(status)  # (the prioritization's slots: a sequence buffer's items)
+    have = strategy.recorded_keys(meta.get("prioritization", {}), store.previous_arrays(strategy.ARRAYS) or {},
+                                  capacity)
+    had = strategy.recorded_keys(snap_meta.get("prioritization", {}), snap_arrays, capacity)
+    if have is None or had is None:
         return False
-    live = status == LIVE
-    return not np.array_equal(have[live], had[live])
+    live = np.asarray(status) == LIVE
+    return not np.array_equal(have[live], had[live], equal_nan=True)
 
 
 def _release(store) -> None:
@@ -356,7 +361,7 @@ def _restore(cfg, body, snap, live, layouts, rewind, state):
     store.open(cfg.to_dict())
     try:
         _check_previous(store.previous, cfg, live)  # previous: None in memory
-        _check_newer(store, body["state"]["meta"], state, live, rewind)
+        _check_newer(store, cfg, body["state"]["meta"], state, live, rewind)
         if store.chunked:
             native = store.layout(layouts, storage_growth(cfg))
             if all(native[n]["chunk_rows"] == body["data"][n]["chunk_rows"] for n in layouts):

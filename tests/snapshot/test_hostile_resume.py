@@ -236,9 +236,10 @@ def test_resume_ends_open_episodes_verifiably_and_idempotently(tmp_path, case, s
 
 
 def run_folder(root: Path, storage="memmap", live_rel="replay", snap_rel="ckpt/snap-00000001", more=5,
-               close=True):
+               close=True, prioritization="proportional"):
     """A run: 10 transitions, a snapshot, ``more`` transitions, a clean close (the live data is newer)."""
-    b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=root / live_rel, seed=0)
+    b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=root / live_rel, seed=0,
+                                       prioritization=prioritization)
     for t in range(10):
         b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=t % 4 == 3)
     b.save(root / snap_rel)
@@ -533,16 +534,18 @@ def test_equal_count_with_newer_priorities_is_not_silently_rewound(tmp_path, sto
     assert fingerprint(tmp_path) == before
 
 
+@pytest.mark.parametrize("prioritization", ["proportional", "rank"])
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
 @pytest.mark.parametrize("since", ["lowered", "raised_once", "reprioritized"])
-def test_equal_count_with_any_change_since_is_not_silently_rewound(tmp_path, storage, since):
+def test_equal_count_with_any_change_since_is_not_silently_rewound(tmp_path, storage, since, prioritization):
     """Priorities changed since, no transition written: lowered (the largest
     leaf stays), one raised past the largest (no draw), every one set anew as
     ``reprioritize`` sets them (no draw). Refused without ``rewind``, the
     folder byte for byte as it was; with it, the state a load of the
     snapshot into a new path gives."""
     live = live_of(storage, tmp_path)
-    b = run_folder(tmp_path, storage=storage, live_rel=live.name, more=0, close=False)
+    b = run_folder(tmp_path, storage=storage, live_rel=live.name, more=0, close=False,
+                   prioritization=prioritization)
     if since == "lowered":
         b.update_priorities(np.array([1, 2, 3]), np.array([0.25, 0.5, 0.125]))
     elif since == "raised_once":
@@ -555,6 +558,7 @@ def test_equal_count_with_any_change_since_is_not_silently_rewound(tmp_path, sto
         load(tmp_path / "ckpt/snap-00000001").close()
     assert fingerprint(tmp_path) == before
     r = load(tmp_path / "ckpt/snap-00000001", path=tmp_path / "elsewhere" / live.name)
+    assert r.config.prioritization == prioritization
     want = copy_state(r)
     r.close()
     r = load(tmp_path / "ckpt/snap-00000001", rewind=True)

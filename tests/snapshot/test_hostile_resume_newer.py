@@ -270,17 +270,13 @@ def test_two_threads_loading_one_snapshot_into_one_path(tmp_path, storage):
     load(tmp_path / SNAP).close()
 
 
-_BELOW = ("a rank buffer records no leaves (its heap): _check_newer sees only its recorded largest leaf EVER, so "
-          "priorities raised after the snapshot but not past the largest leaf the run ever had are not seen, "
-          "and the load silently discards them (proportional: its leaves are compared, fixed)")
-
-
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
-@pytest.mark.parametrize("prioritization", ["proportional",
-                                            pytest.param("rank", marks=pytest.mark.xfail(strict=True, reason=_BELOW))])
+@pytest.mark.parametrize("prioritization", ["proportional", "rank"])
 def test_priorities_raised_below_the_largest_ever_are_not_silently_rewound(tmp_path, storage, prioritization):
     """Priorities lowered to 0.01 before the snapshot, raised to 0.9 after
-    (below the largest leaf ever, 1.0), closed: a load must not discard them."""
+    (below the largest leaf ever, 1.0), closed: a load must not discard them.
+    (Was a strict xfail for rank: its heap was not compared, only its
+    largest leaf ever.)"""
     live = live_of(storage, tmp_path)
     b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, prioritization=prioritization)
     for t in range(10):
@@ -408,3 +404,55 @@ def test_a_sampled_items_priority_changed_after_the_snapshot_is_refused(tmp_path
     with pytest.raises(PathExistsError, match="rewind=True"):
         load(snap)
     assert fingerprint(tmp_path) == before
+
+
+def _heap_case(what, heap):
+    """A crafted recorded rank heap (10 live entries of 50 slots)."""
+    heap = heap.copy()
+    if what == "a slot named twice":
+        heap[1, 1] = (heap[1, 1] >> 31 << 31) | (heap[0, 1] & ((1 << 31) - 1))
+    elif what == "a slot past capacity":
+        heap[0, 1] = (heap[0, 1] >> 31 << 31) | 49_999
+    elif what == "a negative word":
+        heap[2, 1] = -1
+    elif what == "NaN keys":
+        heap[:10, 0] = np.float64("nan").view(np.int64)
+    elif what == "permuted, same keys":  # (the order a sort leaves changed, no priority)
+        heap[:10] = heap[:10][::-1]
+    return heap
+
+
+@pytest.mark.parametrize("what", ["a slot named twice", "a slot past capacity", "a negative word", "NaN keys",
+                                  "permuted, same keys", "n past capacity", "n negative", "n a float",
+                                  "no heap", "wrong dtype", "wrong shape"])
+def test_a_crafted_recorded_rank_heap_is_never_trusted(tmp_path, what):
+    """The heap a closed rank buffer recorded (``state/rank_heap.npy``) and
+    its ``n`` in the recorded meta, read before the takeover to compare the
+    priorities with the snapshot's: never a crash, a hang or a read past the
+    heap; the load is refused with the folder unchanged, or goes on. A heap
+    that names the same priorities (permuted) is no change: it loads."""
+    live = tmp_path / "replay"
+    b = bigper.PrioritizedReplayBuffer(50, F, storage="memmap", path=live, seed=0, prioritization="rank")
+    for t in range(10):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    b.update_priorities(np.arange(10), np.linspace(0.1, 1.0, 10))
+    snap = b.save(tmp_path / "snap")
+    b.close()
+    path = live / "state" / "rank_heap.npy"
+    heap = np.load(path)
+    if what.startswith("n "):
+        edit_meta(live, "memmap", _set(["state", "prioritization", "n"],
+                                       {"n past capacity": 51, "n negative": -1, "n a float": 10.0}[what]))
+    elif what == "no heap":
+        path.unlink()
+    elif what in ("wrong dtype", "wrong shape"):
+        np.save(path, heap.astype(np.float64) if what == "wrong dtype" else heap[:49])
+    else:
+        np.save(path, _heap_case(what, heap))
+    before = fingerprint(tmp_path)
+    with deadline(20):
+        try:
+            load(snap).close()
+        except (PathExistsError, BigperError):
+            assert what != "permuted, same keys"
+            assert fingerprint(tmp_path) == before
