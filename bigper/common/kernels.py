@@ -11,12 +11,15 @@ once at the public boundary and hands over arrays of the right dtype. Every
 kernel works on a whole batch a call.
 """
 
+import logging
 import os
 import signal
 import threading
 from contextlib import contextmanager
 
 from numba import njit
+
+log = logging.getLogger("bigper")
 
 # The signals whose Python handlers are held back while a kernel compiles (or loads from the cache):
 # all of them, since any handler may raise (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's exit, a
@@ -125,10 +128,27 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _stale_index(dispatcher) -> bool:
+    """Whether the dispatcher's on-disk cache index cannot be read: written
+    by another bigper (its pickled signatures name a class since renamed or
+    removed: numba issue 6018) or cut short (issue 10434). numba reads the
+    index before anything else at every compile and raises there, so each
+    kernel of that file fails at its first call in every process, for good."""
+    cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+    if cache_file is None or not hasattr(cache_file, "_load_index"):
+        return False
+    try:
+        cache_file._load_index()
+    except Exception:  # noqa: BLE001  (whatever unpickling an index raises)
+        return True
+    return False
+
+
 def jit(**options):
     """``numba.njit(**options)`` whose compiles (first calls, new types, cache
     loads) hold Ctrl-C (any Python signal handler) back until they are done
-    (``_signals_held_back``)."""
+    (``_signals_held_back``); a compile that fails on a cache index it cannot
+    read (``_stale_index``) empties that index and compiles again, once."""
     make = njit(**options)
 
     def decorate(fn):
@@ -137,6 +157,14 @@ def jit(**options):
 
         def compile_held(*args, **kws):
             with _signals_held_back():
+                try:
+                    return compile_for_args(*args, **kws)
+                except Exception:
+                    if not _stale_index(dispatcher):
+                        raise
+                log.warning("bigper: the compiled-kernel cache of %s could not be read (written by another "
+                            "version, or cut short); rebuilding it", fn.__qualname__)
+                dispatcher._cache.flush()  # (an empty index: the next compile writes its entry)
                 return compile_for_args(*args, **kws)
 
         dispatcher._compile_for_args = compile_held

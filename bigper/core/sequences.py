@@ -38,6 +38,7 @@ import numpy as np
 
 from ..common.kernels import kernel
 from ..prioritization._tree_kernels import tree_set
+from ..prioritization.tree import TreeArrays
 from ..tensors.lazy import as_array
 from ..config import Config
 from ..errors import InvalidArgumentError, InvalidTypeError
@@ -93,7 +94,9 @@ def write_items(g0, rows, sizes, tables, gid, ready):
     ``gid``/``ends``): each valid row's position, a pending item where it
     starts one (with its key), and the items it completes (made live, their
     slots written to ``ready``). Returns how many are in ``ready``.
-    ``sizes``: ``ItemSizes``; ``tables``: ``ItemTables``."""
+    ``sizes``: ``ItemSizes``; ``tables``: ``ItemTables`` (each a plain tuple
+    at the call, named here: ``frames/store.RingArgs`` says why)."""
+    rows, sizes, tables = ItemRows(*rows), ItemSizes(*sizes), ItemTables(*tables)
     slots, ends, valid, keys = rows.slots, rows.ends, rows.valid, rows.keys
     capacity, num_envs, length, period = sizes.capacity, sizes.num_envs, sizes.length, sizes.period
     next_pos, pos_arr, status, pending = tables.next_pos, tables.pos, tables.status, tables.pending
@@ -164,9 +167,11 @@ def write_items_tree(g0, count, rows, sizes, tables, book, tree):
     items' go, the completed items get their keys. The same leaves as
     ``Items.write``'s general path, in one call. ``book``: ``StepBook``;
     ``tree``: the tree's ``TreeArrays``; the rest as ``write_items``."""
+    rows, sizes, tables, book = ItemRows(*rows), ItemSizes(*sizes), ItemTables(*tables), StepBook(*book)
     slots = rows.slots
     num_envs, length, period = sizes.num_envs, sizes.length, sizes.period
     status, pending, dead = tables.status, tables.pending, tables.dead
+    tree = TreeArrays(*tree)
     sums, mins, offsets = tree.sums, tree.mins, tree.offsets
     m = slots.shape[0]
     ready = np.empty(m + num_envs * (length // period + 2), dtype=np.int64)
@@ -268,10 +273,10 @@ class Items:
         self._dead = np.empty(c, dtype=np.int64)       # scratch for kill_items
         self._ones = np.ones(256, dtype=np.bool_)       # valid rows of a small write
         self._ready = np.empty(256 + k * (self.length // self.period + 2), dtype=np.int64)  # scratch
-        self.sizes = ItemSizes(self.capacity, self.num_envs, self.length, self.period, self.burn_in)
-        self.book = StepBook(gid, step_status)
-        # (the same arrays for the buffer's life: changed in place, never replaced)
-        self.tables = ItemTables(self.next_pos, self.pos, self.status, self.pending, self.ptr, self._dead)
+        # (plain tuples of the named groups, the same arrays for the buffer's life: changed in place, never replaced)
+        self.sizes = tuple(ItemSizes(self.capacity, self.num_envs, self.length, self.period, self.burn_in))
+        self.book = tuple(StepBook(gid, step_status))
+        self.tables = tuple(ItemTables(self.next_pos, self.pos, self.status, self.pending, self.ptr, self._dead))
 
     # -- writes ------------------------------------------------------------------
     def write(self, prio, g0: int, slots: np.ndarray, ends: np.ndarray, valid, keys: np.ndarray,
@@ -290,8 +295,8 @@ class Items:
         m = slots.shape[0]
         ok = (self._ones[:m] if m <= self._ones.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None \
             else valid
-        write_items_tree(g0, count, ItemRows(slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)),
-                         self.sizes, self.tables, self.book, t.arrays)
+        write_items_tree(g0, count, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)),
+                         self.sizes, self.tables, self.book, tuple(t.arrays))
 
     def _write_general(self, prio, g0, slots, ends, valid, keys, count) -> None:
         m = slots.shape[0]
@@ -299,7 +304,7 @@ class Items:
             else valid
         need = m + self.num_envs * (self.length // self.period + 2)
         ready = self._ready if need <= self._ready.shape[0] else np.empty(need, dtype=np.int64)
-        nr = write_items(g0, ItemRows(slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
+        nr = write_items(g0, (slots, ends, ok, np.ascontiguousarray(keys, dtype=np.float64)), self.sizes,
                          self.tables, self.gid, ready)
         nd = kill_items(self.ptr, count, self.capacity, self.num_envs, self.burn_in, self.period, self.pos,
                         self.gid, self.step_status, self.status, self._dead)

@@ -47,9 +47,9 @@ _NO_KEYS = np.zeros(0, dtype=np.float64)  # write_rows: every row at max_leaf
 # For a buffer without frame stacks (never read): write_rows' ``stacks`` and
 # ``frames`` groups (FrameStore.kernel_args gives both otherwise, in this order).
 _NO_STACKS = (np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1, 1), np.uint8))
-_NO_RING = RingArgs(False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_), False,
-                    np.zeros(1, np.int64), np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.uint8),
-                    np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0)
+_NO_RING = tuple(RingArgs(False, np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros(1, np.bool_),
+                          False, np.zeros(1, np.int64), np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.uint8),
+                          np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0))
 
 
 @kernel
@@ -81,7 +81,9 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     gid, ends_arr, status, pending, env_ended = book
     sums, mins, offsets = tree
     n_step, num_envs = sizes
-    framed, last_frames, last_ref, has_last, has_next, fref, foff, ring, minref, ptr, expired, reach = frames
+    fr = RingArgs(*frames)
+    framed, last_frames, last_ref, has_last, has_next = fr.framed, fr.last_frames, fr.last_ref, fr.has_last, fr.has_next
+    fref, foff, ring, minref, ptr, expired, reach = fr.fref, fr.foff, fr.ring, fr.minref, fr.ptr, fr.expired, fr.reach
     m = term.shape[0]
     capacity = gid.shape[0]
     F = ring.shape[0]
@@ -301,8 +303,8 @@ class Writer:
             if valid is None else valid
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
-            self._args = (self.ring.book,
-                          t.arrays, (cfg.n_step, cfg.num_envs), ring)
+            self._args = (tuple(self.ring.book),  # (plain tuples: frames/store.RingArgs says why)
+                          tuple(t.arrays), (cfg.n_step, cfg.num_envs), ring)
             self._args_of = ring
         fw, top = write_rows(g0, (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys,
                              self.ring.max_leaf, fw, stacks, *self._args)

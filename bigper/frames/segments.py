@@ -178,6 +178,7 @@ def append_staged(log, staged, scratch, f0, n):
     rows, when they all fit in it; nothing changes otherwise. ``log``: the
     log's ``StagedLog`` (``SegmentLog.staged_args``). Returns 0, or -1 (they
     do not fit: the caller takes the general path), or -2 (zstd failed)."""
+    log = StagedLog(*log)  # (a plain tuple at the call: frames/store.RingArgs says why)
     cctx, st, seg, seg_first, seg_slot, used = log.cctx, log.st, log.seg, log.seg_first, log.seg_slot, log.used
     flat, index, did = log.flat, log.index, log.did
     R = staged.shape[0]
@@ -306,8 +307,9 @@ class SegmentLog:
         """Whether ``most`` frames more from frame ``fw`` may reach a dictionary look (``maybe_train``)."""
         return (fw + most) // TRAIN_FRAMES > fw // TRAIN_FRAMES
 
-    def staged_args(self, rw: dict) -> StagedLog | None:
-        """``append_staged``'s ``log`` group for an append of frames into the
+    def staged_args(self, rw: dict) -> tuple | None:
+        """``append_staged``'s ``log`` group (a ``StagedLog``'s values, a
+        plain tuple) for an append of frames into the
         storage's arrays ``rw``, or None where only ``append`` may write (a
         capped log: its appends may release segments)."""
         if self.capped:
@@ -317,8 +319,8 @@ class SegmentLog:
         key = self._staged_key
         if key is None or key[0] is not frame_log or key[1] is not index or key[2] != did or key[3] is not codec:
             self._staged_key = (frame_log, index, did, codec)
-            self._staged = StagedLog(codec.cctx[ds.slot(did)], self.st, self.seg, self.seg_first, self.seg_slot,
-                                     self.used, frame_log.reshape(-1), index, did)
+            self._staged = tuple(StagedLog(codec.cctx[ds.slot(did)], self.st, self.seg, self.seg_first,
+                                           self.seg_slot, self.used, frame_log.reshape(-1), index, did))
         return self._staged
 
     def append(self, f0: int, frames: np.ndarray, rw: dict | None, journal: Journal | None = None) -> None:
