@@ -456,3 +456,162 @@ def test_a_crafted_recorded_rank_heap_is_never_trusted(tmp_path, what):
         except (PathExistsError, BigperError):
             assert what != "permuted, same keys"
             assert fingerprint(tmp_path) == before
+
+
+# -- the rank heap compared at load: legitimate flows, float edges, every shape, crafted records ----------------
+
+RANK_CASES = {  # (as test_hostile_resume.CASES, with prioritization="rank")
+    "rank-nstep2-envs3-wrap": CASES["rank-nstep2-envs3-wrap"],
+    "seq-rank-zstd": CASES["seq-rank-zstd"],
+    "rank-stack2-zstd-nstep2-envs3-wrap": (dict(CASES["stack2-zstd-nstep2-envs3-wrap"][0], prioritization="rank"),
+                                           *CASES["stack2-zstd-nstep2-envs3-wrap"][1:]),
+    "rank-seq-envs3-wrap": (dict(CASES["seq-envs3-wrap"][0], prioritization="rank"), *CASES["seq-envs3-wrap"][1:]),
+    "rank-seq-stack4-autoreset": (dict(CASES["seq-stack4-autoreset"][0], prioritization="rank"),
+                                  *CASES["seq-stack4-autoreset"][1:]),
+}
+
+
+def build_rank(case, storage, path):
+    from tests.snapshot.test_hostile_resume import Rows
+    kw, rkw, steps = RANK_CASES[case]
+    kw = dict(kw)
+    cap = kw.pop("capacity")
+    rows = Rows(seed=sum(map(ord, case)), **rkw)
+    buf = bigper.PrioritizedReplayBuffer(cap, rows.fields(), storage=storage, path=path, seed=0, gamma=0.5, **kw)
+    rows.feed(buf, steps)
+    return buf, rows, cap, kw
+
+
+def rank_run(tmp_path, storage, before=None, after=None, capacity=12, **kw):
+    """A rank buffer (``capacity`` 12: it sorts at the first sample past 12
+    writes): 10 transitions, priorities 0.1 .. 1.0, ``before(b)``, a
+    snapshot, ``after(b)``, closed. Returns the snapshot and whether the
+    recorded heap (positions, ticks) changed since it."""
+    live = live_of(storage, tmp_path)
+    b = bigper.PrioritizedReplayBuffer(capacity, F, storage=storage, path=live, seed=0, prioritization="rank", **kw)
+    for t in range(10):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    b.update_priorities(np.arange(10), np.linspace(0.1, 1.0, 10))
+    if before is not None:
+        before(b)
+    snap = b.save(tmp_path / "snap")
+    heap = np.array(b.state_dict()[1]["rank_heap"])
+    if after is not None:
+        after(b)
+    moved = not np.array_equal(heap, b.state_dict()[1]["rank_heap"])
+    b.close()
+    return snap, moved
+
+
+def _upd(slots, values):
+    return lambda b: b.update_priorities(np.asarray(slots), np.asarray(values, dtype=np.float64))
+
+
+UNCHANGED = {  # name: (before the snapshot, after it, buffer kwargs): no priority changes
+    "a sample sorts the heap": (None, lambda b: b.sample(4), {}),
+    "an explicit sort": (None, lambda b: b.prioritization.sort(), {}),
+    "every priority set again, then a sort": (None, lambda b: (_upd(range(10), np.linspace(0.1, 1.0, 10))(b),
+                                                             b.sample(3)), {}),
+    "set again in reverse order": (None, _upd(range(9, -1, -1), np.linspace(0.1, 1.0, 10)[::-1]), {}),
+    "assign_priorities, same values": (None, lambda b: b.assign_priorities(
+        np.concatenate([np.linspace(0.1, 1.0, 10), np.zeros(2)])), {}),
+    "0.0 -> -0.0": (_upd([3], [0.0]), _upd([3], [-0.0]), {}),
+    "-0.0 -> 0.0": (_upd([3], [-0.0]), _upd([3], [0.0]), {}),
+    "clipped at max_priority, raised further": (_upd([3], [5.0]), _upd([3], [9.0]), {"max_priority": 2.0}),
+    "a refused update (inf)": (None, lambda b: pytest.raises(bigper.errors.InvalidArgumentError,
+                                                             _upd([3], [np.inf]), b), {}),
+    "a refused update (nan among valid)": (None, lambda b: pytest.raises(bigper.errors.InvalidArgumentError,
+                                                                         _upd([1, 2], [0.5, np.nan]), b), {}),
+}
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("what", sorted(UNCHANGED))
+def test_a_rank_heap_reordered_with_no_priority_changed_loads_without_rewind(tmp_path, storage, what):
+    """Between the snapshot and the close the heap moved (a sort, updates to
+    the same values, ticks renumbered) or a refused update changed nothing:
+    no priority of a transition changed, so the load must go on without
+    ``rewind`` (a false refusal would block every resume of a rank run that
+    sampled after its last snapshot)."""
+    before, after, kw = UNCHANGED[what]
+    snap, moved = rank_run(tmp_path, storage, before, after, **kw)
+    assert moved or what.startswith("a refused"), "the case did not move the heap"
+    with deadline(20):
+        b = load(snap)
+    assert len(b) == 10
+    b.close()
+
+
+CHANGED = {  # name: (before the snapshot, after it): one priority changed by the least a float can
+    "0.0 -> the smallest subnormal": (_upd([3], [0.0]), _upd([3], [5e-324])),
+    "the smallest subnormal -> 0.0": (_upd([3], [5e-324]), _upd([3], [0.0])),
+    "1.0 -> its next float": (_upd([3], [1.0]), _upd([3], [np.nextafter(1.0, 2.0)])),
+    "lowered to 0.0": (None, _upd([3], [0.0])),
+    "two swapped": (None, _upd([2, 5], [0.6, 0.3])),
+    "below max_priority -> at it": (_upd([3], [1.5]), _upd([3], [7.0])),
+    "the largest float, clipped by no max_priority": (None, _upd([3], [np.finfo(np.float64).max])),
+}
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("what", sorted(CHANGED))
+def test_a_rank_priority_changed_by_the_least_step_is_refused(tmp_path, storage, what):
+    """A single priority changed after the snapshot, by as little as a float
+    can (a subnormal from zero, one ulp, two values swapped, so the multiset
+    of keys is unchanged): refused naming rewind=True, byte for byte."""
+    before, after = CHANGED[what]
+    kw = {"max_priority": 2.0} if "max_priority" in what and "no max" not in what else {}
+    snap, _ = rank_run(tmp_path, storage, before, after, **kw)
+    before_fp = fingerprint(tmp_path)
+    with deadline(20), pytest.raises(PathExistsError, match="rewind=True"):
+        load(snap)
+    assert fingerprint(tmp_path) == before_fp
+    load(snap, rewind=True).close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("case", sorted(RANK_CASES))
+def test_a_rank_items_priority_lowered_after_the_snapshot_is_refused_in_every_shape(tmp_path, storage, case):
+    """Rank with n-step and several envs on a wrapped ring, sequences (zstd
+    frames, several envs, autoreset): the item a sample drew, LOWERED after
+    the snapshot (the largest leaf ever cannot show it), closed -> refused,
+    byte for byte."""
+    path = live_of(storage, tmp_path)
+    buf, rows, cap, kw = build_rank(case, storage, path)
+    snap = buf.save(tmp_path / "snap")
+    buf.update_priorities(np.asarray(buf.sample(1).indices), np.array([1e-9]))
+    buf.close()
+    before = fingerprint(tmp_path)
+    with deadline(20), pytest.raises(PathExistsError, match="rewind=True"):
+        load(snap)
+    assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("case", sorted(RANK_CASES))
+def test_rank_flows_that_change_no_priority_load_again_without_rewind(tmp_path, storage, case):
+    """The same snapshot loaded after each of: a load closed untouched; a
+    load, samples (the heap sorted), close; ``mode="resume"`` (the open
+    episodes end: new items, no priority of the snapshot's changed), close;
+    ``continue_episodes``; a load into another path beside it. Never a false
+    refusal."""
+    path = live_of(storage, tmp_path)
+    buf, rows, cap, kw = build_rank(case, storage, path)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    with deadline(60):
+        for step in ("untouched", "sampled", "resumed", "continued", "elsewhere", "again"):
+            if step == "resumed":
+                r = bigper.PrioritizedReplayBuffer(cap, rows.fields(), storage=storage, path=path, seed=0,
+                                                   gamma=0.5, mode="resume", **kw)
+                if len(r):
+                    r.sample(3)
+                r.close()
+                continue
+            b = load(snap, continue_episodes=step == "continued",
+                     path=(tmp_path / "other" / path.name) if step == "elsewhere" else None)
+            if step == "sampled" and len(b):
+                for _ in range(3):
+                    b.sample(2)
+                b.prioritization.sort()
+            b.close()
