@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -615,3 +616,260 @@ def test_rank_flows_that_change_no_priority_load_again_without_rewind(tmp_path, 
                     b.sample(2)
                 b.prioritization.sort()
             b.close()
+
+
+def _rank_closed(tmp_path, storage, changed=False):
+    """A rank buffer of 50 slots, 10 transitions, priorities 0.1 .. 1.0, a
+    snapshot, closed (``changed``: slot 3 lowered to 0.05 after it)."""
+    live = live_of(storage, tmp_path)
+    b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, prioritization="rank")
+    for t in range(10):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    b.update_priorities(np.arange(10), np.linspace(0.1, 1.0, 10))
+    snap = b.save(tmp_path / "snap")
+    if changed:
+        b.update_priorities(np.array([3]), np.array([0.05]))
+    b.close()
+    return live, snap
+
+
+def _load_or_refuse(tmp_path, snap, seconds=20):
+    """'loaded' (verified 10 transitions) or 'refused' (a BigperError, the folder byte for byte as it was)."""
+    before = fingerprint(tmp_path)
+    with deadline(seconds):
+        try:
+            b = load(snap)
+        except BigperError as e:
+            assert fingerprint(tmp_path) == before, f"refused ({type(e).__name__}) but the folder changed"
+            return "refused"
+    assert len(b) == 10
+    b.close()
+    return "loaded"
+
+
+MEMMAP_HEAPS = ["fifo", "symlink to the same heap", "dangling symlink", "directory", "empty file", "sparse 64 MiB",
+                "dense past any state", "not npy", "pickled object array", "big-endian, same", "uint64, same",
+                "3-d, same bytes", "fortran order, same", "fortran order, a key changed", "header declares 2**40 rows"]
+
+
+@pytest.mark.parametrize("what", MEMMAP_HEAPS)
+def test_a_crafted_recorded_rank_heap_file_is_never_trusted(tmp_path, what):
+    """``state/rank_heap.npy`` of a closed memmap rank buffer replaced by
+    what an attacker (or a broken disk) leaves: never a hang, a crash, a
+    pickle load or a read past what a 50-slot state can hold; refused with
+    the folder byte for byte, or the load goes on. The same heap in another
+    layout bigper does not write (Fortran order) is not read: it loads."""
+    import os
+
+    live, snap = _rank_closed(tmp_path, "memmap")
+    p = live / "state" / "rank_heap.npy"
+    heap = np.load(p)
+    if what == "fifo":
+        p.unlink()
+        os.mkfifo(p)
+    elif what.startswith("symlink") or what == "dangling symlink":
+        other = tmp_path / "elsewhere.npy"
+        if what != "dangling symlink":
+            other.write_bytes(p.read_bytes())
+        p.unlink()
+        os.symlink(other, p)
+    elif what == "directory":
+        p.unlink()
+        p.mkdir()
+    elif what == "empty file":
+        p.write_bytes(b"")
+    elif what == "sparse 64 MiB":
+        os.truncate(p, 64 << 20)
+    elif what == "dense past any state":
+        with open(p, "ab") as f:
+            f.write(b"\0" * (64 * 1100))
+    elif what == "not npy":
+        p.write_bytes(b"\x93NUMPY\x01\x00" + b"\xff" * 200)
+    elif what == "pickled object array":
+        np.save(p, np.array([{"x": 1}] * 100, dtype=object).reshape(50, 2), allow_pickle=True)
+    elif what == "big-endian, same":
+        np.save(p, heap.astype(">i8"))
+    elif what == "uint64, same":
+        np.save(p, heap.view(np.uint64))
+    elif what == "3-d, same bytes":
+        np.save(p, heap.reshape(50, 2, 1))
+    elif what.startswith("fortran order"):
+        h = np.asfortranarray(heap)
+        if what.endswith("changed"):
+            h[0, 0] = np.float64(0.123).view(np.int64)
+        np.save(p, h)
+    elif what == "header declares 2**40 rows":
+        p.write_bytes(p.read_bytes().replace(b"(50, 2)", b"(1099511627776, 2)"))
+    got = _load_or_refuse(tmp_path, snap)
+    if what.startswith("fortran order") or what in ("big-endian, same", "uint64, same"):
+        assert got == "loaded"
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("where,value", [
+    ("n", None), ("n", "10"), ("n", True), ("n", 10.0), ("n", float("inf")), ("n", float("nan")), ("n", [10]),
+    ("n", {"n": 10}), ("n", 2 ** 70), ("n", -(2 ** 70)), ("n", 0), ("n", 9), ("n", 50), ("n", KeyError),
+    ("prioritization", None), ("prioritization", "rank"), ("prioritization", [10]), ("prioritization", KeyError),
+    ("prioritization", {"n": 10})])
+def test_a_crafted_recorded_rank_meta_is_a_clean_refusal_or_the_load_goes_on(tmp_path, storage, where, value):
+    """The ``n`` of the live path's recorded rank state (how many heap rows
+    hold keys), and the prioritization meta itself, of every JSON type and
+    out of range: never a raw exception or a read past the heap; a refusal
+    leaves the path byte for byte."""
+    live, snap = _rank_closed(tmp_path, storage)
+    keys = ["state", "prioritization"] + (["n"] if where == "n" else [])
+    edit_meta(live, storage, _set(keys, value))
+    got = _load_or_refuse(tmp_path, snap)
+    if (where, value) in (("n", 10.0), ("n", "10"), ("n", None), ("n", KeyError), ("prioritization", None)):
+        assert got == "loaded"  # (not decoded: no change can be shown; nothing else refuses)
+
+
+
+HDF5_HEAPS = ["external fifo", "external same bytes", "big-endian, same", "int32", "float64 view", "compound",
+              "scalar", "empty", "1-d same bytes", "a group", "soft link to a changed copy",
+              "chunked gzip, same", "chunked gzip, a key changed", "huge declared, fill value"]
+
+
+@pytest.mark.parametrize("what", HDF5_HEAPS)
+def test_a_crafted_hdf5_recorded_rank_heap_is_never_trusted(tmp_path, what):
+    """``/_bigper/state/rank_heap`` of a closed HDF5 rank buffer crafted with
+    h5py: never a hang (a FIFO as external storage), a crash or a read past
+    what a 50-slot state can hold; refused byte for byte or goes on. The
+    same heap stored chunked and compressed is the same heap (loads); with a
+    key changed it is refused; a soft link within the file is followed as
+    HDF5 does (its target is the heap read)."""
+    import os
+
+    h5py = pytest.importorskip("h5py")
+    live, snap = _rank_closed(tmp_path, "hdf5")
+    ext = tmp_path / "ext.bin"
+    with h5py.File(live, "a") as f:
+        g = f["_bigper/state"]
+        old = g["rank_heap"][()]
+        del g["rank_heap"]
+        changed = old.copy()
+        changed[0, 0] = np.float64(0.123).view(np.int64)
+        if what.startswith("external"):
+            if what == "external fifo":
+                os.mkfifo(ext)
+            else:
+                old.tofile(ext)
+            g.create_dataset("rank_heap", shape=old.shape, dtype=old.dtype,
+                             external=[(str(ext), 0, h5py.h5f.UNLIMITED)])
+        elif what == "big-endian, same":
+            g.create_dataset("rank_heap", data=old.astype(">i8"))
+        elif what == "int32":
+            g.create_dataset("rank_heap", data=old.astype(np.int32))
+        elif what == "float64 view":
+            g.create_dataset("rank_heap", data=old.view(np.float64))
+        elif what == "compound":
+            g.create_dataset("rank_heap", data=old.view([("a", "<i8"), ("b", "<i8")]).reshape(-1))
+        elif what == "scalar":
+            g.create_dataset("rank_heap", data=np.int64(7))
+        elif what == "empty":
+            g.create_dataset("rank_heap", data=h5py.Empty("<i8"))
+        elif what == "1-d same bytes":
+            g.create_dataset("rank_heap", data=old.reshape(-1))
+        elif what == "a group":
+            g.create_group("rank_heap")
+        elif what == "soft link to a changed copy":
+            f.create_dataset("/elsewhere", data=changed)
+            g["rank_heap"] = h5py.SoftLink("/elsewhere")
+        elif what.startswith("chunked gzip"):
+            g.create_dataset("rank_heap", data=changed if what.endswith("changed") else old, chunks=(7, 2),
+                             compression="gzip", shuffle=True, fletcher32=True)
+        elif what == "huge declared, fill value":
+            g.create_dataset("rank_heap", shape=(10 ** 9, 2), dtype=np.int64, chunks=(1 << 16, 2),
+                             compression="gzip")
+    got = _load_or_refuse(tmp_path, snap)
+    if what in ("chunked gzip, same", "big-endian, same", "int32", "scalar", "empty", "a group"):
+        assert got == "loaded", what
+    if what in ("chunked gzip, a key changed", "soft link to a changed copy"):
+        assert got == "refused", what
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_live_path_of_the_other_prioritization_is_refused_untouched(tmp_path, storage):
+    """The live path holds a closed buffer of the same fields and count but
+    the other prioritization (rank there, proportional in the snapshot, and
+    the reverse): another config, refused before anything is read or taken
+    over; with its recorded config made unreadable (an unknown key) the
+    load never trusts the other strategy's arrays -- it goes on or is refused
+    byte for byte, never a raw exception."""
+    for live_kind, snap_kind in (("rank", "proportional"), ("proportional", "rank")):
+        root = tmp_path / live_kind
+        live = live_of(storage, root)
+        b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=root / "snapshot-run", seed=0,
+                                           prioritization=snap_kind)
+        for t in range(10):
+            b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+        snap = b.save(root / "snap")
+        b.close()
+        o = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, prioritization=live_kind)
+        for t in range(10):
+            o.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+        o.update_priorities(np.arange(10), np.linspace(2.0, 0.1, 10))
+        o.close()
+        before = fingerprint(root)
+        with deadline(20), pytest.raises(bigper.errors.IncompatibleSnapshotError, match="prioritization"):
+            load(snap, path=live)
+        assert fingerprint(root) == before
+        edit_meta(live, storage, lambda meta: meta["config"].__setitem__("zzz", 1))
+        before = fingerprint(root)
+        with deadline(20):
+            try:
+                load(snap, path=live).close()
+            except BigperError:
+                assert fingerprint(root) == before
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_crafted_recorded_capacity_does_not_lift_the_size_cap_of_the_arrays_read(tmp_path, storage, monkeypatch):
+    """``previous_arrays`` reads no recorded state array larger than a state
+    of the buffer's capacity can be. That capacity must be the snapshot's
+    (the comparison's), not the live path's recorded one: a recorded config
+    made unreadable (an unknown key: ``_check_previous`` then lets it by)
+    with ``capacity`` 2**22 lifted the cap to 256 MiB, so a 20 KB HDF5 file
+    declaring a (2**23, 2) heap of its fill value made the load allocate and
+    fill 128 MiB (2**28: 16 GiB, the interpreter killed for memory), and a
+    memmap ``rank_heap.npy`` of 32 MiB was read whole (fixed: the caller's
+    capacity bounds the read, ``storage.state.state_slots``). The load goes on (the
+    heap does not decode) using no more memory than a small buffer's."""
+    import tracemalloc
+
+    live, snap = _rank_closed(tmp_path, storage)
+    rows = 1 << 23 if storage == "hdf5" else 1 << 21
+
+    def crafted(meta):
+        meta["config"]["capacity"] = 1 << 22
+        meta["config"]["zzz"] = 1
+
+    edit_meta(live, storage, crafted)
+    if storage == "hdf5":
+        import h5py
+        with h5py.File(live, "a") as f:
+            del f["_bigper/state/rank_heap"]
+            f["_bigper/state"].create_dataset("rank_heap", shape=(rows, 2), dtype=np.int64, chunks=(1 << 16, 2),
+                                              compression="gzip")
+    else:
+        np.save(live / "state" / "rank_heap.npy", np.zeros((rows, 2), np.int64))
+    import bigper.storage.state as state_mod
+
+    read = []
+    real = state_mod.read_regular
+    monkeypatch.setattr(state_mod, "read_regular", lambda p, **kw: read.append(p) or real(p, **kw))
+    tracemalloc.start()
+    try:
+        load(snap, path=tmp_path / "other" / live.name).close()  # (what a load takes anyway: its copy buffers)
+        base = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        read.clear()
+        with deadline(20):
+            b = load(snap)  # (goes on: the heap does not decode)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(b) == 10
+    b.close()
+    assert not [p for p in read if Path(p).name == "rank_heap.npy"], "the crafted 32 MiB heap was read"
+    assert peak < base + (4 << 20), f"the load took {peak >> 20} MiB ({base >> 20} MiB into a new path)"
