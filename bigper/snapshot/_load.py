@@ -295,8 +295,9 @@ def _priorities_changed(strategy, meta: dict, store, snap_meta: dict, snap_array
     if status is None or np.ndim(status) != 1:
         return False
     capacity = len(status)  # (the prioritization's slots: a sequence buffer's items)
-    have = strategy.recorded_keys(meta.get("prioritization", {}), store.previous_arrays(strategy.ARRAYS) or {},
-                                  capacity)
+    # (capped at the snapshot's slots: the live path's recorded capacity is as hostile as its arrays)
+    have = strategy.recorded_keys(meta.get("prioritization", {}),
+                                  store.previous_arrays(strategy.ARRAYS, capacity=capacity) or {}, capacity)
     had = strategy.recorded_keys(snap_meta.get("prioritization", {}), snap_arrays, capacity)
     if have is None or had is None:
         return False

@@ -188,11 +188,14 @@ class StorageBase:
     def abort(self) -> None:
         """Nothing to let go."""
 
-    def previous_arrays(self, wanted: tuple[str, ...] | None = None) -> dict[str, np.ndarray] | None:
+    def previous_arrays(self, wanted: tuple[str, ...] | None = None,
+                        capacity: int | None = None) -> dict[str, np.ndarray] | None:
         """OnDisk, after ``open`` with takeover: the state arrays (those named
         in ``wanted``, or all) the buffer found here recorded at its clean close (the other half of
         ``previous["state"]``), None where it recorded none or they do not
-        read. None here: this storage replaces nothing."""
+        read. None larger than a state of ``capacity`` slots (the caller's,
+        when given: the recorded config is as hostile as the arrays) or of
+        the recorded capacity is read. None here: this storage replaces nothing."""
         return None
 
     def recorded_array(self, name: str) -> Any:

@@ -32,7 +32,7 @@ from . import _h5relayout
 from ..common.files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from .base import RECORD, StorageBase, fits_spec
-from .state import STATE_BYTES_PER_SLOT, check_meta
+from .state import STATE_BYTES_PER_SLOT, check_meta, state_slots
 from ..errors import (
     BigperError,
     CorruptSnapshotError,
@@ -517,7 +517,7 @@ class HDF5Storage(StorageBase):
         """The recorded state: meta and arrays (``_state_group``)."""
         return self._meta["state"], _state_group(self._file, self._meta, self.path)
 
-    def previous_arrays(self, wanted=None):
+    def previous_arrays(self, wanted=None, capacity=None):
         """The state arrays (those named in ``wanted``, or all) the buffer a
         takeover found recorded at its clean close
         (``StorageBase.previous_arrays``): the file read, never changed."""
@@ -530,7 +530,7 @@ class HDF5Storage(StorageBase):
                 return None
             with h5py.File(self._fp, "r") as f:
                 check_links(f, self.path, allow_external=False)  # (as open does: no bytes read from elsewhere)
-                return _state_group(f, prev, self.path, wanted)
+                return _state_group(f, prev, self.path, wanted, capacity)
         except Exception:  # noqa: BLE001  (h5py refuses in many ways; each means "none to compare")
             return None
 
@@ -690,18 +690,18 @@ _LIBC = None
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
-def _state_group(f, meta: dict, where, wanted=None) -> dict:
+def _state_group(f, meta: dict, where, wanted=None, capacity=None) -> dict:
     """The arrays of ``f``'s recorded state (``/_bigper/state``; those named
     in ``wanted``, or all), each checked before it is read: a numeric dataset
-    of this file, none larger than a state of the recorded capacity can be."""
+    of this file, none larger than a state of the recorded capacity (or of
+    ``capacity`` slots, when given and smaller: ``state_slots``) can be."""
     h5py = _h5py()
     g = f.get(f"{RECORD}/state")
     if g is None:
         return {}
     if not isinstance(g, h5py.Group):
         raise CorruptSnapshotError(f"{where}: /_bigper/state is not a group")
-    cap = (meta.get("config") or {}).get("capacity")
-    cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+    cap = state_slots(meta.get("config"), capacity)
     arrays = {}
     for name in g:
         if wanted is not None and name not in wanted:

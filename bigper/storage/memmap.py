@@ -59,7 +59,7 @@ from .chunks import CHUNK_BYTES, _Array, chunk_name, chunk_rows_for  # noqa: F40
 from ..common.files import FileLock, HeldDir, fsync_dir, open_regular, preallocate, read_json, write_json
 from .base import StorageBase, fits_spec
 from .state import (STATE_BYTES_PER_SLOT, STATE_NAME, check_arrays, check_meta, entry_kind, load_state_dir,
-                    save_state_dir)
+                    save_state_dir, state_slots)
 
 FORMAT = "bigper-memmap"
 VERSION = 1  # chunk files arrived before any release; one chunk is the original layout
@@ -685,7 +685,7 @@ class MemmapStorage(StorageBase):
             os.close(fd)
 
     # -- state and close -------------------------------------------------------
-    def previous_arrays(self, wanted=None):
+    def previous_arrays(self, wanted=None, capacity=None):
         """The state arrays (those named in ``wanted``, or all) the buffer a
         takeover found recorded at its clean close
         (``StorageBase.previous_arrays``): read, never changed."""
@@ -693,12 +693,10 @@ class MemmapStorage(StorageBase):
         names = prev.get("state_files") if isinstance(prev, dict) and prev.get("clean") is True else None
         if not isinstance(names, list) or not all(isinstance(n, str) and STATE_NAME.match(n) for n in names):
             return None
-        cap = (prev.get("config") or {}).get("capacity") if isinstance(prev.get("config"), dict) else None
-        cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+        limit = STATE_BYTES_PER_SLOT * (state_slots(prev.get("config"), capacity) + 1024)
         names = [n for n in names if n in wanted] if wanted is not None else names
-        try:  # (none larger than a state of the recorded capacity can be: a crafted one is not read)
-            if any(os.lstat(self._root / "state" / f"{n}.npy").st_size > STATE_BYTES_PER_SLOT * (cap + 1024)
-                   for n in names):
+        try:  # (none larger than a state of the recorded capacity or the caller's can be: not read)
+            if any(os.lstat(self._root / "state" / f"{n}.npy").st_size > limit for n in names):
                 return None
             return load_state_dir(self._root / "state", names)
         except (CorruptSnapshotError, OSError, ValueError):

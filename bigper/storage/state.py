@@ -16,6 +16,20 @@ from ..common.files import fsync_dir, open_regular, read_regular
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,99}$")
 # A recorded state array holds at most this many bytes per slot (a crafted larger one is not read).
 STATE_BYTES_PER_SLOT = 64
+
+
+def state_slots(config, capacity=None) -> int:
+    """The slots whose state bounds what a recorded state array may hold
+    (``STATE_BYTES_PER_SLOT * (slots + 1024)`` bytes): the recorded
+    ``config``'s capacity (hostile: a dict or anything; 0 when it names
+    none), never more than ``capacity`` when the caller gives it (the slots
+    it can use: a crafted capacity in a config nothing else reads then lifts
+    nothing)."""
+    cap = config.get("capacity") if isinstance(config, dict) else None
+    cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 0:
+        cap = min(cap, capacity) if cap else capacity
+    return cap
 _ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,127}$")  # config.check_name's field names
 _BIG = 1 << 62
 
