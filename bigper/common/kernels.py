@@ -9,6 +9,13 @@ frames' in ``frames/``.
 Nothing a kernel takes is validated by it: the Python layer checks everything
 once at the public boundary and hands over arrays of the right dtype. Every
 kernel works on a whole batch a call.
+
+A group of arguments (``frames.store.RingArgs``, ``prioritization.tree.TreeArrays``,
+the sequence items' groups) is a ``NamedTuple`` class that names it, passed
+as a plain tuple and named again in the kernel (``ra = RingArgs(*ra)``, free
+there): numba computes a plain tuple's type in C but a named tuple's in
+Python, at every call (about 0.7 µs for twelve fields, a tenth of an Atari
+add; measured).
 """
 
 import logging

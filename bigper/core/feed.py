@@ -159,7 +159,7 @@ class Sources:
     def __init__(self, parts, layout: Layout, field_arrays: dict | None, frame_ring):
         t = parts.prio.tree
         ring = parts.ring
-        self.tree = tuple(t.arrays)  # (a plain tuple: frames.store.RingArgs says why)
+        self.tree = tuple(t.arrays)  # (a plain tuple: common/kernels.py says why)
         self.book = (ring.ends, ring.gid, parts.reader.discount1)
         frames = parts.frames
         arrays = parts.store.arrays

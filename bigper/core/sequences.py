@@ -95,7 +95,7 @@ def write_items(g0, rows, sizes, tables, gid, ready):
     starts one (with its key), and the items it completes (made live, their
     slots written to ``ready``). Returns how many are in ``ready``.
     ``sizes``: ``ItemSizes``; ``tables``: ``ItemTables`` (each a plain tuple
-    at the call, named here: ``frames/store.RingArgs`` says why)."""
+    at the call, named here: ``common/kernels.py`` says why)."""
     rows, sizes, tables = ItemRows(*rows), ItemSizes(*sizes), ItemTables(*tables)
     slots, ends, valid, keys = rows.slots, rows.ends, rows.valid, rows.keys
     capacity, num_envs, length, period = sizes.capacity, sizes.num_envs, sizes.length, sizes.period

@@ -303,7 +303,7 @@ class Writer:
             if valid is None else valid
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
             t, cfg = self._tree, self.cfg
-            self._args = (tuple(self.ring.book),  # (plain tuples: frames/store.RingArgs says why)
+            self._args = (tuple(self.ring.book),  # (plain tuples: common/kernels.py says why)
                           tuple(t.arrays), (cfg.n_step, cfg.num_envs), ring)
             self._args_of = ring
         fw, top = write_rows(g0, (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys,

@@ -178,7 +178,7 @@ def append_staged(log, staged, scratch, f0, n):
     rows, when they all fit in it; nothing changes otherwise. ``log``: the
     log's ``StagedLog`` (``SegmentLog.staged_args``). Returns 0, or -1 (they
     do not fit: the caller takes the general path), or -2 (zstd failed)."""
-    log = StagedLog(*log)  # (a plain tuple at the call: frames/store.RingArgs says why)
+    log = StagedLog(*log)  # (a plain tuple at the call: common/kernels.py says why)
     cctx, st, seg, seg_first, seg_slot, used = log.cctx, log.st, log.seg, log.seg_first, log.seg_slot, log.used
     flat, index, did = log.flat, log.index, log.did
     R = staged.shape[0]

@@ -55,12 +55,8 @@ _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read onl
 
 class RingArgs(NamedTuple):
     """The frame ring as ``core/writer.write_rows`` takes it (``FrameStore.kernel_args``;
-    ``framed`` False: a buffer without one, the others never read).
-
-    Kernels take it as a plain tuple and name it inside (``RingArgs(*ra)``):
-    numba types a named tuple argument in Python at every call (about 0.7
-    µs for twelve fields, against nothing for a plain tuple: a tenth of an
-    add), the same holds for every group below."""
+    ``framed`` False: a buffer without one, the others never read); a plain
+    tuple at the call, named in the kernel (``common/kernels.py`` says why)."""
 
     framed: bool
     last_frames: np.ndarray  # (num_envs, k, words): each env's last stack

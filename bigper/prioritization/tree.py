@@ -70,7 +70,7 @@ def _alloc(n: int, fill: float) -> np.ndarray:
 class TreeArrays(NamedTuple):
     """A tree's arrays as the fused kernels of the writer, the sequence items
     and the feed take them (``PriorityTree.arrays``; see ``_tree_kernels``),
-    as a plain tuple at the call (``frames.store.RingArgs`` says why)."""
+    as a plain tuple at the call (``common/kernels.py`` says why)."""
 
     sums: np.ndarray
     mins: np.ndarray
