@@ -41,6 +41,7 @@ class SampleUnit(Protocol):
     status: np.ndarray      # (capacity,) uint8: each leaf slot's status (bigper.common.status)
     pending: np.ndarray     # (capacity,) float64: the keys of pending leaves
     status_key: str         # the name of ``status`` in a recorded state
+    pending_key: str        # the name of ``pending`` in a recorded state
     staged: bool            # a CUDA-bound batch is gathered into one pinned block (else the device rebuilds stacks)
     shardable: bool         # ``sample_at`` (the Ray shards) serves it
     fed: bool               # the GIL-free feed (``core/feed.py``) serves it
@@ -110,6 +111,7 @@ class Transitions:
 
     noun = "transition"
     status_key = "status"
+    pending_key = "pending"
     ARRAYS: tuple = ()  # its own state arrays (the ring's status and pending keys are its)
     staged = True
     shardable = True
@@ -206,6 +208,7 @@ class Sequences:
 
     noun = "sequence item"
     status_key = "seq_status"
+    pending_key = "seq_pending"
     ARRAYS = ITEM_ARRAYS  # the item tables (Items.state)
     check_recorded = staticmethod(check_items)
     staged = False

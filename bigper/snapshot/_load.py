@@ -58,7 +58,7 @@ from ..storage.base import fits_spec
 from ..core.statecheck import check_state
 from ..prioritization import STRATEGIES
 from ..core.units import unit_class
-from ..common.status import LIVE
+from ..common.status import LIVE, PENDING
 from ..storage.state import npy_from_bytes
 from .manifest import check_file, check_files, member_sizes, read_manifest
 from ._save import specs_of
@@ -256,8 +256,8 @@ def _check_newer(store, cfg: Config, snap_meta: dict, snap_arrays: dict, live, r
                f"the {held - count} transitions (and the priority updates) since")
     elif held < count:
         return
-    elif _priorities_changed(STRATEGIES.get(cfg.prioritization), st, store, snap_meta, snap_arrays,
-                             snap_arrays.get(unit_class(cfg).status_key)):
+    elif _priorities_changed(STRATEGIES.get(cfg.prioritization), unit_class(cfg), st, store, snap_meta,
+                             snap_arrays):
         why = (f"this snapshot's {count} transitions but priorities changed since (the priority of a transition "
                "live at the snapshot differs): loading it there would discard them")
     elif _raised_since(st, snap_meta):
@@ -282,27 +282,38 @@ def _raised_since(meta: dict, snap_meta: dict) -> bool:
     return isinstance(have, float) and isinstance(had, (int, float)) and have > had
 
 
-def _priorities_changed(strategy, meta: dict, store, snap_meta: dict, snap_arrays: dict, status) -> bool:
+def _priorities_changed(strategy, unit, meta: dict, store, snap_meta: dict, snap_arrays: dict) -> bool:
     """Whether the priority keys a closed buffer recorded (its state ``meta``
-    and the arrays ``store.previous_arrays`` reads: hostile) differ from the
-    snapshot's at any slot live in the snapshot (``status``: a sequence
-    buffer's items'), the ``strategy`` decoding both (``Prioritization.recorded_keys``:
-    the leaves, a rank buffer's heap). A load ends the episodes open at the
-    snapshot, which gives its pending slots keys: those are not compared.
-    False where either record does not decode."""
+    and the arrays ``store.previous_arrays`` reads: hostile) differ from what
+    a load of the snapshot gives, the ``strategy`` decoding both
+    (``Prioritization.recorded_keys``: the leaves, a rank buffer's heap), at
+    every slot (a sequence buffer's: item) of the ``unit`` live in the
+    snapshot, and at every one pending there (an n-step window, an item,
+    still open) that the closed buffer recorded live: a load ends the open
+    episodes as a resume did, so those get the key the snapshot kept pending
+    for them; one set since differs. False where a record does not decode."""
     if strategy is None or not strategy.ARRAYS:
         return False
+    status = snap_arrays.get(unit.status_key)
     if status is None or np.ndim(status) != 1:
         return False
     capacity = len(status)  # (the prioritization's slots: a sequence buffer's items)
     # (capped at the snapshot's slots: the live path's recorded capacity is as hostile as its arrays)
-    have = strategy.recorded_keys(meta.get("prioritization", {}),
-                                  store.previous_arrays(strategy.ARRAYS, capacity=capacity) or {}, capacity)
+    arrays = store.previous_arrays((*strategy.ARRAYS, unit.status_key), capacity=capacity) or {}
+    have = strategy.recorded_keys(meta.get("prioritization", {}), arrays, capacity)
     had = strategy.recorded_keys(snap_meta.get("prioritization", {}), snap_arrays, capacity)
     if have is None or had is None:
         return False
-    live = np.asarray(status) == LIVE
-    return not np.array_equal(have[live], had[live], equal_nan=True)
+    status = np.asarray(status)
+    live = status == LIVE
+    if not np.array_equal(have[live], had[live], equal_nan=True):
+        return True
+    now, pending = arrays.get(unit.status_key), snap_arrays.get(unit.pending_key)
+    if not (isinstance(now, np.ndarray) and now.shape == status.shape and now.dtype == np.uint8
+            and isinstance(pending, np.ndarray) and pending.shape == status.shape):
+        return False
+    made = (status == PENDING) & (now == LIVE)
+    return not np.array_equal(have[made], np.asarray(pending, dtype=np.float64)[made], equal_nan=True)
 
 
 def _release(store) -> None:
