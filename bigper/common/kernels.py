@@ -25,6 +25,7 @@ import threading
 from contextlib import contextmanager
 
 from numba import njit
+from numba.core.caching import NullCache
 
 log = logging.getLogger("bigper")
 
@@ -171,7 +172,10 @@ def jit(**options):
                         raise
                 log.warning("bigper: the compiled-kernel cache of %s could not be read (written by another "
                             "version, or cut short); rebuilding it", fn.__qualname__)
-                dispatcher._cache.flush()  # (an empty index: the next compile writes its entry)
+                try:
+                    dispatcher._cache.flush()  # (an empty index: the next compile writes its entry)
+                except Exception:  # noqa: BLE001  (a cache that cannot be written: compiled in memory only)
+                    dispatcher._cache = NullCache()
                 return compile_for_args(*args, **kws)
 
         dispatcher._compile_for_args = compile_held

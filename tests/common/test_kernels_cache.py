@@ -110,3 +110,19 @@ def test_a_typing_error_is_not_taken_for_a_stale_cache(tmp_path):
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "TypingError", r.stdout + r.stderr[-2000:]
     assert "could not be read" not in r.stderr
+
+
+def test_an_index_that_cannot_be_rewritten_still_compiles(tmp_path):
+    """An index numba can neither read nor replace (a folder where the file
+    was: no user, root included, writes over it): the kernel is compiled in
+    memory, the result right, the folder left where it was."""
+    (tmp_path / "kern_under_test.py").write_text(_KERNELS)
+    assert _run(tmp_path, "plain").returncode == 0
+    idx = _indexes(tmp_path)
+    for p in idx:
+        os.unlink(p)
+        os.mkdir(p)
+        open(os.path.join(p, "keep"), "w").close()  # (not empty: os.replace cannot take its place)
+    r = _run(tmp_path, "plain")
+    assert r.returncode == 0 and r.stdout.split() == ["10.0", "11.0"], r.stderr[-2000:]
+    assert all(os.path.isdir(p) for p in idx)
