@@ -173,8 +173,8 @@ CASES = {
 }
 
 
-def build(case, storage, path):
-    kw, rkw, steps = CASES[case]
+def build(case, storage, path, cases=None):
+    kw, rkw, steps = (CASES if cases is None else cases)[case]
     kw = dict(kw)
     cap = kw.pop("capacity")
     rows = Rows(seed=sum(map(ord, case)), **rkw)

@@ -472,17 +472,6 @@ RANK_CASES = {  # (as test_hostile_resume.CASES, with prioritization="rank")
 }
 
 
-def build_rank(case, storage, path):
-    from tests.snapshot.test_hostile_resume import Rows
-    kw, rkw, steps = RANK_CASES[case]
-    kw = dict(kw)
-    cap = kw.pop("capacity")
-    rows = Rows(seed=sum(map(ord, case)), **rkw)
-    buf = bigper.PrioritizedReplayBuffer(cap, rows.fields(), storage=storage, path=path, seed=0, gamma=0.5, **kw)
-    rows.feed(buf, steps)
-    return buf, rows, cap, kw
-
-
 def rank_run(tmp_path, storage, before=None, after=None, capacity=12, **kw):
     """A rank buffer (``capacity`` 12: it sorts at the first sample past 12
     writes): 10 transitions, priorities 0.1 .. 1.0, ``before(b)``, a
@@ -578,7 +567,7 @@ def test_a_rank_items_priority_lowered_after_the_snapshot_is_refused_in_every_sh
     the snapshot (the largest leaf ever cannot show it), closed -> refused,
     byte for byte."""
     path = live_of(storage, tmp_path)
-    buf, rows, cap, kw = build_rank(case, storage, path)
+    buf, rows, cap, kw = build(case, storage, path, RANK_CASES)
     snap = buf.save(tmp_path / "snap")
     buf.update_priorities(np.asarray(buf.sample(1).indices), np.array([1e-9]))
     buf.close()
@@ -597,7 +586,7 @@ def test_rank_flows_that_change_no_priority_load_again_without_rewind(tmp_path, 
     ``continue_episodes``; a load into another path beside it. Never a false
     refusal."""
     path = live_of(storage, tmp_path)
-    buf, rows, cap, kw = build_rank(case, storage, path)
+    buf, rows, cap, kw = build(case, storage, path, RANK_CASES)
     snap = buf.save(tmp_path / "snap")
     buf.close()
     with deadline(60):
@@ -875,37 +864,6 @@ def test_a_crafted_recorded_capacity_does_not_lift_the_size_cap_of_the_arrays_re
     assert peak < base + (4 << 20), f"the load took {peak >> 20} MiB ({base >> 20} MiB into a new path)"
 
 
-@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
-@pytest.mark.parametrize("prioritization", ["proportional", "rank"])
-def test_a_priority_set_after_a_resume_ended_the_snapshots_open_episode_is_not_silently_rewound(
-        tmp_path, storage, prioritization):
-    """n-step 3: 10 transitions, the last two pending at the snapshot; closed,
-    resumed (``mode="resume"`` ends the episode: they become sampleable),
-    their priorities lowered, closed at the snapshot's count: a load without
-    ``rewind`` must not discard those updates. (Was a strict xfail: only the
-    slots live at the snapshot were compared.)"""
-    live = live_of(storage, tmp_path)
-    kw = dict(storage=storage, path=live, seed=0, prioritization=prioritization, n_step=3)
-    b = bigper.PrioritizedReplayBuffer(50, F, **kw)
-    for t in range(10):
-        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
-    pending = np.flatnonzero(b.status == bigper.common.status.PENDING)
-    assert pending.size == 2
-    snap = b.save(tmp_path / "snap")
-    b.close()
-    r = bigper.PrioritizedReplayBuffer(50, F, mode="resume", **kw)
-    assert (r.status[pending] == bigper.common.status.LIVE).all()
-    r.update_priorities(pending, np.full(2, 1e-3))
-    r.close()
-    before = fingerprint(tmp_path)
-    try:
-        load(snap).close()
-    except PathExistsError:
-        assert fingerprint(tmp_path) == before
-        return
-    pytest.fail("the priorities set after the resume were silently discarded")
-
-
 @pytest.mark.parametrize("change", ["untouched", "lowered"])
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -915,7 +873,8 @@ def test_what_a_resume_made_sampleable_is_compared_as_a_load_makes_it(tmp_path, 
     sampleable with the key the snapshot kept pending for them), closed
     untouched: a load without ``rewind`` goes on (it gives them the same
     keys: nothing is discarded). Lowered after the resume instead: refused,
-    the folder byte for byte as it was, where there was a pending one."""
+    the folder byte for byte as it was, where there was a pending one (was a
+    silent discard: only the slots live at the snapshot were compared)."""
     from tests import hook
     from tests.snapshot.test_hostile_resume import reopen
 
