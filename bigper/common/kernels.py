@@ -21,11 +21,12 @@ add; measured).
 import logging
 import os
 import signal
+import stat
 import threading
 from contextlib import contextmanager
 
 from numba import njit
-from numba.core.caching import NullCache
+from numba.core.caching import IndexDataCacheFile, NullCache
 
 log = logging.getLogger("bigper")
 
@@ -152,30 +153,110 @@ def _stale_index(dispatcher) -> bool:
     return False
 
 
+def _raised_reading_index(e: BaseException) -> bool:
+    """Whether ``e`` was raised while numba read the cache index: another
+    thread or process may have rebuilt a stale index between that failure
+    and ``_stale_index``'s look at it, which then reads fine."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_load_index":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _regular(path) -> bool:
+    """Whether ``path`` is a regular file (through links); raises
+    ``FileNotFoundError`` when nothing is there. numba ``open``\ s its cache
+    files for reading as they are: a FIFO there blocks the first call
+    forever, a link to ``/dev/zero`` reads without end."""
+    return stat.S_ISREG(os.stat(path).st_mode)
+
+
+class _GuardedCacheFile(IndexDataCacheFile):
+    """numba's index and data files of one kernel, read only when they are
+    regular files. An index that is something else, or that does not
+    unpickle, is stale: rebuilt empty where it is read, by whoever reads it
+    (a kernel compiled as another's callee too). A data file that is
+    something else, or that does not unpickle (garbage, cut short, naming a
+    class since removed), is taken as missing, as numba takes a removed one: the kernel compiles and its
+    save writes the file again (numba raised at every first call of every
+    process, for good, or blocked on a FIFO). A save that fails (a folder
+    where the data file goes) leaves the kernel compiled in memory only,
+    not a failed call."""
+
+    def _load_index(self):
+        try:
+            if not _regular(self._index_path):
+                raise OSError(f"not a regular file: {self._index_path!r}")
+            return super()._load_index()
+        except FileNotFoundError:
+            return {}
+        except Exception:  # noqa: BLE001  (whatever unpickling an index raises)
+            pass
+        # Rebuilt here, where numba reads it: also when the kernel is compiled as the callee of another
+        # (numba's ``compile``, not ``_compile_for_args``: the caller failed for good, its own index fine).
+        if not getattr(self, "_bigper_said", False):
+            self._bigper_said = True
+            log.warning("bigper: the compiled-kernel cache %s could not be read (written by another version, "
+                        "or cut short); rebuilding it", self._index_path)
+        try:
+            self._save_index({})
+        except Exception:  # noqa: BLE001  (not writable: the save after the compile fails too, and says so)
+            pass
+        return {}
+
+    def _load_data(self, name):
+        path = self._data_path(name)
+        if not _regular(path):  # (FileNotFoundError: numba's ``load`` takes any OSError as missing)
+            raise OSError(f"not a regular file: {path!r}")
+        try:
+            return super()._load_data(name)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001  (whatever unpickling a damaged data file raises)
+            raise OSError(f"unreadable cache data file {path!r}: {e!r}") from e
+
+    def save(self, key, data):
+        try:
+            super().save(key, data)
+        except OSError as e:
+            log.warning("bigper: the compiled-kernel cache file %s could not be written (%s); the kernel "
+                        "is compiled in memory only", self._index_path, e)
+
+
 def jit(**options):
     """``numba.njit(**options)`` whose compiles (first calls, new types, cache
     loads) hold Ctrl-C (any Python signal handler) back until they are done
     (``_signals_held_back``); a compile that fails on a cache index it cannot
-    read (``_stale_index``) empties that index and compiles again, once."""
+    read (``_stale_index``) empties that index and compiles again, once (or
+    compiles again only, the index rebuilt meanwhile by another thread or
+    process)."""
     make = njit(**options)
 
     def decorate(fn):
         dispatcher = make(fn)
+        cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+        if type(cache_file) is IndexDataCacheFile:  # (numba's, unchanged: same fields, guarded reads)
+            cache_file.__class__ = _GuardedCacheFile
         compile_for_args = dispatcher._compile_for_args  # (what numba's dispatcher calls on a type it has not seen)
 
         def compile_held(*args, **kws):
             with _signals_held_back():
                 try:
                     return compile_for_args(*args, **kws)
-                except Exception:
-                    if not _stale_index(dispatcher):
+                except Exception as e:
+                    stale = _stale_index(dispatcher)
+                    if not stale and not _raised_reading_index(e):
                         raise
-                log.warning("bigper: the compiled-kernel cache of %s could not be read (written by another "
-                            "version, or cut short); rebuilding it", fn.__qualname__)
-                try:
-                    dispatcher._cache.flush()  # (an empty index: the next compile writes its entry)
-                except Exception:  # noqa: BLE001  (a cache that cannot be written: compiled in memory only)
-                    dispatcher._cache = NullCache()
+                if stale:
+                    log.warning("bigper: the compiled-kernel cache of %s could not be read (written by another "
+                                "version, or cut short); rebuilding it", fn.__qualname__)
+                    try:
+                        dispatcher._cache.flush()  # (an empty index: the next compile writes its entry)
+                    except Exception:  # noqa: BLE001  (a cache that cannot be written: compiled in memory only)
+                        dispatcher._cache = NullCache()
+                # (else another thread or process rebuilt the index since it failed here: compile again)
                 return compile_for_args(*args, **kws)
 
         dispatcher._compile_for_args = compile_held
