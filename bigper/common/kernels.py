@@ -26,7 +26,7 @@ import threading
 from contextlib import contextmanager
 
 from numba import njit
-from numba.core.caching import IndexDataCacheFile, NullCache
+from numba.core.caching import IndexDataCacheFile
 
 log = logging.getLogger("bigper")
 
@@ -137,34 +137,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _stale_index(dispatcher) -> bool:
-    """Whether the dispatcher's on-disk cache index cannot be read: written
-    by another bigper (its pickled signatures name a class since renamed or
-    removed: numba issue 6018) or cut short (issue 10434). numba reads the
-    index before anything else at every compile and raises there, so each
-    kernel of that file fails at its first call in every process, for good."""
-    cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
-    if cache_file is None or not hasattr(cache_file, "_load_index"):
-        return False
-    try:
-        cache_file._load_index()
-    except Exception:  # noqa: BLE001  (whatever unpickling an index raises)
-        return True
-    return False
-
-
-def _raised_reading_index(e: BaseException) -> bool:
-    """Whether ``e`` was raised while numba read the cache index: another
-    thread or process may have rebuilt a stale index between that failure
-    and ``_stale_index``'s look at it, which then reads fine."""
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "_load_index":
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def _regular(path) -> bool:
     """Whether ``path`` is a regular file (through links); raises
     ``FileNotFoundError`` when nothing is there. numba ``open``\ s its cache
@@ -228,10 +200,8 @@ class _GuardedCacheFile(IndexDataCacheFile):
 def jit(**options):
     """``numba.njit(**options)`` whose compiles (first calls, new types, cache
     loads) hold Ctrl-C (any Python signal handler) back until they are done
-    (``_signals_held_back``); a compile that fails on a cache index it cannot
-    read (``_stale_index``) empties that index and compiles again, once (or
-    compiles again only, the index rebuilt meanwhile by another thread or
-    process)."""
+    (``_signals_held_back``), and whose on-disk cache is read only where it
+    can be (``_GuardedCacheFile``)."""
     make = njit(**options)
 
     def decorate(fn):
@@ -243,20 +213,6 @@ def jit(**options):
 
         def compile_held(*args, **kws):
             with _signals_held_back():
-                try:
-                    return compile_for_args(*args, **kws)
-                except Exception as e:
-                    stale = _stale_index(dispatcher)
-                    if not stale and not _raised_reading_index(e):
-                        raise
-                if stale:
-                    log.warning("bigper: the compiled-kernel cache of %s could not be read (written by another "
-                                "version, or cut short); rebuilding it", fn.__qualname__)
-                    try:
-                        dispatcher._cache.flush()  # (an empty index: the next compile writes its entry)
-                    except Exception:  # noqa: BLE001  (a cache that cannot be written: compiled in memory only)
-                        dispatcher._cache = NullCache()
-                # (else another thread or process rebuilt the index since it failed here: compile again)
                 return compile_for_args(*args, **kws)
 
         dispatcher._compile_for_args = compile_held

@@ -3,8 +3,9 @@ every compile before anything else, names a class another bigper passed to a
 kernel and this one no longer has (numba issue 6018: unpickling fails with
 ``AttributeError``), or was cut short (issue 10434: ``EOFError``), or holds
 other bytes. Without care each kernel of that file fails at its first call in
-every process, for good; ``common.kernels.jit`` empties such an index and
-compiles again (``_stale_index``). Real interpreters, a cache of their own."""
+every process, for good; bigper's kernels read their cache through
+``common.kernels._GuardedCacheFile``, which empties such an index where it is
+read and compiles. Real interpreters, a cache of their own."""
 
 from __future__ import annotations
 
