@@ -289,9 +289,13 @@ def _priorities_changed(strategy, unit, meta: dict, store, snap_meta: dict, snap
     (``Prioritization.recorded_keys``: the leaves, a rank buffer's heap), at
     every slot (a sequence buffer's: item) of the ``unit`` live in the
     snapshot, and at every one pending there (an n-step window, an item,
-    still open) that the closed buffer recorded live: a load ends the open
-    episodes as a resume did, so those get the key the snapshot kept pending
-    for them; one set since differs. False where a record does not decode."""
+    still open): a load gives those the key the snapshot kept pending for
+    them, so one the closed buffer recorded live (a resume ended the open
+    episode) is compared by its key, one still pending (no resume, or one
+    continuing the episodes) by its recorded pending key; one set since
+    differs. Each array is read on its own: one that does not read (or
+    decode) leaves out only the comparison that needs it. False where none
+    shows a change."""
     if strategy is None or not strategy.ARRAYS:
         return False
     status = snap_arrays.get(unit.status_key)
@@ -299,8 +303,8 @@ def _priorities_changed(strategy, unit, meta: dict, store, snap_meta: dict, snap
         return False
     capacity = len(status)  # (the prioritization's slots: a sequence buffer's items)
     # (capped at the snapshot's slots: the live path's recorded capacity is as hostile as its arrays)
-    arrays = store.previous_arrays((*strategy.ARRAYS, unit.status_key), capacity=capacity) or {}
-    have = strategy.recorded_keys(meta.get("prioritization", {}), arrays, capacity)
+    have = strategy.recorded_keys(meta.get("prioritization", {}),
+                                  store.previous_arrays(strategy.ARRAYS, capacity=capacity) or {}, capacity)
     had = strategy.recorded_keys(snap_meta.get("prioritization", {}), snap_arrays, capacity)
     if have is None or had is None:
         return False
@@ -308,12 +312,27 @@ def _priorities_changed(strategy, unit, meta: dict, store, snap_meta: dict, snap
     live = status == LIVE
     if not np.array_equal(have[live], had[live], equal_nan=True):
         return True
-    now, pending = arrays.get(unit.status_key), snap_arrays.get(unit.pending_key)
-    if not (isinstance(now, np.ndarray) and now.shape == status.shape and now.dtype == np.uint8
-            and isinstance(pending, np.ndarray) and pending.shape == status.shape):
+    pending = snap_arrays.get(unit.pending_key)
+    was = status == PENDING
+    if not (was.any() and isinstance(pending, np.ndarray) and pending.shape == status.shape):
         return False
-    made = (status == PENDING) & (now == LIVE)
-    return not np.array_equal(have[made], np.asarray(pending, dtype=np.float64)[made], equal_nan=True)
+    pending = np.asarray(pending, dtype=np.float64)
+    now = _recorded(store, unit.status_key, capacity, status.shape, np.uint8)
+    if now is None:
+        return False
+    made = was & (now == LIVE)
+    if not np.array_equal(have[made], pending[made], equal_nan=True):
+        return True
+    still = was & (now == PENDING)
+    kept = _recorded(store, unit.pending_key, capacity, status.shape, np.float64) if still.any() else None
+    return kept is not None and not np.array_equal(kept[still], pending[still], equal_nan=True)
+
+
+def _recorded(store, name: str, capacity: int, shape: tuple, dtype) -> np.ndarray | None:
+    """The closed buffer's recorded state array ``name`` (hostile), read on
+    its own; None unless it reads with exactly ``shape`` and ``dtype``."""
+    a = (store.previous_arrays((name,), capacity=capacity) or {}).get(name)
+    return a if isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype else None
 
 
 def _release(store) -> None:
