@@ -259,7 +259,7 @@ def _check_newer(store, cfg: Config, snap_meta: dict, snap_arrays: dict, live, r
     elif _priorities_changed(STRATEGIES.get(cfg.prioritization), unit_class(cfg), st, store, snap_meta,
                              snap_arrays):
         why = (f"this snapshot's {count} transitions but priorities changed since (the priority of a transition "
-               "live at the snapshot differs): loading it there would discard them")
+               "live or pending at the snapshot differs): loading it there would discard them")
     elif _raised_since(st, snap_meta):
         why = (f"this snapshot's {count} transitions but priorities raised since (its largest "
                f"{st['max_leaf']:.6g}, the snapshot's {snap_meta['max_leaf']:.6g}): loading it there would "
