@@ -1061,6 +1061,20 @@ def _craft_status(p: Path, what: str, status: np.ndarray) -> None:
         os.truncate(p, 64 << 20)
 
 
+def _load_outcome(tmp_path, snap) -> str:
+    """``"refused"`` (a ``PathExistsError``, the folder byte for byte as it
+    was) or ``"loaded"``; never a hang, never another error."""
+    before = fingerprint(tmp_path)
+    with deadline(20):
+        try:
+            load(snap).close()
+        except BigperError as e:
+            assert isinstance(e, PathExistsError), e  # (rewind=True, or a file bigper never writes)
+            assert fingerprint(tmp_path) == before
+            return "refused"
+    return "loaded"
+
+
 @pytest.mark.parametrize("change", ["none", "a live slot's"])
 @pytest.mark.parametrize("what,name", [(w, "nstep3") for w in STATUS_FILES]
                          + [(w, "seq-burnin-period") for w in ("values 4..255", "all LIVE", "not npy")])
@@ -1086,16 +1100,7 @@ def test_a_crafted_recorded_status_file_never_hides_a_change_nor_hangs(tmp_path,
     r.close()
     p = tmp_path / "replay" / "state" / f"{key}.npy"
     _craft_status(p, what, np.load(p))
-    before = fingerprint(tmp_path)
-    with deadline(20):
-        try:
-            load(snap).close()
-        except BigperError as e:
-            assert isinstance(e, PathExistsError), e  # (rewind=True, or a file bigper never writes)
-            assert fingerprint(tmp_path) == before
-            got = "refused"
-        else:
-            got = "loaded"
+    got = _load_outcome(tmp_path, snap)
     if change != "none":
         assert got == "refused", "a priority changed since was discarded"
     elif what in ("int64, same values", "2-d, same bytes", "one slot short", "values 4..255", "all PENDING"):
@@ -1150,16 +1155,7 @@ def test_a_crafted_hdf5_recorded_status_never_hides_a_change_nor_hangs(tmp_path,
             g["status"] = h5py.SoftLink("/elsewhere")
         elif what == "huge declared":
             g.create_dataset("status", shape=(10 ** 12,), dtype=np.uint8, chunks=(1 << 16,), compression="gzip")
-    before = fingerprint(tmp_path)
-    with deadline(20):
-        try:
-            load(snap).close()
-        except BigperError as e:
-            assert isinstance(e, PathExistsError), e  # (rewind=True, or a file bigper never writes)
-            assert fingerprint(tmp_path) == before
-            got = "refused"
-        else:
-            got = "loaded"
+    got = _load_outcome(tmp_path, snap)
     if change != "none" and not what.startswith("external"):
         # (a dataset stored outside the file makes the file's record unread as a whole: check_links)
         assert got == "refused", "a priority changed since was discarded"
