@@ -918,3 +918,39 @@ def test_fork_read_through_a_symlinked_folder_loads_into_the_fork(tmp_path):
     assert os.path.realpath(b.storage.path) == str(tmp_path / "fork-real/replay")
     b.close()
     assert fingerprint(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_chdir_between_open_save_load_and_close_changes_no_path(tmp_path, storage, monkeypatch):
+    """Relative paths are taken at the call that names them: a buffer opened
+    at a relative path, the working directory changed, a snapshot saved at a
+    relative path (under the new one), closed: its live files stay where it
+    was opened. A load of that snapshot into a fork, the directory changed
+    again before an add and the close: the fork resumes whole, the original
+    live folder byte for byte as it was."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    live = "replay.h5" if storage == "hdf5" else "replay"
+    monkeypatch.chdir(run)
+    b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0)
+    for t in range(10):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=False)
+    monkeypatch.chdir(elsewhere)
+    snap = b.save("ckpt/snap")
+    assert snap == elsewhere / "ckpt" / "snap"
+    b.add(obs=[10], reward=1.0, next_obs=[11], terminated=False)
+    b.close()
+    assert (run / live).exists() and not (elsewhere / live).exists()
+    original = fingerprint(run / live, elsewhere / "ckpt")
+    monkeypatch.chdir(run)
+    r = load(elsewhere / "ckpt" / "snap", path="fork-" + live)
+    monkeypatch.chdir(elsewhere)
+    r.add(obs=[20], reward=2.0, next_obs=[21], terminated=True)
+    r.close()
+    assert fingerprint(run / live, elsewhere / "ckpt") == original and not (elsewhere / ("fork-" + live)).exists()
+    monkeypatch.chdir("/")
+    f = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=run / ("fork-" + live), mode="resume", seed=0)
+    assert len(f) == 11 and set(f.sample(8)["reward"].tolist()) <= {1.0, 2.0}
+    f.close()
+    assert verify(run / live) == 0 and verify(run / ("fork-" + live)) == 0
