@@ -139,7 +139,7 @@ if hasattr(os, "register_at_fork"):
 
 def _regular(path) -> bool:
     """Whether ``path`` is a regular file (through links); raises
-    ``FileNotFoundError`` when nothing is there. numba ``open``\ s its cache
+    ``FileNotFoundError`` when nothing is there. numba opens its cache
     files for reading as they are: a FIFO there blocks the first call
     forever, a link to ``/dev/zero`` reads without end."""
     return stat.S_ISREG(os.stat(path).st_mode)

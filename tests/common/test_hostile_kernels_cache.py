@@ -136,6 +136,7 @@ def test_two_processes_of_two_threads_meet_one_stale_index_at_once(tmp_path):
 
 _INTERRUPTED = '''
 import os, signal, numpy as np, kern_h as m
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a child of a background shell starts with it ignored)
 a = np.arange(3.0) + 1
 cf = m.k0._cache._cache_file
 save_index = cf._save_index
