@@ -94,12 +94,14 @@ _PRISTINE: dict = {}
 
 def small(kind: str, tmp: Path, k=None, n_step=1, capacity=16, name="snap") -> Path:
     """A fresh copy of a small snapshot (each kind and shape is built once per session)."""
+    import atexit
     import shutil
     import tempfile
 
     key = (kind, k, n_step, capacity)
     if key not in _PRISTINE:
         where = Path(tempfile.mkdtemp(prefix="bigper-hostile-"))
+        atexit.register(shutil.rmtree, where, True)  # (the session's copy: gone with it, not left in /tmp)
         stream = Stream(k=k, seed=3)
         path = None if kind == "memory" else (where / "live.h5" if kind == "hdf5" else where / "live")
         buf = make(kind, path, stream, capacity=capacity, n_step=n_step)

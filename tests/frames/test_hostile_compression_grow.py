@@ -43,8 +43,10 @@ def grown(kind: str, tmp: Path, steps=100) -> tuple[Path, dict]:
     """A copy of a snapshot of a grown log (noise frames) and facts about it."""
     key = (kind, steps)
     if key not in _PRISTINE:
+        import atexit
         import tempfile
         where = Path(tempfile.mkdtemp(prefix="bigper-grow-"))
+        atexit.register(shutil.rmtree, where, True)  # (the session's copy: gone with it, not left in /tmp)
         buf = make(kind, where, SHAPE, k=2, capacity=30, name="live")
         Feed(noise(np.random.default_rng(0), 300, SHAPE, np.uint8), 2).run(buf, steps)
         lg = hook.log(buf)
@@ -247,9 +249,7 @@ def test_snapshot_budget_config_same_geometry_grown_state_refused(tmp_path):
 
 def test_snapshot_capped_state_under_growing_config_refused(tmp_path):
     """A capped log's snapshot (no seg_lo, no frames_seg_slot) with its budget removed from the config."""
-    import tempfile
-    where = Path(tempfile.mkdtemp(prefix="bigper-cap-"))
-    buf = make("memory", where, SHAPE, k=2, capacity=30, budget=300)
+    buf = make("memory", tmp_path, SHAPE, k=2, capacity=30, budget=300)
     with pytest.warns(RuntimeWarning):
         Feed(noise(np.random.default_rng(0), 300, SHAPE, np.uint8), 2).run(buf, 100)
     snap = buf.save(tmp_path / "snap")
