@@ -129,6 +129,21 @@ def send(sig):
     return lambda: os.kill(os.getpid(), sig)
 
 
+def retried(armed, call, exc, until=None):
+    """``call()`` with ``armed[0]`` set (the handler raises only then), again
+    while it raises ``exc``; None once ``time.monotonic()`` passes ``until``."""
+    while until is None or time.monotonic() < until:
+        try:
+            armed[0] = True
+            try:
+                return call()
+            finally:
+                armed[0] = False
+        except exc:
+            pass
+    return None
+
+
 def ok(*what):
     print("OK", *what, flush=True)
 '''
@@ -742,17 +757,7 @@ def test_sigints_every_half_millisecond_across_cache_loads(tmp_path):
     results = []
     try:
         for a in arrays:
-            while True:
-                try:
-                    armed[0] = True
-                    try:
-                        got = (inner(a).tolist(), outer(a).tolist())
-                    finally:
-                        armed[0] = False
-                    results.append(got)
-                    break
-                except KeyboardInterrupt:
-                    pass
+            results.append(retried(armed, lambda: (inner(a).tolist(), outer(a).tolist()), KeyboardInterrupt))
     finally:
         stop.set()
         th.join()
@@ -801,17 +806,9 @@ def test_a_sigalrm_timeout_that_raises_inside_compiles(tmp_path):
     t = time.monotonic()
     try:
         for a in arrays:
-            while time.monotonic() - t < 60:
-                try:
-                    armed[0] = True
-                    try:
-                        got = (inner(a).tolist(), outer(a).tolist())
-                    finally:
-                        armed[0] = False
-                    results.append(got)
-                    break
-                except Timeout:
-                    pass
+            got = retried(armed, lambda: (inner(a).tolist(), outer(a).tolist()), Timeout, until=t + 60)
+            if got is not None:
+                results.append(got)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     assert len(results) == len(arrays), "never compiled (every compile was interrupted)"
