@@ -137,12 +137,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# The most bytes a cache file is read at (numba reads an index or a data file whole: a sparse
+# file of terabytes would be read into memory). A kernel's compiled code is a few hundred KiB.
+_CACHE_FILE_BYTES = 256 << 20
+
+
 def _regular(path) -> bool:
-    """Whether ``path`` is a regular file (through links); raises
-    ``FileNotFoundError`` when nothing is there. numba opens its cache
-    files for reading as they are: a FIFO there blocks the first call
-    forever, a link to ``/dev/zero`` reads without end."""
-    return stat.S_ISREG(os.stat(path).st_mode)
+    """Whether ``path`` is a regular file (through links) of at most
+    ``_CACHE_FILE_BYTES``; raises ``FileNotFoundError`` when nothing is
+    there. numba opens its cache files for reading as they are: a FIFO
+    there blocks the first call forever, a link to ``/dev/zero`` reads
+    without end, a sparse file is read whole."""
+    st = os.stat(path)
+    return stat.S_ISREG(st.st_mode) and st.st_size <= _CACHE_FILE_BYTES
 
 
 class _GuardedCacheFile(IndexDataCacheFile):
@@ -160,7 +167,7 @@ class _GuardedCacheFile(IndexDataCacheFile):
     def _load_index(self):
         try:
             if not _regular(self._index_path):
-                raise OSError(f"not a regular file: {self._index_path!r}")
+                raise OSError(f"not a regular file of a cache's size: {self._index_path!r}")
             return super()._load_index()
         except FileNotFoundError:
             return {}
@@ -181,7 +188,7 @@ class _GuardedCacheFile(IndexDataCacheFile):
     def _load_data(self, name):
         path = self._data_path(name)
         if not _regular(path):  # (FileNotFoundError: numba's ``load`` takes any OSError as missing)
-            raise OSError(f"not a regular file: {path!r}")
+            raise OSError(f"not a regular file of a cache's size: {path!r}")
         try:
             return super()._load_data(name)
         except OSError:

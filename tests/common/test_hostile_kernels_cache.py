@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 DAMAGE = ["data garbage", "data cut short", "data emptied", "data removed", "data a folder", "data a fifo",
           "data links to /dev/zero", "index a fifo", "index links to /dev/zero", "index a link loop",
-          "index dangling link"]
+          "index dangling link", "data sparse 1 TiB", "index sparse 1 TiB"]
 
 # One kernel a case (each has its own index and data file), compiled in one process.
 _KERNELS = "from bigper.common.kernels import jit, kernel\n\n" + "".join(
@@ -67,6 +67,9 @@ def _damage(path, how):
         data = open(path, "rb").read()
         data = {"garbage": b"\x80\x05garbage" * 40, "cut short": data[:len(data) // 2], "emptied": b""}[how]
         open(path, "wb").write(data)
+        return
+    if how == "sparse 1 TiB":  # (read whole, it would take a TiB of memory: read never)
+        os.truncate(path, 1 << 40)
         return
     os.unlink(path)
     if how == "a folder":
