@@ -27,6 +27,8 @@ general path (``covered`` says why not).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from llvmlite import ir
@@ -53,6 +55,23 @@ ALIGN = 64
 META = (("indices", np.int64), ("generations", np.int64), ("probabilities", np.float64),
         ("weights", np.float32), ("terminated", np.bool_), ("truncated", np.bool_), ("discount", np.float32),
         (".indices", np.int64), (".generations", np.int64))
+
+
+
+class BatchMeta(NamedTuple):
+    """A block's ``META`` arrays, in order, as ``draw_kernel`` names them (a
+    plain tuple at the call: ``common/kernels.py`` says why)."""
+
+    indices: np.ndarray
+    generations: np.ndarray
+    probabilities: np.ndarray
+    weights: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    discount: np.ndarray
+    host_indices: np.ndarray  # (".indices": the host copies ``update_priorities`` reads)
+    host_generations: np.ndarray
+
 
 # What ``draw`` says of a batch's stacks: no frames, obs only, obs and next_obs as one (B, k + 1)
 # gather, or as two (B, k) gathers (some next_obs stack is not its obs stack moved on by one frame).
@@ -218,7 +237,10 @@ def draw_kernel(tree, uniforms, how, book, refs, meta, ids):
     stratified, beta, batch_norm = how
     ends, gid, discount1 = book
     fref, foff, F, k, nxt = refs  # obs id j of slot s: fref[s] - foff[s, j]; next_obs id j: ... foff[s, k + j]
-    idx, gen, prob, w, term, trunc, disc, host_idx, host_gen = meta
+    meta = BatchMeta(*meta)
+    idx, gen, prob, w = meta.indices, meta.generations, meta.probabilities, meta.weights
+    term, trunc, disc = meta.terminated, meta.truncated, meta.discount
+    host_idx, host_gen = meta.host_indices, meta.host_generations
     sample_into(sums, mins, offsets, uniforms, stratified, beta, batch_norm, idx, prob, w)
     batch_meta(idx, ends, gid, discount1, gen, term, trunc, disc)
     host_idx[:] = idx
