@@ -1376,3 +1376,35 @@ def test_a_large_capacity_with_few_transitions_is_compared_at_each(tmp_path, sto
     b.update_priorities(np.array([1]), np.array([0.5]))
     b.close()
     assert _load_outcome(tmp_path, snap) == "refused"
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_previous_arrays_called_with_any_wanted_and_capacity_never_raises(tmp_path, storage):
+    """``StorageBase.previous_arrays(wanted, capacity=)`` on a store opened for
+    a takeover of a closed buffer, with ``wanted`` of odd types (a str, empty,
+    unknown names) and ``capacity`` at and past its limits (0, 1, negative,
+    bool, 10**30, float, str, numpy int): None or the named arrays, read as
+    recorded; never an exception; the folder unchanged."""
+    from bigper.storage import storage_class
+
+    live = raised_run(tmp_path, storage)
+    if storage == "memmap":
+        cfg = json.loads((live / "meta.json").read_text())["config"]
+    else:
+        import h5py
+        with h5py.File(live, "r") as f:
+            cfg = json.loads(f["_bigper"].attrs["meta"])["config"]
+    before = fingerprint(tmp_path)
+    store = storage_class(storage).restoring(live, {})
+    store.open(cfg)
+    try:
+        for wanted in (None, ("leaves",), ["leaves"], "leaves", "s", (), ("nope",), ("leaves", "leaves")):
+            for cap in (None, 0, 1, 50, -1, True, False, 10 ** 30, 2.5, "50", np.int64(50), np.uint8(1)):
+                got = store.previous_arrays(wanted, capacity=cap)
+                assert got is None or (isinstance(got, dict) and all(isinstance(v, np.ndarray)
+                                                                      for v in got.values())), (wanted, cap)
+                if got and "leaves" in got:
+                    assert got["leaves"].shape == (50,) and got["leaves"].dtype == np.float64
+    finally:
+        store.abort()
+    assert fingerprint(tmp_path) == before
