@@ -18,8 +18,10 @@ Python, at every call (about 0.7 µs for twelve fields, a tenth of an Atari
 add; measured).
 """
 
+import io
 import logging
 import os
+import pickle
 import signal
 import stat
 import threading
@@ -142,14 +144,30 @@ if hasattr(os, "register_at_fork"):
 _CACHE_FILE_BYTES = 256 << 20
 
 
-def _regular(path) -> bool:
-    """Whether ``path`` is a regular file (through links) of at most
-    ``_CACHE_FILE_BYTES``; raises ``FileNotFoundError`` when nothing is
-    there. numba opens its cache files for reading as they are: a FIFO
-    there blocks the first call forever, a link to ``/dev/zero`` reads
-    without end, a sparse file is read whole."""
-    st = os.stat(path)
-    return stat.S_ISREG(st.st_mode) and st.st_size <= _CACHE_FILE_BYTES
+def _read_cache_file(path) -> bytes:
+    """The bytes of ``path`` when it is a regular file (through links) of at
+    most ``_CACHE_FILE_BYTES``, else ``OSError``; ``FileNotFoundError`` when
+    nothing is there. numba opens its cache files for reading as they are: a
+    FIFO there blocks the first call forever, a link to ``/dev/zero`` reads
+    without end, a sparse file is read whole. So the file is opened without
+    blocking (a FIFO opens at once) and measured on the descriptor: one put
+    there after a look at its name (a FIFO swapped in) is measured too."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _CACHE_FILE_BYTES:
+            raise OSError(f"not a regular file of a cache's size: {path!r}")
+        out = bytearray()
+        while len(out) <= _CACHE_FILE_BYTES:
+            chunk = os.read(fd, min(_CACHE_FILE_BYTES + 1 - len(out), 8 << 20))
+            if not chunk:
+                break
+            out += chunk
+        if len(out) > _CACHE_FILE_BYTES:
+            raise OSError(f"cache file grew past {_CACHE_FILE_BYTES} bytes while it was read: {path!r}")
+        return bytes(out)
+    finally:
+        os.close(fd)
 
 
 class _GuardedCacheFile(IndexDataCacheFile):
@@ -165,13 +183,15 @@ class _GuardedCacheFile(IndexDataCacheFile):
     not a failed call."""
 
     def _load_index(self):
-        try:
-            if not _regular(self._index_path):
-                raise OSError(f"not a regular file of a cache's size: {self._index_path!r}")
-            return super()._load_index()
+        try:  # (numba's ``_load_index``, on the bytes read once from the file opened)
+            f = io.BytesIO(_read_cache_file(self._index_path))
+            if pickle.load(f) != self._version:
+                return {}
+            stamp, overloads = pickle.loads(f.read())
+            return overloads if stamp == self._source_stamp else {}
         except FileNotFoundError:
             return {}
-        except Exception:  # noqa: BLE001  (whatever unpickling an index raises)
+        except Exception:  # noqa: BLE001  (not a regular file, or whatever unpickling an index raises)
             pass
         # Rebuilt here, where numba reads it: also when the kernel is compiled as the callee of another
         # (numba's ``compile``, not ``_compile_for_args``: the caller failed for good, its own index fine).
@@ -187,12 +207,9 @@ class _GuardedCacheFile(IndexDataCacheFile):
 
     def _load_data(self, name):
         path = self._data_path(name)
-        if not _regular(path):  # (FileNotFoundError: numba's ``load`` takes any OSError as missing)
-            raise OSError(f"not a regular file of a cache's size: {path!r}")
+        data = _read_cache_file(path)  # (any OSError: numba's ``load`` takes it as missing)
         try:
-            return super()._load_data(name)
-        except OSError:
-            raise
+            return pickle.loads(data)  # (numba's ``_load_data``, on the bytes read above)
         except Exception as e:  # noqa: BLE001  (whatever unpickling a damaged data file raises)
             raise OSError(f"unreadable cache data file {path!r}: {e!r}") from e
 

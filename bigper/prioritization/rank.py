@@ -217,7 +217,8 @@ class RankPrioritizer(Prioritization):
         or named twice)."""
         n = meta.get("n") if isinstance(meta, dict) else None
         heap = arrays.get("rank_heap") if isinstance(arrays, dict) else None
-        if (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= capacity
+        if (isinstance(n, bool) or not isinstance(n, int) or isinstance(capacity, bool)
+                or not isinstance(capacity, (int, np.integer)) or not 0 <= n <= capacity
                 or not isinstance(heap, np.ndarray) or heap.dtype != np.int64 or heap.shape != (capacity, 2)):
             return None
         words = heap[:n, 1]

@@ -698,7 +698,7 @@ class MemmapStorage(StorageBase):
         try:  # (none larger than a state of the recorded capacity or the caller's can be: not read)
             if any(os.lstat(self._root / "state" / f"{n}.npy").st_size > limit for n in names):
                 return None
-            return load_state_dir(self._root / "state", names)
+            return load_state_dir(self._root / "state", names, limit=limit)  # (and again on the file opened)
         except (CorruptSnapshotError, OSError, ValueError):
             return None
 

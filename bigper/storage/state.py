@@ -180,10 +180,13 @@ def save_state_dir(path: Path, arrays: dict) -> None:
     fsync_dir(path)
 
 
-def load_state_dir(path: Path, names=None) -> dict:
+def load_state_dir(path: Path, names=None, limit: int = 1 << 40) -> dict:
     """The arrays in ``path/<name>.npy``: each opened as a regular file
     (never a FIFO, device or symlink) and parsed without pickle. ``names``:
-    the names recorded at close (None: every ``<name>.npy`` there)."""
+    the names recorded at close (None: every ``<name>.npy`` there).
+    ``limit``: the most bytes one file may hold (measured on the file opened,
+    not on a name looked at before: a file put there since is held to it
+    too); ``CorruptSnapshotError`` past it."""
     if not path.is_dir() or path.is_symlink():
         return {}
     if names is None:
@@ -193,5 +196,5 @@ def load_state_dir(path: Path, names=None) -> dict:
         if not isinstance(name, str) or not STATE_NAME.match(name):
             raise CorruptSnapshotError(f"{path}: recorded state array name {str(name)[:80]!r} is not a plain name")
         p = path / f"{name}.npy"
-        out[name] = npy_from_bytes(read_regular(p, limit=1 << 40), p)
+        out[name] = npy_from_bytes(read_regular(p, limit=limit), p)
     return out

@@ -3,7 +3,8 @@ folder can be: a data file (``.nbc``) that does not unpickle, is cut short,
 is a folder, a FIFO or a link to ``/dev/zero``, under an index that reads
 fine; an index that is a FIFO or such a link; two processes (and two threads
 each) meeting one stale index at once; Ctrl-C while the stale index is
-rebuilt; a call numba cannot type meeting a stale index. Never a hang, never
+rebuilt; a call numba cannot type meeting a stale index; a cache file swapped
+for a FIFO just before it is opened. Never a hang, never
 a failed call that a compile would have served, never a genuine error
 swallowed. Real interpreters, a cache folder of their own."""
 
@@ -182,3 +183,49 @@ def test_a_typing_error_meeting_a_stale_index_is_raised_once_not_retried_for_goo
     r = _py(tmp_path, code)
     assert r.returncode == 0 and r.stdout.split() == ["TypingError", "TypingError", "1.0"], r.stdout + r.stderr
     assert r.stderr.count("could not be read") == 1, r.stderr
+
+
+# A cache file swapped for a FIFO at the last moment before it is opened: after the guard looked at its
+# name (``os.stat``: the guard as first written) or just as it is opened (``os.open``: the guard now).
+_SWAP = '''
+import os, sys
+ext = sys.argv[1]
+real_stat, real_open = os.stat, os.open
+swapped = []
+def swap(p):
+    if isinstance(p, (str, os.PathLike)) and os.fspath(p).endswith(ext) and "kern_h.k0-" in os.fspath(p) \\
+            and not swapped:
+        swapped.append(os.fspath(p))
+        os.unlink(p)
+        os.mkfifo(p)
+def looked(p, *a, **k):
+    r = real_stat(p, *a, **k)
+    swap(p)
+    return r
+def opened(p, *a, **k):
+    swap(p)
+    return real_open(p, *a, **k)
+os.stat, os.open = looked, opened
+import numpy as np, kern_h as m
+a = np.arange(3.0) + 1
+print(m.k0(a), bool(swapped), os.path.isfile(swapped[0]))
+'''
+
+
+def test_a_cache_file_swapped_for_a_fifo_after_it_was_looked_at_is_never_a_hang(tmp_path):
+    """The guard looked at a cache file's name (a regular file) and numba
+    then opened the name: a FIFO put there in between blocked the first call
+    for good. Now the file is opened without blocking and measured on the
+    descriptor: the FIFO is taken as stale (index) or missing (data)."""
+    import subprocess
+
+    (tmp_path / "kern_h.py").write_text(_KERNELS)
+    assert _py(tmp_path, _CALL_ALL).returncode == 0
+    for ext in ("nbi", "nbc"):
+        try:
+            r = subprocess.run([sys.executable, "-c", _SWAP, "." + ext], env=_env(tmp_path), cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a .{ext} swapped for a FIFO hung the first call") from None
+        assert r.returncode == 0 and r.stdout.split() == ["1.0", "True", "True"], (ext, r.stdout, r.stderr[-2000:])
+        assert os.path.isfile(_files(tmp_path, "k0", ext))  # (the FIFO replaced by the save after the compile)

@@ -18,6 +18,7 @@ A case that holds is a plain test; a case that shows a bug is
 from __future__ import annotations
 
 import json
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -1139,3 +1140,271 @@ def test_a_crafted_hdf5_recorded_status_never_hides_a_change_nor_hangs(tmp_path,
         assert got == "refused", "a priority changed since was discarded"
     elif what in ("float64, same values", "compound", "a group"):
         assert got == "loaded", what
+
+
+# -- previous_arrays and _check_newer under races, moved folders, odd entries, capacity limits ---------------
+
+
+def test_a_recorded_state_file_grown_after_its_size_was_looked_at_is_held_to_the_limit(tmp_path, monkeypatch):
+    """``MemmapStorage.previous_arrays`` measures each file by name, then reads
+    it: a file grown (or swapped for a larger one) in between was read up to
+    a TiB (``load_state_dir``'s own limit). Now the limit holds on the file
+    opened too: never more than a state of the capacity is read."""
+    import bigper.storage.memmap as mm
+    import bigper.storage.state as st
+
+    live = raised_run(tmp_path, "memmap")
+    limit = st.STATE_BYTES_PER_SLOT * (50 + 1024)
+    read, original, read_regular = [], mm.load_state_dir, st.read_regular
+
+    def grown_then_read(path, names=None, **kw):
+        with open(path / "leaves.npy", "ab") as f:  # (dense: no hole check to stop it)
+            f.write(b"\1" * (limit + 4096))
+        return original(path, names, **kw)
+
+    def recorded(p, **kw):
+        out = read_regular(p, **kw)
+        read.append(len(out))
+        return out
+
+    monkeypatch.setattr(mm, "load_state_dir", grown_then_read)
+    monkeypatch.setattr(st, "read_regular", recorded)
+    with deadline(20):
+        try:
+            load(tmp_path / SNAP).close()
+        except PathExistsError:
+            pass
+    assert all(n <= limit for n in read), (read, limit)
+    assert live.exists()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_load_racing_a_resume_of_its_path_never_discards_the_priorities_set_since(tmp_path, storage):
+    """One thread loads the snapshot into the live path (closed at the
+    snapshot's count, a priority raised since) while another resumes that
+    path: the load is refused (locked, or the change seen), the resume opens
+    or is locked out, and the raised priority is still there after."""
+    for i in range(3):
+        root = tmp_path / str(i)
+        root.mkdir()
+        live = raised_run(root, storage)
+        top = raised_run.top
+        out, gate = {}, threading.Barrier(2)
+
+        def loader():
+            gate.wait()
+            try:
+                out["load"] = load(root / SNAP)
+            except BigperError as e:
+                out["load"] = e
+
+        def resumer():
+            gate.wait()
+            try:
+                out["resume"] = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0,
+                                                               mode="resume")
+            except BigperError as e:
+                out["resume"] = e
+
+        threads = [threading.Thread(target=loader), threading.Thread(target=resumer)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for v in out.values():
+            if isinstance(v, bigper.PrioritizedReplayBuffer):
+                v.close()
+        assert isinstance(out["load"], (PathExistsError, StorageLockedError)), out
+        assert isinstance(out["resume"], (bigper.PrioritizedReplayBuffer, StorageLockedError)), out
+        b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, mode="resume")
+        try:
+            assert b.state_dict()[0]["max_leaf"] == top
+        finally:
+            b.close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_load_racing_the_close_of_the_writer_never_discards_what_it_closed_with(tmp_path, storage):
+    """A writer (a priority raised after the snapshot, equal count) closes in
+    one thread while another loads the snapshot into its path again and
+    again: each load is locked out or refused, none ever replaces the path."""
+    live = live_of(storage, tmp_path)
+    b = run_folder(tmp_path, storage=storage, live_rel=live.name, more=0, close=False)
+    b.update_priorities(np.array([4]), np.array([3.0]))
+    top = b.state_dict()[0]["max_leaf"]
+    outcomes, closed = [], threading.Event()
+
+    def closer():
+        b.close()
+        closed.set()
+
+    def loader():  # (no SIGALRM deadline off the main thread: bounded by its tries)
+        for _ in range(2000):
+            done = closed.is_set()
+            try:
+                got = load(tmp_path / SNAP)
+            except BigperError as e:
+                got = e
+            outcomes.append(got)
+            if isinstance(got, bigper.PrioritizedReplayBuffer):
+                got.close()
+                return
+            if done:
+                return
+
+    t1, t2 = threading.Thread(target=loader), threading.Thread(target=closer)
+    t1.start()
+    t2.start()
+    t2.join(30)
+    t1.join(30)
+    assert outcomes and all(isinstance(o, (StorageLockedError, PathExistsError)) for o in outcomes), outcomes
+    assert isinstance(outcomes[-1], PathExistsError)
+    r = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, mode="resume")
+    try:
+        assert r.state_dict()[0]["max_leaf"] == top
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_a_chdir_while_the_recorded_state_is_read_compares_the_path_named_at_the_call(tmp_path, storage, monkeypatch):
+    """``load(snap, path="replay")`` relative, the working folder changed
+    (another thread's ``os.chdir``) just as the recorded priorities are read,
+    to a folder holding a decoy "replay" closed as the snapshot: the load
+    compares the path it was given (a priority raised since: refused) and
+    leaves the decoy as it was."""
+    from bigper.storage import storage_class
+
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    run_folder(decoy, storage=storage, live_rel=live_of(storage, decoy).name, more=0)
+    live = raised_run(tmp_path, storage)
+    monkeypatch.chdir(tmp_path)
+    cls = storage_class(storage)
+    original = cls.previous_arrays
+
+    def moved(self, *a, **kw):
+        os.chdir(decoy)
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "previous_arrays", moved)
+    before, decoy_before = fingerprint(live.parent / "ckpt"), fingerprint(decoy)
+    with deadline(20), pytest.raises(PathExistsError, match="priorities changed since"):
+        load(tmp_path / SNAP, path=live.name).close()
+    assert fingerprint(decoy) == decoy_before and fingerprint(live.parent / "ckpt") == before
+
+
+def _moved_state(live: Path, elsewhere: Path, how: str) -> None:
+    """The closed memmap buffer's ``state/`` made odd: a symlink to a copy
+    elsewhere, a regular file, or its arrays replaced by folders."""
+    import shutil
+
+    state = live / "state"
+    if how == "symlink to a copy":
+        shutil.copytree(state, elsewhere / "state")
+        shutil.rmtree(state)
+        os.symlink(elsewhere / "state", state)
+    elif how == "symlink to a changed copy":  # (elsewhere holds the snapshot's priorities: a decoy)
+        shutil.copytree(state, elsewhere / "state")
+        shutil.rmtree(state)
+        os.symlink(elsewhere / "state", state)
+        np.save(elsewhere / "state" / "leaves.npy", np.zeros(50))
+    elif how == "a regular file":
+        shutil.rmtree(state)
+        state.write_bytes(b"state")
+    elif how == "empty":
+        shutil.rmtree(state)
+        state.mkdir()
+    else:  # "<name>.npy a folder"
+        name = how.split(".npy")[0]
+        (state / f"{name}.npy").unlink()
+        (state / f"{name}.npy").mkdir()
+
+
+STATE_SHAPES = ["symlink to a copy", "symlink to a changed copy", "a regular file", "empty",
+                "leaves.npy a folder", "status.npy a folder", "pending.npy a folder"]
+
+
+@pytest.mark.parametrize("how", STATE_SHAPES)
+@pytest.mark.parametrize("value", [3.0, 0.125], ids=["raised", "lowered"])
+def test_a_recorded_state_folder_moved_or_replaced_is_a_clean_outcome_and_nothing_elsewhere_is_written(tmp_path,
+                                                                                                       how, value):
+    """The live path's ``state/`` (priority raised since the snapshot) a
+    symlink to elsewhere, a file, empty, or an array's file a folder (what
+    root cannot be kept from reading by a chmod): the load is refused with
+    everything as it was, or goes on; the folder elsewhere is never written
+    (not at the load, not at the loaded buffer's close). (An emptied
+    ``state/`` with a priority lowered loads: nothing recorded to compare, by
+    design -- each array that does not read leaves out its comparison.)"""
+    live = raised_run(tmp_path, "memmap", value)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _moved_state(live, elsewhere, how)
+    before = fingerprint(elsewhere)
+    outcome = _load_outcome(tmp_path, tmp_path / SNAP, refused=BigperError)
+    assert fingerprint(elsewhere) == before, outcome
+    if value == 3.0 or how in ("leaves.npy a folder", "status.npy a folder"):
+        assert outcome == "refused"  # (the largest leaf ever raised, or the leaves read: the change is seen)
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("change", [False, True])
+def test_a_one_slot_buffer_is_compared_at_its_one_slot(tmp_path, storage, change):
+    """capacity=1, full: a priority changed since the snapshot is refused;
+    none changed loads without rewind."""
+    live = live_of(storage, tmp_path)
+    b = bigper.PrioritizedReplayBuffer(1, F, storage=storage, path=live, seed=0)
+    for t in range(3):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=True)
+    snap = b.save(tmp_path / "snap")
+    if change:
+        b.update_priorities(np.array([0]), np.array([0.25]))
+    b.close()
+    assert _load_outcome(tmp_path, snap) == ("refused" if change else "loaded")
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("prioritization", ["proportional", "rank"])
+def test_a_large_capacity_with_few_transitions_is_compared_at_each(tmp_path, storage, prioritization):
+    """capacity 2**17, three transitions: the one priority lowered since the
+    snapshot is refused; the arrays read are held to the capacity's size."""
+    live = live_of(storage, tmp_path)
+    b = bigper.PrioritizedReplayBuffer(1 << 17, F, storage=storage, path=live, seed=0, prioritization=prioritization)
+    for t in range(3):
+        b.add(obs=[t], reward=1.0, next_obs=[t + 1], terminated=t == 2)
+    snap = b.save(tmp_path / "snap")
+    b.update_priorities(np.array([1]), np.array([0.5]))
+    b.close()
+    assert _load_outcome(tmp_path, snap) == "refused"
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+def test_previous_arrays_called_with_any_wanted_and_capacity_never_raises(tmp_path, storage):
+    """``StorageBase.previous_arrays(wanted, capacity=)`` on a store opened for
+    a takeover of a closed buffer, with ``wanted`` of odd types (a str, empty,
+    unknown names) and ``capacity`` at and past its limits (0, 1, negative,
+    bool, 10**30, float, str, numpy int): None or the named arrays, read as
+    recorded; never an exception; the folder unchanged."""
+    from bigper.storage import storage_class
+
+    live = raised_run(tmp_path, storage)
+    if storage == "memmap":
+        cfg = json.loads((live / "meta.json").read_text())["config"]
+    else:
+        import h5py
+        with h5py.File(live, "r") as f:
+            cfg = json.loads(f["_bigper"].attrs["meta"])["config"]
+    before = fingerprint(tmp_path)
+    store = storage_class(storage).restoring(live, {})
+    store.open(cfg)
+    try:
+        for wanted in (None, ("leaves",), ["leaves"], "leaves", "s", (), ("nope",), ("leaves", "leaves")):
+            for cap in (None, 0, 1, 50, -1, True, False, 10 ** 30, 2.5, "50", np.int64(50), np.uint8(1)):
+                got = store.previous_arrays(wanted, capacity=cap)
+                assert got is None or (isinstance(got, dict) and all(isinstance(v, np.ndarray)
+                                                                      for v in got.values())), (wanted, cap)
+                if got and "leaves" in got:
+                    assert got["leaves"].shape == (50,) and got["leaves"].dtype == np.float64
+    finally:
+        store.abort()
+    assert fingerprint(tmp_path) == before
