@@ -23,12 +23,13 @@ import logging
 import os
 import pickle
 import signal
-import stat
 import threading
 from contextlib import contextmanager
 
 from numba import njit
 from numba.core.caching import IndexDataCacheFile
+
+from .files import read_regular
 
 log = logging.getLogger("bigper")
 
@@ -146,28 +147,13 @@ _CACHE_FILE_BYTES = 256 << 20
 
 def _read_cache_file(path) -> bytes:
     """The bytes of ``path`` when it is a regular file (through links) of at
-    most ``_CACHE_FILE_BYTES``, else ``OSError``; ``FileNotFoundError`` when
-    nothing is there. numba opens its cache files for reading as they are: a
-    FIFO there blocks the first call forever, a link to ``/dev/zero`` reads
-    without end, a sparse file is read whole. So the file is opened without
-    blocking (a FIFO opens at once) and measured on the descriptor: one put
-    there after a look at its name (a FIFO swapped in) is measured too."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _CACHE_FILE_BYTES:
-            raise OSError(f"not a regular file of a cache's size: {path!r}")
-        out = bytearray()
-        while len(out) <= _CACHE_FILE_BYTES:
-            chunk = os.read(fd, min(_CACHE_FILE_BYTES + 1 - len(out), 8 << 20))
-            if not chunk:
-                break
-            out += chunk
-        if len(out) > _CACHE_FILE_BYTES:
-            raise OSError(f"cache file grew past {_CACHE_FILE_BYTES} bytes while it was read: {path!r}")
-        return bytes(out)
-    finally:
-        os.close(fd)
+    most ``_CACHE_FILE_BYTES``, without holes, else ``OSError``;
+    ``FileNotFoundError`` when nothing is there. numba opens its cache files
+    for reading as they are: a FIFO there blocks the first call forever, a
+    link to ``/dev/zero`` reads without end, a sparse file is read whole. So
+    the file is opened and measured as bigper opens every file it reads
+    (``common.files.read_regular``: without blocking, on the descriptor)."""
+    return read_regular(path, limit=_CACHE_FILE_BYTES, follow=True, error=OSError)
 
 
 class _GuardedCacheFile(IndexDataCacheFile):
