@@ -25,7 +25,7 @@ import numpy.typing as npt
 from . import snapshot as _snapshot
 from .core.lifecycle import Guard, entry_point, entry_point_as, reader, run_first_at_exit
 from .core.ingest import MAX_BATCH, Ingest, as_index, as_priorities, check_batch_size, update_target
-from .core.layout import check_field_names, check_storage, for_disk, held_offsets, plain_fields, storage_specs
+from .core.layout import check_field_names, check_storage, for_disk, held_frames, plain_fields, storage_specs
 from .core.opening import check_arguments, open_buffer
 from .core.parts import Draws, Parts
 from .core.reader import Reader
@@ -257,8 +257,8 @@ class PrioritizedReplayBuffer:
                                    f"gives the optional calls their defaults), got {type(store).__name__}")
         check_field_names(config)
         buf = cls.__new__(cls)
-        try:  # the offsets it holds: the config's, or wider ones (converted from the older format)
-            frames = FrameStore(config, store, offsets=held_offsets(store)) if config.frame_stack else None
+        try:  # the frame layout it holds: the config's, or wider (an older format's, converted or kept)
+            frames = FrameStore(config, store, **held_frames(store)) if config.frame_stack else None
         except IncompatibleSnapshotError as e:
             raise InvalidArgumentError(f"store: {e}") from None
         check_storage(store, config, frames)  # its arrays are the ones this buffer keeps, or refused by name

@@ -34,3 +34,47 @@ def unit(buf):
 def tree(buf):
     """The proportional strategy's sum tree (``buf.prioritization.tree``)."""
     return buf.prioritization.tree
+
+
+def entries(buf, index=None, rows=None):
+    """``(offsets, lengths, generations)`` of frame index rows ``rows`` (all
+    when None) of ``index`` (the buffer's ``frame_index`` when None), read as
+    the compressed log reads them (``bigper.frames.segments.split_entries``).
+    ``buf``: the buffer, or (with ``index``, of a buffer since closed) the
+    newest dictionary generation it had (``newest_gen``)."""
+    from bigper.frames.segments import split_entries
+
+    index = buf._frames.store.arrays["frame_index"] if index is None else index
+    rows = slice(None) if rows is None else rows
+    return split_entries(index[rows], buf if isinstance(buf, int) else newest_gen(buf))
+
+
+def newest_gen(buf) -> int:
+    """The newest zstd dictionary generation of a compressed buffer (0: none yet)."""
+    return int(buf._frames.log.dicts.hi)
+
+
+def set_entries(buf, index, rows, offset=None, length=None, gen=None) -> None:
+    """Write frame index rows ``rows`` of ``index`` (the buffer's layout,
+    packed or wide: ``bigper.frames.segments.put_entry``) with the given
+    offsets, lengths and generations, the others kept (an attacker's entry:
+    values past a field's bits wrap as int64 arithmetic does)."""
+    import numpy as np
+
+    from bigper.frames.segments import put_entries
+
+    rows = np.atleast_1d(np.asarray(rows, dtype=np.int64))
+    o, ln, d = (np.array(a, dtype=np.int64) for a in entries(buf, index, rows))
+    o[:] = o if offset is None else offset
+    ln[:] = ln if length is None else length
+    out = np.empty((rows.shape[0], index.shape[1]), dtype=np.int64)
+    for i in range(rows.shape[0]):
+        put_entries(out[i:i + 1], o[i:i + 1], ln[i:i + 1], int(d[i] if gen is None else gen))
+    index[rows] = out
+
+
+def frame_gens(log, ids):
+    """The dictionary generation each of frames ``ids`` names (live; ``log``: ``hook.log(buf)``)."""
+    from bigper.frames.segments import split_entries
+
+    return split_entries(log._entries(ids), log.dicts.hi)[2]

@@ -136,17 +136,24 @@ def storage_growth(cfg: Config, frames: FrameStore | None = None) -> dict:
 
 
 
-def held_offsets(store) -> np.dtype | None:
-    """The dtype of the ``frame_off`` that ``store`` (allocated) holds; None
-    when it holds none (``check_storage`` names what is missing)."""
+def held_frames(store) -> dict:
+    """``FrameStore``'s ``offsets`` and ``index`` as ``store`` (allocated)
+    holds them: the dtype of its ``frame_off`` and the row shape of its
+    ``frame_index``, each None when it holds none (``check_storage`` names
+    what is missing)."""
     held = store.arrays if store.arrays is not None else store.dsets
     if held is not None:
-        a = held.get("frame_off")
-        return None if a is None else np.dtype(a.dtype)
-    try:
-        return np.dtype(np.asarray(store.read("frame_off", np.zeros(1, dtype=np.int64))).dtype)
-    except (LookupError, ValueError, TypeError):  # (no such array: check_storage says so)
-        return None
+        off, index = held.get("frame_off"), held.get("frame_index")
+        return {"offsets": None if off is None else np.dtype(off.dtype),
+                "index": None if index is None else tuple(int(x) for x in index.shape[1:])}
+    out: dict = {"offsets": None, "index": None}
+    for key, name in (("offsets", "frame_off"), ("index", "frame_index")):
+        try:
+            a = np.asarray(store.read(name, np.zeros(1, dtype=np.int64)))
+        except (LookupError, ValueError, TypeError):  # (no such array: check_storage says so)
+            continue
+        out[key] = np.dtype(a.dtype) if key == "offsets" else tuple(int(x) for x in a.shape[1:])
+    return out
 
 
 def allocate(store, cfg: Config, frames: FrameStore | None = None) -> None:

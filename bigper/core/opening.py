@@ -103,11 +103,15 @@ def check_arguments(cfg: Config, path, read_only: bool, dictionary):
     return dictionary
 
 
-def recorded_offsets(recorded: dict):
-    """The dtype a storage records for its ``frame_off`` (None: none recorded)."""
+def recorded_frames(recorded: dict) -> dict:
+    """``FrameStore``'s ``offsets`` and ``index`` as a storage records its
+    arrays: the dtype of its ``frame_off`` and the row shape of its
+    ``frame_index`` (None: none recorded). Untrusted: ``FrameStore`` checks them."""
     arrays = recorded.get("arrays")
-    rec = arrays.get("frame_off") if isinstance(arrays, dict) else None
-    return rec.get("dtype") if isinstance(rec, dict) else None
+    arrays = arrays if isinstance(arrays, dict) else {}
+    off, index = arrays.get("frame_off"), arrays.get("frame_index")
+    return {"offsets": off.get("dtype") if isinstance(off, dict) else None,
+            "index": index.get("shape") if isinstance(index, dict) else None}
 
 
 def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictionary):
@@ -121,7 +125,8 @@ def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictiona
         store, recorded = open_path(cfg, path, mode, read_only, options)
     except (OSError, BigperError) as e:
         raise real_names(e)
-    state = old = offsets = None
+    state = old = None
+    held: dict = {}
     try:
         if recorded is not None:
             old = Config.from_dict(recorded["config"])
@@ -133,12 +138,12 @@ def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictiona
             state = store.saved_state()
             check_state(cfg, *state)
             if legacy.is_older(cfg, recorded.get("arrays")):  # an older bigper's folder: converted first
-                offsets = legacy.convert(cfg, store, recorded, state, path)
+                held = {**recorded_frames(recorded), "offsets": legacy.convert(cfg, store, recorded, state, path)}
             else:
-                offsets = recorded_offsets(recorded)
+                held = recorded_frames(recorded)
             # (what a recorded state holds that follows from the rest is derived, not taken: layout.DERIVED)
             state = (state[0], {n: a for n, a in state[1].items() if n not in DERIVED})
-        frames = FrameStore(cfg, store, dictionary, offsets) if cfg.frame_stack else None
+        frames = FrameStore(cfg, store, dictionary, **held) if cfg.frame_stack else None
         allocate(store, cfg, frames)
     except BaseException as e:
         real_names(e)

@@ -7,7 +7,8 @@ written in order; a frame never straddles two segments. Frame ``f``'s index
 row ``f % F`` says where it is::
 
     frame_log    (A * SEG / BLOCK, BLOCK) uint8   A allocated segment slots, BLOCK bytes a row
-    frame_index  (F, 2) int64                     [byte offset in the log, length | dict id << 32]
+    frame_index  (F, 1) int64                     offset << 23 | length << 7 | dictionary code
+                 (F, 2) int64                     [offset, length | dictionary << 32]: wide
 
     segments (ids):  lo    lo+1   ...   g (open)
     their slots:     [3]   [0]    ...   [5: f f f f ....free....]     free slots: 1, 4
@@ -29,6 +30,15 @@ append that fails later in its write gives a growth back (``common.undo``). A lo
 ``S`` slots from its creation and never grows: slot ``g % S``, and the
 segment that lived there is released whole when ``g`` opens, expired or not
 (frames that compress worse than the budget cost capacity then: said once).
+
+An index entry is one int64 (``put_entry``, ``split_entries``): the byte
+offset in the log (40 bits), the length (16) and the dictionary generation's
+code (7: 0 for none, else ``(gen - 1) % 127 + 1``; the live generations span
+fewer than ``MAX_DICTS``, so the newest one names it). A log whose frames or
+bytes do not fit those bits (a frame over 64 KiB, a log over 1 TiB), and
+every log an older bigper wrote, keeps two (``wide``): the offset, and the
+length with the generation whole above bit 32. The storage's rows say which
+(``index_width``); a log keeps the layout it was made with.
 
 Sealed segments never change, so a snapshot of a memmap storage hard-links
 their chunk files, and copy-on-write touches only the segments written.
@@ -85,7 +95,12 @@ DICT_BYTES = 16384
 TRAIN_FRAMES = 1000  # frames between two looks at the dictionary (and the frames a candidate is measured on)
 TRAIN_SAMPLE = 500  # frames a candidate is trained on at most
 MIN_LOOK = 64  # frames in the log at least for a look (half to train a candidate on, half to measure it)
-LEN_MASK = (1 << 32) - 1
+LEN_MASK = (1 << 32) - 1  # a wide entry's length (its generation above)
+CODE_BITS, LEN_BITS = 7, 16  # a packed entry: offset << OFF_SHIFT | length << CODE_BITS | code
+OFF_SHIFT = CODE_BITS + LEN_BITS
+GEN_CODES = (1 << CODE_BITS) - 1  # generation codes 1..127 (0: no dictionary)
+PACKED_LEN = (1 << LEN_BITS) - 1  # the longest frame a packed entry holds
+PACKED_BYTES = 1 << (63 - OFF_SHIFT)  # the largest log a packed entry points into (1 TiB)
 SPARE_FROM, SPARE_MAX = 64, 16  # a growing log of 64 slots or more grows slots // 64 spare ones (16 at most)
 DECODE_CHUNK = 32  # frames per thread at least in a decode
 
@@ -142,6 +157,73 @@ def place(lengths, f0, F, seg, capped, st, seg_first, seg_slot, used, offsets):
 
 
 @kernel
+def gen_code(gen):
+    """A packed entry's code of dictionary generation ``gen`` (0: none)."""
+    return 0 if gen == 0 else (gen - 1) % GEN_CODES + 1
+
+
+@kernel
+def put_entry(index, r, o, ln, gen):
+    """Index row ``r`` (packed when ``index`` has one column, else wide):
+    offset ``o``, length ``ln``, dictionary generation ``gen``."""
+    if index.shape[1] == 1:
+        index[r, 0] = (o << OFF_SHIFT) | (ln << CODE_BITS) | gen_code(gen)
+    else:
+        index[r, 0] = o
+        index[r, 1] = ln | (gen << 32)
+
+
+@kernel
+def read_entry(index, r, ghi):
+    """``(offset, length, generation)`` of index row ``r``; a packed code is
+    the generation of the 127 up to ``ghi`` (the newest) that has it, -1
+    where that would be none (below 1). Checks nothing (``gather_index`` does)."""
+    v = index[r, 0]
+    if index.shape[1] != 1:
+        w = index[r, 1]
+        return v, w & LEN_MASK, w >> 32
+    c = v & GEN_CODES
+    d = 0 if c == 0 else ghi - (gen_code(ghi) - c) % GEN_CODES
+    return v >> OFF_SHIFT, (v >> CODE_BITS) & PACKED_LEN, d if c == 0 or d >= 1 else -1
+
+
+@kernel
+def put_entries(index, offsets, lengths, gen):
+    """Index rows ``0 .. n - 1`` of frames at ``offsets`` of ``lengths`` and generation ``gen``."""
+    for i in range(offsets.shape[0]):
+        put_entry(index, i, offsets[i], lengths[i], gen)
+
+
+def split_entries(entries: np.ndarray, ghi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(offsets, lengths, generations)`` of index rows ``entries`` ((n, 1)
+    or (n, 2) int64), as ``read_entry`` reads each."""
+    e = np.asarray(entries, dtype=np.int64)
+    if e.shape[1] != 1:
+        return e[:, 0], e[:, 1] & LEN_MASK, e[:, 1] >> 32
+    v = e[:, 0]
+    c = v & GEN_CODES
+    top = 0 if ghi == 0 else (ghi - 1) % GEN_CODES + 1
+    d = ghi - (top - c) % GEN_CODES
+    return v >> OFF_SHIFT, (v >> CODE_BITS) & PACKED_LEN, np.where(c == 0, 0, np.where(d >= 1, d, -1))
+
+
+def index_width(held, max_len: int, log_bytes: int) -> int:
+    """Columns of ``frame_index``: a new log's (``held`` None) 1 where its
+    frames (``max_len`` bytes at most) and bytes fit a packed entry, else 2;
+    a held one's row shape (read from disk: untrusted) ``(1,)`` where they
+    fit, or ``(2,)``. Raises ``ValueError`` naming ``frame_index`` otherwise."""
+    fits = max_len <= PACKED_LEN and log_bytes <= PACKED_BYTES
+    if held is None:
+        return 1 if fits else 2
+    shape = tuple(held) if isinstance(held, (tuple, list)) else None
+    if shape is not None and all(type(x) is int for x in shape) and (shape == (2,) or (shape == (1,) and fits)):
+        return shape[0]
+    raise ValueError(f"frame_index rows of shape {held!r}: this bigper keeps (2,) or, for frames of "
+                     f"{PACKED_LEN} bytes at most in a log of {PACKED_BYTES} at most, (1,) (frames of "
+                     f"{max_len} bytes, a log of {log_bytes} at most here)")
+
+
+@kernel
 def put_rows(scratch, lengths, offsets, log, index, F, f0, did):
     """The compressed frames in ``scratch`` (one after another) at their
     ``offsets`` in the log, and their index rows ``index[f % F]`` (of more
@@ -150,9 +232,7 @@ def put_rows(scratch, lengths, offsets, log, index, F, f0, did):
     for i in range(lengths.shape[0]):
         o, ln = offsets[i], lengths[i]
         log[o:o + ln] = scratch[src:src + ln]
-        r = (f0 + i) % F
-        index[r, 0] = o
-        index[r, 1] = ln | (did << 32)
+        put_entry(index, (f0 + i) % F, o, ln, did)
         src += ln
 
 
@@ -166,7 +246,7 @@ class StagedLog(NamedTuple):
     seg_slot: np.ndarray  # each segment's slot
     used: np.ndarray  # each slot's bytes in use
     flat: np.ndarray  # the storage's log bytes, flat
-    index: np.ndarray  # (F, 2) int64: each frame's offset and (dictionary, length)
+    index: np.ndarray  # (F, 1 or 2) int64: each frame's entry (``put_entry``)
     did: int  # the newest dictionary's generation
 
 
@@ -206,11 +286,7 @@ def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets
     ``glo..ghi``), with the codec slot of their generation in ``dicts``;
     returns the first position whose entry is not, or -1."""
     for i in range(rows.shape[0]):
-        r = rows[i]
-        o = index[r, 0]
-        v = index[r, 1]
-        ln = v & 0xFFFFFFFF
-        d = v >> 32
+        o, ln, d = read_entry(index, rows[i], ghi)
         # (o > log_bytes - ln, not o + ln > log_bytes: a crafted o near 2**63 wraps the sum)
         if o < 0 or ln < 1 or ln > max_len or o > log_bytes - ln or (d != 0 and (d < glo or d > ghi)) \
                 or o // seg != (o + ln - 1) // seg:
@@ -224,11 +300,15 @@ def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets
 class SegmentLog:
     """The compressed frames of one buffer (see the module docstring)."""
 
-    def __init__(self, F: int, row_bytes: int, budget: int | None, store, dictionary: np.ndarray | None = None):
+    def __init__(self, F: int, row_bytes: int, budget: int | None, store, dictionary: np.ndarray | None = None,
+                 index=None):
+        """``index``: the row shape of the ``frame_index`` the storage holds
+        (None: a new log's, ``index_width``; another is ``ValueError``)."""
         self.F, self.row_bytes, self.store = F, row_bytes, store
         self.capped = budget is not None  # a fixed log of S slots; else it grows as frames need
         self.block, self.seg, self.S = log_geometry(F, row_bytes, budget)
         self.max_len = _zstd.bound(row_bytes)  # a frame's largest zstd frame
+        self.width = index_width(index, self.max_len, self.S * self.seg)  # frame_index's columns
         self.seg_rows = self.seg // self.block
         self.st = np.zeros(4, dtype=np.int64)  # POS, G, LO, A (``place``)
         self.st[A] = self.S if self.capped else 1
@@ -266,7 +346,7 @@ class SegmentLog:
 
     def specs(self) -> dict:
         return {"frame_log": (self.S * self.seg_rows, (self.block,), np.dtype(np.uint8)),
-                "frame_index": (self.F, (2,), np.dtype(np.int64))}
+                "frame_index": (self.F, (self.width,), np.dtype(np.int64))}
 
     def growth(self) -> dict:
         """Arrays that grow, by the rows of one step: ``frame_log`` one segment
@@ -423,9 +503,8 @@ class SegmentLog:
         for a, b in self._runs(lengths, offsets):
             lo = int(starts[a])
             self._write_bytes(int(offsets[a]), data[lo:lo + int(lengths[a:b].sum())], journal)
-        entries = np.empty((m, 2), dtype=np.int64)
-        entries[:, 0] = offsets
-        entries[:, 1] = lengths | (did << 32)
+        entries = np.empty((m, self.width), dtype=np.int64)
+        put_entries(entries, offsets, lengths, did)
         journal.write(self.store, "frame_index", rows, entries[-rows.shape[0]:], self.F)
 
     def _open_ahead(self, f0: int, lengths: np.ndarray, offsets: np.ndarray, journal: Journal) -> None:
@@ -566,7 +645,7 @@ class SegmentLog:
         bad = gather_index(entries, np.arange(n, dtype=np.int64), self.log_bytes, self.seg, self.max_len,
                            self.dicts.lo, self.dicts.hi, MAX_DICTS, offsets, lengths, slots)
         if bad >= 0:
-            raise CorruptSnapshotError(f"frame {lo + bad}'s index entry {entries[bad].tolist()} is damaged")
+            raise CorruptSnapshotError(f"frame {lo + bad}'s index entry {self._said(entries[bad:bad + 1])} is damaged")
         arrays = self.store.arrays
         if arrays is not None:  # the runs of frames that lie one after another, copied
             flat = arrays["frame_log"].reshape(-1)
@@ -603,7 +682,8 @@ class SegmentLog:
         ds = self.dicts
         adopted = False
         if out.new is not None and out.new <= (1 - dictionaries.PAYS) * out.now:
-            oldest = self._entries(np.array([max(self.oldest(), fw_now - self.F, 0)], dtype=np.int64))[0, 1] >> 32
+            oldest = split_entries(self._entries(np.array([max(self.oldest(), fw_now - self.F, 0)], dtype=np.int64)),
+                                   ds.hi)[2][0]
             try:
                 adopted = ds.adopt(out.candidate, int(oldest))  # (all or nothing)
             except (MemoryError, ValueError, RuntimeError) as e:
@@ -626,7 +706,7 @@ class SegmentLog:
             look.wait()
 
     def _entries(self, ids: np.ndarray) -> np.ndarray:
-        """Index entries (n, 2) of frames ``ids`` (live)."""
+        """Index rows (n, width) of frames ``ids`` (live)."""
         arrays = self.store.arrays
         rows = ids % self.F
         if arrays is not None:
@@ -635,7 +715,12 @@ class SegmentLog:
         return self.store.read("frame_index", order)[np.searchsorted(order, rows)]
 
     def _lengths(self, ids: np.ndarray) -> np.ndarray:
-        return self._entries(ids)[:, 1] & LEN_MASK
+        return split_entries(self._entries(ids), self.dicts.hi)[1]
+
+    def _said(self, entries: np.ndarray) -> str:
+        """An index row as an error names it."""
+        o, ln, d = split_entries(entries, self.dicts.hi)
+        return f"[offset {int(o[0])}, length {int(ln[0])}, dictionary {int(d[0])}]"
 
     # -- reading ---------------------------------------------------------------
     def decode(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -655,7 +740,7 @@ class SegmentLog:
                            MAX_DICTS, offsets, lengths, dicts)
         if bad >= 0:
             raise CorruptSnapshotError(
-                f"frame {int(ids[bad])}'s index entry {index[rows[bad]].tolist()} points outside the log "
+                f"frame {int(ids[bad])}'s index entry {self._said(index[rows[bad:bad + 1]])} points outside the log "
                 f"of {self.log_bytes} bytes or across a segment's end, has a length outside "
                 f"1..{self.max_len} or names no dictionary of {self.dicts.lo}..{self.dicts.hi}")
         if arrays is not None:
@@ -738,9 +823,7 @@ class SegmentLog:
         if fw <= lo:
             return 0
         ids = np.arange(lo, fw, dtype=np.int64)
-        entries = self._entries(ids)
-        o, v = entries[:, 0], entries[:, 1]
-        ln, d = v & LEN_MASK, v >> 32
+        o, ln, d = split_entries(self._entries(ids), self.dicts.hi)
         segs = np.arange(int(self.st[LO]), self.g + 1, dtype=np.int64)
         firsts = np.where(segs == 0, 0, self.seg_first[segs % self.S])
         s = segs[np.clip(np.searchsorted(firsts, ids, side="right") - 1, 0, segs.size - 1)]

@@ -401,11 +401,13 @@ class FrameStore:
     written, expires transitions whose frames were overwritten, and rebuilds
     stacks at sample time."""
 
-    def __init__(self, cfg, store, dictionary=None, offsets=None):
+    def __init__(self, cfg, store, dictionary=None, offsets=None, index=None):
         """``offsets``: the dtype of the stored ``frame_off`` (None: the
         config's, ``offset_dtype``; a wider one: what a buffer converted from
-        the older format keeps, ``check_offsets``; another is
-        ``IncompatibleSnapshotError``)."""
+        the older format keeps, ``check_offsets``); ``index``: the row shape
+        of the stored ``frame_index`` (None: a new log's; ``(2,)``: the wide
+        entries an older bigper wrote, ``segments.index_width``). Another is
+        ``IncompatibleSnapshotError``."""
         self.k = cfg.frame_stack
         obs_shape = cfg.shape("obs")
         self.frame_shape = tuple(obs_shape[1:])
@@ -427,8 +429,11 @@ class FrameStore:
         self.F = frame_capacity(cfg.capacity, self.k, cfg.num_envs)
         self.store = store
         # compression="zstd": frames live compressed in a segment log (frames/segments.py), not in a ring.
-        self.log = SegmentLog(self.F, self.row_bytes, cfg.compression_budget, store, dictionary) \
-            if cfg.compression else None
+        try:
+            self.log = SegmentLog(self.F, self.row_bytes, cfg.compression_budget, store, dictionary, index) \
+                if cfg.compression else None
+        except ValueError as e:
+            raise IncompatibleSnapshotError(f"the stored frame index: {e}") from None
         self.in_place = self.log is None  # whether writes may go straight into the ring (_writer)
         # Mutable state: frames written, per-env stream continuity, expiry pointers.
         self.fw = 0

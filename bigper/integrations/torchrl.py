@@ -644,9 +644,13 @@ class PrioritizedReplayBuffer:
                                            f"{sorted(self._layout.fields)}")
             new = self._open(layout)
             try:
-                off, was = data.get("frame_off"), new.storage.writable_arrays.get("frame_off")
-                if off is not None and was is not None and off.dtype != was.dtype:
-                    new = self._widened(new, off.dtype)  # (converted references that need wider offsets)
+                was = new.storage.writable_arrays
+                off, index = data.get("frame_off"), data.get("frame_index")
+                if (off is not None and "frame_off" in was and off.dtype != was["frame_off"].dtype) or \
+                        (index is not None and "frame_index" in was and index.shape[1:] != was["frame_index"].shape[1:]):
+                    # (converted references that need wider offsets, an older bigper's wide frame index)
+                    new = self._held(new, None if off is None else off.dtype,
+                                     None if index is None else tuple(index.shape[1:]))
                 have = new.storage.writable_arrays
                 if set(have) != set(data):
                     raise InvalidArgumentError(f"state_dict['data'] has arrays {sorted(data)}, expected {sorted(have)}")
@@ -664,20 +668,21 @@ class PrioritizedReplayBuffer:
             if old is not None:
                 old.close()
 
-    def _widened(self, core: CoreBuffer, dtype) -> CoreBuffer:
+    def _held(self, core: CoreBuffer, dtype, index) -> CoreBuffer:
         """``core`` (empty, in memory; closed here) made again with frame
-        offsets of ``dtype``: wider than its config's, as a buffer converted
-        from the older format keeps them (``frames.refs.check_offsets``;
-        another dtype is ``InvalidArgumentError``)."""
+        offsets of ``dtype`` and frame index rows of shape ``index``: wider
+        than its config's, as a buffer converted from the older format keeps
+        them (``frames.refs.check_offsets``, ``frames.segments.index_width``;
+        another is ``InvalidArgumentError``)."""
         from ..core.layout import storage_growth, storage_specs
         from ..frames.store import FrameStore
 
         cfg = core.config
         try:
-            frames = FrameStore(cfg, None, offsets=dtype)
+            frames = FrameStore(cfg, None, offsets=dtype, index=index)
         except IncompatibleSnapshotError as e:
             core.close()
-            raise InvalidArgumentError(f"state_dict['data']['frame_off']: {e}") from None
+            raise InvalidArgumentError(f"state_dict['data']: {e}") from None
         store = open_storage(cfg.storage)
         store.open(cfg.to_dict())
         specs, growth = storage_specs(cfg, frames), storage_growth(cfg, frames)

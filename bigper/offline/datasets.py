@@ -33,7 +33,7 @@ from ..prioritization import make as make_prioritization
 from ..schedules import schedule_from_dict
 from ..core import legacy
 from ..core.layout import own_names, storage_growth, storage_specs
-from ..core.opening import recorded_offsets
+from ..core.opening import recorded_frames
 from ..core.statecheck import RING_ARRAYS, check_state
 from ..frames.store import FrameStore
 from ..core.units import unit_class
@@ -93,7 +93,7 @@ def open_dataset(dataset, *, layout: str = "auto", priorities=None, prioritizati
         where = Sidecar.default_path(dataset) if priorities is None else Path(priorities).expanduser()
         sidecar = Sidecar(where, src.fingerprint(), src.n, protect=src.file_id)
         sidecar.load()
-        frames = FrameStore(cfg, None, offsets=_offsets(src)) if cfg.frame_stack else None
+        frames = FrameStore(cfg, None, **_held(src)) if cfg.frame_stack else None
         specs, growth = storage_specs(cfg, frames), storage_growth(cfg, frames)
         src.allocate(specs, growth)
         state = _initial_state(cfg, src, sidecar)
@@ -104,20 +104,22 @@ def open_dataset(dataset, *, layout: str = "auto", priorities=None, prioritizati
     return cfg, src, state
 
 
-def _offsets(src: H5Source):
-    """The dtype of the frame offsets of a bigper file (None: the config's).
-    A file of the older format (its references whole, ``obs_ref``,
+def _held(src: H5Source) -> dict:
+    """``FrameStore``'s ``offsets`` and ``index`` of a bigper file: the
+    layout of its frame arrays as recorded (None: a new buffer's). A file
+    of the older format (its references whole, ``obs_ref``,
     ``next_obs_ref``) has them converted in memory first, never written
     (``core/legacy.py``): its recorded state checked, then its references
     (every live one naming frames the file holds)."""
     if src.recorded is None:
-        return None
+        return {}
+    held = recorded_frames({"arrays": src.recorded_arrays})
     rcfg = Config.from_dict(src.recorded[0])  # (as the writer recorded it: its state is that config's)
-    if not legacy.is_older(rcfg, src.recorded_arrays):
-        return recorded_offsets({"arrays": src.recorded_arrays})
-    check_state(rcfg, src.recorded[1], src.recorded[2])
-    return legacy.convert(rcfg, src, {"arrays": src.recorded_arrays}, (src.recorded[1], src.recorded[2]),
-                          src.file_path)
+    if legacy.is_older(rcfg, src.recorded_arrays):
+        check_state(rcfg, src.recorded[1], src.recorded[2])
+        held["offsets"] = legacy.convert(rcfg, src, {"arrays": src.recorded_arrays},
+                                         (src.recorded[1], src.recorded[2]), src.file_path)
+    return held
 
 
 def watch_priorities(src: H5Source, cfg: Config, leaves) -> None:

@@ -76,8 +76,9 @@ def check_frames(snap: Path, body: dict, cfg, state: dict) -> int:
     files = _ChunkFiles(snap, body["data"], [n for n in ("frame_index", "frame_log", "frame_ref", "frame_off")
                                             if n in body["data"]])
     try:
-        held = body["data"].get("frame_off")
-        frames = FrameStore(cfg, files, offsets=None if held is None else np.dtype(held["dtype"]))
+        off, index = body["data"].get("frame_off"), body["data"].get("frame_index")
+        frames = FrameStore(cfg, files, offsets=None if off is None else np.dtype(off["dtype"]),
+                            index=None if index is None else index.get("shape"))
         # (each slot's oldest frame derived from the references, as a load does: layout.DERIVED)
         frames.restore(body["state"]["meta"]["frames"], {n: a for n, a in state.items() if n not in DERIVED})
         return frames.check_live(state["status"])

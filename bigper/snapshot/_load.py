@@ -117,9 +117,10 @@ def _frames(cfg: Config, layouts: dict, snap) -> FrameStore | None:
     ``IncompatibleSnapshotError``."""
     if not cfg.frame_stack:
         return None
-    held = layouts.get("frame_off")
+    off, index = layouts.get("frame_off"), layouts.get("frame_index")
     try:
-        return FrameStore(cfg, None, offsets=None if held is None else held[2])
+        return FrameStore(cfg, None, offsets=None if off is None else off[2],
+                          index=None if index is None else index[1])
     except IncompatibleSnapshotError as e:
         raise IncompatibleSnapshotError(f"{snap}: {e}") from None
 

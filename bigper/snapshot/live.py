@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from ..config import Config
 from ..core import legacy
 from ..core.layout import DERIVED
-from ..core.opening import recorded_offsets
+from ..core.opening import recorded_frames
 from ..core.statecheck import check_state
 from ..errors import (
     BigperError,
@@ -93,13 +93,11 @@ def verify_live(path: Path) -> Verdict | None:
             return Verdict(OK, f"a {kind} storage closed before anything was recorded")
         cfg = Config.from_dict(meta["config"])
         check_state(cfg, state_meta, arrays)
-        offsets, older = None, legacy.is_older(cfg, meta.get("arrays"))
+        held, older = recorded_frames(meta), legacy.is_older(cfg, meta.get("arrays"))
         if older:  # an older bigper's folder: its references converted in memory (and checked)
-            offsets = legacy.convert(cfg, store, meta, (state_meta, arrays), path)
-        elif cfg.frame_stack:
-            offsets = recorded_offsets(meta)
+            held["offsets"] = legacy.convert(cfg, store, meta, (state_meta, arrays), path)
         arrays = {n: a for n, a in arrays.items() if n not in DERIVED}
-        frames_checked = _verify_frames(cfg, store, state_meta, arrays, offsets)
+        frames_checked = _verify_frames(cfg, store, state_meta, arrays, held)
     except BigperError as e:
         return Verdict(INVALID, f"its recorded state is inconsistent: {_line(e)}")
     except Exception as e:  # noqa: BLE001  (a config this bigper cannot read)
@@ -115,16 +113,16 @@ def verify_live(path: Path) -> Verdict | None:
 
 
 def _verify_frames(cfg: Config, store: StorageBase, state_meta: dict[str, Any], arrays: dict[str, Any],
-                   offsets=None) -> int:
+                   held: dict) -> int:
     """With compression: decompress every live frame of ``store`` (bounds,
-    size and checksum of each); the count checked. ``offsets``: the dtype
-    of the frame offsets it holds."""
+    size and checksum of each); the count checked. ``held``: the layout of
+    the frame arrays it holds (``FrameStore``'s ``offsets`` and ``index``)."""
     if not cfg.compression:
         return 0
     from ..core.layout import allocate
     from ..frames.store import FrameStore
 
-    frames = FrameStore(cfg, store, offsets=offsets)
+    frames = FrameStore(cfg, store, **held)
     allocate(store, cfg, frames)
     frames.restore(state_meta["frames"], arrays)
     try:

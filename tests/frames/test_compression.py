@@ -32,11 +32,24 @@ def _path(kind, tmp, name="buf"):
     return None if kind == "memory" else (tmp / f"{name}.h5" if kind == "hdf5" else tmp / name)
 
 
-def make(kind, tmp, shape=(8, 8), dtype=np.uint8, k=3, capacity=40, budget=None, name="buf", **kw):
-    return bigper.PrioritizedReplayBuffer(
-        capacity=capacity, fields={"obs": ((k, *shape), dtype), "step": ((), np.int64)},
-        frame_stack=k, storage=kind, path=_path(kind, tmp, name), compression="zstd",
-        compression_budget=budget, **kw)
+def make(kind, tmp, shape=(8, 8), dtype=np.uint8, k=3, capacity=40, budget=None, name="buf", wide=False, **kw):
+    """A compressed buffer; ``wide``: its frame index in the wide layout an
+    older bigper wrote (two int64 an entry), through ``from_parts``."""
+    args = dict(capacity=capacity, fields={"obs": ((k, *shape), dtype), "step": ((), np.int64)},
+                frame_stack=k, compression="zstd", compression_budget=budget, **kw)
+    if not wide:
+        return bigper.PrioritizedReplayBuffer(storage=kind, path=_path(kind, tmp, name), **args)
+    from bigper.config import Config
+    from bigper.core.layout import storage_growth
+    from bigper.storage import open_storage
+
+    cfg = Config.build(storage=kind, **args)
+    specs = bigper.PrioritizedReplayBuffer.storage_specs(cfg)
+    specs["frame_index"] = (specs["frame_index"][0], (2,), np.dtype(np.int64))
+    store = open_storage(kind, _path(kind, tmp, name))
+    store.open(cfg.to_dict())
+    store.allocate(specs, storage_growth(cfg) or None)
+    return bigper.PrioritizedReplayBuffer.from_parts(cfg, store)
 
 
 class Feed:
@@ -259,16 +272,17 @@ def test_a_damaged_index_or_log_is_corrupt_snapshot_error_never_wrong_bytes(wher
     live = np.flatnonzero(buf.status == 1)
     ids = np.unique(hook.frames(buf)._refs("obs_ref", live))
     rows = ids % hook.frames(buf).F
+    index = arrays["frame_index"]
     if where == "offset":
-        arrays["frame_index"][rows, 0] = hook.log(buf).log_bytes - 3
+        hook.set_entries(buf, index, rows, offset=hook.log(buf).log_bytes - 3)
     elif where == "length":
-        arrays["frame_index"][rows, 1] = 84 * 84 + 1
+        hook.set_entries(buf, index, rows, length=84 * 84 + 1)
     elif where == "dict":
-        arrays["frame_index"][rows, 1] |= 5 << 32
+        hook.set_entries(buf, index, rows, gen=5)
     else:  # a flipped bit inside each frame: the checksum catches it
-        idx = arrays["frame_index"][rows]
+        o, ln, _ = hook.entries(buf, index, rows)
         flat = arrays["frame_log"].reshape(-1)
-        flat[idx[:, 0] + (idx[:, 1] & 0xFFFFFFFF) // 2] ^= 0x10
+        flat[o + ln // 2] ^= 0x10
     with pytest.raises(CorruptSnapshotError):
         buf.sample(8)
 
@@ -333,7 +347,7 @@ def test_cli_info_shows_the_ratio_and_verify_decompresses_every_live_frame(tmp_p
     Feed(frames, 4).run(buf, 120)
     live = np.flatnonzero(buf.status == 1)
     victim = int(hook.frames(buf)._refs("obs_ref", live[-1:])[0, 0])
-    off, ln = hook.frames(buf).store.arrays["frame_index"][victim % hook.frames(buf).F]
+    off, ln, _ = (int(a[0]) for a in hook.entries(buf, rows=[victim % hook.frames(buf).F]))
     seg = hook.log(buf).seg  # (a log that grows has a chunk file a segment)
     buf.close()
     run = lambda *a: subprocess.run([sys.executable, "-m", "bigper", *a, str(tmp_path / "buf")],  # noqa: E731
@@ -346,7 +360,7 @@ def test_cli_info_shows_the_ratio_and_verify_decompresses_every_live_frame(tmp_p
     k, off = divmod(int(off), seg)
     name = "frame_log.bin" if k == 0 else f"frame_log.{k:06d}.bin"
     log = np.memmap(tmp_path / "buf" / "data" / name, mode="r+", dtype=np.uint8)
-    log[off + (int(ln) & 0xFFFFFFFF) // 2] ^= 0x04
+    log[off + ln // 2] ^= 0x04
     log.flush()
     del log
     bad = run("verify")

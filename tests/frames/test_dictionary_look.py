@@ -95,7 +95,7 @@ def test_where_a_dictionary_is_adopted_does_not_depend_on_the_threads_speed(tmp_
     # A generation's first frame follows the add that crossed a multiple of W (an add writes at most 2k frames).
     fw = hook.frames(fast).fw
     ids = np.arange(max(log.oldest(), fw - hook.frames(fast).F, 0), fw, dtype=np.int64)
-    gens = log._entries(ids)[:, 1] >> 32
+    gens = hook.frame_gens(log, ids)
     firsts = ids[1:][np.diff(gens) != 0]
     assert firsts.size >= 2
     for f in firsts:

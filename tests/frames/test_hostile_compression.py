@@ -81,11 +81,10 @@ def _victims(buf):
     index = np.asarray(fs.store.arrays["frame_index"]) if hasattr(fs.store, "arrays") else \
         fs.store.read("frame_index", np.arange(fs.F))
     ids = live_ids(buf)
+    o = hook.entries(buf, index)[0]
     for f in ids[::-1]:
-        if f + 1 in ids:
-            a, b = index[f % fs.F], index[(f + 1) % fs.F]
-            if a[0] // log.seg == b[0] // log.seg:
-                return int(f), index
+        if f + 1 in ids and o[f % fs.F] // log.seg == o[(f + 1) % fs.F] // log.seg:
+            return int(f), index
     raise AssertionError("no two live frames in one segment")
 
 
@@ -97,7 +96,7 @@ def _snapshot(kind, tmp_path, frames=None, capacity=40, budget=24, steps=70, sha
     Feed(frames, k).run(buf, steps)
     f, index = _victims(buf)
     meta = {"F": hook.frames(buf).F, "log_bytes": hook.log(buf).log_bytes, "seg": hook.log(buf).seg,
-            "row_bytes": hook.frames(buf).row_bytes, "victim": f, "index": index.copy()}
+            "row_bytes": hook.frames(buf).row_bytes, "victim": f, "index": index.copy(), "gen": hook.newest_gen(buf)}
     snap = buf.save(tmp_path / "snap")
     buf.close()
     return snap, meta
@@ -108,43 +107,47 @@ BIG = np.iinfo(np.int64).max
 
 def _craft(case, m):
     """The snapshot's frame index with the victim's entry (or its neighbour's) crafted."""
-    index, F, f = m["index"].copy(), m["F"], m["victim"]
+    index, F, f, buf = m["index"].copy(), m["F"], m["victim"], m["gen"]
     r, nxt = f % F, (f + 1) % F
-    o, v = int(index[r, 0]), int(index[r, 1])
-    ln = v & 0xFFFFFFFF
+    (o, on), (ln, _), _ = hook.entries(buf, index, [r, nxt])
+    o, on, ln = int(o), int(on), int(ln)
+    packed = index.shape[1] == 1
     if case == "offset_negative":
-        index[r, 0] = -1
+        hook.set_entries(buf, index, r, offset=-1)
     elif case == "offset_at_end":
-        index[r, 0] = m["log_bytes"]
+        hook.set_entries(buf, index, r, offset=m["log_bytes"])
     elif case == "offset_one_past":
-        index[r, 0] = m["log_bytes"] - ln + 1
-    elif case == "offset_overflows":  # o + length wraps around int64
-        index[r, 0] = BIG - ln // 2
+        hook.set_entries(buf, index, r, offset=m["log_bytes"] - ln + 1)
+    elif case == "offset_overflows":  # o + length wraps around int64 (packed: the offset's 40 bits, all set)
+        hook.set_entries(buf, index, r, offset=(1 << 40) - 1 - ln // 2 if packed else BIG - ln // 2)
     elif case == "length_zero":
-        index[r, 1] = v & ~0xFFFFFFFF
+        hook.set_entries(buf, index, r, length=0)
     elif case == "length_huge":
-        index[r, 1] = v | 0xFFFFFFFF
+        hook.set_entries(buf, index, r, length=0xFFFF if packed else 0xFFFFFFFF)
     elif case == "entry_negative":
-        index[r, 1] = -1
+        index[r, -1] = -1
+    elif case == "entry_top_bit":  # the sign bit alone set above a valid entry
+        index[r, 0] |= np.int64(-(1 << 63))
     elif case == "dict_missing":
-        index[r, 1] = ln | (7 << 32)
+        hook.set_entries(buf, index, r, gen=7)
+    elif case == "dict_code_max":  # packed: code 127, a generation far from the live ones
+        hook.set_entries(buf, index, r, gen=127)
     elif case == "same_as_next":  # points at another whole frame
         index[r] = index[nxt]
     elif case == "into_next":  # overlaps the next frame
-        index[r, 0] = int(index[nxt, 0]) - 1
+        hook.set_entries(buf, index, r, offset=on - 1)
     elif case == "inside_itself":
-        index[r, 0] = o + 1
-        index[r, 1] = (v & ~0xFFFFFFFF) | (ln - 1)
+        hook.set_entries(buf, index, r, offset=o + 1, length=ln - 1)
     elif case == "straddles_segments":
-        index[r, 0] = (o // m["seg"] + 1) * m["seg"] - ln // 2
+        hook.set_entries(buf, index, r, offset=(o // m["seg"] + 1) * m["seg"] - ln // 2)
     else:
         raise AssertionError(case)
     return index
 
 
 INDEX_CASES = ["offset_negative", "offset_at_end", "offset_one_past", "offset_overflows", "length_zero",
-               "length_huge", "entry_negative", "dict_missing", "same_as_next", "into_next", "inside_itself",
-               "straddles_segments"]
+               "length_huge", "entry_negative", "entry_top_bit", "dict_missing", "dict_code_max", "same_as_next",
+               "into_next", "inside_itself", "straddles_segments"]
 
 
 @pytest.mark.parametrize("case", INDEX_CASES)
@@ -160,7 +163,8 @@ def test_a_crafted_frame_index_in_a_snapshot_is_refused_at_load(kind, case, tmp_
 def test_a_crafted_frame_index_in_a_live_folder_is_refused_at_resume(case, tmp_path):
     snap, m = _snapshot("memmap", tmp_path)
     path = tmp_path / "live"
-    np.memmap(path / "data" / "frame_index.bin", dtype=np.int64, mode="r+").reshape(-1, 2)[:] = _craft(case, m)
+    crafted = _craft(case, m)
+    np.memmap(path / "data" / "frame_index.bin", dtype=np.int64, mode="r+").reshape(crafted.shape)[:] = crafted
     before = fingerprint(path)
     with deadline(), pytest.raises(CorruptSnapshotError):
         bigper.PrioritizedReplayBuffer(capacity=40, fields={"obs": ((3, 8, 8), np.uint8), "step": ((), np.int64)},
@@ -181,8 +185,10 @@ from pathlib import Path
 buf = make("memory", Path("."), capacity=40, budget=24)
 Feed(np.random.default_rng(0).integers(0, 4, (100, 8, 8), dtype=np.uint8), 3).run(buf, 30)
 idx = buf._frames.store.arrays["frame_index"]
-ln = idx[:, 1] & 0xFFFFFFFF
-idx[:, 0] = {BIG} - ln // 2
+if idx.shape[1] == 2:
+    idx[:, 0] = {BIG} - (idx[:, 1] & 0xFFFFFFFF) // 2
+else:  # packed: the offset's 40 bits all set
+    idx[:, 0] |= ((1 << 40) - 1) << 23
 try:
     buf.sample(8)
 except CorruptSnapshotError as e:
@@ -203,11 +209,10 @@ def test_a_flipped_byte_of_an_incompressible_frame_is_caught_by_its_checksum(tmp
     feed.run(buf, 30)
     check_sample(buf, feed, 16)
     fs = hook.frames(buf)
-    idx = fs.store.arrays["frame_index"]
     ids = live_ids(buf)
-    rows = ids % fs.F
+    o, ln, _ = hook.entries(buf, rows=ids % fs.F)
     flat = fs.store.arrays["frame_log"].reshape(-1)
-    flat[idx[rows, 0] + (idx[rows, 1] & 0xFFFFFFFF) // 2] ^= 0x01
+    flat[o + ln // 2] ^= 0x01
     with pytest.raises(CorruptSnapshotError, match="does not decompress"):
         buf.sample(8)
 
@@ -221,9 +226,8 @@ def test_a_flipped_literal_of_a_compressed_frame_is_caught_by_its_checksum(tmp_p
     buf = make("memory", tmp_path, (16, 16), capacity=40, budget=200)
     Feed(frames, 3).run(buf, 30)
     fs = hook.frames(buf)
-    idx = fs.store.arrays["frame_index"]
     f = int(live_ids(buf)[-1])
-    o, ln = int(idx[f % fs.F, 0]), int(idx[f % fs.F, 1] & 0xFFFFFFFF)
+    o, ln, _ = (int(a[0]) for a in hook.entries(buf, rows=[f % fs.F]))
     assert ln < 256 - 8  # it did compress
     flat = fs.store.arrays["frame_log"].reshape(-1)
     want = fs.log.decode(np.array([f]))[0].copy()
@@ -250,9 +254,9 @@ def test_a_frame_of_another_size_with_a_valid_checksum_is_refused(tmp_path):
                                           np.zeros((1, 1), np.uint8)[:, :0], 0)
         if size == 0:
             continue
-        o = int(fs.store.arrays["frame_index"][f % fs.F, 0])
+        o = int(hook.entries(buf, rows=[f % fs.F])[0][0])
         fs.store.arrays["frame_log"].reshape(-1)[o:o + frame.size] = frame
-        fs.store.arrays["frame_index"][f % fs.F, 1] = frame.size
+        hook.set_entries(buf, fs.store.arrays["frame_index"], f % fs.F, length=frame.size, gen=0)
         with pytest.raises(CorruptSnapshotError):
             fs.log.decode(np.array([f]))
 
@@ -361,9 +365,8 @@ def test_verify_of_a_snapshot_decompresses_every_live_frame(kind, tmp_path):
     buf = make(kind, tmp_path, capacity=40, budget=64, name="live")
     Feed(frames, 3).run(buf, 60)
     ids = live_ids(buf)
-    index = hook.frames(buf).store.arrays["frame_index"]
     victim = int(ids[len(ids) // 2])
-    o, ln = int(index[victim % hook.frames(buf).F, 0]), int(index[victim % hook.frames(buf).F, 1] & 0xFFFFFFFF)
+    o, ln, _ = (int(a[0]) for a in hook.entries(buf, rows=[victim % hook.frames(buf).F]))
     snap = buf.save(tmp_path / "snap")
     buf.close()
 

@@ -42,7 +42,7 @@ def _retrained_snapshot(tmp_path, monkeypatch, games=("Pong", "Qbert", "MsPacman
             "dicts": {log.dicts.lo + i: d.copy() for i, d in enumerate(log.dicts.dicts)},
             "log": np.asarray(fs.store.arrays["frame_log"]).reshape(-1).copy(),
             "index": np.asarray(fs.store.arrays["frame_index"]).copy(), "F": fs.F,
-            "block": log.block}
+            "block": log.block, "gen": hook.newest_gen(buf)}
     snap = buf.save(tmp_path / "snap")
     buf.close()
     return snap, info
@@ -70,8 +70,7 @@ def test_a_frame_naming_an_older_live_generation_is_refused_at_load(tmp_path, mo
     generations from the oldest live frame's on): refused at load."""
     snap, m = _retrained_snapshot(tmp_path, monkeypatch)
     ids, e = m["ids"], m["entries"]
-    gens = e[:, 1] >> 32
-    lens = e[:, 1] & 0xFFFFFFFF
+    offs, lens, gens = hook.entries(m["gen"], e)
     live_gens = sorted(m["dicts"])
     assert len(live_gens) >= 2
     found = None
@@ -90,7 +89,7 @@ def test_a_frame_naming_an_older_live_generation_is_refused_at_load(tmp_path, mo
             break
     assert found is not None, "no frame that an older generation compresses shorter"
     i, j, body = found
-    o, ln = int(e[i, 0]), int(lens[i])
+    o, ln = int(offs[i]), int(lens[i])
     pad = ln - len(body) - 8
     crafted = body + struct.pack("<II", SKIPPABLE, pad) + b"\0" * pad
     # the crafted bytes decode to exactly frame X's bytes with generation j's dictionary
@@ -104,7 +103,7 @@ def test_a_frame_naming_an_older_live_generation_is_refused_at_load(tmp_path, mo
     log = m["log"].copy()
     log[o:o + ln] = np.frombuffer(crafted, np.uint8)
     index = m["index"].copy()
-    index[ids[i] % m["F"], 1] = ln | (j << 32)
+    hook.set_entries(m["gen"], index, ids[i] % m["F"], gen=j)
     put_data(snap, "frame_log", log.reshape(-1, m["block"]))
     put_data(snap, "frame_index", index)
     err = refused(CorruptSnapshotError, snap)
@@ -241,7 +240,7 @@ def _given_dict_snapshot(tmp_path, n_steps=60):
     feed = run(buf, GAMES["Pong"][100:], n_steps)
     index = np.asarray(hook.frames(buf).store.arrays["frame_index"]).copy()
     fw = hook.frames(buf).fw
-    assert fw < hook.frames(buf).F and ((index[:fw, 1] >> 32) == 1).all()
+    assert fw < hook.frames(buf).F and (hook.entries(buf, index, slice(0, fw))[2] == 1).all()
     snap = buf.save(tmp_path / "snap")
     buf.close()
     return snap, index, d, feed, fw
@@ -251,7 +250,7 @@ def _rename_generation(snap, index, fw, gen, extra_dicts=(), d=None):
     from tests._hostile_snapshot_cases import put_state, resign
 
     index = index.copy()
-    index[:fw, 1] = (index[:fw, 1] & 0xFFFFFFFF) | (gen << 32)
+    hook.set_entries(gen, index, np.arange(fw), gen=gen)
     put_data(snap, "frame_index", index)
     if extra_dicts:
         put_state(snap, "frames_dict", np.concatenate([d, *extra_dicts]))

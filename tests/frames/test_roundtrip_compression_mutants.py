@@ -42,7 +42,7 @@ def test_an_offset_of_exactly_2_63_minus_its_length_is_refused_never_read(tmp_pa
 import numpy as np
 from bigper.errors import CorruptSnapshotError
 from tests.frames.test_compression import Feed, make
-buf = make("memory", None, capacity=40, budget=24)
+buf = make("memory", None, capacity=40, budget=24, wide=True)  # (a packed entry's offset cannot reach 2**63)
 assert buf._frames.log.seg == 128, buf._frames.log.seg
 Feed(np.random.default_rng(0).integers(0, 4, (100, 8, 8), dtype=np.uint8), 3).run(buf, 30)
 idx = buf._frames.store.arrays["frame_index"]
@@ -70,8 +70,7 @@ def test_a_frame_copied_across_a_segment_end_is_refused_not_decoded(tmp_path):
     idx = hook.frames(buf).store.arrays["frame_index"]
     flat = hook.frames(buf).store.arrays["frame_log"].reshape(-1)
     f = hook.frames(buf).fw - 1
-    o, v = int(idx[f % F, 0]), int(idx[f % F, 1])
-    ln = v & 0xFFFFFFFF
+    o, ln, _ = (int(a[0]) for a in hook.entries(buf, rows=[f % F]))
     raw = log.decode(np.array([f], dtype=np.int64)).copy()
     # The frame's exact bytes, moved to straddle the end of a segment other than its own
     end = ((o // log.seg + 2) % log.S or 1) * log.seg
@@ -79,13 +78,13 @@ def test_a_frame_copied_across_a_segment_end_is_refused_not_decoded(tmp_path):
     assert start // log.seg != (start + ln - 1) // log.seg and start + ln <= log.log_bytes
     payload = flat[o:o + ln].copy()
     flat[start:start + ln] = payload
-    idx[f % F, 0] = start
+    hook.set_entries(buf, idx, f % F, offset=start)
     with pytest.raises(CorruptSnapshotError, match="across a segment's end"):
         log.decode(np.array([f], dtype=np.int64))
     # The same bytes inside that segment decode to the frame: the refusal is the straddle's
     inside = end - ln
     flat[inside:inside + ln] = payload
-    idx[f % F, 0] = inside
+    hook.set_entries(buf, idx, f % F, offset=inside)
     np.testing.assert_array_equal(log.decode(np.array([f], dtype=np.int64)), raw)
 
 
@@ -176,8 +175,7 @@ def test_verify_checks_the_frames_only_pending_transitions_name(tmp_path):
     named_pending = np.union1d(fs._refs("obs_ref", pending).ravel(), fs._refs("next_obs_ref", pending).ravel())
     only = np.setdiff1d(named_pending, named_live)
     victim = int(only[only < fs.fw - 1].max())  # not the newest frame: a load decodes that one
-    index = np.asarray(fs.store.arrays["frame_index"])
-    o, ln = int(index[victim % fs.F, 0]), int(index[victim % fs.F, 1] & 0xFFFFFFFF)
+    o, ln, _ = (int(a[0]) for a in hook.entries(buf, rows=[victim % fs.F]))
     snap = buf.save(tmp_path / "snap")
     buf.close()
     assert not verify(snap)["problems"]
