@@ -10,6 +10,9 @@ blocks (``device/feed.py``), each batch with
 2. ``gather`` (without the lock and without the GIL): every stored field's
    rows and every frame, copied into the block from the storage's arrays (or
    the device tier's host arrays); with a CUDA tier the device gathers instead;
+   compressed frames are decompressed into the block by ``decode``, under the
+   lock right after the draw (without the GIL: no dictionary is dropped and
+   the log does not grow meanwhile);
 3. ``intact`` (under the lock again, one comparison): no write replaced a
    drawn transition or one of its frames while they were copied; if one did,
    the batch is drawn and gathered again under the lock.
@@ -19,10 +22,10 @@ uint8 view of its storage array, so one kernel serves every dtype and shape.
 The batch is what ``sample(B).to_torch(device)`` would give for the same draw
 (``tests/device/test_feed.py`` holds them equal, key by key).
 
-Covered: transitions with ``n_step=1``, proportional priorities, raw (not
-compressed) frames, a storage with arrays (memory, memmap) or a device tier.
-Anything else (sequences, n-step, rank, HDF5, zstd frames) is served by the
-general path (``covered`` says why not).
+Covered: transitions with ``n_step=1``, proportional priorities, frames raw
+or compressed (these on the host: not with a device tier), a storage with
+arrays (memory, memmap) or a device tier. Anything else (sequences, n-step,
+rank, HDF5) is served by the general path (``covered`` says why not).
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ def covered(parts, host: bool) -> str | None:
         return "n-step returns"
     if parts.prio.tree is None:
         return "rank-based priorities"
-    if parts.frames is not None and parts.frames.log is not None:
-        return "compressed frames"
+    if parts.frames is not None and parts.frames.log is not None and not host:
+        return "compressed frames with a device tier"
     if parts.store.arrays is None and (host or parts.frames is not None):
         return f"a {parts.store.kind} storage without arrays"
     for name, (shape, dtype) in parts.stored.items():
@@ -182,6 +185,7 @@ class Sources:
         self.book = (ring.ends, ring.gid, parts.reader.discount1)
         frames = parts.frames
         arrays = parts.store.arrays
+        self.log = frames.log if frames is not None else None  # compressed frames: ``decode``, not the ring
         if frames is not None:  # (the refs are the storage's even with a tier: the host plans, the device gathers)
             # (frame_ref, frame_off, F, k, whether next_obs stacks are drawn): frames/store.py's layout
             self.refs = (np.asarray(arrays["frame_ref"]), np.asarray(arrays["frame_off"]), frames.F, frames.k,
@@ -219,10 +223,24 @@ def draw(src: Sources, block: Block, uniforms: np.ndarray, how: tuple) -> None:
 
 
 def gather(src: Sources, block: Block) -> None:
-    """Copy the drawn rows and frames into ``block`` (no lock, no GIL)."""
-    if block.layout.fields or block.fdst.shape[0]:
-        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, block.layout.n_ids[block.shape], src.ring,
+    """Copy the drawn rows and frames into ``block`` (no lock, no GIL);
+    compressed frames are decompressed (``decode``: call it under the lock)."""
+    decode(src, block)
+    if block.layout.fields or (block.fdst.shape[0] and src.log is None):
+        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, frames_gathered(src, block), src.ring,
                       block.fdst)
+
+
+def frames_gathered(src: Sources, block: Block) -> int:
+    """How many frames ``gather_kernel`` copies for ``block`` (none when ``decode`` writes them)."""
+    return 0 if src.log is not None else block.layout.n_ids[block.shape]
+
+
+def decode(src: Sources, block: Block) -> None:
+    """Compressed frames: the drawn ones decompressed into ``block`` (under
+    the buffer's lock, right after the draw; without the GIL)."""
+    if src.log is not None and block.fdst.shape[0]:
+        src.log.decode_rows(block.ids[:block.layout.n_ids[block.shape]], block.fdst)
 
 
 @held

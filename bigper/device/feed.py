@@ -209,7 +209,10 @@ class Filler:
         self.src_of = None  # (restores, storage arrays) the sources were made for
         self.drawn = None   # the (stratified, beta, batch_norm) of the last draw
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
-        self.n_ids = self.layout.n_ids
+        # Frames gather_kernel copies by stack layout (compressed ones are decoded under the lock instead).
+        self.n_ids = self.layout.n_ids if parts.frames is None or parts.frames.log is None else \
+            dict.fromkeys(self.layout.n_ids, 0)
+        self.compressed = parts.frames is not None and parts.frames.log is not None
 
     def new_slot(self, row=None) -> Slot:
         """A slot (its bytes those of the numpy ``row`` where given). Never of
@@ -226,7 +229,8 @@ class Filler:
         """The kernels' arrays, made anew after a restore (or new storage arrays)."""
         arrays = parts.store.arrays
         fields = None if self.tier is not None else {n: arrays[n] for n in self.layout.fields}
-        ring = arrays["frames"] if parts.frames is not None and self.tier is None else None
+        ring = arrays["frames"] if parts.frames is not None and parts.frames.log is None and self.tier is None \
+            else None
         self.src = plan.Sources(parts, self.layout, fields, ring)
         self.src_of = (parts.ring.restores, arrays)
         return self.src
@@ -279,6 +283,8 @@ class Filler:
                                                              src.refs, block.meta, block.ids)
                 self.drawn = self.how
                 parts.draws.step += 1
+            if self.compressed:  # (the frames read now, under the lock: the gather below takes the fields)
+                plan.decode(self.src, block)
             ring = parts.ring
             block.count, block.writes, block.failed, block.restores = ring.count, ring.writes, ring.failed, \
                 ring.restores

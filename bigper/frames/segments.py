@@ -323,6 +323,7 @@ class SegmentLog:
         self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
         self._look: _look.Look | None = None  # a dictionary look in flight (``maybe_train``)
         self._staged_key = self._staged = None  # staged_args' arrays and ints, and what they were made of
+        self._rows_scratch = np.empty((3, 0), dtype=np.int64)  # decode_rows' offsets, lengths, codec slots
 
     @property
     def g(self) -> int:
@@ -762,6 +763,35 @@ class SegmentLog:
                 f"frame {int(ids[r])} (log bytes {int(offsets[r])}..+{int(lengths[r])}) does not decompress "
                 f"to its {self.row_bytes} bytes: the log or its index is damaged")
         return out
+
+    def decode_rows(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """The frames whose index rows are ``rows`` (``id % F`` of live frames)
+        into the first rows of ``out`` ((n, row_bytes) uint8 or more rows), in
+        this thread and without the GIL, as ``decode`` checks them: the feed's
+        gather of compressed frames (``core/feed.py``), under the buffer's lock
+        (no dictionary is dropped and the log does not grow meanwhile). Needs
+        the storage's arrays."""
+        n = rows.shape[0]
+        if self._rows_scratch.shape[1] < n:
+            self._rows_scratch = np.empty((3, n), dtype=np.int64)
+        offsets, lengths, dicts = self._rows_scratch[:, :n]
+        arrays = self.store.arrays
+        index = arrays["frame_index"]
+        ds = self.dicts
+        bad = gather_index(index, rows, self.log_bytes, self.seg, self.max_len, ds.lo, ds.hi, MAX_DICTS, offsets,
+                           lengths, dicts)
+        if bad >= 0:
+            raise CorruptSnapshotError(
+                f"frame index row {int(rows[bad])}'s entry {self._said(index[rows[bad:bad + 1]])} points outside "
+                f"the log of {self.log_bytes} bytes or across a segment's end, has a length outside "
+                f"1..{self.max_len} or names no dictionary of {ds.lo}..{ds.hi}")
+        codec = self.codec
+        r = _zstd.decompress_rows(codec.dctx(), codec.ddicts, arrays["frame_log"].reshape(-1), offsets, lengths, dicts,
+                                  out, 0, n)
+        if r >= 0:
+            raise CorruptSnapshotError(
+                f"the frame at index row {int(rows[r])} (log bytes {int(offsets[r])}..+{int(lengths[r])}) does not "
+                f"decompress to its {self.row_bytes} bytes: the log or its index is damaged")
 
     def _read_spans(self, offsets: np.ndarray, lengths: np.ndarray):
         """The log blocks the frames need (storages without arrays), with the
