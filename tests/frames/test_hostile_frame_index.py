@@ -1,0 +1,213 @@
+"""Attacks on the packed frame index (one int64 an entry: offset << 23 |
+length << 7 | dictionary code) and on the layout a log keeps (packed (F, 1)
+or the older wide (F, 2)), through every reader: a snapshot, a live memmap
+folder, a live HDF5 file, ``from_hdf5``, ``bigper verify``/``info``, the
+TorchRL integration's ``load_state_dict``.
+
+Whatever is read from disk is hostile: a crafted word or a crafted row shape
+is refused (``CorruptSnapshotError``, ``IncompatibleSnapshotError``,
+``InvalidArgumentError`` naming ``frame_index``) with the files as they were;
+never other bytes than the ones added, never a crash or a hang. Both layouts
+round-trip exact and stay as they are, across more than 127 dictionary
+generations (the packed code wraps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bigper
+import bigper.frames.dictionaries
+import bigper.frames.segments
+from bigper.errors import (
+    BigperError,
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    InvalidArgumentError,
+)
+from bigper.frames.segments import GEN_CODES, OFF_SHIFT, PACKED_LEN, gen_code, split_entries
+from bigper.frames.zstd import bound
+from bigper.snapshot.manifest import MANIFEST, decode, digest
+
+from tests import hook
+from tests._hostile_snapshot_cases import deadline, fingerprint, resign
+from tests.frames.test_compression import Feed, check_sample, make, noise
+from tests.frames.test_hostile_compression import live_ids, put_data
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_GEN = bigper.frames.dictionaries.MAX_GEN
+K, SHAPE, CAP = 3, (8, 8), 40
+FIELDS = {"obs": ((K, *SHAPE), np.uint8), "step": ((), np.int64)}
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "bigper", *map(str, args)], capture_output=True, text=True,
+                          env=_env(), timeout=60)
+
+
+def _frames(n=100):
+    f = np.zeros((n, *SHAPE), np.uint8)  # a few bytes each once compressed: several frames a segment
+    f[:, 0, :3] = np.random.default_rng(0).integers(0, 256, (n, 3), dtype=np.uint8)
+    f[:, 4:] = np.random.default_rng(1).integers(0, 3, (n, 4, 8), dtype=np.uint8)
+    return f
+
+
+_DICT = None
+
+
+def _dictionary():
+    global _DICT
+    if _DICT is None:
+        _DICT = bigper.train_dictionary(_frames(200), 1024)
+    return _DICT
+
+
+def _buffer(kind, tmp, name="live", wide=False, dictionary=True, **kw):
+    """A compressed buffer of ``kind`` fed 70 steps; with ``dictionary`` one
+    given (generation 1 from the first frame), else none (generation 0)."""
+    if dictionary:
+        kw["compression_dictionary"] = _dictionary()
+    buf = make(kind, tmp, SHAPE, k=K, capacity=CAP, name=name, wide=wide, **kw)
+    feed = Feed(_frames(), K)
+    feed.run(buf, 70)
+    return buf, feed
+
+
+def _resume(path, kind="memmap", read_only=False, dictionary=True):
+    kw = {"compression_dictionary": _dictionary()} if dictionary and not read_only else {}
+    return bigper.PrioritizedReplayBuffer(capacity=CAP, fields=FIELDS, frame_stack=K, storage=kind, path=path,
+                                          mode="resume", compression="zstd", read_only=read_only, **kw)
+
+
+def _width(buf):
+    store = buf.storage
+    held = store.arrays if store.arrays is not None else store.dsets
+    return held["frame_index"].shape[1]
+
+
+def _victim(buf):
+    """A live frame in the middle of its segment run: (its id, its row, the next frame's row)."""
+    fs, log = hook.frames(buf), hook.log(buf)
+    ids = live_ids(buf)
+    o = hook.entries(buf, np.asarray(fs.store.arrays["frame_index"]))[0]
+    for f in ids[len(ids) // 2:]:
+        if f + 1 in ids and f - 1 in ids and o[f % fs.F] // log.seg == o[(f + 1) % fs.F] // log.seg:
+            return int(f), int(f % fs.F), int((f + 1) % fs.F)
+    raise AssertionError("no live frame between two others of its segment")
+
+
+def _read_index(snap):
+    body = decode((snap / MANIFEST).read_bytes(), snap)
+    rec = body["data"]["frame_index"]
+    return np.fromfile(snap / "data" / "frame_index.bin", dtype=np.int64).reshape(rec["rows"], *rec["shape"])
+
+
+def _rebase(snap, ghi):
+    """The snapshot's one dictionary made generation ``ghi`` (its frames' codes
+    with it, the manifest signed again): a snapshot as consistent as the one
+    it was, as a buffer ``ghi - 1`` adoptions later would hold it."""
+    index = _read_index(snap)
+    assert index.shape[1] == 1
+    o, ln, d = split_entries(index, 1)
+    assert set(np.unique(d[ln > 0]).tolist()) <= {1}
+    code = np.where(ln > 0, gen_code(ghi), 0)
+    put_data(snap, "frame_index", ((o << OFF_SHIFT) | (ln << 7) | code).reshape(-1, 1))
+    raw = None
+
+    def change(body):
+        body["state"]["meta"]["frames"]["dicts_first"] = ghi
+    resign(snap, change)
+    return raw
+
+
+# -- 1. every dictionary code against newest generations at the code's edges ----------------
+
+GHIS = [1, 7, 126, 127, 128, 254, MAX_GEN]
+
+
+@pytest.fixture(scope="module")
+def dict_snapshot(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dictsnap")
+    buf, feed = _buffer("memory", tmp)
+    f, r, nxt = _victim(buf)
+    snap = buf.save(tmp / "snap")
+    want = {s: feed.added[s] for s in feed.added}
+    buf.close()
+    return snap, (f, r, nxt), want
+
+
+def _copy(snap, tmp, name="snap"):
+    dst = tmp / name
+    shutil.copytree(snap, dst)
+    return dst
+
+
+def _exact(buf, want, n=32):
+    b = buf.sample(n)
+    for i in range(n):
+        o, o2 = want[int(b["step"][i])]
+        np.testing.assert_array_equal(b["obs"][i], o)
+        np.testing.assert_array_equal(b["next_obs"][i], o2)
+
+
+@pytest.mark.parametrize("ghi", GHIS)
+def test_a_snapshot_rebased_to_any_generation_loads_exact_and_every_other_code_is_refused(
+        ghi, dict_snapshot, tmp_path):
+    """The newest generation at 1, 7, 126, 127 (the last code), 128 (the code
+    wraps to 1), 254 and MAX_GEN: the consistent snapshot loads with every
+    sample exact; the victim's entry with any other code (0 .. 127) is refused
+    at load, the snapshot byte for byte as it was."""
+    snap0, (f, r, nxt), want = dict_snapshot
+    snap = _copy(snap0, tmp_path)
+    _rebase(snap, ghi)
+    loaded = bigper.PrioritizedReplayBuffer.load(snap)
+    assert hook.newest_gen(loaded) == ghi and _width(loaded) == 1
+    assert hook.log(loaded).dicts.lo == ghi
+    _exact(loaded, want)
+    loaded.close()
+    good = _read_index(snap)
+    for code in range(GEN_CODES + 1):
+        if code == gen_code(ghi):
+            continue
+        crafted = good.copy()
+        crafted[r, 0] = (crafted[r, 0] & ~np.int64(GEN_CODES)) | code
+        one = _copy(snap, tmp_path, f"c{code}")
+        put_data(one, "frame_index", crafted)
+        before = fingerprint(one)
+        with deadline(), pytest.raises(CorruptSnapshotError, match=f"frame {f}'s entry"):
+            bigper.PrioritizedReplayBuffer.load(one)
+        assert fingerprint(one) == before
+        shutil.rmtree(one)
+
+
+def test_with_no_dictionary_yet_every_nonzero_code_is_refused(tmp_path):
+    """Newest generation 0 (no dictionary): a code names none (read as -1), refused."""
+    buf, feed = _buffer("memory", tmp_path, dictionary=False)
+    assert hook.newest_gen(buf) == 0
+    f, r, _ = _victim(buf)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    good = _read_index(snap)
+    assert not (good[:, 0] & GEN_CODES).any()
+    for code in range(1, GEN_CODES + 1):
+        crafted = good.copy()
+        crafted[r, 0] |= code
+        one = _copy(snap, tmp_path, f"c{code}")
+        put_data(one, "frame_index", crafted)
+        before = fingerprint(one)
+        with deadline(), pytest.raises(CorruptSnapshotError, match=f"frame {f}'s entry"):
+            bigper.PrioritizedReplayBuffer.load(one)
+        assert fingerprint(one) == before
+        shutil.rmtree(one)
