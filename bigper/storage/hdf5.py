@@ -126,6 +126,7 @@ class HDF5Storage(StorageBase):
         self._created = False
         self._lock_created = False
         self._meta: dict | None = None
+        self._record_before = None  # the record as it was before this session marked it unclean
         self._pending = False  # the file at path is to be replaced by a new one at allocate
         self._trash: Path | None = None  # the replaced file, until the new one is complete
         self._dir: HeldDir | None = None  # the folder, held from open (see open)
@@ -279,6 +280,8 @@ class HDF5Storage(StorageBase):
             else:
                 self._check_arrays(specs, growth)
                 if not self.read_only:
+                    # A refusal after this (a crafted index: segments.check_index) puts the record back.
+                    self._record_before = json.loads(json.dumps(self._meta))
                     self._meta["clean"] = False
                     self._write_meta()
             self.dsets = {name: self._open_dataset(name) for name in self._meta["arrays"] if name not in self._hidden}
@@ -452,6 +455,10 @@ class HDF5Storage(StorageBase):
 
     def _abort(self) -> None:
         if self._file is not None:
+            if self._record_before is not None:  # resumed, then refused: the record as it was
+                with contextlib.suppress(Exception):
+                    self._meta, self._record_before = self._record_before, None
+                    self._write_meta()
             self._file.close()
             self._file = None
         if self._older is not None:  # converted, then refused: the older file back at its name
