@@ -32,7 +32,7 @@ from . import _h5relayout
 from ..common.files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from .base import RECORD, StorageBase, fits_spec
-from .state import STATE_BYTES_PER_SLOT, check_meta, state_slots
+from .state import check_meta, state_bytes_limit, state_slots
 from ..errors import (
     BigperError,
     CorruptSnapshotError,
@@ -709,6 +709,7 @@ def _state_group(f, meta: dict, where, wanted=None, capacity=None) -> dict:
     if not isinstance(g, h5py.Group):
         raise CorruptSnapshotError(f"{where}: /_bigper/state is not a group")
     cap = state_slots(meta.get("config"), capacity)
+    limit = state_bytes_limit(meta.get("config"), capacity)
     arrays = {}
     for name in g:
         if wanted is not None and name not in wanted:
@@ -717,7 +718,7 @@ def _state_group(f, meta: dict, where, wanted=None, capacity=None) -> dict:
         if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} is not a numeric dataset")
         nbytes = int(np.prod(d.shape, dtype=object)) * d.dtype.itemsize
-        if nbytes > STATE_BYTES_PER_SLOT * (cap + 1024):
+        if nbytes > limit:
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} of shape {d.shape} is larger "
                                        f"than any state of a {cap}-slot buffer")
         arrays[name] = d[()]

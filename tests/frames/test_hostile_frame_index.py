@@ -57,6 +57,24 @@ def _cli(*args):
                           env=_env(), timeout=60)
 
 
+class _Run:
+    def __init__(self, returncode, stdout):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, ""
+
+
+def _here(*args):
+    """``bigper ARGS`` in this process (the CLI's own ``main``; ``_cli`` runs the real command)."""
+    import contextlib
+    import io
+
+    from bigper.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = main([str(a) for a in args])
+    return _Run(rc, out.getvalue())
+
+
 def _frames(n=100):
     f = np.zeros((n, *SHAPE), np.uint8)  # a few bytes each once compressed: several frames a segment
     f[:, 0, :3] = np.random.default_rng(0).integers(0, 256, (n, 3), dtype=np.uint8)
@@ -89,6 +107,15 @@ def _resume(path, kind="memmap", read_only=False, dictionary=True):
     kw = {"compression_dictionary": _dictionary()} if dictionary and not read_only else {}
     return bigper.PrioritizedReplayBuffer(capacity=CAP, fields=FIELDS, frame_stack=K, storage=kind, path=path,
                                           mode="resume", compression="zstd", read_only=read_only, **kw)
+
+
+def _names_index(text, *roots) -> bool:
+    """Whether ``text`` (an error, verify's report) names the frame index, its
+    paths taken out (pytest names a test's folder after the test)."""
+    text = str(text)
+    for root in sorted({str(r) for r in roots} | {str(r.parent) for r in map(Path, roots)}, key=len, reverse=True):
+        text = text.replace(root, "<path>")
+    return "frame_index" in text or "frame_index.bin" in text
 
 
 def _width(buf):
@@ -164,12 +191,25 @@ def _exact(buf, want, n=32):
         np.testing.assert_array_equal(b["next_obs"][i], o2)
 
 
+def _codes_refused(snap, r, f, good, codes):
+    """Each code of ``codes`` in the victim's entry (row ``r`` of frame ``f``):
+    load refuses it naming the frame, the snapshot byte for byte as it was."""
+    for code in codes:
+        crafted = good.copy()
+        crafted[r, 0] = (crafted[r, 0] & ~np.int64(GEN_CODES)) | code
+        put_data(snap, "frame_index", crafted)
+        before = fingerprint(snap)
+        with deadline(), pytest.raises(CorruptSnapshotError, match=f"frame {f}'s entry"):
+            bigper.PrioritizedReplayBuffer.load(snap)
+        assert fingerprint(snap) == before
+
+
 @pytest.mark.parametrize("ghi", GHIS)
-def test_a_snapshot_rebased_to_any_generation_loads_exact_and_every_other_code_is_refused(
-        ghi, dict_snapshot, tmp_path):
+def test_a_snapshot_rebased_to_any_generation_loads_exact_and_other_codes_are_refused(ghi, dict_snapshot, tmp_path):
     """The newest generation at 1, 7, 126, 127 (the last code), 128 (the code
     wraps to 1), 254 and MAX_GEN: the consistent snapshot loads with every
-    sample exact; the victim's entry with any other code (0 .. 127) is refused
+    sample exact; the victim's entry with another code (every one of 0 .. 127
+    where the code wrapped, at 128; those at the edges elsewhere) is refused
     at load, the snapshot byte for byte as it was."""
     snap0, (f, r, nxt), want = dict_snapshot
     snap = _copy(snap0, tmp_path)
@@ -179,19 +219,9 @@ def test_a_snapshot_rebased_to_any_generation_loads_exact_and_every_other_code_i
     assert hook.log(loaded).dicts.lo == ghi
     _exact(loaded, want)
     loaded.close()
-    good = _read_index(snap)
-    for code in range(GEN_CODES + 1):
-        if code == gen_code(ghi):
-            continue
-        crafted = good.copy()
-        crafted[r, 0] = (crafted[r, 0] & ~np.int64(GEN_CODES)) | code
-        one = _copy(snap, tmp_path, f"c{code}")
-        put_data(one, "frame_index", crafted)
-        before = fingerprint(one)
-        with deadline(), pytest.raises(CorruptSnapshotError, match=f"frame {f}'s entry"):
-            bigper.PrioritizedReplayBuffer.load(one)
-        assert fingerprint(one) == before
-        shutil.rmtree(one)
+    c = gen_code(ghi)
+    codes = range(GEN_CODES + 1) if ghi == 128 else {0, 1, 2, 63, 64, 126, 127, c - 1, (c % GEN_CODES) + 1}
+    _codes_refused(snap, r, f, _read_index(snap), sorted(set(codes) - {c}))
 
 
 def test_with_no_dictionary_yet_every_nonzero_code_is_refused(tmp_path):
@@ -203,16 +233,7 @@ def test_with_no_dictionary_yet_every_nonzero_code_is_refused(tmp_path):
     buf.close()
     good = _read_index(snap)
     assert not (good[:, 0] & GEN_CODES).any()
-    for code in range(1, GEN_CODES + 1):
-        crafted = good.copy()
-        crafted[r, 0] |= code
-        one = _copy(snap, tmp_path, f"c{code}")
-        put_data(one, "frame_index", crafted)
-        before = fingerprint(one)
-        with deadline(), pytest.raises(CorruptSnapshotError, match=f"frame {f}'s entry"):
-            bigper.PrioritizedReplayBuffer.load(one)
-        assert fingerprint(one) == before
-        shutil.rmtree(one)
+    _codes_refused(snap, r, f, good, range(1, GEN_CODES + 1, 3))
 
 
 # -- 2. crafted words in a live memmap folder and a live HDF5 file, through every reader -------
@@ -341,15 +362,17 @@ def test_a_crafted_packed_word_in_a_live_storage_is_refused_by_every_reader(kind
     _put_word(kind, path, r, word)
     before = _state_of(root)
     for read_only in (False, True):
-        with deadline(), pytest.raises(CorruptSnapshotError, match="frame_index|entry"):
+        with deadline(), pytest.raises(CorruptSnapshotError) as e:
             _resume(path, kind, read_only=read_only)
+        assert _names_index(e.value, tmp_path) and "entry" in str(e.value), e.value
         assert _state_of(root) == before, ("read-only" if read_only else "resume")
     if kind == "hdf5":
-        with deadline(), pytest.raises(BigperError, match="frame_index|entry"):
+        with deadline(), pytest.raises(BigperError) as e:
             bigper.PrioritizedReplayBuffer.from_hdf5(path, priorities=tmp_path / "side.npz")
+        assert "entry" in str(e.value), e.value
         assert _state_of(root) == before
-    v = _cli("verify", path)
-    assert v.returncode != 0 and "INVALID" in v.stdout and "frame_index" in v.stdout, v.stdout + v.stderr
+    v = (_cli if case in ("next_frames_entry", "code_one_ahead") else _here)("verify", path)
+    assert v.returncode != 0 and "INVALID" in v.stdout and _names_index(v.stdout, tmp_path), v.stdout + v.stderr
     assert _state_of(root) == before
     if kind == "memmap":
         assert fingerprint(root) == {k: v for k, v in before.items()}
@@ -362,6 +385,173 @@ def test_a_refused_resume_of_a_live_hdf5_file_leaves_it_byte_for_byte(tmp_path):
     path, root, (f, r, nxt), _ = _live("hdf5", tmp_path)
     _put_word("hdf5", path, r, _word("next_frames_entry", _put_word("hdf5", path, r, 0), r, nxt))
     before = fingerprint(root)
-    with deadline(), pytest.raises(CorruptSnapshotError, match="frame_index"):
+    with deadline(), pytest.raises(CorruptSnapshotError):
         _resume(path, "hdf5")
     assert fingerprint(root) == before
+
+
+# -- 3. the held layout itself: a recorded row shape other than (1,) / (2,) --------------------
+
+SHAPES = [[], [3], [1, 1], ["1"], [True], [1.0], None, [2 ** 70], [0], [-1], "1", {"1": 1}, [2]]
+
+
+def _set_meta_shape(kind, path, shape):
+    if kind == "memmap":
+        meta = json.loads((path / "meta.json").read_text())
+        meta["arrays"]["frame_index"]["shape"] = shape
+        (path / "meta.json").write_text(json.dumps(meta))
+        return
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        meta = json.loads(f["_bigper"].attrs["meta"])
+        meta["arrays"]["frame_index"]["shape"] = shape
+        f["_bigper"].attrs["meta"] = json.dumps(meta)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=repr)
+@pytest.mark.parametrize("kind", ["memmap", "hdf5"])
+def test_a_recorded_frame_index_shape_other_than_its_own_is_refused_by_every_reader(kind, shape, tmp_path):
+    """The live storage's record of ``frame_index`` says another row shape:
+    resume, a read-only open, ``bigper verify`` (and ``from_hdf5``) refuse it
+    naming ``frame_index``, the storage as it was."""
+    path, root, _, _ = _live(kind, tmp_path)
+    _set_meta_shape(kind, path, shape)
+    before = _state_of(root)
+    for read_only in (False, True):
+        with deadline(), pytest.raises((IncompatibleSnapshotError, CorruptSnapshotError)) as e:
+            _resume(path, kind, read_only=read_only)
+        assert _names_index(e.value, tmp_path), e.value
+        assert _state_of(root) == before, ("read-only" if read_only else "resume")
+    if kind == "hdf5":
+        with deadline(), pytest.raises(BigperError) as e:
+            bigper.PrioritizedReplayBuffer.from_hdf5(path, priorities=tmp_path / "side.npz")
+        assert _names_index(e.value, tmp_path), e.value
+        assert _state_of(root) == before
+    v = (_cli if shape == [3] else _here)("verify", path)
+    assert v.returncode != 0 and _names_index(v.stdout, tmp_path), v.stdout + v.stderr
+    assert _state_of(root) == before
+
+
+@pytest.fixture(scope="module")
+def packed_snapshot(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("packedsnap")
+    buf, feed = _buffer("memory", tmp)
+    snap = buf.save(tmp / "snap")
+    buf.close()
+    return snap, dict(feed.added)
+
+
+def _refused_snapshot(snap, tmp_path, exc=(IncompatibleSnapshotError, CorruptSnapshotError)):
+    before = fingerprint(snap)
+    with deadline(), pytest.raises(exc) as e:
+        bigper.PrioritizedReplayBuffer.load(snap)
+    assert _names_index(e.value, snap), e.value
+    assert fingerprint(snap) == before
+    v = _here("verify", snap)
+    assert v.returncode != 0 and _names_index(v.stdout, snap), v.stdout + v.stderr
+    assert fingerprint(snap) == before
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s != [2]], ids=repr)
+def test_a_manifest_frame_index_shape_other_than_its_own_is_refused(shape, packed_snapshot, tmp_path):
+    snap = _copy(packed_snapshot[0], tmp_path)
+    resign(snap, lambda b: b["data"]["frame_index"].__setitem__("shape", shape))
+    _refused_snapshot(snap, tmp_path)
+
+
+def _put_index(snap, arr, rows=None, shape=None):
+    """``data/frame_index.bin`` as ``arr``'s bytes, its record's rows and shape set, all signed again."""
+    raw = np.ascontiguousarray(arr).tobytes()
+    member = "data/frame_index.bin"
+    os.unlink(snap / member)
+    (snap / member).write_bytes(raw)
+
+    def change(b):
+        b["files"][member] = {"size": len(raw), "xxh3_64": digest(raw)}
+        rec = b["data"]["frame_index"]
+        if rows is not None:
+            rec["rows"] = rec["chunk_rows"] = rows
+        if shape is not None:
+            rec["shape"] = shape
+    resign(snap, change)
+
+
+@pytest.mark.parametrize("case", ["wide_bytes_packed_words", "wide_rows_halved", "packed_claimed_wide",
+                                  "packed_rows_doubled"])
+def test_a_manifest_that_claims_the_other_layout_is_refused(case, packed_snapshot, tmp_path):
+    """A packed snapshot whose ``frame_index`` the manifest (signed again)
+    calls wide: its words twice (read as a wide entry each pair), or its
+    bytes as half as many wide rows; or packed rows doubled."""
+    snap = _copy(packed_snapshot[0], tmp_path)
+    index = _read_index(snap)
+    F = index.shape[0]
+    if case == "wide_bytes_packed_words":
+        _put_index(snap, np.concatenate([index, index], axis=1), shape=[2])
+    elif case == "wide_rows_halved":
+        _put_index(snap, index[: F - F % 2], rows=F // 2, shape=[2])
+    elif case == "packed_claimed_wide":  # the packed bytes, the record's shape alone changed
+        resign(snap, lambda b: b["data"]["frame_index"].__setitem__("shape", [2]))
+    else:
+        _put_index(snap, np.concatenate([index, index]), rows=2 * F)
+    _refused_snapshot(snap, tmp_path)
+
+
+# -- frames over 64 KiB: the wide layout only ------------------------------------------------
+
+BIG = (260, 260)  # 67,600 bytes a frame: over what a packed entry's 16 bits of length hold
+
+
+@pytest.fixture(scope="module")
+def wide_snapshot(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("widesnap")
+    frames = noise(np.random.default_rng(2), 40, BIG, np.uint8)
+    buf = make("memory", tmp, BIG, k=2, capacity=12)
+    assert _width(buf) == 2
+    feed = Feed(frames, 2)
+    feed.run(buf, 30)
+    snap = buf.save(tmp / "snap")
+    buf.close()
+    return snap, dict(feed.added)
+
+
+@pytest.mark.parametrize("case", ["column", "rows_doubled"])
+def test_a_packed_layout_claimed_for_frames_over_64_kib_is_refused(case, wide_snapshot, tmp_path):
+    """Frames over 64 KiB need the wide index: a manifest that says (1,) (its
+    first column, or both as twice the rows) is refused naming frame_index."""
+    snap = _copy(wide_snapshot[0], tmp_path)
+    index = _read_index(snap)
+    assert index.shape[1] == 2
+    if case == "column":
+        _put_index(snap, index[:, :1], shape=[1])
+    else:
+        _put_index(snap, index.reshape(-1, 1), rows=2 * index.shape[0], shape=[1])
+    _refused_snapshot(snap, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["memory", "memmap", "hdf5"])
+def test_frames_over_64_kib_stay_wide_and_exact_through_save_load_resume_and_verify(kind, tmp_path):
+    frames = noise(np.random.default_rng(3), 40, BIG, np.uint8)
+    buf = make(kind, tmp_path, BIG, k=2, capacity=12, name="live")
+    feed = Feed(frames, 2)
+    feed.run(buf, 30)
+    assert _width(buf) == 2
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    path = None if kind == "memory" else tmp_path / ("l.h5" if kind == "hdf5" else "l")
+    b = bigper.PrioritizedReplayBuffer.load(snap, path=path)
+    assert _width(b) == 2
+    check_sample(b, feed, 8)
+    feed.run(b, 10)
+    check_sample(b, feed, 8)
+    b.close()
+    if path is None:
+        return
+    v = _cli("verify", path)
+    assert v.returncode == 0 and "OK" in v.stdout, v.stdout + v.stderr
+    again = bigper.PrioritizedReplayBuffer(capacity=12, fields={"obs": ((2, *BIG), np.uint8), "step": ((), np.int64)},
+                                           frame_stack=2, storage=kind, path=path, mode="resume", compression="zstd")
+    assert _width(again) == 2
+    feed.run(again, 5)
+    check_sample(again, feed, 8)
+    again.close()
