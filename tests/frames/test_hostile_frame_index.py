@@ -119,9 +119,11 @@ def _names_index(text, *roots) -> bool:
 
 
 def _width(buf):
-    store = buf.storage
-    held = store.arrays if store.arrays is not None else store.dsets
-    return held["frame_index"].shape[1]
+    """The columns of the frame index the buffer's storage holds (and its log writes)."""
+    store = hook.frames(buf).store
+    width = np.asarray(store.read("frame_index", np.zeros(1, dtype=np.int64))).shape[1]
+    assert hook.log(buf).width == width
+    return width
 
 
 def _victim(buf):
@@ -555,3 +557,144 @@ def test_frames_over_64_kib_stay_wide_and_exact_through_save_load_resume_and_ver
     feed.run(again, 5)
     check_sample(again, feed, 8)
     again.close()
+
+
+# -- 4. round trips of both layouts through every reader ---------------------------------------
+
+def _widen(index, ghi):
+    """A packed index rewritten in the wide layout (what an older bigper wrote)."""
+    o, ln, d = split_entries(index, ghi)
+    return np.stack([o, ln | (np.maximum(d, 0) << 32)], axis=1).astype(np.int64)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("kind", ["memmap", "hdf5"])
+def test_both_layouts_round_trip_exact_and_keep_their_width_through_every_reader(kind, wide, tmp_path):
+    """save/load, resume, read-only open, ``bigper verify`` and ``bigper info``
+    (the real commands), ``from_hdf5``: every sample exact, the width as made."""
+    buf, feed = _buffer(kind, tmp_path, name="live", wide=wide, dictionary=not wide)  # (from_parts: none given)
+    want = 2 if wide else 1
+    assert _width(buf) == want
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    path = tmp_path / ("live.h5" if kind == "hdf5" else "live")
+    for cmd in ("verify", "info"):
+        for target in (snap, path):
+            r = _cli(cmd, target)
+            assert r.returncode == 0, (cmd, target, r.stdout, r.stderr)
+    other = tmp_path / ("loaded.h5" if kind == "hdf5" else "loaded")
+    loaded = bigper.PrioritizedReplayBuffer.load(snap, path=other)
+    assert _width(loaded) == want
+    check_sample(loaded, feed, 32)
+    feed.run(loaded, 30)
+    check_sample(loaded, feed, 32)
+    loaded.close()
+    ro = _resume(other, kind, read_only=True)
+    assert _width(ro) == want
+    check_sample(ro, feed, 32)
+    ro.close()
+    again = _resume(other, kind, dictionary=not wide)
+    assert _width(again) == want
+    feed.run(again, 30)
+    check_sample(again, feed, 32)
+    again.close()
+    assert _here("verify", other).returncode == 0
+    if kind == "hdf5":
+        with bigper.PrioritizedReplayBuffer.from_hdf5(other, priorities=tmp_path / "side.npz") as ds:
+            assert _width(ds) == want
+            check_sample(ds, feed, 32)
+
+
+def test_a_bigper_file_converted_by_convert_keeps_the_packed_index(tmp_path):
+    """``bigper convert`` of a bigper HDF5 file (uncompressed) writes the packed index; exact through from_hdf5."""
+    from bigper.convert import convert
+
+    frames = _frames()
+    src = bigper.PrioritizedReplayBuffer(capacity=CAP, fields=FIELDS, frame_stack=K, storage="hdf5",
+                                         path=tmp_path / "src.h5")
+    feed = Feed(frames, K)
+    feed.run(src, 60)
+    src.close()
+    convert(tmp_path / "src.h5", tmp_path / "dst.h5", progress=False)
+    with bigper.PrioritizedReplayBuffer.from_hdf5(tmp_path / "dst.h5", priorities=tmp_path / "side.npz") as ds:
+        assert ds.config.compression == "zstd" and _width(ds) == 1
+        check_sample(ds, feed, 32)
+
+
+# -- the TorchRL integration's load_state_dict (a compressed one is only ever crafted) -----------
+
+def _torchrl():
+    pytest.importorskip("torch")
+    try:
+        import torchrl  # noqa: F401
+        from bigper.integrations import torchrl as ours
+    except ImportError as e:  # (TorchRL's compiled extension beside another torch)
+        pytest.skip(f"torchrl does not import here: {e}")
+    from tests.integrations._torchrl_data import stream
+    return ours, stream
+
+
+def _state_dict(ours, core, data=None):
+    import torch
+
+    meta, arrays = core.state_dict()
+    held = {k: torch.from_numpy(np.array(v)) for k, v in core.storage.arrays.items()}
+    held.update(data or {})
+    return {"format": ours._FORMAT, "config": json.dumps(core.config.to_dict()), "meta": json.dumps(meta),
+            "state": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, "data": held}
+
+
+def test_torchrl_load_state_dict_refuses_a_crafted_frame_index_and_keeps_its_buffer():
+    import torch
+
+    ours, stream = _torchrl()
+    src = ours.PrioritizedReplayBuffer(capacity=64, frame_stack=4, compression="zstd", batch_size=8)
+    src.extend(stream(50))
+    core = src.buffer
+    index = np.array(core.storage.arrays["frame_index"])
+    F = index.shape[0]
+    assert index.shape == (F, 1)
+    with pytest.raises(InvalidArgumentError, match="compression"):  # (never written for a compressed buffer)
+        src.state_dict()
+    ghi = hook.newest_gen(core)
+    crafted = {"rows (3,)": torch.zeros(F, 3, dtype=torch.int64), "rows ()": torch.from_numpy(index[:, 0].copy()),
+               "rows (1, 1)": torch.from_numpy(index[:, :, None].copy()), "rows (0,)": torch.zeros(F, 0, dtype=torch.int64),
+               "packed words as wide": torch.from_numpy(np.concatenate([index, index], 1)),
+               "rows doubled": torch.from_numpy(np.concatenate([index, index])),
+               "float": torch.zeros(F, 1, dtype=torch.float64), "wide int32": torch.zeros(F, 2, dtype=torch.int32)}
+    for name, t in crafted.items():
+        rb = ours.PrioritizedReplayBuffer(capacity=64, frame_stack=4, compression="zstd", batch_size=8)
+        rb.extend(stream(20))
+        before = np.array(rb.buffer.storage.arrays["frame_index"])
+        with pytest.raises((InvalidArgumentError, CorruptSnapshotError), match="frame_index") as e:
+            rb.load_state_dict(_state_dict(ours, core, {"frame_index": t}))
+        assert len(rb) == 20 and np.array_equal(rb.buffer.storage.arrays["frame_index"], before), (name, e.value)
+        rb.sample()
+        rb.close()
+    # The same entries in the wide layout: loaded wide, the samples those of the packed one.
+    rb = ours.PrioritizedReplayBuffer(capacity=64, frame_stack=4, compression="zstd", batch_size=64, seed=5)
+    rb.load_state_dict(_state_dict(ours, core, {"frame_index": torch.from_numpy(_widen(index, ghi))}))
+    assert rb.buffer.storage.arrays["frame_index"].shape == (F, 2)
+    twin = ours.PrioritizedReplayBuffer(capacity=64, frame_stack=4, compression="zstd", batch_size=64, seed=5)
+    twin.load_state_dict(_state_dict(ours, core))
+    assert twin.buffer.storage.arrays["frame_index"].shape == (F, 1)
+    a, b = rb.sample(), twin.sample()
+    assert torch.equal(a["pixels"], b["pixels"]) and torch.equal(a["next", "pixels"], b["next", "pixels"])
+    for x in (rb, twin, src):
+        x.close()
+
+
+def test_torchrl_dumps_and_loads_keep_the_packed_index(tmp_path):
+    import torch
+
+    ours, stream = _torchrl()
+    rb = ours.PrioritizedReplayBuffer(capacity=64, frame_stack=4, compression="zstd", batch_size=64, seed=1)
+    rb.extend(stream(50))
+    snap = rb.dumps(tmp_path / "d")
+    other = ours.PrioritizedReplayBuffer(capacity=64, frame_stack=4, compression="zstd", batch_size=64, seed=1)
+    other.loads(snap)
+    assert other.buffer.storage.arrays["frame_index"].shape[1] == 1
+    a, b = rb.sample(), other.sample()
+    assert torch.equal(a["pixels"], b["pixels"])
+    rb.close()
+    other.close()
