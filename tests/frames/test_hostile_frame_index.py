@@ -193,15 +193,16 @@ def _exact(buf, want, n=32):
         np.testing.assert_array_equal(b["next_obs"][i], o2)
 
 
-def _codes_refused(snap, r, f, good, codes):
+def _codes_refused(snap, r, f, good, codes, named=None):
     """Each code of ``codes`` in the victim's entry (row ``r`` of frame ``f``):
-    load refuses it naming the frame, the snapshot byte for byte as it was."""
+    load refuses it naming the frame (or the one of ``named``: the next frame
+    for a generation raised, that then goes back), the snapshot byte for byte as it was."""
     for code in codes:
         crafted = good.copy()
         crafted[r, 0] = (crafted[r, 0] & ~np.int64(GEN_CODES)) | code
         put_data(snap, "frame_index", crafted)
         before = fingerprint(snap)
-        with deadline(), pytest.raises(CorruptSnapshotError, match=f"frame {f}'s entry"):
+        with deadline(), pytest.raises(CorruptSnapshotError, match=f"frame ({named or f})'s entry"):
             bigper.PrioritizedReplayBuffer.load(snap)
         assert fingerprint(snap) == before
 
@@ -698,3 +699,118 @@ def test_torchrl_dumps_and_loads_keep_the_packed_index(tmp_path):
     assert torch.equal(a["pixels"], b["pixels"])
     rb.close()
     other.close()
+
+
+# -- 5. geometry: the packed length's edge, many envs, more than 127 dictionary generations -----
+
+@pytest.mark.parametrize("row, width", [(65249, 1), (65250, 2)])
+def test_a_frame_whose_zstd_bound_is_65535_is_packed_and_one_byte_more_is_wide(row, width, tmp_path):
+    """zstd's bound of a 65,249-byte frame is 65,535 (a packed entry's last
+    length), of a 65,250-byte one 65,536: the layouts split there, both exact
+    with frames that do not compress, through a save and a load."""
+    assert bound(row) == 65535 + (width - 1)
+    frames = noise(np.random.default_rng(4), 24, (row,), np.uint8)
+    buf = make("memory", tmp_path, (row,), k=2, capacity=8)
+    assert _width(buf) == width
+    feed = Feed(frames, 2)
+    feed.run(buf, 14)
+    check_sample(buf, feed, 8)
+    lengths = hook.entries(buf)[1]
+    assert lengths.max() <= bound(row) and lengths.max() > row  # (raw blocks: a few bytes more than the frame)
+    loaded = bigper.PrioritizedReplayBuffer.load(buf.save(tmp_path / "snap"))
+    assert _width(loaded) == width
+    check_sample(loaded, feed, 8)
+    loaded.close()
+    buf.close()
+
+
+@pytest.mark.parametrize("kind", ["memmap", "hdf5"])
+def test_eight_envs_of_atari_frames_with_a_small_capacity_resume_and_verify(kind, tmp_path):
+    """A live storage's recorded state holds each env's last stack (8 x 4
+    Atari frames, 225,792 bytes): more than a few numbers a slot of a
+    200-slot buffer; its resume and verify read it (a state bound counting
+    the frames), exact, still packed."""
+    from tests.frames.test_compression import ATARI
+
+    frames = np.load(ATARI)["Pong"]
+    path = tmp_path / ("b.h5" if kind == "hdf5" else "b")
+    kw = dict(capacity=200, fields={"obs": ((4, 84, 84), np.uint8), "step": ((), np.int64)}, frame_stack=4,
+              num_envs=8, storage=kind, path=path, compression="zstd")
+    buf = bigper.PrioritizedReplayBuffer(**kw)
+    feed = Feed(frames, 4, num_envs=8)
+    feed.run(buf, 30)
+    buf.close()
+    v = _here("verify", path)
+    assert v.returncode == 0, v.stdout
+    again = bigper.PrioritizedReplayBuffer(mode="resume", **kw)
+    assert _width(again) == 1
+    check_sample(again, feed, 32)
+    again.close()
+
+
+def _many_generations(kind, tmp, monkeypatch, past=135):
+    """A buffer whose dictionary was retrained (and adopted) more than
+    ``past`` times: the packed code wrapped (generation 128 has code 1)."""
+    monkeypatch.setattr(bigper.frames.segments, "TRAIN_FRAMES", 40)
+    monkeypatch.setattr(bigper.frames.dictionaries, "PAYS", -100.0)  # every candidate adopted
+    monkeypatch.setattr(bigper.frames.dictionaries, "DRIFT", -100.0)
+    rng = np.random.default_rng(0)
+    frames = np.zeros((500, 16, 16), np.uint8)
+    frames[:, :4] = rng.integers(0, 8, (500, 4, 16))
+    frames[:, 8:] = np.arange(16)[None, None] * rng.integers(1, 4, (500, 1, 1))
+    buf = make(kind, tmp, (16, 16), k=2, capacity=200, name="many")
+    feed = Feed(frames, 2)
+    while hook.newest_gen(buf) < past:
+        feed.run(buf, 200)
+    return buf, feed
+
+
+def test_more_than_127_generations_stay_exact_through_save_load_resume_and_verify(tmp_path, monkeypatch):
+    buf, feed = _many_generations("memmap", tmp_path, monkeypatch)
+    log = hook.log(buf)
+    assert log.dicts.hi > GEN_CODES + 1 and log.dicts.lo > GEN_CODES and _width(buf) == 1
+    gens = hook.frame_gens(log, live_ids(buf))
+    assert len(set(gens.tolist())) > 1 and set(gens.tolist()) <= set(range(log.dicts.lo, log.dicts.hi + 1))
+    check_sample(buf, feed, 64)
+    snap = buf.save(tmp_path / "snap")
+    loaded = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "loaded")
+    assert hook.newest_gen(loaded) == log.dicts.hi
+    check_sample(loaded, feed, 64)
+    feed.run(loaded, 120)  # (three more looks: adopted, codes wrapping on)
+    check_sample(loaded, feed, 64)
+    loaded.close()
+    buf.close()
+    assert _here("verify", tmp_path / "loaded").returncode == 0
+    assert _here("verify", snap).returncode == 0
+    again = bigper.PrioritizedReplayBuffer(capacity=200, fields={"obs": ((2, 16, 16), np.uint8), "step": ((), np.int64)},
+                                           frame_stack=2, storage="memmap", path=tmp_path / "many", mode="resume",
+                                           compression="zstd")
+    check_sample(again, feed, 64)
+    feed.run(again, 80)
+    check_sample(again, feed, 64)
+    again.close()
+
+
+def test_after_the_code_wrapped_a_generation_named_only_through_the_wrap_is_refused(tmp_path, monkeypatch):
+    """Past generation 127: a frame's code set to that of the generation just
+    below the oldest live one (127 generations after it, the same code names
+    nothing live), of the newest + 1 (its code is the newest - 126's), or of a
+    newer live generation than the next frame's (going back only through the
+    modular code): each refused at load, the snapshot as it was."""
+    buf, feed = _many_generations("memory", tmp_path, monkeypatch)
+    log = hook.log(buf)
+    glo, ghi = log.dicts.lo, log.dicts.hi
+    ids = live_ids(buf)
+    gens = hook.frame_gens(log, ids)
+    # a frame of an older live generation followed by one more of its own generation
+    pick = [i for i in range(1, len(ids) - 1) if gens[i] < ghi and gens[i + 1] == gens[i] and ids[i + 1] == ids[i] + 1
+            and gens[i - 1] == gens[i] and ids[i - 1] == ids[i] - 1]
+    assert pick, gens
+    i = pick[len(pick) // 2]
+    f, r = int(ids[i]), int(ids[i] % hook.frames(buf).F)
+    snap = buf.save(tmp_path / "snap")
+    buf.close()
+    good = _read_index(snap)
+    codes = {gen_code(glo - 1), gen_code(ghi + 1), gen_code(ghi)}
+    assert gen_code(int(gens[i])) not in codes
+    _codes_refused(snap, r, f, good, sorted(codes), named=f"{f}|{f + 1}")
