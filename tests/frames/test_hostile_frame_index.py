@@ -814,3 +814,73 @@ def test_after_the_code_wrapped_a_generation_named_only_through_the_wrap_is_refu
     codes = {gen_code(glo - 1), gen_code(ghi + 1), gen_code(ghi)}
     assert gen_code(int(gens[i])) not in codes
     _codes_refused(snap, r, f, good, sorted(codes), named=f"{f}|{f + 1}")
+
+
+# -- 6. concurrency: adds that adopt dictionaries while another thread samples and saves --------
+
+def test_a_thread_samples_and_saves_while_another_adds_across_dictionary_adoptions(tmp_path, monkeypatch):
+    """Packed codes are read relative to the newest generation, which the
+    adding thread moves on (a dictionary adopted every 40 frames): every
+    sample the other thread draws is exact, every snapshot it saves loads exact."""
+    buf, feed = _many_generations("memmap", tmp_path, monkeypatch, past=3)
+    errors, stop, snaps = [], threading.Event(), []
+    added = feed.added  # (the dict the adder fills: a step is in it before it is added)
+
+    def sampler():
+        try:
+            n = 0
+            while not stop.is_set():
+                b = buf.sample(16)
+                for i in range(16):
+                    o, o2 = added[int(b["step"][i])]
+                    np.testing.assert_array_equal(b["obs"][i], o)
+                    np.testing.assert_array_equal(b["next_obs"][i], o2)
+                n += 1
+                if n % 25 == 0:
+                    snaps.append(buf.save(tmp_path / f"snap{n}"))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=sampler)
+    t.start()
+    g0 = hook.newest_gen(buf)
+    try:
+        while hook.newest_gen(buf) < g0 + 12 and t.is_alive():
+            feed.run(buf, 40)
+    finally:
+        stop.set()
+        t.join(60)
+    assert not t.is_alive() and not errors, errors
+    assert snaps and hook.newest_gen(buf) >= g0 + 12
+    buf.close()
+    for snap in snaps[-2:]:
+        b = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "l")
+        check_sample(b, feed, 32)
+        b.close()
+        shutil.rmtree(tmp_path / "l")
+
+
+def test_a_chdir_between_open_and_close_moves_nothing(tmp_path, monkeypatch):
+    """A memmap buffer opened at a relative path, the working directory
+    changed, then added to, saved at a relative path and closed: its files
+    are where it was opened, and resume there is exact and packed."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    buf = bigper.PrioritizedReplayBuffer(capacity=CAP, fields=FIELDS, frame_stack=K, storage="memmap",
+                                         path="rel", compression="zstd")
+    feed = Feed(_frames(), K)
+    feed.run(buf, 20)
+    os.chdir(tmp_path / "b")
+    feed.run(buf, 40)
+    snap = buf.save("snap")
+    buf.close()
+    assert (tmp_path / "a" / "rel" / "meta.json").is_file() and not (tmp_path / "b" / "rel").exists()
+    loaded = bigper.PrioritizedReplayBuffer.load(snap, path=tmp_path / "loaded")
+    check_sample(loaded, feed, 32)
+    loaded.close()
+    again = bigper.PrioritizedReplayBuffer(capacity=CAP, fields=FIELDS, frame_stack=K, storage="memmap",
+                                           path=tmp_path / "a" / "rel", mode="resume", compression="zstd")
+    assert _width(again) == 1
+    check_sample(again, feed, 32)
+    again.close()
