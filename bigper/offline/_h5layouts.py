@@ -18,10 +18,10 @@ import re
 
 import numpy as np
 
-from ..frames.dictionaries import DICT_LIMIT, MAX_DICTS
 from ..errors import OfflineDatasetError, StorageLockedError
 from ..common.files import open_regular, read_regular
 from ..storage._h5guard import check_row_bytes, check_rows
+from ..storage.state import state_bytes_limit
 from ._h5map import Column
 from ..common.status import DEAD, LIVE
 
@@ -31,25 +31,6 @@ _MAX_DEPTH = 32  # nested observation groups deeper than this are not a Minari s
 _METADATA_LIMIT = 16 << 20
 
 
-
-
-def state_bytes_limit(config: dict) -> int:
-    """The most bytes one recorded state array of a buffer of ``config`` takes:
-    a few numbers a slot, the last ``frame_stack`` frames of each env
-    (``frames_last``) and, compressed, the live dictionaries (``frames_dict``)."""
-    cap = config["capacity"]
-    limit = 64 * (cap + 1024)
-    try:
-        k, envs = int(config.get("frame_stack") or 0), int(config.get("num_envs") or 1)
-        shape, dt = config["fields"]["obs"]
-        row = math.prod(int(x) for x in shape[1:]) * np.dtype(dt).itemsize
-    except (KeyError, TypeError, ValueError, AttributeError):  # (refused by the config's own checks)
-        return limit
-    if k > 0 and envs > 0:
-        limit += envs * k * row
-    if config.get("compression"):
-        limit += MAX_DICTS * (DICT_LIMIT + 64)
-    return limit
 
 
 def _safe_name(text: str) -> str:
@@ -371,6 +352,8 @@ class Layouts:
             try:
                 dt = np.dtype(a.get("dtype"))
                 shape = tuple(int(x) for x in a.get("shape"))
+                if any(type(x) is not int for x in a.get("shape")):  # (not "1", 1.0 or true: read as 1)
+                    raise TypeError
             except (TypeError, ValueError):
                 bad(f"gives array {name!r} dtype {a.get('dtype')!r:.40} and shape {a.get('shape')!r:.80}")
             rows = a.get("rows")

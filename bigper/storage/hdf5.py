@@ -32,7 +32,7 @@ from . import _h5relayout
 from ..common.files import FileLock, HeldDir, fsync_dir, open_regular, preallocate
 from ._h5guard import check_links
 from .base import RECORD, StorageBase, fits_spec
-from .state import STATE_BYTES_PER_SLOT, check_meta, state_slots
+from .state import check_meta, state_bytes_limit, state_slots
 from ..errors import (
     BigperError,
     CorruptSnapshotError,
@@ -126,6 +126,7 @@ class HDF5Storage(StorageBase):
         self._created = False
         self._lock_created = False
         self._meta: dict | None = None
+        self._record_before = None  # the record as it was before this session marked it unclean
         self._pending = False  # the file at path is to be replaced by a new one at allocate
         self._trash: Path | None = None  # the replaced file, until the new one is complete
         self._dir: HeldDir | None = None  # the folder, held from open (see open)
@@ -279,6 +280,8 @@ class HDF5Storage(StorageBase):
             else:
                 self._check_arrays(specs, growth)
                 if not self.read_only:
+                    # A refusal after this (a crafted index: segments.check_index) puts the record back.
+                    self._record_before = json.loads(json.dumps(self._meta))
                     self._meta["clean"] = False
                     self._write_meta()
             self.dsets = {name: self._open_dataset(name) for name in self._meta["arrays"] if name not in self._hidden}
@@ -452,6 +455,10 @@ class HDF5Storage(StorageBase):
 
     def _abort(self) -> None:
         if self._file is not None:
+            if self._record_before is not None:  # resumed, then refused: the record as it was
+                with contextlib.suppress(Exception):
+                    self._meta, self._record_before = self._record_before, None
+                    self._write_meta()
             self._file.close()
             self._file = None
         if self._older is not None:  # converted, then refused: the older file back at its name
@@ -702,6 +709,7 @@ def _state_group(f, meta: dict, where, wanted=None, capacity=None) -> dict:
     if not isinstance(g, h5py.Group):
         raise CorruptSnapshotError(f"{where}: /_bigper/state is not a group")
     cap = state_slots(meta.get("config"), capacity)
+    limit = state_bytes_limit(meta.get("config"), capacity)
     arrays = {}
     for name in g:
         if wanted is not None and name not in wanted:
@@ -710,7 +718,7 @@ def _state_group(f, meta: dict, where, wanted=None, capacity=None) -> dict:
         if not isinstance(d, h5py.Dataset) or d.dtype.hasobject or d.dtype.kind not in "biuf":
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} is not a numeric dataset")
         nbytes = int(np.prod(d.shape, dtype=object)) * d.dtype.itemsize
-        if nbytes > STATE_BYTES_PER_SLOT * (cap + 1024):
+        if nbytes > limit:
             raise CorruptSnapshotError(f"{where}: recorded state {name!r} of shape {d.shape} is larger "
                                        f"than any state of a {cap}-slot buffer")
         arrays[name] = d[()]

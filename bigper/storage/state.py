@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -16,6 +17,28 @@ from ..common.files import fsync_dir, open_regular, read_regular
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,99}$")
 # A recorded state array holds at most this many bytes per slot (a crafted larger one is not read).
 STATE_BYTES_PER_SLOT = 64
+
+
+def state_bytes_limit(config, capacity=None) -> int:
+    """The most bytes one recorded state array of a buffer of ``config``
+    (hostile: a dict or anything) takes: a few numbers a slot
+    (``STATE_BYTES_PER_SLOT``, ``state_slots``), the last ``frame_stack``
+    frames of each env (``frames_last``) and, compressed, the live
+    dictionaries (``frames_dict``)."""
+    limit = STATE_BYTES_PER_SLOT * (state_slots(config, capacity) + 1024)
+    try:
+        k, envs = int(config.get("frame_stack") or 0), int(config.get("num_envs") or 1)
+        shape, dt = config["fields"]["obs"]
+        row = math.prod(int(x) for x in shape[1:]) * np.dtype(dt).itemsize
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):  # (refused by the config's own checks)
+        return limit
+    if k > 0 and envs > 0:
+        limit += envs * k * row
+    if config.get("compression"):
+        from ..frames.dictionaries import DICT_LIMIT, MAX_DICTS
+
+        limit += MAX_DICTS * (DICT_LIMIT + 64)
+    return limit
 
 
 def state_slots(config, capacity=None) -> int:
