@@ -87,8 +87,10 @@ def thread_feed(buf, batch_size, prefetch):
     ``sampler``'s are."""
     import torch
 
-    from bigper.device.feed import FeedSampler
+    from bigper.device.feed import FeedSampler, covered
 
+    why = covered(buf._parts, torch.device("cpu"))
+    assert why is None, f"the feed does not cover this buffer: {why}"
     it = FeedSampler(buf._parts, int(batch_size), torch.device("cpu"), int(prefetch))
     buf._guard.samplers.add(it)
     return it
