@@ -487,3 +487,81 @@ def test_damaged_entries_or_log_bytes_are_corrupt_snapshot_error_from_next(tmp_p
     with Child(_DAMAGE.format(root=str(ROOT)), tmp_path) as child:
         child.said("ok", timeout=240)
         assert child.end() == 0, child.stderr()
+
+
+_MANY = """
+import sys, threading, time, warnings
+import numpy as np
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")
+import bigper.frames.segments, bigper.frames.dictionaries
+bigper.frames.segments.TRAIN_FRAMES = 20
+bigper.frames.dictionaries.PAYS = bigper.frames.dictionaries.DRIFT = -100.0
+from pathlib import Path
+from tests.frames.test_compression import ATARI, Feed, make
+from tests import hook
+games = np.load(ATARI)
+names = list(games)
+tmp = Path(sys.argv[1])
+buf = make(sys.argv[2], tmp, shape=(84, 84), k=4, capacity=80, seed=1,
+           budget=None if sys.argv[3] == "none" else int(sys.argv[3]))
+feed = Feed(games["Pong"], 4, seed=3)
+feed.run(buf, 40)
+stop, errors, counts = [False], [], {{}}
+
+def writer():
+    i = 0
+    while not stop[0]:
+        feed.frames = games[names[i % len(names)]]
+        i += 1
+        feed.run(buf, 3)
+
+def learner(name, make_it, update):
+    try:
+        it, n = make_it(), 0
+        while not stop[0]:
+            b = next(it) if it is not None else buf.sample(16)
+            steps = np.asarray(b["step"])
+            obs = np.asarray(b["obs"])
+            nxt = np.asarray(b["next_obs"])
+            for i in range(steps.shape[0]):
+                o, o2 = feed.added[int(steps[i])]
+                assert (obs[i] == o).all() and (nxt[i] == o2).all(), (name, n, i)
+            if update:
+                buf.update_priorities(b, np.random.rand(steps.shape[0]) + 0.1)
+            n += 1
+        counts[name] = n
+        if it is not None:
+            it.close()
+    except BaseException as e:
+        errors.append((name, repr(e)))
+
+threads = [threading.Thread(target=writer),
+           threading.Thread(target=learner, args=("native", lambda: buf.sampler(16, prefetch=2, device="cpu"), True)),
+           threading.Thread(target=learner, args=("own thread", lambda: hook.thread_feed(buf, 16, 3), True)),
+           threading.Thread(target=learner, args=("prefetch 0", lambda: buf.sampler(16, prefetch=0, device="cpu"),
+                                                  False)),
+           threading.Thread(target=learner, args=("sample", lambda: None, False))]
+for t in threads:
+    t.start()
+time.sleep(4)
+stop[0] = True
+for t in threads:
+    t.join()
+assert not errors and len(counts) == 4 and min(counts.values()) > 0, (errors, counts)
+assert hook.newest_gen(buf) > 9  # (more dictionaries adopted than codec slots)
+buf.close()
+print("ok", counts, flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind,budget", [("memory", "700"), ("memmap", "none")])
+def test_several_feeds_and_sample_on_threads_of_their_own_with_a_writer(tmp_path, kind, budget):
+    """Four readers at once (the native feed, ``FeedSampler``'s thread, a
+    ``prefetch=0`` feed and plain ``sample``), each on a thread of its own,
+    while a writer adopts dictionaries and the log grows or releases
+    segments: every batch exact, no crash (they share the log's decode
+    scratch, under the lock)."""
+    with Child(_MANY.format(root=str(ROOT)), tmp_path, kind, budget) as child:
+        child.said("ok", timeout=240)
+        assert child.end() == 0, child.stderr()
