@@ -545,8 +545,8 @@ class PrioritizedReplayBuffer:
         Notes
         -----
         With a ``device``, transitions with ``n_step=1``, proportional
-        priorities and raw frames (or none) in memory, memmap or a device tier
-        are served by the **feed** (``bigper/device/feed.py``, the GPU guide):
+        priorities and frames raw, compressed (not with a device tier) or none,
+        in memory, memmap or a device tier are served by the **feed** (``bigper/device/feed.py``, the GPU guide):
         one compiled draw under the lock, one compiled gather without the
         lock or the GIL, into a few reused slots; each batch gets tensors and a
         dict of its own over a slot's bytes, filled again only once nothing of

@@ -78,3 +78,19 @@ def frame_gens(log, ids):
     from bigper.frames.segments import split_entries
 
     return split_entries(log._entries(ids), log.dicts.hi)[2]
+
+
+def thread_feed(buf, batch_size, prefetch):
+    """The feed with a thread of its own that draws and gathers
+    (``bigper.device.feed.FeedSampler``: what CUDA gets) on the CPU, where
+    ``sampler`` gives the native feed; closed by the buffer's ``close`` as
+    ``sampler``'s are."""
+    import torch
+
+    from bigper.device.feed import FeedSampler, covered
+
+    why = covered(buf._parts, torch.device("cpu"))
+    assert why is None, f"the feed does not cover this buffer: {why}"
+    it = FeedSampler(buf._parts, int(batch_size), torch.device("cpu"), int(prefetch))
+    buf._guard.samplers.add(it)
+    return it

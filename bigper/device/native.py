@@ -51,11 +51,11 @@ def _never() -> bool:
 
 def feed_sampler(parts, b: int, dev, depth: int, beta=None, stratified: bool = True):
     """The feed for a buffer (its ``core.parts.Parts``; ``device.feed.covered``
-    says the feed serves it): on the CPU with a thread (POSIX), ``NativeFeed``;
-    else, and for compressed frames (decoded under the buffer's lock, which the
-    native thread never takes: ``FeedSampler``'s thread does it), ``FeedSampler``."""
-    compressed = parts.frames is not None and parts.frames.log is not None
-    if dev.type == "cpu" and depth > 0 and os.name == "posix" and not compressed:
+    says the feed serves it): on the CPU with a thread (POSIX), ``NativeFeed``
+    (compressed frames too: its draws, and so their decode under the lock, run
+    in the learner's ``next()``; its thread gathers the fields, never the lock);
+    else ``FeedSampler``."""
+    if dev.type == "cpu" and depth > 0 and os.name == "posix":
         return NativeFeed(parts, b, dev, depth, beta, stratified)
     return FeedSampler(parts, b, dev, depth, beta, stratified)
 

@@ -647,7 +647,9 @@ class FrameStore:
         return self._args
 
     def _contiguous(self, rows: dict) -> tuple:
-        """The rows' ``(obs, next_obs)`` stacks, C-contiguous (``obs`` twice without next_obs)."""
+        """The rows' ``(obs, next_obs)`` stacks, C-contiguous (``obs`` twice
+        without next_obs), as bytes: the kernels view them as words, and take
+        no array of a dtype numba has no type for (float16, another byte order)."""
         obs = rows["obs"]
         if not obs.flags.c_contiguous:
             obs = np.ascontiguousarray(obs)
@@ -656,7 +658,7 @@ class FrameStore:
             nxt = rows["next_obs"]
             if not nxt.flags.c_contiguous:
                 nxt = np.ascontiguousarray(nxt)
-        return obs, nxt
+        return obs.view(np.uint8), nxt.view(np.uint8)
 
     def rows_touched(self, m: int, where) -> dict:
         """Rows a write of ``m`` transitions at ``where`` may touch, by array
