@@ -51,11 +51,15 @@ def _never() -> bool:
 
 def feed_sampler(parts, b: int, dev, depth: int, beta=None, stratified: bool = True):
     """The feed for a buffer (its ``core.parts.Parts``; ``device.feed.covered``
-    says the feed serves it): on the CPU with a thread (POSIX), ``NativeFeed``
-    (compressed frames too: its draws, and so their decode under the lock, run
-    in the learner's ``next()``; its thread gathers the fields, never the lock);
-    else ``FeedSampler``."""
-    if dev.type == "cpu" and depth > 0 and os.name == "posix":
+    says the feed serves it): on the CPU with a thread (POSIX), ``NativeFeed``;
+    else ``FeedSampler``, and for compressed frames: their decode under the
+    lock is the longest part of a batch (0.4 ms at B = 32), and in
+    ``NativeFeed`` it would run in the learner's ``next()`` (the learner proxy
+    kept 74% / 33% of its speed at B = 32 / 256 so, 92% / 52% with the decode
+    in ``FeedSampler``'s thread: ``tools/bench.py learner``). That thread draws
+    ahead from the start, as the general sampler does."""
+    compressed = parts.frames is not None and parts.frames.log is not None
+    if dev.type == "cpu" and depth > 0 and os.name == "posix" and not compressed:
         return NativeFeed(parts, b, dev, depth, beta, stratified)
     return FeedSampler(parts, b, dev, depth, beta, stratified)
 

@@ -204,41 +204,53 @@ def test_prefetch_0_equals_twin_sample_to_torch(tmp_path, storage):
         buf.close()
 
 
-# -- the CPU feed's contract (found: the compressed feed drew in a thread of its own) ----------------
+# -- the CPU feed's contract (the semantics guide) -----------------------------------------------
 
-def test_cpu_feed_of_a_compressed_buffer_draws_nothing_before_the_first_next():
-    """The semantics guide: on the CPU the feed draws in ``next()`` itself: a
-    sampler made and left alone moves neither the random stream nor the beta
-    schedule, compressed frames or not."""
-    a, b = _atari_like(compression="zstd"), _atari_like(compression="zstd")
-    _add(a, 0, 300)
-    _add(b, 0, 300)
-    it = a.sampler(8, prefetch=3, device="cpu")
-    time.sleep(0.3)
-    assert it.ready == 0
-    np.testing.assert_array_equal(a.sample(8).indices, b.sample(8).indices)
-    first = next(it)
-    np.testing.assert_array_equal(first.host["indices"], b.sample(8).indices)
-    it.close()
-    a.close()
-    b.close()
+def test_on_the_cpu_raw_frames_are_drawn_in_next_and_compressed_ones_in_the_feeds_thread():
+    """The semantics guide: on the CPU the feed draws raw frames in ``next()``
+    itself (a sampler left alone moves neither the random stream nor the beta
+    schedule); compressed frames are drawn and decompressed by its own thread
+    from the start (in ``next()`` the decode would cost the learner most of its
+    speed), ``prefetch`` batches ahead, each still the stacks of its transitions."""
+    for compression in (None, "zstd"):
+        a, b = _atari_like(compression=compression), _atari_like(compression=compression)
+        _add(a, 0, 300)
+        _add(b, 0, 300)
+        it = a.sampler(8, prefetch=3, device="cpu")
+        deadline = time.monotonic() + 10
+        while compression and it.ready < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert it.ready == (3 if compression else 0), compression
+        if compression is None:  # nothing drawn: the twins' streams still agree
+            np.testing.assert_array_equal(a.sample(8).indices, b.sample(8).indices)
+            np.testing.assert_array_equal(next(it).host["indices"], b.sample(8).indices)
+        else:  # three draws made: the twin's first three are those batches, in order
+            for _ in range(3):
+                np.testing.assert_array_equal(next(it).host["indices"], b.sample(8).indices)
+        it.close()
+        a.close()
+        b.close()
 
 
-def test_seeded_runs_with_prefetch_and_priority_updates_draw_the_same_batches():
-    """Two twins iterated with ``prefetch=2`` and a priority update after every
-    batch draw the same batches: the draws happen at the same points of the
-    learner's loop, not wherever a thread of their own got the lock."""
+@pytest.mark.parametrize("compression,prefetch", [(None, 2), ("zstd", 0)])
+def test_seeded_runs_with_priority_updates_draw_the_same_batches(compression, prefetch):
+    """Two twins iterated with a priority update after every batch draw the
+    same batches where the draws happen at fixed points of the learner's loop:
+    raw frames with ``prefetch`` (drawn in ``next()``), compressed frames with
+    ``prefetch=0`` (each batch filled in the caller's thread; with a thread of
+    its own the feed draws whenever it gets the lock, as the general sampler)."""
     runs = []
     for _ in range(2):
-        buf = _atari_like(compression="zstd")
+        buf = _atari_like(compression=compression)
         _add(buf, 0, 300)
-        it = buf.sampler(8, prefetch=2, device="cpu")
+        it = buf.sampler(8, prefetch=prefetch, device="cpu")
         seen = []
         for i in range(40):
             batch = next(it)
             seen.append(batch.host["indices"].copy())
             buf.update_priorities(batch, torch.full((8,), 50.0 + i))
-            time.sleep(0.002 * (i % 3))  # (the thread, if any, gets the lock at other points of each run)
+            time.sleep(0.002 * (i % 3))  # (a thread, if any, would get the lock at other points of each run)
         it.close()
         buf.close()
         runs.append(np.stack(seen))
