@@ -47,6 +47,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -387,5 +388,6 @@ def main(args) -> int:
                     [[k, f"{v / 1000:.2f}" if isinstance(v, float) else v] for k, v in seq.items()])
     for buf in bufs.values():
         buf.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # (the memmap buffers: hundreds of MB a run)
     print(json.dumps(results))
     return 0
