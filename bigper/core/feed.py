@@ -186,6 +186,8 @@ class Sources:
         frames = parts.frames
         arrays = parts.store.arrays
         self.log = frames.log if frames is not None else None  # compressed frames: ``decode``, not the ring
+        # Frames ``gather_kernel`` copies from the ring, by ``draw``'s code (none when ``decode`` writes them).
+        self.copied = dict.fromkeys(layout.n_ids, 0) if self.log is not None else layout.n_ids
         if frames is not None:  # (the refs are the storage's even with a tier: the host plans, the device gathers)
             # (frame_ref, frame_off, F, k, whether next_obs stacks are drawn): frames/store.py's layout
             self.refs = (np.asarray(arrays["frame_ref"]), np.asarray(arrays["frame_off"]), frames.F, frames.k,
@@ -226,21 +228,15 @@ def gather(src: Sources, block: Block) -> None:
     """Copy the drawn rows and frames into ``block`` (no lock, no GIL);
     compressed frames are decompressed (``decode``: call it under the lock)."""
     decode(src, block)
-    if block.layout.fields or (block.fdst.shape[0] and src.log is None):
-        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, frames_gathered(src, block), src.ring,
-                      block.fdst)
-
-
-def frames_gathered(src: Sources, block: Block) -> int:
-    """How many frames ``gather_kernel`` copies for ``block`` (none when ``decode`` writes them)."""
-    return 0 if src.log is not None else block.layout.n_ids[block.shape]
+    if block.layout.fields or src.copied[block.shape]:
+        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, src.copied[block.shape], src.ring, block.fdst)
 
 
 def decode(src: Sources, block: Block) -> None:
     """Compressed frames: the drawn ones decompressed into ``block`` (under
     the buffer's lock, right after the draw; without the GIL)."""
     if src.log is not None and block.fdst.shape[0]:
-        src.log.decode_rows(block.ids[:block.layout.n_ids[block.shape]], block.fdst)
+        src.log.decode(block.ids[:block.layout.n_ids[block.shape]], block.fdst, threads=False)
 
 
 @held

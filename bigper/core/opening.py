@@ -111,9 +111,9 @@ def recorded_frames(recorded: dict) -> dict:
     arrays = arrays if isinstance(arrays, dict) else {}
     off, index = arrays.get("frame_off"), arrays.get("frame_index")
     shape = index.get("shape") if isinstance(index, dict) else None
-    # (a record of frame_index without a shape is refused by name, not taken for a new log's: None)
+    # (a record of frame_index without a shape is refused by name as an empty one, not taken for a new log's)
     return {"offsets": off.get("dtype") if isinstance(off, dict) else None,
-            "index": "null" if isinstance(index, dict) and shape is None else shape}
+            "index": [] if isinstance(index, dict) and shape is None else shape}
 
 
 def open_buffer(cfg: Config, path, mode: str, read_only: bool, options, dictionary):

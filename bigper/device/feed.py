@@ -209,9 +209,7 @@ class Filler:
         self.src_of = None  # (restores, storage arrays) the sources were made for
         self.drawn = None   # the (stratified, beta, batch_norm) of the last draw
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
-        # Frames gather_kernel copies by stack layout (compressed ones are decoded under the lock instead).
-        self.n_ids = self.layout.n_ids if parts.frames is None or parts.frames.log is None else \
-            dict.fromkeys(self.layout.n_ids, 0)
+        self.n_ids = self.layout.n_ids
         self.compressed = parts.frames is not None and parts.frames.log is not None
 
     def new_slot(self, row=None) -> Slot:
@@ -250,7 +248,7 @@ class Filler:
             return slot
         block = slot.block
         if self.gathers:
-            plan.gather_kernel(block.meta[0], self.src.srcs, block.dsts, block.ids, self.n_ids[block.shape],
+            plan.gather_kernel(block.meta[0], self.src.srcs, block.dsts, block.ids, self.src.copied[block.shape],
                                self.src.ring, block.fdst)
         if not self.check(parts, block, stop):
             return None

@@ -323,7 +323,6 @@ class SegmentLog:
         self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
         self._look: _look.Look | None = None  # a dictionary look in flight (``maybe_train``)
         self._staged_key = self._staged = None  # staged_args' arrays and ints, and what they were made of
-        self._rows_scratch = np.empty((3, 0), dtype=np.int64)  # decode_rows' offsets, lengths, codec slots
 
     @property
     def g(self) -> int:
@@ -724,14 +723,16 @@ class SegmentLog:
         return f"[offset {int(o[0])}, length {int(ln[0])}, dictionary {int(d[0])}]"
 
     # -- reading ---------------------------------------------------------------
-    def decode(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Frames ``ids`` ((n,) int64, live) as (n, row_bytes) uint8 rows of ``out``."""
+    def decode(self, ids: np.ndarray, out: np.ndarray | None = None, threads: bool = True) -> np.ndarray:
+        """Frames ``ids`` ((n,) int64, live; or their index rows ``id % F``,
+        which name the same frames) as (n, row_bytes) uint8 rows of ``out``
+        (the first n when it has more); ``threads``: on the pool's threads,
+        else in this one only (the feed's: ``core/feed.decode``, under the
+        buffer's lock, beside a learner on the other cores)."""
         n = ids.shape[0]
         if out is None:
             out = np.empty((n, self.row_bytes), dtype=np.uint8)
-        offsets = np.empty(n, dtype=np.int64)
-        lengths = np.empty(n, dtype=np.int64)
-        dicts = np.empty(n, dtype=np.int64)
+        offsets, lengths, dicts = np.empty((3, n), dtype=np.int64)  # (each row contiguous)
         arrays = self.store.arrays
         if arrays is not None:
             index, rows = arrays["frame_index"], ids % self.F
@@ -756,42 +757,16 @@ class SegmentLog:
             r = _zstd.decompress_rows(codec.dctx(), ddicts, log, offsets, lengths, dicts, out, lo, hi)
             if r >= 0:
                 failed.append(r)
-        for_ranges(run, n, DECODE_CHUNK)
+        if threads:
+            for_ranges(run, n, DECODE_CHUNK)
+        else:
+            run(0, n)
         if failed:
             r = min(failed)
             raise CorruptSnapshotError(
                 f"frame {int(ids[r])} (log bytes {int(offsets[r])}..+{int(lengths[r])}) does not decompress "
                 f"to its {self.row_bytes} bytes: the log or its index is damaged")
         return out
-
-    def decode_rows(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """The frames whose index rows are ``rows`` (``id % F`` of live frames)
-        into the first rows of ``out`` ((n, row_bytes) uint8 or more rows), in
-        this thread and without the GIL, as ``decode`` checks them: the feed's
-        gather of compressed frames (``core/feed.py``), under the buffer's lock
-        (no dictionary is dropped and the log does not grow meanwhile). Needs
-        the storage's arrays."""
-        n = rows.shape[0]
-        if self._rows_scratch.shape[1] < n:
-            self._rows_scratch = np.empty((3, n), dtype=np.int64)
-        offsets, lengths, dicts = self._rows_scratch[:, :n]
-        arrays = self.store.arrays
-        index = arrays["frame_index"]
-        ds = self.dicts
-        bad = gather_index(index, rows, self.log_bytes, self.seg, self.max_len, ds.lo, ds.hi, MAX_DICTS, offsets,
-                           lengths, dicts)
-        if bad >= 0:
-            raise CorruptSnapshotError(
-                f"frame index row {int(rows[bad])}'s entry {self._said(index[rows[bad:bad + 1]])} points outside "
-                f"the log of {self.log_bytes} bytes or across a segment's end, has a length outside "
-                f"1..{self.max_len} or names no dictionary of {ds.lo}..{ds.hi}")
-        codec = self.codec
-        r = _zstd.decompress_rows(codec.dctx(), codec.ddicts, arrays["frame_log"].reshape(-1), offsets, lengths, dicts,
-                                  out, 0, n)
-        if r >= 0:
-            raise CorruptSnapshotError(
-                f"the frame at index row {int(rows[r])} (log bytes {int(offsets[r])}..+{int(lengths[r])}) does not "
-                f"decompress to its {self.row_bytes} bytes: the log or its index is damaged")
 
     def _read_spans(self, offsets: np.ndarray, lengths: np.ndarray):
         """The log blocks the frames need (storages without arrays), with the

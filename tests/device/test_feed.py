@@ -237,31 +237,39 @@ def test_close_and_errors_keep_the_sampler_contract(device):
             next(it)
 
 
-def test_thread_makes_a_handful_of_python_calls_a_batch():
-    """The feed's thread: at most 12 Python calls a batch (calls and C calls,
-    ``threading.setprofile``), whatever the batch size."""
-    buf = _atari_like()
-    _add(buf, 0, 400)
+def thread_calls_a_batch(make_iter) -> float:
+    """Python calls and C calls a batch (``threading.setprofile``: threads
+    started after it, so the feed's) over 50 batches after 5, of the sampler
+    ``make_iter()`` makes (closed after)."""
     counts = [0]
 
     def prof(frame, event, arg):
         if event in ("call", "c_call"):
             counts[0] += 1
+    threading.setprofile(prof)
+    try:
+        it = make_iter()
+    finally:
+        threading.setprofile(None)
+    for _ in range(5):
+        t = next(it)
+    c0 = counts[0]
+    for _ in range(50):
+        t = next(it)
+    c1 = counts[0]
+    del t
+    it.close()
+    return (c1 - c0) / 50
+
+
+def test_thread_makes_a_handful_of_python_calls_a_batch():
+    """The feed's thread: at most 12 Python calls a batch (calls and C calls,
+    ``threading.setprofile``), whatever the batch size."""
+    buf = _atari_like()
+    _add(buf, 0, 400)
     for b in (8, 256):
-        threading.setprofile(prof)
-        try:
-            it = buf.sampler(b, prefetch=1, device="cpu")
-        finally:
-            threading.setprofile(None)
-        for _ in range(5):
-            t = next(it)
-        c0 = counts[0]
-        for _ in range(50):
-            t = next(it)
-        c1 = counts[0]
-        del t
-        it.close()
-        assert (c1 - c0) / 50 <= 12, (b, (c1 - c0) / 50)
+        per = thread_calls_a_batch(lambda: buf.sampler(b, prefetch=1, device="cpu"))
+        assert per <= 12, (b, per)
 
 
 def test_what_the_feed_does_not_cover_takes_the_general_path(tmp_path):

@@ -1,6 +1,6 @@
 """Attack on the feed serving compressed frames (``compression="zstd"``): the
 drawn frames decoded into the batch's block under the buffer's lock right
-after the draw (``SegmentLog.decode_rows``), the fields gathered without it.
+after the draw (``SegmentLog.decode`` in the feed's thread), the fields gathered without it.
 
 Every batch is held to the stacks that were added for its transition (the
 ``step`` field and the generations name it), in both frame index layouts,
@@ -25,9 +25,6 @@ thread gathers the fields only.
 
 from __future__ import annotations
 
-import sys
-import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -42,7 +39,7 @@ from bigper.device.native import NativeFeed  # noqa: E402
 
 from tests import hook  # noqa: E402
 from tests._child import Child  # noqa: E402
-from tests.device.test_feed import _add, _atari_like  # noqa: E402
+from tests.device.test_feed import _add, _atari_like, thread_calls_a_batch  # noqa: E402
 from tests.frames.test_compression import Feed, make  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,26 +261,7 @@ def test_the_feed_thread_makes_few_python_calls_whatever_the_batch_size():
     no more for B=256 than for B=8. (The native feed's thread makes none.)"""
     buf = _atari_like(compression="zstd")
     _add(buf, 0, 400)
-    counts = [0]
-
-    def prof(frame, event, arg):
-        if event in ("call", "c_call"):
-            counts[0] += 1
-    per = {}
-    for b in (8, 256):
-        threading.setprofile(prof)
-        try:
-            it = hook.thread_feed(buf, b, 1)
-        finally:
-            threading.setprofile(None)
-        for _ in range(5):
-            t = next(it)
-        c0 = counts[0]
-        for _ in range(50):
-            t = next(it)
-        per[b] = (counts[0] - c0) / 50
-        del t
-        it.close()
+    per = {b: thread_calls_a_batch(lambda: hook.thread_feed(buf, b, 1)) for b in (8, 256)}
     buf.close()
     assert per[8] <= 26 and per[256] <= per[8] + 1, per
 

@@ -1216,11 +1216,16 @@ def test_a_load_racing_a_resume_of_its_path_never_discards_the_priorities_set_si
                 v.close()
         assert isinstance(out["load"], (PathExistsError, StorageLockedError)), out
         assert isinstance(out["resume"], (bigper.PrioritizedReplayBuffer, StorageLockedError)), out
-        b = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, mode="resume")
-        try:
-            assert b.state_dict()[0]["max_leaf"] == top
-        finally:
-            b.close()
+        _assert_resumes_with_top(storage, live, top)
+
+
+def _assert_resumes_with_top(storage, live, top) -> None:
+    """The run folder ``live`` resumes with the largest priority ``top`` (the writer's, kept)."""
+    r = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, mode="resume")
+    try:
+        assert r.state_dict()[0]["max_leaf"] == top
+    finally:
+        r.close()
 
 
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
@@ -1259,11 +1264,7 @@ def test_a_load_racing_the_close_of_the_writer_never_discards_what_it_closed_wit
     t1.join(30)
     assert outcomes and all(isinstance(o, (StorageLockedError, PathExistsError)) for o in outcomes), outcomes
     assert isinstance(outcomes[-1], PathExistsError)
-    r = bigper.PrioritizedReplayBuffer(50, F, storage=storage, path=live, seed=0, mode="resume")
-    try:
-        assert r.state_dict()[0]["max_leaf"] == top
-    finally:
-        r.close()
+    _assert_resumes_with_top(storage, live, top)
 
 
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
