@@ -490,3 +490,127 @@ def test_buffer_or_sampler_dropped_while_the_feed_thread_runs(tmp_path):
     with Child(_GC.format(root=str(ROOT)), tmp_path) as child:
         child.said("ok", timeout=300)
         assert child.end() == 0, child.stderr()
+
+
+# -- dictionary codes wrapping past 127 under a running feed ------------------------------------------
+
+_WRAP = _PRELUDE + """
+import bigper.frames.segments, bigper.frames.dictionaries
+from bigper.frames.segments import GEN_CODES
+bigper.frames.segments.TRAIN_FRAMES = 40
+bigper.frames.dictionaries.PAYS = bigper.frames.dictionaries.DRIFT = -100.0  # every candidate adopted
+tmp = Path(sys.argv[1])
+rng = np.random.default_rng(0)
+fr = np.zeros((500, 16, 16), np.uint8)
+fr[:, :4] = rng.integers(0, 8, (500, 4, 16))
+fr[:, 8:] = np.arange(16)[None, None] * rng.integers(1, 4, (500, 1, 1))
+buf = make(sys.argv[2], tmp, (16, 16), k=2, capacity=200, name="many", seed=3)
+feed = Feed(fr, 2, seed=3)
+feed.run(buf, 60)
+mine, stop, errors = threading.Lock(), [False], []
+
+def writer():
+    try:
+        while not stop[0] and hook.newest_gen(buf) <= GEN_CODES + 15:
+            with mine:
+                feed.run(buf, 10)
+    except BaseException as e:
+        errors.append(repr(e))
+    stop[0] = True
+
+w = threading.Thread(target=writer)
+w.start()
+it = buf.sampler(16, prefetch=3, device="cpu")
+assert isinstance(it, FeedSampler)
+n, kept, t0 = 0, [], time.time()
+try:
+    while not stop[0]:
+        b = next(it)
+        with mine:
+            exact(b, feed)
+        if n % 7 == 0:
+            kept.append((b, {{k: v.clone() for k, v in b.items()}}))
+        buf.update_priorities(b, np.random.rand(16) + 0.1)
+        n += 1
+        assert time.time() - t0 < 200, ("slow", hook.newest_gen(buf))
+finally:
+    stop[0] = True
+    w.join()
+assert not errors, errors
+assert hook.newest_gen(buf) > GEN_CODES + 1, hook.newest_gen(buf)
+for _ in range(10):  # after the wrap, the writer stopped
+    exact(next(it), feed)
+for b, c in kept:
+    for k, v in c.items():
+        assert (b[k] == v).all(), k
+it.close()
+check_all_live(buf, feed)
+buf.close()
+print("ok", n, flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["memory", "memmap"])
+def test_the_feed_stays_exact_while_dictionary_codes_wrap_past_127(tmp_path, kind):
+    """A writer thread whose log adopts a dictionary every 40 frames until the
+    packed entry's 7-bit generation code wraps (generation 128 is code 1),
+    ``FeedSampler`` drawing ahead and decoding all along: every batch is the
+    stacks added for it, kept ones never change."""
+    with Child(_WRAP.format(root=str(ROOT)), tmp_path, kind) as child:
+        child.said("ok", timeout=300)
+        assert child.end() == 0, child.stderr()
+
+
+# -- frames at the packed entry's length limit; a read-only folder ------------------------------------
+
+@pytest.mark.parametrize("n,width", [(65249, 1), (65250, 2)])
+def test_the_feed_serves_frames_at_the_packed_length_limit_and_one_past(n, width):
+    """Incompressible frames whose zstd bound is 65535 bytes (the packed
+    entry's longest) and 65536 (wide entries): the feed's batches are exact."""
+    from bigper.device.feed import FeedSampler
+    from tests import hook
+
+    buf = bigper.PrioritizedReplayBuffer(capacity=12, fields={"obs": ((2, n), np.uint8), "step": ((), np.int64)},
+                                         frame_stack=2, compression="zstd", seed=0)
+    assert hook.frames(buf).store.arrays["frame_index"].shape[1] == width
+    fr = np.random.default_rng(0).integers(0, 256, (40, n)).astype(np.uint8)
+    added = {}
+    for g in range(20):
+        o, o2 = fr[[max(g - 1, 0), g]], fr[[g, g + 1]]
+        added[g] = (o, o2)
+        buf.add(obs=o, next_obs=o2, step=g, terminated=False, truncated=False)
+    it = buf.sampler(4, prefetch=2, device="cpu")
+    assert isinstance(it, FeedSampler)
+    for _ in range(4):
+        b = next(it)
+        for i, g in enumerate(b["step"].numpy()):
+            np.testing.assert_array_equal(b["obs"][i].numpy(), added[int(g)][0])
+            np.testing.assert_array_equal(b["next_obs"][i].numpy(), added[int(g)][1])
+    it.close()
+    buf.close()
+
+
+def test_a_read_only_folder_is_served_exact_and_refuses_updates(tmp_path):
+    from bigper.device.feed import FeedSampler
+    from bigper.errors import ReadOnlyBufferError
+    from tests._hostile_snapshot_cases import fingerprint
+    from tests.frames.test_compression import Feed, make
+
+    buf = make("memmap", tmp_path, shape=(12, 12), k=3, capacity=60, seed=0)
+    feed = Feed(_frames(), 3, seed=1)
+    feed.run(buf, 80)
+    buf.close()
+    before = {k: v for k, v in fingerprint(tmp_path / "buf").items() if not k.endswith(".lock")}
+    ro = bigper.PrioritizedReplayBuffer(capacity=60, fields={"obs": ((3, 12, 12), np.uint8), "step": ((), np.int64)},
+                                        frame_stack=3, compression="zstd", storage="memmap", path=tmp_path / "buf",
+                                        mode="resume", read_only=True)
+    it = ro.sampler(8, prefetch=2, device="cpu")
+    assert isinstance(it, FeedSampler)
+    for _ in range(5):
+        b = next(it)
+        _exact(b, feed)
+        with pytest.raises(ReadOnlyBufferError):
+            ro.update_priorities(b, np.ones(8))
+    it.close()
+    ro.close()
+    assert {k: v for k, v in fingerprint(tmp_path / "buf").items() if not k.endswith(".lock")} == before
