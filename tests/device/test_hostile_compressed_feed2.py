@@ -614,3 +614,100 @@ def test_a_read_only_folder_is_served_exact_and_refuses_updates(tmp_path):
     it.close()
     ro.close()
     assert {k: v for k, v in fingerprint(tmp_path / "buf").items() if not k.endswith(".lock")} == before
+
+
+_RO_KILLED = _PRELUDE + """
+d = Path(sys.argv[1])
+ro = bigper.PrioritizedReplayBuffer(capacity=60, fields={{"obs": ((3, 12, 12), np.uint8), "step": ((), np.int64)}},
+    frame_stack=3, compression="zstd", storage="memmap", path=d / "buf", mode="resume", read_only=True)
+it = ro.sampler(8, prefetch=3, device="cpu")
+assert isinstance(it, FeedSampler)
+for _ in range(5):
+    next(it)
+print("go", flush=True)
+while True:
+    next(it)
+"""
+
+
+def test_kill_9_of_a_read_only_reader_with_a_feed_leaves_the_folder_resumable(tmp_path):
+    """A second process reads a closed folder read-only through the feed (its
+    thread drawing ahead); SIGKILL: the folder still resumes for writing,
+    unchanged and exact."""
+    from tests._hostile_snapshot_cases import fingerprint
+    from tests.frames.test_compression import Feed, check_all_live, make
+
+    buf = make("memmap", tmp_path, shape=(12, 12), k=3, capacity=60, seed=0)
+    feed = Feed(_frames(), 3, seed=1)
+    feed.run(buf, 80)
+    buf.close()
+    before = {k: v for k, v in fingerprint(tmp_path / "buf").items() if not k.endswith(".lock")}
+    with Child(_RO_KILLED.format(root=str(ROOT)), tmp_path) as child:
+        child.said("go", timeout=300)
+        child.kill()
+    assert {k: v for k, v in fingerprint(tmp_path / "buf").items() if not k.endswith(".lock")} == before
+    again = make("memmap", tmp_path, shape=(12, 12), k=3, capacity=60, seed=0, mode="resume")
+    check_all_live(again, feed)
+    feed.run(again, 10)
+    check_all_live(again, feed)
+    again.close()
+
+
+_FULL_BUSY = _PRELUDE + """
+from tests.conftest import fill_disk
+from tests.frames.test_compression import noise
+mnt = Path(sys.argv[1])
+buf = make("memmap", mnt, shape=(16, 16), k=2, capacity=200, name="live", seed=0)
+feed = Feed(noise(np.random.default_rng(5), 900, (16, 16), np.uint8), 2, seed=5)
+feed.run(buf, 10)
+mine, stop, errors, served = threading.Lock(), [False], [], [0]
+
+def learner():
+    it = buf.sampler(8, prefetch=2, device="cpu")
+    assert isinstance(it, FeedSampler)
+    try:
+        while not stop[0]:
+            b = next(it)
+            with mine:
+                exact(b, feed)
+            buf.update_priorities(b, np.random.rand(8) + 0.1)
+            served[0] += 1
+    except BaseException as e:
+        errors.append(repr(e))
+    it.close()
+
+fill_disk(mnt / "filler")
+t = threading.Thread(target=learner)
+t.start()
+failed = None
+for n in range(600):
+    try:
+        with mine:
+            feed.run(buf, 1)
+    except OSError as e:
+        failed = n
+        # the step the add refused is not in the buffer: forget it as the Feed's record
+        break
+time.sleep(0.3)
+stop[0] = True
+t.join()
+assert failed is not None, "adds of noise on a full disk never failed"
+assert not errors and served[0] > 0, (errors, served)
+check_all_live(buf, feed)
+check_sample(buf, feed, 16)
+os.unlink(mnt / "filler")  # (close writes the state: room for it)
+buf.close()
+again = make("memmap", mnt, shape=(16, 16), k=2, capacity=200, name="live", seed=0, mode="resume")
+check_all_live(again, feed)
+again.close()
+print("ok", failed, served[0], flush=True)
+"""
+
+
+def test_full_disk_while_a_learner_thread_takes_feed_batches(small_tmpfs):
+    """A learner thread takes feed batches without pause while the main thread
+    adds noise onto a filled 3 MB tmpfs: the add that needs room raises
+    ``OSError``, the learner's batches are all exact, every live transition too."""
+    with Child(_FULL_BUSY.format(root=str(ROOT)), small_tmpfs) as child:
+        child.said("ok", timeout=300)
+        assert child.end() == 0, child.stderr()
