@@ -711,3 +711,44 @@ def test_full_disk_while_a_learner_thread_takes_feed_batches(small_tmpfs):
     with Child(_FULL_BUSY.format(root=str(ROOT)), small_tmpfs) as child:
         child.said("ok", timeout=300)
         assert child.end() == 0, child.stderr()
+
+
+@pytest.mark.parametrize("kind", ["memory", "memmap"])
+@pytest.mark.parametrize("src_wide,dst_wide", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("twin_adds", [50, 70])
+def test_a_refused_load_state_while_the_feed_draws_ahead_changes_nothing(tmp_path, kind, src_wide, dst_wide,
+                                                                         twin_adds):
+    """``load_state`` of another buffer's bookkeeping (its frame index of the
+    other layout or the same, its log grown as far or further: it names log
+    bytes this buffer does not hold) while ``FeedSampler`` draws ahead: refused
+    with ``CorruptSnapshotError`` (the old state put back, a second restore),
+    and the feed's batches, every live transition and later adds stay exact."""
+    import copy
+
+    from bigper.device.feed import FeedSampler
+    from tests.frames.test_compression import Feed, check_all_live, make
+
+    fr = _frames(300)
+    a = make(kind, tmp_path, shape=(12, 12), k=3, capacity=40, seed=0, wide=dst_wide, name="a")
+    fa = Feed(fr, 3, seed=1)
+    fa.run(a, 50)
+    w = make("memory", tmp_path, shape=(12, 12), k=3, capacity=40, seed=0, wide=src_wide, name="w")
+    Feed(fr[::-1].copy(), 3, seed=2).run(w, twin_adds)
+    it = a.sampler(4, prefetch=2, device="cpu")
+    assert isinstance(it, FeedSampler)
+    _exact(next(it), fa)
+    m, arr = w.state_dict()
+    with pytest.raises(bigper.errors.CorruptSnapshotError):
+        a.load_state(copy.deepcopy(m), {k: np.array(v, copy=True) for k, v in arr.items()})
+    for _ in range(6):
+        b = next(it)
+        _exact(b, fa)
+        a.update_priorities(b, np.random.rand(4) + 0.1)
+    check_all_live(a, fa)
+    fa.run(a, 20)
+    for _ in range(4):
+        _exact(next(it), fa)
+    check_all_live(a, fa)
+    it.close()
+    a.close()
+    w.close()
