@@ -752,3 +752,47 @@ def test_a_refused_load_state_while_the_feed_draws_ahead_changes_nothing(tmp_pat
     it.close()
     a.close()
     w.close()
+
+
+_GC_GATHER = _PRELUDE + """
+tmp = Path(sys.argv[1])
+fr = frames(301)
+res = {{}}
+for trial in range(10):
+    buf = bigper.PrioritizedReplayBuffer(capacity=300, fields={{"obs": ((2, 12, 12), np.uint8), "big": ((8192,), np.float32),
+                                         "step": ((), np.int64)}}, frame_stack=2, compression="zstd",
+                                         storage="memmap", path=tmp / f"b{{trial}}", seed=trial)
+    big = np.ones(8192, np.float32)
+    for g in range(300):
+        buf.add(obs=fr[[max(g - 1, 0), g]], next_obs=fr[[g, g + 1]], big=big * g, step=g, terminated=False,
+                truncated=False)
+    it = buf.sampler(1024, prefetch=2, device="cpu")
+    assert isinstance(it, FeedSampler)
+    b = next(it)
+    time.sleep(0.001 * (trial % 10))  # (the thread drawing, gathering 32 MB of ``big`` without the lock, or idle)
+    del buf
+    gc.collect()
+    try:
+        for _ in range(4):
+            b = next(it)
+            s = b["step"].numpy()
+            assert (b["big"].numpy()[:, 17] == s).all() and (b["obs"][:, 1].numpy() == fr[s]).all()
+        r = "served"
+    except (BigperError, StopIteration) as e:
+        r = type(e).__name__
+    res[r] = res.get(r, 0) + 1
+    it.close()
+    del it, b
+    gc.collect()
+print("ok", res, flush=True)
+"""
+
+
+def test_a_memmap_buffer_dropped_while_the_feed_gathers_without_the_lock(tmp_path):
+    """A memmap buffer dropped (no ``close``) while the feed's thread gathers
+    32 MB batches of a field without the lock: its storage is unmapped only
+    after the thread let go (no crash), and the sampler ends with a bigper
+    error or serves exact batches."""
+    with Child(_GC_GATHER.format(root=str(ROOT)), tmp_path) as child:
+        child.said("ok", timeout=300)
+        assert child.end() == 0, child.stderr()
