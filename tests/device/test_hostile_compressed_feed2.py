@@ -796,3 +796,38 @@ def test_a_memmap_buffer_dropped_while_the_feed_gathers_without_the_lock(tmp_pat
     with Child(_GC_GATHER.format(root=str(ROOT)), tmp_path) as child:
         child.said("ok", timeout=300)
         assert child.end() == 0, child.stderr()
+
+
+_EXIT = _PRELUDE + """
+tmp = Path(sys.argv[1])
+buf = make("memmap", tmp, shape=(12, 12), k=3, capacity=80, name="live", seed=1)
+feed = Feed(frames(), 3, seed=7)
+feed.run(buf, 80)
+it = buf.sampler(64, prefetch=4, device="cpu")
+next(it); next(it)
+if sys.argv[2] == "adds":
+    def w():
+        while feed.g < 3000:
+            feed.run(buf, 5)
+    threading.Thread(target=w, daemon=True).start()
+    time.sleep(0.2)
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["idle", "adds"])
+def test_the_interpreter_exits_without_close_while_the_feed_draws_ahead(tmp_path, mode):
+    """A script ends without ``close`` while the feed's thread draws ahead (and
+    a daemon thread adds): the exit closes the buffer (no hang, status 0) and
+    the folder resumes exact."""
+    from tests.frames.test_compression import Feed, check_all_live, check_sample, make
+
+    with Child(_EXIT.format(root=str(ROOT)), tmp_path, mode) as child:
+        child.said("exiting", timeout=300)
+        assert child.end(timeout=120) == 0, child.stderr()
+    feed = Feed(_frames(), 3, seed=7)
+    feed.run(_Sink(), 3000)
+    again = make("memmap", tmp_path, shape=(12, 12), k=3, capacity=80, name="live", seed=1, mode="resume")
+    assert check_all_live(again, feed) > 0
+    check_sample(again, feed, 16)
+    again.close()
