@@ -9,8 +9,7 @@ The risky cases run in child processes: a crash is a failure, not a dead run.
 
 from __future__ import annotations
 
-import os
-import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -199,8 +198,7 @@ def test_kill_9_while_adding_with_a_feed_running_resumes_exact(tmp_path, budget)
     the feed ran loads exact, into that folder too, and goes on."""
     with Child(_KILLED.format(root=str(ROOT)), tmp_path, budget) as child:
         child.said("go", timeout=300)
-        import time
-        time.sleep(0.05)
+        time.sleep(0.05)  # (adds, the feed drawing ahead)
         child.kill()
     from tests.frames.test_compression import Feed, check_all_live, check_sample, make
 
