@@ -372,9 +372,15 @@ def _exact(b, feed):
         np.testing.assert_array_equal(b["next_obs"][i].numpy(), o2)
 
 
-@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, -1.0, -1e-40])
-@pytest.mark.parametrize("kind", ["numpy", "torch64", "torch32"])
+@pytest.mark.parametrize("bad,kind", [(bad, kind) for bad in (np.inf, -np.inf, np.nan, -1.0, -1e-40)
+                                      for kind in ("numpy", "torch64", "torch32")]
+                         + [(bad, kind) for bad in (np.inf, np.nan, -1.0, 70000.0) for kind in ("torch16", "bf16")
+                            if (bad, kind) != (70000.0, "bf16")]
+                         + [(-1.0, "int64"), (-(2.0 ** 63), "int64")])
 def test_invalid_priorities_on_feed_batches_are_refused_and_change_nothing(bad, kind):
+    """NaN, infinities (float16 70000 is inf), negatives (a float32 subnormal,
+    int64's least), one of eight: refused, the tree and total unchanged, the
+    feed goes on exact."""
     from bigper.device.feed import FeedSampler
     from bigper.errors import InvalidArgumentError
 
@@ -385,7 +391,9 @@ def test_invalid_priorities_on_feed_batches_are_refused_and_change_nothing(bad, 
     _exact(b, feed)
     p = np.full(8, 0.5)
     p[3] = bad
-    p = {"numpy": p, "torch64": torch.tensor(p), "torch32": torch.tensor(p, dtype=torch.float32)}[kind]
+    p = {"numpy": lambda: p, "torch64": lambda: torch.tensor(p), "torch32": lambda: torch.tensor(p, dtype=torch.float32),
+         "torch16": lambda: torch.tensor(p, dtype=torch.float16), "bf16": lambda: torch.tensor(p, dtype=torch.bfloat16),
+         "int64": lambda: torch.tensor(p).to(torch.int64)}[kind]()
     before = (buf.total_priority, buf.prioritization.tree.copy() if hasattr(buf.prioritization.tree, "copy")
               else None)
     prios = buf.state_dict()[1]
