@@ -520,7 +520,7 @@ def learner(name, make_it, update):
             if update:
                 buf.update_priorities(b, np.random.rand(steps.shape[0]) + 0.1)
             n += 1
-        counts[name] = n
+            counts[name] = n
         if it is not None:
             it.close()
     except BaseException as e:
@@ -534,7 +534,12 @@ threads = [threading.Thread(target=writer),
            threading.Thread(target=learner, args=("sample", lambda: None, False))]
 for t in threads:
     t.start()
-time.sleep(4)
+# (at least 4 s, and on until every reader has a batch and more dictionaries than codec slots were
+# adopted: the first calls compile bigper's kernels, which on a fresh machine takes most of 4 s)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 4 or (time.monotonic() - t0 < 150 and not errors
+                                    and (len(counts) < 4 or hook.newest_gen(buf) <= 9)):
+    time.sleep(0.1)
 stop[0] = True
 for t in threads:
     t.join()
