@@ -30,6 +30,7 @@ import numpy as np
 from ..tensors.jax import host_values, is_jax_array, to_host_async
 from ..tensors.pinned import POOL
 from ..tensors.lazy import load_torch
+from ..tensors.streams import current_stream
 from ..errors import BigperError, InvalidArgumentError
 
 
@@ -73,7 +74,7 @@ class Deferred:
             slot = POOL.acquire(key, tuple(t.shape), t.dtype)
             slot.host.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(t.device))
+            torch._C._CudaEventBase.record(event, current_stream(torch, t.device))
             self.items.append(Pending(indices, stamps, use_stamps, mask, (key, slot), event))
         else:
             self.items.append(Pending(indices, stamps, use_stamps, mask, (None, t.to("cpu")), None))

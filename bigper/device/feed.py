@@ -39,6 +39,7 @@ import numpy as np
 
 from ..tensors.transport import TensorBatch
 from ..tensors.lazy import load_torch, torch_dtype
+from ..tensors.streams import current_stream
 from ..core import feed as plan
 from ..core.prefetch import Failure, Threaded, why_after
 from ..errors import BufferClosedError, InvalidArgumentError
@@ -210,7 +211,8 @@ class Filler:
         self.drawn = None   # the (stratified, beta, batch_norm) of the last draw
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
         self.n_ids = self.layout.n_ids
-        self.compressed = parts.frames is not None and parts.frames.log is not None
+        # (a tier holds the frames raw on the device: nothing to decode on the host)
+        self.compressed = parts.frames is not None and parts.frames.log is not None and self.tier is None
 
     def new_slot(self, row=None) -> Slot:
         """A slot (its bytes those of the numpy ``row`` where given). Never of
@@ -313,13 +315,12 @@ class Filler:
 
     def stream(self):
         """The CUDA stream the slots are filled on: the feed thread's current
-        stream, taken once (``torch.cuda.current_stream`` is tens of Python
-        calls); in the caller's thread (``prefetch=0``), its current one."""
+        stream, taken once; in the caller's thread (``prefetch=0``), its current one."""
         if self.own_thread:
             if self._stream is None:
-                self._stream = self.torch.cuda.current_stream(self.dev)
+                self._stream = current_stream(self.torch, self.dev)
             return self._stream
-        return self.torch.cuda.current_stream(self.dev)
+        return current_stream(self.torch, self.dev)
 
     def _reuse(self, slot: Slot) -> None:
         """CUDA: before a slot is filled again, its last copy out of the host
@@ -436,8 +437,8 @@ class FeedSampler(Threaded):
         item.fresh = False
         item.code = item.block.shape
         batch = item.batch()
-        if self._cuda:
-            self._torch.cuda.current_stream(self._dev).wait_event(item.ready)
+        if self._cuda:  # (the C method: torch's wrappers look the stream up again)
+            self._filler.event.wait(item.ready, current_stream(self._torch, self._dev))
         return batch
 
     def _fill_here(self):
@@ -457,7 +458,7 @@ class FeedSampler(Threaded):
     def _give_back(self, slot: Slot) -> None:
         if slot.unheld():
             if self._cuda:
-                slot.released.record()
+                self._filler.event.record(slot.released, current_stream(self._torch, self._dev))
             self._free.put(slot)
         else:  # the learner keeps it: a new slot takes its place
             self._free.put(None)

@@ -723,12 +723,13 @@ class SegmentLog:
         return f"[offset {int(o[0])}, length {int(ln[0])}, dictionary {int(d[0])}]"
 
     # -- reading ---------------------------------------------------------------
-    def decode(self, ids: np.ndarray, out: np.ndarray | None = None, threads: bool = True) -> np.ndarray:
+    def decode(self, ids: np.ndarray, out: np.ndarray | None = None, threads: bool = True,
+               chunk: int = DECODE_CHUNK) -> np.ndarray:
         """Frames ``ids`` ((n,) int64, live; or their index rows ``id % F``,
         which name the same frames) as (n, row_bytes) uint8 rows of ``out``
         (the first n when it has more); ``threads``: on the pool's threads,
-        else in this one only (the feed's: ``core/feed.decode``, under the
-        buffer's lock, beside a learner on the other cores)."""
+        ``chunk`` frames a thread at least, else in this one only (the feed's:
+        ``core/feed.decode``, under the buffer's lock, beside a learner)."""
         n = ids.shape[0]
         if out is None:
             out = np.empty((n, self.row_bytes), dtype=np.uint8)
@@ -758,7 +759,7 @@ class SegmentLog:
             if r >= 0:
                 failed.append(r)
         if threads:
-            for_ranges(run, n, DECODE_CHUNK)
+            for_ranges(run, n, chunk)
         else:
             run(0, n)
         if failed:

@@ -4,8 +4,29 @@ stream wait for it (no host wait)."""
 
 from __future__ import annotations
 
+import threading
+
 from .lazy import load_torch
 from .transport import TensorBatch
+
+_LAST = threading.local()  # (this thread's last current stream: its key and its Stream object)
+
+
+def current_stream(torch, device):
+    """``torch.cuda.current_stream(device)`` in three C calls where this
+    thread's current stream is the one it last had (the usual case: torch's
+    own builds a ``Stream`` through tens of Python calls, each one a launch-bound
+    learner waits for the GIL). A ``device`` without an index: the current device."""
+    index = device.index
+    if index is None:
+        index = torch._C._cuda_getDevice()
+    key = torch._C._cuda_getCurrentStream(index)
+    last = getattr(_LAST, "stream", None)
+    if last is not None and last[0] == key:
+        return last[1]
+    stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    _LAST.stream = (key, stream)
+    return stream
 
 
 def mark_ready(tensors: TensorBatch) -> TensorBatch:

@@ -201,6 +201,85 @@ def test_prefetch_0_equals_twin_sample_to_torch(tmp_path, storage):
         buf.close()
 
 
+def test_decode_on_the_pools_threads_equals_twin_sample_to_torch(monkeypatch):
+    """Where the machine has cores beside the learner's and the feed's (a GPU
+    host; here ``BIGPER_THREADS=4``), a batch's frames are decoded on the
+    pool's threads, 256 frames a thread at least: draw for draw the same
+    batches as a twin's ``sample``, the pool used at B = 64 (320 frames)."""
+    import bigper.frames.segments as segments
+
+    monkeypatch.setenv("BIGPER_THREADS", "4")
+    spread = []
+    real = segments.for_ranges
+    monkeypatch.setattr(segments, "for_ranges", lambda fn, n, chunk: (spread.append((n, chunk)), real(fn, n, chunk)))
+    bufs = [_atari_like(compression="zstd") for _ in "ab"]
+    for buf in bufs:
+        _add(buf, 0, 300)
+    a, twin = bufs
+    rng = np.random.default_rng(1)
+    for b in (64, 8):
+        it = a.sampler(b, prefetch=0, device="cpu")
+        for _ in range(4):
+            got, want = next(it), twin.sample(b).to_torch("cpu")
+            assert list(got) == list(want)
+            for key in want:
+                np.testing.assert_array_equal(_np(got[key]), _np(want[key]), err_msg=key)
+            p = torch.tensor(rng.random(b) * 5 + 0.1)
+            a.update_priorities(got, p)
+            twin.update_priorities(want, p)
+        it.close()
+    assert (64 * 5, 256) in spread  # (B = 64: obs and next_obs of 4 frames, one frame apart)
+    for buf in bufs:
+        buf.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device tier's feed runs on CUDA only")
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_device_tier_of_compressed_frames_takes_the_feed_and_equals_the_host_twin(prefetch, budget):
+    """Compressed frames with a device tier: the feed gathers the raw frames
+    the tier holds on the device. Draw for draw (``prefetch=0``; with a
+    thread, every batch is still the stacks added for its step), the same
+    batches as a host twin's ``sample(B).to_torch("cuda")``, while adds move
+    the log on (a smallest budget releases frames of live transitions)."""
+    import warnings
+
+    kw = dict(compression="zstd")
+    if budget is not None:  # (the smallest budget the rule takes, as test_hostile_device finds it)
+        try:
+            _atari_like(compression="zstd", compression_budget=1).close()
+        except bigper.InvalidArgumentError as e:
+            kw["compression_budget"] = int(str(e).split("compression_budget=")[-1].split()[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tier, twin = _atari_like(**kw, device="cuda"), _atari_like(**kw)
+        for buf in (tier, twin):
+            _add(buf, 0, 300)
+        it = tier.sampler(16, prefetch=prefetch, device="cuda")
+        assert isinstance(it, FeedSampler)
+        rng = np.random.default_rng(2)
+        g = 300
+        for _ in range(6):
+            got = next(it)
+            step = _np(got["step"])
+            np.testing.assert_array_equal(_np(got["obs"])[:, -1, 0, 0], (step % 251).astype(np.uint8))
+            np.testing.assert_array_equal(_np(got["next_obs"])[:, -1, 0, 0], ((step + 1) % 251).astype(np.uint8))
+            if prefetch == 0:
+                want = twin.sample(16).to_torch("cuda")
+                assert list(got) == list(want)
+                for key in want:
+                    np.testing.assert_array_equal(_np(got[key]), _np(want[key]), err_msg=key)
+                p = torch.tensor(rng.random(16) * 5 + 0.1, device="cuda")
+                tier.update_priorities(got, p)
+                twin.update_priorities(want, p)
+            for buf in (tier, twin):
+                _add(buf, g, 37)
+            g += 37
+        it.close()
+        tier.close()
+        twin.close()
+
+
 # -- the CPU feed's contract (the semantics guide) -----------------------------------------------
 
 def test_on_the_cpu_raw_frames_are_drawn_in_next_and_compressed_ones_in_the_feeds_thread():
