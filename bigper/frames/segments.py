@@ -758,7 +758,7 @@ class SegmentLog:
             r = _zstd.decompress_rows(codec.dctx(), ddicts, log, offsets, lengths, dicts, out, lo, hi)
             if r >= 0:
                 failed.append(r)
-        if threads:
+        if threads and n > chunk:
             for_ranges(run, n, chunk)
         else:
             run(0, n)

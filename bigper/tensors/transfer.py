@@ -181,9 +181,9 @@ def batch_to_torch(batch, device=None, non_blocking: bool = True) -> TensorBatch
     dev = torch.device("cpu") if device is None else torch.device(device)
     arrays, derived = fields_of(batch, copies=dev.type != "cpu")
     tensors = _derive(torch, move(torch, arrays, dev, non_blocking), derived)
-    if derived or dev.type == "cuda":  # the batch's key order on every device (rebuilt stacks come back
-        # first; a CUDA copy's block lays the arrays out by dtype)
-        tensors = {key: tensors[key] for key in (*batch.data, *tensors) if key in tensors}
+    if derived or dev.type == "cuda":  # the batch's key order on every device, then weights, indices,
+        # generations (rebuilt stacks come back first; a CUDA copy's block lays the arrays out by dtype)
+        tensors = {key: tensors[key] for key in dict.fromkeys((*batch.data, *arrays, *tensors)) if key in tensors}
     return TensorBatch(tensors, host_of(batch))
 
 

@@ -333,11 +333,14 @@ def test_seeded_runs_with_priority_updates_draw_the_same_batches(compression, pr
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
-def test_the_feed_thread_makes_few_python_calls_whatever_the_batch_size():
+def test_the_feed_thread_makes_few_python_calls_whatever_the_batch_size(monkeypatch):
     """Calls and C calls a batch in ``FeedSampler``'s thread (what CUDA gets;
     on the CPU here through ``hook.thread_feed``), which decodes the frames:
     the decode is a few compiled calls, not one a frame: at most 26 a batch,
-    no more for B=256 than for B=8. (The native feed's thread makes none.)"""
+    no more for B=256 than for B=8. (The native feed's thread makes none.)
+    On two cores, as here: with more, a large batch's decode is spread over
+    the pool's threads (``test_decode_on_the_pools_threads_...``)."""
+    monkeypatch.setenv("BIGPER_THREADS", "2")
     buf = _atari_like(compression="zstd")
     _add(buf, 0, 400)
     per = {b: thread_calls_a_batch(lambda: hook.thread_feed(buf, b, 1)) for b in (8, 256)}
