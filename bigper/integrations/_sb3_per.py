@@ -203,12 +203,14 @@ class PrioritizedAlgorithm:
         """``|TD|`` of the batch ``data`` as its new priorities (slots
         overwritten since the sample are skipped)."""
         self.replay_buffer.update_priorities(data.indices, td)
-        self._per_td.append(float(td.mean()))
+        # (kept on td's device and read once a log: ``float`` here would wait for the step's kernels,
+        # a stall a step between the optimizer's launches and the next batch's)
+        self._per_td.append(td.detach().mean())
 
     def _per_log(self) -> None:
         """``train/beta`` and ``train/td_abs`` beside SB3's own records."""
         if self._per_td:
-            self.logger.record("train/td_abs", np.mean(self._per_td))
+            self.logger.record("train/td_abs", float(th.stack(self._per_td).float().mean()))
         self._per_td = []
         if self.last_beta is not None:
             self.logger.record("train/beta", self.last_beta)
