@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parents[2]
 B = 8
 
 
+@pytest.fixture(autouse=True)
+def _on_jax_cpu():
+    """Arrays on JAX's CPU device, whatever the default one: these cases hold jax.Arrays to what numpy's
+    values do, read in place and checked at the call. On a GPU (a GPU JAX's default device) values are
+    copied to the host without blocking and checked by the next call that needs the tree, as CUDA
+    tensors are (``update_priorities``'s docstring; tests/device/test_hostile_device.py's deferred cases)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def make(**kw):
     buf = bigper.PrioritizedReplayBuffer(32, {"x": ((2,), np.float32), "a": ((), np.int32)}, seed=5,
                                          beta=bigper.LinearSchedule(0.4, 1.0, 10), **kw)

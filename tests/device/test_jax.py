@@ -231,7 +231,7 @@ def test_device_names():
 
 
 def test_host_values_of_a_host_array_is_a_view():
-    x = jnp.arange(32, dtype=jnp.float32)
+    x = jax.device_put(jnp.arange(32, dtype=jnp.float32), jax.devices("cpu")[0])  # (a GPU JAX's default: a GPU)
     a = J.host_values(x)
     assert a.ctypes.data == x.unsafe_buffer_pointer() and not a.flags.writeable
     assert J.host_values(jnp.ones(4, jnp.bfloat16)).dtype == np.float32
