@@ -5,8 +5,9 @@ through ``sample`` → ``Batch`` → ``to_torch``: its thread fills reused
 blocks (``device/feed.py``), each batch with
 
 1. ``draw`` (under the buffer's lock, tens of µs): the stratified draw from
-   the tree, the weights, the generations, the end flags and discounts, and
-   the frame ids of the ``obs``/``next_obs`` stacks, written into the block;
+   the tree, the weights, the generations, the end flags and discounts (with
+   ``n_step > 1`` each window's, its discounted reward and its last slot),
+   and the frame ids of the ``obs``/``next_obs`` stacks, written into the block;
 2. ``gather`` (without the lock and without the GIL): every stored field's
    rows and every frame, copied into the block from the storage's arrays (or
    the device tier's host arrays); with a CUDA tier the device gathers instead;
@@ -22,10 +23,10 @@ uint8 view of its storage array, so one kernel serves every dtype and shape.
 The batch is what ``sample(B).to_torch(device)`` would give for the same draw
 (``tests/device/test_feed.py`` holds them equal, key by key).
 
-Covered: transitions with ``n_step=1``, proportional priorities, frames raw
-or compressed (these on the host: not with a device tier), a storage with
-arrays (memory, memmap) or a device tier. Anything else (sequences, n-step,
-rank, HDF5) is served by the general path (``covered`` says why not).
+Covered: transitions, proportional priorities, frames raw or compressed, a
+storage with arrays (memory, memmap) or a device tier; n-step returns on the
+host (not with a device tier). Anything else (sequences, rank, HDF5, n-step
+with a tier) is served by the general path (``covered`` says why not).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from numba.extending import intrinsic
 from ..common.kernels import jit, kernel
 from ..common.pool import workers
 from ..prioritization._tree_kernels import sample_into
+from .nstep import powers_of, windows
 from .ring import batch_meta
 
 # The short kernels keep the GIL: a thread that gives it up for a few microseconds must take
@@ -84,6 +86,8 @@ NO_FRAMES, OBS_ONLY, PAIR, SPLIT = 0, 1, 2, 3
 
 _NO_REFS = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.uint8), 1, 0, False)
 _NO_BYTES = np.zeros((0, 0), dtype=np.uint8)
+# (n_step 1: no windows; the arrays stand for none, of the types a window's take)
+_NO_LAST = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
 
 
 def covered(parts, host: bool) -> str | None:
@@ -93,7 +97,11 @@ def covered(parts, host: bool) -> str | None:
     if not parts.unit.fed:
         return f"{parts.unit.noun}s"
     if cfg.n_step != 1:
-        return "n-step returns"
+        if not host:
+            return "n-step returns with a device tier"
+        rdt = np.dtype(cfg.dtype("reward"))
+        if not (rdt.kind in "biu" or rdt in (np.dtype(np.float32), np.dtype(np.float64))):
+            return f"n-step returns of a {rdt} reward"
     if parts.prio.tree is None:
         return "rank-based priorities"
     if parts.store.arrays is None and (host or parts.frames is not None):
@@ -125,9 +133,14 @@ class Layout:
         whether there is a ``next_obs`` stack; None without frame stacks.
     gather : bool
         Whether the frames are gathered into the block (else only their ids travel).
+    window : tuple or None
+        With ``n_step > 1``: ``(n, reward dtype, names)``: the window's length,
+        the dtype of its discounted ``reward`` (computed by ``draw``, not
+        gathered: not in ``fields``) and the fields read at each window's last
+        slot (``next_*``).
     """
 
-    def __init__(self, b: int, fields: dict, frames: tuple | None, gather: bool):
+    def __init__(self, b: int, fields: dict, frames: tuple | None, gather: bool, window: tuple | None = None):
         self.b = b
         self.regions: dict = {}  # name -> (offset, shape, dtype)
         off = 0
@@ -147,10 +160,15 @@ class Layout:
             put(".ids", (b * (2 * k if nxt else k),), np.int64)
         for name, (shape, dtype) in fields.items():
             put(name, (b, *shape), dtype)
+        self.window = window
+        if window is not None:
+            put("reward", (b,), window[1])
+            put(".last", (b,), np.int64)  # each window's last slot
         if frames is not None and gather:
             put(".frames", (b * (2 * self.k if self.next else self.k), *self.frame_shape), self.frame_dtype)
         self.size = max(off, ALIGN)
         self.fields = list(fields)
+        self.at_last = [window is not None and name in window[2] for name in self.fields]
         # Frames a batch reads, by ``draw``'s code of its stacks.
         k = self.k
         self.n_ids = {NO_FRAMES: 0, OBS_ONLY: b * k, PAIR: b * (k + 1), SPLIT: b * 2 * k}
@@ -199,6 +217,13 @@ class Sources:
         # (an empty tuple has no type numba can index: one empty array stands for none)
         self.srcs = tuple(_bytes2d(field_arrays[name]) for name in layout.fields) if field_arrays else ()
         self.srcs = self.srcs or (_NO_BYTES,)
+        cfg = parts.config
+        if layout.window is not None:  # (n, envs, capacity, gamma, gamma**j, the stored rewards, scratch)
+            n = layout.window[0]
+            self.window = (n, cfg.num_envs, cfg.capacity, float(parts.reader.gamma), powers_of(parts.reader.gamma, n),
+                           np.asarray(arrays["reward"]), np.empty((layout.b, n), dtype=np.int64))
+        else:
+            self.window = (1, 1, 1, 0.0, np.ones(1), _NO_LAST[1], np.zeros((0, 0), dtype=np.int64))
         self.ring = _bytes2d(frame_ring) if frame_ring is not None else _NO_BYTES
 
 
@@ -212,6 +237,9 @@ class Block:
         self.meta = tuple(v[name] for name, _ in META)
         self.ids = v.get(".ids", np.zeros(0, dtype=np.int64))
         self.dsts = tuple(v[name].reshape(layout.b, -1).view(np.uint8) for name in layout.fields) or (_NO_BYTES,)
+        # (the slots each field's rows are read at: the drawn ones, or each n-step window's last)
+        self.rows = tuple(v[".last"] if at else v["indices"] for at in layout.at_last) or (v["indices"],)
+        self.window = (v[".last"], v["reward"]) if layout.window is not None else _NO_LAST
         self.fdst = v[".frames"].reshape(v[".frames"].shape[0], -1).view(np.uint8) if ".frames" in v else _NO_BYTES
         self.shape = NO_FRAMES  # draw's code of the batch it holds
         self.lowest = 0         # the oldest frame id it reads
@@ -223,7 +251,8 @@ class Block:
 
 def draw(src: Sources, block: Block, uniforms: np.ndarray, how: tuple) -> None:
     """Draw into ``block`` (under the buffer's lock): ``how`` is ``(stratified, beta, batch_norm)``."""
-    block.shape, block.lowest = draw_kernel(src.tree, uniforms, how, src.book, src.refs, block.meta, block.ids)
+    block.shape, block.lowest = draw_kernel(src.tree, uniforms, how, src.book, src.refs, block.meta, block.ids,
+                                            src.window, block.window)
 
 
 def gather(src: Sources, block: Block) -> None:
@@ -231,7 +260,7 @@ def gather(src: Sources, block: Block) -> None:
     compressed frames are decompressed (``decode``: call it under the lock)."""
     decode(src, block)
     if block.layout.fields or src.copied[block.shape]:
-        gather_kernel(block.meta[0], src.srcs, block.dsts, block.ids, src.copied[block.shape], src.ring, block.fdst)
+        gather_kernel(block.rows, src.srcs, block.dsts, block.ids, src.copied[block.shape], src.ring, block.fdst)
 
 
 def decode(src: Sources, block: Block) -> None:
@@ -247,17 +276,20 @@ def decode(src: Sources, block: Block) -> None:
 
 
 @held
-def draw_kernel(tree, uniforms, how, book, refs, meta, ids):
+def draw_kernel(tree, uniforms, how, book, refs, meta, ids, window, wout):
     """One batch's draw and plan: indices, probabilities and weights
-    (``sample_into``), generations, end flags and discount (``batch_meta``),
-    and the frame ids of its stacks (ring rows, ``id % F``) in ``ids``: a
-    ``(B, k + 1)`` pair when every ``next_obs`` stack is its ``obs`` stack
-    moved on by one frame, else ``(B, 2k)``. Returns ``(shape code, oldest
-    frame id)``."""
+    (``sample_into``), generations, end flags and discount (``batch_meta``;
+    with ``n_step > 1`` each window's, ``nstep.windows``, its discounted
+    reward and its last slot into ``wout``), and the frame ids of its stacks
+    (ring rows, ``id % F``) in ``ids``: a ``(B, k + 1)`` pair when every
+    ``next_obs`` stack is its ``obs`` stack moved on by one frame, else
+    ``(B, 2k)``. Returns ``(shape code, oldest frame id)``."""
     sums, mins, offsets = tree
     stratified, beta, batch_norm = how
     ends, gid, discount1 = book
     fref, foff, F, k, nxt = refs  # obs id j of slot s: fref[s] - foff[s, j]; next_obs id j: ... foff[s, k + j]
+    n, envs, capacity, gamma, powers, rewards, slots = window
+    last, reward = wout
     meta = BatchMeta(*meta)
     idx, gen, prob, w = meta.indices, meta.generations, meta.probabilities, meta.weights
     term, trunc, disc = meta.terminated, meta.truncated, meta.discount
@@ -267,6 +299,19 @@ def draw_kernel(tree, uniforms, how, book, refs, meta, ids):
     host_idx[:] = idx
     host_gen[:] = gen
     b = idx.shape[0]
+    if n > 1:  # (as ``core/reader.window_ends``: the same kernels, the same sums in the same order)
+        windows(gen, capacity, envs, n, ends, gamma, slots, disc, term, trunc)
+        for i in range(b):
+            r = 0.0
+            t = idx[i]
+            for j in range(n):
+                s = slots[i, j]
+                if s < 0:
+                    break
+                r += powers[j] * rewards[s]
+                t = s
+            last[i] = t
+            reward[i] = r
     if k == 0:
         return 0, 0
     lowest = np.int64(2 ** 62)
@@ -280,37 +325,42 @@ def draw_kernel(tree, uniforms, how, book, refs, meta, ids):
             for j in range(k):
                 ids[i * k + j] = (fref[s] - np.int64(foff[s, j])) % F
         return 1, lowest
+    # (next_obs: the stack of each window's last slot; with n_step 1, the drawn one)
     pair = True
     for i in range(b):
         s = idx[i]
-        lowest = min(lowest, fref[s] - np.int64(foff[s, 2 * k - 1]))
+        t = last[i] if n > 1 else s
+        lowest = min(lowest, fref[t] - np.int64(foff[t, 2 * k - 1]))
         for j in range(k - 1):
-            if foff[s, k + j] != foff[s, j + 1]:
+            if fref[t] - np.int64(foff[t, k + j]) != fref[s] - np.int64(foff[s, j + 1]):
                 pair = False
     if pair:
         for i in range(b):
             s = idx[i]
+            t = last[i] if n > 1 else s
             for j in range(k):
                 ids[i * (k + 1) + j] = (fref[s] - np.int64(foff[s, j])) % F
-            ids[i * (k + 1) + k] = (fref[s] - np.int64(foff[s, 2 * k - 1])) % F
+            ids[i * (k + 1) + k] = (fref[t] - np.int64(foff[t, 2 * k - 1])) % F
         return 2, lowest
     for i in range(b):
         s = idx[i]
+        t = last[i] if n > 1 else s
         for j in range(k):
-            lowest = min(lowest, fref[s] - np.int64(foff[s, k + j]))
+            lowest = min(lowest, fref[t] - np.int64(foff[t, k + j]))
             ids[i * 2 * k + j] = (fref[s] - np.int64(foff[s, j])) % F
-            ids[i * 2 * k + k + j] = (fref[s] - np.int64(foff[s, k + j])) % F
+            ids[i * 2 * k + k + j] = (fref[t] - np.int64(foff[t, k + j])) % F
     return 3, lowest
 
 
 @kernel
-def gather_kernel(idx, srcs, dsts, ids, n_ids, ring, fdst):
-    """``dsts[f][i] = srcs[f][idx[i]]`` for every field ``f`` (bytes a row), and
+def gather_kernel(rows, srcs, dsts, ids, n_ids, ring, fdst):
+    """``dsts[f][i] = srcs[f][rows[f][i]]`` for every field ``f`` (bytes a row), and
     ``fdst[i] = ring[ids[i]]`` for the first ``n_ids`` frames."""
     # (plain loops: numba turns them into wide copies; a slice assignment was 4x slower, measured)
     for f in range(len(srcs)):
         src = srcs[f]
         dst = dsts[f]
+        idx = rows[f]
         w = dst.shape[1]
         for i in range(idx.shape[0]):
             s = idx[i]
@@ -381,7 +431,8 @@ def _sleep_us(typingctx, us):
 def serve_kernel(ctl, jobs, pool, spec, fspec, srcs, ring):
     """Gather every posted job until told to stop: job ``n`` is ``jobs[n % len(jobs)] = (slot,
     frames)``, its batch drawn into ``pool[slot]`` (indices at ``spec[0]``, ``spec[1]`` of them;
-    frame ids at ``spec[2]``); field ``f``'s rows go to ``fspec[f] = (offset, bytes a row)``, the
+    frame ids at ``spec[2]``); field ``f``'s rows go to ``fspec[f] = (offset, bytes a row, offset
+    of the slots they are read at: the indices or each n-step window's last)``, the
     frames to ``spec[3]``, ``spec[4]`` bytes each. Idle, it looks every ~0.1 ms (every ms after
     ~0.2 s without work)."""
     o_idx, b, o_ids, o_frames, fw = spec[0], spec[1], spec[2], spec[3], spec[4]
@@ -400,11 +451,11 @@ def serve_kernel(ctl, jobs, pool, spec, fspec, srcs, ring):
         s = jobs[done % cap, 0]
         n_ids = jobs[done % cap, 1]
         blk = pool[s]
-        idx = blk[o_idx:o_idx + 8 * b].view(np.int64)
         for f in range(fspec.shape[0]):
             src = srcs[f]
             off = fspec[f, 0]
             w = fspec[f, 1]
+            idx = blk[fspec[f, 2]:fspec[f, 2] + 8 * b].view(np.int64)
             for i in range(b):
                 row = src[idx[i]]
                 dst = blk[off + i * w:off + (i + 1) * w]

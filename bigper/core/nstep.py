@@ -78,8 +78,25 @@ def nstep_view(gids, capacity, k, n, ends, gamma):
     return slots, discount, term, trunc
 
 
+def powers_of(gamma: float, n: int) -> np.ndarray:
+    """``gamma**j`` for ``j < n`` (float64): the weights of a window's rewards."""
+    return gamma ** np.arange(n, dtype=np.float64)
+
+
+@kernel
+def _sums(rewards, slots, powers, out):
+    for b in range(slots.shape[0]):
+        r = 0.0
+        for j in range(slots.shape[1]):
+            if slots[b, j] < 0:
+                break
+            r += powers[j] * rewards[b, j]
+        out[b] = r
+
+
 def discounted_sum(rewards, slots, gamma):
-    """Sum of ``gamma**j * rewards[b, j]`` over the valid ``j`` of each row."""
-    powers = gamma ** np.arange(slots.shape[1], dtype=np.float64)
-    r = np.where(slots >= 0, rewards.astype(np.float64), 0.0)
-    return r @ powers
+    """Sum of ``gamma**j * rewards[b, j]`` over the valid ``j`` of each row
+    (float64, in order of ``j``: ``core/feed.draw_kernel`` sums a window the same way)."""
+    out = np.empty(slots.shape[0], dtype=np.float64)
+    _sums(np.ascontiguousarray(rewards, dtype=np.float64), slots, powers_of(gamma, slots.shape[1]), out)
+    return out

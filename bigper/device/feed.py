@@ -193,7 +193,13 @@ class Filler:
             shape = cfg.shape("obs")
             frames = (shape[0], tuple(shape[1:]), cfg.dtype("obs"), "obs" in cfg.next_of)
         fields = {name: ((*shape,), np.dtype(dt)) for name, (shape, dt) in parts.plain.items()}
-        self.layout = plan.Layout(b, {} if self.tier is not None else fields, frames, self.tier is None)
+        window = None
+        if cfg.n_step > 1:  # (the discounted reward is drawn, not gathered; ``next_*`` read at each window's end)
+            rdt = np.dtype(cfg.dtype("reward"))
+            window = (cfg.n_step, rdt if rdt.kind == "f" else np.dtype(np.float32),
+                      {name for name in fields if name in parts.reader.successors})
+            del fields["reward"]
+        self.layout = plan.Layout(b, {} if self.tier is not None else fields, frames, self.tier is None, window)
         self.order = list(parts.plain) + (["obs", "next_obs"] if frames and frames[3] else ["obs"] if frames else [])
         self.order += [n for n in ("terminated", "truncated", "discount") if n not in self.order]
         schedule = parts.draws.schedule
@@ -250,7 +256,7 @@ class Filler:
             return slot
         block = slot.block
         if self.gathers:
-            plan.gather_kernel(block.meta[0], self.src.srcs, block.dsts, block.ids, self.src.copied[block.shape],
+            plan.gather_kernel(block.rows, self.src.srcs, block.dsts, block.ids, self.src.copied[block.shape],
                                self.src.ring, block.fdst)
         if not self.check(parts, block, stop):
             return None
@@ -280,7 +286,8 @@ class Filler:
             else:  # the common one, inline: one call to the compiled draw
                 parts.draws.rng.random(out=self.uniforms)
                 block.shape, block.lowest = plan.draw_kernel(src.tree, self.uniforms, self.how, src.book,
-                                                             src.refs, block.meta, block.ids)
+                                                             src.refs, block.meta, block.ids, src.window,
+                                                             block.window)
                 self.drawn = self.how
                 parts.draws.step += 1
             if self.compressed:  # (the frames read now, under the lock: the gather below takes the fields)

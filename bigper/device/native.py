@@ -91,8 +91,9 @@ class NativeFeed(Threaded):
         fw = int(np.prod(frames[1][1:], dtype=np.int64)) * frames[2].itemsize if frames else 0
         self._spec = np.array([r["indices"][0], b, r[".ids"][0] if ".ids" in r else 0,
                                frames[0] if frames else 0, fw], dtype=np.int64)
-        self._fspec = np.array([[r[name][0], int(np.prod(r[name][1][1:], dtype=np.int64)) * r[name][2].itemsize]
-                                for name in layout.fields], dtype=np.int64).reshape(-1, 2)
+        self._fspec = np.array([[r[name][0], int(np.prod(r[name][1][1:], dtype=np.int64)) * r[name][2].itemsize,
+                                 r[".last" if at else "indices"][0]]
+                                for name, at in zip(layout.fields, layout.at_last)], dtype=np.int64).reshape(-1, 3)
 
     @property
     def ready(self) -> int:

@@ -30,8 +30,9 @@ def _np(x):
     return x.detach().cpu().numpy()
 
 
-def _steps(rng, n, fields, k, ends_every):
+def _steps(rng, n, fields, k, ends_every, next_of=()):
     data = {}
+    fields = dict(fields, **{f"next_{name}": fields[name] for name in next_of})
     for name, (shape, dt) in fields.items():
         if name in ("obs", "next_obs") and k:
             continue
@@ -67,6 +68,12 @@ def setups(draw):
               storage=draw(st.sampled_from(["memory", "memmap"])))
     if draw(st.booleans()):
         kw["beta"] = bigper.LinearSchedule(0.2, 1.0, 7)
+    n_step = draw(st.sampled_from([1, 1, 2, 3, 5]))
+    if n_step > 1:  # (a scalar reward to sum; a field read at each window's end)
+        fields["reward"] = ((), draw(st.sampled_from([np.float32, np.float64, np.int16, np.uint8, np.bool_])))
+        kw.update(n_step=n_step, gamma=draw(st.sampled_from([0.99, 0.5, 1.0])))
+        if "f0" in fields and draw(st.booleans()):
+            kw["next_of"] = ("f0",) + (("obs",) if k else ())
     return kw, draw(st.integers(1, 40)), draw(st.integers(1, 90)), draw(st.sampled_from([0, 1, 5, 13]))
 
 
@@ -90,9 +97,16 @@ def test_feed_batches_equal_sample_to_torch(tmp_path_factory, device, setup, dat
     kw, b, n, ends = setup
     a, twin = _pair(kw, tmp_path_factory.mktemp("feed"))
     rng = np.random.default_rng(kw["seed"])
-    steps = _steps(rng, n, kw["fields"], kw["frame_stack"], ends)
+    next_of = [name for name in kw.get("next_of", ()) if name != "obs"]
+    steps = _steps(rng, n, kw["fields"], kw["frame_stack"], ends, next_of)
     a.extend(steps)
     twin.extend(steps)
+    if not twin._parts.prio.sampleable:  # (n-step: no window complete yet; both refuse alike)
+        with pytest.raises(bigper.InvalidArgumentError):
+            twin.sample(b)
+        with pytest.raises(bigper.InvalidArgumentError):
+            next(a.sampler(b, prefetch=0, device=device))
+        return
     it = a.sampler(b, prefetch=0, device=device)
     assert isinstance(it, (FeedSampler, NativeFeed))
     for _ in range(4):
@@ -277,9 +291,14 @@ def test_thread_makes_a_handful_of_python_calls_a_batch():
 
 
 def test_what_the_feed_does_not_cover_takes_the_general_path(tmp_path):
-    for kw in (dict(n_step=3), dict(prioritization="rank"), dict(storage="hdf5", path=tmp_path / "x.h5"),
-               dict(sequence=bigper.Sequence(4))):
-        buf = _atari_like(**kw)
+    for kw in (dict(prioritization="rank"), dict(storage="hdf5", path=tmp_path / "x.h5"),
+               dict(sequence=bigper.Sequence(4)), dict(n_step=3, reward_dtype=np.float16)):
+        if "reward_dtype" in kw:  # (numba has no float16 to sum a window's rewards in)
+            buf = bigper.PrioritizedReplayBuffer(
+                capacity=400, fields={"obs": ((4, 6, 7), np.uint8), "step": ((), np.int64),
+                                      "reward": ((), kw.pop("reward_dtype"))}, frame_stack=4, seed=3, **kw)
+        else:
+            buf = _atari_like(**kw)
         _add(buf, 0, 60)
         assert covered(buf._parts, torch.device("cpu")) is not None
         it = buf.sampler(4, prefetch=0, device="cpu")
@@ -287,6 +306,12 @@ def test_what_the_feed_does_not_cover_takes_the_general_path(tmp_path):
         next(it)
         buf.close()
     assert sys.modules.get("bigper.device.feed") is not None
+    from bigper.core import feed as plan
+
+    buf = _atari_like(n_step=3)  # n-step: the host feed, not a device tier's
+    assert covered(buf._parts, torch.device("cpu")) is None
+    assert plan.covered(buf._parts, host=False) == "n-step returns with a device tier"
+    buf.close()
 
 
 def test_the_cpu_feed_draws_nothing_before_the_first_next():
