@@ -137,7 +137,8 @@ class PrioritizedAlgorithm:
             DEFER_OPEN.reset(token)
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_per_fed"]
+        # (_per_td: step means kept as tensors, maybe on a GPU; never saved: a load starts a new log)
+        return [*super()._excluded_save_params(), "_per_fed", "_per_td"]
 
     def _setup_model(self) -> None:
         self._adopt_plain_sb3_buffer()
@@ -210,7 +211,8 @@ class PrioritizedAlgorithm:
     def _per_log(self) -> None:
         """``train/beta`` and ``train/td_abs`` beside SB3's own records."""
         if self._per_td:
-            self.logger.record("train/td_abs", float(th.stack(self._per_td).float().mean()))
+            # (averaged in float64 on the host, one copy: a float64 td keeps its precision; MPS has no float64)
+            self.logger.record("train/td_abs", float(th.stack(self._per_td).to("cpu", th.float64).mean()))
         self._per_td = []
         if self.last_beta is not None:
             self.logger.record("train/beta", self.last_beta)
