@@ -17,6 +17,7 @@ FILE.npy`` to bring them where ALE is not installed). For B = 32 and 256,
   tier        the same, with the device tier (``device=`` on the buffer); "tier (general)" likewise
   zstd        the sampler over ``compression="zstd"`` frames
   zstd tier   the same with the device tier (raw frames on the device)
+  n-step 3    the sampler over a buffer with ``n_step=3`` (memmap); "n-step 3 (general)" likewise
 
 and the buffer alone per feed (sample, to the device, a priority update from
 a device tensor; synchronized once at the end), beside the floor: frames
@@ -200,6 +201,10 @@ def main(args) -> int:
         t0 = time.perf_counter()
         bufs["tier"] = fill(bigper, stream, n, device=device)
         say(f"  tier buffer: {time.perf_counter() - t0:.1f} s")
+    if want("n-step 3") or want("n-step 3 (general)"):
+        t0 = time.perf_counter()
+        bufs["n-step 3"] = fill(bigper, stream, n, storage="memmap", path=tmp / "nstep", n_step=3)
+        say(f"  n-step buffer: {time.perf_counter() - t0:.1f} s")
     if not args.no_compression and (want("zstd") or want("zstd tier")):
         try:
             t0 = time.perf_counter()
@@ -279,7 +284,8 @@ def main(args) -> int:
                 makers["sample"] = plain(bufs["sample"])
             for name, key, general in (("sampler", "sample", False), ("sampler (general)", "sample", True),
                                        ("tier", "tier", False), ("tier (general)", "tier", True),
-                                       ("zstd", "zstd", False), ("zstd tier", "zstd tier", False)):
+                                       ("zstd", "zstd", False), ("zstd tier", "zstd tier", False),
+                                       ("n-step 3", "n-step 3", False), ("n-step 3 (general)", "n-step 3", True)):
                 if key in bufs and want(name):
                     makers[name] = with_sampler(bufs[key], general)
             if trl is not None:
@@ -330,7 +336,8 @@ def main(args) -> int:
         calls = {}
         for name, key, general in (("sampler", "sample", False), ("sampler (general)", "sample", True),
                                    ("tier", "tier", False), ("tier (general)", "tier", True),
-                                   ("zstd", "zstd", False)):
+                                   ("zstd", "zstd", False), ("n-step 3", "n-step 3", False),
+                                   ("n-step 3 (general)", "n-step 3", True)):
             if key in bufs and want(name):
                 calls[name] = python_calls(lambda buf=bufs[key], g=general: (make_sampler(buf, b, device, g), buf),
                                            max(10, args.iters // 4))
