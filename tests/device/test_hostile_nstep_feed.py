@@ -151,6 +151,8 @@ def generate(rng, kw, T, *, ends="random", valid_mode=False, p_end=0.15, start=0
                         rng.standard_normal(fields["obs"][0]).astype(fields["obs"][1])
             row["step"] = np.int64(g)
             row["reward"] = rewards[t, e]
+            if "reward" in next_of:
+                row["next_reward"] = _reward_values(rng, rdt, (1,))[0]
             for name, (shape, dt) in fields.items():
                 if name in ("obs", "step", "reward"):
                     continue
@@ -273,11 +275,12 @@ def test_episode_ends_at_every_position_of_a_window(n):
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
-def test_autoreset_rows_valid_false_never_sampled_nor_read(K):
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_autoreset_rows_valid_false_never_sampled_nor_read(K, compression):
     """Gymnasium's NEXT_STEP autoreset: the row after each end is ``valid=False``;
     no window reads it and no batch holds it."""
     kw = dict(capacity=97, fields=fields_of(k=3, rdt=np.float32), frame_stack=3, n_step=4, gamma=0.9,
-              num_envs=K, next_of=("obs", "x"), seed=K)
+              num_envs=K, next_of=("obs", "x"), seed=K, compression=compression)
     rng = np.random.default_rng(K)
     rec = Record(kw)
     a, twin = pair(kw)
@@ -286,6 +289,10 @@ def test_autoreset_rows_valid_false_never_sampled_nor_read(K):
     rec.rows += rows
     feed_both(a, twin, data, valid)
     twin_draws(a, twin, 64, 4, rng, rec)
+    it = a.sampler(64, prefetch=2, device="cpu")
+    for _ in range(3):
+        check_rows(next(it), rec, a.capacity)
+    it.close()
     a.close()
     twin.close()
 
@@ -738,3 +745,153 @@ def test_thread_python_calls_a_batch_as_with_one_step():
     assert counts[3][0] <= counts[1][0] + 1, counts
     assert counts[3][1] <= counts[1][1] + 1, counts
     assert counts[3][0] <= 12, counts
+
+
+# -- odd corners --------------------------------------------------------------------------------
+
+def test_reward_and_obs_without_frames_as_successor_fields():
+    """``next_of=("reward", "obs")`` with ``obs`` a plain field: ``next_reward``
+    and ``next_obs`` are read at each window's last slot; ``reward`` is the sum."""
+    fields = {"step": ((), np.int64), "reward": ((), np.float32), "obs": ((3,), np.float64)}
+    kw = dict(capacity=41, fields=fields, n_step=4, gamma=0.5, num_envs=2, next_of=("reward", "obs"), seed=3)
+    rng = np.random.default_rng(3)
+    a, twin = pair(kw)
+    data, valid, rows = generate(rng, kw, 30, ends="random", p_end=0.2)
+    rec = Record(kw)
+    rec.rows += rows
+    feed_both(a, twin, data, valid)
+    twin_draws(a, twin, 24, 3, rng, rec)
+    it = a.sampler(24, prefetch=2, device="cpu")
+    for _ in range(3):
+        check_rows(next(it), rec, a.capacity)
+    it.close()
+    a.close()
+    twin.close()
+
+
+def test_terminated_and_truncated_at_once_and_invalid_first_steps():
+    """A step both terminated and truncated (terminated wins: discount 0), and
+    envs whose first rows are ``valid=False`` (before their first step)."""
+    kw = dict(capacity=60, fields=fields_of(k=2, rdt=np.float32), frame_stack=2, n_step=3, gamma=0.5, num_envs=3,
+              next_of=("obs", "x"), seed=1)
+    rng = np.random.default_rng(1)
+    a, twin = pair(kw)
+    data, _, rows = generate(rng, kw, 20, ends="random", p_end=0.3)
+    valid = np.ones((20, 3), bool)
+    valid[:2, 1] = False  # env 1 starts late
+    valid[0, 2] = False
+    both = rng.random((20, 3)) < 0.2
+    both[:2] = False
+    data["terminated"] = data["terminated"] | both
+    data["truncated"] = data["truncated"] | both
+    rec = Record(kw)
+    for t in range(20):
+        for e in range(3):
+            row = rows[t * 3 + e]
+            if not valid[t, e]:
+                rows[t * 3 + e] = None
+            else:
+                row["terminated"], row["truncated"] = data["terminated"][t, e], data["truncated"][t, e]
+    rec.rows += rows
+    feed_both(a, twin, data, valid)
+    it = twin_draws(a, twin, 40, 3, rng, rec)
+    seen = set()
+    for _ in range(5):
+        t = next(it)
+        check_rows(t, rec, a.capacity)
+        seen |= set(_np(t["step"]).tolist())
+    assert not {0 * 3 + 1, 1 * 3 + 1, 2}.intersection(seen)
+    it.close()
+    a.close()
+    twin.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_sampler_beta_and_unstratified_overrides(prefetch):
+    kw = dict(capacity=80, fields=fields_of(k=None, rdt=np.int32), n_step=5, gamma=0.99, num_envs=2, next_of=("x",),
+              seed=9, beta=bigper.LinearSchedule(0.2, 1.0, 4))
+    rng = np.random.default_rng(9)
+    a, twin = pair(kw)
+    data, valid, rows = generate(rng, kw, 40, ends="cycle")
+    rec = Record(kw)
+    rec.rows += rows
+    feed_both(a, twin, data, valid)
+    it = a.sampler(16, prefetch=prefetch, device="cpu", beta=0.7, stratified=False)
+    assert isinstance(it, FEEDS)
+    for _ in range(4):
+        got = next(it)
+        want = twin.sample(16, beta=0.7, stratified=False).to_torch("cpu")
+        same(got, want)
+        check_rows(got, rec, a.capacity)
+    it.close()
+    a.close()
+    twin.close()
+
+
+@pytest.mark.parametrize("how", ["native", "thread"])
+def test_close_of_a_disk_buffer_while_its_feed_gathers(tmp_path, how):
+    """``close`` from another thread unmaps the storage the feed reads
+    (memmap): the learner gets ``BufferClosedError``, never a crash."""
+    for rep in range(3):
+        buf = Det.buffer(64, tmp_path / f"b{rep}")
+        buf.extend(Det.steps(0, 40))
+        it = thread_feed(buf, 16, 3) if how == "thread" else buf.sampler(16, prefetch=3, device="cpu")
+        stop = threading.Event()
+
+        def writer(buf=buf):
+            t = 40
+            while not stop.is_set():
+                try:
+                    buf.extend(Det.steps(t, 2))
+                except bigper.BufferClosedError:
+                    return
+                t += 2
+
+        th = threading.Thread(target=writer)
+        th.start()
+        closer = threading.Timer(0.02 * (rep + 1), buf.close)
+        closer.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(bigper.BufferClosedError):
+                while time.monotonic() - t0 < 20:
+                    Det.check(next(it), 64)
+        finally:
+            stop.set()
+            closer.join()
+            th.join()
+
+
+def test_two_feeds_and_sample_on_one_buffer_with_a_writer():
+    """Two n-step feeds (native and threaded) and plain ``sample`` calls on one
+    buffer, a writer thread adding: every row exact in all three."""
+    capacity = 48
+    buf = Det.buffer(capacity)
+    buf.extend(Det.steps(0, 24))
+    stop = threading.Event()
+    errors = []
+
+    def writer():
+        t = 24
+        try:
+            while not stop.is_set() and t < 20_000:
+                buf.extend(Det.steps(t, 1))
+                t += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    n1, n2 = buf.sampler(8, prefetch=2, device="cpu"), thread_feed(buf, 5, 2)
+    try:
+        for _ in range(100):
+            Det.check(next(n1), capacity)
+            Det.check(next(n2), capacity)
+            Det.check(buf.sample(4).to_torch("cpu"), capacity)
+    finally:
+        stop.set()
+        th.join()
+        n1.close()
+        n2.close()
+    assert not errors, errors
+    buf.close()
