@@ -1004,3 +1004,36 @@ def test_save_under_batches_drawn_ahead_resumes_with_the_next_draw(tmp_path, how
     it.close()
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("prefetch", [2, 3, 5])
+def test_batches_redrawn_after_a_write_keep_their_own_uniforms(prefetch):
+    """Batches drawn ahead, then a write that overwrites every slot: each is
+    drawn again under the lock with its own uniforms and beta (as a draw made
+    after the write), so the run equals a twin's ``sample`` calls with the
+    write between them; never two batches of the same uniforms. (The native
+    feed redrew each with the uniforms of the newest draw: two consecutive
+    batches came out identical.) The native feed checks a batch when it hands
+    it out; FeedSampler's thread checks it right after its gather, and hands
+    out what it drew before a later write (rows as of their draw), so no twin
+    of this shape exists for it."""
+    capacity = 64
+    a, twin = Det.buffer(capacity, beta=bigper.LinearSchedule(0.1, 1.0, 6)), \
+        Det.buffer(capacity, beta=bigper.LinearSchedule(0.1, 1.0, 6))
+    for buf in (a, twin):
+        buf.extend(Det.steps(0, 32))
+    it = a.sampler(16, prefetch=prefetch, device="cpu")
+    assert isinstance(it, NativeFeed)
+    got = [{k: v.clone() for k, v in next(it).items()} for _ in range(2)]
+    want = [twin.sample(16).to_torch("cpu") for _ in range(2)]
+    for buf in (a, twin):
+        buf.extend(Det.steps(32, 32))  # every slot overwritten: no batch drawn before is intact
+    for _ in range(prefetch + 3):
+        got.append({k: v.clone() for k, v in next(it).items()})
+        want.append(twin.sample(16).to_torch("cpu"))
+    for g, w in zip(got, want):
+        Det.check(g, capacity)
+        same(g, w)
+    it.close()
+    a.close()
+    twin.close()
