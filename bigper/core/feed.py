@@ -240,6 +240,10 @@ class Block:
         # (the slots each field's rows are read at: the drawn ones, or each n-step window's last)
         self.rows = tuple(v[".last"] if at else v["indices"] for at in layout.at_last) or (v["indices"],)
         self.window = (v[".last"], v["reward"]) if layout.window is not None else _NO_LAST
+        # (its own draw's uniforms and ``how``: a redraw after a write reuses them; the native feed
+        # draws batches ahead, so the filler's newest would be another batch's)
+        self.uniforms = np.empty(layout.b, dtype=np.float64)
+        self.drawn = None
         self.fdst = v[".frames"].reshape(v[".frames"].shape[0], -1).view(np.uint8) if ".frames" in v else _NO_BYTES
         self.shape = NO_FRAMES  # draw's code of the batch it holds
         self.lowest = 0         # the oldest frame id it reads

@@ -207,14 +207,12 @@ class Filler:
             (bool(stratified), float(beta if beta is not None else schedule.value), parts.prio.batch_norm)
         self.stratified = bool(stratified)
         self.beta = beta
-        self.uniforms = np.empty(b, dtype=np.float64)
         self.own_thread = False  # set by the sampler that runs it in a thread of its own
         self._stream = None
         # The C methods of torch's CUDA events: their Python wrappers look the current stream up each time.
         self.event = torch._C._CudaEventBase if self.cuda else None
         self.src = None
         self.src_of = None  # (restores, storage arrays) the sources were made for
-        self.drawn = None   # the (stratified, beta, batch_norm) of the last draw
         self.gathers = self.tier is None and (bool(self.layout.fields) or ".frames" in self.layout.regions)
         self.n_ids = self.layout.n_ids
         # (a tier holds the frames raw on the device: nothing to decode on the host)
@@ -284,11 +282,11 @@ class Filler:
                     or not src.tree[0][0] > 0:
                 self._draw(parts, block)  # every case
             else:  # the common one, inline: one call to the compiled draw
-                parts.draws.rng.random(out=self.uniforms)
-                block.shape, block.lowest = plan.draw_kernel(src.tree, self.uniforms, self.how, src.book,
+                parts.draws.rng.random(out=block.uniforms)
+                block.shape, block.lowest = plan.draw_kernel(src.tree, block.uniforms, self.how, src.book,
                                                              src.refs, block.meta, block.ids, src.window,
                                                              block.window)
-                self.drawn = self.how
+                block.drawn = self.how
                 parts.draws.step += 1
             if self.compressed:  # (the frames read now, under the lock: the gather below takes the fields)
                 plan.decode(self.src, block)
@@ -355,9 +353,9 @@ class Filler:
         if how is None:
             beta = parts.draws.beta() if self.beta is None else self.beta
             how = (self.stratified, float(beta), parts.prio.batch_norm)
-        parts.draws.rng.random(out=self.uniforms)
-        plan.draw(src, block, self.uniforms, how)
-        self.drawn = how
+        parts.draws.rng.random(out=block.uniforms)
+        plan.draw(src, block, block.uniforms, how)
+        block.drawn = how
         parts.draws.step += 1
         return src
 
@@ -365,7 +363,7 @@ class Filler:
         """The batch drawn again under the lock with the same uniforms and beta
         (the random stream and the schedule moved once, as for a draw made
         after the write that raced the gather), and gathered there."""
-        plan.draw(self.src, block, self.uniforms, self.drawn)
+        plan.draw(self.src, block, block.uniforms, block.drawn)
         plan.gather(self.src, block)
 
     def _tier_gather(self, slot: Slot) -> None:
