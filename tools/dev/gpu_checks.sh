@@ -31,7 +31,8 @@ timeout "${TEST_S:-200}" python3 -m pytest -p no:cacheprovider -q -n 12 -rfE \
     tests/device/test_hostile_device.py tests/device/test_hostile_device_late.py tests/device/test_hostile_feed.py \
     tests/device/test_hostile_feed2.py tests/device/test_hostile_feed3.py tests/device/test_hostile_compressed_feed.py \
     tests/device/test_hostile_compressed_feed2.py tests/device/test_jax.py tests/device/test_hostile_jax.py \
-    tests/device/test_hostile_jax2.py tests/integrations/test_sb3.py::test_cuda_samples_and_tensor_priorities \
+    tests/device/test_hostile_jax2.py tests/device/test_hostile_pool_decode.py tests/device/test_hostile_streams.py \
+    tests/device/test_hostile_nstep_feed.py tests/integrations/test_sb3.py::test_cuda_samples_and_tensor_priorities \
     tests/integrations/test_sb3_prefetch.py::test_training_with_a_cuda_tier > "$OUT/tests.log" 2>&1
 echo "tests rc=$? took $(( $(date +%s) - t0 )) s"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | cut -c1-200 | tail -25
