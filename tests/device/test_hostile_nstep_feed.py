@@ -91,6 +91,19 @@ def check_rows(t, rec: Record, capacity):
             assert got.tobytes() == v.tobytes(), (name, int(g), got, v)
 
 
+def ahead_rows(a, twin, rec, b, n=3, kind=None):
+    """``n`` batches of ``a.sampler(b, prefetch=2)`` (drawn ahead: each row held to the record), then
+    the sampler and both buffers closed; ``kind``: the sampler's class it must be."""
+    it = a.sampler(b, prefetch=2, device="cpu")
+    if kind is not None:
+        assert isinstance(it, kind)
+    for _ in range(n):
+        check_rows(next(it), rec, a.capacity)
+    it.close()
+    a.close()
+    twin.close()
+
+
 def _reward_values(rng, rdt, size):
     rdt = np.dtype(rdt)
     if rdt.kind == "b":
@@ -289,12 +302,7 @@ def test_autoreset_rows_valid_false_never_sampled_nor_read(K, compression):
     rec.rows += rows
     feed_both(a, twin, data, valid)
     twin_draws(a, twin, 64, 4, rng, rec)
-    it = a.sampler(64, prefetch=2, device="cpu")
-    for _ in range(3):
-        check_rows(next(it), rec, a.capacity)
-    it.close()
-    a.close()
-    twin.close()
+    ahead_rows(a, twin, rec, 64)
 
 
 # -- capacity wrap ------------------------------------------------------------------------------
@@ -482,13 +490,7 @@ def test_reward_dtypes_at_their_limits_bit_for_bit(rdt):
         rec.rows += rows
         feed_both(a, twin, data, valid)
         twin_draws(a, twin, 50, 3, rng, rec)
-        it = a.sampler(40, prefetch=2, device="cpu")  # drawn ahead (NativeFeed): the record's sums
-        assert isinstance(it, NativeFeed)
-        for _ in range(3):
-            check_rows(next(it), rec, a.capacity)
-        it.close()
-        a.close()
-        twin.close()
+        ahead_rows(a, twin, rec, 40, kind=NativeFeed)  # drawn ahead (NativeFeed): the record's sums
 
 
 @pytest.mark.parametrize("rdt", [np.float16, ">f4", ">f8", ">i4", np.longdouble],
@@ -545,12 +547,7 @@ def test_frame_stacks_and_successor_fields(k, next_of):
     rec.rows += rows
     feed_both(a, twin, data, valid)
     twin_draws(a, twin, 32, 3, rng, rec)
-    it = a.sampler(32, prefetch=2, device="cpu")
-    for _ in range(3):
-        check_rows(next(it), rec, a.capacity)
-    it.close()
-    a.close()
-    twin.close()
+    ahead_rows(a, twin, rec, 32)
 
 
 @pytest.mark.parametrize("storage", ["memory", "memmap"])
@@ -566,13 +563,7 @@ def test_compressed_frames_with_nstep(tmp_path, storage):
         rec.rows += rows
         feed_both(a, twin, data, valid)
         twin_draws(a, twin, 16, 2, rng, rec)
-    it = a.sampler(16, prefetch=2, device="cpu")
-    assert isinstance(it, FeedSampler)
-    for _ in range(4):
-        check_rows(next(it), rec, a.capacity)
-    it.close()
-    a.close()
-    twin.close()
+    ahead_rows(a, twin, rec, 16, n=4, kind=FeedSampler)
 
 
 def test_memmap_storage_twin(tmp_path):
@@ -761,12 +752,7 @@ def test_reward_and_obs_without_frames_as_successor_fields():
     rec.rows += rows
     feed_both(a, twin, data, valid)
     twin_draws(a, twin, 24, 3, rng, rec)
-    it = a.sampler(24, prefetch=2, device="cpu")
-    for _ in range(3):
-        check_rows(next(it), rec, a.capacity)
-    it.close()
-    a.close()
-    twin.close()
+    ahead_rows(a, twin, rec, 24)
 
 
 def test_terminated_and_truncated_at_once_and_invalid_first_steps():
