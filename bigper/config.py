@@ -335,6 +335,9 @@ class Config:
         """The JSON-able dict recorded on disk (``from_dict`` reads it back)."""
         d = asdict(self)
         d["fields"] = {n: [list(s), dt] for n, (s, dt) in self.fields.items()}
+        names = list(self.fields)
+        if names != sorted(names):  # (files are written with sorted keys: the fields' own order kept beside)
+            d["field_order"] = names
         d["next_of"] = list(self.next_of)
         if self.prioritization == "proportional":
             del d["prioritization"]  # the default: configs stay as format 1 wrote them
@@ -350,7 +353,7 @@ class Config:
         recorded config is read from disk: hostile until checked)."""
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"a recorded config must be a JSON object, got {type(d).__name__}")
-        known = {f.name for f in dataclass_fields(cls)}
+        known = {f.name for f in dataclass_fields(cls)} | {"field_order"}
         unknown = sorted(str(k) for k in set(d) - known)
         if unknown:
             raise InvalidArgumentError(f"a recorded config has unknown key(s) {unknown[:5]}")
@@ -364,6 +367,13 @@ class Config:
             if not isinstance(kw["fields"], dict):
                 raise InvalidArgumentError("fields must be an object")
             kw["fields"] = {n: (tuple(s), dt) for n, (s, dt) in kw["fields"].items()}
+            if "field_order" in kw:  # the batch's key order, as the buffer was made (to_dict)
+                order = kw.pop("field_order")
+                if not isinstance(order, list) or not all(isinstance(n, str) for n in order) \
+                        or sorted(order) != sorted(kw["fields"]) or order == sorted(order):
+                    raise InvalidArgumentError(f"field_order must list the fields' names once each, in an order "
+                                               f"other than sorted, got {order!r:.200}")
+                kw["fields"] = {n: kw["fields"][n] for n in order}
             if kw.get("next_of") is not None:
                 kw["next_of"] = tuple(kw["next_of"])
             return cls.build(**kw)
