@@ -35,8 +35,8 @@ def _pair(capacity=CAP):
     return bufs
 
 
-def _same(got, want, ordered=True):
-    assert list(got) == list(want) if ordered else sorted(got) == sorted(want)
+def _same(got, want):
+    assert list(got) == list(want)
     for k in want:
         assert got[k].dtype == want[k].dtype and tuple(got[k].shape) == tuple(want[k].shape), k
         np.testing.assert_array_equal(_np(got[k]), _np(want[k]), err_msg=k)
@@ -316,7 +316,7 @@ def test_writers_updates_restores_and_snapshots_race_the_feed_then_batches_are_e
     try:
         for _ in range(5):
             t = next(it)
-            _same(t, twin.sample(B).to_torch("cpu"), ordered=False)  # (the key order: see the xfail below)
+            _same(t, twin.sample(B).to_torch("cpu"))
             idx = t.host["indices"]
             ref = buf.gather(idx)
             for k in ("obs", "next_obs", "step", "reward", "terminated", "truncated"):
@@ -372,10 +372,8 @@ def test_close_from_another_thread_while_the_feed_draws_never_deadlocks(prefetch
     it.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a snapshot's metadata is written with json.dumps(sort_keys=True) "
-                   "(snapshot/_save.py), so a loaded buffer's fields, and every batch's keys (and a JAX "
-                   "pytree's leaves), come in name order, not in the order the run that never stopped gives")
 def test_a_loaded_buffer_gives_batch_keys_in_the_order_of_the_run_that_never_stopped(tmp_path):
+    """(Was a strict xfail: every file sorts its JSON keys; the config now records the fields' order.)"""
     buf = _atari_like(capacity=CAP)
     _add(buf, 0, CAP)
     buf.save(tmp_path / "s")
