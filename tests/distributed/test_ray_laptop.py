@@ -241,3 +241,33 @@ def test_rank_is_refused_with_a_clear_error_before_any_shard_starts(kind):
     with pytest.raises(bigper.InvalidArgumentError, match=f"prioritization='{kind}'.*proportional only"):
         ShardedPrioritizedBuffer(2, 100, {"obs": ((3,), np.float32)}, prioritization=kind)
     assert ray.is_initialized() == was_up  # refused before Ray was touched
+
+
+def test_a_sharded_buffer_keeps_its_fields_order_and_refuses_a_crafted_one(cluster, tmp_path):
+    """A config's ``field_order`` (fields not in sorted order) through a sharded
+    snapshot; a crafted one is refused by name, the files unchanged
+    (tests/snapshot/test_hostile_field_order.py holds the other readers)."""
+    from bigper.errors import IncompatibleSnapshotError
+    from tests._hostile_snapshot_cases import fingerprint
+
+    fields = {"z": ((), np.float32), "a": ((2,), np.int64), "m": ((), np.uint8)}
+    names = ["z", "a", "m"]
+    small = dict(num_cpus_per_shard=0.2, shard_timeout_s=20.0)
+    rng = np.random.default_rng(0)
+    data = {"z": rng.random(60).astype(np.float32), "a": rng.integers(0, 9, (60, 2)),
+            "m": rng.integers(0, 9, 60).astype(np.uint8)}
+    with ShardedPrioritizedBuffer(2, 100, fields, seed=3, chunk_size=32, **small) as buf:
+        buf.extend(data, rng.random(60) + 0.1)
+        assert list(buf.sample(8).data)[:3] == names
+        buf.save(tmp_path / "snap")
+    manifest = tmp_path / "snap" / "manifest.json"
+    body = M.decode(manifest.read_bytes(), tmp_path / "snap")
+    assert body["config"]["field_order"] == names
+    with ShardedPrioritizedBuffer.load(tmp_path / "snap", **small) as buf:
+        assert list(buf.sample(8).data)[:3] == names
+    for order in ([], ["a", "m", "z"], None):
+        manifest.write_bytes(M.encode({**body, "config": {**body["config"], "field_order": order}}))
+        before = fingerprint(tmp_path)
+        with pytest.raises(IncompatibleSnapshotError, match="field_order"):
+            ShardedPrioritizedBuffer.load(tmp_path / "snap", **small)
+        assert fingerprint(tmp_path) == before
