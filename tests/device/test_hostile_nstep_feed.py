@@ -1023,3 +1023,37 @@ def test_batches_redrawn_after_a_write_keep_their_own_uniforms(prefetch):
     it.close()
     a.close()
     twin.close()
+
+
+def test_after_a_load_into_a_copied_run_a_new_episode_feeds_as_sample_does(tmp_path):
+    """As users resume: a run's snapshot loaded into a new folder (a forked run;
+    the original untouched), the open episodes ended by the load, then a new
+    episode added (the environment after a crash is new): the n-step feed gives
+    what a twin loaded and fed alike gives with ``sample``, draw for draw."""
+    from tests._hostile_snapshot_cases import fingerprint
+
+    run = Det.buffer(64, tmp_path / "run")
+    run.extend(Det.steps(0, 30))
+    run.save(tmp_path / "snap")
+    run.close()
+    before = fingerprint(tmp_path / "run", tmp_path / "snap")
+    a = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "fork")
+    twin = bigper.PrioritizedReplayBuffer.load(tmp_path / "snap", path=tmp_path / "twin")
+    fresh = Det.steps(100, 12)  # a new episode: steps never seen before, from its first frame
+    for buf in (a, twin):
+        buf.extend(fresh)
+    it = a.sampler(24, prefetch=0, device="cpu")
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        got, want = next(it), twin.sample(24).to_torch("cpu")
+        assert list(got) == list(want)
+        for key in want:
+            np.testing.assert_array_equal(_np(got[key]), _np(want[key]), err_msg=key)
+        p = torch.tensor(rng.random(24) * 4 + 0.1)
+        a.update_priorities(got, p)
+        twin.update_priorities(want, p)
+    it.close()
+    np.testing.assert_array_equal(a.leaves(np.arange(64)), twin.leaves(np.arange(64)))
+    a.close()
+    twin.close()
+    assert fingerprint(tmp_path / "run", tmp_path / "snap") == before
