@@ -168,8 +168,8 @@ _KILLED = _PRELUDE + """
 tmp = Path(sys.argv[1])
 buf = make("memmap", tmp, shape=(12, 12), k=3, capacity=80, budget=int(sys.argv[2]) or None, name="live", seed=1)
 feed = Feed(frames(), 3, seed=7)
+feed.run(buf, 20)  # (then the sampler: a compressed feed's thread draws at once, and an empty buffer refuses)
 it = buf.sampler(8, prefetch=3, device="cpu")
-feed.run(buf, 20)
 n = 20
 while True:
     feed.run(buf, 3)
