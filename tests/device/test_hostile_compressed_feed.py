@@ -474,18 +474,15 @@ print("ok", n, flush=True)
 @pytest.mark.parametrize("kind,budget,prefetch,wide,own_thread", [
     ("memory", "none", 2, "0", "0"), ("memmap", "700", 1, "1", "0"), ("memory", "700", 0, "0", "0"),
     ("memory", "700", 2, "0", "1"), ("memmap", "none", 4, "1", "1")])
-def test_writer_adoptions_snapshots_restores_and_close_race_the_feed(tmp_path, kind, budget, prefetch, wide,
-                                                                    own_thread):
+def test_writer_adoptions_snapshots_restores_and_close_race_the_feed(feed_races, request, kind, budget, prefetch,
+                                                                    wide, own_thread):
     """A writer whose log adopts a dictionary every 20 frames (more than 8:
     codec slots reused; a capped log releasing segments), a thread saving
     and restoring the buffer's own state, the learner checking every batch and
     keeping some (the native feed, and ``FeedSampler``'s own thread, which
     CUDA gets), then ``close`` from a third thread: never a crash, never a
     wrong byte, the iteration ends with ``BufferClosedError``."""
-    code = _RACE.format(root=str(ROOT))
-    with Child(code, tmp_path, kind, budget, prefetch, wide, own_thread) as child:
-        child.said("ok", timeout=240)
-        assert child.end() == 0, child.stderr()
+    _said_ok(feed_races, request)
 
 
 _DAMAGE = """
@@ -633,12 +630,49 @@ print("ok", counts, flush=True)
 
 
 @pytest.mark.parametrize("kind,budget", [("memory", "700"), ("memmap", "none")])
-def test_several_feeds_and_sample_on_threads_of_their_own_with_a_writer(tmp_path, kind, budget):
+def test_several_feeds_and_sample_on_threads_of_their_own_with_a_writer(feed_races, request, kind, budget):
     """Four readers at once (the native feed, ``FeedSampler``'s thread, a
     ``prefetch=0`` feed and plain ``sample``), each on a thread of its own,
     while a writer adopts dictionaries and the log grows or releases
     segments: every batch exact, no crash (they share the log's decode
     scratch, under the lock)."""
-    with Child(_MANY.format(root=str(ROOT)), tmp_path, kind, budget) as child:
-        child.said("ok", timeout=240)
-        assert child.end() == 0, child.stderr()
+    _said_ok(feed_races, request)
+
+
+# The race and many-readers cases above run in one batch of child interpreters (tests/_child_batch.py:
+# each case a fresh run of its script with its own argv and globals, its output and exit status
+# apart; a crash or a hang ends only its own case and the cases after it go on in a new child):
+# one interpreter start and one load of torch and bigper's kernels for the seven, not one each.
+_BATCHED = {"test_writer_adoptions_snapshots_restores_and_close_race_the_feed": ("race", _RACE),
+            "test_several_feeds_and_sample_on_threads_of_their_own_with_a_writer": ("many", _MANY)}
+_DISPATCH = "import sys\n_code = {codes!r}[sys.argv.pop(1)]\nexec(compile(_code, '<string>', 'exec'), globals())\n"
+
+
+@pytest.fixture(scope="module")
+def feed_races(request, tmp_path_factory):
+    """Every selected case of the two tests above (a ``-k`` run prepares only its own):
+    case name -> its ``CaseResult``."""
+    from tests._child import env_with_root
+    from tests._child_batch import run_batch
+
+    cases = {}
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module or item.originalname not in _BATCHED:
+            continue
+        which, _ = _BATCHED[item.originalname]
+        p = item.callspec.params
+        args = [p["kind"], p["budget"]] + ([p["prefetch"], p["wide"], p["own_thread"]] if which == "race" else [])
+        cases[f"{which}-{item.callspec.id}"] = [which, tmp_path_factory.mktemp(which), *args]
+    codes = {which: code.format(root=str(ROOT)) for which, code in _BATCHED.values()}
+    return run_batch(_DISPATCH.format(codes=codes), cases, env=env_with_root(), timeout=240)
+
+
+def _said_ok(feed_races, request):
+    """The batched case of this test ran to its ``ok`` line and exited 0 (as ``Child.said("ok")``
+    and ``Child.end() == 0`` held it)."""
+    r = feed_races[f"{_BATCHED[request.node.originalname][0]}-{request.node.callspec.id}"]
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert not r.timed_out, f"the child printed nothing for 240 s; {lines[-5:]!r}; its stderr:\n{r.stderr[-4000:]}"
+    assert lines and (lines[0] == "ok" or lines[0].startswith("ok ")), \
+        f"the child said {lines[:1]!r}, not 'ok' (exit status {r.returncode}); its stderr:\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, r.stderr[-4000:]
