@@ -217,3 +217,46 @@ def prepare_and_run(request, tmp_path_factory, test_name: str, argname: str, val
         for call, argv in calls(v, p).items():
             runs[f"{v}.{call}" if call else str(v)] = argv
     return Batch(prepared, errors, run_batch(script, runs, **kw) if runs else {})
+
+
+# Child scripts of several tests of one module, every selected case in one batch: a test that
+# ran ``Child(SCRIPT, tmp_path, *params)`` and asserted ``said("ok")`` and ``end() == 0`` asks
+# ``said_ok(results, request)`` instead, of a module-scoped fixture that returned ``run_scripts``.
+_DISPATCH = "import sys\n_code = {codes!r}[sys.argv.pop(1)]\nexec(compile(_code, '<string>', 'exec'), globals())\n"
+
+
+def _case_key(item) -> str:
+    callspec = getattr(item, "callspec", None)
+    return f"{item.originalname}[{callspec.id}]" if callspec is not None else item.originalname
+
+
+def run_scripts(request, tmp_path_factory, scripts: dict[str, tuple[str, tuple[str, ...]]], *, env=None,
+                cwd=None, timeout: float = 240) -> dict[str, CaseResult]:
+    """``scripts``: test name -> (its script, the names of its parameters that follow its folder on
+    the script's argv). Every selected case of those tests of the requesting module (a ``-k`` run
+    runs only its own), in the order of ``scripts`` then of the session, each with a fresh folder
+    as its ``sys.argv[1]``: case key -> its result."""
+    cases = {}
+    for name, (_, argnames) in scripts.items():
+        for item in request.session.items:
+            if getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == name:
+                params = getattr(getattr(item, "callspec", None), "params", {})
+                cases[_case_key(item)] = [name, tmp_path_factory.mktemp(name[5:40]), *(params[a] for a in argnames)]
+    # (case names: no spaces; the key keeps the test id for messages)
+    names = {key: re.sub(r"[^\w.\[\]-]", "_", key) for key in cases}
+    codes = {name: code for name, (code, _) in scripts.items()}
+    results = run_batch(_DISPATCH.format(codes=codes), {names[k]: argv for k, argv in cases.items()},
+                        env=env, cwd=cwd, timeout=timeout) if cases else {}
+    return {key: results[names[key]] for key in cases}
+
+
+def said_ok(results: dict[str, CaseResult], request, timeout: float = 240) -> CaseResult:
+    """The batched case of the requesting test printed ``ok`` (alone or followed by a space)
+    first and exited 0, as ``Child.said("ok")`` and ``Child.end() == 0`` held it."""
+    r = results[_case_key(request.node)]
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert not r.timed_out, f"the child printed nothing for {timeout} s; {lines[-5:]!r}; its stderr:\n{r.stderr[-4000:]}"
+    assert lines and (lines[0] == "ok" or lines[0].startswith("ok ")), \
+        f"the child said {lines[:1]!r}, not 'ok' (exit status {r.returncode}); its stderr:\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"exit status {r.returncode}; its stderr:\n{r.stderr[-4000:]}"
+    return r

@@ -38,7 +38,8 @@ from bigper.device.feed import FeedSampler  # noqa: E402
 from bigper.device.native import NativeFeed  # noqa: E402
 
 from tests import hook  # noqa: E402
-from tests._child import Child  # noqa: E402
+from tests._child import Child, env_with_root  # noqa: E402
+from tests._child_batch import run_scripts, said_ok  # noqa: E402
 from tests.device.test_feed import _add, _atari_like, thread_calls_a_batch  # noqa: E402
 from tests.frames.test_compression import Feed, make  # noqa: E402
 
@@ -482,7 +483,7 @@ def test_writer_adoptions_snapshots_restores_and_close_race_the_feed(feed_races,
     keeping some (the native feed, and ``FeedSampler``'s own thread, which
     CUDA gets), then ``close`` from a third thread: never a crash, never a
     wrong byte, the iteration ends with ``BufferClosedError``."""
-    _said_ok(feed_races, request)
+    said_ok(feed_races, request)
 
 
 _DAMAGE = """
@@ -636,43 +637,17 @@ def test_several_feeds_and_sample_on_threads_of_their_own_with_a_writer(feed_rac
     while a writer adopts dictionaries and the log grows or releases
     segments: every batch exact, no crash (they share the log's decode
     scratch, under the lock)."""
-    _said_ok(feed_races, request)
+    said_ok(feed_races, request)
 
 
 # The race and many-readers cases above run in one batch of child interpreters (tests/_child_batch.py:
 # each case a fresh run of its script with its own argv and globals, its output and exit status
 # apart; a crash or a hang ends only its own case and the cases after it go on in a new child):
 # one interpreter start and one load of torch and bigper's kernels for the seven, not one each.
-_BATCHED = {"test_writer_adoptions_snapshots_restores_and_close_race_the_feed": ("race", _RACE),
-            "test_several_feeds_and_sample_on_threads_of_their_own_with_a_writer": ("many", _MANY)}
-_DISPATCH = "import sys\n_code = {codes!r}[sys.argv.pop(1)]\nexec(compile(_code, '<string>', 'exec'), globals())\n"
-
-
 @pytest.fixture(scope="module")
 def feed_races(request, tmp_path_factory):
-    """Every selected case of the two tests above (a ``-k`` run prepares only its own):
-    case name -> its ``CaseResult``."""
-    from tests._child import env_with_root
-    from tests._child_batch import run_batch
-
-    cases = {}
-    for item in request.session.items:
-        if getattr(item, "module", None) is not request.module or item.originalname not in _BATCHED:
-            continue
-        which, _ = _BATCHED[item.originalname]
-        p = item.callspec.params
-        args = [p["kind"], p["budget"]] + ([p["prefetch"], p["wide"], p["own_thread"]] if which == "race" else [])
-        cases[f"{which}-{item.callspec.id}"] = [which, tmp_path_factory.mktemp(which), *args]
-    codes = {which: code.format(root=str(ROOT)) for which, code in _BATCHED.values()}
-    return run_batch(_DISPATCH.format(codes=codes), cases, env=env_with_root(), timeout=240)
-
-
-def _said_ok(feed_races, request):
-    """The batched case of this test ran to its ``ok`` line and exited 0 (as ``Child.said("ok")``
-    and ``Child.end() == 0`` held it)."""
-    r = feed_races[f"{_BATCHED[request.node.originalname][0]}-{request.node.callspec.id}"]
-    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert not r.timed_out, f"the child printed nothing for 240 s; {lines[-5:]!r}; its stderr:\n{r.stderr[-4000:]}"
-    assert lines and (lines[0] == "ok" or lines[0].startswith("ok ")), \
-        f"the child said {lines[:1]!r}, not 'ok' (exit status {r.returncode}); its stderr:\n{r.stderr[-4000:]}"
-    assert r.returncode == 0, r.stderr[-4000:]
+    return run_scripts(request, tmp_path_factory, {
+        "test_writer_adoptions_snapshots_restores_and_close_race_the_feed":
+            (_RACE.format(root=str(ROOT)), ("kind", "budget", "prefetch", "wide", "own_thread")),
+        "test_several_feeds_and_sample_on_threads_of_their_own_with_a_writer":
+            (_MANY.format(root=str(ROOT)), ("kind", "budget"))}, env=env_with_root(), timeout=240)

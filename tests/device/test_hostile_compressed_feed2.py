@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 
 import bigper  # noqa: E402
 
-from tests._child import Child  # noqa: E402
+from tests._child import Child, env_with_root  # noqa: E402
+from tests._child_batch import run_scripts, said_ok  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,14 +155,12 @@ print("ok", len(pairs), flush=True)
 """
 
 
-def test_two_threads_on_every_pair_of_public_methods_while_the_feed_runs(tmp_path):
+def test_two_threads_on_every_pair_of_public_methods_while_the_feed_runs(feed2_children, request):
     """``add``/``extend``/``update_priorities``/``save``/``close``/``sample``/
     ``state_dict``/a second sampler, every pair on two threads, while the
     learner takes every batch of a compressed ``FeedSampler`` and keeps them
     all: every batch exact, kept batches unchanged, no hang or crash."""
-    with Child(_PAIRS.format(root=str(ROOT)), tmp_path) as child:
-        child.said("ok", timeout=300)
-        assert child.end() == 0, child.stderr()
+    said_ok(feed2_children, request, timeout=300)
 
 
 # -- kill -9 while adding with a feed running, then resume ------------------------------------------
@@ -345,13 +344,11 @@ print("ok", flush=True)
 """
 
 
-def test_chdir_between_opening_and_the_sampler(tmp_path):
+def test_chdir_between_opening_and_the_sampler(feed2_children, request):
     """A memmap buffer opened at a relative path; the process changes
     directory before the sampler starts and before it closes: the feed reads
     and the buffer writes the folder it opened, which then resumes exact."""
-    with Child(_CHDIR.format(root=str(ROOT)), tmp_path) as child:
-        child.said("ok", timeout=300)
-        assert child.end() == 0, child.stderr()
+    said_ok(feed2_children, request, timeout=300)
 
 
 # -- priorities at float limits -----------------------------------------------------------------------
@@ -490,14 +487,12 @@ print("ok", flush=True)
 """
 
 
-def test_buffer_or_sampler_dropped_while_the_feed_thread_runs(tmp_path):
+def test_buffer_or_sampler_dropped_while_the_feed_thread_runs(feed2_children, request):
     """The buffer dropped without ``close`` while the feed's thread draws
     ahead: the sampler gives exact batches or ends with a bigper error, no
     crash; the sampler dropped while the buffer is used: the buffer goes on
     exact; every feed thread ends."""
-    with Child(_GC.format(root=str(ROOT)), tmp_path) as child:
-        child.said("ok", timeout=300)
-        assert child.end() == 0, child.stderr()
+    said_ok(feed2_children, request, timeout=300)
 
 
 # -- dictionary codes wrapping past 127 under a running feed ------------------------------------------
@@ -559,14 +554,12 @@ print("ok", n, flush=True)
 
 
 @pytest.mark.parametrize("kind", ["memory", "memmap"])
-def test_the_feed_stays_exact_while_dictionary_codes_wrap_past_127(tmp_path, kind):
+def test_the_feed_stays_exact_while_dictionary_codes_wrap_past_127(feed2_children, request, kind):
     """A writer thread whose log adopts a dictionary every 40 frames until the
     packed entry's 7-bit generation code wraps (generation 128 is code 1),
     ``FeedSampler`` drawing ahead and decoding all along: every batch is the
     stacks added for it, kept ones never change."""
-    with Child(_WRAP.format(root=str(ROOT)), tmp_path, kind) as child:
-        child.said("ok", timeout=300)
-        assert child.end() == 0, child.stderr()
+    said_ok(feed2_children, request, timeout=300)
 
 
 # -- frames at the packed entry's length limit; a read-only folder ------------------------------------
@@ -796,14 +789,12 @@ print("ok", res, flush=True)
 """
 
 
-def test_a_memmap_buffer_dropped_while_the_feed_gathers_without_the_lock(tmp_path):
+def test_a_memmap_buffer_dropped_while_the_feed_gathers_without_the_lock(feed2_children, request):
     """A memmap buffer dropped (no ``close``) while the feed's thread gathers
     32 MB batches of a field without the lock: its storage is unmapped only
     after the thread let go (no crash), and the sampler ends with a bigper
     error or serves exact batches."""
-    with Child(_GC_GATHER.format(root=str(ROOT)), tmp_path) as child:
-        child.said("ok", timeout=300)
-        assert child.end() == 0, child.stderr()
+    said_ok(feed2_children, request, timeout=300)
 
 
 _EXIT = _PRELUDE + """
@@ -839,3 +830,24 @@ def test_the_interpreter_exits_without_close_while_the_feed_draws_ahead(tmp_path
     assert check_all_live(again, feed) > 0
     check_sample(again, feed, 16)
     again.close()
+
+
+# The tests above that only wait for a child's "ok" run in one batch of child interpreters
+# (tests/_child_batch.py: each case a fresh run of its script with its own argv and globals, its
+# output and exit status apart; a crash or a hang ends only its own case and the cases after it go
+# on in a new child): one interpreter start and one load of torch and bigper's kernels for the six,
+# not one each. The garbage-collection case first: it counts the interpreter's threads.
+@pytest.fixture(scope="module")
+def feed2_children(request, tmp_path_factory):
+    return run_scripts(request, tmp_path_factory, {
+        "test_buffer_or_sampler_dropped_while_the_feed_thread_runs":
+            (_GC.format(root=str(ROOT)), ()),
+        "test_two_threads_on_every_pair_of_public_methods_while_the_feed_runs":
+            (_PAIRS.format(root=str(ROOT)), ()),
+        "test_chdir_between_opening_and_the_sampler":
+            (_CHDIR.format(root=str(ROOT)), ()),
+        "test_the_feed_stays_exact_while_dictionary_codes_wrap_past_127":
+            (_WRAP.format(root=str(ROOT)), ('kind',)),
+        "test_a_memmap_buffer_dropped_while_the_feed_gathers_without_the_lock":
+            (_GC_GATHER.format(root=str(ROOT)), ()),
+    }, env=env_with_root(), timeout=300)
