@@ -15,6 +15,7 @@ decode, a fork after one) run in child processes.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -30,7 +31,8 @@ from bigper.device.feed import FeedSampler  # noqa: E402
 from bigper.errors import CorruptSnapshotError  # noqa: E402
 
 from tests import hook  # noqa: E402
-from tests._child import Child  # noqa: E402
+from tests._child import Child, env_with_root  # noqa: E402
+from tests._child_batch import run_scripts, said_ok  # noqa: E402
 from tests.device.test_feed import _add, _atari_like  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -385,14 +387,11 @@ print("ok", counts, flush=True)
 
 
 @pytest.mark.parametrize("budget", ["0", "700"])
-def test_pooled_feeds_with_a_writer_adopting_dictionaries(tmp_path, budget):
+def test_pooled_feeds_with_a_writer_adopting_dictionaries(pool_children, request, budget):
     """Three pooled feeds (two ``FeedSampler`` threads, one ``prefetch=0``),
     BIGPER_THREADS=8, while a writer adopts more dictionaries than codec slots
     (and a capped log releases segments): every batch the stacks added."""
-    with Child(_MANY.format(root=str(ROOT)), tmp_path, budget, env={**__import__("os").environ,
-                                                                     "BIGPER_THREADS": "8"}) as child:
-        child.said("ok", timeout=240)
-        assert child.end() == 0, child.stderr()
+    said_ok(pool_children, request)
 
 
 _CLOSE = """
@@ -443,13 +442,25 @@ print("ok", ends, flush=True)
 """
 
 
-def test_close_from_another_thread_during_a_pooled_decode(tmp_path):
+def test_close_from_another_thread_during_a_pooled_decode(pool_children, request):
     """``close`` while pool ranges decompress: it waits for the decode (under
     the lock), the learner's iteration ends with ``BufferClosedError`` or
     stops, no crash (the codec's contexts are freed after the decode)."""
-    with Child(_CLOSE.format(root=str(ROOT)), env={**__import__("os").environ, "BIGPER_THREADS": "8"}) as child:
-        child.said("ok", timeout=240)
-        assert child.end() == 0, child.stderr()
+    said_ok(pool_children, request)
+
+
+# The pooled feeds and the close above run in one batch of child interpreters, BIGPER_THREADS=8
+# (tests/_child_batch.py: each case a fresh run of its script with its own argv and globals, its
+# output and exit status apart; a crash or a hang ends only its own case and the cases after it go
+# on in a new child): one interpreter start and one load of torch and bigper's kernels for the
+# three. The close case last: it slows the codec's decompress_rows for the rest of its interpreter.
+# (The fork case keeps a child of its own: it forks that interpreter.)
+@pytest.fixture(scope="module")
+def pool_children(request, tmp_path_factory):
+    return run_scripts(request, tmp_path_factory, {
+        "test_pooled_feeds_with_a_writer_adopting_dictionaries": (_MANY.format(root=str(ROOT)), ("budget",)),
+        "test_close_from_another_thread_during_a_pooled_decode": (_CLOSE.format(root=str(ROOT)), ()),
+    }, env=env_with_root({**os.environ, "BIGPER_THREADS": "8"}), timeout=240)
 
 
 _FORK = """
