@@ -255,7 +255,8 @@ def said_ok(results: dict[str, CaseResult], request, timeout: float = 240) -> Ca
     first and exited 0, as ``Child.said("ok")`` and ``Child.end() == 0`` held it."""
     r = results[_case_key(request.node)]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert not r.timed_out, f"the child printed nothing for {timeout} s; {lines[-5:]!r}; its stderr:\n{r.stderr[-4000:]}"
+    assert not r.timed_out, \
+        f"the child printed nothing for {timeout} s; {lines[-5:]!r}; its stderr:\n{r.stderr[-4000:]}"
     assert lines and (lines[0] == "ok" or lines[0].startswith("ok ")), \
         f"the child said {lines[:1]!r}, not 'ok' (exit status {r.returncode}); its stderr:\n{r.stderr[-4000:]}"
     assert r.returncode == 0, f"exit status {r.returncode}; its stderr:\n{r.stderr[-4000:]}"
