@@ -178,6 +178,7 @@ def _info_storage(path: Path, args) -> int:
     from ..storage.state import check_arrays
 
     check_arrays(meta.get("arrays", {}), path)  # CorruptSnapshotError for a crafted record
+    _check_live_record(meta, path)
     if args.json:
         _print_json({k: v for k, v in meta.items() if k != "state"})
         return 0
@@ -214,6 +215,32 @@ def _info_storage(path: Path, args) -> int:
         print(f"  data/ also holds {len(stray)} entr{'y' if len(stray) == 1 else 'ies'} that bigper does not "
               f"read (not regular files): {', '.join(stray[:5])}")
     return 0
+
+
+def _check_live_record(meta: dict, path: Path) -> None:
+    """What ``bigper info`` prints of a live memmap storage's record, checked
+    as a resume checks it (its writer may have died: an unclean record is
+    described, not refused): the format and version, the record's fields and
+    the config. A crafted record is refused naming the field; nothing of it
+    is printed (a value could carry a newline or a terminal escape)."""
+    from ..config import Config
+    from ..core.layout import plain_fields
+    from ..errors import BigperError, CorruptSnapshotError
+    from ..storage.memmap import FORMAT, VERSION
+    from ..storage.state import check_meta
+
+    check_meta({**meta, "clean": True} if isinstance(meta.get("clean"), bool) else meta, FORMAT, VERSION, path)
+    try:
+        cfg = Config.from_dict(meta.get("config"))
+    except BigperError as e:
+        raise CorruptSnapshotError(f"{path}/meta.json: its config is not one this bigper builds: {e}") from None
+    if cfg.storage != "memmap":
+        raise CorruptSnapshotError(f"{path}/meta.json: a memmap storage's config says storage={cfg.storage!r}")
+    arrays = meta.get("arrays", {})
+    for name in plain_fields(cfg):  # (a field's array holds a row a slot: the capacity the record claims)
+        if name in arrays and arrays[name]["rows"] != cfg.capacity:
+            raise CorruptSnapshotError(f"{path}/meta.json: config capacity {cfg.capacity:,} but array {name!r} "
+                                       f"holds {arrays[name]['rows']:,} rows")
 
 
 def _sampleable(path: Path, cap: int) -> str:
