@@ -249,8 +249,11 @@ def _check_newer(store, cfg: Config, snap_meta: dict, snap_arrays: dict, live, r
         return
     st = previous.get("state")
     held = st.get("count") if isinstance(st, dict) else None
-    if not isinstance(held, int) or isinstance(held, bool):
-        return
+    if not isinstance(held, int) or isinstance(held, bool) or held < 0:  # (a clean close always records it)
+        raise PathExistsError(f"path={str(live)!r} holds a buffer closed cleanly whose record does not say how "
+                              f"many transitions it holds (state count {str(held)[:40]!r}): it may be newer than "
+                              "this snapshot. Load the snapshot into a new path=, or pass rewind=True to replace "
+                              "it; nothing was changed")
     count = snap_meta["count"]
     if held > count:
         why = (f"{held} transitions written, newer than this snapshot's {count}: loading it there would discard "

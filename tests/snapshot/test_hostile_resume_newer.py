@@ -136,6 +136,29 @@ def test_a_crafted_live_meta_is_a_clean_refusal_or_the_load_goes_on(tmp_path, st
     b.close()
 
 
+UNREADABLE_COUNT = [k for k in CRAFTED if k.startswith(("count-", "state-")) and k != "count-huge"] + ["count-neg"]
+
+
+@pytest.mark.parametrize("storage", ["memmap", "hdf5"])
+@pytest.mark.parametrize("crafted", UNREADABLE_COUNT)
+def test_a_clean_live_record_that_does_not_say_its_count_is_never_loaded_over(tmp_path, storage, crafted):
+    """A buffer closed cleanly at the live path, whose record's transition
+    count does not read as one (a string, null, a bool, a float, negative, no
+    state at all): it may hold more than the snapshot, so the load refuses
+    naming ``rewind=True`` and leaves every byte; ``rewind=True`` loads. (The
+    load used to take such a folder over as if it held nothing newer.)"""
+    live = raised_run(tmp_path, storage)
+    keys, value = CRAFTED.get(crafted, (("state", "count"), -1))
+    edit_meta(live, storage, _set(keys, value))
+    before = fingerprint(tmp_path)
+    with deadline(), pytest.raises(PathExistsError, match="rewind=True"):
+        load(tmp_path / SNAP)
+    assert fingerprint(tmp_path) == before
+    b = load(tmp_path / SNAP, rewind=True)
+    assert len(b) == 10
+    b.close()
+
+
 @pytest.mark.parametrize("storage", ["memmap", "hdf5"])
 @pytest.mark.parametrize("value", [float("inf"), 1e308, float("nan")])
 def test_a_crafted_large_live_max_leaf_refusal_message_is_well_formed(tmp_path, storage, value):
