@@ -16,6 +16,7 @@ time limit on the whole command, a command run as another user."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import re
@@ -360,6 +361,17 @@ def test_a_folder_with_10000_empty_subfolders(batch, request, command):
     assert r.returncode == 2, (r.stdout, r.stderr)
 
 
+@functools.cache
+def _nobody_imports_bigper() -> subprocess.CompletedProcess:
+    """Whether ``nobody`` can import this checkout at all (asked once, for both commands)."""
+    import tempfile
+
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                           "import bigper"], capture_output=True, text=True, timeout=60, cwd="/",
+                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                         "NUMBA_CACHE_DIR": tempfile.gettempdir()})
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_an_unreadable_folder_as_a_user_who_cannot_read_it(command):
     """As root, chmod 000 reads anyway; run the command as ``nobody`` so that it really cannot."""
@@ -368,10 +380,7 @@ def test_an_unreadable_folder_as_a_user_who_cannot_read_it(command):
 
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv to run the command as nobody")
-    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                            "import bigper"], capture_output=True, text=True, timeout=60, cwd="/",
-                           stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                                          "NUMBA_CACHE_DIR": tempfile.gettempdir()})
+    probe = _nobody_imports_bigper()
     if probe.returncode != 0:  # a checkout in a 0700 folder (CI's): nobody cannot import bigper at all
         pytest.skip(f"nobody cannot import this checkout: {probe.stderr.strip()[-200:]}")
     top = Path(tempfile.mkdtemp(prefix="bigper-hostile-"))
