@@ -91,6 +91,7 @@ def _declare(c) -> None:
         ("ZSTD_createDDict", vp, [vp, sz]), ("ZSTD_freeDDict", sz, [vp]),
         ("ZSTD_isError", ctypes.c_uint, [sz]), ("ZSTD_getErrorName", ctypes.c_char_p, [sz]),
         ("ZDICT_trainFromBuffer", sz, [vp, sz, vp, vp, ctypes.c_uint]),
+        ("ZSTD_versionNumber", ctypes.c_uint, []),
         ("ZDICT_isError", ctypes.c_uint, [sz]),
     ):
         f = getattr(c, fn)
@@ -314,11 +315,29 @@ def trainable(m: int, n: int) -> bool:
     return m >= TRAIN_MIN_SAMPLES and n >= TRAIN_MIN_SAMPLE_BYTES and m * n <= TRAIN_MAX_BYTES and m < 1 << 32
 
 
-def train(samples: np.ndarray, size: int = 16384) -> np.ndarray | None:
+class _ZParams(ctypes.Structure):
+    _fields_ = [("compressionLevel", ctypes.c_int), ("notificationLevel", ctypes.c_uint), ("dictID", ctypes.c_uint)]
+
+
+class _FastCover(ctypes.Structure):
+    """``ZDICT_fastCover_params_t`` as zstd 1.4.5 and later lay it out (passed by value)."""
+    _fields_ = [("k", ctypes.c_uint), ("d", ctypes.c_uint), ("f", ctypes.c_uint), ("steps", ctypes.c_uint),
+                ("nbThreads", ctypes.c_uint), ("splitPoint", ctypes.c_double), ("accel", ctypes.c_uint),
+                ("shrinkDict", ctypes.c_uint), ("shrinkDictMaxRegression", ctypes.c_uint), ("zParams", _ZParams)]
+
+
+# fastCover's other parameters for a fixed segment size k (``train(..., k=)``): ZDICT_trainFromBuffer's
+# own (d = 8, f = 20, accel 1).
+FIXED_D, FIXED_F = 8, 20
+
+
+def train(samples: np.ndarray, size: int = 16384, k: int | None = None) -> np.ndarray | None:
     """A zstd dictionary of at most ``size`` bytes (``DICT_MIN_BYTES`` or
     more) trained on ``samples`` (m, n) uint8 rows; None when training fails
     (too few or too uniform samples), and without calling the trainer when
-    the samples are fewer or shorter than it takes (``trainable``)."""
+    the samples are fewer or shorter than it takes (``trainable``).
+    ``k``: fastCover with that segment size (no search; zstd >= 1.4.5, else
+    the search), a few times faster than the search over k of the default."""
     if not DICT_MIN_BYTES <= size:
         raise ValueError(f"a zstd dictionary takes at least {DICT_MIN_BYTES} bytes, got size={size}")
     m, n = samples.shape
@@ -328,7 +347,15 @@ def train(samples: np.ndarray, size: int = 16384) -> np.ndarray | None:
     samples = np.ascontiguousarray(samples, dtype=np.uint8)
     sizes = np.full(m, n, dtype=np.uintp)
     out = np.empty(size, dtype=np.uint8)
-    got = c.ZDICT_trainFromBuffer(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m)
+    fast = getattr(c, "ZDICT_trainFromBuffer_fastCover", None) if k and c.ZSTD_versionNumber() >= 10405 else None
+    if fast is not None:
+        fast.restype = ctypes.c_size_t
+        fast.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, _FastCover]
+        p = _FastCover(k=min(int(k), size), d=FIXED_D, f=FIXED_F, accel=1, splitPoint=1.0)
+        p.zParams.compressionLevel = 3
+        got = fast(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m, p)
+    else:
+        got = c.ZDICT_trainFromBuffer(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m)
     if c.ZDICT_isError(got):
         return None
     return out[:got].copy()

@@ -124,7 +124,8 @@ def _frames_meta(snap, **changes):
     resign(snap, edit)
 
 
-@pytest.mark.parametrize("case", ["first_shifted", "sizes_swapped", "dicts_swapped", "one_dropped", "sizes_off"])
+@pytest.mark.parametrize("case", ["first_shifted", "sizes_split_elsewhere", "dicts_swapped", "one_dropped",
+                                  "sizes_off"])
 def test_a_crafted_dictionary_set_is_refused_at_load(case, tmp_path, monkeypatch):
     snap = _multi_snapshot(tmp_path, monkeypatch)
     blob = np.load(snap / "state" / "frames_dict.npy")
@@ -134,8 +135,8 @@ def test_a_crafted_dictionary_set_is_refused_at_load(case, tmp_path, monkeypatch
     parts = np.split(blob, np.cumsum(sizes)[:-1])
     if case == "first_shifted":
         _frames_meta(snap, dicts_first=first + 1)
-    elif case == "sizes_swapped":
-        _frames_meta(snap, dict_sizes=sizes[::-1])
+    elif case == "sizes_split_elsewhere":  # (the same total, each dictionary cut at another byte)
+        _frames_meta(snap, dict_sizes=[sizes[0] - 1000, sizes[1] + 1000, *sizes[2:]])
     elif case == "dicts_swapped":
         put_state(snap, "frames_dict", np.concatenate(parts[::-1]))
         _frames_meta(snap, dict_sizes=sizes[::-1])
