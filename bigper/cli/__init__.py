@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import runpy
 import stat
@@ -177,7 +178,8 @@ def _info_storage(path: Path, args) -> int:
         return 1
     from ..storage.state import check_arrays
 
-    check_arrays(meta.get("arrays", {}), path)  # CorruptSnapshotError for a crafted record
+    # (on a copy: check_arrays fills in what an older record leaves out, and --json prints the file's record)
+    check_arrays(json.loads(json.dumps(meta.get("arrays", {}))), path)  # CorruptSnapshotError: crafted
     _check_live_record(meta, path)
     if args.json:
         _print_json({k: v for k, v in meta.items() if k != "state"})
@@ -199,7 +201,7 @@ def _info_storage(path: Path, args) -> int:
     print(f"{path}: a live {meta.get('format')} storage, version {meta.get('version')}, "
           f"{'closed cleanly' if meta.get('clean') else 'OPEN or its writer died (resume from a snapshot)'}")
     prio = cfg.get("prioritization", "proportional")
-    print(f"  capacity {cap:,}; {n:,} transitions at the last close{_sampleable(path, cap)}; "
+    print(f"  capacity {cap:,}; {n:,} transitions at the last close{_sampleable(path, cap, n)}; "
           f"{size / 1e6:,.1f} MB of data; {prio if isinstance(prio, str) else '?'} prioritization")
     if cfg.get("compression") is not None:
         print(f"  compression {cfg.get('compression')!s:.20}: {_ratio(cfg, state)}")
@@ -213,7 +215,7 @@ def _info_storage(path: Path, args) -> int:
         print(line.lstrip("\n"))
     if stray:
         print(f"  data/ also holds {len(stray)} entr{'y' if len(stray) == 1 else 'ies'} that bigper does not "
-              f"read (not regular files): {', '.join(stray[:5])}")
+              f"read (not regular files): {', '.join(ascii(n) for n in stray[:5])}")
     return 0
 
 
@@ -224,7 +226,7 @@ def _check_live_record(meta: dict, path: Path) -> None:
     the config. A crafted record is refused naming the field; nothing of it
     is printed (a value could carry a newline or a terminal escape)."""
     from ..config import Config
-    from ..core.layout import plain_fields
+    from ..core.layout import plain_fields, storage_specs
     from ..errors import BigperError, CorruptSnapshotError
     from ..storage.memmap import FORMAT, VERSION
     from ..storage.state import check_meta
@@ -236,14 +238,42 @@ def _check_live_record(meta: dict, path: Path) -> None:
         raise CorruptSnapshotError(f"{path}/meta.json: its config is not one this bigper builds: {e}") from None
     if cfg.storage != "memmap":
         raise CorruptSnapshotError(f"{path}/meta.json: a memmap storage's config says storage={cfg.storage!r}")
+    state = meta.get("state")
+    if isinstance(state, dict):  # (null: closed before anything was recorded)
+        if "count" not in state:  # (check_record checked it where present)
+            raise CorruptSnapshotError(f"{path}/meta.json: its state records no transition count")
+        fm = state.get("frames")
+        if fm is not None:  # what the compression line reads: counters, each an int in [0, 2**62)
+            bad = [k for k in ("fw", "seg", "pos", "seg_lo") if isinstance(fm, dict) and k in fm
+                   and not (isinstance(fm[k], int) and not isinstance(fm[k], bool) and 0 <= fm[k] < 1 << 62)]
+            if not isinstance(fm, dict):
+                raise CorruptSnapshotError(f"{path}/meta.json: state frames must be an object, got a "
+                                           f"{type(fm).__name__}")
+            if bad:
+                raise CorruptSnapshotError(f"{path}/meta.json: state frames {bad[0]} must be an int in [0, 2**62), "
+                                           f"got {str(fm[bad[0]])[:80]!r}")
+    # The arrays the config lays out: each field's as the config says it (a row a slot); the frame
+    # store's by name only (their layouts vary with bigper's version: the resume converts or refuses).
     arrays = meta.get("arrays", {})
-    for name in plain_fields(cfg):  # (a field's array holds a row a slot: the capacity the record claims)
-        if name in arrays and arrays[name]["rows"] != cfg.capacity:
-            raise CorruptSnapshotError(f"{path}/meta.json: config capacity {cfg.capacity:,} but array {name!r} "
-                                       f"holds {arrays[name]['rows']:,} rows")
+    specs = storage_specs(cfg)
+    known = set(specs) | ({"obs_ref", "next_obs_ref"} if cfg.frame_stack else set())
+    extra = sorted(set(arrays) - known)
+    if extra:
+        raise CorruptSnapshotError(f"{path}/meta.json: arrays {extra[0]!r} is none a buffer of its config keeps")
+    for name in plain_fields(cfg):
+        rows, shape, dtype = specs[name]
+        rec = arrays.get(name)
+        have = None if rec is None else (rec["rows"], tuple(rec["shape"]), np.dtype(rec["dtype"]))
+        if have is not None and have[1:] == (tuple(shape), np.dtype(dtype)) and have[0] != rows:
+            raise CorruptSnapshotError(f"{path}/meta.json: config capacity {cfg.capacity:,} but arrays {name!r} "
+                                       f"holds {have[0]:,} rows")
+        if have != (rows, tuple(shape), np.dtype(dtype)):
+            raise CorruptSnapshotError(
+                f"{path}/meta.json: arrays {name!r} is {'missing' if have is None else have}, but its config "
+                f"keeps it as {(rows, tuple(shape), np.dtype(dtype))}")
 
 
-def _sampleable(path: Path, cap: int) -> str:
+def _sampleable(path: Path, cap: int, n: int) -> str:
     """``", N sampleable"`` from the status recorded at the last close (a
     compressed log capped by its budget may hold fewer than the ring); empty
     when there is none or it cannot be read."""
@@ -253,9 +283,12 @@ def _sampleable(path: Path, cap: int) -> str:
         status = load_state_dir(path / "state", ["status"]).get("status")
     except Exception:  # noqa: BLE001 (info reports what it can read)
         return ""
-    if not isinstance(status, np.ndarray) or status.shape != (cap,):
+    if not isinstance(status, np.ndarray) or status.shape != (cap,) or status.dtype.kind not in "iub":
         return ""
-    return f", {int((status == LIVE).sum()):,} of them sampleable"
+    live = int((status == LIVE).sum())
+    if live > n:  # (a status file that disagrees with the record: said, not counted)
+        return f"; its status file marks {live:,} slots live, more than that: damaged"
+    return f", {live:,} of them sampleable"
 
 
 def _ratio(cfg: dict, state: dict) -> str:
@@ -270,9 +303,12 @@ def _ratio(cfg: dict, state: dict) -> str:
         fm = state.get("frames") or {}
         row = int(np.prod(c.shape("obs")[1:])) * c.dtype("obs").itemsize
         _, seg, S = log_geometry(frame_capacity(c.capacity, c.frame_stack, c.num_envs), row, c.compression_budget)
-        fw, g, pos = (int(fm[k]) for k in ("fw", "seg", "pos"))
+        fw, g, pos = (_counter(fm[k]) for k in ("fw", "seg", "pos"))
+        lo = _counter(fm.get("seg_lo", max(0, g - S + 1)))
+        if lo > g or pos > seg:
+            raise ValueError("counters out of order")
         used = g * seg + pos
-        held = (g - int(fm.get("seg_lo", max(0, g - S + 1)))) * seg + pos
+        held = (g - lo) * seg + pos
     except Exception as e:  # noqa: BLE001 (a record this bigper cannot read: said, not raised)
         return f"ratio unknown ({type(e).__name__})"
     ratio = f"{fw * row / used:.1f}x" if used > 0 else "no frames yet"
@@ -281,6 +317,13 @@ def _ratio(cfg: dict, state: dict) -> str:
             f"a log capped at {c.compression_budget} bytes a frame by compression_budget ({S} segments of "
             f"{seg:,} bytes; frames that compress to more cost capacity)")
     return f"{size}; frames written so far compress {ratio}"
+
+
+def _counter(v) -> int:
+    """A recorded frame counter: an int in [0, 2**62), else ValueError."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 62:
+        raise ValueError("a frame counter out of range")
+    return v
 
 
 def _info(args) -> int:

@@ -729,9 +729,13 @@ class PrioritizedReplayBuffer:
                     old.close()  # the path is ours; reopened below if the load is refused
             try:
                 new = CoreBuffer.load(p, path=live, device=dev, continue_episodes=self._continue, rewind=rewind)
-            except BaseException:
+            except BaseException as e:
                 if old is not None and self._on_disk:
-                    self.buffer = self._open(self._layout, mode="resume", go_on=True)
+                    try:
+                        self.buffer = self._open(self._layout, mode="resume", go_on=True)
+                    except BaseException as again:  # noqa: BLE001 (the load's refusal is what the caller gets)
+                        e.add_note(f"this buffer could not reopen {str(live)!r} afterwards (it stays closed): "
+                                   f"{type(again).__name__}: {again}")
                 raise
             try:
                 cfg = new.config

@@ -142,17 +142,17 @@ def check_record(meta: dict, where) -> None:
     writes it; ``CorruptSnapshotError`` naming the field otherwise. A JSON
     number is not a bool, a bool is not a number, an int is not a float."""
     def bad(key, what):
-        raise CorruptSnapshotError(f"{where}/meta.json: {key} must be {what}, got {str(meta.get(key))[:80]}")
+        raise CorruptSnapshotError(f"{where}/meta.json: {key} must be {what}, got {str(meta.get(key))[:80]!r}")
 
     if not isinstance(meta.get("clean"), bool):
         bad("clean", "true or false")
     state = meta.get("state")
-    if state is not None and not isinstance(state, dict):
+    if "state" not in meta or state is not None and not isinstance(state, dict):  # (bigper always writes it)
         bad("state", "an object or null")
     for key in ("count", "beta_step"):  # read for messages before the state is checked in full
         if isinstance(state, dict) and key in state and not _int(state[key], 0, _BIG):
             raise CorruptSnapshotError(f"{where}/meta.json: state {key} must be an int in [0, 2**62), "
-                                       f"got {str(state[key])[:80]}")
+                                       f"got {str(state[key])[:80]!r}")
     files = meta.get("state_files")
     if files is not None and not (isinstance(files, list)
                                   and all(isinstance(f, str) and STATE_NAME.match(f) for f in files)):

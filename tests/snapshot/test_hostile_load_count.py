@@ -150,15 +150,10 @@ def _sb3_run(tmp_path):
     return m
 
 
-SB3_STATE = ("memmap/hdf5 saved_state() reads self._meta['state'] unguarded: a clean record without a 'state' key "
-             "is a raw KeyError('state') from load_replay_buffer (through _sb3_pickle._what_is_live's read-only "
-             "resume probe), from mode='resume', and 'INCOMPATIBLE ... KeyError' from bigper verify; a direct "
-             "PrioritizedReplayBuffer.load refuses it as PathExistsError")
-
 
 @pytest.mark.parametrize("change", [
     "count-null", "count-str", "count-missing",
-    pytest.param("state-missing", marks=_bug(SB3_STATE)),
+    "state-missing",
 ])
 def test_sb3_load_replay_buffer_refuses_an_unreadable_count_and_keeps_the_models_buffer(tmp_path, change):
     m = _sb3_run(tmp_path)
@@ -226,10 +221,8 @@ def test_torchrl_loads_over_an_unreadable_count_is_refused_untouched_and_rewind_
     rb.close()
 
 
-@_bug("TorchRL loads(): the PathExistsError naming rewind=True is replaced by the CorruptSnapshotError of its "
-      "reopen (mode='resume' on the same crafted record) in the except branch: the caller never learns that "
-      "rewind=True would load")
 def test_torchrl_loads_refusal_names_rewind(tmp_path):
+    """(Its reopen of the crafted record failing too used to replace the load's refusal.)"""
     rb = _torchrl_run(tmp_path)
     edit_meta(tmp_path / "tlive", "memmap", _set(("state", "count"), None))
     try:
