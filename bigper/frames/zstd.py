@@ -96,6 +96,9 @@ def _declare(c) -> None:
     ):
         f = getattr(c, fn)
         f.restype, f.argtypes = res, args
+    fast = getattr(c, "ZDICT_trainFromBuffer_fastCover", None)  # (a static-only symbol some builds leave out)
+    if fast is not None:
+        fast.restype, fast.argtypes = sz, [vp, sz, vp, vp, ctypes.c_uint, _FastCover]
 
 
 # The kernels' view of the library: pointers are passed as integers (uintp).
@@ -332,8 +335,9 @@ FIXED_D, FIXED_F = 8, 20
 
 
 def train(samples: np.ndarray, size: int = 16384, k: int | None = None) -> np.ndarray | None:
-    """A zstd dictionary of at most ``size`` bytes (``DICT_MIN_BYTES`` or
-    more) trained on ``samples`` (m, n) uint8 rows; None when training fails
+    """A zstd dictionary of at most ``size`` bytes (``size`` at least
+    ``DICT_MIN_BYTES``; on a few tiny samples zstd may give fewer: callers
+    check) trained on ``samples`` (m, n) uint8 rows; None when training fails
     (too few or too uniform samples), and without calling the trainer when
     the samples are fewer or shorter than it takes (``trainable``).
     ``k``: fastCover with that segment size (no search; zstd >= 1.4.5, else
@@ -348,9 +352,7 @@ def train(samples: np.ndarray, size: int = 16384, k: int | None = None) -> np.nd
     sizes = np.full(m, n, dtype=np.uintp)
     out = np.empty(size, dtype=np.uint8)
     fast = getattr(c, "ZDICT_trainFromBuffer_fastCover", None) if k and c.ZSTD_versionNumber() >= 10405 else None
-    if fast is not None:
-        fast.restype = ctypes.c_size_t
-        fast.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, _FastCover]
+    if fast is not None:  # (declared by _declare)
         p = _FastCover(k=min(int(k), size), d=FIXED_D, f=FIXED_F, accel=1, splitPoint=1.0)
         p.zParams.compressionLevel = 3
         got = fast(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m, p)
