@@ -30,15 +30,15 @@ import numpy as np
 from . import zstd as _zstd
 
 
-# The candidates a look trains: fastCover at two fixed segment sizes k, the one that compresses the
-# measured frames smaller kept, not zstd's default search over k (ZDICT_trainFromBuffer: 37-57 ms on
-# 500 frames, a look 65-130 ms, and adds in a tight loop waited for it at nearly every look). On 500
-# frames of each of six games, three windows a game, measured on the 500 after them
-# (tools/dev/dictionary_trainers.py): both trainings together 18-34 ms, frames 0.93x the search's
-# (geometric mean; 0.57x .. 1.15x); k = 2000 alone 0.96x, but SpaceInvaders up to 1.36x (its best
-# k is 50). (The search picks k on a quarter of its samples and keeps the dictionary trained on
-# the other three quarters; these train on them all.)
-LOOK_K = (50, 2000)
+# A look trains its candidate with zstd's fastCover search over two segment sizes k (50 and 2,000,
+# chosen on a quarter of the samples held out), not ZDICT_trainFromBuffer's four steps (k = 50 ..
+# 2,000): 22-40 ms on 500 frames against 38-63, so a look (65-130 ms before) holds adds up less
+# often and less long. Frames 1.01x the four steps' on six games, three windows a game, measured
+# on the 500 frames after them (0.93x .. 1.22x; tools/dev/dictionary_trainers.py); on the DQN
+# Replay scale run's four-game pool 355 B a transition against 361. (Picking the smaller of k =
+# 50 and k = 2,000 on the measured frames themselves gave 0.95x per game, but 594 B on that pool:
+# a dictionary fitted to the newest frames of one game, poor on the next.)
+LOOK_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -86,19 +86,17 @@ def work(inp: Inputs) -> Outcome:
         now = _size(codec, inp.current, test)
     finally:
         codec.close()
-    cand, new = None, None
-    for k in LOOK_K:  # (the smaller on the measured frames; ties: the first)
-        d = _zstd.train(train, inp.dict_bytes, k=k)
-        if d is None or d.size < _zstd.DICT_MIN_BYTES:
-            continue
+    cand = _zstd.train(train, inp.dict_bytes, steps=LOOK_STEPS)
+    new = None
+    if cand is not None and cand.size >= _zstd.DICT_MIN_BYTES:
         trial = _zstd.Codec(level=3)
         try:
-            trial.set_dictionary(1, d)
-            size = _size(trial, 1, test)
+            trial.set_dictionary(1, cand)
+            new = _size(trial, 1, test)
         finally:
             trial.close()
-        if new is None or size < new:
-            cand, new = d, size
+    else:
+        cand = None
     return Outcome(now, new, cand, int(test.shape[0]))
 
 

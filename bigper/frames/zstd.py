@@ -96,9 +96,9 @@ def _declare(c) -> None:
     ):
         f = getattr(c, fn)
         f.restype, f.argtypes = res, args
-    fast = getattr(c, "ZDICT_trainFromBuffer_fastCover", None)  # (a static-only symbol some builds leave out)
+    fast = getattr(c, "ZDICT_optimizeTrainFromBuffer_fastCover", None)  # (static-only: some builds leave it out)
     if fast is not None:
-        fast.restype, fast.argtypes = sz, [vp, sz, vp, vp, ctypes.c_uint, _FastCover]
+        fast.restype, fast.argtypes = sz, [vp, sz, vp, vp, ctypes.c_uint, ctypes.POINTER(_FastCover)]
 
 
 # The kernels' view of the library: pointers are passed as integers (uintp).
@@ -329,19 +329,21 @@ class _FastCover(ctypes.Structure):
                 ("shrinkDict", ctypes.c_uint), ("shrinkDictMaxRegression", ctypes.c_uint), ("zParams", _ZParams)]
 
 
-# fastCover's other parameters for a fixed segment size k (``train(..., k=)``): ZDICT_trainFromBuffer's
-# own (d = 8, f = 20, accel 1).
+# fastCover's other parameters for ``train(..., k= or steps=)``: ZDICT_trainFromBuffer's own (d = 8,
+# f = 20, accel 1, each k trained on 3/4 of the samples and measured on the rest).
 FIXED_D, FIXED_F = 8, 20
 
 
-def train(samples: np.ndarray, size: int = 16384, k: int | None = None) -> np.ndarray | None:
+def train(samples: np.ndarray, size: int = 16384, k: int | None = None,
+          steps: int | None = None) -> np.ndarray | None:
     """A zstd dictionary of at most ``size`` bytes (``size`` at least
     ``DICT_MIN_BYTES``; on a few tiny samples zstd may give fewer: callers
     check) trained on ``samples`` (m, n) uint8 rows; None when training fails
     (too few or too uniform samples), and without calling the trainer when
     the samples are fewer or shorter than it takes (``trainable``).
-    ``k``: fastCover with that segment size (no search; zstd >= 1.4.5, else
-    the search), a few times faster than the search over k of the default."""
+    ``k``: fastCover at that segment size alone; ``steps``: its search over
+    that many k in 50 .. 2,000 (the default's is 4); both need zstd >= 1.4.5,
+    else the default."""
     if not DICT_MIN_BYTES <= size:
         raise ValueError(f"a zstd dictionary takes at least {DICT_MIN_BYTES} bytes, got size={size}")
     m, n = samples.shape
@@ -351,11 +353,15 @@ def train(samples: np.ndarray, size: int = 16384, k: int | None = None) -> np.nd
     samples = np.ascontiguousarray(samples, dtype=np.uint8)
     sizes = np.full(m, n, dtype=np.uintp)
     out = np.empty(size, dtype=np.uint8)
-    fast = getattr(c, "ZDICT_trainFromBuffer_fastCover", None) if k and c.ZSTD_versionNumber() >= 10405 else None
-    if fast is not None:  # (declared by _declare)
-        p = _FastCover(k=min(int(k), size), d=FIXED_D, f=FIXED_F, accel=1, splitPoint=1.0)
+    fast = getattr(c, "ZDICT_optimizeTrainFromBuffer_fastCover", None) if (k or steps) and \
+        c.ZSTD_versionNumber() >= 10405 else None
+    if fast is not None:  # (declared by _declare) the default's trainer, fewer steps or one k
+        kk = min(int(k), size) if k else 0
+        if k and kk < FIXED_D or not 1 <= (steps or 1) <= 64:  # (a k near 2**32 loops forever in zstd 1.5)
+            return None
+        p = _FastCover(k=kk, d=FIXED_D, f=FIXED_F, accel=1, steps=steps or 1)
         p.zParams.compressionLevel = 3
-        got = fast(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m, p)
+        got = fast(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m, ctypes.byref(p))
     else:
         got = c.ZDICT_trainFromBuffer(out.ctypes.data, size, samples.ctypes.data, sizes.ctypes.data, m)
     if c.ZDICT_isError(got):
