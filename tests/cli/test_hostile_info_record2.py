@@ -39,20 +39,10 @@ import bigper
 from bigper.cli import main
 
 from tests._hostile_snapshot_cases import deadline, fingerprint
+from tests.cli.test_hostile_info_record import closed  # noqa: F401 (the closed storage the cases copy)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 E = "\x1b[2J\x1b]0;pwned\x07\nINJECTED"  # a terminal escape, an OSC title, a newline
-
-
-@pytest.fixture(scope="module")
-def closed(tmp_path_factory):
-    path = tmp_path_factory.mktemp("info2") / "live"
-    buf = bigper.PrioritizedReplayBuffer(100, {"x": ((2,), np.float32), "a": ((), np.int64)}, storage="memmap",
-                                         path=path)
-    for i in range(10):
-        buf.add(x=np.full(2, i, np.float32), a=i)
-    buf.close()
-    return path
 
 
 @pytest.fixture(scope="module")
