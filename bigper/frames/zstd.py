@@ -323,7 +323,7 @@ class _ZParams(ctypes.Structure):
 
 
 class _FastCover(ctypes.Structure):
-    """``ZDICT_fastCover_params_t`` as zstd 1.4.5 and later lay it out (passed by value)."""
+    """``ZDICT_fastCover_params_t`` as zstd 1.4.5 and later lay it out."""
     _fields_ = [("k", ctypes.c_uint), ("d", ctypes.c_uint), ("f", ctypes.c_uint), ("steps", ctypes.c_uint),
                 ("nbThreads", ctypes.c_uint), ("splitPoint", ctypes.c_double), ("accel", ctypes.c_uint),
                 ("shrinkDict", ctypes.c_uint), ("shrinkDictMaxRegression", ctypes.c_uint), ("zParams", _ZParams)]
