@@ -226,7 +226,7 @@ def _check_live_record(meta: dict, path: Path) -> None:
     the config. A crafted record is refused naming the field; nothing of it
     is printed (a value could carry a newline or a terminal escape)."""
     from ..config import Config
-    from ..core.layout import plain_fields, storage_specs
+    from ..core.layout import plain_fields
     from ..errors import BigperError, CorruptSnapshotError
     from ..storage.memmap import FORMAT, VERSION
     from ..storage.state import check_meta
@@ -253,15 +253,19 @@ def _check_live_record(meta: dict, path: Path) -> None:
                 raise CorruptSnapshotError(f"{path}/meta.json: state frames {bad[0]} must be an int in [0, 2**62), "
                                            f"got {str(fm[bad[0]])[:80]!r}")
     # The arrays the config lays out: each field's as the config says it (a row a slot); the frame
-    # store's by name only (their layouts vary with bigper's version: the resume converts or refuses).
+    # store's by name only (their layouts vary with bigper's version: the resume converts or refuses;
+    # nothing here is sized from the record: a crafted capacity must not allocate).
     arrays = meta.get("arrays", {})
-    specs = storage_specs(cfg)
-    known = set(specs) | ({"obs_ref", "next_obs_ref"} if cfg.frame_stack else set())
+    fields = plain_fields(cfg)
+    known = set(fields)
+    if cfg.frame_stack:
+        known |= {"frame_ref", "frame_off", "obs_ref", "next_obs_ref"}
+        known |= {"frame_log", "frame_index"} if cfg.compression is not None else {"frames"}
     extra = sorted(set(arrays) - known)
     if extra:
         raise CorruptSnapshotError(f"{path}/meta.json: arrays {extra[0]!r} is none a buffer of its config keeps")
-    for name in plain_fields(cfg):
-        rows, shape, dtype = specs[name]
+    for name, (shape, dtype) in fields.items():
+        rows = cfg.capacity
         rec = arrays.get(name)
         have = None if rec is None else (rec["rows"], tuple(rec["shape"]), np.dtype(rec["dtype"]))
         if have is not None and have[1:] == (tuple(shape), np.dtype(dtype)) and have[0] != rows:
