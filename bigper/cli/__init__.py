@@ -180,15 +180,13 @@ def _info_storage(path: Path, args) -> int:
 
     # (on a copy: check_arrays fills in what an older record leaves out, and --json prints the file's record)
     check_arrays(json.loads(json.dumps(meta.get("arrays", {}))), path)  # CorruptSnapshotError: crafted
-    _check_live_record(meta, path)
+    c = _check_live_record(meta, path)
     if args.json:
         _print_json({k: v for k, v in meta.items() if k != "state"})
         return 0
-    cfg, state = meta.get("config"), meta.get("state")
-    cfg, state = (cfg if isinstance(cfg, dict) else {}), (state if isinstance(state, dict) else {})
-    num = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else 0  # noqa: E731
-    cap = num(cfg.get("capacity"))
-    n = min(num(state.get("count")), cap)
+    state = meta.get("state") or {}
+    cap = c.capacity
+    n = min(state.get("count", 0), cap)
     # Only regular files count: a dangling symlink or a FIFO in data/ is named, never followed.
     size, stray = 0, []
     if (path / "data").is_dir() and not (path / "data").is_symlink():
@@ -200,17 +198,16 @@ def _info_storage(path: Path, args) -> int:
                 stray.append(p.name)
     print(f"{path}: a live {meta.get('format')} storage, version {meta.get('version')}, "
           f"{'closed cleanly' if meta.get('clean') else 'OPEN or its writer died (resume from a snapshot)'}")
-    prio = cfg.get("prioritization", "proportional")
     print(f"  capacity {cap:,}; {n:,} transitions at the last close{_sampleable(path, cap, n)}; "
-          f"{size / 1e6:,.1f} MB of data; {prio if isinstance(prio, str) else '?'} prioritization")
-    if cfg.get("compression") is not None:
-        print(f"  compression {cfg.get('compression')!s:.20}: {_ratio(cfg, state)}")
+          f"{size / 1e6:,.1f} MB of data; {c.prioritization} prioritization")
+    if c.compression is not None:
+        print(f"  compression {c.compression}: {_ratio(c, state)}")
     for name, a in meta.get("arrays", {}).items():
         print(f"  {name}: {a['rows']:,} x {tuple(a['shape'])} {a['dtype']}")
     if "obs_ref" in meta.get("arrays", {}) and "frame_ref" not in meta.get("arrays", {}):
         print("  its frame references are an older bigper's (obs_ref / next_obs_ref, whole int64 ids): read "
               "converted in memory; a writer's next resume converts them on disk (frame_ref + frame_off)")
-    line = _device_line(cfg)
+    line = _device_line(meta["config"])
     if line:
         print(line.lstrip("\n"))
     if stray:
@@ -219,19 +216,20 @@ def _info_storage(path: Path, args) -> int:
     return 0
 
 
-def _check_live_record(meta: dict, path: Path) -> None:
+def _check_live_record(meta: dict, path: Path):
     """What ``bigper info`` prints of a live memmap storage's record, checked
     as a resume checks it (its writer may have died: an unclean record is
     described, not refused): the format and version, the record's fields and
-    the config. A crafted record is refused naming the field; nothing of it
-    is printed (a value could carry a newline or a terminal escape)."""
+    the config; returns the config. A crafted record is refused naming the
+    field; nothing of it is printed (a value could carry a newline or a
+    terminal escape)."""
     from ..config import Config
     from ..core.layout import plain_fields
     from ..errors import BigperError, CorruptSnapshotError
     from ..storage.memmap import FORMAT, VERSION
     from ..storage.state import check_meta
 
-    check_meta({**meta, "clean": True} if isinstance(meta.get("clean"), bool) else meta, FORMAT, VERSION, path)
+    check_meta(meta, FORMAT, VERSION, path, unclean_ok=True)
     try:
         cfg = Config.from_dict(meta.get("config"))
     except BigperError as e:
@@ -246,6 +244,7 @@ def _check_live_record(meta: dict, path: Path) -> None:
         if fm is not None:  # what the compression line reads: counters, each an int in [0, 2**62)
             bad = [k for k in ("fw", "seg", "pos", "seg_lo") if isinstance(fm, dict) and k in fm
                    and not (isinstance(fm[k], int) and not isinstance(fm[k], bool) and 0 <= fm[k] < 1 << 62)]
+            # (``_ratio`` reads them as checked here)
             if not isinstance(fm, dict):
                 raise CorruptSnapshotError(f"{path}/meta.json: state frames must be an object, got a "
                                            f"{type(fm).__name__}")
@@ -275,6 +274,7 @@ def _check_live_record(meta: dict, path: Path) -> None:
             raise CorruptSnapshotError(
                 f"{path}/meta.json: arrays {name!r} is {'missing' if have is None else have}, but its config "
                 f"keeps it as {(rows, tuple(shape), np.dtype(dtype))}")
+    return cfg
 
 
 def _sampleable(path: Path, cap: int, n: int) -> str:
@@ -295,20 +295,19 @@ def _sampleable(path: Path, cap: int, n: int) -> str:
     return f", {live:,} of them sampleable"
 
 
-def _ratio(cfg: dict, state: dict) -> str:
+def _ratio(c, state: dict) -> str:
     """The compression ratio of the frames written so far (raw bytes over the
-    log bytes they took, segment tails included), from a recorded state."""
-    from ..config import Config
+    log bytes they took, segment tails included), from a recorded state
+    whose config ``c`` and frame counters ``_check_live_record`` checked."""
     from ..frames.store import frame_capacity
     from ..frames.segments import log_geometry
 
     try:
-        c = Config.from_dict(cfg)
         fm = state.get("frames") or {}
         row = int(np.prod(c.shape("obs")[1:])) * c.dtype("obs").itemsize
         _, seg, S = log_geometry(frame_capacity(c.capacity, c.frame_stack, c.num_envs), row, c.compression_budget)
-        fw, g, pos = (_counter(fm[k]) for k in ("fw", "seg", "pos"))
-        lo = _counter(fm.get("seg_lo", max(0, g - S + 1)))
+        fw, g, pos = (fm[k] for k in ("fw", "seg", "pos"))
+        lo = fm.get("seg_lo", max(0, g - S + 1))
         if lo > g or pos > seg:
             raise ValueError("counters out of order")
         used = g * seg + pos
@@ -321,13 +320,6 @@ def _ratio(cfg: dict, state: dict) -> str:
             f"a log capped at {c.compression_budget} bytes a frame by compression_budget ({S} segments of "
             f"{seg:,} bytes; frames that compress to more cost capacity)")
     return f"{size}; frames written so far compress {ratio}"
-
-
-def _counter(v) -> int:
-    """A recorded frame counter: an int in [0, 2**62), else ValueError."""
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 62:
-        raise ValueError("a frame counter out of range")
-    return v
 
 
 def _info(args) -> int:

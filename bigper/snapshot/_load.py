@@ -254,9 +254,10 @@ def _check_newer(store, cfg: Config, snap_meta: dict, snap_arrays: dict, live, r
                               f"many transitions it holds (state count {str(held)[:40]!r}): it may be newer than "
                               "this snapshot. Load the snapshot into a new path=, or pass rewind=True to replace "
                               "it; nothing was changed")
-    status = snap_arrays.get(unit_class(cfg).status_key)
+    key = unit_class(cfg).status_key
+    status = snap_arrays.get(key)
     if isinstance(status, np.ndarray) and status.ndim == 1:  # (a count that says less than its state holds)
-        now = _recorded(store, unit_class(cfg).status_key, len(status), status.shape, np.uint8)
+        now = _recorded(store, key, len(status), status.shape, np.uint8)
         marked = int((now == LIVE).sum()) if now is not None else 0
         if marked > held:
             raise PathExistsError(f"path={str(live)!r} holds a buffer closed cleanly whose record says {held} "

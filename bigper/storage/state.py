@@ -174,7 +174,7 @@ def check_record(meta: dict, where) -> None:
         bad("shared_digests", "{array: {chunk: [inode, xxh3 hex]}}")
 
 
-def check_meta(meta: dict, fmt: str, version: int, where) -> dict:
+def check_meta(meta: dict, fmt: str, version: int, where, unclean_ok: bool = False) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise IncompatibleSnapshotError(f"{where} is not a {fmt} storage (format={str(got)[:80]!r})")
@@ -182,7 +182,7 @@ def check_meta(meta: dict, fmt: str, version: int, where) -> dict:
         raise IncompatibleSnapshotError(
             f"{where} has {fmt} format version {meta.get('version')!r}; this bigper reads version {version}")
     check_record(meta, where)
-    if not meta.get("clean"):
+    if not meta.get("clean") and not unclean_ok:  # (unclean_ok: a reader that only describes it)
         raise UncleanStorageError(
             f"{where} was not closed: its writer died while the buffer was open, so its data "
             "and priorities may disagree. Resume from a snapshot instead: "
