@@ -8,7 +8,8 @@ Built for real: a wrapped ring, n_step > 1, num_envs > 1, rank, sequence items
 compression_budget, a zstd log still growing (frame_log rows below its most),
 fields of float16/bool/int8/big-endian/complex dtypes at shapes () (1,) (2,3)
 given in unsorted order, a buffer closed empty, the committed live-v1
-fixtures; each closed, and with its writer still open. No case found a false
+fixtures, the device tier, the SB3 drop-in (n_envs=2, frame_stack=4); each
+closed, and with its writer still open. No case found a false
 refusal when written.
 """
 
@@ -144,3 +145,20 @@ def test_a_buffer_with_the_device_tier_is_described(tmp_path, capsys):
     rc, out, err = _info(path, capsys)
     assert rc == 0, err
     assert "device tier" in out, out
+
+
+def test_a_storage_written_by_the_sb3_drop_in_is_described(tmp_path, capsys):
+    from gymnasium import spaces
+
+    from bigper.integrations.sb3 import PrioritizedReplayBuffer as SB
+
+    path = tmp_path / "r"
+    rb = SB(64, spaces.Box(0, 255, (4, 8, 8), np.uint8), spaces.Discrete(3), "cpu", n_envs=2, frame_stack=4,
+            storage="memmap", path=str(path), prefetch=0)
+    for i in range(20):
+        o = np.full((2, 4, 8, 8), i, np.uint8)
+        rb.add(o, o, np.array([1, 2]), np.array([0.5, 0.5], np.float32), np.array([False, i % 7 == 6]), [{}, {}])
+    rb.buffer.close()
+    rc, out, err = _info(path, capsys)
+    assert rc == 0, err
+    assert "40 transitions" in out, out
