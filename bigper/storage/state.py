@@ -82,6 +82,8 @@ def check_arrays(arrays, where) -> dict:
         if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v < _BIG for v in ints):
             bad(f"arrays[{name!r}] needs rows, chunk_rows and shape of ints >= 1")
         try:
+            if not isinstance(rec.get("dtype"), str):  # (np.dtype(None) is float64: a missing dtype is no default)
+                raise TypeError
             dt = np.dtype(rec.get("dtype"))
         except Exception:  # noqa: BLE001
             bad(f"arrays[{name!r}] has dtype {str(rec.get('dtype'))[:40]!r}")

@@ -140,6 +140,10 @@ PLAIN = {  # crafted values with no control character: these are refused cleanly
     "config_unknown_key": (lambda m: m["config"].update(evil=1), "config"),
     "config_alpha_string": (lambda m: m["config"].update(alpha="0.6"), "alpha"),
     "array_dtype_object": (lambda m: m["arrays"]["x"].update(dtype="O"), "dtype"),
+    # (np.dtype(None) is float64: a missing or null dtype was taken as one, then a raw KeyError)
+    "array_dtype_missing": (lambda m: m["arrays"]["x"].pop("dtype"), "dtype"),
+    "array_dtype_null": (lambda m: m["arrays"]["x"].update(dtype=None), "dtype"),
+    "array_dtype_int": (lambda m: m["arrays"]["x"].update(dtype=5), "dtype"),
     "array_rows_zero": (lambda m: m["arrays"]["x"].update(rows=0), "rows"),
     "array_name_traversal": (lambda m: m["arrays"].update({"../x": m["arrays"]["x"]}), "plain name"),
     "version_string": (lambda m: m.update(version="1"), "version"),
