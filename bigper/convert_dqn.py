@@ -140,8 +140,7 @@ def convert_dqn_replay(run_dir, dst, *, frame_stack: int = 4, overwrite: bool = 
             live = int((buf.status == 1).sum())
             if live != n:
                 raise RuntimeError(f"{live:,} of {n:,} converted transitions are sampleable (a bug: please report)")
-            _to_hdf5(buf, partial, made)
-            buf.close()
+            _to_hdf5(buf, partial, made)  # (closes buf)
             _publish(partial, dst, overwrite)
         except BaseException as e:
             if not buf.closed:
@@ -230,7 +229,7 @@ def _convert_checkpoints(buf, snaps, cks, done, dir_fd, k, n, workers, chunk, pr
             for i in range(done, len(cks)):
                 for j in range(i, min(len(cks), i + workers)):  # this checkpoint and the next ones
                     if j not in ahead and cks[j].transitions:
-                        ahead[j] = prefetch_frames(dir_fd, cks[j])
+                        ahead[j] = prefetch_frames(dir_fd, cks[j], k)
                 bar.set_postfix_str(f"checkpoint {cks[i].n}", refresh=False)
                 pf = ahead.pop(i, None)
                 try:
@@ -248,26 +247,39 @@ def _convert_checkpoints(buf, snaps, cks, done, dir_fd, k, n, workers, chunk, pr
 
 
 def _to_hdf5(buf: PrioritizedReplayBuffer, partial: Path, made: list) -> None:
-    """Copy ``buf`` (memmap) into a new HDF5 storage at ``partial``: its arrays row for row
-    (the compressed log as it is, never recompressed) and its state, then close it."""
-    d = buf.config.to_dict()
+    """Close ``buf`` (memmap: its state is recorded in its directory) and copy it into a
+    new HDF5 storage at ``partial``: its arrays row for row (the compressed log as it
+    is, never recompressed), then the state its close recorded. The buffer's tree and
+    bookkeeping are let go first, and each piece of an array read leaves this
+    process's RSS once written: a copy of 50M transitions holds about its state's
+    arrays (26 bytes a transition) and one 64 MB piece."""
+    mcfg = buf.config
+    d = mcfg.to_dict()
     d["storage"] = "hdf5"
     cfg = Config.from_dict(d)
-    store = HDF5Storage(partial, takeover=True)
-    store.open(cfg.to_dict())
-    made.append(True)
+    live = buf.storage.path
+    buf.close()
+    src = MemmapStorage(live, read_only=True)
+    src.open(mcfg.to_dict())
     try:
-        allocate(store, cfg)
-        src = buf.storage
-        for name, arr in src.arrays.items():
-            rows = src.rows(name)
-            if rows is not None and store.rows(name) != rows:
-                store.grow(name, rows) if store.rows(name) < rows else store.shrink(name, rows)
-            step = max(1, _COPY_BYTES // max(1, arr[:1].nbytes))
-            for lo in range(0, arr.shape[0], step):
-                store.write(name, slice(lo, min(arr.shape[0], lo + step)), np.asarray(arr[lo:lo + step]))
-        out = PrioritizedReplayBuffer.from_parts(cfg, store, state=buf.state_dict())
-    except BaseException:
-        store.abort()
-        raise
-    out.close()
+        allocate(src, mcfg)
+        store = HDF5Storage(partial, takeover=True)
+        store.open(cfg.to_dict())
+        made.append(True)
+        try:
+            allocate(store, cfg)
+            for name, arr in src.arrays.items():
+                rows = src.rows(name)
+                if rows is not None and store.rows(name) != rows:
+                    store.grow(name, rows) if store.rows(name) < rows else store.shrink(name, rows)
+                step = max(1, _COPY_BYTES // max(1, arr[:1].nbytes))
+                for lo in range(0, arr.shape[0], step):
+                    hi = min(arr.shape[0], lo + step)
+                    store.write(name, slice(lo, hi), np.asarray(arr[lo:hi]))
+                    src.let_go(name, lo, hi)
+            store.close(src.saved_state())
+        except BaseException:
+            store.abort()
+            raise
+    finally:
+        src.close()

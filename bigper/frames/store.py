@@ -50,6 +50,7 @@ ALL_VALID = np.ones(256, dtype=np.bool_)
 REF_NAMES = ("obs_ref", "next_obs_ref")  # the stacks whose ids ``refs`` gives (names, not arrays)
 
 
+_STAGING_BYTES = 64 << 20  # write's staging of new frames kept between writes, at most
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
 
 
@@ -447,6 +448,7 @@ class FrameStore:
         self._ring_of = self._ring = None  # the storage's frames array, and it as (F, words)
         self._args = self._args_of = None  # kernel_args' ring part, and the arrays it was made of
         self._work = None  # write_logged's staging ring and scratch
+        self._new = None  # write's staging of new frames (kept up to _STAGING_BYTES)
 
     def specs(self) -> dict:
         """Arrays the storage holds: name -> (rows, shape, dtype)."""
@@ -498,7 +500,7 @@ class FrameStore:
         journal = Journal() if journal is None else journal
         obs_ref = np.empty((m, self.k), dtype=np.int64)
         next_ref = np.empty((m, self.k), dtype=np.int64)
-        new = np.empty((2 * m * self.k, self.row_words), dtype=self.word)
+        new = self._staging(2 * m * self.k)
         fw0 = self.fw
         # assign_refs changes the streams and the slots' oldest references before the
         # storage calls that can fail (the log's growth, a write): kept to put back.
@@ -527,6 +529,19 @@ class FrameStore:
                 rw[name][where] = r[0] if one else r
             else:
                 journal.write(self.store, name, where, r[0] if one else r, self.capacity)
+
+    def _staging(self, rows: int) -> np.ndarray:
+        """``(rows, row_words)`` words where ``write`` puts a write's new frames: one
+        array kept from write to write while it is at most ``_STAGING_BYTES`` (an
+        extend of 1,024 Atari stacks stages 58 MB; a fresh one each time costs
+        page faults, and a long convert's heap fragments)."""
+        kept = self._new
+        if kept is not None and kept.shape[0] >= rows:
+            return kept[:rows]
+        new = np.empty((rows, self.row_words), dtype=self.word)
+        if new.nbytes <= _STAGING_BYTES:
+            self._new = new
+        return new
 
     def write_logged(self, rows: dict, g0: int, valid, rw: dict) -> bool:
         """``write`` of compressed frames in one compiled call, for a write of

@@ -79,7 +79,9 @@ MAX_ADD_COUNT = 1 << 50
 DEFLATE_RATIO = 1032             # the most a deflate stream expands (258 bytes from 2 bits, and headers)
 _MAGIC = b"\x93NUMPY"
 _GZ_MAGIC = b"\x1f\x8b\x08"
-_READ = 8 << 20                  # decompressed bytes a read asks for
+_READ = 1 << 20                  # decompressed bytes a skip asks for at a time
+_INFLATE = 1 << 18               # decompressed bytes one zlib call gives at most: a convert's
+                                 # garbage stays small (a long run's heap does not fragment)
 
 
 def file_name(kind: str, n: int) -> str:
@@ -181,7 +183,7 @@ class _Gunzip:
                 if not src:
                     return b""
             try:
-                out = self.z.decompress(src, max(want, 1 << 16))
+                out = self.z.decompress(src, min(max(want, 1 << 16), _INFLATE))
             except zlib.error as e:
                 raise _err(self.m.path, f"is not a valid gzip file ({e})") from None
             if out:
@@ -449,9 +451,10 @@ def _workers(workers) -> int:
 
 
 # -- streaming a checkpoint's transitions ------------------------------------------------
-def _frame_chunks(dir_fd: int, ck: Checkpoint, rows: int, stop: threading.Event):
+def _frame_chunks(dir_fd: int, ck: Checkpoint, rows: int, stop: threading.Event, take):
     """The frames of stream positions ``ck.lo .. ck.hi`` in order, as ``(first position,
-    (m, H, W) uint8)`` chunks; every byte of the file is decompressed and checked."""
+    buffer, m)`` chunks: ``m`` frames in ``buffer[head:head + m]`` of a buffer ``take()``
+    gives (None: stopped); every byte of the file is decompressed and checked."""
     m = ck.members["observation"]
     c_ = ck.capacity
     row = int(np.prod(ck.frame_shape))
@@ -464,12 +467,13 @@ def _frame_chunks(dir_fd: int, ck: Checkpoint, rows: int, stop: threading.Event)
             g.skip(m.offset + a * row)
             at = a
             while at <= b:
-                if stop.is_set():
+                buf = take()
+                if buf is None:
                     return
                 n = min(rows, b + 1 - at)
-                buf = np.empty((n, *ck.frame_shape), dtype=np.uint8)
-                g.read(n * row, memoryview(buf).cast("B"))
-                yield p0 + at - a, buf
+                head = buf.shape[0] - rows
+                g.read(n * row, memoryview(buf[head:head + n]).cast("B"))
+                yield p0 + at - a, buf, n
                 at += n
             if k == 0:  # it reaches the file's end (the second segment starts over at slot 0)
                 g.skip((c_ - 1 - b) * row)  # the rest: the CRC covers every byte
@@ -479,25 +483,50 @@ def _frame_chunks(dir_fd: int, ck: Checkpoint, rows: int, stop: threading.Event)
 
 
 class _Prefetch:
-    """A thread that runs ``gen`` ahead into a bounded queue (decompression off the
-    writer's thread, on another core); exceptions come out where the item would."""
+    """A thread that decompresses a checkpoint's frames ahead into a bounded queue
+    (off the writer's thread, on another core); exceptions come out where the item
+    would. Its frame buffers are recycled (``depth + 3`` of them, each ``head`` free
+    frames before ``rows``): the consumer puts the window's last frames in the head
+    and gives a buffer back (``give``) once done with it, so a long convert
+    allocates no frames after its first chunks."""
 
     _END = object()
 
-    def __init__(self, gen_fn, depth: int):
+    def __init__(self, dir_fd: int, ck: Checkpoint, rows: int, depth: int, head: int):
+        self.head = head
+        rows = max(1, min(rows, ck.hi - ck.lo + 1))
         self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(depth + 3):  # queued, being filled, being read, the one before it
+            self.free.put(None)  # (allocated on first use)
+        self.shape = (head + rows, *ck.frame_shape)
         self.stop = threading.Event()
-        self.t = threading.Thread(target=self._run, args=(gen_fn,), daemon=True, name="bigper-gunzip")
+        self.t = threading.Thread(target=self._run, args=(lambda: _frame_chunks(dir_fd, ck, rows, self.stop,
+                                                                                 self._take),),
+                                  daemon=True, name="bigper-gunzip")
         self.t.start()
 
     def _run(self, gen_fn) -> None:
         try:
-            for item in gen_fn(self.stop):
+            for item in gen_fn():
                 if not self._put(item):
                     return
             self._put(self._END)
         except BaseException as e:  # handed to the consumer
             self._put(e)
+
+    def _take(self):
+        """A free buffer; None once stopped."""
+        while not self.stop.is_set():
+            try:
+                buf = self.free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            return np.empty(self.shape, dtype=np.uint8) if buf is None else buf
+        return None
+
+    def give(self, buf: np.ndarray) -> None:
+        self.free.put(buf)
 
     def _put(self, item) -> bool:
         while not self.stop.is_set():
@@ -535,6 +564,8 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
     sampleable (the next episode's pads, the cursor, the end) ends its bigper episode:
     ``terminated`` where the slot is terminal, else ``truncated`` (the bootstrap is kept),
     so no stack or n-step window ever joins transitions the format does not join.
+    The stacks are read-only views of recycled frame buffers: they hold until the next
+    dict is asked for (copy them to keep them longer).
 
     ``prefetch``: a started ``_Prefetch`` of this checkpoint's frames (the caller may start
     the next checkpoint's while this one is written); default: one started here."""
@@ -556,14 +587,20 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
     brk = np.flatnonzero(ends) + 1
     run_end = np.repeat(brk, np.diff(np.concatenate([[0], brk])))
     own = prefetch is None
-    pf = prefetch or _Prefetch(lambda stop: _frame_chunks(dir_fd, ck, rows, stop), depth)
+    pf = prefetch or prefetch_frames(dir_fd, ck, k, rows=rows, depth=depth)
+    if pf.head < k:
+        raise ValueError(f"a prefetch of {pf.head} head frames cannot hold stacks of {k}")
     try:
-        win = np.zeros((0, *ck.frame_shape), np.uint8)
-        w0 = ck.lo
+        prev = None  # the buffer of the previous chunk, and its window
         i = 0  # next transition (index into pos) to emit
-        for p0, frames in pf:
-            win = np.concatenate([win, frames]) if win.shape[0] else frames
-            w0 = p0 - (win.shape[0] - frames.shape[0])
+        for p0, buf, m in pf:
+            h, t = pf.head, 0
+            if prev is not None:  # the previous window's last frames go before this chunk's
+                t = min(k, prev[1].shape[0])
+                buf[h - t:h] = prev[1][-t:]
+                pf.give(prev[0])
+            win = buf[h - t:h + m]
+            w0 = p0 - t
             w1 = w0 + win.shape[0]
             j = int(np.searchsorted(pos, w1 - 1, side="left"))  # transitions whose next frame is in
             st = np.lib.stride_tricks.as_strided(
@@ -577,7 +614,7 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
                 yield {"obs": st[q:q + b - i], "next_obs": st[q + 1:q + 1 + b - i], "action": action[i:b],
                        "reward": reward[i:b], "terminated": term[i:b], "truncated": truncated[i:b]}
                 i = b
-            win = win[-k:].copy() if win.shape[0] > k else win
+            prev = (buf, win)
         if i != pos.shape[0]:
             raise _err(ck.members["observation"].path, f"gave frames for {i:,} of {pos.shape[0]:,} transitions")
     finally:
@@ -585,6 +622,6 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
             pf.close()
 
 
-def prefetch_frames(dir_fd: int, ck: Checkpoint, *, rows: int = 2048, depth: int = 4) -> _Prefetch:
-    """Start decompressing ``ck``'s frames in a thread (see ``stream_transitions``)."""
-    return _Prefetch(lambda stop: _frame_chunks(dir_fd, ck, rows, stop), depth)
+def prefetch_frames(dir_fd: int, ck: Checkpoint, k: int, *, rows: int = 2048, depth: int = 4) -> _Prefetch:
+    """Start decompressing ``ck``'s frames in a thread, for stacks of ``k`` (see ``stream_transitions``)."""
+    return _Prefetch(dir_fd, ck, rows, depth, k)

@@ -48,6 +48,7 @@ _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 MADV_RANDOM = 1
+MADV_DONTNEED = 4
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -111,6 +112,16 @@ class Region:
         if length < 1:
             return False
         return _libc.madvise(self.addr + offset, round_up(length), MADV_RANDOM) == 0
+
+    def let_go(self, offset: int, length: int) -> bool:
+        """``MADV_DONTNEED`` over the whole pages inside the range: this process
+        stops holding them (they leave its RSS); a shared file's pages stay in
+        the file and the page cache, written ones too, and the next access maps
+        them again. Best effort, as ``populate_write``."""
+        lo, hi = round_up(offset), (offset + length) // PAGE * PAGE
+        if hi <= lo or not sys.platform.startswith("linux"):
+            return False
+        return _libc.madvise(self.addr + lo, hi - lo, MADV_DONTNEED) == 0
 
     def sync(self, offset: int, length: int) -> None:
         """msync(MS_SYNC): written pages of the range reach their files."""

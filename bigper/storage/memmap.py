@@ -644,6 +644,12 @@ class MemmapStorage(StorageBase):
         """Rows array ``name`` holds (an array that grows: what it grew to)."""
         return int(self._arr[name].rows)
 
+    def let_go(self, name: str, lo: int, hi: int) -> None:
+        """Rows ``lo .. hi - 1`` of array ``name`` leave this process's RSS (a
+        copy of a large storage read once); their bytes stay in the files and
+        a later read maps them again."""
+        self._arr[name].let_go(int(lo), int(hi))
+
     def flush(self) -> None:
         if not self.read_only:
             for a in self._arr.values():
