@@ -29,13 +29,30 @@ from ..common.kernels import kernel
 from ..common.status import DEAD
 
 
-def expected_gid(count: int, capacity: int) -> np.ndarray:
-    """The transition number each slot holds after ``count`` adds (-1: none)."""
-    s = np.arange(capacity, dtype=np.int64)
-    if count == 0:
-        return np.full(capacity, -1, dtype=np.int64)
-    g = s + ((count - 1 - s) // capacity) * capacity
-    return np.where(s < count, g, -1)
+def gid_of(slots: np.ndarray, count: int, capacity: int) -> np.ndarray:
+    """The transition number slots ``slots`` hold after ``count`` adds (-1: none)."""
+    g = slots + ((count - 1 - slots) // capacity) * capacity
+    return np.where(slots < count, g, -1)
+
+
+def expected_gid(count: int, capacity: int, out: np.ndarray | None = None, chunk: int = 1 << 20) -> np.ndarray:
+    """The transition number each slot holds after ``count`` adds (-1: none), into
+    ``out`` when given; ``chunk`` slots at a time (a 50M ring's temporaries stay small)."""
+    out = np.empty(capacity, dtype=np.int64) if out is None else out
+    for a in range(0, capacity, chunk):
+        out[a:a + chunk] = gid_of(np.arange(a, min(capacity, a + chunk), dtype=np.int64), count, capacity)
+    return out
+
+
+def first_wrong_gid(gid: np.ndarray, count: int, chunk: int = 1 << 20) -> int:
+    """The first slot whose ``gid`` is not what ``count`` adds give it, or -1."""
+    c = gid.shape[0]
+    for a in range(0, c, chunk):
+        b = min(c, a + chunk)
+        bad = np.flatnonzero(gid[a:b] != gid_of(np.arange(a, b, dtype=np.int64), count, c))
+        if bad.size:
+            return a + int(bad[0])
+    return -1
 
 
 class Book(NamedTuple):
@@ -81,7 +98,10 @@ class Ring:
         """Take a recorded state (checked by ``core/statecheck.py`` first); arrays are copied in."""
         self.restores += 1
         # (one recorded was checked equal to what count gives; one read from disk is derived)
-        self.gid[:] = arrays["gid"] if "gid" in arrays else expected_gid(int(meta["count"]), self.capacity)
+        if "gid" in arrays:
+            self.gid[:] = arrays["gid"]
+        else:
+            expected_gid(int(meta["count"]), self.capacity, out=self.gid)
         self.status[:] = arrays["status"]
         self.ends[:] = arrays["ends"]
         self.pending[:] = arrays.get("pending", self.pending)  # (early format-1 writers did not record it)

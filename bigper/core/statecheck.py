@@ -36,7 +36,7 @@ import numpy as np
 from ..frames.refs import check_offsets, refs_outside
 from ..frames.store import frame_capacity
 from .recorded import BIG as _BIG, array as _array, refuse as _bad
-from .ring import expected_gid
+from .ring import expected_gid, first_wrong_gid, gid_of
 from .units import unit_class
 from ..common.status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
@@ -115,7 +115,8 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
         arrays = {**arrays, "pending": np.zeros(0, np.float64)}
-    if "gid" not in have:  # not written to disk since issue 43 (layout.DERIVED): it follows from count
+    derived = "gid" not in have
+    if derived:  # not written to disk since issue 43 (layout.DERIVED): it follows from count
         have.add("gid")
         arrays = {**arrays, "gid": expected_gid(_int(meta, "count"), c)}
     if cfg.frame_stack and "frames_minref" in have:  # (in memory, and on disk before issue 43: checked below)
@@ -157,11 +158,10 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     bad = np.flatnonzero(ends > 3)
     if bad.size:
         _bad(f"ends[{bad[0]}] = {ends[bad[0]]} (episode-end flags are 0..3)")
-    bad = np.flatnonzero(gid != expected_gid(count, c))
-    if bad.size:
-        s = int(bad[0])
+    s = -1 if derived else first_wrong_gid(gid, count)
+    if s >= 0:
         _bad(f"gid[{s}] = {gid[s]}, but after count {count} slot {s} holds transition "
-             f"{expected_gid(count, c)[s]}")
+             f"{int(gid_of(np.int64(s), count, c))}")
     bad = np.flatnonzero((gid < 0) != (status == EMPTY))
     if bad.size:
         _bad(f"slot {bad[0]} has gid {gid[bad[0]]} and status {status[bad[0]]} (written iff not empty)")

@@ -815,7 +815,7 @@ class SegmentLog:
         self.dicts.restore(meta, arrays["frames_dict"])
         self.check_index(int(meta["fw"]))
 
-    def check_index(self, fw: int) -> int:
+    def check_index(self, fw: int, chunk: int = 1 << 20) -> int:
         """Check the index entries of every frame still in the log against the
         segment state (``CorruptSnapshotError`` naming the first that is off),
         and decode the newest frame of each dictionary; returns the frames checked.
@@ -824,40 +824,55 @@ class SegmentLog:
         ``f`` lies in the segment ``seg_first`` puts it in, right after frame
         ``f - 1`` or at its segment's start when it opened it, and the open
         segment ends at ``pos``. An entry pointing at another frame, into one,
-        across a segment's end or outside the log breaks one of these."""
+        across a segment's end or outside the log breaks one of these. Checked
+        ``chunk`` frames at a time (what it holds is a few arrays of ``chunk``,
+        not of the log's 50M frames), each chunk continuing where the one before
+        ended."""
         lo = max(self.oldest(), fw - self.F, 0)
         if fw <= lo:
             return 0
-        ids = np.arange(lo, fw, dtype=np.int64)
-        o, ln, d = split_entries(self._entries(ids), self.dicts.hi)
         segs = np.arange(int(self.st[LO]), self.g + 1, dtype=np.int64)
         firsts = np.where(segs == 0, 0, self.seg_first[segs % self.S])
-        s = segs[np.clip(np.searchsorted(firsts, ids, side="right") - 1, 0, segs.size - 1)]
-        start = self.seg_slot[s % self.S] * self.seg
-        prev_end = np.empty_like(o)
-        prev_end[1:] = o[:-1] + ln[:-1]
-        opens = np.zeros(ids.shape[0], dtype=np.bool_)
-        opens[1:] = s[1:] != s[:-1]
-        opens |= np.isin(ids, firsts[segs > 0]) | (ids == 0)
-        want = np.where(opens, start, prev_end)
-        want[0] = o[0] if not opens[0] else start[0]  # (its predecessor is gone: only bounds below)
+        opened = firsts[segs > 0]
         glo, ghi = self.dicts.lo, self.dicts.hi
-        ok = (o >= start) & (ln >= 1) & (ln <= self.max_len) & (o <= start + self.seg - ln) & (o == want) \
-            & ((d == 0) | ((d >= glo) & (d <= ghi)))
-        ok[1:] &= d[1:] >= d[:-1]  # generations never go back in frame order
         end = int(self.seg_slot[self.g % self.S]) * self.seg + self.pos
-        if ok.all() and o[-1] + ln[-1] != end:
-            ok[-1] = False
-        if not ok.all():
-            i = int(np.argmin(ok))
-            raise CorruptSnapshotError(
-                f"frame_index: frame {int(ids[i])}'s entry [offset {int(o[i])}, length {int(ln[i])}, dictionary "
-                f"{int(d[i])}] is not where the segment log puts it (segment {int(s[i])}, bytes "
-                f"{int(start[i])}..{int(start[i]) + self.seg}, expected offset {int(want[i])}, open segment "
-                f"{self.g} ending at {self.pos}, dictionaries {glo}..{ghi}, none going back)")
-        for k in np.unique(d):  # each dictionary decodes its frames (another one would not)
-            self.decode(ids[np.flatnonzero(d == k)[-1:]])
-        return int(ids.shape[0])
+        newest: dict[int, int] = {}  # dictionary -> the newest frame it encodes
+        prev = None  # (segment, end, dictionary) of the frame before the chunk
+        for a in range(lo, fw, chunk):
+            ids = np.arange(a, min(fw, a + chunk), dtype=np.int64)
+            o, ln, d = split_entries(self._entries(ids), ghi)
+            s = segs[np.clip(np.searchsorted(firsts, ids, side="right") - 1, 0, segs.size - 1)]
+            start = self.seg_slot[s % self.S] * self.seg
+            prev_end = np.empty_like(o)
+            prev_end[1:] = o[:-1] + ln[:-1]
+            opens = np.zeros(ids.shape[0], dtype=np.bool_)
+            opens[1:] = s[1:] != s[:-1]
+            if prev is not None:
+                opens[0], prev_end[0] = s[0] != prev[0], prev[1]
+            opens |= np.isin(ids, opened) | (ids == 0)
+            want = np.where(opens, start, prev_end)
+            if prev is None:
+                want[0] = o[0] if not opens[0] else start[0]  # (its predecessor is gone: only bounds below)
+            ok = (o >= start) & (ln >= 1) & (ln <= self.max_len) & (o <= start + self.seg - ln) & (o == want) \
+                & ((d == 0) | ((d >= glo) & (d <= ghi)))
+            ok[1:] &= d[1:] >= d[:-1]  # generations never go back in frame order
+            if prev is not None:
+                ok[0] &= d[0] >= prev[2]
+            if ids[-1] == fw - 1 and ok.all() and o[-1] + ln[-1] != end:
+                ok[-1] = False
+            if not ok.all():
+                i = int(np.argmin(ok))
+                raise CorruptSnapshotError(
+                    f"frame_index: frame {int(ids[i])}'s entry [offset {int(o[i])}, length {int(ln[i])}, dictionary "
+                    f"{int(d[i])}] is not where the segment log puts it (segment {int(s[i])}, bytes "
+                    f"{int(start[i])}..{int(start[i]) + self.seg}, expected offset {int(want[i])}, open segment "
+                    f"{self.g} ending at {self.pos}, dictionaries {glo}..{ghi}, none going back)")
+            for k in np.unique(d):
+                newest[int(k)] = int(ids[np.flatnonzero(d == k)[-1]])
+            prev = (int(s[-1]), int(o[-1] + ln[-1]), int(d[-1]))
+        for k in sorted(newest):  # each dictionary decodes its frames (another one would not)
+            self.decode(np.array([newest[k]], dtype=np.int64))
+        return fw - lo
 
     def close(self) -> None:
         self.drop_look()

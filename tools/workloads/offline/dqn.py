@@ -93,7 +93,8 @@ def cmd_scale(args, base: Path) -> int:
     t0 = time.perf_counter()
     try:
         rep = run_scale(root, args.slots, args.checkpoints, distinct=args.distinct, pool=args.pool,
-                        level=args.gzip_level, sample=args.sample, check_all=args.check_all)
+                        level=args.gzip_level, sample=args.sample, check_all=args.check_all,
+                        reuse=Path(args.run).resolve() if args.run else None)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rep["wall_s"] = round(time.perf_counter() - t0)

@@ -240,14 +240,21 @@ def rounds(dst: Path, batches=(32, 256), warm: int = 20, iters: int = 200, seed:
 
 def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, pool: int = 100_000,
               level: int = 1, sample: int = 2000, check_all: bool = False, games=("Breakout", "Pong",
-              "Seaquest", "MsPacman"), say=print) -> dict:
+              "Seaquest", "MsPacman"), say=print, reuse: Path | None = None) -> dict:
     if checkpoints < 2:
         raise SystemExit("--scale needs --checkpoints >= 2 (the kill lands after half of them)")
     rep: dict = {"slots": slots, "checkpoints": checkpoints}
     child.peaks.clear()
     child.anon.clear()
-    run, dst = root / "run", root / "out.h5"
-    rep.update(make_run(run, slots, checkpoints, distinct, pool, level, games, say))
+    run, dst = reuse or root / "run", root / "out.h5"
+    if reuse is None:
+        rep.update(make_run(run, slots, checkpoints, distinct, pool, level, games, say))
+    else:  # (a run written before: its checkpoints must be the ones asked for)
+        have = len(list(run.glob("$store$_observation_ckpt.*.gz")))
+        if have != checkpoints:
+            raise SystemExit(f"--run {run} holds {have} checkpoints, not --checkpoints {checkpoints}")
+        rep["reused_run"] = str(run)
+        say(f"converting the run written before at {run}")
     src = sum(os.stat(p).st_size for p in run.iterdir())  # (links counted as the files they stand for)
     log = open(root / "children.log", "w")
     # 1. convert, killed in the middle of the checkpoint after half of them finished, then resumed

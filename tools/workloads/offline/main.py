@@ -340,6 +340,8 @@ def add_arguments(p) -> None:
                    "and resume of convert and reprioritize, sample + update rounds "
                    "(tools/workloads/offline/dqn_scale.py)")
     p.add_argument("--distinct", type=int, default=2, help="--scale: checkpoints written (the rest are links; 2)")
+    p.add_argument("--run", help="--scale: a run directory written before (by this bench, or make_run) "
+                   "to convert, instead of writing one; --slots and --checkpoints must be its own")
     p.add_argument("--pool", type=int, default=100_000, help="--scale: steps of ALE play recorded (100,000)")
     p.add_argument("--gzip-level", type=int, default=1, help="--scale: gzip level of the run's files (1)")
     p.add_argument("--sample", type=int, default=2000, help="--scale: transitions checked a checkpoint (2,000)")
