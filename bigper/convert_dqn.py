@@ -251,8 +251,8 @@ def _to_hdf5(buf: PrioritizedReplayBuffer, partial: Path, made: list) -> None:
     new HDF5 storage at ``partial``: its arrays row for row (the compressed log as it
     is, never recompressed), then the state its close recorded. The buffer's tree and
     bookkeeping are let go first, and each piece of an array read leaves this
-    process's RSS once written: a copy of 50M transitions holds about its state's
-    arrays (26 bytes a transition) and one 64 MB piece."""
+    process's RSS once written: a copy of 50M transitions holds the state's arrays
+    (leaves, status and ends: 10 bytes a transition) and one 64 MB piece."""
     mcfg = buf.config
     d = mcfg.to_dict()
     d["storage"] = "hdf5"
@@ -276,7 +276,7 @@ def _to_hdf5(buf: PrioritizedReplayBuffer, partial: Path, made: list) -> None:
                 for lo in range(0, arr.shape[0], step):
                     hi = min(arr.shape[0], lo + step)
                     store.write(name, slice(lo, hi), np.asarray(arr[lo:hi]))
-                    src.let_go(name, lo, hi)
+                    src.release_pages(name, lo, hi)
             store.close(src.saved_state())
         except BaseException:
             store.abort()

@@ -604,7 +604,7 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
             w1 = w0 + win.shape[0]
             j = int(np.searchsorted(pos, w1 - 1, side="left"))  # transitions whose next frame is in
             st = np.lib.stride_tricks.as_strided(
-                win, shape=(win.shape[0] - k + 1, k, *ck.frame_shape), strides=(win.strides[0],) + win.strides,
+                win, shape=(max(0, win.shape[0] - k + 1), k, *ck.frame_shape), strides=(win.strides[0],) + win.strides,
                 writeable=False)
             while i < j:
                 # one contiguous run of positions at a time: its stacks are slices of the

@@ -113,7 +113,7 @@ class Region:
             return False
         return _libc.madvise(self.addr + offset, round_up(length), MADV_RANDOM) == 0
 
-    def let_go(self, offset: int, length: int) -> bool:
+    def release_pages(self, offset: int, length: int) -> bool:
         """``MADV_DONTNEED`` over the whole pages inside the range: this process
         stops holding them (they leave its RSS); a shared file's pages stay in
         the file and the page cache, written ones too, and the next access maps

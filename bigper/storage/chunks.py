@@ -182,12 +182,12 @@ class _Array:
         self.inodes[k] = st.st_ino
         self.digests[k] = known[1] if shared and known and known[0] == st.st_ino else None
 
-    def let_go(self, lo: int, hi: int) -> None:
+    def release_pages(self, lo: int, hi: int) -> None:
         """Rows ``lo .. hi - 1`` leave this process's RSS, in both mappings
-        (``Region.let_go``: their bytes stay in the files)."""
+        (``Region.release_pages``: their bytes stay in the files)."""
         for region in (self.region, self.reader):
             if region is not None and hi > lo:
-                region.let_go(lo * self.row_bytes, (hi - lo) * self.row_bytes)
+                region.release_pages(lo * self.row_bytes, (hi - lo) * self.row_bytes)
 
     def view(self, k: int) -> np.ndarray:
         """The chunk's bytes as mapped (uint8, padding included)."""

@@ -51,6 +51,7 @@ from ..errors import (
     CorruptSnapshotError,
     IncompatibleSnapshotError,
     InvalidArgumentError,
+    InvalidTypeError,
     PathExistsError,
     PathNotFoundError,
 )
@@ -644,11 +645,21 @@ class MemmapStorage(StorageBase):
         """Rows array ``name`` holds (an array that grows: what it grew to)."""
         return int(self._arr[name].rows)
 
-    def let_go(self, name: str, lo: int, hi: int) -> None:
+    def release_pages(self, name: str, lo: int, hi: int) -> None:
         """Rows ``lo .. hi - 1`` of array ``name`` leave this process's RSS (a
         copy of a large storage read once); their bytes stay in the files and
         a later read maps them again."""
-        self._arr[name].let_go(int(lo), int(hi))
+        a = self._arr.get(name) if isinstance(name, str) else None
+        if a is None:
+            raise InvalidArgumentError(f"release_pages: name must be an array of this storage (one of "
+                                       f"{sorted(self._arr)}), got {name!r:.80}")
+        for what, v in (("lo", lo), ("hi", hi)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidTypeError(f"release_pages: {what} must be an int, got {type(v).__name__} {v!r:.80}")
+        if not 0 <= lo <= hi <= a.rows:
+            raise InvalidArgumentError(f"release_pages: rows {lo}..{hi} are not rows of array {name!r} "
+                                       f"(0..{a.rows}, lo <= hi)")
+        a.release_pages(int(lo), int(hi))
 
     def flush(self) -> None:
         if not self.read_only:
