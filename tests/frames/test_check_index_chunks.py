@@ -104,3 +104,49 @@ def test_a_rings_recorded_gid_off_by_one_is_named_after_the_first_chunk(tmp_path
             check_state(buf.config, meta, arrays)
     finally:
         buf.close()
+
+
+@pytest.fixture(scope="module")
+def retrained():
+    """A log of real frames of four games whose dictionary was retrained every 40 frames
+    (generations 1, 2, 3, ... in frame order), and its frame index as written."""
+    import bigper.frames.dictionaries as D
+    import bigper.frames.segments as S
+    from tests.frames.test_compression_dicts import GAMES, run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(S, "TRAIN_FRAMES", 40)
+        mp.setattr(D, "PAYS", -100.0)  # every candidate adopted
+        mp.setattr(D, "DRIFT", -100.0)
+        buf = make("memory", None, (84, 84), k=4, capacity=300, budget=1500)
+        feed = None
+        for game in ("Pong", "MsPacman", "Seaquest", "Breakout"):
+            feed = run(buf, GAMES[game], 70, feed)
+    index = buf.storage.writable_arrays["frame_index"]
+    yield buf, index, index.copy()
+    buf.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(["offset", "length", "gen"]),
+                                st.integers(-3, 3)), max_size=2),
+       chunk=st.integers(1, 64))
+def test_across_retrained_dictionaries_any_chunk_gives_the_whole_checks_verdict(retrained, edits, chunk):
+    buf, index, kept = retrained
+    log, fw = hook.log(buf), hook.frames(buf).fw
+    lo = max(log.oldest(), fw - log.F, 0)
+    gens = hook.entries(buf, index, np.arange(lo, fw) % log.F)[2]
+    assert log.dicts.hi >= 3 and len(set(gens.tolist()) - {0}) >= 2  # (generations change inside the log)
+    try:
+        for where, what, delta in edits:
+            f = lo + int(where * (fw - lo))
+            o, ln, d = (int(a[0]) for a in hook.entries(buf, index, [f % log.F]))
+            hook.set_entries(buf, index, [f % log.F],
+                             **{what: {"offset": o + delta, "length": ln + delta, "gen": max(0, d + delta)}[what]})
+        whole = _verdict(log, fw, fw + 1)
+        if not edits:
+            assert whole == ("ok", fw - lo)
+        assert _verdict(log, fw, chunk) == whole
+        assert _verdict(log, fw, 1) == whole
+    finally:
+        index[:] = kept
