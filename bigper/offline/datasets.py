@@ -310,6 +310,7 @@ def score_all(src, live: np.ndarray, read_batch, score_fn, *, batch_size: int = 
             sc.write_scores(entry, lo, scores[lo:hi])
             done += idx.shape[0]
             bar.update(idx.shape[0])
+            src.release_pages()  # (the frames it read: a 50M pass would otherwise map the whole file)
             if done < total and time.monotonic() - last >= commit_seconds:
                 sc.commit_progress(entry, done, scores, hi)
                 committed, last = done, time.monotonic()

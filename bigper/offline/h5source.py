@@ -311,6 +311,18 @@ class H5Source(Layouts, StorageBase):
         finally:
             self._release()
 
+    def release_pages(self) -> None:
+        """The file's pages this process has mapped leave its RSS (``MADV_DONTNEED``
+        over the read-only map: clean pages, still in the page cache; a later read
+        maps them again). A streamed pass over a dataset larger than memory
+        (``score_all``) calls it as it goes, so its RSS is a batch's pages, not the
+        file's. Best effort: nothing where the system has no such advice."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
     def _pread(self, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (C-contiguous) with the file's bytes from ``offset``."""
         view = memoryview(out).cast("B")
