@@ -870,6 +870,10 @@ class SegmentLog:
             for k in np.unique(d):
                 newest[int(k)] = int(ids[np.flatnonzero(d == k)[-1]])
             prev = (int(s[-1]), int(o[-1] + ln[-1]), int(d[-1]))
+            r0 = a % self.F  # (the index rows read: they need not stay in this process's RSS)
+            for lo_r, hi_r in ((r0, min(self.F, r0 + ids.shape[0])), (0, r0 + ids.shape[0] - self.F)):
+                if hi_r > lo_r:
+                    self.store.release_pages("frame_index", lo_r, hi_r)
         for k in sorted(newest):  # each dictionary decodes its frames (another one would not)
             self.decode(np.array([newest[k]], dtype=np.int64))
         return fw - lo

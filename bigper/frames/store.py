@@ -907,3 +907,5 @@ class FrameStore:
             if wrong:
                 raise CorruptSnapshotError(wrong if a == 0 else f"{wrong} (slots counted from {a})")
             self.minref[a:b] = mins
+            for name in ("frame_ref", "frame_off"):  # (read once here: a 50M ring's pages need not stay)
+                self.store.release_pages(name, a, b)

@@ -295,6 +295,7 @@ def score_all(src, live: np.ndarray, read_batch, score_fn, *, batch_size: int = 
         done = entry["done"]
     committed = done
     bar = _bar(total, done, progress, src.path.name)
+    src.advise(sequential=True)  # (the frames in order: read-ahead pays)
     try:
         last = time.monotonic()
         while done < total:
@@ -324,6 +325,7 @@ def score_all(src, live: np.ndarray, read_batch, score_fn, *, batch_size: int = 
             sc.commit_progress(entry, done, scores, int(live[done - 1]) + 1)
         raise
     finally:
+        src.advise(sequential=False)
         bar.close()
         sc.unlock()
     return None if entry is None else scores

@@ -182,6 +182,10 @@ class StorageBase:
     def shrink(self, name: str, rows: int) -> None:
         """Keeps every row (``rows`` tells what it holds)."""
 
+    def release_pages(self, name: str, lo: int, hi: int) -> None:
+        """Rows ``lo .. hi - 1`` of ``name`` may leave this process's RSS (a pass
+        over a large storage read once); nothing here: nothing is mapped."""
+
     def check_present(self, what: str = "cannot go on") -> None:
         """Nothing at a path to lose."""
 

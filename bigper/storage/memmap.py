@@ -649,17 +649,19 @@ class MemmapStorage(StorageBase):
         """Rows ``lo .. hi - 1`` of array ``name`` leave this process's RSS (a
         copy of a large storage read once); their bytes stay in the files and
         a later read maps them again."""
-        a = self._arr.get(name) if isinstance(name, str) else None
-        if a is None:
+        if not isinstance(name, str) or name not in self.arrays:
             raise InvalidArgumentError(f"release_pages: name must be an array of this storage (one of "
-                                       f"{sorted(self._arr)}), got {name!r:.80}")
+                                       f"{sorted(self.arrays)}), got {name!r:.80}")
+        a = self._arr.get(name)  # (None: an older layout's array converted in memory, not mapped)
+        rows = a.rows if a is not None else self.arrays[name].shape[0]
         for what, v in (("lo", lo), ("hi", hi)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise InvalidTypeError(f"release_pages: {what} must be an int, got {type(v).__name__} {v!r:.80}")
-        if not 0 <= lo <= hi <= a.rows:
+        if not 0 <= lo <= hi <= rows:
             raise InvalidArgumentError(f"release_pages: rows {lo}..{hi} are not rows of array {name!r} "
-                                       f"(0..{a.rows}, lo <= hi)")
-        a.release_pages(int(lo), int(hi))
+                                       f"(0..{rows}, lo <= hi)")
+        if a is not None:
+            a.release_pages(int(lo), int(hi))
 
     def flush(self) -> None:
         if not self.read_only:
