@@ -35,3 +35,19 @@ def test_the_scale_run_runs_tiny_with_both_kills_and_resumes(tmp_path):
     assert rep["one_checkpoint_transitions"] < n and rep["dst_bytes_per_tr"] > 0
     assert all(v > 0 for v in rep["rss_mb"].values())
     assert list(tmp_path.iterdir()) == []  # the bench's files are gone
+
+
+def test_a_run_given_with_another_number_of_checkpoints_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for n in range(2):
+        (run / f"$store$_observation_ckpt.{n}.gz").write_bytes(b"")
+    work = tmp_path / "work"
+    work.mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "offline", "--dqn-replay", "--scale",
+                        "--slots", "1500", "--checkpoints", "4", "--run", str(run), "--dir", str(work)],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0
+    assert f"--run {run} holds 2 checkpoints, not --checkpoints 4" in r.stdout + r.stderr
+    assert list(work.iterdir()) == [] and sorted(p.name for p in run.iterdir()) == [
+        "$store$_observation_ckpt.0.gz", "$store$_observation_ckpt.1.gz"]  # the run is never written
