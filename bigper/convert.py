@@ -41,6 +41,7 @@ from .common.files import FileLock, fsync_dir, real_names
 from .storage.hdf5 import HDF5Storage
 from .frames.segments import log_geometry
 from .common.status import EMPTY
+from .offline.h5source import in_order
 
 __all__ = ["convert", "infer_frame_stack"]
 
@@ -365,11 +366,13 @@ def _copy(source, out, order: np.ndarray, chunk: int, progress: bool, name: str,
 
     names = {"terminated", "truncated", *cfg["fields"], *(f"next_{n}" for n in cfg["next_of"])}
     with tqdm(total=order.shape[0], disable=not progress, unit="tr", unit_scale=True,
-              desc=f"convert {name}", smoothing=0.1, mininterval=0.5) as bar:
+              desc=f"convert {name}", smoothing=0.1, mininterval=0.5) as bar, \
+            in_order(source.storage) as let_go:  # (an HDF5 dataset's map: read ahead, let go of)
         for lo in range(0, order.shape[0], chunk):
             idx = order[lo:lo + chunk]
             data = source.gather(idx)
             out.extend({k: v for k, v in data.items() if k in names})
+            let_go()
             bar.update(idx.shape[0])
 
 

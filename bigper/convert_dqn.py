@@ -42,6 +42,7 @@ from .buffer import PrioritizedReplayBuffer
 from .config import Config
 from .convert import _DstLock, _check_dst, _publish, _remove
 from .core.layout import allocate
+from .core.statecheck import check_state
 from .errors import InvalidArgumentError, InvalidTypeError, OfflineDatasetError, PathExistsError
 from .frames.budget import frame_capacity
 from .frames.store import require_compression
@@ -140,10 +141,13 @@ def convert_dqn_replay(run_dir, dst, *, frame_stack: int = 4, overwrite: bool = 
             live = int((buf.status == 1).sum())
             if live != n:
                 raise RuntimeError(f"{live:,} of {n:,} converted transitions are sampleable (a bug: please report)")
-            _to_hdf5(buf, partial, made)  # (closes buf)
+            live_dir, mcfg = buf.storage.path, buf.config
+            buf.close()  # (recorded in its directory: what the copy reads)
+            buf = None  # its tree and bookkeeping go before the copy
+            _to_hdf5(live_dir, mcfg, partial, made)
             _publish(partial, dst, overwrite)
         except BaseException as e:
-            if not buf.closed:
+            if buf is not None and not buf.closed:
                 buf.close()  # the work directory keeps the finished checkpoints for a resume
             if made:
                 _remove(partial)
@@ -233,7 +237,7 @@ def _convert_checkpoints(buf, snaps, cks, done, dir_fd, k, n, workers, chunk, pr
                 bar.set_postfix_str(f"checkpoint {cks[i].n}", refresh=False)
                 pf = ahead.pop(i, None)
                 try:
-                    for data in stream_transitions(dir_fd, cks[i], k, chunk=chunk, prefetch=pf):
+                    for data in stream_transitions(dir_fd, cks[i], k, chunk=chunk, prefetch=pf, recycle=True):
                         buf.extend(data)
                         bar.update(data["action"].shape[0])
                 finally:
@@ -246,20 +250,17 @@ def _convert_checkpoints(buf, snaps, cks, done, dir_fd, k, n, workers, chunk, pr
     return buf
 
 
-def _to_hdf5(buf: PrioritizedReplayBuffer, partial: Path, made: list) -> None:
-    """Close ``buf`` (memmap: its state is recorded in its directory) and copy it into a
-    new HDF5 storage at ``partial``: its arrays row for row (the compressed log as it
-    is, never recompressed), then the state its close recorded. The buffer's tree and
-    bookkeeping are let go first, and each piece of an array read leaves this
-    process's RSS once written: a copy of 50M transitions holds the state's arrays
-    (leaves, status and ends: 10 bytes a transition) and one 64 MB piece."""
-    mcfg = buf.config
+def _to_hdf5(live_dir: Path, mcfg: Config, partial: Path, made: list) -> None:
+    """Copy the closed memmap buffer at ``live_dir`` (config ``mcfg``) into a new HDF5
+    storage at ``partial``: its arrays row for row (the compressed log as it is, never
+    recompressed), then the state its close recorded, checked first. Nothing of a
+    buffer is built: the copy holds the recorded state's arrays (leaves, status and
+    ends: 10 bytes a transition) and one 64 MB piece, each piece let go of once
+    written (a 50M-transition copy held the whole dataset's pages before)."""
     d = mcfg.to_dict()
     d["storage"] = "hdf5"
     cfg = Config.from_dict(d)
-    live = buf.storage.path
-    buf.close()
-    src = MemmapStorage(live, read_only=True)
+    src = MemmapStorage(live_dir, read_only=True, random_reads=False)  # (read in order)
     src.open(mcfg.to_dict())
     try:
         allocate(src, mcfg)
@@ -277,7 +278,9 @@ def _to_hdf5(buf: PrioritizedReplayBuffer, partial: Path, made: list) -> None:
                     hi = min(arr.shape[0], lo + step)
                     store.write(name, slice(lo, hi), np.asarray(arr[lo:hi]))
                     src.release_pages(name, lo, hi)
-            store.close(src.saved_state())
+            state = src.saved_state()
+            check_state(cfg, *state)  # (what from_parts checked when the copy built a buffer)
+            store.close(state)
         except BaseException:
             store.abort()
             raise

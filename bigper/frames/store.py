@@ -534,7 +534,8 @@ class FrameStore:
         """``(rows, row_words)`` words where ``write`` puts a write's new frames: one
         array kept from write to write while it is at most ``_STAGING_BYTES`` (an
         extend of 1,024 Atari stacks stages 58 MB; a fresh one each time costs
-        page faults, and a long convert's heap fragments)."""
+        page faults, and a long convert's heap fragments). It stays for the store's
+        life: up to 64 MB a buffer that once extended that many stacks at a time."""
         kept = self._new
         if kept is not None and kept.shape[0] >= rows:
             return kept[:rows]

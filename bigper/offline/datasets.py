@@ -37,7 +37,7 @@ from ..core.opening import recorded_frames
 from ..core.statecheck import RING_ARRAYS, check_state
 from ..frames.store import FrameStore
 from ..core.units import unit_class
-from .h5source import LIVE, H5Source, OfflineDatasetError
+from .h5source import LIVE, H5Source, OfflineDatasetError, in_order
 from ..errors import (CorruptSnapshotError, InvalidArgumentError, InvalidTypeError,
                      PathNotFoundError)
 
@@ -295,37 +295,36 @@ def score_all(src, live: np.ndarray, read_batch, score_fn, *, batch_size: int = 
         done = entry["done"]
     committed = done
     bar = _bar(total, done, progress, src.path.name)
-    src.advise(sequential=True)  # (the frames in order: read-ahead pays)
     try:
-        last = time.monotonic()
-        while done < total:
-            idx = live[done:done + batch_size]
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
-            at = slice(lo, hi) if hi - lo == idx.shape[0] else idx  # a run of slots: slices, no gathers
-            s = _check_scores(score_fn(read_batch(idx, at)), idx, done, src.path)
-            if not sc.locked:  # the first good chunk: only now is anything written
-                sc.lock()
-            if entry is None:
-                entry = sc.start_run(total, batch_size)
-            scores[at] = s
-            sc.write_scores(entry, lo, scores[lo:hi])
-            done += idx.shape[0]
-            bar.update(idx.shape[0])
-            src.release_pages()  # (the frames it read: a 50M pass would otherwise map the whole file)
-            if done < total and time.monotonic() - last >= commit_seconds:
-                sc.commit_progress(entry, done, scores, hi)
-                committed, last = done, time.monotonic()
-        if entry is not None:
-            if not sc.locked:  # resumed with nothing left to score
-                sc.lock()
-            sc.finish_run(entry, scores)
+        with in_order(src) as let_go:  # (the frames in order: read-ahead pays, and is let go of)
+            last = time.monotonic()
+            while done < total:
+                idx = live[done:done + batch_size]
+                lo, hi = int(idx[0]), int(idx[-1]) + 1
+                at = slice(lo, hi) if hi - lo == idx.shape[0] else idx  # a run of slots: slices, no gathers
+                s = _check_scores(score_fn(read_batch(idx, at)), idx, done, src.path)
+                if not sc.locked:  # the first good chunk: only now is anything written
+                    sc.lock()
+                if entry is None:
+                    entry = sc.start_run(total, batch_size)
+                scores[at] = s
+                sc.write_scores(entry, lo, scores[lo:hi])
+                done += idx.shape[0]
+                bar.update(idx.shape[0])
+                let_go()  # (the frames it read: a 50M pass would otherwise map the whole file)
+                if done < total and time.monotonic() - last >= commit_seconds:
+                    sc.commit_progress(entry, done, scores, hi)
+                    committed, last = done, time.monotonic()
+            if entry is not None:
+                if not sc.locked:  # resumed with nothing left to score
+                    sc.lock()
+                sc.finish_run(entry, scores)
     except BaseException:
         if entry is not None and done > committed:
             sc.lock()
             sc.commit_progress(entry, done, scores, int(live[done - 1]) + 1)
         raise
     finally:
-        src.advise(sequential=False)
         bar.close()
         sc.unlock()
     return None if entry is None else scores

@@ -525,7 +525,8 @@ class _Prefetch:
             return np.empty(self.shape, dtype=np.uint8) if buf is None else buf
         return None
 
-    def give(self, buf: np.ndarray) -> None:
+    def give(self, buf: np.ndarray | None) -> None:
+        """A buffer done with, back to the pool (None: the pool makes a new one in its place)."""
         self.free.put(buf)
 
     def _put(self, item) -> bool:
@@ -557,15 +558,17 @@ def open_run(run_dir) -> int:
 
 
 def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024, rows: int = 2048,
-                       depth: int = 4, prefetch=None):
+                       depth: int = 4, prefetch=None, recycle: bool = False):
     """The sampleable transitions of ``ck`` in stream order (the order they were added), as
     dicts of ``obs``/``next_obs`` ``(B, k, H, W)`` uint8, ``action`` int32, ``reward`` float32,
     ``terminated`` and ``truncated`` bool. The last transition before a position that is not
     sampleable (the next episode's pads, the cursor, the end) ends its bigper episode:
     ``terminated`` where the slot is terminal, else ``truncated`` (the bootstrap is kept),
     so no stack or n-step window ever joins transitions the format does not join.
-    The stacks are read-only views of recycled frame buffers: they hold until the next
-    dict is asked for (copy them to keep them longer).
+    The stacks are read-only views of the decompressed frames. With ``recycle`` their
+    buffers are used again for later chunks (a long convert allocates nothing more): a
+    dict's stacks then hold only until the next dict is asked for. Without it every
+    chunk's frames are new and every dict's stacks hold as long as they are kept.
 
     ``prefetch``: a started ``_Prefetch`` of this checkpoint's frames (the caller may start
     the next checkpoint's while this one is written); default: one started here."""
@@ -589,7 +592,7 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
     own = prefetch is None
     pf = prefetch or prefetch_frames(dir_fd, ck, k, rows=rows, depth=depth)
     if pf.head < k:
-        raise ValueError(f"a prefetch of {pf.head} head frames cannot hold stacks of {k}")
+        raise InvalidArgumentError(f"prefetch: a prefetch of {pf.head} head frames cannot hold stacks of {k}")
     try:
         prev = None  # the buffer of the previous chunk, and its window
         i = 0  # next transition (index into pos) to emit
@@ -598,7 +601,7 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
             if prev is not None:  # the previous window's last frames go before this chunk's
                 t = min(k, prev[1].shape[0])
                 buf[h - t:h] = prev[1][-t:]
-                pf.give(prev[0])
+                pf.give(prev[0] if recycle else None)  # (None: the pool makes a new one)
             win = buf[h - t:h + m]
             w0 = p0 - t
             w1 = w0 + win.shape[0]

@@ -31,6 +31,7 @@ arrays held in memory; data is read at sample time (see ``_h5map``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -371,3 +372,17 @@ class H5Source(Layouts, StorageBase):
             self._lock_fd = -1
 
 
+@contextlib.contextmanager
+def in_order(store):
+    """A pass over ``store`` in the order of its rows (``reprioritize``, ``convert``):
+    an ``H5Source``'s map is read ahead for the pass (``advise``) and random again
+    after; it gives a callable that lets go of the pages read so far
+    (``release_pages``), to call after each batch. Any other storage: nothing."""
+    if not isinstance(store, H5Source):
+        yield lambda: None
+        return
+    store.advise(sequential=True)
+    try:
+        yield store.release_pages
+    finally:
+        store.advise(sequential=False)

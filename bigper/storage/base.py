@@ -142,6 +142,13 @@ class OnDisk(Protocol):
         """``PathNotFoundError`` when the location was deleted while open
         (memmap; optional: ``save`` asks it before it links the files)."""
 
+    def release_pages(self, name: str, lo: int, hi: int) -> None:
+        """Rows ``lo .. hi - 1`` of array ``name`` leave this process's RSS: the
+        pages of the file mapped there are let go of, the bytes stay in the file
+        (a storage may let go of more, an HDF5 dataset of its whole map). Called
+        after a pass reads rows once (the checks at open and load, a convert's
+        copy, ``reprioritize``). Optional: ``StorageBase``'s does nothing."""
+
 
 class StorageBase:
     """The optional members of the protocols above, at their defaults: a
@@ -183,8 +190,7 @@ class StorageBase:
         """Keeps every row (``rows`` tells what it holds)."""
 
     def release_pages(self, name: str, lo: int, hi: int) -> None:
-        """Rows ``lo .. hi - 1`` of ``name`` may leave this process's RSS (a pass
-        over a large storage read once); nothing here: nothing is mapped."""
+        """Nothing to let go of (``OnDisk.release_pages``: a storage that maps its files says otherwise)."""
 
     def check_present(self, what: str = "cannot go on") -> None:
         """Nothing at a path to lose."""

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from bigper.errors import InvalidArgumentError
 from bigper.offline.dqn_replay import open_run, prefetch_frames, scan_run, stream_transitions
 
 from tests.offline._dqn_replay_files import K, Recorder, play, reference
@@ -41,16 +42,17 @@ def refs(run):
     return {ck.n: reference(run, ck.n) for ck in scan_run(run)}
 
 
-def streamed(run, ck, chunk, rows, depth, ahead):
+def streamed(run, ck, chunk, rows, depth, ahead, recycle=True):
     fd = open_run(run)
     try:
         pf = prefetch_frames(fd, ck, K, rows=rows, depth=depth) if ahead else None
         out = {k: [] for k in ("obs", "next_obs", "action", "reward", "terminated")}
         try:
-            for d in stream_transitions(fd, ck, K, chunk=chunk, rows=rows, depth=depth, prefetch=pf):
+            for d in stream_transitions(fd, ck, K, chunk=chunk, rows=rows, depth=depth, prefetch=pf,
+                                        recycle=recycle):
                 assert d["action"].shape[0] <= chunk
-                for k in out:  # copies: the stacks hold only until the next dict
-                    out[k].append(np.array(d[k]))
+                for k in out:  # recycled: copies (the stacks hold only until the next dict); else kept as given
+                    out[k].append(np.array(d[k]) if recycle else d[k])
         finally:
             if pf is not None:
                 pf.close()
@@ -60,10 +62,13 @@ def streamed(run, ck, chunk, rows, depth, ahead):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(chunk=st.integers(1, 90), rows=st.integers(1, 70), depth=st.integers(1, 3), ahead=st.booleans())
-def test_every_chunk_size_gives_the_formats_transitions(run, refs, chunk, rows, depth, ahead):
+@given(chunk=st.integers(1, 90), rows=st.integers(1, 70), depth=st.integers(1, 3), ahead=st.booleans(),
+       recycle=st.booleans())
+def test_every_chunk_size_gives_the_formats_transitions(run, refs, chunk, rows, depth, ahead, recycle):
+    """Recycled (convert's way) or not: without ``recycle`` every dict kept, uncopied, to the
+    end still holds its own stacks."""
     for ck in scan_run(run):
-        ref, got = refs[ck.n], streamed(run, ck, chunk, rows, depth, ahead)
+        ref, got = refs[ck.n], streamed(run, ck, chunk, rows, depth, ahead, recycle)
         assert got["action"].shape[0] == ref["action"].shape[0] > 0, ck.n
         for mine, theirs in (("obs", "obs"), ("next_obs", "next_obs"), ("action", "action"),
                              ("reward", "reward"), ("terminated", "terminal")):
@@ -77,7 +82,7 @@ def test_a_stream_left_early_stops_its_thread_and_the_next_one_is_whole(run, ref
     fd = open_run(run)
     try:
         pf = prefetch_frames(fd, ck, K, rows=3, depth=1)
-        gen = stream_transitions(fd, ck, K, chunk=2, rows=3, depth=1, prefetch=pf)
+        gen = stream_transitions(fd, ck, K, chunk=2, rows=3, depth=1, prefetch=pf, recycle=True)
         for _ in range(5):
             next(gen)
         gen.close()
@@ -95,7 +100,7 @@ def test_a_prefetch_without_room_for_the_stack_is_refused(run):
     try:
         pf = prefetch_frames(fd, ck, K - 1, rows=8)
         try:
-            with pytest.raises(ValueError, match="head frames"):
+            with pytest.raises(InvalidArgumentError, match="prefetch: a prefetch of 3 head frames cannot hold stacks of 4"):
                 next(stream_transitions(fd, ck, K, prefetch=pf))
         finally:
             pf.close()
