@@ -13,17 +13,22 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 3 MB tmpfs (root mounts it): a full disk without filling the
-    machine's. Unmounted after the test."""
+def mounted_tmpfs(tmp_path, size: str):
+    """A real tmpfs of ``size`` (``3m``; root mounts it) at ``tmp_path/fs``: a full disk
+    without filling the machine's. A generator for a fixture: unmounted after the test."""
     mnt = tmp_path / "fs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode:
         pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 3 MB tmpfs (``mounted_tmpfs``)."""
+    yield from mounted_tmpfs(tmp_path, "3m")
 
 
 def fill_disk(path) -> None:

@@ -135,3 +135,15 @@ def reference(run: Path, n: int):
         out["reward"].append(rew[i])
         out["terminal"].append(bool(term[i]))
     return {k: np.array(v) for k, v in out.items()}
+
+
+def two_checkpoints(run: Path, capacity: int = 300) -> Path:
+    """Breakout saved twice in a ring of ``capacity`` (``capacity - 10`` adds, then
+    ``2 * capacity + 20``: the second wraps), episodes of at most 60 steps."""
+    frames, act, rew, ends = play("Breakout", 2 * capacity + 50, seed=2, max_len=60)
+    rec = Recorder(capacity)
+    for t in range(frames.shape[0]):
+        rec.add(frames[t], act[t], rew[t], ends[t])
+        if t in (capacity - 10, 2 * capacity + 20):
+            rec.save(run, 0 if t < capacity else 1)
+    return run

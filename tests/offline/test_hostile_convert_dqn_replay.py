@@ -23,21 +23,14 @@ from bigper.convert_dqn import convert_dqn_replay
 from bigper.errors import OfflineDatasetError
 
 from tests._hostile_snapshot_cases import deadline, fingerprint
-from tests.offline._dqn_replay_files import Recorder, load_npy_gz, play, write_npy_gz
+from tests.offline._dqn_replay_files import load_npy_gz, two_checkpoints, write_npy_gz
 
 C = 300
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
-    run = tmp_path_factory.mktemp("good") / "run"
-    frames, act, rew, ends = play("Breakout", 2 * C + 50, seed=2, max_len=60)
-    rec = Recorder(C)
-    for t in range(frames.shape[0]):
-        rec.add(frames[t], act[t], rew[t], ends[t])
-        if t in (C - 10, 2 * C + 20):
-            rec.save(run, 0 if t < C else 1)
-    return run
+    return two_checkpoints(tmp_path_factory.mktemp("good") / "run", C)
 
 
 def name(kind: str, n: int = 1) -> str:

@@ -31,21 +31,14 @@ from bigper.errors import CorruptSnapshotError, OfflineDatasetError, PathExistsE
 from bigper.offline.dqn_replay import open_run, scan_run, stream_transitions
 
 from tests._hostile_snapshot_cases import deadline
-from tests.offline._dqn_replay_files import K, Recorder, play
+from tests.offline._dqn_replay_files import K, two_checkpoints
 
 C = 300
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("scale") / "run"
-    frames, act, rew, ends = play("Breakout", 2 * C + 50, seed=2, max_len=60)
-    rec = Recorder(C)
-    for t in range(frames.shape[0]):
-        rec.add(frames[t], act[t], rew[t], ends[t])
-        if t in (C - 10, 2 * C + 20):
-            rec.save(run, 0 if t < C else 1)
-    return run
+    return two_checkpoints(tmp_path_factory.mktemp("scale") / "run", C)
 
 
 def content(path) -> dict:

@@ -15,14 +15,13 @@ exact resume once there is room.
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
 import bigper.convert_dqn as c
 
 from tests._child import Child
-from tests.conftest import fill_disk
+from tests.conftest import fill_disk, mounted_tmpfs
 from tests.offline.test_hostile_scale_convert import content, reference, run  # noqa: F401 (fixtures)
 
 
@@ -74,14 +73,8 @@ def test_kill_9_in_the_hdf5_copy_then_again_gives_the_uninterrupted_file(run, re
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """A 32 MB tmpfs (root mounts it): room for the work, then a full disk on demand."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.fail(f"cannot mount a tmpfs (these tests need root): {r.stderr.decode()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """A 32 MB tmpfs: room for the work, then a full disk on demand."""
+    yield from mounted_tmpfs(tmp_path, "32m")
 
 
 @pytest.mark.parametrize("point", ["before the close", "at the HDF5 file's creation", "in the copy"])
