@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, OfflineDatasetError, PathNotFoundError
+from ..errors import InvalidArgumentError, InvalidTypeError, OfflineDatasetError, PathNotFoundError
 from ..common.files import open_regular
 
 __all__ = ["Checkpoint", "scan_run", "valid_slots", "is_dqn_replay", "stream_transitions", "KINDS"]
@@ -572,6 +572,13 @@ def stream_transitions(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int = 1024
 
     ``prefetch``: a started ``_Prefetch`` of this checkpoint's frames (the caller may start
     the next checkpoint's while this one is written); default: one started here."""
+    # (checked here, at the call: a generator's body would only check at the first next())
+    if not isinstance(recycle, (bool, np.bool_)):
+        raise InvalidTypeError(f"recycle must be a bool, got {type(recycle).__name__} {recycle!r:.80}")
+    return _stream(dir_fd, ck, k, chunk=chunk, rows=rows, depth=depth, prefetch=prefetch, recycle=bool(recycle))
+
+
+def _stream(dir_fd: int, ck: Checkpoint, k: int, *, chunk: int, rows: int, depth: int, prefetch, recycle: bool):
     again = Checkpoint(ck.n, ck.run, ck.members)
     small = _load_checkpoint(dir_fd, again, k)
     if (again.transitions, again.add_count) != (ck.transitions, ck.add_count):
