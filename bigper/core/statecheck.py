@@ -115,10 +115,8 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if "pending" not in have and cfg.n_step == 1:  # not recorded by early format-1 writers
         have.add("pending")
         arrays = {**arrays, "pending": np.zeros(0, np.float64)}
-    derived = "gid" not in have
-    if derived:  # not written to disk since issue 43 (layout.DERIVED): it follows from count
-        have.add("gid")
-        arrays = {**arrays, "gid": expected_gid(_int(meta, "count"), c)}
+    derived = "gid" not in have  # not written to disk since issue 43 (layout.DERIVED): it follows from count
+    have.add("gid")
     if cfg.frame_stack and "frames_minref" in have:  # (in memory, and on disk before issue 43: checked below)
         have.discard("frames_minref")
     if kind != "proportional":
@@ -143,7 +141,7 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
         _bad(f"env_ended must be a list of {envs} bools, got {str(ended)[:80]}")
     _rng(meta.get("rng"))
 
-    gid = _array(arrays, "gid", np.int64, (c,))
+    gid = None if derived else _array(arrays, "gid", np.int64, (c,))
     status = _array(arrays, "status", np.uint8, (c,))
     ends = _array(arrays, "ends", np.uint8, (c,))
     pending = _array(arrays, "pending", np.float64, (c if cfg.n_step > 1 else 0,))
@@ -162,9 +160,14 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if s >= 0:
         _bad(f"gid[{s}] = {gid[s]}, but after count {count} slot {s} holds transition "
              f"{int(gid_of(np.int64(s), count, c))}")
-    bad = np.flatnonzero((gid < 0) != (status == EMPTY))
-    if bad.size:
-        _bad(f"slot {bad[0]} has gid {gid[bad[0]]} and status {status[bad[0]]} (written iff not empty)")
+    # A slot is written iff it is below count (gid >= 0): checked without building a
+    # derived gid, which a 50M ring's check would hold whole (400 MB) for nothing.
+    bad = _first_unwritten_mismatch(status, count)
+    if bad >= 0:
+        _bad(f"slot {bad} has gid {int(gid_of(np.int64(bad), count, c))} and status {status[bad]} "
+             "(written iff not empty)")
+    if gid is None and unit.READS_GID:
+        gid = expected_gid(count, c)
     leafy = unit.check_recorded(cfg, arrays, count, gid, status, ends, top)  # (the unit's own arrays)
     if "leaves" in arrays:
         _check_leaves(_array(arrays, "leaves", np.float64, (c,)), leafy, top)
@@ -172,6 +175,17 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
         _bad(f"slot {np.flatnonzero(status == PENDING)[0]} waits for an n-step window, but n_step is 1")
     if cfg.frame_stack:
         _check_frames(cfg, meta, arrays, count, status)
+
+
+def _first_unwritten_mismatch(status: np.ndarray, count: int) -> int:
+    """The first slot that is empty but below ``count``, or written but not, or -1."""
+    c = status.shape[0]
+    n = min(count, c)
+    bad = np.flatnonzero(status[:n] == EMPTY)
+    if bad.size:
+        return int(bad[0])
+    bad = np.flatnonzero(status[n:] != EMPTY)
+    return n + int(bad[0]) if bad.size else -1
 
 
 def _check_leaves(leaves: np.ndarray, status: np.ndarray, top: float) -> None:
