@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from numba import types
+
 from ..common.kernels import kernel
 from ..errors import OfflineDatasetError
 from ..storage._h5guard import check_row_bytes
@@ -57,6 +59,43 @@ def gather_rows(mm, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, ou
             src = np.uint64(a) + np.uint64(r % cr) * rb
             for j in range(rb):
                 out[dst + j] = mm[src + j]
+
+
+# libc's pread, linked by name (numba's ExternalFunction: the kernel's cache entry is the same in
+# every process): (fd, buffer address, bytes, file offset) -> bytes read, -1 on an error.
+_pread = types.ExternalFunction("pread", types.intp(types.intc, types.uintp, types.uintp, types.int64))
+
+
+@kernel
+def pread_rows(fd, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, out):
+    """``gather_rows`` through ``pread`` on ``fd`` instead of a map: rows that lie
+    back to back in the file and in ``out`` are one read. Nothing is mapped, so
+    a sampled row does not stay in the process's RSS (a map keeps every page a
+    batch touched, and the kernel maps a whole folio around each fault). Returns
+    the first row of a read that came back short or failed (the caller reads it
+    again, to retry or to say why), or -1."""
+    rb = row_bytes
+    base = out.ctypes.data  # (uintp: an offset is added as uintp, never mixed with int64 into a float)
+    start, src0, n = 0, np.int64(-1), np.int64(0)  # the read being gathered: out row, file offset, bytes
+    for i in range(row.shape[0] + 1):
+        src = np.int64(-1)
+        if i < row.shape[0]:
+            s = seg[i]
+            r = row[i]
+            cr = chunk_rows[s]
+            a = chunk_addr[first_chunk[s] + r // cr]
+            if a < 0:  # a chunk never written: HDF5's fill value
+                for j in range(rb):
+                    out[i * rb + j] = 0
+            else:
+                src = a + (r % cr) * rb
+                if n > 0 and src == src0 + n:
+                    n += rb
+                    continue
+        if n > 0 and _pread(fd, base + np.uintp(start * rb), np.uintp(n), src0) != n:
+            return start
+        start, src0, n = i, src, (rb if src >= 0 else 0)
+    return -1
 
 
 @kernel
@@ -95,6 +134,7 @@ class Column:
     first_chunk: np.ndarray | None = None
     chunk_addr: np.ndarray | None = None
     row_bytes: int = 0
+    pread: bool = False  # mapped rows are read with pread, not from the map (``read_column``)
     mapped_all: bool = False
     mapped_any: bool = False
     # One segment whose chunks lie back to back in row order, in a few runs: a plain
@@ -196,6 +236,23 @@ def map_column(col: Column, f, mm) -> None:
         _find_runs(col, mm)
 
 
+def plan_reads(columns, budget: int) -> None:
+    """Which mapped columns are read through the map: the smallest first, while
+    their datasets' bytes add up to at most ``budget``; the rest with pread
+    (``Column.pread``). A map keeps in the process's RSS every page a read has
+    touched (the kernel maps a whole folio around each fault), so a column read
+    at random through it ends up resident whole: a 50M-transition file's frame
+    log is 12 GB of RSS. pread maps nothing. Measured on a 1M-transition Atari
+    file, whose pages were cached: pread of the frame log and its index costs
+    what the map costs; of the small per-transition columns too, about 0.6 us a
+    read more (B=256: 3.8 ms a round through the map, 4.5 ms all with pread)."""
+    size = {c.name: int(c.seg_rows.sum()) * c.row_bytes for c in columns if c.mapped_any}
+    used = 0
+    for c in sorted((c for c in columns if c.mapped_any), key=lambda c: (size[c.name], c.name)):
+        used += size[c.name]
+        c.pread = used > budget
+
+
 def _find_runs(col: Column, mm) -> None:
     """Contiguous layout, or chunks placed back to back (HDF5's early allocation puts
     nearly all of them so): cut the rows into runs of plain bytes, if there are few."""
@@ -241,9 +298,25 @@ def _read_runs(col: Column, row: np.ndarray, pread, unique: bool) -> np.ndarray:
     return out
 
 
-def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray) -> np.ndarray:
-    out = np.empty(row.shape[0] * col.row_bytes, dtype=np.uint8)
-    gather_rows(mm, seg, row, col.chunk_rows, col.first_chunk, col.chunk_addr, col.row_bytes, out)
+def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray, fd: int = -1, pread=None) -> np.ndarray:
+    """Rows ``row`` of segments ``seg`` from the map ``mm``, or with ``pread`` on
+    ``fd`` (>= 0): see ``pread_rows``. A read the kernel could not finish is read
+    again row by row by ``pread(offset, out)`` (which retries a short read and
+    raises ``OSError`` at the end of the file: one truncated since it was opened)."""
+    rb = col.row_bytes
+    out = np.empty(row.shape[0] * rb, dtype=np.uint8)
+    if fd < 0:
+        gather_rows(mm, seg, row, col.chunk_rows, col.first_chunk, col.chunk_addr, rb, out)
+    else:
+        bad = pread_rows(fd, seg, row, col.chunk_rows, col.first_chunk, col.chunk_addr, rb, out)
+        for i in range(bad if bad >= 0 else row.shape[0], row.shape[0]):
+            s, r = int(seg[i]), int(row[i])
+            cr = int(col.chunk_rows[s])
+            a = int(col.chunk_addr[int(col.first_chunk[s]) + r // cr])
+            if a >= 0:
+                if pread is None:
+                    raise OSError(f"a read of {col.name!r} at byte {a + r % cr * rb} failed")
+                pread(a + r % cr * rb, out[i * rb:(i + 1) * rb])
     return out.view(col.dtype).reshape((row.shape[0],) + col.shape)
 
 
@@ -266,18 +339,23 @@ def _read_h5(d, rows: np.ndarray, out: np.ndarray) -> None:
 
 
 def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarray,
-                pread=None) -> np.ndarray:
+                pread=None, fd: int = -1) -> np.ndarray:
     """Rows of ``col`` for sorted unique transitions ``g`` (segment ``seg``, step ``t``).
 
     ``pread(offset, out)``, when given, fills the array ``out`` from the file at
-    ``offset``; long runs of consecutive rows are read with it.
+    ``offset``; long runs of consecutive rows are read with it. A column marked
+    ``pread`` (``plan_reads``) has its mapped rows read with pread on ``fd`` in a
+    kernel, none through the map.
     """
+    fd = fd if col.pread else -1
     row = t + col.shift if col.shift else t
     if col.back is not None:
         row = row - col.back[g]
     if col.shift or col.back is not None:
         row = np.clip(row, 0, col.seg_rows[seg] - 1)
-    if col.runs is not None:
+    if fd >= 0 and col.mapped_all:
+        out = _gather_mapped(col, mm, seg, row, fd, pread)
+    elif col.runs is not None:
         # rows shifted or clipped may repeat: a run of rows is then not told by its ends
         out = _read_runs(col, row, pread, unique=not col.shift and col.back is None)
     elif col.mapped_all:
@@ -286,7 +364,7 @@ def read_column(col: Column, f, mm, seg: np.ndarray, t: np.ndarray, g: np.ndarra
         out = np.empty((row.shape[0],) + col.shape, dtype=col.dtype)
         use_map = col.chunk_rows[seg] > 0 if col.mapped_any else np.zeros(row.shape[0], dtype=bool)
         if use_map.any():
-            out[use_map] = _gather_mapped(col, mm, seg[use_map], row[use_map])
+            out[use_map] = _gather_mapped(col, mm, seg[use_map], row[use_map], fd, pread)
         rest = np.flatnonzero(~use_map)
         if rest.shape[0]:
             # Rows are sorted by transition, hence by segment: cut at segment changes.

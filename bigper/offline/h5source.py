@@ -54,11 +54,15 @@ from ..common.files import open_regular
 from ..storage.base import StorageBase, fits_spec
 from ..storage._h5guard import check_links
 from ._h5layouts import _RESERVED, DEAD, LIVE, Layouts, OfflineDatasetError
-from ._h5map import map_column, read_column, row_order
+from ._h5map import map_column, plan_reads, read_column, row_order
 
 __all__ = ["H5Source", "OfflineDatasetError", "LAYOUTS", "LIVE", "DEAD"]
 
 LAYOUTS = ("auto", "d4rl", "minari", "bigper")
+# Bytes of datasets read through the file's map, smallest first; larger ones are read with
+# pread, so that sampling a file larger than memory keeps at most this much of it in RSS
+# (``_h5map.plan_reads``).
+MAP_BYTES = 1 << 30
 
 
 class H5Source(Layouts, StorageBase):
@@ -180,6 +184,7 @@ class H5Source(Layouts, StorageBase):
         self._mm = mm
         for col in self.columns.values():
             map_column(col, f, mm)
+        plan_reads(self.columns.values(), MAP_BYTES)
 
     # -- what the buffer is built from -------------------------------------------
     def fields(self) -> dict:
@@ -266,7 +271,7 @@ class H5Source(Layouts, StorageBase):
         if flags:
             out = (self.ends[uniq] & (1 if name == "terminated" else 2)) != 0
         else:
-            out = read_column(col, self._file, self._mm, seg, t, uniq, self._pread)
+            out = read_column(col, self._file, self._mm, seg, t, uniq, self._pread, self._fd)
         return out if inverse is None else out[inverse]
 
     def _shape(self, name) -> tuple:

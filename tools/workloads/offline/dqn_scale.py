@@ -249,6 +249,7 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
     run, dst = reuse or root / "run", root / "out.h5"
     if reuse is None:
         rep.update(make_run(run, slots, checkpoints, distinct, pool, level, games, say))
+        rep["games"] = list(games)
     else:  # (a run written before: its checkpoints must be the ones asked for)
         have = len(list(run.glob("$store$_observation_ckpt.*.gz")))
         if have != checkpoints:
@@ -321,7 +322,8 @@ def print_scale(rep: dict) -> None:
     c, p = rep["convert"], rep["reprioritize"]
     n = c["transitions"]
     ratio = {b: rep["round_us"][b] / rep["round_us_one_checkpoint"][b] for b in rep["round_us"]}
-    rows = [["transitions", f"{n:,} ({rep['checkpoints']} x {rep['slots']:,} slots)", "50M"],
+    pool = ", ".join(rep.get("games", ["the run's games"]))
+    rows = [["transitions", f"{n:,} ({rep['checkpoints']} x {rep['slots']:,} slots; {pool})", "50M"],
             ["convert (resumed run), tr/s", f"{c['rate_resumed']:,}", ">= 30,000"],
             ["convert incl. kill -9 + resume, tr/s", f"{c['rate_overall']:,}", ""],
             ["bytes on disk a transition", f"{rep['dst_bytes_per_tr']} ({rep['dst_gb']} GB)",
