@@ -318,8 +318,8 @@ class Layouts:
                                           f"not of shape ({cap},)")
         self.recorded = (meta["config"], meta["state"], arrays)
         self.n, self.starts = cap, [0, cap]
-        self.ends = arrays["ends"].astype(np.uint8)
-        self.status = arrays["status"].astype(np.uint8)
+        self.ends = arrays["ends"].astype(np.uint8, copy=False)  # (the record's own: one copy, not two)
+        self.status = arrays["status"].astype(np.uint8, copy=False)
         self.columns = {}
         for name, a in meta["arrays"].items():
             col = Column(name, tuple(a["shape"]), np.dtype(a["dtype"]), [name], name)

@@ -57,3 +57,30 @@ def test_a_reprioritize_pass_lets_go_as_it_goes(tmp_path, monkeypatch):
         ds.reprioritize(lambda b: np.ones(len(b.indices)), batch_size=1000, progress=False)
         assert len(calls) >= len(ds) // 1000
         assert np.allclose(ds.prioritization.key_at(np.arange(len(ds))), (1 + 1e-6) ** 0.6)
+
+
+def test_an_open_bigper_file_holds_its_record_once(tmp_path):
+    """``from_hdf5`` of bigper's layout reads the recorded state (leaves, ends,
+    status) to build the buffer; once built, only the buffer's ring and the
+    source's end flags stay: about 12 bytes a slot (34 when the record's arrays
+    and a second copy of its flags stayed, 1.7 GB at 50M)."""
+    import tracemalloc
+
+    c = 1 << 20
+    path = tmp_path / "b.h5"
+    with bigper.PrioritizedReplayBuffer(capacity=c, fields={"x": ((), np.uint8)}, storage="hdf5",
+                                        path=str(path)) as b:
+        b.extend({"x": np.arange(c, dtype=np.uint64).astype(np.uint8)})
+    tracemalloc.start()
+    try:
+        ds = bigper.PrioritizedReplayBuffer.from_hdf5(path)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    with ds:
+        assert held < 16 * c, f"{held / c:.1f} bytes a slot held after the open"
+        idx = np.arange(0, c, 4099)
+        assert np.array_equal(ds.gather(idx)["x"], idx.astype(np.uint8))
+        ds.update_priorities(idx, np.full(idx.shape[0], 3.0))
+    with bigper.PrioritizedReplayBuffer.from_hdf5(path) as ds:  # (the priorities it kept at close)
+        assert np.allclose(ds.prioritization.key_at(idx), (3.0 + 1e-6) ** 0.6)
