@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_scale_run_runs_tiny_with_both_kills_and_resumes(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "offline", "--dqn-replay", "--scale",
-                        "--slots", "1500", "--checkpoints", "4", "--pool", "2400", "--check-all",
+                        "--slots", "1500", "--checkpoints", "4", "--pool", "2400", "--check-all", "--games", "Pong,Seaquest",
                         "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "resume after kill -9" in r.stdout and "bytes on disk a transition" in r.stdout
@@ -34,6 +34,8 @@ def test_the_scale_run_runs_tiny_with_both_kills_and_resumes(tmp_path):
     assert rep["round_us"]["32"] > 0 and rep["round_us_one_checkpoint"]["256"] > 0
     assert rep["one_checkpoint_transitions"] < n and rep["dst_bytes_per_tr"] > 0
     assert all(v > 0 for v in rep["rss_mb"].values())
+    assert rep["games"] == ["Pong", "Seaquest"] and "Pong, Seaquest" in r.stdout
+    assert 0 <= rep["cached"] <= 1 and 0 <= rep["cached_one_checkpoint"] <= 1
     assert list(tmp_path.iterdir()) == []  # the bench's files are gone
 
 
