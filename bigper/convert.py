@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .buffer import PrioritizedReplayBuffer
-from .errors import InvalidArgumentError, InvalidTypeError, PathExistsError
+from .errors import BigperError, InvalidArgumentError, InvalidTypeError, PathExistsError
 from .core.layout import allocate
 from .config import Config
 from .frames.store import frame_capacity, require_compression
@@ -113,7 +113,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         raise InvalidTypeError(f"dst must be a str or os.PathLike, got {type(dst).__name__} {dst!r:.80}")
     dst = Path(os.path.abspath(os.path.expanduser(dst)))
     partial = dst.with_name(dst.name + ".partial")
-    _check_dst(dst, overwrite)
+    _check_dst(dst, overwrite, partial)
     source = PrioritizedReplayBuffer.from_hdf5(src, layout=layout, allow_external=allow_external)
     lock = None
     try:
@@ -127,7 +127,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         # dst's own lock, the one a writer or reader of a buffer there holds, before anything
         # at dst changes (promises 5 and 11): a live buffer's file is never replaced under it
         lock = _DstLock(dst)
-        _check_dst(dst, overwrite)  # again, under the lock
+        _check_dst(dst, overwrite, partial, locked=True)  # again, under the lock
         keys = source.leaves(order)
         made = []  # set once the partial file is ours (its lock taken, its record written)
         try:
@@ -252,14 +252,22 @@ def _fit(used: int, cfg: dict, cap: int) -> tuple[int, int]:
     return int(row), int(cap + math.ceil(frames * want / row) - frames)
 
 
-def _check_dst(dst: Path, overwrite: bool) -> None:
+def _check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: bool = False) -> None:
+    """Refuse a ``dst`` this convert may not write (``PathExistsError``,
+    nothing read or written). A sidecar at ``<dst>.priorities`` is refused,
+    unless it is the one a convert killed between the two renames of
+    ``_publish`` left (``_killed_publish``): before the lock, that is left to
+    judge under it (``locked``), where it is removed."""
     from .offline.sidecar import Sidecar
 
     side = Sidecar.default_path(dst)
     if os.path.lexists(side):
-        raise PathExistsError(f"{side} exists: priorities of another file at dst={str(dst)!r}, which the new "
-                              "file would open with or be refused by; move or delete it first (nothing was "
-                              "read or written)")
+        if partial is None or not _killed_publish(dst, partial, side, locked):
+            raise PathExistsError(f"{side} exists: priorities of another file at dst={str(dst)!r}, which the new "
+                                  "file would open with or be refused by; move or delete it first (nothing was "
+                                  "read or written)")
+        if locked:  # (no dst: the killed run's file is still its partial, replaced by this run)
+            _drop_sidecar(side)
     try:
         st = os.lstat(dst)
     except FileNotFoundError:
@@ -270,6 +278,36 @@ def _check_dst(dst: Path, overwrite: bool) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise PathExistsError(f"dst={str(dst)!r} exists and is not a regular file; overwrite replaces only "
                               "a regular file (nothing was read or written)")
+
+
+def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool) -> bool:
+    """Whether ``side`` (``<dst>.priorities``) is the sidecar of ``partial``
+    that ``_publish`` moved into place before a kill -9 stopped it short of
+    the file: no ``dst``, the complete ``partial`` still there, and the
+    sidecar made for it under ``dst``'s name (its fingerprint; ``load``
+    checks the rest). Before the lock only the files' presence is looked at;
+    under ``dst``'s lock (which a convert holds all through ``_publish``) the
+    partial is opened and compared."""
+    from .offline.h5source import H5Source
+    from .offline.sidecar import Sidecar
+
+    if os.path.lexists(dst) or not os.path.isfile(partial) or os.path.islink(partial) \
+            or not os.path.isdir(side) or os.path.islink(side):
+        return False
+    if not locked:
+        return True
+    try:
+        src = H5Source(partial)
+    except BigperError:
+        return False
+    try:
+        fp = dict(src.fingerprint(), name=dst.name)
+        meta = Sidecar(side, fp, src.n).load()
+    except BigperError:
+        return False
+    finally:
+        src.close()
+    return isinstance(meta, dict) and meta.get("dataset", {}).get("name") == dst.name
 
 
 def _partial_sidecar(partial: Path) -> Path:
@@ -386,8 +424,8 @@ def _publish(partial: Path, dst: Path, overwrite: bool) -> None:
         _check_dst(dst, overwrite)
     ours, side = _partial_sidecar(partial), Sidecar.default_path(dst)
     # The priorities go first: a kill -9 between the two renames leaves a sidecar
-    # without its file (refused by the next convert, as it says), never a file
-    # that opens with default priorities.
+    # without its file (which the next convert recognizes and removes, under this
+    # lock: _killed_publish), never a file that opens with default priorities.
     moved = os.path.isdir(ours) and not os.path.islink(ours)
     if moved:
         os.rename(ours, side)

@@ -209,11 +209,9 @@ def test_a_full_disk_while_writing_the_priorities_leaves_no_dst(tmp_path, small_
     assert fingerprint(src, tmp_path / "d.h5.priorities") == before
 
 
-@pytest.mark.xfail(strict=True, reason="a kill -9 between the sidecar's rename and the file's link leaves "
-                   "<dst>.priorities without <dst>; the next convert refuses it (PathExistsError, 'move or "
-                   "delete it first') instead of recognizing the killed run's own sidecar (its fingerprint is "
-                   "the one of <dst>.partial, still there) and replacing it. Loud, never wrong; not yet automatic")
 def test_the_next_convert_completes_after_a_kill_between_the_two_renames(tmp_path):
+    """(Was a strict xfail: the next convert refused the killed run's own sidecar at
+    <dst>.priorities, 'move or delete it first'.)"""
     (tmp_path / "src").mkdir()
     src, dst = tmp_path / "src" / "d.h5", tmp_path / "z.h5"
     write_d4rl(src, n=120)
