@@ -417,10 +417,9 @@ def test_moved_renamed_and_relative_runs_load_where_they_should(tmp_path, how, m
 CRAFTED = [123, ["a"], {"x": 1}, None, True, "", "..", "../../../..", "/", "/x/../../..", "\x00",
            "relative/ckpt/snap-00000001", "/elsewhere/run/ckpt/snap-00000001",
            "/../../../../ckpt/snap-00000001", "//ckpt/snap-00000001",
-           pytest.param("/fork/ckpt/snap-00000001", marks=pytest.mark.xfail(strict=True, reason=(
-               "counterpart() trusts storage.snapshot: a crafted '/fork/ckpt/snap-N' matches the copy's last "
-               "3 names, so old='/' and the live path becomes <copy's parent>/<the whole recorded path>, a "
-               "folder made outside the fork (low severity: a crafted storage.path can point anywhere too)")))]
+           # (was a strict xfail: counterpart() took old='/' for the tree that moved, and the live
+           # path became <copy's parent>/<the whole recorded path>, a folder made outside the fork)
+           "/fork/ckpt/snap-00000001"]
 
 
 @pytest.mark.parametrize("value", CRAFTED, ids=[repr(v.values[0] if type(v).__name__ == "ParameterSet" else v)[:30] for v in CRAFTED])
@@ -954,3 +953,19 @@ def test_a_chdir_between_open_save_load_and_close_changes_no_path(tmp_path, stor
     assert len(f) == 11 and set(f.sample(8)["reward"].tolist()) <= {1.0, 2.0}
     f.close()
     assert verify(run / live) == 0 and verify(run / ("fork-" + live)) == 0
+
+
+@pytest.mark.parametrize("saved_at, now_at, live, want", [
+    ("/runs/a/ckpt/snap-3", "/runs/b/ckpt/latest", "/runs/a/replay", "/runs/b/replay"),  # a copied run folder
+    ("/runs/a/ckpt/snap-3", "/runs/b/ckpt/snap-3", "/elsewhere/replay", None),  # live outside the moved tree
+    ("/runs/a/ckpt/snap-3", "/runs/a/ckpt/snap-3", "/runs/a/replay", None),  # nothing moved
+    ("/x/ckpt/snap-3", "/y/other/snap-3", "/x/replay", None),  # no folder shared
+    ("/fork/ckpt/snap-1", "/tmp/x/fork/ckpt/snap-1", "/tmp/x/run/live", None),  # the shared folders reach /
+    ("/ckpt/snap-1", "/home/u/ckpt/snap-1", "/replay", None),
+    ("/home/u/ckpt/snap-1", "/ckpt/snap-1", "/home/u/replay", "/replay"),  # (moved up to the root: a folder)
+])
+def test_counterpart_moves_the_live_path_with_a_folder_only(saved_at, now_at, live, want):
+    from bigper.snapshot._load import counterpart
+
+    got = counterpart(live, saved_at, now_at)
+    assert (None if got is None else str(got)) == want
