@@ -259,30 +259,51 @@ def user_level() -> int:
 
 
 def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
-    """A pickle written by ``save_replay_buffer(path)`` beside its snapshot
-    folder (``<path>.bigper/``), read from a run folder that was moved or
-    copied since: its state naming the snapshot beside it, and the live path
-    at its counterpart in the copy (inside the run folder or beside the
-    pickle's folder: ``bigper.snapshot.counterpart``; else None: it loads into
-    the live path it recorded). Anything else: ``state`` and None."""
+    """A pickle read from a run folder that was moved or copied since it was
+    written: its state naming the copy of its snapshot, and the live path at
+    its counterpart in the copy (inside the run folder or beside the pickle's
+    folder: ``bigper.snapshot.counterpart``; else None: it loads into the live
+    path it recorded). The copy of the snapshot is the folder beside the
+    pickle that ``save_replay_buffer(path)`` writes (``<path>.bigper/``), else
+    (a plain ``pickle.dumps``: ``<live>.snapshots/`` or ``snapshot_dir``) the
+    nearest folder of the snapshot's name in the pickle's folder or above it
+    (``_nearest_copy``; a snapshot there that is not this one is refused by
+    ``checked_snapshot``): so a copy of a run folder never loads, and with
+    ``rewind`` never rewinds, the original run.
+    Anything else: ``state`` and None."""
     snap, p = state.get("snapshot"), Path(pickle_path)
     if not isinstance(snap, str):
         return state, None
     snap = Path(snap)
-    names = {f"{p.name}.bigper"} | ({f"{p.stem}.bigper"} if p.suffix == ".pkl" else set())
-    here = p.parent / snap.parent.name / snap.name
-    if snap.parent.name not in names or not _SNAP.match(snap.name) or not os.path.lexists(here / MANIFEST):
+    if not _SNAP.match(snap.name):
         return state, None
-    was, now = snap.parent.parent, p.parent.resolve()
-    if os.path.realpath(was) == os.fspath(now):
+    names = {f"{p.name}.bigper"} | ({f"{p.stem}.bigper"} if p.suffix == ".pkl" else set())
+    start = p.parent.resolve()
+    moved = start / snap.parent.name / snap.name
+    if snap.parent.name not in names or not os.path.lexists(moved / MANIFEST):
+        moved = _nearest_copy(snap, start)
+        if moved is None:
+            return state, None
+    if os.path.realpath(snap.parent) == os.fspath(moved.parent):
         return state, None  # read where it was written
-    moved = now / snap.parent.name / snap.name
     state = dict(state, snapshot=os.fspath(moved))
-    recorded = (describe(here).get("storage") or {}).get("path")
+    recorded = (describe(moved).get("storage") or {}).get("path")
     live = None if not isinstance(recorded, str) else counterpart(os.path.abspath(recorded), snap, moved)
     if live is None:
         return state, None
     return dict(state, live_path=os.fspath(live)), os.fspath(live)
+
+
+def _nearest_copy(snap: Path, start: Path) -> Path | None:
+    """``<folder>/<snap's folder name>/<snap's name>`` holding a manifest, in
+    ``start`` or the nearest folder above it, or None. (Its manifest's hash is
+    checked by ``checked_snapshot``: another snapshot there is refused, never
+    passed over for the original.)"""
+    for d in (start, *start.parents):
+        here = d / snap.parent.name / snap.name
+        if os.path.lexists(here / MANIFEST):
+            return here
+    return None
 
 
 # A replay-buffer pickle holds spaces and paths, never transitions: a few KB.

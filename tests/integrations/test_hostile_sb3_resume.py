@@ -9,6 +9,7 @@ A case that holds is a plain test; one that shows a bug is ``xfail(strict=True)`
 from __future__ import annotations
 
 import pickle
+import shutil
 import subprocess
 import threading
 import warnings
@@ -219,11 +220,9 @@ def test_learn_on_a_model_whose_buffer_was_closed(tmp_path, algo):
     assert m.num_timesteps <= steps + 1
 
 
-@pytest.mark.xfail(strict=True, reason="a plain pickle.dumps of the buffer (snapshot in <live>.snapshots/) read "
-                   "from a cp -a copy of its run folder with model.load_replay_buffer(copy, rewind=True): "
-                   "beside_the_pickle only follows <path>.bigper/ snapshots, so the copy's load rewinds the "
-                   "ORIGINAL run's live folder")
 def test_plain_pickle_in_a_copied_run_never_rewinds_the_original(tmp_path):
+    """(Was a strict xfail: beside_the_pickle followed <path>.bigper/ snapshots only, so the
+    copy's load rewound the ORIGINAL run's live folder.)"""
     run = tmp_path / "run"
     run.mkdir()
     blob = pickled_run(run)
@@ -321,3 +320,45 @@ def test_fork_of_a_symlinked_run_through_save_replay_buffer(tmp_path, algo):
     assert Path(m3.replay_buffer.buffer.storage.path) == tmp_path / "fork/replay"
     m3.replay_buffer.close()
     assert fingerprint(real) == before
+
+
+@pytest.mark.parametrize("where", ["rb.pkl", "ckpt/rb.pkl", "a/b/rb.pkl"])
+def test_plain_pickle_in_a_copied_run_loads_the_copy(tmp_path, where):
+    """The pickle anywhere inside the copied run folder: the copy's snapshot (the nearest
+    folder of its name above the pickle) goes into the copy's live folder; the original
+    run is never read for it, never changed."""
+    run = tmp_path / "run"
+    run.mkdir()
+    blob = pickled_run(run)
+    (run / where).parent.mkdir(parents=True, exist_ok=True)
+    (run / where).write_bytes(blob)
+    subprocess.run(["cp", "-a", str(run), str(tmp_path / "fork")], check=True)
+    shutil.rmtree(tmp_path / "fork" / "replay")  # (the copy's live folder gone: nothing newer there)
+    before = fingerprint(run)
+    m = dqn(tmp_path / "other")
+    m.replay_buffer.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.load_replay_buffer(tmp_path / "fork" / where)
+    try:
+        assert m.replay_buffer.size() == 10
+        assert str(m.replay_buffer.buffer.storage.path).startswith(str(tmp_path / "fork"))
+    finally:
+        m.replay_buffer.close()
+    assert fingerprint(run) == before
+
+
+def test_plain_pickle_beside_a_tampered_copy_is_refused_never_loads_the_original(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rb.pkl").write_bytes(pickled_run(run))
+    subprocess.run(["cp", "-a", str(run), str(tmp_path / "fork")], check=True)
+    snap = next((tmp_path / "fork" / "replay.snapshots").glob("snap-*"))
+    manifest = snap / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b"{", b"{ ", 1))
+    before, fork_before = fingerprint(run), fingerprint(tmp_path / "fork")
+    m = dqn(tmp_path / "other")
+    m.replay_buffer.close()
+    with pytest.raises(BigperError, match=r"fork/replay\.snapshots/snap-"):
+        m.load_replay_buffer(tmp_path / "fork" / "rb.pkl", rewind=True)
+    assert fingerprint(run) == before and fingerprint(tmp_path / "fork") == fork_before
