@@ -38,6 +38,14 @@ _MAX_RUNS = 64
 
 
 @kernel
+def row_addr(s, r, chunk_rows, first_chunk, chunk_addr, row_bytes):
+    """The file offset of row ``r`` of segment ``s``, or -1 where its chunk was never written."""
+    cr = chunk_rows[s]
+    a = chunk_addr[first_chunk[s] + r // cr]
+    return a if a < 0 else a + (r % cr) * row_bytes
+
+
+@kernel
 def gather_rows(mm, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, out):
     """Copy row ``row[i]`` of segment ``seg[i]`` to bytes ``i*row_bytes ..`` of ``out`` (1-D uint8).
 
@@ -47,16 +55,13 @@ def gather_rows(mm, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, ou
     """
     rb = np.uint64(row_bytes)
     for i in range(row.shape[0]):
-        s = seg[i]
-        r = row[i]
-        cr = chunk_rows[s]
-        a = chunk_addr[first_chunk[s] + r // cr]
+        a = row_addr(seg[i], row[i], chunk_rows, first_chunk, chunk_addr, row_bytes)
         dst = np.uint64(i) * rb
         if a < 0:
             for j in range(rb):
                 out[dst + j] = 0
         else:
-            src = np.uint64(a) + np.uint64(r % cr) * rb
+            src = np.uint64(a)
             for j in range(rb):
                 out[dst + j] = mm[src + j]
 
@@ -64,6 +69,8 @@ def gather_rows(mm, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, ou
 # libc's pread, linked by name (numba's ExternalFunction: the kernel's cache entry is the same in
 # every process): (fd, buffer address, bytes, file offset) -> bytes read, -1 on an error.
 _pread = types.ExternalFunction("pread", types.intp(types.intc, types.uintp, types.uintp, types.int64))
+# Bytes asked of one pread at most (Linux returns at most 0x7ffff000; macOS refuses more than INT_MAX).
+_MAX_READ = 1 << 30
 
 
 @kernel
@@ -72,28 +79,27 @@ def pread_rows(fd, seg, row, chunk_rows, first_chunk, chunk_addr, row_bytes, out
     back to back in the file and in ``out`` are one read. Nothing is mapped, so
     a sampled row does not stay in the process's RSS (a map keeps every page a
     batch touched, and the kernel maps a whole folio around each fault). Returns
-    the first row of a read that came back short or failed (the caller reads it
-    again, to retry or to say why), or -1."""
+    the first row of a read that failed or ended early (the end of the file:
+    the caller reads from there on again, to retry or to say why), or -1."""
     rb = row_bytes
     base = out.ctypes.data  # (uintp: an offset is added as uintp, never mixed with int64 into a float)
     start, src0, n = 0, np.int64(-1), np.int64(0)  # the read being gathered: out row, file offset, bytes
     for i in range(row.shape[0] + 1):
         src = np.int64(-1)
         if i < row.shape[0]:
-            s = seg[i]
-            r = row[i]
-            cr = chunk_rows[s]
-            a = chunk_addr[first_chunk[s] + r // cr]
-            if a < 0:  # a chunk never written: HDF5's fill value
+            src = row_addr(seg[i], row[i], chunk_rows, first_chunk, chunk_addr, rb)
+            if src < 0:  # a chunk never written: HDF5's fill value
                 for j in range(rb):
                     out[i * rb + j] = 0
-            else:
-                src = a + (r % cr) * rb
-                if n > 0 and src == src0 + n:
-                    n += rb
-                    continue
-        if n > 0 and _pread(fd, base + np.uintp(start * rb), np.uintp(n), src0) != n:
-            return start
+            elif n > 0 and src == src0 + n:
+                n += rb
+                continue
+        done = np.int64(0)
+        while done < n:  # (a short read goes on where it stopped)
+            got = _pread(fd, base + np.uintp(start * rb + done), np.uintp(min(n - done, _MAX_READ)), src0 + done)
+            if got <= 0:
+                return start
+            done += got
         start, src0, n = i, src, (rb if src >= 0 else 0)
     return -1
 
@@ -144,7 +150,8 @@ class Column:
     runs_offset: np.ndarray | None = None   # where each run starts in the file
 
     def mapping(self) -> str:
-        return "memory-mapped" if self.mapped_all else ("partly mapped" if self.mapped_any else "via h5py")
+        how = "read with pread" if self.pread else "memory-mapped"
+        return how if self.mapped_all else (f"partly {how}" if self.mapped_any else "via h5py")
 
 
 def _dataset_map(d, row_bytes: int, size: int):
@@ -237,20 +244,27 @@ def map_column(col: Column, f, mm) -> None:
 
 
 def plan_reads(columns, budget: int) -> None:
-    """Which mapped columns are read through the map: the smallest first, while
-    their datasets' bytes add up to at most ``budget``; the rest with pread
-    (``Column.pread``). A map keeps in the process's RSS every page a read has
+    """Which mapped datasets are read through the map: the smallest first, while
+    their bytes add up to at most ``budget``; a column that reads any other is
+    read with pread (``Column.pread``). A map keeps in the process's RSS every page a read has
     touched (the kernel maps a whole folio around each fault), so a column read
     at random through it ends up resident whole: a 50M-transition file's frame
     log is 12 GB of RSS. pread maps nothing. Measured on a 1M-transition Atari
     file, whose pages were cached: pread of the frame log and its index costs
     what the map costs; of the small per-transition columns too, about 0.6 us a
     read more (B=256: 3.8 ms a round through the map, 4.5 ms all with pread)."""
-    size = {c.name: int(c.seg_rows.sum()) * c.row_bytes for c in columns if c.mapped_any}
-    used = 0
-    for c in sorted((c for c in columns if c.mapped_any), key=lambda c: (size[c.name], c.name)):
-        used += size[c.name]
-        c.pread = used > budget
+    mapped = [c for c in columns if c.mapped_any]
+    size: dict = {}  # dataset path -> bytes (a dataset two columns read, obs and next_obs, counted once)
+    for c in mapped:
+        for p, rows in zip(c.paths, c.seg_rows):
+            size[p] = int(rows) * c.row_bytes
+    used, far = 0, set()
+    for p in sorted(size, key=lambda p: (size[p], p)):
+        used += size[p]
+        if used > budget:
+            far.add(p)
+    for c in mapped:
+        c.pread = any(p in far for p in c.paths)
 
 
 def _find_runs(col: Column, mm) -> None:
@@ -300,9 +314,10 @@ def _read_runs(col: Column, row: np.ndarray, pread, unique: bool) -> np.ndarray:
 
 def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray, fd: int = -1, pread=None) -> np.ndarray:
     """Rows ``row`` of segments ``seg`` from the map ``mm``, or with ``pread`` on
-    ``fd`` (>= 0): see ``pread_rows``. A read the kernel could not finish is read
-    again row by row by ``pread(offset, out)`` (which retries a short read and
-    raises ``OSError`` at the end of the file: one truncated since it was opened)."""
+    ``fd`` (>= 0): see ``pread_rows``. From a read the kernel could not finish
+    on, the rows are read again one by one by ``pread(offset, out)`` (which
+    raises ``OSError`` at the end of the file: one cut since it was opened, or
+    with the error's reason)."""
     rb = col.row_bytes
     out = np.empty(row.shape[0] * rb, dtype=np.uint8)
     if fd < 0:
@@ -310,13 +325,13 @@ def _gather_mapped(col: Column, mm, seg: np.ndarray, row: np.ndarray, fd: int = 
     else:
         bad = pread_rows(fd, seg, row, col.chunk_rows, col.first_chunk, col.chunk_addr, rb, out)
         for i in range(bad if bad >= 0 else row.shape[0], row.shape[0]):
-            s, r = int(seg[i]), int(row[i])
-            cr = int(col.chunk_rows[s])
-            a = int(col.chunk_addr[int(col.first_chunk[s]) + r // cr])
-            if a >= 0:
-                if pread is None:
-                    raise OSError(f"a read of {col.name!r} at byte {a + r % cr * rb} failed")
-                pread(a + r % cr * rb, out[i * rb:(i + 1) * rb])
+            a = int(row_addr(seg[i], row[i], col.chunk_rows, col.first_chunk, col.chunk_addr, rb))
+            if a < 0:  # (not reached by the kernel: zeros, as it gives them)
+                out[i * rb:(i + 1) * rb] = 0
+            elif pread is None:
+                raise OSError(f"a read of {col.name!r} at byte {a} failed")
+            else:
+                pread(a, out[i * rb:(i + 1) * rb])
     return out.view(col.dtype).reshape((row.shape[0],) + col.shape)
 
 
@@ -334,7 +349,8 @@ def _read_h5(d, rows: np.ndarray, out: np.ndarray) -> None:
     for hi in (*cuts.tolist(), rows.shape[0]):
         a, b = int(rows[lo]), int(rows[hi - 1]) + 1
         part = d[a:b]
-        out[lo:hi] = part[rows[lo:hi] - a]
+        # (a dataset of (n, 1) read as one value a row, D4RL's rewards: the same values, its shape)
+        out[lo:hi] = part[rows[lo:hi] - a].reshape(out[lo:hi].shape)
         lo = hi
 
 

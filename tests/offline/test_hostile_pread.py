@@ -181,12 +181,10 @@ def test_d4rl_rows_read_with_pread_equal_the_map_and_h5py(opened, layout, varian
         assert np.array_equal(a, want), (name, r)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rewards of shape (n, 1) (which the D4RL layout reads as a scalar a row) stored compressed "
-    "(so read through h5py, _h5map._read_h5) fail: out[lo:hi] = part[...] broadcasts (k, 1) into "
-    "(k,), a raw ValueError for any read of two rows or more; the map path, reading bytes, is right"))
 @pytest.mark.parametrize("budget", [1 << 40, 0])
 def test_compressed_rewards_of_shape_n_by_1_are_read(tmp_path, budget, monkeypatch):
+    """(Was a strict xfail: compressed (n, 1) rewards, read through h5py (_read_h5), raised a raw
+    ValueError for any read of two rows: (k, 1) does not fit (k,).)"""
     path = tmp_path / "r.h5"
     rng = np.random.default_rng(0)
     rew = rng.normal(size=(50, 1))
@@ -478,12 +476,9 @@ def test_a_file_cut_under_the_pread_reader_is_an_oserror_naming_it_and_changes_n
         assert res["res"].startswith("refused: ") and str(path) in res["res"], res
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a sample whose read fails (now an OSError, no longer a SIGBUS) has already drawn: "
-    "buffer._draw takes self._draws.rng.random(B) and steps beta before the unit's gather, and "
-    "nothing puts them back, so the next samples differ from those of a twin that never failed "
-    "(a failed call changes something: the random stream and the beta schedule)"))
 def test_a_sample_refused_by_a_cut_file_draws_nothing(tmp_path):
+    """(Was a strict xfail: a sample whose read failed had drawn its uniforms and stepped beta,
+    so the next samples differed from those of a twin that never failed.)"""
     path = tmp_path / "cut.h5"
     _d4rl(path, "contiguous", "next", n=600, row=(3, 700))
     off, rb = _obs_offset(path)
@@ -519,9 +514,10 @@ def test_a_file_extended_or_replaced_after_open_reads_as_opened(tmp_path):
 
 def test_one_coalesced_read_past_linuxs_2gib_cap_still_returns_exact_rows(tmp_path):
     """A sparse contiguous dataset of 2,060 one-MiB rows: rows 0.. are one run of bytes,
-    one pread longer than Linux serves in one call (0x7ffff000 bytes). The kernel
-    returns short; the fallback must read every row exactly (written rows past the
-    cap included, the rest HDF5's holes: zeros)."""
+    one read longer than Linux serves in one call (0x7ffff000 bytes). The kernel asks
+    at most 1 GiB a call and goes on where a call stopped, so it finishes alone; every
+    row exact (written rows past the cap included, the rest HDF5's holes: zeros).
+    (It returned short at row 0 and left the rows to the Python fallback before.)"""
     path = tmp_path / "sparse.h5"
     n, rb = 2060, 1 << 20
     written = [0, 1, 1000, 2046, 2047, 2048, 2059]
@@ -540,9 +536,11 @@ def test_one_coalesced_read_past_linuxs_2gib_cap_still_returns_exact_rows(tmp_pa
         assert col.pread and col.mapped_all and n * rb > 0x7ffff000
         rows = np.arange(n, dtype=np.int64)
         out = np.empty(n * rb, np.uint8)
-        # (the kernel alone: its one read of all the rows comes back short, at row 0)
+        # (the kernel alone: its one run of all the rows, read in calls of at most 1 GiB)
         assert pread_rows(src._fd, np.zeros(n, np.int64), rows, col.chunk_rows, col.first_chunk,
-                          col.chunk_addr, rb, out) == 0
+                          col.chunk_addr, rb, out) == -1
+        for r in written:
+            assert np.array_equal(out[r * rb:(r + 1) * rb], (np.arange(rb) * 7 + r) % 251 + 1), r
         del out
         got = src.read("obs", rows)
         for r in range(0, n, 64):
@@ -556,16 +554,11 @@ def test_one_coalesced_read_past_linuxs_2gib_cap_still_returns_exact_rows(tmp_pa
         src.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_gather_mapped's fallback after pread_rows stops early re-reads only the rows whose chunk "
-    "is written (a >= 0): a row of a chunk never written that lies after the failed read is "
-    "never zeroed (the kernel zeroes such rows only as it reaches them) and keeps np.empty's "
-    "bytes. Any short read that is not at the end of the file (NFS/FUSE short reads, a file "
-    "rewritten in place between the two reads) returns garbage for HDF5's fill value"))
 def test_a_short_read_before_a_hole_still_reads_the_hole_as_zeros(tmp_path):
     """The kernel's read of rows 0-1 fails (the file cut); the file is whole again by the
     time the fallback reads (a writer rewriting it in place, or any short read that is
-    not at its end). Row 5 lies in a chunk never written: it must read as zeros."""
+    not at its end). Row 5 lies in a chunk never written: it must read as zeros. (Was a
+    strict xfail: the fallback re-read only written rows and left np.empty's bytes there.)"""
     path = tmp_path / "h.h5"
     rng = np.random.default_rng(0)
     obs = rng.integers(1, 256, (64, 3, 7), dtype=np.uint8)
