@@ -893,8 +893,6 @@ class PrioritizedReplayBuffer:
         cfg, src, state = open_dataset(dataset, **kwargs)
         try:
             buf = cls.from_parts(cfg, src, state, device=device)
-            del state
-            src.opened()
             watch_priorities(src, cfg, weakref.WeakMethod(buf._all_leaves))
         except BaseException:
             src.close()

@@ -44,6 +44,7 @@ from ..config import Config
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..common.status import DEAD, EMPTY, LIVE, PENDING
 from .recorded import BIG, array, refuse
+from .ring import expected_gid
 
 # Names of the item tables in a buffer's recorded state (``state_dict``).
 ITEM_ARRAYS = ("seq_pos", "seq_status", "seq_pending", "seq_next", "seq_ptr")
@@ -441,6 +442,8 @@ def check_items(cfg, arrays: dict, count: int, gid, status, ends, top: float) ->
     the ring imply, pending keys finite in [0, max_leaf] (every key written
     counts toward max_leaf), pointers in range. Returns the item status."""
     c, envs, seq = cfg.capacity, cfg.num_envs, cfg.seq
+    if gid is None:  # (not recorded: it follows from count)
+        gid = expected_gid(count, c)
     pos = array(arrays, "seq_pos", np.int64, (c,))
     istatus = array(arrays, "seq_status", np.uint8, (c,))
     pending = array(arrays, "seq_pending", np.float64, (c,))

@@ -36,7 +36,7 @@ import numpy as np
 from ..frames.refs import check_offsets, refs_outside
 from ..frames.store import frame_capacity
 from .recorded import BIG as _BIG, array as _array, refuse as _bad
-from .ring import expected_gid, first_wrong_gid, gid_of
+from .ring import first_wrong_gid, gid_of
 from .units import unit_class
 from ..common.status import DEAD, EMPTY, LIVE, PENDING  # noqa: F401
 
@@ -166,8 +166,6 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
     if bad >= 0:
         _bad(f"slot {bad} has gid {int(gid_of(np.int64(bad), count, c))} and status {status[bad]} "
              "(written iff not empty)")
-    if gid is None and unit.READS_GID:
-        gid = expected_gid(count, c)
     leafy = unit.check_recorded(cfg, arrays, count, gid, status, ends, top)  # (the unit's own arrays)
     if "leaves" in arrays:
         _check_leaves(_array(arrays, "leaves", np.float64, (c,)), leafy, top)
@@ -179,13 +177,13 @@ def check_state(cfg, meta: dict, arrays: dict) -> None:
 
 def _first_unwritten_mismatch(status: np.ndarray, count: int) -> int:
     """The first slot that is empty but below ``count``, or written but not, or -1."""
-    c = status.shape[0]
-    n = min(count, c)
-    bad = np.flatnonzero(status[:n] == EMPTY)
-    if bad.size:
-        return int(bad[0])
-    bad = np.flatnonzero(status[n:] != EMPTY)
-    return n + int(bad[0]) if bad.size else -1
+    n = min(count, status.shape[0])
+    for lo, part, wrong in ((0, status[:n], True), (n, status[n:], False)):
+        mismatch = (part == EMPTY) == wrong  # (argmax: no index array of a ring of mismatches)
+        i = int(mismatch.argmax()) if mismatch.size else 0
+        if mismatch.size and mismatch[i]:
+            return lo + i
+    return -1
 
 
 def _check_leaves(leaves: np.ndarray, status: np.ndarray, top: float) -> None:

@@ -46,13 +46,13 @@ class SampleUnit(Protocol):
     shardable: bool         # ``sample_at`` (the Ray shards) serves it
     fed: bool               # the GIL-free feed (``core/feed.py``) serves it
     ARRAYS: tuple           # the names of its own arrays in a recorded state (beside the ring's)
-    READS_GID: bool         # check_recorded reads gid (else it may get None: a derived gid is not built)
 
     @staticmethod
     def check_recorded(cfg, arrays: dict, count: int, gid, status, ends, top: float) -> np.ndarray:
         """Refuse (``core.recorded.refuse``) a recorded state whose unit arrays
         a buffer of ``cfg`` could not have written, given the ring's checked
-        ``gid``, ``status``, ``ends`` after ``count`` rows and the largest key
+        ``gid`` (None where it was not recorded: it follows from ``count``),
+        ``status``, ``ends`` after ``count`` rows and the largest key
         ``top``; returns the status that says which slots hold a leaf."""
 
     def unsampleable(self, n: int) -> str:
@@ -114,7 +114,6 @@ class Transitions:
     status_key = "status"
     pending_key = "pending"
     ARRAYS: tuple = ()  # its own state arrays (the ring's status and pending keys are its)
-    READS_GID = False
     staged = True
     shardable = True
     fed = True
@@ -212,7 +211,6 @@ class Sequences:
     status_key = "seq_status"
     pending_key = "seq_pending"
     ARRAYS = ITEM_ARRAYS  # the item tables (Items.state)
-    READS_GID = True
     check_recorded = staticmethod(check_items)
     staged = False
     shardable = False

@@ -320,6 +320,7 @@ class Layouts:
         self.n, self.starts = cap, [0, cap]
         self.ends = arrays["ends"].astype(np.uint8, copy=False)  # (the record's own: one copy, not two)
         self.status = arrays["status"].astype(np.uint8, copy=False)
+        self.ends.flags.writeable = self.status.flags.writeable = False  # (the buffer's ring copies them)
         self.columns = {}
         for name, a in meta["arrays"].items():
             col = Column(name, tuple(a["shape"]), np.dtype(a["dtype"]), [name], name)

@@ -6,8 +6,9 @@ every chunk spans whole rows, row ``r`` of a dataset starts at byte::
 
     chunk_addr[r // chunk_rows] + (r % chunk_rows) * row_bytes
 
-so a batch is a gather from a read-only memory map of the file: the speed of
-the memmap storage, and no h5py call per batch. A :class:`Column` is one
+so a batch is a gather from a read-only memory map of the file (the speed of
+the memmap storage, and no h5py call per batch), or, for a dataset beyond the
+map's budget (``plan_reads``), a kernel's preads of the same bytes. A :class:`Column` is one
 output array over one dataset per *segment* (a Minari episode; the whole file
 for D4RL and bigper's layout). Anything the map cannot serve (compressed or
 filtered chunks, chunks that split a row, compact or external layouts, other

@@ -97,6 +97,7 @@ def open_dataset(dataset, *, layout: str = "auto", priorities=None, prioritizati
         specs, growth = storage_specs(cfg, frames), storage_growth(cfg, frames)
         src.allocate(specs, growth)
         state = _initial_state(cfg, src, sidecar)
+        src.opened()  # (the state holds what the buffer takes of the record: the rest goes now)
         src.sidecar = sidecar
     except BaseException:
         src.close()

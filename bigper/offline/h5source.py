@@ -26,7 +26,9 @@ never sampled or scored. A terminal one reads its own observation as
 
 The file is opened with h5py in mode ``"r"`` and mapped read-only; nothing here
 writes to it. The end flags (``n`` bytes) and per-episode offsets are the only
-arrays held in memory; data is read at sample time (see ``_h5map``).
+arrays held in memory; data is read at sample time (see ``_h5map``): through
+the map for the smallest datasets, up to ``MAP_BYTES`` in all, with pread for
+the others, so that a file larger than memory never stays in the RSS.
 """
 
 from __future__ import annotations
@@ -210,12 +212,15 @@ class H5Source(Layouts, StorageBase):
         return None
 
     def saved_state(self):
+        """The recorded state; its arrays until ``opened`` lets them go."""
         return ({}, {}) if self.recorded is None else (self.recorded[1], self.recorded[2])
 
     def opened(self) -> None:
-        """A buffer now holds the recorded state (its ring, its keys): the record's
-        arrays read at open are let go (leaves, ends, status: 10 bytes a slot, 470 MB
-        at 50M), but for the ends and status this source reads itself."""
+        """The buffer's initial state is built (``datasets._initial_state``): the
+        record's arrays read at open are let go, the recorded leaves above all
+        (8 bytes a slot, 400 MB at 50M); the ends and status stay, this source's
+        own. ``saved_state`` gives no arrays after it: nothing reads the record of
+        an open dataset again."""
         if self.recorded is not None:
             self.recorded = (*self.recorded[:2], {})
 
@@ -364,6 +369,8 @@ class H5Source(Layouts, StorageBase):
             view, offset = view[got:], offset + got
 
     def _release(self) -> None:
+        # (Reads run under the buffer's lock, as close does: the descriptor closed here is
+        # never in a pread of another thread, whose number could name another file by then.)
         self._mm = None
         for col in getattr(self, "columns", {}).values():
             col.runs = None

@@ -6,8 +6,9 @@ through it left 16.6 GB of the file resident. ``_h5map.plan_reads`` maps the
 smallest datasets, up to ``h5source.MAP_BYTES`` in all, and reads the rest with
 pread in a kernel (``pread_rows``). Both must read every row exactly as h5py
 does, on every layout the map serves (contiguous, chunked back to back or not,
-chunks never written, episodes of a Minari-like file, bigper's compressed frame
-log), whatever the rows asked (repeated, unsorted, adjacent, at the ends).
+chunks never written, bigper's compressed frame log; episodes of a Minari-like
+file are in ``test_hostile_pread.py``), whatever the rows asked (repeated,
+unsorted, adjacent, at the ends).
 """
 
 from __future__ import annotations
@@ -206,3 +207,21 @@ def test_a_file_cut_under_the_reader_is_an_error_not_a_crash(tmp_path):
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "refused:" in r.stdout and str(path) in r.stdout and "end of file" in r.stdout, r.stdout
+
+
+def test_a_dataset_two_columns_read_is_read_one_way(tmp_path, monkeypatch):
+    """obs and next_obs both read ``observations`` (no next_observations): the budget
+    counts it once, and both columns read it the same way, whichever side of the budget."""
+    path = tmp_path / "d.h5"
+    data = _write(path, "contiguous")
+    with h5py.File(path, "r") as f:
+        obs = f["observations"].size
+        small = sum(f[k].size * f[k].dtype.itemsize for k in ("actions", "rewards"))  # (the flags: not columns)
+    for budget, far in ((small + obs, False), (small + obs - 1, True)):
+        monkeypatch.setattr(H, "MAP_BYTES", budget)
+        with bigper.PrioritizedReplayBuffer.from_hdf5(path) as ds:
+            cols = ds.storage.columns
+            assert cols["obs"].paths == cols["next_obs"].paths
+            assert cols["obs"].pread == cols["next_obs"].pread == far, budget
+            idx = np.flatnonzero(ds.status == 1)[:50]
+            assert np.array_equal(ds.gather(idx)["obs"], data["observations"][idx])

@@ -62,8 +62,8 @@ def test_a_reprioritize_pass_lets_go_as_it_goes(tmp_path, monkeypatch):
 def test_an_open_bigper_file_holds_its_record_once(tmp_path):
     """``from_hdf5`` of bigper's layout reads the recorded state (leaves, ends,
     status) to build the buffer; once built, only the buffer's ring and the
-    source's end flags stay: about 12 bytes a slot (34 when the record's arrays
-    and a second copy of its flags stayed, 1.7 GB at 50M)."""
+    source's end flags stay: about 12 bytes a slot traced (22 when the record's
+    arrays and a second copy of its flags stayed: 500 MB more at 50M)."""
     import tracemalloc
 
     c = 1 << 20

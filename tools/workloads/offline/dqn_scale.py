@@ -46,6 +46,7 @@ import numpy as np
 from workloads.offline.dqn_child import child, hwm_mb, reset_hwm
 
 K = 4
+GAMES = ("Breakout", "Pong", "Seaquest", "MsPacman")  # the pool's default games
 ALPHA, EPS = 0.6, 1e-6  # from_hdf5's defaults
 
 CONVERT = r"""
@@ -261,8 +262,8 @@ def rounds(dst: Path, batches=(32, 256), warm: int = 20, iters: int = 200, seed:
 
 
 def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, pool: int = 100_000,
-              level: int = 1, sample: int = 2000, check_all: bool = False, games=("Breakout", "Pong",
-              "Seaquest", "MsPacman"), say=print, reuse: Path | None = None) -> dict:
+              level: int = 1, sample: int = 2000, check_all: bool = False, games=GAMES, say=print,
+              reuse: Path | None = None) -> dict:
     if checkpoints < 2:
         raise SystemExit("--scale needs --checkpoints >= 2 (the kill lands after half of them)")
     rep: dict = {"slots": slots, "checkpoints": checkpoints}

@@ -325,6 +325,15 @@ def cmd_offline(args) -> int:
     return 1 if miss else 0
 
 
+def _games(value: str) -> tuple:
+    import argparse
+
+    games = tuple(g.strip() for g in value.split(",") if g.strip())
+    if not games:
+        raise argparse.ArgumentTypeError(f"--games needs at least one game, got {value!r}")
+    return games
+
+
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="200k vectors and 5k frames (a smoke run; default: 1M vectors, 30k frames)")
     p.add_argument("--million", action="store_true",
@@ -343,10 +352,11 @@ def add_arguments(p) -> None:
     p.add_argument("--run", help="--scale: a run directory written before (by this bench, or make_run) "
                    "to convert, instead of writing one; --slots and --checkpoints must be its own")
     p.add_argument("--pool", type=int, default=100_000, help="--scale: steps of ALE play recorded (100,000)")
-    p.add_argument("--games", type=lambda v: tuple(g for g in v.split(",") if g),
-                   default=("Breakout", "Pong", "Seaquest", "MsPacman"),
-                   help="--scale: the ALE games played for the pool, comma-separated (Breakout,Pong,Seaquest,"
-                        "MsPacman); one game is a real run's shape (the dataset holds one game a run)")
+    from workloads.offline.dqn_scale import GAMES
+
+    p.add_argument("--games", type=_games, default=GAMES,
+                   help=f"--scale: the ALE games played for the pool, comma-separated ({','.join(GAMES)}); one "
+                        "game is a real run's shape (the dataset holds one game a run)")
     p.add_argument("--gzip-level", type=int, default=1, help="--scale: gzip level of the run's files (1)")
     p.add_argument("--sample", type=int, default=2000, help="--scale: transitions checked a checkpoint (2,000)")
     p.add_argument("--check-all", action="store_true", help="--scale: check every transition of them")
