@@ -36,6 +36,7 @@ def test_the_scale_run_runs_tiny_with_both_kills_and_resumes(tmp_path):
     assert all(v > 0 for v in rep["rss_mb"].values())
     assert rep["games"] == ["Pong", "Seaquest"] and "Pong, Seaquest" in r.stdout
     assert 0 <= rep["cached"] <= 1 and 0 <= rep["cached_one_checkpoint"] <= 1
+    assert 0 < rep["round_rss_anon_mb"] <= rep["rss_mb"]["sample_update"]  # (a child of its own)
     assert list(tmp_path.iterdir()) == []  # the bench's files are gone
 
 
