@@ -31,7 +31,7 @@ def test_the_scale_run_runs_tiny_with_both_kills_and_resumes(tmp_path):
     assert n > 4 * 1400 and rep["check"]["transitions"] == n
     assert rep["check"]["checked"] >= 2 * 1400  # every transition of checkpoints 2 and 3
     assert 0 < rep["reprioritize"]["resumed_at"] < n
-    assert rep["round_us"]["32"] > 0 and rep["round_us_one_checkpoint"]["256"] > 0
+    assert rep["round_us"]["32"] > 0 and rep["round_us_one_checkpoint"]["256"] > 0 and rep["round_us"]["32 first"] > 0
     assert rep["one_checkpoint_transitions"] < n and rep["dst_bytes_per_tr"] > 0
     assert all(v > 0 for v in rep["rss_mb"].values())
     assert rep["games"] == ["Pong", "Seaquest"] and "Pong, Seaquest" in r.stdout
