@@ -381,7 +381,7 @@ def print_scale(rep: dict) -> None:
     rows.append(["file in the page cache before the rounds", f"{rep['cached']:.1%} (one checkpoint "
                  f"{rep['cached_one_checkpoint']:.1%})", ""])
     for b in rep["round_us"]:
-        what = f"B={b}, first 200 after the open" if b.endswith(" first") else f"B={b}, after 2,000"
+        what = f"B={b.split()[0]}, the first 200" if b.endswith(" first") else f"B={b}, after 2,000"
         rows.append([f"sample + update round {what}, us", f"{rep['round_us'][b]} (one checkpoint "
                      f"{rep['round_us_one_checkpoint'][b]}: {ratio[b]:.2f}x)", "<= 2x the 1M round"])
     rows += [["reprioritize (resumed run), tr/s", f"{p['rate_resumed']:,}", ""],
