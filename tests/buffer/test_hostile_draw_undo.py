@@ -262,3 +262,27 @@ def test_the_sampler_over_a_cut_file(twins):
         it = t.A.sampler(8, prefetch=0)
         nxt = next(it)
     _same_batch(nxt, next(tw))
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_a_prefetching_sampler_whose_first_draw_fails(twins, close):
+    """``sampler(prefetch=2)`` made over a cut file: its thread's draw fails, the error is
+    raised at ``next`` and ends the iterator (its docstring); no batch was drawn, so once
+    the file is mended (the iterator closed, or only ended by its error) the buffer's next
+    batches are the twin's first ones, and a new sampler goes on from there."""
+    import time
+
+    t = twins
+    t.cut()
+    it = t.A.sampler(8, prefetch=2)
+    with pytest.raises(OSError):
+        next(it)
+    if close:
+        it.close()
+    t.mend()
+    time.sleep(0.3)  # (a thread still drawing after its error would draw now)
+    _same_batch(t.A.sample(8), t.B.sample(8))
+    it2, tw = t.A.sampler(8, prefetch=2), t.B.sampler(8, prefetch=0)
+    for _ in range(3):
+        _same_batch(next(it2), next(tw))
+    it2.close()

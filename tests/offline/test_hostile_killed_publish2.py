@@ -15,9 +15,12 @@ bigper's names), a crafted ``meta.json`` (not JSON, huge, a symlink, a FIFO,
 deep, wrong field types), a truncated partial, a partial hard-linked to a
 file of the user's, a partial of another source of the same shape, ``dst``
 appearing between the check before the lock and the one under it, two
-converts racing on one leftover (two processes), ``convert_dqn_replay`` to a
-dst with such a leftover, relative paths after a ``chdir``, and a convert
-with ``overwrite=True`` killed between its renames.
+converts racing on one leftover (two processes, two threads),
+``convert_dqn_replay`` to a dst with such a leftover, relative paths after a
+``chdir``, a convert with ``overwrite=True`` killed between its renames, a
+kill -9 during the recovery itself, an invalid argument refused after the
+recovery, and a source whose own sidecar is the leftover (through a symlink).
+Findings are strict xfails, each with its cause.
 """
 
 from __future__ import annotations
@@ -439,3 +442,60 @@ def test_a_source_whose_sidecar_is_the_leftover_is_never_written(leftover, tmp_p
     except BigperError:
         pass
     assert fingerprint(side) == theirs, "the source's priorities were removed by the convert"
+
+
+def test_two_threads_converting_on_one_leftover(leftover, tmp_path):
+    """The same race in one process (two threads): one completes, the other is refused
+    with a bigper error (dst's lock is an flock of its own descriptor), dst is right."""
+    import threading
+
+    run, src, dst, side, want = _copy(leftover, tmp_path)
+    said, barrier = [], threading.Barrier(2)
+
+    def one():
+        barrier.wait()
+        try:
+            convert(src, dst, progress=False, chunk=16)
+            said.append("done")
+        except Exception as e:  # noqa: BLE001
+            said.append(f"refused {type(e).__name__} {e}")
+
+    ths = [threading.Thread(target=one) for _ in range(2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(120)
+    said.sort()
+    assert said[0] == "done" and said[1].startswith(("refused StorageLockedError", "refused PathExistsError")), said
+    assert everything(dst)[1].tobytes() == want.tobytes()
+    assert sorted(p.name for p in run.iterdir() if p.suffix != ".lock") == ["src", "z.h5", "z.h5.priorities"]
+
+
+KILLED_IN_RECOVERY = r"""
+import os, sys, time
+import bigper.convert as c
+orig = os.rmdir
+def stop(path, *a, **k):
+    if str(path).endswith(".priorities"):
+        print("at rmdir", flush=True)
+        time.sleep(3600)
+    return orig(path, *a, **k)
+c.os.rmdir = stop
+c.convert(sys.argv[1], sys.argv[2], progress=False, chunk=64)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the recovery itself is not crash-safe: _drop_sidecar unlinks the killed run's files one by one "
+    "(meta.json among them) and then rmdirs the folder; a kill -9 in between (here at the rmdir) leaves "
+    "<dst>.priorities without meta.json (empty), which _killed_publish no longer recognizes, so every "
+    "later convert to dst is refused ('move or delete it first') although only bigper ever wrote there "
+    "(renaming the folder away first, e.g. back to <dst>.partial.priorities, would keep it recognizable)"))
+def test_a_kill_during_the_recovery_is_recovered_by_the_next_convert(leftover, tmp_path):
+    run, src, dst, side, want = _copy(leftover, tmp_path)
+    with Child(KILLED_IN_RECOVERY, src, dst) as child:
+        child.said("at rmdir")
+        child.kill()
+    assert side.is_dir() and not (side / "meta.json").exists()
+    convert(src, dst, progress=False)
+    assert everything(dst)[1].tobytes() == want.tobytes()
