@@ -128,6 +128,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         # at dst changes (promises 5 and 11): a live buffer's file is never replaced under it
         lock = _DstLock(dst)
         _check_dst(dst, overwrite, partial, locked=True)  # again, under the lock
+        leftover = os.path.lexists(_partial_sidecar(dst))  # (a killed publish's, recognized: see _check_dst)
         keys = source.leaves(order)
         made = []  # set once the partial file is ours (its lock taken, its record written)
         try:
@@ -161,7 +162,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
                 _remove(partial)
             raise real_names(e, where=partial)  # the path as given, not /proc/self/fd/N
         src_bytes = store.nbytes()
-        _publish(partial, dst, overwrite)
+        _publish(partial, dst, overwrite, leftover)
     finally:
         try:
             source.close()
@@ -257,7 +258,7 @@ def _check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: 
     nothing read or written). A sidecar at ``<dst>.priorities`` is refused,
     unless it is the one a convert killed between the two renames of
     ``_publish`` left (``_killed_publish``): before the lock, that is left to
-    judge under it (``locked``), where it is removed."""
+    judge under it (``locked``); ``_publish`` removes it (``leftover``)."""
     from .offline.sidecar import Sidecar
 
     side = Sidecar.default_path(dst)
@@ -266,8 +267,8 @@ def _check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: 
             raise PathExistsError(f"{side} exists: priorities of another file at dst={str(dst)!r}, which the new "
                                   "file would open with or be refused by; move or delete it first (nothing was "
                                   "read or written)")
-        if locked:  # (no dst: the killed run's file is still its partial, replaced by this run)
-            _drop_sidecar(side)
+        # (no dst: the killed run's file is still its partial, which this run replaces; the
+        # sidecar goes at this run's publish, under the same lock: a failure before it leaves it)
     try:
         st = os.lstat(dst)
     except FileNotFoundError:
@@ -291,8 +292,15 @@ def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool) -> bool:
     from .offline.h5source import H5Source
     from .offline.sidecar import Sidecar
 
+    from .offline.sidecar import _OURS
+
     if os.path.lexists(dst) or not os.path.isfile(partial) or os.path.islink(partial) \
             or not os.path.isdir(side) or os.path.islink(side):
+        return False
+    try:  # (bigper's own regular files only: a folder holding anything else is not removed)
+        if not all(_OURS.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in os.scandir(side)):
+            return False
+    except OSError:
         return False
     if not locked:
         return True
@@ -366,7 +374,7 @@ def _check_not_source(store, dst: Path, partial: Path) -> None:
     side = store.sidecar
     if side is not None:
         theirs = os.path.realpath(side.path)
-        for p in (dst, partial, _partial_sidecar(partial)):
+        for p in (dst, partial, _partial_sidecar(partial), _partial_sidecar(dst)):
             if os.path.realpath(p) == theirs or os.path.realpath(p).startswith(theirs + os.sep):
                 raise InvalidArgumentError(f"dst={str(dst)!r} is (or is in) {side.path}, where the source's "
                                            "priorities live; convert never writes its source")
@@ -414,15 +422,19 @@ def _copy(source, out, order: np.ndarray, chunk: int, progress: bool, name: str,
             bar.update(idx.shape[0])
 
 
-def _publish(partial: Path, dst: Path, overwrite: bool) -> None:
+def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) -> None:
     """``partial`` becomes ``dst``: renamed over it with ``overwrite``, else linked
     (which fails if something appeared at ``dst`` meanwhile) and unlinked; then
-    the directory is synced and the partial's lock file removed."""
+    the directory is synced and the partial's lock file removed. ``leftover``:
+    the sidecar at ``<dst>.priorities`` is a killed publish's (``_killed_publish``,
+    under the lock still held), removed first."""
     from .offline.sidecar import Sidecar
 
+    ours, side = _partial_sidecar(partial), Sidecar.default_path(dst)
+    if leftover:
+        _drop_sidecar(side)
     if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
         _check_dst(dst, overwrite)
-    ours, side = _partial_sidecar(partial), Sidecar.default_path(dst)
     # The priorities go first: a kill -9 between the two renames leaves a sidecar
     # without its file (which the next convert recognizes and removes, under this
     # lock: _killed_publish), never a file that opens with default priorities.

@@ -278,14 +278,15 @@ def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
     if not _SNAP.match(snap.name):
         return state, None
     names = {f"{p.name}.bigper"} | ({f"{p.stem}.bigper"} if p.suffix == ".pkl" else set())
-    start = p.parent.resolve()
+    start = Path(os.path.abspath(p.parent))  # (as given: a folder linked into the original stays the copy's)
     moved = start / snap.parent.name / snap.name
     if snap.parent.name not in names or not os.path.lexists(moved / MANIFEST):
         moved = _nearest_copy(snap, start)
         if moved is None:
             return state, None
-    if os.path.realpath(snap.parent) == os.fspath(moved.parent):
-        return state, None  # read where it was written
+    if os.path.abspath(snap) == os.fspath(moved) or (snap.parent.name in names and os.path.realpath(
+            snap.parent) == os.path.realpath(moved.parent)):
+        return state, None  # read where it was written (the pickle's own folder: through a link too)
     state = dict(state, snapshot=os.fspath(moved))
     recorded = (describe(moved).get("storage") or {}).get("path")
     live = None if not isinstance(recorded, str) else counterpart(os.path.abspath(recorded), snap, moved)
@@ -295,14 +296,18 @@ def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
 
 
 def _nearest_copy(snap: Path, start: Path) -> Path | None:
-    """``<folder>/<snap's folder name>/<snap's name>`` holding a manifest, in
-    ``start`` or the nearest folder above it, or None. (Its manifest's hash is
-    checked by ``checked_snapshot``: another snapshot there is refused, never
-    passed over for the original.)"""
+    """``<folder>/<the last k folders of snap's path>/<snap's name>`` holding a
+    manifest, ``folder`` ``start`` or the nearest above it, ``k`` the fewest
+    (a ``snapshot_dir`` nested in the run folder, ``run/ckpt/series``, is found
+    from the copy's ``run``), or None. (Its manifest's hash is checked by
+    ``checked_snapshot``: another snapshot there is refused, never passed over
+    for the original.)"""
+    tail = snap.parent.parts[1:]  # (the folders under the root)
     for d in (start, *start.parents):
-        here = d / snap.parent.name / snap.name
-        if os.path.lexists(here / MANIFEST):
-            return here
+        for k in range(1, len(tail) + 1):
+            here = d.joinpath(*tail[-k:], snap.name)
+            if os.path.lexists(here / MANIFEST):
+                return here
     return None
 
 

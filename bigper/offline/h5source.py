@@ -145,7 +145,7 @@ class H5Source(Layouts, StorageBase):
             f = h5py.File(self.file_path, "r", rdcc_nbytes=cache_bytes)
         except OSError as e:
             msg = str(e)
-            if "lock" not in msg.lower():
+            if "unable to lock file" not in msg.lower():  # (not any "lock": a truncated file's says "sblock")
                 raise OfflineDatasetError(f"{self.file_path} cannot be opened as an HDF5 file: {e}") from None
             if "errno = 11" in msg:  # EAGAIN: a writer holds HDF5's own file lock
                 raise StorageLockedError(f"{self.file_path} is open for writing in another process "

@@ -205,9 +205,7 @@ def counterpart(live, saved_at, now_at) -> Path | None:
     while k < min(len(a), len(b)) and a[len(a) - 1 - k] == b[len(b) - 1 - k]:
         k += 1
     old, new = Path(*a[:len(a) - k]), Path(*b[:len(b) - k])
-    if k == 0 or old == new or len(old.parts) < 2:
-        # (a tree that moved is a folder: a recorded path whose shared folders reach the
-        # root, a crafted '/fork/ckpt/snap-N' beside a copy at /x/fork, names none)
+    if k == 0 or old == new:
         return None
     try:
         rel = Path(live).relative_to(old)

@@ -230,14 +230,9 @@ def test_a_run_recorded_through_a_symlink_and_copied(tmp_path):
     assert fingerprint(real) == before
 
 
-@pytest.mark.parametrize("series", ["series", pytest.param("ckpt/series", marks=pytest.mark.xfail(
-    strict=True, reason=(
-        "_nearest_copy looks for <ancestor of the pickle>/<snapshot folder NAME>/snap-N only: a "
-        "snapshot_dir two levels below the run folder (run/ckpt/series) with the pickle at the run "
-        "folder's top is never found in the copy (fork/series, tmp/series, ... do not exist), so the "
-        "pickle falls back to the ORIGINAL snapshot and live path, and "
-        "load_replay_buffer(fork/rb.pkl, rewind=True) REWINDS THE ORIGINAL run's live folder (the bug "
-        "40c2bc4 fixed for <live>.snapshots, back with a nested snapshot_dir)")))])
+# ("ckpt/series" was a strict xfail: _nearest_copy looked for <ancestor>/<folder name>/snap-N only, so a
+# nested snapshot_dir was never found in the copy and rewind=True REWOUND THE ORIGINAL run's live folder)
+@pytest.mark.parametrize("series", ["series", "ckpt/series"])
 def test_a_custom_snapshot_dir_copied_loads_the_copy(tmp_path, series):
     run = tmp_path / "run"
     run.mkdir()
@@ -260,13 +255,8 @@ def test_a_custom_snapshot_dir_copied_loads_the_copy(tmp_path, series):
     assert at == tmp_path / "fork" / "replay"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "beside_the_pickle starts its search at p.parent.resolve(): for fork/ckpt/rb.pkl with fork/ckpt a "
-    "symlink to run/ckpt the search starts in the ORIGINAL run (run/ckpt, then run), finds the "
-    "original's own snapshot, takes the pickle as read where it was written, and "
-    "load_replay_buffer(fork/ckpt/rb.pkl, rewind=True) rewinds the ORIGINAL run's live folder although "
-    "the fork has its own copy of the snapshots beside the path the user gave (searching the path as "
-    "given, then resolved, would find fork/replay.snapshots)"))
+# (Was a strict xfail: the search started at p.parent.resolve(), inside the ORIGINAL run, and
+# rewind=True rewound the original's live folder.)
 def test_a_fork_whose_pickle_folder_links_to_the_originals_never_rewinds_the_original(tmp_path):
     """The fork is a copy of the run (its own live folder and snapshots) whose ``ckpt/``
     (where the pickle is) is a symlink to the original's ``ckpt/`` (big checkpoints shared,

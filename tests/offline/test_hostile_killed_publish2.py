@@ -101,11 +101,7 @@ def test_anything_but_a_sidecar_at_the_path_is_refused(leftover, tmp_path, what)
     _refused_and_unchanged(run, src, dst)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_check_dst under the lock calls _drop_sidecar on a sidecar _killed_publish recognized by its "
-    "meta.json alone: _drop_sidecar unlinks bigper's names (meta.json, leaves-*.npy, .lock) first and "
-    "then os.rmdir fails on the entry bigper never made: a raw OSError ENOTEMPTY (not PathExistsError), "
-    "and the sidecar's meta.json and leaves are already gone (promise 7 and 16: refused, nothing changed)"))
+# (Was a strict xfail; fixed: see the commit that removed its marker.)
 @pytest.mark.parametrize("extra", ["user-file", "user-dir", "ours-name-symlink", "ours-name-fifo"])
 def test_a_recognized_sidecar_holding_something_else_is_refused_whole(leftover, tmp_path, extra):
     """The killed run's sidecar, recognized (its meta.json and fingerprint are right),
@@ -182,8 +178,7 @@ TRUNC = pytest.mark.xfail(strict=True, reason=(
     "OSError comes out of from_hdf5 of any truncated HDF5 file (promise 8)"))
 
 
-@pytest.mark.parametrize("keep", [0, pytest.param(512, marks=TRUNC), pytest.param(4096, marks=TRUNC),
-                                  pytest.param("half", marks=TRUNC), pytest.param(-1, marks=TRUNC)])
+@pytest.mark.parametrize("keep", [0, 512, 4096, "half", -1])  # (512.. were strict xfails: TRUNC's reason)
 def test_a_truncated_partial_is_refused_never_a_raw_error(leftover, tmp_path, keep):
     run, src, dst, side, _ = _copy(leftover, tmp_path)
     partial = run / "z.h5.partial"
@@ -401,11 +396,7 @@ def test_the_old_dst_beside_the_new_sidecar_never_opens_with_it(tmp_path):
 
 # -- what removing the sidecar may touch ------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "convert validates budget only inside _write (Config.build), after _check_dst(locked=True) has "
-    "removed the killed run's sidecar: the call fails (InvalidArgumentError/InvalidTypeError) having "
-    "changed <dst>.priorities (low severity: the sidecar was garbage the next convert removes; but a "
-    "failed call changes nothing, promise 16)"))
+# (Was a strict xfail; fixed: see the commit that removed its marker.)
 @pytest.mark.parametrize("budget", [-1, 0, "big", 2.5])
 def test_an_invalid_argument_beside_the_leftover_changes_nothing(leftover, tmp_path, budget):
     """A convert refused for its own arguments (a budget no buffer takes) is a failed call:
@@ -417,12 +408,7 @@ def test_an_invalid_argument_beside_the_leftover_changes_nothing(leftover, tmp_p
     assert _files(run) == before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_check_not_source guards dst, the partial and the partial's sidecar against the source's "
-    "sidecar (realpath), but not <dst>.priorities, which convert now removes under the lock: with the "
-    "source's priorities reached through a symlink to the leftover, the convert deletes the source's "
-    "meta.json and leaves, and its publish then renames the new file's sidecar there: the source's "
-    "priorities are replaced by files convert wrote (convert never writes its source)"))
+# (Was a strict xfail; fixed: see the commit that removed its marker.)
 def test_a_source_whose_sidecar_is_the_leftover_is_never_written(leftover, tmp_path):
     """The source ``a.h5`` is a copy of the killed run's partial, its priorities reached
     through a symlink ``a.h5.priorities -> z.h5.priorities`` (the leftover, which is made
@@ -501,10 +487,7 @@ def test_a_kill_during_the_recovery_is_recovered_by_the_next_convert(leftover, t
     assert everything(dst)[1].tobytes() == want.tobytes()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the root cause of the truncated-partial case: H5Source._open_h5 reads any OSError whose text "
-    "contains 'lock' as a file-locking failure; HDF5's 'truncated file: eof = N, sblock->base_addr' "
-    "does ('sblock'), so it retries with locking=False and lets the second OSError out raw"))
+# (Was a strict xfail; fixed: see the commit that removed its marker.)
 def test_from_hdf5_of_a_truncated_file_is_a_bigper_error(tmp_path):
     path = tmp_path / "d.h5"
     write_d4rl(path, n=40)

@@ -32,10 +32,20 @@ load = bigper.PrioritizedReplayBuffer.load
 SNAP = "ckpt/snap-00000001"
 
 
+# counterpart() maps through a tree that moved from the root: an honest copy of a run folder at
+# the root (/workspace) needs it; a crafted storage.snapshot at the root makes a folder outside the
+# fork (low severity: a crafted storage.path can point anywhere too). The rule that refused the
+# root (0d6c9f7) broke the first and is reverted: these cases are strict xfails again.
+CRAFTED_ROOT = pytest.mark.xfail(strict=True, reason=(
+    "counterpart() trusts a crafted storage.snapshot at the root ('/fork/ckpt/snap-N' in any spelling): "
+    "old = '/', the live path becomes <copy's parent>/<the whole recorded path>, outside the fork"))
+
+
 @pytest.mark.parametrize("saved_at, now_at, live, want", [
     ("ckpt/snap-1", "/x/ckpt/snap-1", "/x/replay", None),  # a relative recorded snapshot path
     ("//fork/ckpt/snap-1", "/x/fork/ckpt/snap-1", "/x/replay", None),  # POSIX '//' root
-    ("/./fork/./ckpt/snap-1", "/x/fork/ckpt/snap-1", "/fork/replay", None),  # '.' folds away: the root
+    pytest.param("/./fork/./ckpt/snap-1", "/x/fork/ckpt/snap-1", "/fork/replay", None,
+                 marks=CRAFTED_ROOT),  # '.' folds away: the root
     ("/fork/ckpt/snap-1", "/fork/ckpt/snap-1", "/fork/replay", None),
     ("/runs/a/ckpt/snap-3", "/runs/b/ckpt/snap-3", "/runs/a/sub/replay", "/runs/b/sub/replay"),
     ("/runs/a/ckpt/snap-3", "/runs/b/ckpt/snap-3", "/runs/ab/replay", None),  # a name prefix is no folder
@@ -47,6 +57,7 @@ def test_counterpart_edges(saved_at, now_at, live, want):
     assert (None if got is None else str(got)) == want
 
 
+@CRAFTED_ROOT
 def test_counterpart_takes_no_root_in_any_spelling():
     for root in ("/", "//"):
         got = counterpart(root + "replay", root + "fork/ckpt/snap-1", "/tmp/x/fork/ckpt/snap-1")
@@ -115,8 +126,9 @@ def test_a_crafted_storage_snapshot_under_the_first_folder_is_no_move(tmp_path):
     _loads_into_the_fork_or_nowhere(tmp_path, snap)
 
 
-@pytest.mark.parametrize("value", ["//fork/" + SNAP, "/./fork/" + SNAP, "fork/" + SNAP, "/fork/./" + SNAP,
-                                   "/fork//" + SNAP])
+@pytest.mark.parametrize("value", ["//fork/" + SNAP, pytest.param("/./fork/" + SNAP, marks=CRAFTED_ROOT),
+                                   "fork/" + SNAP, pytest.param("/fork/./" + SNAP, marks=CRAFTED_ROOT),
+                                   pytest.param("/fork//" + SNAP, marks=CRAFTED_ROOT)])
 def test_crafted_spellings_of_the_root_are_no_move(tmp_path, value):
     snap = _fork(tmp_path)
     resign(snap, lambda body: body["storage"].__setitem__("snapshot", value))
@@ -168,7 +180,7 @@ def test_a_run_moved_into_a_folder_at_the_root_depth_still_maps(tmp_path):
 
 # -- the other side of the rule: an honest run folder that sat directly under the root -------------
 
-ROOT_RUN_REASON = (
+ROOT_RUN_REASON = (  # (was the reason of two strict xfails here; 0d6c9f7's rule is reverted)
     "regression of 0d6c9f7: a run folder directly under the root (a container's /workspace or "
     "/output: snapshot /workspace/ckpt/snap-N, live /workspace/replay) copied to the host at "
     "/home/u/workspace shares 'workspace/ckpt' up to the root, so old == '/' and counterpart() now "
@@ -179,13 +191,11 @@ ROOT_RUN_REASON = (
     "live path to lie inside the shared tree's top folder)")
 
 
-@pytest.mark.xfail(strict=True, reason=ROOT_RUN_REASON)
 def test_a_run_folder_at_the_root_copied_elsewhere_maps_into_the_copy():
     got = counterpart("/workspace/replay", "/workspace/ckpt/snap-1", "/home/u/workspace/ckpt/snap-1")
     assert got is not None and str(got) == "/home/u/workspace/replay"
 
 
-@pytest.mark.xfail(strict=True, reason=ROOT_RUN_REASON)
 def test_a_copied_root_level_run_loads_into_the_copy_by_default(tmp_path):
     """End to end without writing outside tmp_path: the copy's manifest says the run was
     written at /<name>/ (re-signed, as a container's run would record it); the live path a
