@@ -290,9 +290,7 @@ def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool) -> bool:
     under ``dst``'s lock (which a convert holds all through ``_publish``) the
     partial is opened and compared."""
     from .offline.h5source import H5Source
-    from .offline.sidecar import Sidecar
-
-    from .offline.sidecar import _OURS
+    from .offline.sidecar import _OURS, Sidecar
 
     if os.path.lexists(dst) or not os.path.isfile(partial) or os.path.islink(partial) \
             or not os.path.isdir(side) or os.path.islink(side):

@@ -266,8 +266,8 @@ def beside_the_pickle(state: dict, pickle_path: str) -> tuple[dict, str | None]:
     path it recorded). The copy of the snapshot is the folder beside the
     pickle that ``save_replay_buffer(path)`` writes (``<path>.bigper/``), else
     (a plain ``pickle.dumps``: ``<live>.snapshots/`` or ``snapshot_dir``) the
-    nearest folder of the snapshot's name in the pickle's folder or above it
-    (``_nearest_copy``; a snapshot there that is not this one is refused by
+    nearest copy of the snapshot's folder in the pickle's folder, as given, or
+    above it (``_nearest_copy``; a snapshot there that is not this one is refused by
     ``checked_snapshot``): so a copy of a run folder never loads, and with
     ``rewind`` never rewinds, the original run.
     Anything else: ``state`` and None."""
