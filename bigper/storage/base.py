@@ -168,6 +168,7 @@ class StorageBase:
     dsets: dict[str, Any] | None = None          # HDF5: the datasets (snapshots copy from them)
     sidecar: Any = None             # an offline dataset's priorities sidecar (convert keeps clear of it)
     shared_chunks = 0               # rows a snapshot shares: prepare before writing them
+    reads_may_fail = False          # a read can raise (an I/O error: HDF5, pread), so a sample undoes its draw
 
     @property
     def writable_arrays(self) -> dict[str, np.ndarray] | None:
