@@ -230,20 +230,25 @@ def test_a_run_recorded_through_a_symlink_and_copied(tmp_path):
     assert fingerprint(real) == before
 
 
-# ("ckpt/series" was a strict xfail: _nearest_copy looked for <ancestor>/<folder name>/snap-N only, so a
-# nested snapshot_dir was never found in the copy and rewind=True REWOUND THE ORIGINAL run's live folder)
-@pytest.mark.parametrize("series", ["series", "ckpt/series"])
-def test_a_custom_snapshot_dir_copied_loads_the_copy(tmp_path, series):
-    run = tmp_path / "run"
-    run.mkdir()
-    m = dqn(run, replay_buffer_kwargs={"storage": "memmap", "path": str(run / "replay"),
-                                       "snapshot_dir": str(run / series)})
+def _pickled_with_snapshot_dir(run: Path, live: Path, snaps: Path) -> None:
+    """``run/rb.pkl``: a plain pickle of a buffer at ``live`` with ``snapshot_dir=snaps`` after
+    10 adds, then 15 more adds and a close (the live folder newer than the pickle)."""
+    m = dqn(run, replay_buffer_kwargs={"storage": "memmap", "path": str(live), "snapshot_dir": str(snaps)})
     for t in range(10):
         add(m, t, 1.0)
     (run / "rb.pkl").write_bytes(pickle.dumps(m.replay_buffer))
     for t in range(10, 25):
         add(m, t, 2.0)
     m.replay_buffer.close()
+
+
+# ("ckpt/series" was a strict xfail: _nearest_copy looked for <ancestor>/<folder name>/snap-N only, so a
+# nested snapshot_dir was never found in the copy and rewind=True REWOUND THE ORIGINAL run's live folder)
+@pytest.mark.parametrize("series", ["series", "ckpt/series"])
+def test_a_custom_snapshot_dir_copied_loads_the_copy(tmp_path, series):
+    run = tmp_path / "run"
+    run.mkdir()
+    _pickled_with_snapshot_dir(run, run / "replay", run / series)
     assert any((run / series).glob("snap-*"))
     subprocess.run(["cp", "-a", str(run), str(tmp_path / "fork")], check=True)
     before = fingerprint(run)
@@ -289,13 +294,6 @@ def test_a_live_folder_outside_the_copied_run_is_refused_without_rewind(tmp_path
     run, scratch = tmp_path / "run", tmp_path / "scratch"
     run.mkdir()
     scratch.mkdir()
-    m = dqn(run, replay_buffer_kwargs={"storage": "memmap", "path": str(scratch / "replay"),
-                                       "snapshot_dir": str(run / "snaps")})
-    for t in range(10):
-        add(m, t, 1.0)
-    (run / "rb.pkl").write_bytes(pickle.dumps(m.replay_buffer))
-    for t in range(10, 25):
-        add(m, t, 2.0)
-    m.replay_buffer.close()
+    _pickled_with_snapshot_dir(run, scratch / "replay", run / "snaps")
     subprocess.run(["cp", "-a", str(run), str(tmp_path / "fork")], check=True)
     _refused(scratch, tmp_path, tmp_path / "fork" / "rb.pkl", run, tmp_path / "fork", err=PathExistsError)
