@@ -128,7 +128,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         # at dst changes (promises 5 and 11): a live buffer's file is never replaced under it
         lock = _DstLock(dst)
         _check_dst(dst, overwrite, partial, locked=True)  # again, under the lock
-        leftover = os.path.lexists(_partial_sidecar(dst))  # (a killed publish's, recognized: see _check_dst)
+        leftover = os.path.lexists(_sidecar_of(dst))  # (a killed publish's, recognized: see _check_dst)
         keys = source.leaves(order)
         made = []  # set once the partial file is ours (its lock taken, its record written)
         try:
@@ -158,7 +158,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
                 _save_priorities(partial, dst, keys, cfg)
         except BaseException as e:
             if made:
-                _drop_sidecar(_partial_sidecar(partial))
+                _drop_sidecar(_sidecar_of(partial))
                 _remove(partial)
             raise real_names(e, where=partial)  # the path as given, not /proc/self/fd/N
         src_bytes = store.nbytes()
@@ -259,9 +259,7 @@ def _check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: 
     unless it is the one a convert killed between the two renames of
     ``_publish`` left (``_killed_publish``): before the lock, that is left to
     judge under it (``locked``); ``_publish`` removes it (``leftover``)."""
-    from .offline.sidecar import Sidecar
-
-    side = Sidecar.default_path(dst)
+    side = _sidecar_of(dst)
     if os.path.lexists(side):
         if partial is None or not _killed_publish(dst, partial, side, locked):
             raise PathExistsError(f"{side} exists: priorities of another file at dst={str(dst)!r}, which the new "
@@ -316,10 +314,11 @@ def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool) -> bool:
     return isinstance(meta, dict) and meta.get("dataset", {}).get("name") == dst.name
 
 
-def _partial_sidecar(partial: Path) -> Path:
+def _sidecar_of(path: Path) -> Path:
+    """Where the priorities sidecar of the file at ``path`` lives (``<path>.priorities``)."""
     from .offline.sidecar import Sidecar
 
-    return Sidecar.default_path(partial)
+    return Sidecar.default_path(path)
 
 
 def _drop_sidecar(path: Path) -> None:
@@ -343,7 +342,7 @@ def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> N
     from .offline.sidecar import Sidecar
     from .offline.h5source import H5Source
 
-    side = _partial_sidecar(partial)
+    side = _sidecar_of(partial)
     _drop_sidecar(side)  # a killed run's
     src = H5Source(partial)
     try:
@@ -372,7 +371,7 @@ def _check_not_source(store, dst: Path, partial: Path) -> None:
     side = store.sidecar
     if side is not None:
         theirs = os.path.realpath(side.path)
-        for p in (dst, partial, _partial_sidecar(partial), _partial_sidecar(dst)):
+        for p in (dst, partial, _sidecar_of(partial), _sidecar_of(dst)):
             if os.path.realpath(p) == theirs or os.path.realpath(p).startswith(theirs + os.sep):
                 raise InvalidArgumentError(f"dst={str(dst)!r} is (or is in) {side.path}, where the source's "
                                            "priorities live; convert never writes its source")
@@ -426,9 +425,7 @@ def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) 
     the directory is synced and the partial's lock file removed. ``leftover``:
     the sidecar at ``<dst>.priorities`` is a killed publish's (``_killed_publish``,
     under the lock still held), removed first."""
-    from .offline.sidecar import Sidecar
-
-    ours, side = _partial_sidecar(partial), Sidecar.default_path(dst)
+    ours, side = _sidecar_of(partial), _sidecar_of(dst)
     if leftover:
         _drop_sidecar(side)
     if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
