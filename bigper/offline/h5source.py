@@ -80,7 +80,6 @@ class H5Source(Layouts, StorageBase):
     """
 
     kind = "hdf5-source"
-    reads_may_fail = True  # (pread and h5py raise OSError)
     # Data is read-only; priorities stay writable (they live in the sidecar).
     read_only = True
     priorities_writable = True

@@ -168,12 +168,19 @@ class StorageBase:
     dsets: dict[str, Any] | None = None          # HDF5: the datasets (snapshots copy from them)
     sidecar: Any = None             # an offline dataset's priorities sidecar (convert keeps clear of it)
     shared_chunks = 0               # rows a snapshot shares: prepare before writing them
-    reads_may_fail = False          # a read can raise (an I/O error: HDF5, pread), so a sample undoes its draw
+    reads_may_fail = True           # a read can raise (an I/O error), so a sample undoes its draw; False: never
 
     @property
     def writable_arrays(self) -> dict[str, np.ndarray] | None:
         """InPlace: arrays written in place; None: write through ``write``."""
         return None
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        # "reads never raise" is a claim about a read: a class with a read of its own that
+        # does not make the claim itself is taken to raise (a registered storage's included)
+        if "read" in cls.__dict__ and "reads_may_fail" not in cls.__dict__:
+            cls.reads_may_fail = True
 
     def prepare(self, writes: dict[str, Any]) -> None:
         """Nothing is shared with a snapshot: every row is writable."""

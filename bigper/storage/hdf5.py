@@ -61,7 +61,6 @@ def _h5py():
 
 class HDF5Storage(StorageBase):
     kind = "hdf5"
-    reads_may_fail = True  # (h5py's reads raise OSError; a map's reads die of SIGBUS instead)
     options = ("compression",)
     path_suffix = ".h5"
     close_first_at_exit = True  # h5py tears its objects down in its own exit handler
