@@ -168,14 +168,14 @@ class StorageBase:
     dsets: dict[str, Any] | None = None          # HDF5: the datasets (snapshots copy from them)
     sidecar: Any = None             # an offline dataset's priorities sidecar (convert keeps clear of it)
     shared_chunks = 0               # rows a snapshot shares: prepare before writing them
-    reads_may_fail = True           # a read can raise (an I/O error), so a sample undoes its draw; False: never
+    reads_may_fail: bool = True     # a read can raise (an I/O error), so a sample undoes its draw; False: never
 
     @property
     def writable_arrays(self) -> dict[str, np.ndarray] | None:
         """InPlace: arrays written in place; None: write through ``write``."""
         return None
 
-    def __init_subclass__(cls, **kw):
+    def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         # "reads never raise" is a claim about a read: a class with a read of its own that
         # does not make the claim itself is taken to raise (a registered storage's included)

@@ -86,7 +86,7 @@ def random_reads_pay(data_bytes: int) -> bool:
 
 class MemmapStorage(StorageBase):
     kind = "memmap"
-    reads_may_fail = False  # (reads from a map: a cut file is a SIGBUS, never an exception)
+    reads_may_fail: bool = False  # (reads from a map: a cut file is a SIGBUS, never an exception)
     options = ("random_reads", "chunk_bytes")
     chunked = True
 

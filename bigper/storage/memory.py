@@ -12,7 +12,7 @@ from .base import StorageBase
 
 class MemoryStorage(StorageBase):
     kind = "memory"
-    reads_may_fail = False  # (numpy takes from memory)
+    reads_may_fail: bool = False  # (numpy takes from memory)
     in_memory = True
     read_only = False
 
