@@ -261,7 +261,7 @@ def _check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: 
     judge under it (``locked``); ``_publish`` removes it (``leftover``)."""
     side = _sidecar_of(dst)
     if os.path.lexists(side):
-        if partial is None or not _killed_publish(dst, partial, side, locked):
+        if partial is None or not _killed_publish(dst, partial, side, locked, overwrite):
             raise PathExistsError(f"{side} exists: priorities of another file at dst={str(dst)!r}, which the new "
                                   "file would open with or be refused by; move or delete it first (nothing was "
                                   "read or written)")
@@ -279,19 +279,22 @@ def _check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: 
                               "a regular file (nothing was read or written)")
 
 
-def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool) -> bool:
+def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool, overwrite: bool) -> bool:
     """Whether ``side`` (``<dst>.priorities``) is the sidecar of ``partial``
     that ``_publish`` moved into place before a kill -9 stopped it short of
-    the file: no ``dst``, the complete ``partial`` still there, and the
-    sidecar made for it under ``dst``'s name (its fingerprint; ``load``
-    checks the rest). Before the lock only the files' presence is looked at;
-    under ``dst``'s lock (which a convert holds all through ``_publish``) the
-    partial is opened and compared."""
+    the file: no ``dst`` (or, with ``overwrite``, the older regular file the
+    killed run was replacing, which this run replaces too), the complete
+    ``partial`` still there, and the sidecar made for it under ``dst``'s name
+    (its fingerprint; ``load`` checks the rest): never the older file's, which
+    an overwrite refuses. Before the lock only the files' presence is looked
+    at; under ``dst``'s lock (which a convert holds all through ``_publish``)
+    the partial is opened and compared."""
     from .offline.h5source import H5Source
     from .offline.sidecar import _OURS, Sidecar
 
-    if os.path.lexists(dst) or not os.path.isfile(partial) or os.path.islink(partial) \
-            or not os.path.isdir(side) or os.path.islink(side):
+    if os.path.lexists(dst) and not (overwrite and os.path.isfile(dst) and not os.path.islink(dst)):
+        return False
+    if not os.path.isfile(partial) or os.path.islink(partial) or not os.path.isdir(side) or os.path.islink(side):
         return False
     try:  # (bigper's own regular files only: a folder holding anything else is not removed)
         if not all(_OURS.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in os.scandir(side)):
@@ -300,18 +303,23 @@ def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool) -> bool:
         return False
     if not locked:
         return True
-    try:
-        src = H5Source(partial)
-    except BigperError:
-        return False
-    try:
-        fp = dict(src.fingerprint(), name=dst.name)
-        meta = Sidecar(side, fp, src.n).load()
-    except BigperError:
-        return False
-    finally:
-        src.close()
-    return isinstance(meta, dict) and meta.get("dataset", {}).get("name") == dst.name
+
+    def made_for(path: Path):
+        try:
+            src = H5Source(path, held=path == dst)  # (dst's lock is ours)
+        except BigperError:
+            return None
+        try:
+            meta = Sidecar(side, dict(src.fingerprint(), name=dst.name), src.n).load()
+        except BigperError:
+            return None
+        finally:
+            src.close()
+        return meta if isinstance(meta, dict) and meta.get("dataset", {}).get("name") == dst.name else None
+
+    # (a sidecar that the older dst opens with may be its own: the fingerprint is of the
+    # files' structure, which two datasets may share; that one is never removed)
+    return made_for(partial) is not None and not (os.path.lexists(dst) and made_for(dst) is not None)
 
 
 def _sidecar_of(path: Path) -> Path:
@@ -321,17 +329,52 @@ def _sidecar_of(path: Path) -> Path:
     return Sidecar.default_path(path)
 
 
-def _drop_sidecar(path: Path) -> None:
+def _drop_sidecar(path: Path, whole: bool = False) -> None:
     """Remove the sidecar directory this convert made beside its partial file
-    (or a killed run's, under the partial's lock): bigper's own names only."""
+    (or a killed run's, under the partial's lock): bigper's own names only.
+    ``whole``: the sidecar is first renamed away (``_dropped``), so that a kill
+    -9 while its files go leaves it whole where it was (the next convert
+    recognizes it: ``_killed_publish``) or gone from there, never half of it."""
     from .offline.sidecar import _OURS
 
     if not os.path.lexists(path) or not stat.S_ISDIR(os.lstat(path).st_mode):
         return
+    if whole:
+        trash = _dropped(path)
+        if _clear_dropped(path):
+            os.rename(path, trash)
+            path = trash
     for p in path.iterdir():
         if _OURS.fullmatch(p.name) and stat.S_ISREG(os.lstat(p).st_mode):
             p.unlink(missing_ok=True)
     os.rmdir(path)  # anything else there: an OSError, nothing of it removed
+
+
+def _dropped(path: Path) -> Path:
+    """Where ``_drop_sidecar(path, whole=True)`` moves a sidecar it removes."""
+    return path.with_name(path.name + ".dropped")
+
+
+def _clear_dropped(side: Path) -> bool:
+    """Finish the removal a kill -9 stopped (``_dropped(side)``: bigper's own
+    files only; anything else there is left, and False returned)."""
+    from .offline.sidecar import _OURS
+
+    trash = _dropped(side)
+    try:
+        if not os.path.lexists(trash):
+            return True
+        if not stat.S_ISDIR(os.lstat(trash).st_mode):
+            return False
+        for p in trash.iterdir():
+            if not (_OURS.fullmatch(p.name) and stat.S_ISREG(os.lstat(p).st_mode)):
+                return False
+        for p in trash.iterdir():
+            p.unlink(missing_ok=True)
+        os.rmdir(trash)
+    except OSError:
+        return False
+    return True
 
 
 def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> None:
@@ -427,7 +470,8 @@ def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) 
     under the lock still held), removed first."""
     ours, side = _sidecar_of(partial), _sidecar_of(dst)
     if leftover:
-        _drop_sidecar(side)
+        _drop_sidecar(side, whole=True)
+    _clear_dropped(side)  # (a killed recovery's)
     if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
         _check_dst(dst, overwrite)
     # The priorities go first: a kill -9 between the two renames leaves a sidecar

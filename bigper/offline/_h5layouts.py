@@ -78,7 +78,7 @@ def _flags(d, n: int) -> np.ndarray:
 
 class Layouts:
     """The layout readers, mixed into ``H5Source`` (they use its ``file_path``,
-    ``layout``, ``notes`` and ``_lock_fd``)."""
+    ``layout``, ``notes``, ``_held`` and ``_lock_fd``)."""
 
     def _need(self, group, key: str, where: str = ""):
         import h5py
@@ -279,7 +279,7 @@ class Layouts:
         from ..storage.hdf5 import FORMAT, VERSION
 
         lock = self.file_path.with_name(self.file_path.name + ".lock")
-        if os.path.lexists(lock):  # a writer holds it exclusively while the buffer is open
+        if os.path.lexists(lock) and not self._held:  # a writer holds it exclusively while the buffer is open
             fd = open_regular(lock, os.O_RDONLY, error=OfflineDatasetError)
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

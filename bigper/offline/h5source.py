@@ -77,6 +77,9 @@ class H5Source(Layouts, StorageBase):
     layout : {"auto", "d4rl", "minari", "bigper"}
     cache_bytes : int
         h5py's chunk cache, used by datasets that are not memory-mapped (compressed ones).
+    held : bool
+        The caller holds the file's own lock (``<file>.lock``) exclusively, as
+        ``convert`` does at its dst: no shared one is taken.
     """
 
     kind = "hdf5-source"
@@ -85,7 +88,7 @@ class H5Source(Layouts, StorageBase):
     priorities_writable = True
 
     def __init__(self, dataset, *, layout: str = "auto", cache_bytes: int = 64 << 20,
-                 allow_external: bool = False, taken=_RESERVED):
+                 allow_external: bool = False, taken=_RESERVED, held: bool = False):
         import h5py
 
         # Names no column may take as its field (the offline layer passes every name
@@ -107,6 +110,7 @@ class H5Source(Layouts, StorageBase):
         self.notes: list[str] = []
         self.on_close = None
         self._lock_fd = -1
+        self._held = held
         self._map = None
         self._file = None
         self.recorded_arrays: dict = {}  # bigper's layout: the arrays its record names

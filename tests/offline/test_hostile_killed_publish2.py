@@ -370,16 +370,40 @@ def _killed_overwrite(tmp_path):
     return src, dst, want
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a convert with overwrite=True killed between _publish's two renames (the sidecar moved to "
-    "<dst>.priorities, os.replace(partial, dst) not yet done) leaves the OLD dst beside the NEW "
-    "file's sidecar; _killed_publish requires 'no dst', so the next convert(overwrite=True) is "
-    "refused ('move or delete it first') although the state is exactly a killed publish's: the "
-    "overwrite half of the killed-publish recovery is missing"))
+# (Was a strict xfail: _killed_publish required 'no dst', so the next convert(overwrite=True) was
+# refused although the state was exactly a killed publish's.)
 def test_a_convert_with_overwrite_killed_between_its_renames_is_recovered(tmp_path):
     src, dst, want = _killed_overwrite(tmp_path)
     convert(src, dst, progress=False, overwrite=True)
     assert everything(dst)[1].tobytes() == want.tobytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == ["src", "z.h5", "z.h5.priorities"]
+
+
+def test_without_overwrite_the_killed_overwrite_is_refused_and_unchanged(tmp_path):
+    """The same leftover, converted again without ``overwrite``: dst (the older file) exists,
+    so it is refused, and nothing there changes (the older file, the sidecar, the partial)."""
+    src, dst, _ = _killed_overwrite(tmp_path)
+    before = _files(tmp_path)
+    with deadline(60), pytest.raises(PathExistsError):
+        convert(src, dst, progress=False)
+    assert _files(tmp_path) == before
+
+
+def test_an_overwrite_never_takes_the_older_files_own_sidecar(tmp_path):
+    """A dst whose own sidecar sits at ``<dst>.priorities`` (its keys are not all 1.0) beside
+    a complete partial of another source: an overwrite is refused, every byte left."""
+    (tmp_path / "src").mkdir()
+    old, _ = _source(tmp_path, seed=3)
+    dst = tmp_path / "z.h5"
+    convert(old, dst, progress=False)
+    assert (tmp_path / "z.h5.priorities").is_dir()
+    src, _ = _source(tmp_path, seed=4)
+    convert(src, tmp_path / "other.h5", progress=False)
+    shutil.copy(tmp_path / "other.h5", tmp_path / "z.h5.partial")
+    before = _files(tmp_path)
+    with deadline(60), pytest.raises(PathExistsError):
+        convert(src, dst, progress=False, overwrite=True)
+    assert _files(tmp_path) == before
 
 
 def test_the_old_dst_beside_the_new_sidecar_never_opens_with_it(tmp_path):
@@ -460,31 +484,49 @@ def test_two_threads_converting_on_one_leftover(leftover, tmp_path):
 KILLED_IN_RECOVERY = r"""
 import os, sys, time
 import bigper.convert as c
-orig = os.rmdir
-def stop(path, *a, **k):
-    if str(path).endswith(".priorities"):
-        print("at rmdir", flush=True)
-        time.sleep(3600)
-    return orig(path, *a, **k)
-c.os.rmdir = stop
+where = sys.argv[3]
+orig_rmdir, orig_unlink = os.rmdir, os.unlink
+def stop(at, orig):
+    def hook(path, *a, **k):
+        if at == where and ".priorities" in str(path) and "partial" not in str(path):
+            print("at " + at, flush=True)
+            time.sleep(3600)
+        return orig(path, *a, **k)
+    return hook
+c.os.rmdir = stop("rmdir", orig_rmdir)
+os.unlink = stop("unlink", orig_unlink)  # (pathlib's unlink calls os.unlink)
 c.convert(sys.argv[1], sys.argv[2], progress=False, chunk=64)
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the recovery itself is not crash-safe: _drop_sidecar unlinks the killed run's files one by one "
-    "(meta.json among them) and then rmdirs the folder; a kill -9 in between (here at the rmdir) leaves "
-    "<dst>.priorities without meta.json (empty), which _killed_publish no longer recognizes, so every "
-    "later convert to dst is refused ('move or delete it first') although only bigper ever wrote there "
-    "(renaming the folder away first, e.g. back to <dst>.partial.priorities, would keep it recognizable)"))
-def test_a_kill_during_the_recovery_is_recovered_by_the_next_convert(leftover, tmp_path):
+# (Was a strict xfail: _drop_sidecar unlinked the killed run's files one by one in place, so a kill
+# there left <dst>.priorities empty or without meta.json, which no later convert recognized.)
+@pytest.mark.parametrize("at", ["unlink", "rmdir"])
+def test_a_kill_during_the_recovery_is_recovered_by_the_next_convert(leftover, tmp_path, at):
+    """A convert that recognized a killed publish's sidecar is killed while removing it
+    (at its first file, or at the folder): the next convert completes, and nothing of
+    either killed run is left beside dst."""
     run, src, dst, side, want = _copy(leftover, tmp_path)
-    with Child(KILLED_IN_RECOVERY, src, dst) as child:
-        child.said("at rmdir")
+    with Child(KILLED_IN_RECOVERY, src, dst, at) as child:
+        child.said(f"at {at}")
         child.kill()
-    assert side.is_dir() and not (side / "meta.json").exists()
+    # the sidecar is whole where it was, or gone from there: never a part of it at dst's name
+    assert not side.exists() or (side / "meta.json").is_file()
     convert(src, dst, progress=False)
     assert everything(dst)[1].tobytes() == want.tobytes()
+    assert sorted(p.name for p in run.iterdir() if p.suffix != ".lock") == ["src", "z.h5", "z.h5.priorities"]
+
+
+def test_a_foreign_file_in_the_dropped_folder_is_left(leftover, tmp_path):
+    """What a killed recovery left at ``<dst>.priorities.dropped`` is removed only when it
+    holds bigper's own files: a file of anyone else's stays, and the convert completes."""
+    run, src, dst, side, want = _copy(leftover, tmp_path)
+    trash = run / "z.h5.priorities.dropped"
+    trash.mkdir()
+    (trash / "notes.txt").write_text("mine")
+    convert(src, dst, progress=False)
+    assert everything(dst)[1].tobytes() == want.tobytes()
+    assert (trash / "notes.txt").read_text() == "mine"
 
 
 # (Was a strict xfail; fixed: see the commit that removed its marker.)
