@@ -444,6 +444,9 @@ class PrioritizedReplayBuffer:
             gathered straight into them (say, numpy views of pinned host
             tensors, so ``to_torch`` needs no second copy), and the batch
             holds them. The caller must not reuse one while a batch holds it.
+            Where a read can fail (an HDF5 file, a dataset read with pread),
+            the batch is gathered first and copied into them once every read
+            succeeded: a failed sample leaves them as they were.
 
         Returns
         -------
@@ -501,6 +504,11 @@ class PrioritizedReplayBuffer:
                                              stratified=bool(stratified), beta=b)
             if self._mirror is not None:
                 batch = self._device_batch(idx, w, prob)
+            elif out and undo:  # the caller's arrays written once every read succeeded (promise 16)
+                batch = self._unit.batch(self._reader, idx, w, prob, None, stacks)
+                for name, arr in out.items():
+                    np.copyto(arr, batch.data[name])
+                    batch.data[name] = arr
             else:
                 batch = self._unit.batch(self._reader, idx, w, prob, into if into is not None else out, stacks)
         except BaseException:

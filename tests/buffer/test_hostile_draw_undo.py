@@ -169,12 +169,8 @@ def test_right_out_arrays_while_the_read_fails_draw_nothing(twins):
         _same_batch(t.A.sample(8), t.B.sample(8))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a sample(out=...) whose read fails (the column last in the file cut) has already gathered the "
-    "columns before it into the caller's out arrays (action, obs, reward written, next_obs not): the "
-    "draw is undone but the caller's arrays are left half of a batch that was never returned. Low "
-    "severity (the arrays are lent to be written; the batch is not returned), but promise 16 says a "
-    "failed call changes nothing, and sample's docstring does not say out= may be left partly written"))
+# (Was a strict xfail: the columns gathered before the read that failed were left written
+# into the caller's out arrays; where reads may fail, the batch is now gathered first.)
 def test_a_failed_sample_leaves_the_out_arrays_as_they_were(twins):
     """Promise 16 (a failed call changes nothing) read for the caller's own arrays: the
     fields gathered before the read that failed must not be left written."""
@@ -286,3 +282,42 @@ def test_a_prefetching_sampler_whose_first_draw_fails(twins, close):
     for _ in range(3):
         _same_batch(next(it2), next(tw))
     it2.close()
+
+
+@pytest.mark.parametrize("storage", ["memory", "memmap", "hdf5"])
+@pytest.mark.parametrize("frames", [False, True])
+def test_out_arrays_hold_the_twins_batch_on_every_storage(tmp_path, storage, frames):
+    """Where reads may fail (HDF5) the batch is gathered first and copied into ``out``;
+    elsewhere it is gathered straight into it: either way the batch holds the caller's
+    arrays, and its data, weights and indices are a twin's that sampled without ``out``."""
+    shape = (4, 6, 5) if frames else (3,)
+    fields = {"obs": (shape, np.uint8), "action": ((), np.int64), "reward": ((), np.float32)}
+    bufs = []
+    for name in ("a", "b"):
+        kw = {} if storage == "memory" else {"path": tmp_path / (name + (".h5" if storage == "hdf5" else ""))}
+        bufs.append(bigper.PrioritizedReplayBuffer(200, fields, storage=storage, seed=5,
+                                                   frame_stack=4 if frames else None, **kw))
+    rng = np.random.default_rng(0)
+    try:
+        for t in range(150):
+            step = {"obs": rng.integers(0, 255, shape, dtype=np.uint8), "action": t, "reward": float(t) / 3,
+                    "next_obs": rng.integers(0, 255, shape, dtype=np.uint8),
+                    "terminated": t % 37 == 36, "truncated": False}
+            if frames and t % 37:  # (a stream: each stack continues the previous next_obs)
+                step["obs"] = prev
+            for b in bufs:
+                b.add(**step)
+            prev = step["next_obs"]
+        a, b = bufs
+        ref = b.sample(16)
+        out = {k: np.full_like(ref[k], 9) for k in ("obs", "next_obs", "action", "reward")}
+        got = a.sample(16, out=out)
+        for k, arr in out.items():
+            assert got[k] is arr
+        for k in ref:
+            np.testing.assert_array_equal(got[k], ref[k])
+        np.testing.assert_array_equal(got.indices, ref.indices)
+        np.testing.assert_array_equal(got.weights, ref.weights)
+    finally:
+        for b in bufs:
+            b.close()
