@@ -36,6 +36,9 @@ def test_the_scale_run_runs_tiny_with_both_kills_and_resumes(tmp_path):
     assert all(v > 0 for v in rep["rss_mb"].values())
     assert rep["games"] == ["Pong", "Seaquest"] and "Pong, Seaquest" in r.stdout
     assert 0 <= rep["cached"] <= 1 and 0 <= rep["cached_one_checkpoint"] <= 1
+    assert rep["cached_read"] > 0.9 and "after it was read once" in r.stdout  # (the file read through)
+    assert set(rep["round_us_read"]) == set(rep["round_us_read_one_checkpoint"]) == {"32", "256"}
+    assert all(v > 0 for v in rep["round_us_read"].values())
     assert 0 < rep["round_rss_anon_mb"] <= rep["rss_mb"]["sample_update"]  # (a child of its own)
     assert list(tmp_path.iterdir()) == []  # the bench's files are gone
 

@@ -103,8 +103,10 @@ ROUNDS = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[2])  # (tools/: the rounds below are the bench's own)
 from pathlib import Path
-from workloads.offline.dqn_scale import rounds
+from workloads.offline.dqn_scale import read_through, rounds
 r = {"round_us": rounds(Path(sys.argv[1]))}
+r["cached_read"] = read_through(Path(sys.argv[1]))  # (then again, the whole file in the page cache)
+r["round_us_read"] = rounds(Path(sys.argv[1]), first=False)
 r["rss_mb"] = [int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM")][0] / 1024
 print("result", json.dumps(r), flush=True)
 """
@@ -255,13 +257,28 @@ def cached(path: Path) -> float:
     return float((vec & 1).mean()) if ok else float("nan")
 
 
+def read_through(path: Path, chunk: int = 16 << 20) -> float:
+    """Read the file at ``path`` once from start to end (what a learner's
+    sampling does to its page cache over a long run: every frame is read
+    sooner or later), then the share of its pages cached (``cached``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while os.read(fd, chunk):
+            pass
+    finally:
+        os.close(fd)
+    return cached(path)
+
+
 # -- children -----------------------------------------------------------------------------
-def rounds(dst: Path, batches=(32, 256), warm: int = 2000, iters: int = 200, seed: int = 0) -> dict:
+def rounds(dst: Path, batches=(32, 256), warm: int = 2000, iters: int = 200, seed: int = 0,
+           first: bool = True) -> dict:
     """Median sample + update round (us) at each batch size, ``iters`` rounds after
     ``warm`` (a learner's steady state: the pages of a 50M tree that sampling
     touches are faulted in over the first thousand rounds; a 1M tree's in a few),
-    and as ``"<B> first"`` the median of the first ``iters`` rounds of the first
-    batch size (just opened)."""
+    and (``first``) as ``"<B> first"`` the median of the first ``iters`` rounds
+    of the first batch size (just opened)."""
     import bigper
 
     out = {}
@@ -275,7 +292,7 @@ def rounds(dst: Path, batches=(32, 256), warm: int = 2000, iters: int = 200, see
                 ds.update_priorities(batch, rng.random(b) + 0.01)
                 times.append(time.perf_counter() - t0)
             out[str(b)] = round(float(np.median(times[warm:])) * 1e6, 1)
-            if k == 0:
+            if k == 0 and first:
                 out[f"{b} first"] = round(float(np.median(times[:iters])) * 1e6, 1)
     return out
 
@@ -345,6 +362,7 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
     rep["cached"] = round(cached(dst), 3)  # (a sampled frame not in the page cache is a disk read)
     r, _, _, _ = child(ROUNDS, dst, tools, log=log)
     rep["round_us"], rep["round_rss_mb"] = r["round_us"], round(child.peaks[-1])
+    rep["cached_read"], rep["round_us_read"] = r["cached_read"], r["round_us_read"]
     rep["round_rss_anon_mb"] = round(child.anon[-1])
     one = root / "run1"
     one.mkdir()
@@ -352,7 +370,8 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
         os.link(p, one / p.name)
     r1, _, _, _ = child(CONVERT, one, root / "one.h5", log=log)
     rep["cached_one_checkpoint"] = round(cached(root / "one.h5"), 3)
-    rep["round_us_one_checkpoint"] = child(ROUNDS, root / "one.h5", tools, log=log)[0]["round_us"]
+    r1r = child(ROUNDS, root / "one.h5", tools, log=log)[0]
+    rep["round_us_one_checkpoint"], rep["round_us_read_one_checkpoint"] = r1r["round_us"], r1r["round_us_read"]
     rep["one_checkpoint_transitions"] = r1["transitions"]
     rep["rss_anon_mb"] = {"convert": round(max(child.anon[:2])), "reprioritize": round(max(child.anon[2:4]))}
     rep["rss_mb"] = {"convert": round(max(child.peaks[:2])), "reprioritize": round(max(child.peaks[2:4])),
@@ -384,6 +403,12 @@ def print_scale(rep: dict) -> None:
         what = f"B={b.split()[0]}, the first 200" if b.endswith(" first") else f"B={b}, after 2,000"
         rows.append([f"sample + update round {what}, us", f"{rep['round_us'][b]} (one checkpoint "
                      f"{rep['round_us_one_checkpoint'][b]}: {ratio[b]:.2f}x)", "<= 2x the 1M round"])
+    if "round_us_read" in rep:  # (results before it was measured have none)
+        rows.append(["file in the page cache after it was read once", f"{rep['cached_read']:.1%}", ""])
+        for b, us in rep["round_us_read"].items():
+            one = rep["round_us_read_one_checkpoint"][b]
+            rows.append([f"  then the round B={b}, after 2,000, us", f"{us} (one checkpoint {one}: "
+                         f"{us / one:.2f}x)", "<= 2x the 1M round"])
     rows += [["reprioritize (resumed run), tr/s", f"{p['rate_resumed']:,}", ""],
              ["reprioritize incl. kill -9 + resume, tr/s", f"{p['rate_overall']:,}", ""],
              ["peak RSS of reprioritize, MB", f"{rep['rss_mb']['reprioritize']:,} (anonymous "
