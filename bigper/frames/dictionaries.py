@@ -120,6 +120,7 @@ class Dictionaries:
         # doubles with each one that does not (training costs seconds a thousand frames).
         self.retry, self.wait = 0, 0
         self._codec = None
+        self.version = 0  # changes with the live dictionaries or the codec (what a decode keeps: segments.py)
 
     @property
     def hi(self) -> int:
@@ -154,6 +155,7 @@ class Dictionaries:
         if drop:
             self.dicts, self.lo = self.dicts[drop:], self.lo + drop
         self.dicts.append(d)
+        self.version += 1
         return True
 
     def state(self) -> tuple[dict, np.ndarray]:
@@ -187,8 +189,10 @@ class Dictionaries:
         self.lo, self.dicts, self.base = lo, dicts, None if base is None else float(base)
         self.retry, self.wait = retry, wait
         self._codec = codec
+        self.version += 1
 
     def close(self) -> None:
+        self.version += 1
         if self._codec is not None:
             self._codec.close()
             self._codec = None

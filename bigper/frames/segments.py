@@ -73,13 +73,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import warnings
 from typing import NamedTuple
 
 import numpy as np
 
 from . import zstd as _zstd
-from .zstd import compress_rows
+from .zstd import compress_rows, decompress_rows
 from . import dictionaries
 from . import look as _look
 from .budget import log_geometry
@@ -297,6 +298,40 @@ def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets
     return -1
 
 
+class DecodeArgs(NamedTuple):
+    """What ``decode_frames`` reads of a log (``SegmentLog._decode_args``), a
+    plain tuple at the call: the storage's ``frame_index`` and flat
+    ``frame_log``, the log's counters ``st`` and geometry, the live
+    generations ``glo..ghi``, a thread's decompression context and the
+    codec's dictionaries."""
+    index: np.ndarray
+    F: int
+    st: np.ndarray
+    seg: int
+    max_len: int
+    glo: int
+    ghi: int
+    dctx: int
+    ddicts: np.ndarray
+    log: np.ndarray
+
+
+@kernel
+def decode_frames(da, ids, scratch, out):
+    """``gather_index`` then ``decompress_rows`` of frames ``ids`` into the
+    first rows of ``out``, in one call (``scratch``: (4, m >= n) int64).
+    Returns -1, or where it stopped (the caller says why: ``SegmentLog.decode``)."""
+    index, F, st, seg, max_len, glo, ghi, dctx, ddicts, log = da
+    n = ids.shape[0]
+    offsets, lengths, slots, rows = scratch[0, :n], scratch[1, :n], scratch[2, :n], scratch[3, :n]
+    for i in range(n):
+        rows[i] = ids[i] % F
+    bad = gather_index(index, rows, st[A] * seg, seg, max_len, glo, ghi, MAX_DICTS, offsets, lengths, slots)
+    if bad >= 0:
+        return bad
+    return decompress_rows(dctx, ddicts, log, offsets, lengths, slots, out, 0, n)
+
+
 class SegmentLog:
     """The compressed frames of one buffer (see the module docstring)."""
 
@@ -323,6 +358,7 @@ class SegmentLog:
         self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
         self._look: _look.Look | None = None  # a dictionary look in flight (``maybe_train``)
         self._staged_key = self._staged = None  # staged_args' arrays and ints, and what they were made of
+        self._decoders: dict = {}  # thread -> (what its DecodeArgs were made of, them, scratch): decode's
 
     @property
     def g(self) -> int:
@@ -723,6 +759,21 @@ class SegmentLog:
         return f"[offset {int(o[0])}, length {int(ln[0])}, dictionary {int(d[0])}]"
 
     # -- reading ---------------------------------------------------------------
+    def _decode_args(self, arrays: dict, n: int) -> tuple:
+        """This thread's ``DecodeArgs`` for ``decode``, made now, and a scratch of
+        ``n`` frames at least, after what they were made of: kept until the
+        dictionaries (``version``), the storage's arrays or the counters' array
+        change."""
+        ds, codec = self.dicts, self.codec
+        index, flat = arrays["frame_index"], arrays["frame_log"]
+        da = (index, self.F, self.st, self.seg, self.max_len, ds.lo, ds.hi, codec.dctx(), codec.ddicts,
+              flat.reshape(-1))
+        t = threading.get_ident()
+        if len(self._decoders) > 64 and t not in self._decoders:  # (threads come and go: never many kept)
+            self._decoders.clear()
+        mine = self._decoders[t] = (ds.version, index, flat, self.st, da, np.empty((4, max(n, 1024)), np.int64))
+        return mine
+
     def decode(self, ids: np.ndarray, out: np.ndarray | None = None, threads: bool = True,
                chunk: int = DECODE_CHUNK) -> np.ndarray:
         """Frames ``ids`` ((n,) int64, live; or their index rows ``id % F``,
@@ -733,8 +784,16 @@ class SegmentLog:
         n = ids.shape[0]
         if out is None:
             out = np.empty((n, self.row_bytes), dtype=np.uint8)
-        offsets, lengths, dicts = np.empty((3, n), dtype=np.int64)  # (each row contiguous)
         arrays = self.store.arrays
+        if arrays is not None and (not threads or n <= chunk):  # the usual batch: one compiled call
+            mine = self._decoders.get(threading.get_ident())  # (made of: compared by identity)
+            if mine is None or mine[0] != self.dicts.version or mine[1] is not arrays["frame_index"] \
+                    or mine[2] is not arrays["frame_log"] or mine[3] is not self.st or mine[5].shape[1] < n:
+                mine = self._decode_args(arrays, n)
+            if decode_frames(mine[4], ids, mine[5], out) < 0:
+                return out
+            # (else the frame that stopped it, named below)
+        offsets, lengths, dicts = np.empty((3, n), dtype=np.int64)  # (each row contiguous)
         if arrays is not None:
             index, rows = arrays["frame_index"], ids % self.F
         else:
