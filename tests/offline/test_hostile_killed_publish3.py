@@ -166,3 +166,75 @@ def test_the_killed_overwrite_control(killed_overwrite, tmp_path):
     """(The control: the killed overwrite's leftover is recovered by an overwrite.)"""
     run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
     _completes(run, src, dst, want, True)
+
+
+# -- a kill -9 at every write of the recovery and of the publish --------------------------------------
+
+RECOVERY = [("rename", "$z.h5.priorities", 1),            # the killed run's sidecar to .dropped
+            ("unlink", "z.h5.priorities.dropped/", 1),    # its files, one by one
+            ("unlink", "z.h5.priorities.dropped/", 2),
+            ("unlink", "z.h5.priorities.dropped/", 3),
+            ("rmdir", "$z.h5.priorities.dropped", 1),
+            ("rename", "$z.h5.partial.priorities", 1)]    # the publish: this run's sidecar into place
+PUBLISHED = [("unlink", "$z.h5.partial.lock", 1)]  # (z.h5.lock: the killed run's, kept: not this run's)
+
+
+def _after_kill(run, dst, side, want, old, overwrite):
+    """What a kill may leave: the sidecar whole at dst's name or gone from there, and a dst
+    (if any) that is the older file (never with the killed run's keys) or the complete new one."""
+    assert not os.path.lexists(side) or (side / "meta.json").is_file()
+    if os.path.lexists(dst):
+        try:
+            with deadline(60):
+                got = everything(dst)[1]
+        except BigperError:
+            return
+        partial = run / "z.h5.partial"
+        if partial.exists() and not os.path.samefile(partial, dst):  # dst is still the older file
+            assert old is not None and got.tobytes() == old.tobytes(), "the older dst opens with other keys"
+        else:
+            assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("op,match,nth", RECOVERY + [("link", "$z.h5.partial", 1), ("unlink", "$z.h5.partial", 1)]
+                         + PUBLISHED)
+def test_kill_at_each_write_without_overwrite(server, leftover, tmp_path, op, match, nth):
+    run, src, dst, side, want = _copy(leftover, tmp_path)
+    assert _kill_at(server, src, dst, op, match, nth), server.last
+    _after_kill(run, dst, side, want, None, False)
+    if os.path.lexists(dst):  # published already (the link was made): dst is the new file, refused again
+        assert everything(dst)[1].tobytes() == want.tobytes()
+        _refused_and_unchanged(run, src, dst)
+    else:
+        _completes(run, src, dst, want, False)
+
+
+@pytest.mark.parametrize("op,match,nth", RECOVERY + [("replace", "$z.h5.partial", 1)] + PUBLISHED)
+def test_kill_at_each_write_with_overwrite(server, killed_overwrite, tmp_path, op, match, nth):
+    run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
+    assert _kill_at(server, src, dst, op, match, nth, overwrite=True), server.last
+    _after_kill(run, dst, side, want, old, True)
+    if not (run / "z.h5.partial").exists():  # published already: dst is the new file, with its sidecar
+        assert everything(dst)[1].tobytes() == want.tobytes()
+        _refused_and_unchanged(run, src, dst, overwrite=True)
+    else:
+        _completes(run, src, dst, want, True)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_kills_one_after_another_then_a_convert(server, leftover, killed_overwrite, tmp_path, overwrite):
+    """Killed in the recovery's removal, then the next run killed in its clearing of the
+    .dropped folder (each of its files, then its rmdir), then at its publish: the last convert
+    completes, and nothing of any killed run is left."""
+    if overwrite:
+        run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
+    else:
+        run, src, dst, side, want = _copy(leftover, tmp_path)
+        old = None
+    for op, match, nth in [("unlink", "z.h5.priorities.dropped/", 2), ("unlink", "z.h5.priorities.dropped/", 1),
+                           ("rmdir", "$z.h5.priorities.dropped", 1),
+                           ("replace" if overwrite else "link", "$z.h5.partial", 1),  # a killed publish again
+                           ("rename", "$z.h5.priorities", 1), ("rmdir", "$z.h5.priorities.dropped", 1)]:
+        assert _kill_at(server, src, dst, op, match, nth, overwrite=overwrite), (op, nth, server.last)
+        _after_kill(run, dst, side, want, old, overwrite)
+    _completes(run, src, dst, want, overwrite)
