@@ -58,7 +58,11 @@ def child(src, dst, overwrite, op, match, nth, cwd):
     orig = getattr(os, op)
     def hook(*a, **k):
         p = str(a[0])
-        if (p.endswith(match[1:]) if match.startswith("$") else match in p):
+        if ">" in match:  # a rename of A to B: both ends given
+            hit = p.endswith(match.split(">")[0]) and str(a[1]).endswith(match.split(">")[1])
+        else:
+            hit = p.endswith(match[1:]) if match.startswith("$") else match in p
+        if hit:
             seen[0] += 1
             if seen[0] == nth:
                 print("at", op, flush=True)
@@ -97,7 +101,8 @@ def server():
 
 def _kill_at(server, src, dst, op, match, nth=1, overwrite=False, cwd="-"):
     """A convert of ``src`` to ``dst`` in a forked grandchild, stopped at the ``nth`` call of
-    ``os.<op>`` whose path ends with ``match[1:]`` (``$...``) or holds ``match``, and killed
+    ``os.<op>`` whose path ends with ``match[1:]`` (``$...``) or holds ``match`` (``A>B``: from a
+    path ending with A to one ending with B), and killed
     with SIGKILL there. False when it ended before it got there (its last line kept)."""
     server.send("\t".join(["kill", str(src), str(dst), "1" if overwrite else "0", op, match, str(nth), str(cwd)]))
     pid = int(server.said("pid").split()[1])
@@ -128,7 +133,7 @@ def _killed_overwrite_dir(server, root, old_n=90, same=False):
     dst = root / "z.h5"
     convert(old, dst, progress=False)
     old_keys = everything(dst)[1]
-    assert _kill_at(server, src, dst, "replace", "$z.h5.partial", overwrite=True)
+    assert _kill_at(server, src, dst, "replace", "z.h5.partial>z.h5", overwrite=True)
     assert (root / "z.h5.priorities").is_dir() and (root / "z.h5.partial").is_file()
     return src, dst, want, old_keys
 
@@ -196,7 +201,7 @@ def _after_kill(run, dst, side, want, old, overwrite):
             assert got.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("op,match,nth", RECOVERY + [("link", "$z.h5.partial", 1), ("unlink", "$z.h5.partial", 1)]
+@pytest.mark.parametrize("op,match,nth", RECOVERY + [("link", "z.h5.partial>z.h5", 1), ("unlink", "$z.h5.partial", 1)]
                          + PUBLISHED)
 def test_kill_at_each_write_without_overwrite(server, leftover, tmp_path, op, match, nth):
     run, src, dst, side, want = _copy(leftover, tmp_path)
@@ -209,7 +214,7 @@ def test_kill_at_each_write_without_overwrite(server, leftover, tmp_path, op, ma
         _completes(run, src, dst, want, False)
 
 
-@pytest.mark.parametrize("op,match,nth", RECOVERY + [("replace", "$z.h5.partial", 1)] + PUBLISHED)
+@pytest.mark.parametrize("op,match,nth", RECOVERY + [("replace", "z.h5.partial>z.h5", 1)] + PUBLISHED)
 def test_kill_at_each_write_with_overwrite(server, killed_overwrite, tmp_path, op, match, nth):
     run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
     assert _kill_at(server, src, dst, op, match, nth, overwrite=True), server.last
@@ -233,7 +238,7 @@ def test_kills_one_after_another_then_a_convert(server, leftover, killed_overwri
         old = None
     for op, match, nth in [("unlink", "z.h5.priorities.dropped/", 2), ("unlink", "z.h5.priorities.dropped/", 1),
                            ("rmdir", "$z.h5.priorities.dropped", 1),
-                           ("replace" if overwrite else "link", "$z.h5.partial", 1),  # a killed publish again
+                           ("replace" if overwrite else "link", "z.h5.partial>z.h5", 1),  # a killed publish again
                            ("rename", "$z.h5.priorities", 1), ("rmdir", "$z.h5.priorities.dropped", 1)]:
         assert _kill_at(server, src, dst, op, match, nth, overwrite=overwrite), (op, nth, server.last)
         _after_kill(run, dst, side, want, old, overwrite)
