@@ -560,3 +560,111 @@ def test_a_dst_that_is_another_dataset_with_its_own_sidecar_is_replaced_and_that
     assert everything(dst)[1].tobytes() == want.tobytes()
     assert fingerprint(run / "o.h5", run / "o.h5.priorities") == theirs
     assert os.stat(run / "o.h5").st_nlink == 1
+
+
+# -- two converts at once over one leftover ---------------------------------------------------------
+
+def _race_outcome(said, run, dst, want, overwrite, before):
+    said = sorted(said, key=lambda s: s != "done")
+    if overwrite:  # one completes; the other is refused (the lock, or the complete dst with its sidecar)
+        assert said[0] == "done" and said[1].startswith(("StorageLockedError", "PathExistsError")), said
+        assert everything(dst)[1].tobytes() == want.tobytes()
+        assert _left(run) == ["src", "z.h5", "z.h5.priorities"], _left(run)
+    else:  # dst (the older file) exists: both refused, nothing changed
+        assert all(s.startswith(("StorageLockedError", "PathExistsError")) for s in said), said
+        assert _files(run) == before
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_two_processes_over_the_killed_overwrite(server, killed_overwrite, tmp_path, overwrite):
+    run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
+    before = _files(run)
+    server.send("\t".join(["race", str(src), str(dst), "1" if overwrite else "0"]))
+    said = [server.line(), server.line()]
+    assert server.line() == "raced"
+    assert all(s.startswith("ended ") for s in said), said
+    _race_outcome([s[len("ended "):] for s in said], run, dst, want, overwrite, before)
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_two_threads_over_the_killed_overwrite(killed_overwrite, tmp_path, overwrite):
+    run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
+    before = _files(run)
+    said, barrier = [], threading.Barrier(2)
+
+    def one():
+        barrier.wait()
+        try:
+            convert(src, dst, progress=False, chunk=16, overwrite=overwrite)
+            said.append("done")
+        except Exception as e:  # noqa: BLE001
+            said.append(f"{type(e).__name__} {e}")
+
+    ths = [threading.Thread(target=one) for _ in range(2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(120)
+    assert len(said) == 2, said
+    _race_outcome(said, run, dst, want, overwrite, before)
+
+
+# -- relative paths, a chdir between the kill and the next convert ------------------------------------
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_kill_with_relative_paths_then_a_chdir(server, leftover, killed_overwrite, tmp_path, monkeypatch,
+                                                 overwrite):
+    """A recovery run with relative paths (its cwd the folder) killed after its sidecar went to
+    .dropped, then a publish killed again, relative too; this process converts the same relative
+    names from another folder (a plain convert there), then the right one from the folder."""
+    if overwrite:
+        run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
+    else:
+        run, src, dst, side, want = _copy(leftover, tmp_path)
+    rel_src = os.path.join("src", "d1.h5")
+    assert _kill_at(server, rel_src, "z.h5", "unlink", "z.h5.priorities.dropped/", 1, overwrite, cwd=run), \
+        server.last
+    assert _kill_at(server, rel_src, "z.h5", "replace" if overwrite else "link", "z.h5.partial>z.h5", 1,
+                    overwrite, cwd=run), server.last
+    before = _files(run)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copytree(run / "src", other / "src")
+    monkeypatch.chdir(other)
+    with deadline(60):
+        convert(rel_src, "z.h5", progress=False, overwrite=overwrite)
+    assert sorted(os.listdir(other)) == ["src", "z.h5", "z.h5.priorities"]
+    assert _files(run) == before
+    monkeypatch.chdir(run)
+    with deadline(60):
+        convert(rel_src, "z.h5", progress=False, overwrite=overwrite)
+    assert everything(dst)[1].tobytes() == want.tobytes()
+    assert _left(run) == ["src", "z.h5", "z.h5.priorities"], _left(run)
+
+
+# -- H5Source(held=True) --------------------------------------------------------------------------
+
+def test_held_opens_a_dataset_whose_lock_another_process_holds(server, killed_overwrite, tmp_path):
+    """A convert stopped at its publish holds <dst>.lock exclusively: H5Source(dst) is refused
+    (StorageLockedError), H5Source(dst, held=True) opens it all the same (the keyword trusts the
+    caller; any user can pass it, it is in the class's signature and docstring); from_hdf5 does
+    not take it (TypeError, from open_dataset's signature)."""
+    from bigper.offline.h5source import H5Source
+
+    run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
+    seen = {}
+
+    def during():
+        with pytest.raises(StorageLockedError):
+            H5Source(dst)
+        s = H5Source(dst, held=True)
+        try:
+            seen["n"] = int(s.n)
+        finally:
+            s.close()
+        with pytest.raises(TypeError):
+            bigper.PrioritizedReplayBuffer.from_hdf5(dst, held=True)
+
+    assert _kill_at(server, src, dst, "replace", "z.h5.partial>z.h5", overwrite=True, during=during), server.last
+    assert seen["n"] == 90 or seen["n"] > 0
+    _completes(run, src, dst, want, True)
