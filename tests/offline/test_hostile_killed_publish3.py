@@ -700,3 +700,59 @@ def test_a_kill_while_the_recovery_writes_its_partial(server, leftover, killed_o
         convert(src, dst, progress=False, overwrite=overwrite)
     assert everything(dst)[1].tobytes() == want.tobytes()
     assert _left(run) == ["src", "z.h5", "z.h5.priorities"], _left(run)
+
+
+# -- what made_for(dst) reads: any regular file at dst ------------------------------------------------
+
+def _h5(build):
+    def make(path):
+        import h5py
+
+        with h5py.File(path, "w") as f:
+            build(f)
+    return make
+
+
+def _garbage_record(f):
+    f.create_group("_bigper").attrs["meta"] = "{not json"
+
+
+def _bad_config(f):
+    f.create_group("_bigper").attrs["meta"] = '{"format": "bigper-hdf5", "version": 1, "config": 5}'
+
+
+def _external(f):
+    import h5py
+
+    f["observations"] = h5py.ExternalLink("/etc/passwd", "/x")
+
+
+DST_KINDS = {
+    "empty": lambda p: p.write_bytes(b""),
+    "text": lambda p: p.write_bytes(b"hello" * 1000),
+    "sparse-64MiB": lambda p: os.truncate(p.write_bytes(b"") or p, 1 << 26),
+    "h5-empty": _h5(lambda f: None),
+    "h5-obs-is-a-group": _h5(lambda f: f.create_group("observations")),
+    "h5-garbage-record": _h5(_garbage_record),
+    "h5-record-bad-config": _h5(_bad_config),
+    "h5-external-link": _h5(_external),
+    "d4rl": lambda p: write_d4rl(p, n=30),
+}
+
+
+@pytest.mark.parametrize("kind", list(DST_KINDS))
+def test_any_regular_file_at_dst_is_replaced_by_an_overwrite_over_the_leftover(leftover, tmp_path, kind):
+    """made_for(dst) opens whatever regular file is at dst (H5Source(dst, held=True)): anything
+    that is not a dataset the sidecar loads for is replaced (overwrite), never a raw error."""
+    run, src, dst, side, want = _copy(leftover, tmp_path)
+    DST_KINDS[kind](dst)
+    _completes(run, src, dst, want, True)
+
+
+@pytest.mark.parametrize("which", ["dst", "partial"])
+def test_the_older_dst_or_the_partial_as_the_source_is_refused_and_left(killed_overwrite, killed_same, tmp_path,
+                                                                        which):
+    for n, made in enumerate((killed_overwrite, killed_same)):
+        run, src, dst, side, want, old = _copy_ow(made, tmp_path / str(n))
+        _refused_and_unchanged(run, dst if which == "dst" else run / "z.h5.partial", dst, err=BigperError,
+                               overwrite=True)
