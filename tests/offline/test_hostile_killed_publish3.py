@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import threading
 
@@ -51,7 +52,14 @@ import os, sys, time, signal
 import bigper.convert as c
 import bigper.offline.h5source, bigper.offline.sidecar  # (imported before the fork)
 
+class Resume(Exception):
+    pass
+
+def resume(*_):
+    raise Resume()
+
 def child(src, dst, overwrite, op, match, nth, cwd):
+    signal.signal(signal.SIGUSR1, resume)
     if cwd != "-":
         os.chdir(cwd)
     seen = [0]
@@ -68,8 +76,13 @@ def child(src, dst, overwrite, op, match, nth, cwd):
             seen[0] += 1
             if seen[0] == nth:
                 out = orig(*a, **k) if after else None
-                print("at", op, flush=True)
-                time.sleep(3600)  # until killed
+                try:
+                    print("at", op, flush=True)
+                    time.sleep(3600)  # until killed (or resumed: SIGUSR1)
+                except Resume:
+                    pass
+                if after:
+                    return out
         return orig(*a, **k)
     setattr(os, op, hook)
     try:
@@ -114,7 +127,7 @@ def server():
         yield s
 
 
-def _kill_at(server, src, dst, op, match, nth=1, overwrite=False, cwd="-", during=None):
+def _kill_at(server, src, dst, op, match, nth=1, overwrite=False, cwd="-", during=None, resume=False):
     """A convert of ``src`` to ``dst`` in a forked grandchild, stopped at the ``nth`` call of
     ``os.<op>`` whose path ends with ``match[1:]`` (``$...``) or holds ``match`` (``A>B``: from a
     path ending with A to one ending with B; a leading ``+``: right after that call), and killed
@@ -122,6 +135,15 @@ def _kill_at(server, src, dst, op, match, nth=1, overwrite=False, cwd="-", durin
     server.send("\t".join(["kill", str(src), str(dst), "1" if overwrite else "0", op, match, str(nth), str(cwd)]))
     pid = int(server.said("pid").split()[1])
     line = server.line()
+    if line == f"at {op}" and resume:  # let it go on after ``during``: its last line
+        try:
+            during()
+        finally:
+            os.kill(pid, signal.SIGUSR1)
+        server.last = server.line()
+        server.send(f"reap\t{pid}")
+        server.said("reaped")
+        return server.last
     if line == f"at {op}":
         try:
             if during is not None:
@@ -756,3 +778,29 @@ def test_the_older_dst_or_the_partial_as_the_source_is_refused_and_left(killed_o
         run, src, dst, side, want, old = _copy_ow(made, tmp_path / str(n))
         _refused_and_unchanged(run, dst if which == "dst" else run / "z.h5.partial", dst, err=BigperError,
                                overwrite=True)
+
+
+# -- the recognized sidecar changes while the convert writes (its check was at the start) ------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "_killed_publish checks the leftover's entries (bigper's own files only) once, under the lock at the "
+    "convert's start (bigper/convert.py:299-301); _publish's _drop_sidecar(side, whole=True) "
+    "(convert.py:343-350), after the whole write, does not look again: a file the user put into "
+    "<dst>.priorities meanwhile is moved with the folder to <dst>.priorities.dropped, bigper's files are "
+    "unlinked around it, and os.rmdir (convert.py:350) fails with a raw OSError ENOTEMPTY (not a bigper "
+    "error); the user's file is no longer where they put it"))
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_put_into_the_recognized_sidecar_during_the_convert_stays_where_it_was(
+        server, leftover, killed_overwrite, tmp_path, overwrite):
+    if overwrite:
+        run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
+    else:
+        run, src, dst, side, want = _copy(leftover, tmp_path)
+
+    def during():  # the convert is past its checks, at its priorities (the sidecar of its partial)
+        (side / "notes.txt").write_text("the user's notes")
+
+    said = _kill_at(server, src, dst, "mkdir", "$z.h5.partial.priorities", 1, overwrite, during=during, resume=True)
+    assert said.startswith("ended "), said
+    assert said == "ended done" or said.split()[1] in bigper.errors.__dict__, said
+    assert (side / "notes.txt").read_text() == "the user's notes"
