@@ -426,22 +426,30 @@ def test_the_sources_sidecar_at_the_dropped_path_is_never_removed(tmp_path):
 HALF = pytest.mark.xfail(strict=True, reason=(
     "When <dst>.priorities.dropped is taken (here by a file of the user's), _clear_dropped returns False and "
     "_drop_sidecar (bigper/convert.py:343-350) removes the killed run's sidecar in place, file by file: a "
-    "kill -9 at its rmdir (or after meta.json went) leaves an empty folder (or one without meta.json) at "
-    "<dst>.priorities, which _killed_publish no longer recognizes, so every later convert to dst is PathExistsError: the 'whole or "
-    "gone, never half' promise holds only while the .dropped name is free"))
+    "kill -9 right after its meta.json went (at the next unlink, or at the rmdir) leaves a folder without "
+    "meta.json at <dst>.priorities, which _killed_publish no longer recognizes, so every later convert to "
+    "dst is PathExistsError: the 'whole or gone, never half' promise holds only while the .dropped name "
+    "is free"))
 
 
-@pytest.mark.parametrize("op,match,nth", [("unlink", "z.h5.priorities/", 1), ("unlink", "z.h5.priorities/", 2),
-                                          ("unlink", "z.h5.priorities/", 3),
-                                          pytest.param("rmdir", "$z.h5.priorities", 1, marks=HALF)])
-def test_a_kill_during_an_in_place_drop_is_recovered(server, leftover, tmp_path, op, match, nth):
-    """(With .dropped taken the removal is in place; killed after some of its files are gone
-    the rest still loads (meta.json goes last here, and a missing leaves file is not looked
-    at): recovered. Killed at its rmdir, the folder is empty: HALF.)"""
+@pytest.mark.parametrize("when", ["before-meta.json", pytest.param("after-meta.json", marks=HALF)])
+def test_a_kill_during_an_in_place_drop_is_recovered(server, leftover, tmp_path, when):
+    """With .dropped taken the removal is in place, in the folder's own order (os.listdir's): killed
+    before meta.json goes, the rest still loads (a missing leaves file is not looked at) and the
+    next convert recovers it; killed right after meta.json went (at the next unlink, or at the rmdir
+    when it went last): HALF."""
     run, src, dst, side, want = _copy(leftover, tmp_path)
     trash = run / "z.h5.priorities.dropped"
     trash.mkdir()
     (trash / "notes.txt").write_text("mine")
+    order = os.listdir(side)  # (what Path.iterdir yields there)
+    at = order.index("meta.json")
+    if when == "before-meta.json":
+        op, match, nth = "unlink", "z.h5.priorities/", at + 1
+    elif at + 1 < len(order):
+        op, match, nth = "unlink", "z.h5.priorities/", at + 2
+    else:
+        op, match, nth = "rmdir", "$z.h5.priorities", 1
     assert _kill_at(server, src, dst, op, match, nth), server.last
     with deadline(60):
         convert(src, dst, progress=False)
