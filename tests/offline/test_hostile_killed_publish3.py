@@ -383,7 +383,7 @@ def test_a_read_only_dropped_folder(leftover, tmp_path):
 
 OTHERS = pytest.mark.xfail(strict=True, reason=(
     "_publish (bigper/convert.py:474) calls _clear_dropped(<dst>.priorities) on every convert, and "
-    "_clear_dropped (convert.py:358-376) unlinks whatever regular files with bigper's names sit in "
+    "_clear_dropped (convert.py:358-377) unlinks whatever regular files with bigper's names sit in "
     "<dst>.priorities.dropped and rmdirs it, without any proof that a killed recovery made it: another "
     "dataset's sidecar kept there (from_hdf5(o.h5, priorities='z.h5.priorities.dropped'), even open in a "
     "live buffer) is deleted by a plain convert to z.h5 that had no leftover at all (promise 7)"))
@@ -435,7 +435,7 @@ def test_the_sources_sidecar_at_the_dropped_path_is_never_removed(tmp_path):
 
 HALF = pytest.mark.xfail(strict=True, reason=(
     "When <dst>.priorities.dropped is taken (here by a file of the user's), _clear_dropped returns False and "
-    "_drop_sidecar (bigper/convert.py:343-350) removes the killed run's sidecar in place, file by file: a "
+    "_drop_sidecar (bigper/convert.py:342-350) removes the killed run's sidecar in place, file by file: a "
     "kill -9 right after its meta.json went (at the next unlink, or at the rmdir) leaves a folder without "
     "meta.json at <dst>.priorities, which _killed_publish no longer recognizes, so every later convert to "
     "dst is PathExistsError: the 'whole or gone, never half' promise holds only while the .dropped name "
@@ -722,8 +722,9 @@ def test_held_opens_a_dataset_whose_lock_another_process_holds(server, killed_ov
 
 WRITING = pytest.mark.xfail(strict=True, reason=(
     "The recovering run recognizes the leftover sidecar under dst's lock but removes it only at _publish; "
-    "before that its _write replaces the killed run's partial (HDF5Storage takeover: the old file moved to "
-    ".z.h5.partial.trash-*, a new one made), the only thing the sidecar is proven against. Killed there, "
+    "before that its _write replaces the killed run's partial (HDF5Storage takeover, _swap at "
+    "bigper/storage/hdf5.py:214: the old file moved to .z.h5.partial.trash-*, a new one made), the only "
+    "thing the sidecar is proven against. Killed there, "
     "the sidecar sits beside an incomplete partial it was not made for: _killed_publish "
     "(bigper/convert.py:322, made_for(partial) is None) refuses it, and every later convert to dst is "
     "PathExistsError until the user deletes <dst>.priorities by hand"))
@@ -807,7 +808,7 @@ def test_the_older_dst_or_the_partial_as_the_source_is_refused_and_left(killed_o
 @pytest.mark.xfail(strict=True, reason=(
     "_killed_publish checks the leftover's entries (bigper's own files only) once, under the lock at the "
     "convert's start (bigper/convert.py:299-301); _publish's _drop_sidecar(side, whole=True) "
-    "(convert.py:343-350), after the whole write, does not look again: a file the user put into "
+    "(convert.py:342-350), after the whole write, does not look again: a file the user put into "
     "<dst>.priorities meanwhile is moved with the folder to <dst>.priorities.dropped, bigper's files are "
     "unlinked around it, and os.rmdir (convert.py:350) fails with a raw OSError ENOTEMPTY (not a bigper "
     "error); the user's file is no longer where they put it"))
