@@ -691,8 +691,9 @@ def test_a_kill_with_relative_paths_then_a_chdir(server, leftover, killed_overwr
 def test_held_opens_a_dataset_whose_lock_another_process_holds(server, killed_overwrite, tmp_path):
     """A convert stopped at its publish holds <dst>.lock exclusively: H5Source(dst) is refused
     (StorageLockedError), H5Source(dst, held=True) opens it all the same (the keyword trusts the
-    caller; any user can pass it, it is in the class's signature and docstring); from_hdf5 does
-    not take it (TypeError, from open_dataset's signature)."""
+    caller: a user reaches it only by importing bigper.offline.h5source.H5Source, which neither
+    bigper nor bigper.offline exports, though the keyword is in its docstring); from_hdf5 does
+    not take it (a plain TypeError from open_dataset's signature, not a bigper error)."""
     from bigper.offline.h5source import H5Source
 
     run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
