@@ -25,6 +25,7 @@ destination.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -128,6 +129,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         # at dst changes (promises 5 and 11): a live buffer's file is never replaced under it
         lock = _DstLock(dst)
         _check_dst(dst, overwrite, partial, locked=True)  # again, under the lock
+        _check_dropped(partial, dst)  # (its folder for a killed publish's sidecar: cleared at publish)
         leftover = os.path.lexists(_sidecar_of(dst))  # (a killed publish's, recognized: see _check_dst)
         keys = source.leaves(order)
         made = []  # set once the partial file is ours (its lock taken, its record written)
@@ -290,16 +292,13 @@ def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool, overwrit
     at; under ``dst``'s lock (which a convert holds all through ``_publish``)
     the partial is opened and compared."""
     from .offline.h5source import H5Source
-    from .offline.sidecar import _OURS, Sidecar
+    from .offline.sidecar import Sidecar
 
     if os.path.lexists(dst) and not (overwrite and os.path.isfile(dst) and not os.path.islink(dst)):
         return False
     if not os.path.isfile(partial) or os.path.islink(partial) or not os.path.isdir(side) or os.path.islink(side):
         return False
-    try:  # (bigper's own regular files only: a folder holding anything else is not removed)
-        if not all(_OURS.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in os.scandir(side)):
-            return False
-    except OSError:
+    if not _ours_only(side):  # (bigper's own regular files only: a folder holding anything else is not removed)
         return False
     if not locked:
         return True
@@ -329,52 +328,84 @@ def _sidecar_of(path: Path) -> Path:
     return Sidecar.default_path(path)
 
 
-def _drop_sidecar(path: Path, whole: bool = False) -> None:
+def _drop_sidecar(path: Path) -> None:
     """Remove the sidecar directory this convert made beside its partial file
-    (or a killed run's, under the partial's lock): bigper's own names only.
-    ``whole``: the sidecar is first renamed away (``_dropped``), so that a kill
-    -9 while its files go leaves it whole where it was (the next convert
-    recognizes it: ``_killed_publish``) or gone from there, never half of it."""
+    (or a killed run's, under the partial's lock): bigper's own names only."""
     from .offline.sidecar import _OURS
 
     if not os.path.lexists(path) or not stat.S_ISDIR(os.lstat(path).st_mode):
         return
-    if whole:
-        trash = _dropped(path)
-        if _clear_dropped(path):
-            os.rename(path, trash)
-            path = trash
-    for p in path.iterdir():
+    for p in sorted(path.iterdir(), key=lambda p: p.name == "meta.json"):  # (its record last: _check_dropped)
         if _OURS.fullmatch(p.name) and stat.S_ISREG(os.lstat(p).st_mode):
             p.unlink(missing_ok=True)
     os.rmdir(path)  # anything else there: an OSError, nothing of it removed
 
 
-def _dropped(path: Path) -> Path:
-    """Where ``_drop_sidecar(path, whole=True)`` moves a sidecar it removes."""
-    return path.with_name(path.name + ".dropped")
+def _dropped(partial: Path) -> Path:
+    """Where the recovery moves a killed publish's sidecar to remove it: a
+    name of the partial's (``<dst>.partial.*`` names are this convert's own,
+    under dst's lock), never one a user's file is at (``_check_not_source``)."""
+    return _sidecar_of(partial).with_name(_sidecar_of(partial).name + ".dropped")
 
 
-def _clear_dropped(side: Path) -> bool:
-    """Finish the removal a kill -9 stopped (``_dropped(side)``: bigper's own
-    files only; anything else there is left, and False returned)."""
+def _ours_only(folder: Path) -> bool:
+    """Whether ``folder`` (a real directory) holds bigper's own regular files only."""
     from .offline.sidecar import _OURS
 
-    trash = _dropped(side)
     try:
-        if not os.path.lexists(trash):
-            return True
-        if not stat.S_ISDIR(os.lstat(trash).st_mode):
-            return False
-        for p in trash.iterdir():
-            if not (_OURS.fullmatch(p.name) and stat.S_ISREG(os.lstat(p).st_mode)):
-                return False
-        for p in trash.iterdir():
-            p.unlink(missing_ok=True)
-        os.rmdir(trash)
+        return stat.S_ISDIR(os.lstat(folder).st_mode) and all(
+            _OURS.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in os.scandir(folder))
     except OSError:
         return False
-    return True
+
+
+def _check_dropped(partial: Path, dst: Path) -> None:
+    """``PathExistsError`` unless ``_dropped`` is free or holds what a killed
+    removal left of a sidecar made for ``dst``: bigper's own files, among
+    them its record naming dst (``_drop_sidecar`` removes it last), or none."""
+    trash = _dropped(partial)
+    if not os.path.lexists(trash):
+        return
+    if _ours_only(trash):
+        try:
+            left = os.listdir(trash)
+            if not left:
+                return
+            if "meta.json" in left:
+                with open(trash / "meta.json", "rb") as f:
+                    meta = json.loads(f.read(1 << 20))
+                if isinstance(meta, dict) and isinstance(meta.get("dataset"), dict) \
+                        and meta["dataset"].get("name") == dst.name:
+                    return
+        except (OSError, ValueError):
+            pass
+    raise PathExistsError(f"{trash} holds what bigper did not leave there; a convert moves a killed run's "
+                          "priorities there to remove them: move or delete it first (nothing was read or written)")
+
+
+def _clear_dropped(partial: Path, dst: Path) -> None:
+    """Finish a removal a kill -9 stopped (``_dropped``; ``_check_dropped`` first)."""
+    _check_dropped(partial, dst)
+    try:
+        _drop_sidecar(_dropped(partial))
+    except OSError as e:
+        raise PathExistsError(f"{_dropped(partial)} (a killed run's priorities, being removed) cannot be removed: "
+                              f"{e.strerror}; move or delete it first") from None
+
+
+def _drop_leftover(side: Path, partial: Path, dst: Path) -> None:
+    """Remove the killed publish's sidecar at ``side`` (``<dst>.priorities``):
+    renamed away first, so that a kill -9 while its files go leaves it whole
+    where it was (the next convert recognizes it) or gone from there, never
+    half of it; a file put there since it was recognized is put back with it
+    (``PathExistsError``, nothing removed)."""
+    trash = _dropped(partial)  # (free: _publish cleared it)
+    os.rename(side, trash)
+    if not _ours_only(trash):
+        os.rename(trash, side)
+        raise PathExistsError(f"{side} holds files bigper did not write (put there while converting); "
+                              "move or delete them first (nothing there was removed)")
+    _drop_sidecar(trash)
 
 
 def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> None:
@@ -414,7 +445,7 @@ def _check_not_source(store, dst: Path, partial: Path) -> None:
     side = store.sidecar
     if side is not None:
         theirs = os.path.realpath(side.path)
-        for p in (dst, partial, _sidecar_of(partial), _sidecar_of(dst)):
+        for p in (dst, partial, _sidecar_of(partial), _sidecar_of(dst), _dropped(partial)):
             if os.path.realpath(p) == theirs or os.path.realpath(p).startswith(theirs + os.sep):
                 raise InvalidArgumentError(f"dst={str(dst)!r} is (or is in) {side.path}, where the source's "
                                            "priorities live; convert never writes its source")
@@ -469,9 +500,9 @@ def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) 
     the sidecar at ``<dst>.priorities`` is a killed publish's (``_killed_publish``,
     under the lock still held), removed first."""
     ours, side = _sidecar_of(partial), _sidecar_of(dst)
+    _clear_dropped(partial, dst)  # (a killed recovery's)
     if leftover:
-        _drop_sidecar(side, whole=True)
-    _clear_dropped(side)  # (a killed recovery's)
+        _drop_leftover(side, partial, dst)
     if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
         _check_dst(dst, overwrite)
     # The priorities go first: a kill -9 between the two renames leaves a sidecar

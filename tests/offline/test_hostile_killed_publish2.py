@@ -488,7 +488,8 @@ where = sys.argv[3]
 orig_rmdir, orig_unlink = os.rmdir, os.unlink
 def stop(at, orig):
     def hook(path, *a, **k):
-        if at == where and ".priorities" in str(path) and "partial" not in str(path):
+        p = str(path)  # (the leftover's removal: at <dst>.partial.priorities.dropped, convert._dropped)
+        if at == where and ".priorities" in p and ("dropped" in p or "partial" not in p):
             print("at " + at, flush=True)
             time.sleep(3600)
         return orig(path, *a, **k)

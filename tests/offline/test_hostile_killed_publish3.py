@@ -24,7 +24,16 @@ regular file at dst (what ``made_for(dst)`` opens); the older dst or the
 partial given as the source; a kill -9 while the recovering run writes its
 own partial; a file put into the recognized sidecar while the convert runs.
 
-Findings (strict xfails, each with its cause): ``_clear_dropped`` deletes
+After this attack (the fix of its findings): the recognized sidecar goes by
+``<dst>.partial.priorities.dropped`` (``TRASH``: a name of the partial's,
+convert's own), which is cleared only when empty or holding bigper's files
+with a record made for dst (``_check_dropped``: anything else is
+``PathExistsError``, checked before the write); its record is removed last;
+a file put into the sidecar meanwhile is put back (``PathExistsError``).
+The tests below at ``<dst>.priorities.dropped`` (``OLD``) now hold that the
+name is never touched.
+
+Findings (strict xfails, each with its cause): ``_clear_dropped`` deleted
 whatever bigper-named files sit at ``<dst>.priorities.dropped`` on every
 convert (another dataset's sidecar, the source's own); with that name taken
 the removal is in place and a kill leaves half a sidecar; an older dst of
@@ -53,6 +62,10 @@ from tests._hostile_snapshot_cases import deadline, fingerprint
 from tests.offline.test_convert import everything, write_d4rl
 from tests.offline.test_hostile_convert_killed_publish import _files, _source
 from tests.offline.test_hostile_killed_publish2 import _copy, leftover  # noqa: F401  (a fixture)
+
+
+TRASH = "z.h5.partial.priorities.dropped"  # (bigper.convert._dropped: where the leftover goes to be removed)
+OLD = "z.h5.priorities.dropped"  # (where 9cb0c76 put it: a name that is not convert's own)
 
 
 # -- a fork server: bigper imported once, a grandchild forked for each kill -9 ----------------------
@@ -234,11 +247,11 @@ def test_the_killed_overwrite_control(killed_overwrite, tmp_path):
 
 # -- a kill -9 at every write of the recovery and of the publish --------------------------------------
 
-RECOVERY = [("rename", "$z.h5.priorities", 1),            # the killed run's sidecar to .dropped
-            ("unlink", "z.h5.priorities.dropped/", 1),    # its files, one by one
-            ("unlink", "z.h5.priorities.dropped/", 2),
-            ("unlink", "z.h5.priorities.dropped/", 3),
-            ("rmdir", "$z.h5.priorities.dropped", 1),
+RECOVERY = [("rename", "$z.h5.priorities", 1),            # the killed run's sidecar to TRASH
+            ("unlink", TRASH + "/", 1),                   # its files, one by one (its meta.json last)
+            ("unlink", TRASH + "/", 2),
+            ("unlink", TRASH + "/", 3),
+            ("rmdir", "$" + TRASH, 1),
             ("rename", "$z.h5.partial.priorities", 1)]    # the publish: this run's sidecar into place
 PUBLISHED = [("unlink", "$z.h5.partial.lock", 1)]  # (z.h5.lock: the killed run's, kept: not this run's)
 
@@ -295,10 +308,10 @@ def test_kills_one_after_another_then_a_convert(server, leftover, killed_overwri
     else:
         run, src, dst, side, want = _copy(leftover, tmp_path)
         old = None
-    for op, match, nth in [("unlink", "z.h5.priorities.dropped/", 2), ("unlink", "z.h5.priorities.dropped/", 1),
-                           ("rmdir", "$z.h5.priorities.dropped", 1),
+    for op, match, nth in [("unlink", TRASH + "/", 2), ("unlink", TRASH + "/", 1),
+                           ("rmdir", "$" + TRASH, 1),
                            ("replace" if overwrite else "link", "z.h5.partial>z.h5", 1),  # a killed publish again
-                           ("rename", "$z.h5.priorities", 1), ("rmdir", "$z.h5.priorities.dropped", 1)]:
+                           ("rename", "$z.h5.priorities", 1), ("rmdir", "$" + TRASH, 1)]:
         assert _kill_at(server, src, dst, op, match, nth, overwrite=overwrite), (op, nth, server.last)
         _after_kill(run, dst, side, want, old, overwrite)
     _completes(run, src, dst, want, overwrite)
@@ -314,15 +327,18 @@ def _a_dropped_like(run):
 
 
 @pytest.mark.parametrize("what", ["symlink-to-ours", "symlink-to-the-sidecar", "fifo", "regular-file",
-                                  "dir-with-subdir", "dir-with-user-file"])
+                                  "dir-with-subdir", "dir-with-user-file", "dir-of-another-datasets"])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_what_is_not_a_killed_recoverys_dropped_folder_is_left_and_the_convert_completes(
-        leftover, killed_overwrite, tmp_path, what, overwrite):
+@pytest.mark.parametrize("name", [OLD, TRASH])
+def test_what_is_not_a_killed_recoverys_dropped_folder_is_left(
+        leftover, killed_overwrite, tmp_path, what, overwrite, name):
+    """At OLD (not convert's name) anything is left and the convert completes; at TRASH what a
+    killed removal cannot have left is refused before the write, every byte unchanged."""
     if overwrite:
         run, src, dst, side, want, _ = _copy_ow(killed_overwrite, tmp_path)
     else:
         run, src, dst, side, want = _copy(leftover, tmp_path)
-    trash = run / "z.h5.priorities.dropped"
+    trash = run / name
     elsewhere = _a_dropped_like(run)
     if what == "symlink-to-ours":
         os.symlink(elsewhere, trash)
@@ -334,10 +350,20 @@ def test_what_is_not_a_killed_recoverys_dropped_folder_is_left_and_the_convert_c
         trash.write_bytes(b"mine")
     elif what == "dir-with-subdir":
         shutil.copytree(elsewhere, trash / "sub")
-    else:
+    elif what == "dir-with-user-file":
         shutil.copytree(elsewhere, trash)
         (trash / "notes.txt").write_text("mine")
+    else:  # bigper's files only, a record made for another dataset
+        import json
+
+        shutil.copytree(elsewhere, trash)
+        meta = json.loads((trash / "meta.json").read_text())
+        meta["dataset"]["name"] = "o.h5"
+        (trash / "meta.json").write_text(json.dumps(meta))
     theirs, ours = fingerprint(trash, elsewhere), fingerprint(elsewhere)
+    if name == TRASH:
+        _refused_and_unchanged(run, src, dst, overwrite=overwrite)
+        return
     with deadline(60):
         convert(src, dst, progress=False, overwrite=overwrite)
     assert everything(dst)[1].tobytes() == want.tobytes()
@@ -345,17 +371,32 @@ def test_what_is_not_a_killed_recoverys_dropped_folder_is_left_and_the_convert_c
         assert os.readlink(trash) == str(side) and fingerprint(elsewhere) == ours
     else:
         assert fingerprint(trash, elsewhere) == theirs
-    assert _left(run) == ["elsewhere", "src", "z.h5", "z.h5.priorities", "z.h5.priorities.dropped"]
+    assert _left(run) == ["elsewhere", "src", "z.h5", "z.h5.priorities", OLD]
 
 
-def test_a_sparse_file_named_like_ours_in_the_dropped_folder_is_removed_unread(leftover, tmp_path):
-    """A killed recovery can leave any of bigper's names there without meta.json; a 1 TiB
-    sparse one is unlinked (by its name), never read: the convert completes at once."""
+@pytest.mark.parametrize("record", [False, True])
+def test_a_sparse_file_named_like_ours_in_the_dropped_folder_is_never_read(leftover, tmp_path, record):
+    """A 1 TiB sparse file of one of bigper's names at TRASH: beside a record made for dst (what
+    a killed removal leaves: its record goes last) it is unlinked by its name, never read, and
+    the convert completes at once; without one (no removal of ours leaves that) it is refused."""
     run, src, dst, side, want = _copy(leftover, tmp_path)
-    trash = run / "z.h5.priorities.dropped"
+    trash = run / TRASH
     trash.mkdir()
+    if record:
+        shutil.copy(side / "meta.json", trash / "meta.json")
     with open(trash / "leaves-0123456789ab.npy", "wb") as f:
         f.truncate(1 << 40)
+    if not record:  # (the folder's fingerprint would read the 1 TiB: its names and sizes instead)
+        big = trash / "leaves-0123456789ab.npy"
+        def rest():
+            return {k: v for k, v in fingerprint(*(p for p in run.iterdir() if p != trash)).items()
+                    if not k.endswith(".lock")}
+        before = rest()
+        with deadline(30), pytest.raises(PathExistsError):
+            convert(src, dst, progress=False)
+        assert os.listdir(trash) == [big.name] and big.stat().st_size == 1 << 40
+        assert rest() == before
+        return
     with deadline(30):
         convert(src, dst, progress=False)
     assert everything(dst)[1].tobytes() == want.tobytes()
@@ -363,39 +404,36 @@ def test_a_sparse_file_named_like_ours_in_the_dropped_folder_is_removed_unread(l
 
 
 def test_a_read_only_dropped_folder(leftover, tmp_path):
-    """A killed recovery's folder made read-only (0555): the convert completes; what it could
-    not remove (not root) is left whole."""
+    """A killed recovery's folder (a record made for dst) made read-only (0555): the convert
+    completes (root), or is refused with a bigper error and what it could not remove is left whole."""
     run, src, dst, side, want = _copy(leftover, tmp_path)
-    trash = run / "z.h5.priorities.dropped"
+    trash = run / TRASH
     shutil.copytree(side, trash)
-    os.unlink(trash / "meta.json")
-    theirs = fingerprint(trash)
     os.chmod(trash, 0o555)
     try:
-        with deadline(60):
-            convert(src, dst, progress=False)
+        try:
+            with deadline(60):
+                convert(src, dst, progress=False)
+        except BigperError:  # (not root: a file it could not unlink; never a raw OSError)
+            assert (trash / "meta.json").is_file()
+            return
         assert everything(dst)[1].tobytes() == want.tobytes()
-        assert not os.path.lexists(trash) or fingerprint(trash) == theirs
+        assert not os.path.lexists(trash)
     finally:
         if trash.exists():
             os.chmod(trash, 0o755)
 
 
-OTHERS = pytest.mark.xfail(strict=True, reason=(
-    "_publish (bigper/convert.py:474) calls _clear_dropped(<dst>.priorities) on every convert, and "
-    "_clear_dropped (convert.py:358-377) unlinks whatever regular files with bigper's names sit in "
-    "<dst>.priorities.dropped and rmdirs it, without any proof that a killed recovery made it: another "
-    "dataset's sidecar kept there (from_hdf5(o.h5, priorities='z.h5.priorities.dropped'), even open in a "
-    "live buffer) is deleted by a plain convert to z.h5 that had no leftover at all (promise 7)"))
-
-
-@OTHERS
+# (OTHERS and the source's sidecar were strict xfails: _clear_dropped emptied <dst>.priorities.dropped
+# on every convert, whoever's it was. Now the name is convert's own (TRASH, under the partial's) and
+# what is there is removed only when a killed removal of a sidecar made for dst can have left it.)
+@pytest.mark.parametrize("name", [OLD, TRASH])
 @pytest.mark.parametrize("live", [False, True])
-def test_another_datasets_sidecar_at_the_dropped_path_is_never_removed(tmp_path, live):
+def test_another_datasets_sidecar_at_the_dropped_path_is_never_removed(tmp_path, live, name):
     src, want = _source(tmp_path)
     o = tmp_path / "src" / "o.h5"
     write_d4rl(o, n=60)
-    trash = tmp_path / "z.h5.priorities.dropped"
+    trash = tmp_path / name
     with bigper.PrioritizedReplayBuffer.from_hdf5(o, priorities=trash) as ds:
         ids = np.flatnonzero(ds.status == 1)
         ds.update_priorities(ids, np.linspace(1.0, 3.0, ids.shape[0]))
@@ -413,14 +451,10 @@ def test_another_datasets_sidecar_at_the_dropped_path_is_never_removed(tmp_path,
             held.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_check_not_source (bigper/convert.py:417) guards dst, the partial, their sidecars against the "
-    "source's sidecar, but not <dst>.priorities.dropped, which _publish's _clear_dropped (convert.py:474) "
-    "empties and removes: a source whose sidecar is that folder (a.h5.priorities -> z.h5.priorities.dropped) "
-    "loses its priorities to convert(a.h5, z.h5), which never writes its source"))
-def test_the_sources_sidecar_at_the_dropped_path_is_never_removed(tmp_path):
+@pytest.mark.parametrize("name", [OLD, TRASH])
+def test_the_sources_sidecar_at_the_dropped_path_is_never_removed(tmp_path, name):
     src, want = _source(tmp_path)
-    trash = tmp_path / "z.h5.priorities.dropped"
+    trash = tmp_path / name
     os.rename(tmp_path / "src" / "d1.h5.priorities", trash)
     os.symlink(trash, tmp_path / "src" / "d1.h5.priorities")
     assert everything(src)[1].tobytes() == want.tobytes()  # (it opens with its priorities through the link)
@@ -433,37 +467,30 @@ def test_the_sources_sidecar_at_the_dropped_path_is_never_removed(tmp_path):
     assert fingerprint(trash) == theirs, "the source's priorities were removed by the convert"
 
 
-HALF = pytest.mark.xfail(strict=True, reason=(
-    "When <dst>.priorities.dropped is taken (here by a file of the user's), _clear_dropped returns False and "
-    "_drop_sidecar (bigper/convert.py:342-350) removes the killed run's sidecar in place, file by file: a "
-    "kill -9 right after its meta.json went (at the next unlink, or at the rmdir) leaves a folder without "
-    "meta.json at <dst>.priorities, which _killed_publish no longer recognizes, so every later convert to "
-    "dst is PathExistsError: the 'whole or gone, never half' promise holds only while the .dropped name "
-    "is free"))
-
-
-@pytest.mark.parametrize("when", ["before-meta.json", pytest.param("after-meta.json", marks=HALF)])
-def test_a_kill_during_an_in_place_drop_is_recovered(server, leftover, tmp_path, when):
-    """With .dropped taken the removal is in place, in the folder's own order (os.listdir's): killed
-    before meta.json goes, the rest still loads (a missing leaves file is not looked at) and the
-    next convert recovers it; killed right after meta.json went (at the next unlink, or at the rmdir
-    when it went last): HALF."""
+# (HALF was a strict xfail: with the .dropped name taken, the removal went in place, file by file, and
+# a kill right after meta.json left half a sidecar. Now a taken TRASH is refused before the write, and
+# the removal's record goes last.)
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_a_kill_at_any_unlink_of_the_removal_is_recovered_and_the_record_goes_last(server, leftover, tmp_path, nth):
+    """Killed right after the removal's nth unlink (the leftover has three files: .lock, leaves,
+    meta.json): what is left at TRASH still holds the record made for dst until the last unlink
+    (then nothing): the next convert clears it and completes."""
     run, src, dst, side, want = _copy(leftover, tmp_path)
-    trash = run / "z.h5.priorities.dropped"
-    trash.mkdir()
-    (trash / "notes.txt").write_text("mine")
-    order = os.listdir(side)  # (what Path.iterdir yields there)
-    at = order.index("meta.json")
-    if when == "before-meta.json":
-        op, match, nth = "unlink", "z.h5.priorities/", at + 1
-    elif at + 1 < len(order):
-        op, match, nth = "unlink", "z.h5.priorities/", at + 2
-    else:
-        op, match, nth = "rmdir", "$z.h5.priorities", 1
-    assert _kill_at(server, src, dst, op, match, nth), server.last
+    assert len(os.listdir(side)) == 3, os.listdir(side)
+    assert _kill_at(server, src, dst, "unlink", "+" + TRASH + "/", nth), server.last
+    left = os.listdir(run / TRASH)
+    assert (left == []) if nth == 3 else ("meta.json" in left and len(left) == 3 - nth), left
     with deadline(60):
         convert(src, dst, progress=False)
     assert everything(dst)[1].tobytes() == want.tobytes()
+    assert _left(run) == ["src", "z.h5", "z.h5.priorities"], _left(run)
+
+
+def test_a_taken_trash_is_refused_before_the_write(leftover, tmp_path):
+    run, src, dst, side, want = _copy(leftover, tmp_path)
+    (run / TRASH).mkdir()
+    (run / TRASH / "notes.txt").write_text("mine")
+    _refused_and_unchanged(run, src, dst)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -666,7 +693,7 @@ def test_a_kill_with_relative_paths_then_a_chdir(server, leftover, killed_overwr
     else:
         run, src, dst, side, want = _copy(leftover, tmp_path)
     rel_src = os.path.join("src", "d1.h5")
-    assert _kill_at(server, rel_src, "z.h5", "unlink", "z.h5.priorities.dropped/", 1, overwrite, cwd=run), \
+    assert _kill_at(server, rel_src, "z.h5", "unlink", TRASH + "/", 1, overwrite, cwd=run), \
         server.last
     assert _kill_at(server, rel_src, "z.h5", "replace" if overwrite else "link", "z.h5.partial>z.h5", 1,
                     overwrite, cwd=run), server.last
@@ -806,13 +833,7 @@ def test_the_older_dst_or_the_partial_as_the_source_is_refused_and_left(killed_o
 
 # -- the recognized sidecar changes while the convert writes (its check was at the start) ------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_killed_publish checks the leftover's entries (bigper's own files only) once, under the lock at the "
-    "convert's start (bigper/convert.py:299-301); _publish's _drop_sidecar(side, whole=True) "
-    "(convert.py:342-350), after the whole write, does not look again: a file the user put into "
-    "<dst>.priorities meanwhile is moved with the folder to <dst>.priorities.dropped, bigper's files are "
-    "unlinked around it, and os.rmdir (convert.py:350) fails with a raw OSError ENOTEMPTY (not a bigper "
-    "error); the user's file is no longer where they put it"))
+# (Was a strict xfail: the file was moved with the folder and os.rmdir failed with a raw OSError.)
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_file_put_into_the_recognized_sidecar_during_the_convert_stays_where_it_was(
         server, leftover, killed_overwrite, tmp_path, overwrite):
@@ -825,6 +846,6 @@ def test_a_file_put_into_the_recognized_sidecar_during_the_convert_stays_where_i
         (side / "notes.txt").write_text("the user's notes")
 
     said = _kill_at(server, src, dst, "mkdir", "$z.h5.partial.priorities", 1, overwrite, during=during, resume=True)
-    assert said.startswith("ended "), said
-    assert said == "ended done" or said.split()[1] in bigper.errors.__dict__, said
-    assert (side / "notes.txt").read_text() == "the user's notes"
+    assert said.startswith("ended PathExistsError"), said  # (put back with the folder, nothing removed)
+    assert (side / "notes.txt").read_text() == "the user's notes" and (side / "meta.json").is_file()
+    assert not os.path.lexists(run / TRASH)
