@@ -321,15 +321,16 @@ def decode_frames(da, ids, scratch, out):
     """``gather_index`` then ``decompress_rows`` of frames ``ids`` into the
     first rows of ``out``, in one call (``scratch``: (4, m >= n) int64).
     Returns -1, or where it stopped (the caller says why: ``SegmentLog.decode``)."""
-    index, F, st, seg, max_len, glo, ghi, dctx, ddicts, log = da
+    da = DecodeArgs(*da)
     n = ids.shape[0]
     offsets, lengths, slots, rows = scratch[0, :n], scratch[1, :n], scratch[2, :n], scratch[3, :n]
     for i in range(n):
-        rows[i] = ids[i] % F
-    bad = gather_index(index, rows, st[A] * seg, seg, max_len, glo, ghi, MAX_DICTS, offsets, lengths, slots)
+        rows[i] = ids[i] % da.F
+    bad = gather_index(da.index, rows, da.st[A] * da.seg, da.seg, da.max_len, da.glo, da.ghi, MAX_DICTS,
+                       offsets, lengths, slots)
     if bad >= 0:
         return bad
-    return decompress_rows(dctx, ddicts, log, offsets, lengths, slots, out, 0, n)
+    return decompress_rows(da.dctx, da.ddicts, da.log, offsets, lengths, slots, out, 0, n)
 
 
 class SegmentLog:
@@ -358,7 +359,7 @@ class SegmentLog:
         self.grows = not self.capped  # the storage grows the log (``attach`` asks it)
         self._look: _look.Look | None = None  # a dictionary look in flight (``maybe_train``)
         self._staged_key = self._staged = None  # staged_args' arrays and ints, and what they were made of
-        self._decoders: dict = {}  # thread -> (what its DecodeArgs were made of, them, scratch): decode's
+        self._decoders = threading.local()  # .mine: this thread's DecodeArgs for decode (_decode_args)
 
     @property
     def g(self) -> int:
@@ -768,10 +769,7 @@ class SegmentLog:
         index, flat = arrays["frame_index"], arrays["frame_log"]
         da = (index, self.F, self.st, self.seg, self.max_len, ds.lo, ds.hi, codec.dctx(), codec.ddicts,
               flat.reshape(-1))
-        t = threading.get_ident()
-        if len(self._decoders) > 64 and t not in self._decoders:  # (threads come and go: never many kept)
-            self._decoders.clear()
-        mine = self._decoders[t] = (ds.version, index, flat, self.st, da, np.empty((4, max(n, 1024)), np.int64))
+        mine = self._decoders.mine = (ds.version, index, flat, self.st, da, np.empty((4, max(n, 1024)), np.int64))
         return mine
 
     def decode(self, ids: np.ndarray, out: np.ndarray | None = None, threads: bool = True,
@@ -786,7 +784,10 @@ class SegmentLog:
             out = np.empty((n, self.row_bytes), dtype=np.uint8)
         arrays = self.store.arrays
         if arrays is not None and (not threads or n <= chunk):  # the usual batch: one compiled call
-            mine = self._decoders.get(threading.get_ident())  # (made of: compared by identity)
+            try:
+                mine = self._decoders.mine  # (what it was made of: compared by identity)
+            except AttributeError:  # (this thread's first)
+                mine = None
             if mine is None or mine[0] != self.dicts.version or mine[1] is not arrays["frame_index"] \
                     or mine[2] is not arrays["frame_log"] or mine[3] is not self.st or mine[5].shape[1] < n:
                 mine = self._decode_args(arrays, n)
@@ -939,6 +940,7 @@ class SegmentLog:
 
     def close(self) -> None:
         self.drop_look()
+        self._decoders = threading.local()  # (they hold the storage's arrays: a closed storage's maps go)
         self.dicts.close()
 
 
