@@ -31,14 +31,17 @@ from . import zstd as _zstd
 
 
 # A look trains its candidate with zstd's fastCover search over two segment sizes k (50 and 2,000,
-# chosen on a quarter of the samples held out), not ZDICT_trainFromBuffer's four steps (k = 50 ..
-# 2,000): 22-40 ms on 500 frames against 38-63, so a look (65-130 ms before) holds adds up less
-# often and less long. Frames 1.01x the four steps' on six games, three windows a game, measured
-# on the 500 frames after them (0.93x .. 1.22x; tools/dev/dictionary_trainers.py); on the DQN
-# Replay scale run's four-game pool 355 B a transition against 361. (Picking the smaller of k =
-# 50 and k = 2,000 on the measured frames themselves gave 0.95x per game, but 594 B on that pool:
-# a dictionary fitted to the newest frames of one game, poor on the next.)
-LOOK_STEPS = 2
+# chosen on a quarter of the samples held out: ZDICT_optimizeTrainFromBuffer_fastCover in one step),
+# not ZDICT_trainFromBuffer's four steps (k = 50 .. 2,000): a look (65-130 ms with those) holds adds
+# up less often and less long. Two steps (k = 50, 1,025, 2,000) gave frames 1.01x the four steps'
+# in 22-40 ms; one step gives 0.996x the two steps' (0.935x .. 1.0x) in 24 ms against their 38 (six
+# games, three windows a game, trained on 500 frames and measured on the 500 after them; both timed
+# on a loaded machine), and the six games' frames at 20,000 took the same bytes a frame as with two
+# steps, with compressed adds about 20% faster (tools/results/compression-games-2026-11-29.txt, run 3).
+# (Picking the smaller of k = 50 and k = 2,000 on the measured frames themselves gave 0.95x per game,
+# but 594 B on the DQN Replay scale run's four-game pool against 361: a dictionary fitted to the
+# newest frames of one game, poor on the next.)
+LOOK_STEPS = 1
 
 
 @dataclass(frozen=True)
