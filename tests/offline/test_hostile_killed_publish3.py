@@ -48,7 +48,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import threading
 
 import numpy as np
 import pytest
@@ -61,7 +60,7 @@ from tests._child import Child
 from tests._hostile_snapshot_cases import deadline, fingerprint
 from tests.offline.test_convert import everything, write_d4rl
 from tests.offline.test_hostile_convert_killed_publish import _files, _source
-from tests.offline.test_hostile_killed_publish2 import _copy, leftover  # noqa: F401  (a fixture)
+from tests.offline.test_hostile_killed_publish2 import _copy, leftover, two_threads  # noqa: F401  (a fixture)
 
 
 TRASH = "z.h5.partial.priorities.dropped"  # (bigper.convert._dropped: where the leftover goes to be removed)
@@ -661,21 +660,7 @@ def test_two_processes_over_the_killed_overwrite(server, killed_overwrite, tmp_p
 def test_two_threads_over_the_killed_overwrite(killed_overwrite, tmp_path, overwrite):
     run, src, dst, side, want, old = _copy_ow(killed_overwrite, tmp_path)
     before = _files(run)
-    said, barrier = [], threading.Barrier(2)
-
-    def one():
-        barrier.wait()
-        try:
-            convert(src, dst, progress=False, chunk=16, overwrite=overwrite)
-            said.append("done")
-        except Exception as e:  # noqa: BLE001
-            said.append(f"{type(e).__name__} {e}")
-
-    ths = [threading.Thread(target=one) for _ in range(2)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join(120)
+    said = two_threads(src, dst, overwrite=overwrite)
     assert len(said) == 2, said
     _race_outcome(said, run, dst, want, overwrite, before)
 
