@@ -60,7 +60,8 @@ from tests._child import Child
 from tests._hostile_snapshot_cases import deadline, fingerprint
 from tests.offline.test_convert import everything, write_d4rl
 from tests.offline.test_hostile_convert_killed_publish import _files, _source
-from tests.offline.test_hostile_killed_publish2 import _copy, leftover, two_threads  # noqa: F401  (a fixture)
+from tests.offline.test_hostile_killed_publish2 import (  # noqa: F401  (leftover: a fixture)
+    _copy, _refused_and_unchanged, leftover, two_threads)
 
 
 TRASH = "z.h5.partial.priorities.dropped"  # (bigper.convert._dropped: where the leftover goes to be removed)
@@ -221,14 +222,6 @@ def _copy_ow(killed_overwrite, tmp_path):
     run = tmp_path / "t"
     shutil.copytree(root, run, symlinks=True)
     return run, run / "src" / "d1.h5", run / "z.h5", run / "z.h5.priorities", want, old
-
-
-def _refused_and_unchanged(run, src, dst, err=PathExistsError, **kw):
-    before = _files(run)
-    with deadline(60), pytest.raises(err) as e:
-        convert(src, dst, progress=False, **kw)
-    assert _files(run) == before
-    return e.value
 
 
 def _completes(run, src, dst, want, overwrite):
