@@ -20,7 +20,12 @@ The new file is written as ``<dst>.partial`` beside the destination (a
 bigper storage: its lock keeps a leftover of a killed run from a live one,
 and the leftover is replaced by the next run) and renamed into place only
 when it is complete and closed: a crash or kill -9 midway leaves no
-destination.
+destination. Its priorities sidecar goes into place first, and with
+``overwrite`` the older file is first moved aside (``<dst>.partial.old``,
+removed at the end): a kill -9 between those renames leaves the new file's
+sidecar beside no destination, which the next convert recognizes and
+finishes, never beside the older file. The ``<dst>.partial*`` names are
+convert's own.
 """
 
 from __future__ import annotations
@@ -129,7 +134,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         # at dst changes (promises 5 and 11): a live buffer's file is never replaced under it
         lock = _DstLock(dst)
         _check_dst(dst, overwrite, partial, locked=True)  # again, under the lock
-        _check_dropped(partial, dst)  # (its folder for a killed publish's sidecar: cleared at publish)
+        _check_leftovers(partial, dst)  # (what a killed publish may have left at names of the partial's)
         leftover = os.path.lexists(_sidecar_of(dst))  # (a killed publish's, recognized: see _check_dst)
         keys = source.leaves(order)
         made = []  # set once the partial file is ours (its lock taken, its record written)
@@ -335,7 +340,7 @@ def _drop_sidecar(path: Path) -> None:
 
     if not os.path.lexists(path) or not stat.S_ISDIR(os.lstat(path).st_mode):
         return
-    for p in sorted(path.iterdir(), key=lambda p: p.name == "meta.json"):  # (its record last: _check_dropped)
+    for p in sorted(path.iterdir(), key=lambda p: p.name == "meta.json"):  # (its record last: _check_leftovers)
         if _OURS.fullmatch(p.name) and stat.S_ISREG(os.lstat(p).st_mode):
             p.unlink(missing_ok=True)
     os.rmdir(path)  # anything else there: an OSError, nothing of it removed
@@ -359,10 +364,21 @@ def _ours_only(folder: Path) -> bool:
         return False
 
 
-def _check_dropped(partial: Path, dst: Path) -> None:
-    """``PathExistsError`` unless ``_dropped`` is free or holds what a killed
-    removal left of a sidecar made for ``dst``: bigper's own files, among
-    them its record naming dst (``_drop_sidecar`` removes it last), or none."""
+def _replaced(partial: Path) -> Path:
+    """Where ``_publish`` moves the older ``dst`` an overwrite replaces, until the new file is in place."""
+    return partial.with_name(partial.name + ".old")
+
+
+def _check_leftovers(partial: Path, dst: Path) -> None:
+    """``PathExistsError`` unless what sits at the names ``_publish`` clears is
+    what a killed publish leaves there: at ``_replaced``, nothing or a regular
+    file (the older dst); at ``_dropped``, nothing or what a killed removal
+    left of a sidecar made for ``dst``: bigper's own files, among them its
+    record naming dst (``_drop_sidecar`` removes it last), or none."""
+    old = _replaced(partial)
+    if os.path.lexists(old) and not stat.S_ISREG(os.lstat(old).st_mode):
+        raise PathExistsError(f"{old} is not a regular file; an overwrite moves the older dst there until the "
+                              "new file is in place: move or delete it first (nothing was read or written)")
     trash = _dropped(partial)
     if not os.path.lexists(trash):
         return
@@ -383,9 +399,12 @@ def _check_dropped(partial: Path, dst: Path) -> None:
                           "priorities there to remove them: move or delete it first (nothing was read or written)")
 
 
-def _clear_dropped(partial: Path, dst: Path) -> None:
-    """Finish a removal a kill -9 stopped (``_dropped``; ``_check_dropped`` first)."""
-    _check_dropped(partial, dst)
+def _clear_leftovers(partial: Path, dst: Path) -> None:
+    """Finish what a kill -9 stopped: the removal of the older dst an
+    overwrite replaced (``_replaced``) and of a killed publish's sidecar
+    (``_dropped``); ``_check_leftovers`` first."""
+    _check_leftovers(partial, dst)
+    _remove(_replaced(partial))
     try:
         _drop_sidecar(_dropped(partial))
     except OSError as e:
@@ -436,10 +455,11 @@ def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> N
 
 def _check_not_source(store, dst: Path, partial: Path) -> None:
     src = Path(store.file_path)
-    for p in (dst, partial):
+    for p in (dst, partial, _replaced(partial)):
         if os.path.exists(p) and os.path.samefile(p, src):
-            raise InvalidArgumentError(f"dst={str(dst)!r} is the source file {src} (or its .partial); "
-                                       "convert never writes its source")
+            raise InvalidArgumentError(f"dst={str(dst)!r} is the source file {src} (or its .partial, or the "
+                                       "older file a killed overwrite left at .partial.old); convert never "
+                                       "writes its source")
     # The source's priorities sidecar (a directory that from_hdf5 reads): a file made
     # there, or beside it as the partial's sidecar, would change how the source opens.
     side = store.sidecar
@@ -494,38 +514,44 @@ def _copy(source, out, order: np.ndarray, chunk: int, progress: bool, name: str,
 
 
 def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) -> None:
-    """``partial`` becomes ``dst``: renamed over it with ``overwrite``, else linked
-    (which fails if something appeared at ``dst`` meanwhile) and unlinked; then
-    the directory is synced and the partial's lock file removed. ``leftover``:
+    """``partial`` becomes ``dst``: linked (which fails if something appeared at
+    ``dst`` meanwhile; with ``overwrite`` the older file is moved aside first,
+    ``_replaced``, and removed last) and unlinked; then the directory is synced
+    and the partial's lock file removed. ``leftover``:
     the sidecar at ``<dst>.priorities`` is a killed publish's (``_killed_publish``,
     under the lock still held), removed first."""
     ours, side = _sidecar_of(partial), _sidecar_of(dst)
-    _clear_dropped(partial, dst)  # (a killed recovery's)
+    _clear_leftovers(partial, dst)  # (a killed publish's or recovery's)
     if leftover:
         _drop_leftover(side, partial, dst)
     if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
         _check_dst(dst, overwrite)
-    # The priorities go first: a kill -9 between the two renames leaves a sidecar
-    # without its file (which the next convert recognizes and removes, under this
-    # lock: _killed_publish), never a file that opens with default priorities.
+    # The older file goes aside first and the priorities next: a kill -9 between
+    # the renames leaves a sidecar without its file (which the next convert
+    # recognizes and removes, under this lock: _killed_publish), never a file
+    # that opens with another's priorities or with default ones.
+    old = _replaced(partial) if overwrite and os.path.lexists(dst) else None
+    if old is not None:
+        os.rename(dst, old)
     moved = os.path.isdir(ours) and not os.path.islink(ours)
-    if moved:
-        os.rename(ours, side)
     try:
-        if overwrite:
-            os.replace(partial, dst)
-        else:
-            try:
-                os.link(partial, dst)
-            except FileExistsError:
-                raise PathExistsError(f"dst={str(dst)!r} appeared while converting; the converted file is "
-                                      f"kept at {partial}") from None
-            os.unlink(partial)
-    except BaseException:
         if moved:
+            os.rename(ours, side)
+        try:
+            os.link(partial, dst)
+        except FileExistsError:
+            raise PathExistsError(f"dst={str(dst)!r} appeared while converting; the converted file is "
+                                  f"kept at {partial}") from None
+        os.unlink(partial)
+    except BaseException:
+        if moved and not os.path.lexists(ours):
             os.rename(side, ours)
+        if old is not None and not os.path.lexists(dst):
+            os.rename(old, dst)
         raise
     fsync_dir(dst.parent)
+    if old is not None:
+        _remove(old)
     _remove(partial.with_name(partial.name + ".lock"))
 
 

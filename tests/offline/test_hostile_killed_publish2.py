@@ -341,21 +341,23 @@ def test_overwrite_true_beside_the_leftover_completes(leftover, tmp_path):
 KILLED_OVERWRITE = r"""
 import os, sys, time
 import bigper.convert as c
-orig = os.replace
+orig = os.link
 def stop(a, b, *r, **k):
-    if str(b) == sys.argv[2]:  # the publish's replace of dst (not a sidecar's meta.json)
-        print("at replace", flush=True)
+    if str(b) == sys.argv[2]:  # the publish's link of the new file at dst (the older one moved aside)
+        print("at link", flush=True)
         time.sleep(3600)
     return orig(a, b, *r, **k)
-c.os.replace = stop
+c.os.link = stop
 c.convert(sys.argv[1], sys.argv[2], progress=False, chunk=64, overwrite=True)
 """
 
 
-def _killed_overwrite(tmp_path):
+def _killed_overwrite(tmp_path, older=False):
     """dst is an older convert of source ``old`` (keys all 1.0: no sidecar, so overwrite
-    is allowed); a convert of ``src`` (keys not 1.0) with overwrite=True is killed between
-    its publish's two renames (the sidecar moved, the partial not yet over dst)."""
+    is allowed); a convert of ``src`` (keys not 1.0) with overwrite=True is killed in its
+    publish after the older file went aside (``<dst>.partial.old``) and the sidecar into
+    place, before the new file: no dst. ``older``: the older file put back at dst, what a
+    bigper before that move left (the older dst beside the new file's sidecar)."""
     (tmp_path / "src").mkdir()
     old = tmp_path / "src" / "old.h5"
     write_d4rl(old, n=90)
@@ -364,25 +366,38 @@ def _killed_overwrite(tmp_path):
     convert(old, dst, progress=False)
     assert not os.path.lexists(tmp_path / "z.h5.priorities")
     with Child(KILLED_OVERWRITE, src, dst) as child:
-        child.said("at replace")
+        child.said("at link")
         child.kill()
     assert (tmp_path / "z.h5.priorities").is_dir() and (tmp_path / "z.h5.partial").is_file()
+    assert not os.path.lexists(dst) and (tmp_path / "z.h5.partial.old").is_file()
+    if older:
+        os.rename(tmp_path / "z.h5.partial.old", dst)
     return src, dst, want
 
 
 # (Was a strict xfail: _killed_publish required 'no dst', so the next convert(overwrite=True) was
 # refused although the state was exactly a killed publish's.)
-def test_a_convert_with_overwrite_killed_between_its_renames_is_recovered(tmp_path):
-    src, dst, want = _killed_overwrite(tmp_path)
+@pytest.mark.parametrize("older", [False, True])
+def test_a_convert_with_overwrite_killed_between_its_renames_is_recovered(tmp_path, older):
+    src, dst, want = _killed_overwrite(tmp_path, older)
     convert(src, dst, progress=False, overwrite=True)
     assert everything(dst)[1].tobytes() == want.tobytes()
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == ["src", "z.h5", "z.h5.priorities"]
 
 
-def test_without_overwrite_the_killed_overwrite_is_refused_and_unchanged(tmp_path):
-    """The same leftover, converted again without ``overwrite``: dst (the older file) exists,
-    so it is refused, and nothing there changes (the older file, the sidecar, the partial)."""
-    src, dst, _ = _killed_overwrite(tmp_path)
+def test_without_overwrite_the_killed_overwrite_is_finished(tmp_path):
+    """The leftover converted again without ``overwrite``: no dst (the older file went aside),
+    so the killed publish is finished, and the older file it was replacing is removed."""
+    src, dst, want = _killed_overwrite(tmp_path)
+    convert(src, dst, progress=False)
+    assert everything(dst)[1].tobytes() == want.tobytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == ["src", "z.h5", "z.h5.priorities"]
+
+
+def test_without_overwrite_an_older_killed_overwrite_is_refused_and_unchanged(tmp_path):
+    """What an older bigper left (the older dst beside the new sidecar), converted again without
+    ``overwrite``: dst exists, so it is refused, and nothing there changes."""
+    src, dst, _ = _killed_overwrite(tmp_path, older=True)
     before = _files(tmp_path)
     with deadline(60), pytest.raises(PathExistsError):
         convert(src, dst, progress=False)
@@ -406,10 +421,12 @@ def test_an_overwrite_never_takes_the_older_files_own_sidecar(tmp_path):
     assert _files(tmp_path) == before
 
 
-def test_the_old_dst_beside_the_new_sidecar_never_opens_with_it(tmp_path):
-    """After that kill, dst is still the older file: it must open with its own priorities
-    or be refused (a bigper error), never with the killed run's keys."""
-    src, dst, want = _killed_overwrite(tmp_path)
+@pytest.mark.parametrize("older", [False, True])
+def test_the_old_dst_beside_the_new_sidecar_never_opens_with_it(tmp_path, older):
+    """After that kill, dst is gone (or, as an older bigper left it, still the older file): it
+    must open with its own priorities or be refused (a bigper error), never with the killed
+    run's keys."""
+    src, dst, want = _killed_overwrite(tmp_path, older)
     try:
         with deadline(60):
             _, keys = everything(dst)
