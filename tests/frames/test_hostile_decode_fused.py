@@ -507,6 +507,43 @@ def test_a_log_that_grows_then_gives_slots_back_under_an_older_threads_cache(kin
     buf.close()
 
 
+def test_random_reads_snapshots_copy_on_write_and_growth_under_an_older_threads_cache(tmp_path, monkeypatch,
+                                                                                       fused):
+    """A memmap log read through its second, random-read mapping
+    (``random_reads=True``: what ``arrays`` gives, and the fused call keeps),
+    written through the first: a snapshot shares its chunks, the adds after
+    it copy them and remap both mappings, the log grows; a thread that cached
+    the log before each step decodes after it, exact, as this one does."""
+    _always_retrain(monkeypatch)
+    k = 3
+    rng = np.random.default_rng(17)
+    buf = make("memmap", tmp_path, (12, 12), k=k, capacity=150, name="live", seed=17,
+               storage_options={"random_reads": True})
+    assert buf.storage.arrays["frame_log"].ctypes.data != buf.storage.writable_arrays["frame_log"].ctypes.data
+    feed = Feed(_frames(np.uint8, (12, 12), seed=17, n=300), k, seed=17)
+    feed.run(buf, 100)
+    slots0 = hook.log(buf).slots
+    other = Other()
+    try:
+        other(lambda: small(buf, feed, k))
+        for i in range(3):
+            buf.save(tmp_path / f"snap{i}")
+            assert buf.storage.shared_chunks > 0
+            other(lambda: small(buf, feed, k, (1,)))
+            loud = Feed(noise(rng, 200, (12, 12), np.uint8), k, seed=18 + i)
+            loud.g, loud.added = feed.g, feed.added
+            loud.run(buf, 60)  # (chunks copied and remapped; the log grows)
+            feed.g = loud.g
+            other(lambda: small(buf, feed, k, (1, 2, 5)))
+            small(buf, feed, k, (1, 7))
+            both(hook.log(buf), live_ids(buf))
+            feed.run(buf, 40)
+    finally:
+        other.stop()
+    assert fused[0] > 15 and hook.log(buf).slots > slots0
+    buf.close()
+
+
 def test_the_scratch_of_a_batch_of_one_then_thousands_then_one(tmp_path, fused):
     """One thread decodes 1 frame (a scratch of 1,024), then 3,000 (made
     again, larger), then 2, then 5,000 repeated ids: each equal to the old
