@@ -8,35 +8,45 @@ cached per thread (``threading.local``), keyed by ``Dictionaries.version``
 and the identity of the arrays; a failure code falls back to the old path,
 which raises the precise ``CorruptSnapshotError``.
 
-What a cache of pointers and arrays can get wrong, tried here, every sampled
-stack held to the stacks added for its transition (``Feed``) and every
-decoded frame to the old path (``threads=True, chunk=0``):
+What a cache of pointers and arrays can get wrong, tried here; every sampled
+stack is held to the stacks added for its transition (``Feed``), every
+decoded frame to the old path (``threads=True, chunk=0``), and every test
+checks that the fused call ran (a counting wrapper of ``decode_frames``):
 
 * stale dictionaries: adoptions every 40 frames, past ``MAX_DICTS`` (slots
   reused, their DDicts freed) and past generation 127 (the packed code
-  wraps), with threads whose caches predate all of it; ``load_state``
-  rewinding the dictionaries and the counters, and one refused (a damaged
-  dictionary: the fused call fails inside the restore) that rolls back;
-  ``save``/``load``, ``mode="resume"``, ``compression_dictionary=`` given;
-* a stale codec: the log's codec closed and made again (what ``verify``'s
-  ``SegmentLog.close`` does) under a cache of another thread;
-* stale arrays: a memmap log that grows, and shrinks again (``trim``
-  unmaps its top chunks), under an older thread's cache; a memory log whose
-  block doubles; the scratch of a batch of 1 then of thousands of frames;
+  wraps), under threads whose caches predate all of it; ``load_state``
+  rewinding the dictionaries and the counters (later adoptions reuse the
+  generation numbers for other dictionaries), and one refused (every
+  dictionary's content damaged: the fused call inside the restore's check
+  fails, the old path names the frame) that rolls back; a seeded soup of
+  adds, ``extend`` past the capacity (a write's checkpoint), recorded and
+  loaded states and samples on four threads; a restorer thread beside a
+  writer and three samplers; ``save``/``load``, ``mode="resume"``,
+  read-only, ``compression_dictionary=`` given up front;
+* a stale codec: ``SegmentLog.close`` / ``Dictionaries.close`` free it and
+  it is made again under another thread's cache;
+* stale arrays: a memmap log that grows and shrinks again (``trim`` unmaps
+  its top chunks), a memory log whose block doubles, a random-read mapping
+  remapped by copy-on-write after snapshots, each under an older thread's
+  cache; the scratch of 1, then thousands, of frames; 32 and 33 frames;
 * many threads (each its own cache) sampling while a writer adopts, threads
-  that come and go; a child process sampling on a thread while it adopts
-  and saves, killed with SIGKILL (a use-after-free would end it first);
-* crafted index entries: each is ``CorruptSnapshotError`` naming the frame,
-  the same message as the old path's, never other bytes;
-* frames of 1 byte, of odd sizes, uint8 and float32, over 64 KiB (the wide
+  that come and go, ``close`` from another thread while two sample; a
+  child sampling on a thread while it adopts and saves, killed with
+  SIGKILL (a use-after-free would end it first), its last snapshot exact;
+* crafted index entries, packed and wide: each is ``CorruptSnapshotError``
+  naming the frame, the old path's very message, never other bytes;
+* frames of 1 byte, odd sizes, uint8 and float32, over 64 KiB (the wide
   index), ``frame_stack`` 1..4, memory and memmap, capped and growing logs,
   the native feed with batches of 1 and of 400.
 
-What fails (strict xfails): the per-thread caches outlive what they cache.
-``PrioritizedReplayBuffer.close`` never calls ``SegmentLog.close``, so the
-``DecodeArgs`` kept by every thread that sampled (``segments.py:772``) keep
-a closed memmap buffer's log files mapped (``memmap.close`` promises that
-nothing stays held); and a thread that sampled once and then waits keeps a
+All of that held. What fails (strict xfails): the caches outlive what they
+cache. ``PrioritizedReplayBuffer.close`` never calls ``SegmentLog.close``,
+so the ``DecodeArgs`` every sampling thread keeps (``segments.py:772``)
+keep a closed memmap buffer's log files mapped (``memmap.close`` promises
+nothing stays held; the comment at ``segments.py:943`` says the same), as
+the staged-append arguments (``segments.py:438-440``, older) already did
+for a growing log; and a thread that sampled once and then waits keeps a
 memory buffer's outgrown log block alive.
 """
 
