@@ -774,7 +774,8 @@ def test_a_closed_memmap_buffer_sampled_in_batches_too_big_for_the_fused_call_ma
 @pytest.mark.xfail(strict=True, reason=(
     "PrioritizedReplayBuffer.close (bigper/buffer.py:1050-1075: the storage closed at 1073) never calls "
     "SegmentLog.close (bigper/frames/segments.py:941-944, which would drop them at 943), so the DecodeArgs "
-    "each sampling thread keeps in SegmentLog._decoders (segments.py:772: the storage's frame_log and frame_index views) outlive "
+    "each sampling thread keeps in SegmentLog._decoders (segments.py:772: the storage's frame_log and "
+    "frame_index views) outlive "
     "close: a closed memmap buffer still maps its log files (memmap.close promises nothing stays held)"))
 @pytest.mark.parametrize("where", ["this thread", "another thread"])
 def test_a_closed_memmap_buffer_sampled_through_the_fused_call_maps_nothing(where, tmp_path, fused):
