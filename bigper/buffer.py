@@ -1073,6 +1073,9 @@ class PrioritizedReplayBuffer:
                     self._store.close(state)
                 except (OSError, BigperError) as e:  # paths as the user gave them, not /proc/self/fd/N
                     raise real_names(e, where=self._store.path)
+                finally:  # (the compressed log: its look, codec and what it keeps of the storage's arrays)
+                    if self._frames is not None and self._frames.log is not None:
+                        self._frames.log.close()
 
     def _refuse_inside(self, what: str) -> None:
         # Under the lock: a method still running can only be this thread's own.

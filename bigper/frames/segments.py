@@ -559,12 +559,14 @@ class SegmentLog:
             self.store.grow("frame_log", grown * self.seg_rows)  # (all or nothing: an OSError changes nothing)
             journal.add(lambda: self.store.shrink("frame_log", had * self.seg_rows))
             self.st[A] = grown
+            self._decoders = threading.local()  # (every thread's: they hold the arrays the growth replaced)
         if self.store.shared_chunks:
             opened = slot_of[np.arange(self.g + 1, int(st[G]) + 1) % self.S]
             opened = opened[opened < had]
             if opened.size:
                 self.store.prepare({"frame_log": (opened[:, None] * self.seg_rows
                                        + np.arange(self.seg_rows)).reshape(-1)})
+                self._decoders = threading.local()
 
     def spare(self) -> int:
         """Free slots a growth adds beyond the append's need, and ``trim`` keeps: none
@@ -587,6 +589,7 @@ class SegmentLog:
         keep = min(n, keep + self.spare())  # (the spare slots a growth made stay)
         if keep == n:
             return
+        self._decoders = threading.local()  # (every thread's: they hold the arrays the shrink replaces)
         try:
             self.store.shrink("frame_log", keep * self.seg_rows)
         except OSError as e:
@@ -760,11 +763,14 @@ class SegmentLog:
         return f"[offset {int(o[0])}, length {int(ln[0])}, dictionary {int(d[0])}]"
 
     # -- reading ---------------------------------------------------------------
-    def _decode_args(self, arrays: dict, n: int) -> tuple:
+    def _decode_args(self, arrays: dict, n: int, stale: bool) -> tuple:
         """This thread's ``DecodeArgs`` for ``decode``, made now, and a scratch of
         ``n`` frames at least, after what they were made of: kept until the
         dictionaries (``version``), the storage's arrays or the counters' array
-        change."""
+        change. ``stale``: this thread's were made of others; every thread's
+        go then (a thread that waits would keep an outgrown log's arrays)."""
+        if stale:
+            self._decoders = threading.local()
         ds, codec = self.dicts, self.codec
         index, flat = arrays["frame_index"], arrays["frame_log"]
         da = (index, self.F, self.st, self.seg, self.max_len, ds.lo, ds.hi, codec.dctx(), codec.ddicts,
@@ -790,7 +796,7 @@ class SegmentLog:
                 mine = None
             if mine is None or mine[0] != self.dicts.version or mine[1] is not arrays["frame_index"] \
                     or mine[2] is not arrays["frame_log"] or mine[3] is not self.st or mine[5].shape[1] < n:
-                mine = self._decode_args(arrays, n)
+                mine = self._decode_args(arrays, n, stale=mine is not None)
             if decode_frames(mine[4], ids, mine[5], out) < 0:
                 return out
             # (else the frame that stopped it, named below)
@@ -940,7 +946,8 @@ class SegmentLog:
 
     def close(self) -> None:
         self.drop_look()
-        self._decoders = threading.local()  # (they hold the storage's arrays: a closed storage's maps go)
+        # (what it keeps of the storage's arrays: a closed storage's maps go)
+        self._decoders, self._staged_key, self._staged = threading.local(), None, None
         self.dicts.close()
 
 
