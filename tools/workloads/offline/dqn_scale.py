@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from workloads.offline.dqn_child import child
+from workloads.offline.pagecache import cached
 
 K = 4
 GAMES = ("Breakout", "Pong", "Seaquest", "MsPacman")  # the pool's default games
@@ -103,7 +104,8 @@ ROUNDS = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[2])  # (tools/: the rounds below are the bench's own)
 from pathlib import Path
-from workloads.offline.dqn_scale import read_through, rounds
+from workloads.offline.dqn_scale import rounds
+from workloads.offline.pagecache import read_through
 r = {"round_us": rounds(Path(sys.argv[1]))}
 r["cached_read"] = read_through(Path(sys.argv[1]))  # (then again, the whole file in the page cache)
 r["round_us_read"] = rounds(Path(sys.argv[1]), first=False)
@@ -233,42 +235,6 @@ def check_convert(dst: Path, run: Path, cks: list, sample: int, check_all: bool,
                 assert np.array_equal(got["terminated"], ref["terminal"][s] != 0), f"checkpoint {ck}: terminal"
                 checked += p.shape[0]
     return {"transitions": n, "checked": checked}
-
-
-def cached(path: Path) -> float:
-    """The share of ``path``'s pages in the page cache now (``mincore`` over a map of it)."""
-    import ctypes
-    import mmap
-
-    size = os.stat(path).st_size
-    if size == 0:
-        return 1.0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    vec = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    view = np.frombuffer(m, dtype=np.uint8)
-    try:
-        ok = libc.mincore(view.ctypes.data, size, vec.ctypes.data) == 0
-    finally:
-        del view
-        m.close()
-    return float((vec & 1).mean()) if ok else float("nan")
-
-
-def read_through(path: Path, chunk: int = 16 << 20) -> float:
-    """Read the file at ``path`` once from start to end (what a learner's
-    sampling does to its page cache over a long run: every frame is read
-    sooner or later), then the share of its pages cached (``cached``)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while os.read(fd, chunk):
-            pass
-    finally:
-        os.close(fd)
-    return cached(path)
 
 
 # -- children -----------------------------------------------------------------------------
