@@ -242,7 +242,8 @@ def test_many_threads_each_with_its_cache_sample_exact_while_a_writer_adopts(tmp
     def restorer():
         try:
             while not stop.is_set():
-                rec = copy.deepcopy(buf.state_dict())
+                with buf._guard.lock:  # (a copy the writer cannot tear: a torn one is refused, rightly)
+                    rec = copy.deepcopy(buf.state_dict())
                 time.sleep(0.01)
                 try:
                     buf.load_state(*rec)
