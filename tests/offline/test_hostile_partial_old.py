@@ -308,6 +308,12 @@ def test_a_live_buffer_on_the_older_file_aside_keeps_it(killed_overwrite_now, tm
         ds.close()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "_DstLock (bigper/convert.py:228-230) says StorageLockedError 'while a buffer writes or reads there', "
+    "but a reader of a bigper dataset takes <dst>.lock shared only when that file exists "
+    "(_open_bigper, bigper/offline/_h5layouts.py:282), and a completed convert removes the lock file it "
+    "made (convert.py:240-241): from_hdf5(dst) holds no lock, and convert(..., overwrite=True) replaces "
+    "dst under the live buffer (moved to <dst>.partial.old and unlinked, convert.py:535/554)"))
 @pytest.mark.parametrize("leftover", [False, True])
 def test_an_overwrite_of_a_dst_open_in_a_live_buffer_is_refused_and_left(fresh, tmp_path, leftover):
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
