@@ -18,9 +18,30 @@ overwrite; Ctrl-C (SIGINT) at each step; a real ENOSPC at the link (a
 tmpfs out of inodes: a hard link takes one there); two converts racing
 (threads, processes) over a killed overwrite; relative paths and a chdir; a
 dst reached through a symlinked parent; dst a hard link of the source; an
-overwrite of a dst open in a live buffer.
+overwrite of a dst open in a live buffer; a parent symlink re-pointed
+before the publish; a folder put at ``<dst>.priorities`` before the
+sidecar's rename (a real ENOTEMPTY).
 
-Findings are strict xfails, each with its cause (file:line).
+Held: a hard link at ``.partial.old`` loses only that name; the source there
+(or at dst) is refused, every byte left; a folder or symlink put at
+``.partial.old`` mid-run is refused and left; a reader during the publish is
+refused or finds no dst, never a mix; a kill before the link is finished by
+a convert without overwrite; Ctrl-C before the link or after the unlink of
+the partial leaves the older file or the complete new one; a real ENOSPC at
+the link puts the older file back; two threads or processes over the
+leftover: one completes; relative paths, a chdir, a symlinked parent.
+
+Findings (strict xfails, each with its cause, file:line): a user's file put
+at ``.partial.old`` mid-run is unlinked unproven; a refusal at the publish
+says "nothing was read or written" and leaves the converted file unnamed; a
+folder or symlink put at dst before the move aside is moved to
+``.partial.old``; a file put at dst before the link leaves the older file at
+``.partial.old``, unnamed; a live buffer on the older file aside has it
+unlinked under it; after a kill past the link the older file stays at
+``.partial.old`` for good, every convert refused; Ctrl-C between the link and
+the partial's unlink leaves dst with default keys; a live reader of dst
+(which holds no lock) has dst overwritten under it; a re-pointed parent
+symlink publishes another folder's leftover and says done.
 """
 
 from __future__ import annotations
@@ -583,3 +604,45 @@ def test_a_symlinked_parent_re_pointed_before_the_publish_never_publishes_anothe
         assert _keys(via / "z.h5") == want.tobytes(), ("convert said done; dst holds another source's file", _left(run))
     else:
         assert said.startswith("ended ") and fingerprint(other) == theirs, said
+
+
+# -- a real failure at the sidecar's rename; a source without keys (no sidecar to move) ----------------
+
+def test_a_folder_put_at_the_sidecar_path_before_its_rename_puts_the_older_file_back(server, fresh, tmp_path):
+    """A folder of the user's appears at <dst>.priorities just before the new sidecar's rename (a real
+    ENOTEMPTY): the older file is put back at dst, the user's folder is left, and the new sidecar
+    stays the partial's."""
+    run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
+
+    def during():
+        (run / "z.h5.priorities").mkdir()
+        (run / "z.h5.priorities" / "notes.txt").write_text("mine")
+
+    said = _kill_at(server, src, dst, "rename", "z.h5.partial.priorities>z.h5.priorities", 1, True, during=during,
+                    resume=True)
+    assert isinstance(said, str) and said.startswith("ended") and said != "ended done", said
+    assert os.listdir(run / "z.h5.priorities") == ["notes.txt"]
+    assert not os.path.lexists(run / OLD) and (run / "z.h5.partial.priorities").is_dir(), _left(run)
+    shutil.rmtree(run / "z.h5.priorities")
+    assert _keys(dst) == old.tobytes()
+    _completes(run, src, dst, want, True)
+
+
+@pytest.mark.parametrize("op,match", BEFORE_LINK[:1] + BEFORE_LINK[2:] + AFTER_LINK[:1])
+def test_a_killed_overwrite_from_a_source_without_keys(server, fresh, tmp_path, op, match):
+    """(No sidecar to move: the older file aside, the new one linked.) The next convert without
+    overwrite finishes a kill before the link; after it, dst is the new file."""
+    run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
+    plain = run / "src" / "plain.h5"
+    write_d4rl(plain, n=120)
+    keys = everything(plain)[1]
+    assert _kill_at(server, plain, dst, op, match, 1, True), server.last
+    assert not os.path.lexists(run / "z.h5.priorities")
+    if os.path.lexists(dst):
+        assert _keys(dst) == keys.tobytes() and _keys(run / OLD) == old.tobytes()
+        return
+    assert _keys(run / OLD) == old.tobytes()
+    with deadline(60):
+        convert(plain, dst, progress=False)
+    assert _keys(dst) == keys.tobytes()
+    assert _left(run) == ["src", "z.h5"], _left(run)
