@@ -446,32 +446,43 @@ def test_ctrl_c_at_each_step_of_the_publish(server, fresh, tmp_path, op, match, 
 
 # -- a real ENOSPC at the link (tmpfs: a hard link takes an inode) -------------------------------------
 
-def test_enospc_at_the_link_puts_the_older_file_back(server, fresh, tmp_path):
+def test_enospc_at_the_link_puts_the_older_file_back(fresh, tmp_path):
+    """(A fork server of its own, and a deadline: a convert stopped on a full tmpfs never holds
+    up the module's server.)"""
+    from tests._child import Child
+    from tests.offline.test_hostile_killed_publish3 import SERVER
+
     gen = mounted_tmpfs(tmp_path, "64m,nr_inodes=400")
     fs = next(gen)
+    run = fs / "t"
     try:
         root, want, old = fresh
-        run = fs / "t"
         shutil.copytree(root, run, symlinks=True)
         src, dst = run / "src" / "d1.h5", run / "z.h5"
         (fs / "fill").mkdir()
 
         def during():  # every free inode taken: the link cannot get one
-            i = 0
-            try:
-                while True:
-                    (fs / "fill" / str(i)).touch()
-                    i += 1
-            except OSError:
-                pass
+            for i in range(10000):
+                try:
+                    os.close(os.open(fs / "fill" / str(i), os.O_CREAT | os.O_WRONLY, 0o644))
+                except OSError:
+                    return
 
-        said = _kill_at(server, src, dst, "link", "z.h5.partial>z.h5", 1, True, during=during, resume=True)
+        with Child(SERVER, stdin=True) as own, deadline(120):
+            own.said("ready")
+            said = _kill_at(own, src, dst, "link", "z.h5.partial>z.h5", 1, True, during=during, resume=True)
         shutil.rmtree(fs / "fill")
         assert said.startswith("ended OSError") and "No space left" in said, said
         assert _keys(dst) == old.tobytes()
         assert not os.path.lexists(run / OLD) and not os.path.lexists(run / "z.h5.priorities"), _left(run)
         _completes(run, src, dst, want, True)
     finally:
+        try:  # (a grandchild still stopped there: ours, its pid in dst's lock file)
+            pid = int((run / "z.h5.lock").read_text().split()[0])
+            if pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
         next(gen, None)
 
 
