@@ -196,8 +196,8 @@ def test_a_folder_or_symlink_put_at_partial_old_during_the_convert_is_refused_an
 
 
 LEFT_WRITTEN = pytest.mark.xfail(strict=True, reason=(
-    "refused at the publish (_check_leftovers via _clear_leftovers, bigper/convert.py:380, or _check_dst, "
-    "convert.py:283-285, both outside the try of convert.py:166 that removes a failed partial), the error "
+    "refused at the publish (_check_leftovers via _clear_leftovers, bigper/convert.py:379-381, or _check_dst, "
+    "convert.py:283-285, both past the try at convert.py:141-170 whose except removes a failed partial), the error "
     "says '(nothing was read or written)' while the complete converted file, its sidecar and lock are "
     "left at <dst>.partial, <dst>.partial.priorities, <dst>.partial.lock, unnamed"))
 
@@ -373,15 +373,22 @@ def test_a_kill_at_the_clearing_of_a_leftover_then_a_plain_convert_finishes(serv
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "killed after the link (dst is the new file, its sidecar in place), an overwrite leaves the older "
+    "killed after the link (dst is the new file, its sidecar in place; or killed before it and the partial "
+    "linked at dst by hand), an overwrite leaves the older "
     "dataset whole at <dst>.partial.old, which only _publish clears (bigper/convert.py:524): every next "
     "convert to dst, with or without overwrite, is refused before it (the sidecar is dst's own: "
     "_check_dst, convert.py:270-274) with an error that does not name it, so the older file's bytes stay "
     "for good"))
-@pytest.mark.parametrize("op,match", AFTER_LINK)
-def test_a_kill_after_the_link_then_the_next_convert_removes_the_older_file(server, fresh, tmp_path, op, match):
-    run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
-    assert _kill_at(server, src, dst, op, match, 1, True), server.last
+@pytest.mark.parametrize("op,match", AFTER_LINK + [("ln", "partial-at-dst")])
+def test_a_kill_after_the_link_then_the_next_convert_removes_the_older_file(server, fresh, killed_overwrite_now,
+                                                                            tmp_path, op, match):
+    """(ln: a kill before the link, then the user links the complete partial at dst by hand.)"""
+    if op == "ln":
+        run, src, dst, side, want, old = _copy_ow(killed_overwrite_now, tmp_path)
+        os.link(run / "z.h5.partial", dst)
+    else:
+        run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
+        assert _kill_at(server, src, dst, op, match, 1, True), server.last
     assert _keys(dst) == want.tobytes() and _keys(run / OLD) == old.tobytes()
     said = []
     for overwrite in (False, True):
@@ -582,6 +589,14 @@ def test_a_live_reader_of_the_older_dst_never_puts_its_keys_beside_the_new_file(
                 pass
     assert _keys(dst) == want.tobytes()
     assert _left(run) == ["src", "z.h5", "z.h5.priorities"], _left(run)
+
+
+def test_two_processes_overwriting_an_older_dst(server, fresh, tmp_path):
+    run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
+    server.send("\t".join(["race", str(src), str(dst), "1"]))
+    said = [server.line(), server.line()]
+    assert server.line() == "raced"
+    _raced([s[len("ended "):] for s in said], run, dst, want)
 
 
 def test_two_threads_overwriting_an_older_dst(fresh, tmp_path):
