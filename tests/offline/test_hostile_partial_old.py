@@ -68,6 +68,16 @@ from tests.offline.test_hostile_killed_publish3 import (  # noqa: F401  (fixture
 OLD = "z.h5.partial.old"
 
 
+@pytest.fixture(autouse=True)
+def _no_hang():
+    """A test stuck for 150 s dumps every thread's stack and ends its worker (xdist starts another)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(150, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
 # -- a folder with a source and an older dst (a convert of another file), copied for each test --------
 
 @pytest.fixture(scope="module")
@@ -475,22 +485,32 @@ def test_enospc_at_the_link_puts_the_older_file_back(fresh, tmp_path):
                 except OSError:
                     return
 
-        with Child(SERVER, stdin=True) as own, deadline(120):
+        with Child(SERVER, stdin=True) as own:
             own.said("ready")
-            said = _kill_at(own, src, dst, "link", "z.h5.partial>z.h5", 1, True, during=during, resume=True)
+            try:
+                with deadline(120):
+                    said = _kill_at(own, src, dst, "link", "z.h5.partial>z.h5", 1, True, during=during, resume=True)
+            finally:
+                _kill_children_of(own.pid)
         shutil.rmtree(fs / "fill")
         assert said.startswith("ended OSError") and "No space left" in said, said
         assert _keys(dst) == old.tobytes()
         assert not os.path.lexists(run / OLD) and not os.path.lexists(run / "z.h5.priorities"), _left(run)
         _completes(run, src, dst, want, True)
     finally:
-        try:  # (a grandchild still stopped there: ours, its pid in dst's lock file)
-            pid = int((run / "z.h5.lock").read_text().split()[0])
-            if pid != os.getpid():
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
         next(gen, None)
+
+
+def _kill_children_of(ppid: int) -> None:
+    """SIGKILL what the fork server ``ppid`` (started by this test) forked and has not reaped."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == ppid:
+                        os.kill(int(d), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
 
 
 # -- two converts over a killed overwrite (the older file aside) -------------------------------------
@@ -610,8 +630,14 @@ def test_two_threads_overwriting_an_older_dst(fresh, tmp_path):
     "the parent re-pointed before the publish, it renames the other folder's z.h5 to z.h5.partial.old "
     "(convert.py:535), links that folder's own leftover z.h5.partial at dst (convert.py:541), unlinks its "
     "older file (convert.py:554), none of it under that folder's lock, and returns done while dst holds "
-    "another source's transitions and this convert's file is left at the first folder's z.h5.partial"))
-def test_a_symlinked_parent_re_pointed_before_the_publish_never_publishes_anothers_file(server, fresh, tmp_path):
+    "another source's transitions and this convert's file is left at the first folder's z.h5.partial"),
+    raises=AssertionError)
+def test_a_symlinked_parent_re_pointed_before_the_publish_never_publishes_anothers_file(fresh, tmp_path):
+    """(A fork server of its own, under a deadline: on the module's server, after the other tests, this
+    stop at os.lstat has hung a full run; alone it never did.)"""
+    from tests._child import Child
+    from tests.offline.test_hostile_killed_publish3 import SERVER
+
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
     other = tmp_path / "other"
     shutil.copytree(run, other, symlinks=True)
@@ -624,7 +650,13 @@ def test_a_symlinked_parent_re_pointed_before_the_publish_never_publishes_anothe
         os.unlink(via)
         os.symlink(other, via)
 
-    said = _kill_at(server, src, via / "z.h5", "lstat", "$" + OLD, 2, True, during=during, resume=True)
+    with Child(SERVER, stdin=True) as own:
+        own.said("ready")
+        try:
+            with deadline(120):
+                said = _kill_at(own, src, via / "z.h5", "lstat", "$" + OLD, 2, True, during=during, resume=True)
+        finally:
+            _kill_children_of(own.pid)
     assert isinstance(said, str) and said.startswith("ended"), said
     if said == "ended done":
         assert _keys(via / "z.h5") == want.tobytes(), ("convert said done; dst holds another source's file", _left(run))
