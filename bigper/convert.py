@@ -534,6 +534,7 @@ def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) 
     if old is not None:
         os.rename(dst, old)
     moved = os.path.isdir(ours) and not os.path.islink(ours)
+    linked = False
     try:
         if moved:
             os.rename(ours, side)
@@ -542,12 +543,14 @@ def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) 
         except FileExistsError:
             raise PathExistsError(f"dst={str(dst)!r} appeared while converting; the converted file is "
                                   f"kept at {partial}") from None
+        linked = True  # (published: from here on nothing is put back, dst is the new file with its sidecar)
         os.unlink(partial)
     except BaseException:
-        if moved and not os.path.lexists(ours):
-            os.rename(side, ours)
-        if old is not None and not os.path.lexists(dst):
-            os.rename(old, dst)
+        if not linked:
+            if moved and not os.path.lexists(ours):
+                os.rename(side, ours)
+            if old is not None and not os.path.lexists(dst):
+                os.rename(old, dst)
         raise
     fsync_dir(dst.parent)
     if old is not None:
