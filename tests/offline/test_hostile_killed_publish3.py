@@ -87,6 +87,7 @@ def resume(*_):
 
 def child(src, dst, overwrite, op, match, nth, cwd):
     signal.signal(signal.SIGUSR1, resume)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C: a shell's background job ignores it)
     if cwd != "-":
         os.chdir(cwd)
     seen = [0]
@@ -300,8 +301,10 @@ OVERWRITE = [("rename", "z.h5>z.h5.partial.old", 1), ("link", "z.h5.partial>z.h5
 
 
 @pytest.mark.parametrize("state,op,match,nth", [
-    (state, *point) for state in ("older", "now") for point in RECOVERY + OVERWRITE + PUBLISHED
-    if not (state == "now" and point == OVERWRITE[0])])  # (now: no dst there to move aside)
+    pytest.param(state, *point, marks=pytest.mark.slow if state == "older" and point in RECOVERY else ())
+    for state in ("older", "now") for point in RECOVERY + OVERWRITE + PUBLISHED
+    if not (state == "now" and point == OVERWRITE[0])])  # (now: no dst there to move aside; older's
+# recovery points are the same writes as now's: under -m slow)
 def test_kill_at_each_write_with_overwrite(server, killed_overwrite, killed_overwrite_now, tmp_path, op, match, nth,
                                            state):
     run, src, dst, side, want, old = _copy_ow(killed_overwrite if state == "older" else killed_overwrite_now, tmp_path)
@@ -347,7 +350,7 @@ def _a_dropped_like(run):
 @pytest.mark.parametrize("what", ["symlink-to-ours", "symlink-to-the-sidecar", "fifo", "regular-file",
                                   "dir-with-subdir", "dir-with-user-file", "dir-of-another-datasets"])
 @pytest.mark.parametrize("overwrite", [False, True])
-@pytest.mark.parametrize("name", [OLD, TRASH])
+@pytest.mark.parametrize("name", [pytest.param(OLD, marks=pytest.mark.slow), TRASH])  # (OLD: never touched)
 def test_what_is_not_a_killed_recoverys_dropped_folder_is_left(
         leftover, killed_overwrite, tmp_path, what, overwrite, name):
     """At OLD (not convert's name) anything is left and the convert completes; at TRASH what a
