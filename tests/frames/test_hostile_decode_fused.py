@@ -339,6 +339,7 @@ def _extend(buf, feed, m):
                 "terminated": np.concatenate(term), "truncated": np.zeros(m, bool)})
 
 
+@pytest.mark.slow  # (CI time: run with -m slow)
 @pytest.mark.parametrize("kind,seed", [("memory", 0), ("memmap", 1), ("memory", 2)])
 def test_a_seeded_soup_of_writes_restores_and_samples_on_four_threads(kind, seed, tmp_path, monkeypatch, fused):
     """Two hundred operations drawn at random: adds, ``extend`` of up to three
@@ -598,6 +599,7 @@ GEOMETRY = [  # (storage, shape, dtype, frame_stack, budget, incompressible)
 ]
 
 
+@pytest.mark.slow  # (CI time: run with -m slow)
 @pytest.mark.parametrize("kind,shape,dtype,k,budget,loud", GEOMETRY)
 def test_frames_of_every_size_and_type_decode_exact(kind, shape, dtype, k, budget, loud, tmp_path, fused):
     """1-byte frames, odd sizes, float32, frames over 64 KiB compressed (the
@@ -916,6 +918,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow  # (CI time: run with -m slow)
 def test_kill_9_of_a_process_sampling_on_a_thread_while_it_adopts_and_saves(tmp_path, fused):
     """A child adds to a compressed memmap buffer (a dictionary every 40
     frames, more than 3 x ``MAX_DICTS`` of them) while a thread of its own
