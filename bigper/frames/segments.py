@@ -559,14 +559,14 @@ class SegmentLog:
             self.store.grow("frame_log", grown * self.seg_rows)  # (all or nothing: an OSError changes nothing)
             journal.add(lambda: self.store.shrink("frame_log", had * self.seg_rows))
             self.st[A] = grown
-            self._decoders = threading.local()  # (every thread's: they hold the arrays the growth replaced)
+            self._drop_decoders()
         if self.store.shared_chunks:
             opened = slot_of[np.arange(self.g + 1, int(st[G]) + 1) % self.S]
             opened = opened[opened < had]
             if opened.size:
                 self.store.prepare({"frame_log": (opened[:, None] * self.seg_rows
                                        + np.arange(self.seg_rows)).reshape(-1)})
-                self._decoders = threading.local()
+                self._drop_decoders()
 
     def spare(self) -> int:
         """Free slots a growth adds beyond the append's need, and ``trim`` keeps: none
@@ -589,7 +589,7 @@ class SegmentLog:
         keep = min(n, keep + self.spare())  # (the spare slots a growth made stay)
         if keep == n:
             return
-        self._decoders = threading.local()  # (every thread's: they hold the arrays the shrink replaces)
+        self._drop_decoders()
         try:
             self.store.shrink("frame_log", keep * self.seg_rows)
         except OSError as e:
@@ -767,16 +767,21 @@ class SegmentLog:
         """This thread's ``DecodeArgs`` for ``decode``, made now, and a scratch of
         ``n`` frames at least, after what they were made of: kept until the
         dictionaries (``version``), the storage's arrays or the counters' array
-        change. ``stale``: this thread's were made of others; every thread's
-        go then (a thread that waits would keep an outgrown log's arrays)."""
+        change (``st`` is updated in place, never replaced). ``stale``: this
+        thread's were made of others; every thread's go then."""
         if stale:
-            self._decoders = threading.local()
+            self._drop_decoders()
         ds, codec = self.dicts, self.codec
         index, flat = arrays["frame_index"], arrays["frame_log"]
         da = (index, self.F, self.st, self.seg, self.max_len, ds.lo, ds.hi, codec.dctx(), codec.ddicts,
               flat.reshape(-1))
-        mine = self._decoders.mine = (ds.version, index, flat, self.st, da, np.empty((4, max(n, 1024)), np.int64))
+        mine = self._decoders.mine = (ds.version, index, flat, da, np.empty((4, max(n, 1024)), np.int64))
         return mine
+
+    def _drop_decoders(self) -> None:
+        """Every thread's ``DecodeArgs`` go (a thread that waits would keep the
+        storage's arrays a growth, a shrink or a copy-on-write replaced)."""
+        self._decoders = threading.local()
 
     def decode(self, ids: np.ndarray, out: np.ndarray | None = None, threads: bool = True,
                chunk: int = DECODE_CHUNK) -> np.ndarray:
@@ -795,9 +800,9 @@ class SegmentLog:
             except AttributeError:  # (this thread's first)
                 mine = None
             if mine is None or mine[0] != self.dicts.version or mine[1] is not arrays["frame_index"] \
-                    or mine[2] is not arrays["frame_log"] or mine[3] is not self.st or mine[5].shape[1] < n:
+                    or mine[2] is not arrays["frame_log"] or mine[4].shape[1] < n:
                 mine = self._decode_args(arrays, n, stale=mine is not None)
-            if decode_frames(mine[4], ids, mine[5], out) < 0:
+            if decode_frames(mine[3], ids, mine[4], out) < 0:
                 return out
             # (else the frame that stopped it, named below)
         offsets, lengths, dicts = np.empty((3, n), dtype=np.int64)  # (each row contiguous)
@@ -946,8 +951,8 @@ class SegmentLog:
 
     def close(self) -> None:
         self.drop_look()
-        # (what it keeps of the storage's arrays: a closed storage's maps go)
-        self._decoders, self._staged_key, self._staged = threading.local(), None, None
+        self._drop_decoders()  # (and the staged appends': a closed storage's maps go)
+        self._staged_key = self._staged = None
         self.dicts.close()
 
 
