@@ -245,13 +245,16 @@ def _canonical(jax, key: str, a: np.ndarray) -> np.ndarray | None:
             bad = lo if lo < info.min else hi
             raise InvalidArgumentError(f"{key} holds {bad}, which JAX's {want} cannot (jax_enable_x64 is off); "
                                        f"turn it on with jax.config.update('jax_enable_x64', True)")
-    elif a.size and a.dtype.kind == "f":
-        grew = np.isinf(out) & np.isfinite(a)
-        if grew.any():
-            at = int(np.flatnonzero(grew.reshape(-1))[0])
-            raise InvalidArgumentError(f"{key} holds {a.reshape(-1)[at]}, which JAX's {want} holds as inf "
-                                       f"(jax_enable_x64 is off); turn it on with "
-                                       f"jax.config.update('jax_enable_x64', True)")
+    elif a.size and a.dtype.kind in "fc":
+        for was, now in ((a, out),) if a.dtype.kind == "f" else ((a.real, out.real), (a.imag, out.imag)):
+            grew = np.isinf(now) & np.isfinite(was)  # (an overflow)
+            lost = (now == 0) & (was != 0)  # (an underflow: a nonzero value that would read 0)
+            for bad, as_ in ((grew, "inf"), (lost, "0")):
+                if bad.any():
+                    at = int(np.flatnonzero(bad.reshape(-1))[0])
+                    raise InvalidArgumentError(f"{key} holds {a.reshape(-1)[at]}, which JAX's {want} holds as "
+                                               f"{as_} (jax_enable_x64 is off); turn it on with "
+                                               f"jax.config.update('jax_enable_x64', True)")
     return out
 
 

@@ -51,16 +51,24 @@ def test_to_jax_refuses_values_32_bits_cannot_hold(vals, dtype):
         one(np.array(vals, dtype)).to_jax()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="tensors/jax.py:_canonical refuses a float64 that becomes inf in float32 but lets a nonzero "
-                          "float64 (1e-300, a subnormal) silently become 0.0: the value changes with no error")
-def test_to_jax_refuses_float64_that_flushes_to_zero():
-    b = one(np.array([1e-300, 5e-324, -1e-200], np.float64))
-    try:
-        j = np.asarray(b.to_jax()["f"])
-    except bigper.InvalidArgumentError:
-        return
-    assert (j != 0).all(), j
+# (This was a strict xfail: _canonical refused a float64 that becomes inf in float32 but let a
+# nonzero one (1e-300, a subnormal) silently become 0.0.)
+@pytest.mark.parametrize("vals,dtype", [([1e-300, 0.5], np.float64), ([0.5, 5e-324], np.float64),
+                                        ([-1e-200], np.float64), ([0.7e-45 * 0.99], np.float64),
+                                        ([1 + 1e-300j], np.complex128), ([1e-300 + 1j], np.complex128)])
+def test_to_jax_refuses_a_nonzero_float64_that_float32_holds_as_0(vals, dtype):
+    b = one(np.array(vals, dtype))
+    with pytest.raises(bigper.InvalidArgumentError, match="'?f'? holds .* as 0 "):
+        b.to_jax()
+
+
+@pytest.mark.parametrize("vals,dtype", [([np.finfo(np.float32).smallest_subnormal, -0.0, 0.0], np.float64),
+                                        ([0.7e-45 * 1.01], np.float64), ([1e-40 + 0j, 0j], np.complex128)])
+def test_to_jax_keeps_float64_that_float32_holds_nonzero_or_that_is_0(vals, dtype):
+    a = np.array(vals, dtype)
+    j = np.asarray(one(a).to_jax()["f"])
+    assert ((j != 0) == (a != 0)).all(), (j, a)
+    np.testing.assert_array_equal(j, a.astype(j.dtype))  # (numpy's own rounding to 32 bits)
 
 
 @pytest.mark.parametrize("p", [np.finfo(np.float32).max, np.finfo(np.float32).tiny, 1e-45,
