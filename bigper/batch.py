@@ -45,7 +45,9 @@ class Batch(Mapping[str, np.ndarray]):
         Slots the transitions were drawn from.
     weights : np.ndarray or torch.Tensor, (B,) float32
         Importance-sampling weights, normalized as the buffer's ``weight_norm``
-        says; a tensor on the device with a device tier.
+        says, never below float32's smallest normal number (1.2e-38: where
+        priorities lie so far apart that a weight would be 0 or subnormal, it
+        is that); a tensor on the device with a device tier.
     probabilities : np.ndarray, (B,) float64
         ``P(i)`` of each draw at sampling time.
     generations : np.ndarray, (B,) int64

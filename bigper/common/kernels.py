@@ -207,6 +207,37 @@ class _GuardedCacheFile(IndexDataCacheFile):
                         "is compiled in memory only", self._index_path, e)
 
 
+# Every file that defines kernels, from the package's root. numba keys a kernel's cache entry to
+# its own file (its mtime and size) only, yet compiles the kernels it calls into it: after a change
+# to a callee in another file (a development checkout pulled, a file edited), the caller's cached
+# code went on running the old callee. Each kernel's entry is keyed to all of these files too
+# (``_package_stamp``); tests/core/test_kernel_cache.py holds the list equal to the package's.
+KERNEL_FILES = (
+    "common/kernels.py", "core/feed.py", "core/ingest.py", "core/nstep.py", "core/ring.py",
+    "core/sequences.py", "core/writer.py", "frames/refs.py", "frames/segments.py", "frames/store.py",
+    "frames/zstd.py", "offline/_h5map.py", "prioritization/_bulk.py", "prioritization/_rank_kernels.py",
+    "prioritization/_rank_law.py", "prioritization/_rank_sort.py", "prioritization/_tree_kernels.py",
+)
+_stamp: tuple | None = None
+
+
+def _package_stamp() -> tuple:
+    """``(name, mtime_ns, size)`` of each of ``KERNEL_FILES`` (None where a
+    stat fails), taken once a process."""
+    global _stamp
+    if _stamp is None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = []
+        for name in KERNEL_FILES:
+            try:
+                st = os.stat(os.path.join(root, name))
+                out.append((name, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append((name, None, None))
+        _stamp = tuple(out)
+    return _stamp
+
+
 def jit(**options):
     """``numba.njit(**options)`` whose compiles (first calls, new types, cache
     loads) hold Ctrl-C (any Python signal handler) back until they are done
@@ -219,6 +250,7 @@ def jit(**options):
         cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
         if type(cache_file) is IndexDataCacheFile:  # (numba's, unchanged: same fields, guarded reads)
             cache_file.__class__ = _GuardedCacheFile
+            cache_file._source_stamp = (cache_file._source_stamp, _package_stamp())  # (KERNEL_FILES says why)
         compile_for_args = dispatcher._compile_for_args  # (what numba's dispatcher calls on a type it has not seen)
 
         def compile_held(*args, **kws):

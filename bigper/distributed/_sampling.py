@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..batch import Batch
+from ..prioritization._tree_kernels import W_MIN
 
 
 def shard_capacities(capacity: int, num_shards: int) -> np.ndarray:
@@ -91,5 +92,6 @@ def assemble(n: int, parts: dict, positions: dict, offsets: np.ndarray, total: f
                for s in order])
     prob = eff / total
     lo = eff.min() if batch_norm else floor
-    weights = ((eff / lo) ** (-float(beta))).astype(np.float32)
+    with np.errstate(under="ignore", over="ignore"):
+        weights = np.maximum((eff / lo) ** (-float(beta)), W_MIN).astype(np.float32)  # (as is_weight)
     return Batch(data, indices, weights, prob, gens)

@@ -255,16 +255,24 @@ def sample_into(sums, mins, offsets, uniforms, stratified, beta, batch_norm, idx
         weight_out[b] = is_weight(lo, sums[leaf_off + idx_out[b]], beta)
 
 
+# The smallest IS weight a batch holds: float32's smallest normal number. A weight below it (leaves
+# about 1e38 ** (1 / beta) apart) would be subnormal or 0 in the batch's float32: a transition drawn
+# and then silently ignored by the learner (and subnormals take slow paths on some hardware).
+W_MIN = float(np.finfo(np.float32).tiny)
+
+
 @kernel
 def is_weight(lo, v, beta):
     """``(lo / v) ** beta`` for leaves ``0 < lo <= v``: the IS weight
-    ``(N P)**-beta`` over the largest possible one. The ratio is <= 1, so it
-    cannot overflow; where it underflows (leaves more than ~1e308 apart) the
-    weight is taken through logarithms instead of collapsing to 0."""
+    ``(N P)**-beta`` over the largest possible one, at least ``W_MIN``. The
+    ratio is <= 1, so it cannot overflow; where it underflows (leaves more
+    than ~1e308 apart) the weight is taken through logarithms instead."""
     r = lo / v
     if r >= 2.2250738585072014e-308:
-        return r ** beta
-    return np.exp(beta * (np.log(lo) - np.log(v)))
+        w = r ** beta
+    else:
+        w = np.exp(beta * (np.log(lo) - np.log(v)))
+    return w if w >= W_MIN else W_MIN
 
 
 @kernel

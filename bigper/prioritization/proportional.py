@@ -24,14 +24,15 @@ _REBUILD_MIN = 1024
 
 def is_weights(lo: float, keys: np.ndarray, beta: float) -> np.ndarray:
     """``(lo / key) ** beta`` as float32, through logarithms where the ratio
-    underflows (keys more than ~1e308 apart), as ``_tree_kernels.is_weight``."""
+    underflows (keys more than ~1e308 apart), at least ``W_MIN``, as
+    ``_tree_kernels.is_weight``."""
     with np.errstate(under="ignore", divide="ignore"):
         r = lo / keys
         w = r ** beta
         tiny = r < np.finfo(np.float64).tiny
         if tiny.any():
             w[tiny] = np.exp(beta * (np.log(lo) - np.log(keys[tiny])))
-    return w.astype(np.float32)
+    return np.maximum(w, K.W_MIN).astype(np.float32)
 
 
 class Proportional(Prioritization):
