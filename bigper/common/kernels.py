@@ -211,7 +211,7 @@ class _GuardedCacheFile(IndexDataCacheFile):
 # its own file (its mtime and size) only, yet compiles the kernels it calls into it: after a change
 # to a callee in another file (a development checkout pulled, a file edited), the caller's cached
 # code went on running the old callee. Each kernel's entry is keyed to all of these files too
-# (``_package_stamp``); tests/core/test_kernel_cache.py holds the list equal to the package's.
+# (``_package_stamp``); tests/common/test_kernels_cache_callees.py holds the list equal to the package's.
 KERNEL_FILES = (
     "common/kernels.py", "core/feed.py", "core/ingest.py", "core/nstep.py", "core/ring.py",
     "core/sequences.py", "core/writer.py", "frames/refs.py", "frames/segments.py", "frames/store.py",
