@@ -65,3 +65,21 @@ def test_a_priority_of_float64_max_gives_weights_of_float32s_smallest_normal_not
         assert (w[idx == 5] == np.float32(TINY)).all()
     else:  # a batch of that one transition alone: weight 1
         assert set(np.unique(w[idx == 5])) <= {np.float32(1.0), np.float32(TINY)}
+
+
+def test_rays_merged_draw_floors_its_weights_too():
+    """The sharded buffer's batch (``distributed._sampling.assemble``, the
+    shards' parts merged): leaves about 1e300 apart, global and batch norms."""
+    from bigper.distributed._sampling import assemble
+
+    parts = {s: {"data": {"x": np.arange(2, dtype=np.float32) + 2 * s}, "slots": np.arange(2),
+                 "gens": np.ones(2, np.int64), "leaves": np.array(leaves), "scale": 1.0}
+             for s, leaves in enumerate([[1e-150, 1.0], [1e150, 2.0]])}
+    positions = {0: np.array([0, 1]), 1: np.array([2, 3])}
+    eff = np.array([1e-150, 1.0, 1e150, 2.0])
+    total = float(eff.sum())
+    for batch_norm in (False, True):
+        b = assemble(4, parts, positions, np.array([0, 2, 4]), total, 1e-150, 0.4, batch_norm)
+        w = np.asarray(b.weights)
+        assert w.dtype == np.float32 and (w >= TINY).all() and np.isfinite(w).all(), w
+        np.testing.assert_allclose(w, _reference(1e-150, eff, 0.4), rtol=2e-6)
