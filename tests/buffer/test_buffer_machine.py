@@ -175,8 +175,9 @@ class BufferMachine(RuleBasedStateMachine):
         # a denormal leaf's P to 0 and drop it from the min.
         top = leaves[idx].min() if self.norm == "batch" else leaves[leaves > 0].min()
         with np.errstate(over="ignore", under="ignore", divide="ignore"):
-            want = ((leaves[idx] / top) ** -beta).astype(np.float32)  # float32: tiny weights flush to 0
-        np.testing.assert_allclose(batch.weights, want, rtol=1e-5, atol=1e-37)
+            want = ((leaves[idx] / top) ** -beta)
+        want = np.maximum(want, np.finfo(np.float32).tiny).astype(np.float32)  # (never 0 or subnormal)
+        np.testing.assert_allclose(batch.weights, want, rtol=1e-5, atol=0)
         return batch, [self.gid[s] for s in idx]
 
     # -- invariants ------------------------------------------------------------

@@ -69,10 +69,11 @@ def test_any_finite_priority_leaves_sampling_exact_or_is_refused(alpha, p, norm)
     np.testing.assert_allclose(batch.probabilities, leaves[batch.indices] / total, rtol=1e-9)
     assert np.all(leaves[batch.indices] > 0)
     lo = leaves[leaves > 0].min() if norm == "global" else leaves[batch.indices].min()
-    # The exact weight, through logarithms; float32 may only round it (or flush a
-    # weight below ~1e-45 to 0, which is then the nearest float32).
+    # The exact weight, through logarithms, and never below float32's smallest normal
+    # number (tests/prioritization/test_weight_floor.py); float32 may only round it.
     want = np.array([math.exp(0.5 * (math.log(lo) - math.log(v))) for v in leaves[batch.indices]])
-    np.testing.assert_allclose(batch.weights, want.astype(np.float32), rtol=1e-5, atol=1e-45)
+    want = np.maximum(want, np.finfo(np.float32).tiny)
+    np.testing.assert_allclose(batch.weights, want.astype(np.float32), rtol=1e-5, atol=0)
 
 
 # -- item 9: only values that become leaves raise the largest leaf ------------------
