@@ -63,7 +63,7 @@ from tests.offline.test_convert import everything, write_d4rl
 from tests.offline.test_hostile_convert_killed_publish import _files, _source
 from tests.offline.test_hostile_killed_publish2 import _refused_and_unchanged, two_threads
 from tests.offline.test_hostile_killed_publish3 import (  # noqa: F401  (fixtures)
-    _completes, _copy_ow, _kill_at, _left, killed_overwrite, killed_overwrite_now, server)
+    _completes, _copy_ow, _kill_at, _left, copy_killed, killed_overwrite, killed_overwrite_now, server)
 
 OLD = "z.h5.partial.old"
 
@@ -93,7 +93,7 @@ def fresh(tmp_path_factory):
 def _copy_fresh(fresh, tmp_path):
     root, want, old = fresh
     run = tmp_path / "t"
-    shutil.copytree(root, run, symlinks=True)
+    copy_killed(root, run)
     return run, run / "src" / "d1.h5", run / "z.h5", want, old
 
 
@@ -102,13 +102,16 @@ def _keys(path):
         return everything(path)[1].tobytes()
 
 
-# -- hard links at .partial.old (a regular file: the name goes, the file stays) -----------------------
+# -- hard links at .partial.old (a regular file, but not the one convert moved there) ----------------
 
 @pytest.mark.parametrize("to", ["another-dataset", "a-file-outside"])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_hard_link_at_partial_old_loses_only_that_name(killed_overwrite_now, tmp_path, to, overwrite):
+def test_a_hard_link_at_partial_old_is_refused_and_left(killed_overwrite_now, tmp_path, to, overwrite):
     """What sits at .partial.old is a hard link to a file with another name (another dataset in
-    the folder, a file outside it): the next convert removes the name .partial.old only."""
+    the folder, a file outside it), in place of the older file the killed overwrite moved there
+    and recorded: not the recorded file, so the next convert is refused naming it, and every
+    name and byte stays. (Until the record, this test held that only the name .partial.old went:
+    a name bigper did not make, removed unproven.)"""
     run, src, dst, side, want, old = _copy_ow(killed_overwrite_now, tmp_path)
     os.unlink(run / OLD)
     if to == "another-dataset":
@@ -120,11 +123,9 @@ def test_a_hard_link_at_partial_old_loses_only_that_name(killed_overwrite_now, t
         theirs.write_bytes(os.urandom(4096))
     os.link(theirs, run / OLD)
     before = fingerprint(theirs)
-    with deadline(60):
-        convert(src, dst, progress=False, overwrite=overwrite)
-    assert everything(dst)[1].tobytes() == want.tobytes()
-    assert _left(run) == (["o.h5"] if to == "another-dataset" else []) + ["src", "z.h5", "z.h5.priorities"]
-    assert fingerprint(theirs) == before and os.stat(theirs).st_nlink == 1
+    e = _refused_and_unchanged(run, src, dst, overwrite=overwrite)
+    assert OLD in str(e), str(e)
+    assert fingerprint(theirs) == before and os.stat(theirs).st_nlink == 2 and os.path.samefile(theirs, run / OLD)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -158,11 +159,6 @@ def test_an_overwrite_of_a_dst_hard_linked_elsewhere_keeps_the_other_name(fresh,
 WRITING = ("mkdir", "$z.h5.partial.priorities")  # (the convert is past its checks, writing its priorities)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a regular file put at <dst>.partial.old while the convert writes (its _check_leftovers, under dst's lock, "
-    "found nothing there, so no convert can have left it) is unlinked at the publish by _clear_leftovers "
-    "(bigper/convert.py:407, _remove of any regular file at _replaced; with overwrite, os.rename(dst, old) at "
-    "convert.py:535 would replace it too): a file bigper did not make is deleted, unproven"))
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_users_file_put_at_partial_old_during_the_convert_is_never_deleted(server, fresh, tmp_path, overwrite):
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
@@ -205,15 +201,7 @@ def test_a_folder_or_symlink_put_at_partial_old_during_the_convert_is_refused_an
     assert not os.path.lexists(run / "z.h5.priorities")
 
 
-LEFT_WRITTEN = pytest.mark.xfail(strict=True, reason=(
-    "refused at the publish (_check_leftovers via _clear_leftovers, bigper/convert.py:379-381, or _check_dst, "
-    "convert.py:283-285, both past the try at convert.py:141-170 whose except removes a failed partial), the error "
-    "says '(nothing was read or written)' while the complete converted file, its sidecar and lock are "
-    "left at <dst>.partial, <dst>.partial.priorities, <dst>.partial.lock, unnamed"))
-
-
-@pytest.mark.parametrize("where", [pytest.param("partial-old", marks=LEFT_WRITTEN),
-                                   pytest.param("dst", marks=LEFT_WRITTEN)])
+@pytest.mark.parametrize("where", ["partial-old", "dst"])
 def test_a_refusal_at_the_publish_leaves_the_folder_as_it_was_or_says_what_it_wrote(server, fresh, tmp_path, where):
     """A folder put at .partial.old (or at dst, an overwrite) while the convert writes: refused at
     the publish. The folder is then as it was (but for that folder), or the error says where the
@@ -236,11 +224,6 @@ def test_a_refusal_at_the_publish_leaves_the_folder_as_it_was_or_says_what_it_wr
 
 # -- a folder or symlink put at dst between the publish's check and its rename ------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_publish checks dst (_check_dst, bigper/convert.py:528: overwrite replaces only a regular file) and "
-    "then os.rename(dst, old) (convert.py:535) without looking at what it moved: a folder (or symlink) put "
-    "at dst in between is moved to <dst>.partial.old and the new file published in its place; _remove(old) "
-    "(convert.py:554) leaves it there, and every later convert is PathExistsError until it is moved"))
 @pytest.mark.parametrize("what", ["dir", "symlink"])
 def test_a_non_file_put_at_dst_just_before_the_move_aside_is_never_moved(server, fresh, tmp_path, what):
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
@@ -254,7 +237,7 @@ def test_a_non_file_put_at_dst_just_before_the_move_aside_is_never_moved(server,
         else:
             os.symlink(tmp_path / "mine.txt", dst)
 
-    said = _kill_at(server, src, dst, "rename", "z.h5>" + OLD, 1, True, during=during, resume=True)
+    said = _kill_at(server, src, dst, "link", "z.h5>" + OLD, 1, True, during=during, resume=True)
     assert said.startswith("ended"), said
     if what == "dir":
         assert dst.is_dir() and (dst / "mine.txt").read_text() == "mine", (said, _left(run))
@@ -264,11 +247,6 @@ def test_a_non_file_put_at_dst_just_before_the_move_aside_is_never_moved(server,
 
 # -- a file put at dst after the older one went aside, before the link --------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the link fails (FileExistsError -> PathExistsError, bigper/convert.py:542-544) and the except "
-    "(convert.py:549) puts the older file back only when dst is free: it stays at <dst>.partial.old, "
-    "which the error does not name (it names only the partial), and which the next convert to dst, "
-    "even without overwrite, unlinks (_clear_leftovers, convert.py:407)"))
 def test_a_file_put_at_dst_before_the_link_leaves_the_older_file_where_it_was_or_named(server, fresh, tmp_path):
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
 
@@ -295,7 +273,7 @@ def test_a_file_put_at_dst_before_the_link_never_opens_with_the_new_sidecar(serv
 
 # -- a reader of dst during the publish ------------------------------------------------------------
 
-@pytest.mark.parametrize("op,match", [("rename", "z.h5>" + OLD), ("rename", "$z.h5.partial.priorities"),
+@pytest.mark.parametrize("op,match", [("link", "z.h5>" + OLD), ("unlink", "$z.h5"), ("rename", "$z.h5.partial.priorities"),
                                       ("link", "z.h5.partial>z.h5"), ("unlink", "$z.h5.partial"),
                                       ("unlink", "$" + OLD)])
 def test_a_reader_during_the_publish_is_refused_never_sees_a_mix(server, fresh, tmp_path, op, match):
@@ -319,11 +297,6 @@ def test_a_reader_during_the_publish_is_refused_never_sees_a_mix(server, fresh, 
 
 # -- a live buffer on the older file at .partial.old ----------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_clear_leftovers (bigper/convert.py:407) unlinks <dst>.partial.old without its lock: a buffer open on "
-    "it (from_hdf5, holding <dst>.partial.old.lock shared: the user reading the older file back) has the "
-    "file deleted under it by the next convert to dst, where a live buffer's file is otherwise "
-    "StorageLockedError"))
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_live_buffer_on_the_older_file_aside_keeps_it(killed_overwrite_now, tmp_path, overwrite):
     run, src, dst, side, want, old = _copy_ow(killed_overwrite_now, tmp_path)
@@ -339,12 +312,6 @@ def test_a_live_buffer_on_the_older_file_aside_keeps_it(killed_overwrite_now, tm
         ds.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_DstLock (bigper/convert.py:228-230) says StorageLockedError 'while a buffer writes or reads there', "
-    "but a reader of a bigper dataset takes <dst>.lock shared only when that file exists "
-    "(_open_bigper, bigper/offline/_h5layouts.py:282), and a completed convert removes the lock file it "
-    "made (convert.py:240-241): from_hdf5(dst) holds no lock, and convert(..., overwrite=True) replaces "
-    "dst under the live buffer (moved to <dst>.partial.old and unlinked, convert.py:535/554)"))
 @pytest.mark.parametrize("leftover", [False, True])
 def test_an_overwrite_of_a_dst_open_in_a_live_buffer_is_refused_and_left(fresh, tmp_path, leftover):
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
@@ -360,7 +327,7 @@ def test_an_overwrite_of_a_dst_open_in_a_live_buffer_is_refused_and_left(fresh, 
 
 # -- a kill -9 after each step, then a convert without overwrite ---------------------------------------
 
-BEFORE_LINK = [("rename", "+z.h5>" + OLD), ("rename", "+z.h5.partial.priorities>z.h5.priorities"),
+BEFORE_LINK = [("unlink", "+$z.h5"), ("rename", "+z.h5.partial.priorities>z.h5.priorities"),
                ("link", "z.h5.partial>z.h5")]
 AFTER_LINK = [("link", "+z.h5.partial>z.h5"), ("unlink", "+$z.h5.partial"), ("unlink", "$" + OLD)]
 
@@ -382,13 +349,6 @@ def test_a_kill_at_the_clearing_of_a_leftover_then_a_plain_convert_finishes(serv
     _completes(run, src, dst, want, False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "killed after the link (dst is the new file, its sidecar in place; or killed before it and the partial "
-    "linked at dst by hand), an overwrite leaves the older "
-    "dataset whole at <dst>.partial.old, which only _publish clears (bigper/convert.py:524): every next "
-    "convert to dst, with or without overwrite, is refused before it (the sidecar is dst's own: "
-    "_check_dst, convert.py:270-274) with an error that does not name it, so the older file's bytes stay "
-    "for good"))
 @pytest.mark.parametrize("op,match", AFTER_LINK + [("ln", "partial-at-dst")])
 def test_a_kill_after_the_link_then_the_next_convert_removes_the_older_file(server, fresh, killed_overwrite_now,
                                                                             tmp_path, op, match):
@@ -441,7 +401,7 @@ def _each(points, overwrite):
     return [pytest.param(op, match, overwrite) for op, match in points]
 
 
-@pytest.mark.parametrize("op,match,overwrite", _each([("rename", "z.h5>" + OLD)] + STEPS + [("unlink", "$" + OLD)], True)
+@pytest.mark.parametrize("op,match,overwrite", _each([("link", "z.h5>" + OLD), ("unlink", "$z.h5")] + STEPS + [("unlink", "$" + OLD)], True)
                          + _each(STEPS, False))
 def test_ctrl_c_at_each_step_of_the_publish(server, fresh, tmp_path, op, match, overwrite):
     """Interrupted, dst opens with the older file's keys (or is absent), or with the new file's:
@@ -539,12 +499,17 @@ def test_two_threads_over_the_older_file_aside(killed_overwrite_now, tmp_path, o
 def test_relative_paths_and_a_chdir(server, fresh, tmp_path, monkeypatch):
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
     rel = os.path.join("src", "d1.h5")
-    assert _kill_at(server, rel, "z.h5", "rename", "+z.h5>" + OLD, 1, True, cwd=run), server.last
+    assert _kill_at(server, rel, "z.h5", "unlink", "+$z.h5", 1, True, cwd=run), server.last
     before = _files(run)
     other = tmp_path / "other"
     shutil.copytree(run / "src", other / "src")
-    shutil.copy(run / OLD, other / OLD)  # (another folder's own leftover, cleared there)
+    shutil.copy(run / OLD, other / OLD)  # (a copy of another folder's leftover: no record of its own there)
     monkeypatch.chdir(other)
+    theirs = _files(other)
+    with deadline(60), pytest.raises(PathExistsError, match=str(other / OLD)):
+        convert(rel, "z.h5", progress=False)  # (a file convert did not move there is never removed)
+    assert _files(other) == theirs and _files(run) == before
+    os.unlink(other / OLD)
     with deadline(60):
         convert(rel, "z.h5", progress=False)
     assert sorted(os.listdir(other)) == ["src", "z.h5", "z.h5.priorities"]
@@ -571,17 +536,19 @@ def test_a_dst_through_a_symlinked_parent(server, fresh, tmp_path):
         except BigperError as e:
             seen.append(type(e).__name__)
 
-    assert _kill_at(server, src, via / "z.h5", "rename", "+z.h5>" + OLD, 1, True, during=during), server.last
+    assert _kill_at(server, src, via / "z.h5", "unlink", "+$z.h5", 1, True, during=during), server.last
     assert seen == ["StorageLockedError"], seen
     assert not os.path.lexists(dst) and _keys(run / OLD) == old.tobytes()
     _completes(run, src, dst, want, False)
     assert os.path.islink(via)
 
 
-def test_a_live_reader_of_the_older_dst_never_puts_its_keys_beside_the_new_file(fresh, tmp_path):
-    """A buffer reading the older dst (it holds no lock: see the xfail above) changes its keys;
-    an overwrite replaces dst under it; the reader still reads the older file, and its close
-    never puts its keys where the new file opens with them."""
+def test_a_live_reader_of_the_older_dst_keeps_it_and_its_keys(fresh, tmp_path):
+    """A buffer reading the older dst (no lock file is there for it to hold; HDF5's flock on the
+    file is what convert probes) changes its keys; an overwrite is refused with
+    StorageLockedError, nothing changed; the reader still reads the older file, and its close
+    keeps its keys with it. (Until that probe, the overwrite replaced dst under the reader, and
+    this test held only that the reader's keys never went beside the new file.)"""
     import warnings
 
     import numpy as np
@@ -592,19 +559,19 @@ def test_a_live_reader_of_the_older_dst_never_puts_its_keys_beside_the_new_file(
     try:
         ids = np.flatnonzero(ds.status == 1)
         ds.update_priorities(ids, np.full(ids.shape[0], 7.0))
-        with deadline(60):
+        before = _files(run)
+        with deadline(60), pytest.raises(StorageLockedError, match="z.h5"):
             convert(src, dst, progress=False, overwrite=True)
+        assert _files(run) == before
         live = ids[np.argsort(ds.generations[ids], kind="stable")]
         got = ds.gather(live)
         assert all(got[k].tobytes() == older[k].tobytes() for k in older)
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                ds.close()
-            except BigperError:
-                pass
-    assert _keys(dst) == want.tobytes()
+            ds.close()
+    assert all(everything(dst)[0][k].tobytes() == older[k].tobytes() for k in older)
+    assert _keys(dst) not in (old.tobytes(), want.tobytes())  # (the reader's, saved at its close)
     assert _left(run) == ["src", "z.h5", "z.h5.priorities"], _left(run)
 
 
