@@ -204,12 +204,14 @@ def _settled(e: BigperError, partial: Path, dst: Path) -> BigperError:
     overwrite left at ``_replaced``: the older file it replaced, kept there until a convert
     publishes at dst (``_clear_leftovers``) or the user deletes it."""
     old, rec = _replaced(partial), _aside_record(partial)
-    if not os.path.lexists(old):
+    if not (os.path.lexists(old) or os.path.lexists(rec)):
         return e
     try:
         state, _ = _aside(partial, dst)
     except BigperError as why:
         return type(e)(f"{e}; and {why}")
+    if state in (None, "stale"):  # (a record of nothing aside: the next publish drops it)
+        return e
     if state in ("same", "published"):
         note = (f"an interrupted overwrite of dst left the older file it replaced at {old} (recorded in {rec}; "
                 f"{'a second name of the file at dst' if state == 'same' else 'dst is the new file it wrote'}): "
@@ -840,6 +842,10 @@ def _move_aside(partial: Path, dst: Path) -> Path:
             raise PathExistsError(changed)
         os.unlink(dst)
     except BaseException:
+        try:  # (made: the link was made, though a Ctrl-C in it may have come after)
+            made = made or _identity(os.lstat(old))[:2] == _identity(st)[:2]
+        except FileNotFoundError:
+            pass
         if made:  # (undone: the name made at old goes; the older file, if already off dst, goes back)
             _undo_aside(partial, dst, old, st)
         else:
