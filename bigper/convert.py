@@ -22,9 +22,13 @@ and the leftover is replaced by the next run) and renamed into place only
 when it is complete and closed: a crash or kill -9 midway leaves no
 destination. Its priorities sidecar goes into place first, and with
 ``overwrite`` the older file is first moved aside (``<dst>.partial.old``,
-removed at the end): a kill -9 between those renames leaves the new file's
+removed at the end): a kill -9 between those steps leaves the new file's
 sidecar beside no destination, which the next convert recognizes and
-finishes, never beside the older file. The ``<dst>.partial*`` names are
+finishes, never beside the older file. The move aside is recorded first
+(``<dst>.partial.old.id``: the identities of the older and the new file,
+synced), is a link that never replaces anything, then the unlink of dst;
+only the recorded file is ever removed from ``.partial.old``, and not while
+a buffer has it open (``_aside``). The ``<dst>.partial*`` names are
 convert's own.
 """
 
@@ -97,7 +101,8 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         ``compression_budget``: a cap of log bytes a frame (default: none, the log grows as the
         frames need).
     overwrite : bool
-        Replace an existing regular file at ``dst`` (else ``PathExistsError``).
+        Replace an existing regular file at ``dst`` (else ``PathExistsError``; one a buffer
+        has open is ``StorageLockedError``).
     progress : bool
         A tqdm progress bar (rate, ETA).
     chunk : int
@@ -120,6 +125,9 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
     if not isinstance(dst, (str, os.PathLike)):
         raise InvalidTypeError(f"dst must be a str or os.PathLike, got {type(dst).__name__} {dst!r:.80}")
     dst = Path(os.path.abspath(os.path.expanduser(dst)))
+    # The folder resolved once (promise 11): a symlinked parent re-pointed while converting
+    # never sends the publish (or its lock) to another folder; dst itself is not followed.
+    dst = Path(os.path.realpath(dst.parent)) / dst.name
     partial = dst.with_name(dst.name + ".partial")
     try:
         _check_dst(dst, overwrite, partial)
