@@ -13,47 +13,34 @@ each distinct frame is stored once, compressed, and every transition comes
 back byte for byte. The priority keys the source opens with (its sidecar's,
 else 1.0) become the new buffer's.
 
-Nothing is ever written to the source. Before anything at the destination
-changes, ``convert`` takes the lock a buffer there would hold (``<dst>.lock``):
-a live writer's file is ``StorageLockedError``, never replaced under it.
-The new file is written as ``<dst>.partial`` beside the destination (a
-bigper storage: its lock keeps a leftover of a killed run from a live one,
-and the leftover is replaced by the next run) and renamed into place only
-when it is complete and closed: a crash or kill -9 midway leaves no
-destination. Its priorities sidecar goes into place first, and with
-``overwrite`` the older file is first moved aside (``<dst>.partial.old``,
-removed at the end): a kill -9 between those steps leaves the new file's
-sidecar beside no destination, which the next convert recognizes and
-finishes, never beside the older file. The move aside is recorded first
-(``<dst>.partial.old.id``: the identities of the older and the new file,
-synced), is a link that never replaces anything, then the unlink of dst;
-only the recorded file is ever removed from ``.partial.old``, and not while
-a buffer has it open (``_aside``). The ``<dst>.partial*`` names are
-convert's own.
+Nothing is ever written to the source. The new file is written as
+``<dst>.partial`` and published only when it is complete and closed, its
+priorities sidecar first, an overwrite's older file moved aside first
+(``offline/publish.py`` says how, and how a killed run is recovered): a
+crash or kill -9 midway leaves no destination, and never a file beside
+another's priorities. The ``<dst>.partial*`` names are convert's own.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import math
 import os
-import stat
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from .buffer import PrioritizedReplayBuffer
-from .errors import BigperError, InvalidArgumentError, InvalidTypeError, PathExistsError, StorageLockedError
+from .errors import BigperError, InvalidArgumentError, InvalidTypeError, PathExistsError
 from .core.layout import allocate
 from .config import Config
 from .frames.store import frame_capacity, require_compression
-from .common.files import FileLock, fsync_dir, open_regular, read_regular, real_names
+from .common.files import real_names
 from .storage.hdf5 import HDF5Storage
 from .frames.segments import log_geometry
 from .common.status import EMPTY
 from .offline.h5source import in_order
+from .offline.publish import (DstLock, check_dst, check_leftovers, check_not_source, drop_sidecar, kept_at_partial,
+                              publish, refuse_open, remove, settled, sidecar_of)
 
 __all__ = ["convert", "infer_frame_stack"]
 
@@ -130,14 +117,14 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
     dst = Path(os.path.realpath(dst.parent)) / dst.name
     partial = dst.with_name(dst.name + ".partial")
     try:
-        _check_dst(dst, overwrite, partial)
+        check_dst(dst, overwrite, partial)
     except PathExistsError as e:
-        raise _settled(e, partial, dst) from None
+        raise settled(e, partial, dst) from None
     source = PrioritizedReplayBuffer.from_hdf5(src, layout=layout, allow_external=allow_external)
     lock = None
     try:
         store = source.storage
-        _check_not_source(store, dst, partial)
+        check_not_source(store, dst, partial)
         cfg = _source_config(source, store, frame_stack)
         order = _stream_order(source)
         n = int(order.shape[0])
@@ -145,17 +132,15 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
             raise InvalidArgumentError(f"{store.path} has no sampleable transition to convert")
         # dst's own lock, the one a writer or reader of a buffer there holds, before anything
         # at dst changes (promises 5 and 11): a live buffer's file is never replaced under it
-        lock = _DstLock(dst)
+        lock = DstLock(dst)
         try:
-            _check_dst(dst, overwrite, partial, locked=True)  # again, under the lock
+            check_dst(dst, overwrite, partial, locked=True)  # again, under the lock
         except PathExistsError as e:
-            raise _settled(e, partial, dst) from None
-        if overwrite and os.path.isfile(dst) and not os.path.islink(dst):  # (not open in a reader: no lock
-            # file may be there for it to hold, but HDF5 holds an flock on the file it reads)
-            _probe_unused(dst, _identity(os.lstat(dst)), f"dst={str(dst)!r}, the older file an overwrite "
-                          "replaces", lockfile=False)
-        _check_leftovers(partial, dst)  # (what a killed publish may have left at names of the partial's)
-        leftover = os.path.lexists(_sidecar_of(dst))  # (a killed publish's, recognized: see _check_dst)
+            raise settled(e, partial, dst) from None
+        if overwrite:
+            refuse_open(dst)  # (the older file, open in a reader)
+        check_leftovers(partial, dst)  # (what a killed publish may have left at names of the partial's)
+        leftover = os.path.lexists(sidecar_of(dst))  # (a killed publish's, recognized: see check_dst)
         keys = source.leaves(order)
         made = []  # set once the partial file is ours (its lock taken, its record written)
         try:
@@ -185,15 +170,15 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
                 _save_priorities(partial, dst, keys, cfg)
         except BaseException as e:
             if made:
-                _drop_sidecar(_sidecar_of(partial))
-                _remove(partial)
+                drop_sidecar(sidecar_of(partial))
+                remove(partial)
             raise real_names(e, where=partial)  # the path as given, not /proc/self/fd/N
         src_bytes = store.nbytes()
         try:
-            _publish(partial, dst, overwrite, leftover)
+            publish(partial, dst, overwrite, leftover)
         except BigperError as e:
             if os.path.lexists(partial):  # (refused before the link: the complete file is kept, and named)
-                raise _kept(e, partial) from None
+                raise kept_at_partial(e, partial) from None
             raise
     finally:
         try:
@@ -205,40 +190,6 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
             int((np.asarray(store.status) != EMPTY).sum()) - n,
             "frame_stack": cfg["frame_stack"], "src_bytes": int(src_bytes),
             "dst_bytes": int(os.stat(dst).st_size), "dst": str(dst)}
-
-
-def _settled(e: BigperError, partial: Path, dst: Path) -> BigperError:
-    """``e``, a refusal of ``dst`` (which changes nothing), saying what an interrupted
-    overwrite left at ``_replaced``: the older file it replaced, kept there until a convert
-    publishes at dst (``_clear_leftovers``) or the user deletes it."""
-    old, rec = _replaced(partial), _aside_record(partial)
-    if not (os.path.lexists(old) or os.path.lexists(rec)):
-        return e
-    try:
-        state, _ = _aside(partial, dst)
-    except BigperError as why:
-        return type(e)(f"{e}; and {why}")
-    if state in (None, "stale"):  # (a record of nothing aside: the next publish drops it)
-        return e
-    if state in ("same", "published"):
-        note = (f"an interrupted overwrite of dst left the older file it replaced at {old} (recorded in {rec}; "
-                f"{'a second name of the file at dst' if state == 'same' else 'dst is the new file it wrote'}): "
-                "delete both when you no longer need it; a convert that publishes at dst removes them")
-    else:
-        note = f"an interrupted overwrite of dst left the older file it replaced at {old} (recorded in {rec})"
-    return type(e)(f"{e}; {note}")
-
-
-def _kept(e: BigperError, partial: Path) -> BigperError:
-    """``e``, a refusal at the publish, saying where the complete converted file is kept."""
-    side = _sidecar_of(partial)
-    where = (f"the converted file is complete and kept at {partial}"
-             + (f", its priorities at {side}" if os.path.isdir(side) and not os.path.islink(side) else "")
-             + "; the next convert to dst writes it anew")
-    text = str(e)
-    text = (text.replace("(nothing was read or written)", f"({where})") if "(nothing was read or written)" in text
-            else f"{text} ({where})")
-    return type(e)(text)
 
 
 def _write(source, partial: Path, cfg: dict, cap: int, order, keys, budget, chunk, progress, name,
@@ -283,24 +234,6 @@ def _open_partial(partial: Path, cfg: Config) -> PrioritizedReplayBuffer:
         raise
 
 
-class _DstLock:
-    """The lock of a bigper HDF5 storage at ``dst`` (``<dst>.lock``), held
-    exclusively: ``StorageLockedError`` while a buffer writes or reads there.
-    A lock file this convert made is removed (while still held) at release."""
-
-    def __init__(self, dst: Path):
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        path = dst.with_name(dst.name + ".lock")
-        made = not os.path.lexists(path)
-        self._lock = FileLock(path, owner=dst)
-        self._made = made
-
-    def release(self) -> None:
-        if self._made:
-            _remove(self._lock.path)
-        self._lock.release()
-
-
 def _row_bytes(cfg: dict) -> int:
     shape, dtype = cfg["fields"]["obs"]
     return int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
@@ -319,378 +252,16 @@ def _fit(used: int, cfg: dict, cap: int) -> tuple[int, int]:
     return int(row), int(cap + math.ceil(frames * want / row) - frames)
 
 
-def _check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: bool = False) -> None:
-    """Refuse a ``dst`` this convert may not write (``PathExistsError``,
-    nothing read or written). A sidecar at ``<dst>.priorities`` is refused,
-    unless it is the one a convert killed between the two renames of
-    ``_publish`` left (``_killed_publish``): before the lock, that is left to
-    judge under it (``locked``); ``_publish`` removes it (``leftover``)."""
-    side = _sidecar_of(dst)
-    if os.path.lexists(side):
-        if partial is None or not _killed_publish(dst, partial, side, locked, overwrite):
-            raise PathExistsError(f"{side} exists: priorities of another file at dst={str(dst)!r}, which the new "
-                                  "file would open with or be refused by; move or delete it first (nothing was "
-                                  "read or written)")
-        # (no dst: the killed run's file is still its partial, which this run replaces; the
-        # sidecar goes at this run's publish, under the same lock: a failure before it leaves it)
-    try:
-        st = os.lstat(dst)
-    except FileNotFoundError:
-        return
-    if not overwrite:
-        raise PathExistsError(f"dst={str(dst)!r} already exists; pass overwrite=True (--overwrite) to "
-                              "replace it (nothing was read or written)")
-    if not stat.S_ISREG(st.st_mode):
-        raise PathExistsError(f"dst={str(dst)!r} exists and is not a regular file; overwrite replaces only "
-                              "a regular file (nothing was read or written)")
-
-
-def _killed_publish(dst: Path, partial: Path, side: Path, locked: bool, overwrite: bool) -> bool:
-    """Whether ``side`` (``<dst>.priorities``) is the sidecar of ``partial``
-    that ``_publish`` moved into place before a kill -9 stopped it short of
-    the file: no ``dst`` (or, with ``overwrite``, the older regular file the
-    killed run was replacing, which this run replaces too), the complete
-    ``partial`` still there, and the sidecar made for it under ``dst``'s name
-    (its fingerprint; ``load`` checks the rest): never the older file's, which
-    an overwrite refuses. Before the lock only the files' presence is looked
-    at; under ``dst``'s lock (which a convert holds all through ``_publish``)
-    the partial is opened and compared."""
-    from .offline.h5source import H5Source
-    from .offline.sidecar import Sidecar
-
-    if os.path.lexists(dst) and not (overwrite and os.path.isfile(dst) and not os.path.islink(dst)):
-        return False
-    if not os.path.isfile(partial) or os.path.islink(partial) or not os.path.isdir(side) or os.path.islink(side):
-        return False
-    if not _ours_only(side):  # (bigper's own regular files only: a folder holding anything else is not removed)
-        return False
-    if not locked:
-        return True
-
-    def made_for(path: Path):
-        try:
-            src = H5Source(path, held=path == dst)  # (dst's lock is ours)
-        except BigperError:
-            return None
-        try:
-            meta = Sidecar(side, dict(src.fingerprint(), name=dst.name), src.n).load()
-        except BigperError:
-            return None
-        finally:
-            src.close()
-        return meta if isinstance(meta, dict) and meta.get("dataset", {}).get("name") == dst.name else None
-
-    # (a sidecar that the older dst opens with may be its own: the fingerprint is of the
-    # files' structure, which two datasets may share; that one is never removed)
-    return made_for(partial) is not None and not (os.path.lexists(dst) and made_for(dst) is not None)
-
-
-def _sidecar_of(path: Path) -> Path:
-    """Where the priorities sidecar of the file at ``path`` lives (``<path>.priorities``)."""
-    from .offline.sidecar import Sidecar
-
-    return Sidecar.default_path(path)
-
-
-def _drop_sidecar(path: Path) -> None:
-    """Remove the sidecar directory this convert made beside its partial file
-    (or a killed run's, under the partial's lock): bigper's own names only."""
-    from .offline.sidecar import _OURS
-
-    if not os.path.lexists(path) or not stat.S_ISDIR(os.lstat(path).st_mode):
-        return
-    for p in sorted(path.iterdir(), key=lambda p: p.name == "meta.json"):  # (its record last: _check_leftovers)
-        if _OURS.fullmatch(p.name) and stat.S_ISREG(os.lstat(p).st_mode):
-            p.unlink(missing_ok=True)
-    os.rmdir(path)  # anything else there: an OSError, nothing of it removed
-
-
-def _dropped(partial: Path) -> Path:
-    """Where the recovery moves a killed publish's sidecar to remove it: a
-    name of the partial's (``<dst>.partial.*`` names are this convert's own,
-    under dst's lock), never one a user's file is at (``_check_not_source``)."""
-    return _sidecar_of(partial).with_name(_sidecar_of(partial).name + ".dropped")
-
-
-def _ours_only(folder: Path) -> bool:
-    """Whether ``folder`` (a real directory) holds bigper's own regular files only."""
-    from .offline.sidecar import _OURS
-
-    try:
-        return stat.S_ISDIR(os.lstat(folder).st_mode) and all(
-            _OURS.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in os.scandir(folder))
-    except OSError:
-        return False
-
-
-def _replaced(partial: Path) -> Path:
-    """Where ``_publish`` moves the older ``dst`` an overwrite replaces, until the new file is in place."""
-    return partial.with_name(partial.name + ".old")
-
-
-def _aside_record(partial: Path) -> Path:
-    """Convert's record of the file it moves to ``_replaced`` (``<dst>.partial.old.id``): written
-    (and synced) before the move, removed after the older file; what proves that the file at
-    ``_replaced`` is the older dst it moved there, and that dst is the new file it published."""
-    return partial.with_name(partial.name + ".old.id")
-
-
-_RECORD_KIND = "bigper convert: the older dst moved aside"
-_RECORD_LIMIT = 4096  # (a record is about 200 bytes)
-
-
-def _identity(st: os.stat_result) -> list:
-    """What names one version of a regular file: ``[st_dev, st_ino, st_size, st_mtime_ns]``."""
-    return [int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns)]
-
-
-def _write_record(partial: Path, dst: Path, older: os.stat_result, newer: os.stat_result) -> None:
-    """Record, durably, the identities of the older dst (about to go aside) and of the new file
-    (``partial``, about to be linked at dst). Made new (``O_EXCL``, never through a link);
-    ``PathExistsError`` naming it when something is there."""
-    rec = _aside_record(partial)
-    body = json.dumps({"kind": _RECORD_KIND, "dst": dst.name, "older": _identity(older),
-                       "newer": _identity(newer)}, sort_keys=True).encode()
-    try:
-        fd = open_regular(rec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, error=PathExistsError)
-    except FileExistsError:
-        raise PathExistsError(f"{rec} appeared while converting; an overwrite records there the older dst it "
-                              f"moves to {_replaced(partial)}: move or delete it first") from None
-    try:
-        view = memoryview(body)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(rec)  # (made just now, O_EXCL: ours)
-        raise
-    os.close(fd)
-    fsync_dir(rec.parent)
-
-
-def _read_record(partial: Path, dst: Path) -> dict | None:
-    """The record at ``_aside_record`` (``{"older": identity, "newer": identity}``), or None
-    when there is none. Read as untrusted input: anything but a small regular file holding
-    exactly what ``_write_record`` writes for this ``dst`` is ``PathExistsError`` naming it,
-    and then nothing at ``_replaced`` is ever removed on its word."""
-    rec = _aside_record(partial)
-
-    def refuse(why):
-        return PathExistsError(
-            f"{rec} {why}: it is not a record convert wrote for dst={str(dst)!r} (where an overwrite records "
-            f"the older file it moves to {_replaced(partial)}), so nothing is removed on its word; "
-            "move or delete it first")
-
-    try:
-        raw = read_regular(rec, limit=_RECORD_LIMIT, error=PathExistsError)
-    except FileNotFoundError:
-        return None
-    except PathExistsError as e:
-        raise refuse(f"cannot be read as a record ({e})") from None
-    except OSError as e:
-        raise refuse(f"cannot be read ({e.strerror})") from None
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        raise refuse("is not JSON") from None
-
-    def ident(v):
-        return isinstance(v, list) and len(v) == 4 and all(type(x) is int and 0 <= x < 1 << 64 for x in v)
-
-    if not (isinstance(meta, dict) and sorted(meta) == ["dst", "kind", "newer", "older"]
-            and meta["kind"] == _RECORD_KIND and meta["dst"] == dst.name
-            and ident(meta["older"]) and ident(meta["newer"])):
-        raise refuse("does not hold what convert records there")
-    return {"older": meta["older"], "newer": meta["newer"]}
-
-
-def _drop_record(partial: Path) -> None:
-    """Remove the record (one ``_write_record`` wrote, or one ``_read_record`` accepted)."""
-    try:
-        if stat.S_ISREG(os.lstat(_aside_record(partial)).st_mode):
-            os.unlink(_aside_record(partial))
-    except FileNotFoundError:
-        return
-    fsync_dir(partial.parent)
-
-
-def _aside(partial: Path, dst: Path) -> tuple[str | None, os.stat_result | None]:
-    """What sits at ``_replaced`` and what it is, proven against the record:
-
-    - ``None``: nothing there and no record;
-    - ``"stale"``: a record, nothing there (a kill before the move aside, or after the older
-      file's removal): the record goes;
-    - ``"same"``: the older file, still at dst too (a kill between the link and the unlink of
-      the move aside): only the name ``_replaced`` goes;
-    - ``"published"``: the older file, and dst is the new file the record names (a kill after
-      the link, or the partial linked at dst by hand): the older file goes;
-    - ``"pending"``: the older file, and no dst (a kill before the link): the next publish
-      removes it.
-
-    Anything else is ``PathExistsError`` naming it, nothing touched: a file at ``_replaced``
-    without a record (a user's, an older bigper's), a record that is not convert's, a file
-    there that is not the one recorded (a hard link, a copy, a folder, a symlink, a FIFO),
-    or the recorded older file beside a dst that is not the recorded new one."""
-    old, rec = _replaced(partial), _aside_record(partial)
-    record = _read_record(partial, dst)
-    try:
-        st = os.lstat(old)
-    except FileNotFoundError:
-        return (None if record is None else "stale"), None
-    if record is None:
-        raise PathExistsError(f"{old} exists, and no record of convert's ({rec}) says it is the older dst an "
-                              "overwrite moved there: convert removes only that; move or delete it first")
-    if not stat.S_ISREG(st.st_mode) or _identity(st) != record["older"]:
-        raise PathExistsError(f"{old} is not the file {rec} records (the older dst an overwrite moved there): "
-                              "convert removes only that; move or delete it first")
-    try:
-        d = os.lstat(dst)
-    except FileNotFoundError:
-        return "pending", st
-    if (d.st_dev, d.st_ino) == (st.st_dev, st.st_ino):
-        return "same", st
-    if stat.S_ISREG(d.st_mode) and _identity(d) == record["newer"]:
-        return "published", st
-    raise PathExistsError(f"{old} holds the older dst that an interrupted overwrite moved aside ({rec} records "
-                          f"it), and dst={str(dst)!r} is not the file that overwrite wrote: move {old} (the older "
-                          "file, whole) where you want it, or delete it, first")
-
-
-def _unused(path: Path, ident: list, what: str, *, lockfile: bool = True, unlink: bool = False) -> None:
-    """``StorageLockedError`` naming ``path`` (the regular file whose identity is ``ident``)
-    when a buffer, or any HDF5 reader (HDF5 holds an flock on the file it opens), has it
-    open, or (``lockfile``) a buffer holds its lock ``<path>.lock``; probed with an exclusive
-    non-blocking flock on the file itself, which makes no file. ``unlink``: then unlink it,
-    that flock held while its name goes."""
-    try:
-        fd = open_regular(path, os.O_RDONLY, error=PathExistsError)
-    except FileNotFoundError:
-        return
-    try:
-        if _identity(os.fstat(fd)) != ident:
-            raise PathExistsError(f"{path} changed while convert was removing it ({what}); left as it is")
-        busy = f"{path} ({what}) is open in a buffer or another HDF5 reader"
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StorageLockedError(f"{busy}: close it, then convert again; it was left as it is") from None
-        lock = path.with_name(path.name + ".lock")
-        try:
-            lfd = open_regular(lock, os.O_RDONLY, error=PathExistsError) if lockfile else -1
-        except (OSError, PathExistsError):
-            lfd = -1  # (none, or not a regular file: not a lock a buffer holds)
-        if lfd >= 0:
-            try:
-                fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise StorageLockedError(f"{busy} (lock {lock} is held): close it, then convert again; "
-                                         "it was left as it is") from None
-            finally:
-                os.close(lfd)  # (its flock goes with it)
-        st = os.lstat(path) if unlink else None
-        if unlink and (st.st_dev, st.st_ino) == tuple(ident[:2]):
-            os.unlink(path)
-    finally:
-        os.close(fd)
-
-
-def _probe_unused(path: Path, ident: list, what: str = "the older dst an interrupted overwrite moved aside, "
-                  "to be removed", lockfile: bool = True) -> None:
-    """``_unused`` without the unlink: ``StorageLockedError`` while a buffer has ``path`` open."""
-    _unused(path, ident, what, lockfile=lockfile)
-
-
-def _finish_aside(partial: Path, dst: Path, states=("stale", "same", "published", "pending")) -> str | None:
-    """Finish what an interrupted overwrite left at ``_replaced`` (under dst's lock), where the
-    state (``_aside``) is one of ``states``: the older file (or its second name) goes, then the
-    record. The state found; ``PathExistsError`` / ``StorageLockedError`` as ``_aside`` and
-    ``_unused`` say, nothing removed."""
-    state, st = _aside(partial, dst)
-    if state not in states:
-        return state
-    old = _replaced(partial)
-    if state == "same":  # (two names of the older file: dst's stays)
-        now = os.lstat(old)
-        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-            os.unlink(old)
-    elif state in ("published", "pending"):
-        _unused(old, _identity(st), "the older dst an interrupted overwrite moved aside, to be removed", unlink=True)
-    if state is not None:
-        if state != "stale":
-            fsync_dir(partial.parent)
-        _drop_record(partial)
-    return state
-
-
-def _check_leftovers(partial: Path, dst: Path) -> None:
-    """``PathExistsError`` unless what sits at the names ``_publish`` clears is
-    what a killed publish leaves there: at ``_replaced``, nothing or the older
-    dst the record proves (``_aside``; one a buffer has open is
-    ``StorageLockedError``); at ``_dropped``, nothing or what a killed removal
-    left of a sidecar made for ``dst``: bigper's own files, among them its
-    record naming dst (``_drop_sidecar`` removes it last), or none."""
-    state, st = _aside(partial, dst)
-    if state in ("published", "pending"):
-        _probe_unused(_replaced(partial), _identity(st))
-    trash = _dropped(partial)
-    if not os.path.lexists(trash):
-        return
-    if _ours_only(trash):
-        try:
-            left = os.listdir(trash)
-            if not left:
-                return
-            if "meta.json" in left:
-                with open(trash / "meta.json", "rb") as f:
-                    meta = json.loads(f.read(1 << 20))
-                if isinstance(meta, dict) and isinstance(meta.get("dataset"), dict) \
-                        and meta["dataset"].get("name") == dst.name:
-                    return
-        except (OSError, ValueError):
-            pass
-    raise PathExistsError(f"{trash} holds what bigper did not leave there; a convert moves a killed run's "
-                          "priorities there to remove them: move or delete it first (nothing was read or written)")
-
-
-def _clear_leftovers(partial: Path, dst: Path) -> None:
-    """Finish what a kill -9 stopped: the removal of the older dst an
-    overwrite replaced (``_replaced``) and of a killed publish's sidecar
-    (``_dropped``); ``_check_leftovers`` first."""
-    _check_leftovers(partial, dst)
-    _finish_aside(partial, dst)
-    try:
-        _drop_sidecar(_dropped(partial))
-    except OSError as e:
-        raise PathExistsError(f"{_dropped(partial)} (a killed run's priorities, being removed) cannot be removed: "
-                              f"{e.strerror}; move or delete it first") from None
-
-
-def _drop_leftover(side: Path, partial: Path, dst: Path) -> None:
-    """Remove the killed publish's sidecar at ``side`` (``<dst>.priorities``):
-    renamed away first, so that a kill -9 while its files go leaves it whole
-    where it was (the next convert recognizes it) or gone from there, never
-    half of it; a file put there since it was recognized is put back with it
-    (``PathExistsError``, nothing removed)."""
-    trash = _dropped(partial)  # (free: _publish cleared it)
-    os.rename(side, trash)
-    if not _ours_only(trash):
-        os.rename(trash, side)
-        raise PathExistsError(f"{side} holds files bigper did not write (put there while converting); "
-                              "move or delete them first (nothing there was removed)")
-    _drop_sidecar(trash)
-
-
 def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> None:
     """The source's keys, slot by slot of the new file, into the sidecar beside
     ``partial`` (``<dst>.partial.priorities``), made for ``dst``: what
     ``from_hdf5(dst)`` opens with (as if saved at close by a buffer of these
-    parameters) once ``_publish`` has renamed it, before the file, into place."""
+    parameters) once ``publish`` has renamed it, before the file, into place."""
     from .offline.sidecar import Sidecar
     from .offline.h5source import H5Source
 
-    side = _sidecar_of(partial)
-    _drop_sidecar(side)  # a killed run's
+    side = sidecar_of(partial)
+    drop_sidecar(side)  # a killed run's
     src = H5Source(partial)
     try:
         sc = Sidecar(side, dict(src.fingerprint(), name=dst.name), src.n, protect=src.file_id)
@@ -705,24 +276,6 @@ def _save_priorities(partial: Path, dst: Path, keys: np.ndarray, cfg: dict) -> N
             sc.unlock()
     finally:
         src.close()
-
-
-def _check_not_source(store, dst: Path, partial: Path) -> None:
-    src = Path(store.file_path)
-    for p in (dst, partial, _replaced(partial)):
-        if os.path.exists(p) and os.path.samefile(p, src):
-            raise InvalidArgumentError(f"dst={str(dst)!r} is the source file {src} (or its .partial, or the "
-                                       "older file a killed overwrite left at .partial.old); convert never "
-                                       "writes its source")
-    # The source's priorities sidecar (a directory that from_hdf5 reads): a file made
-    # there, or beside it as the partial's sidecar, would change how the source opens.
-    side = store.sidecar
-    if side is not None:
-        theirs = os.path.realpath(side.path)
-        for p in (dst, partial, _sidecar_of(partial), _sidecar_of(dst), _dropped(partial)):
-            if os.path.realpath(p) == theirs or os.path.realpath(p).startswith(theirs + os.sep):
-                raise InvalidArgumentError(f"dst={str(dst)!r} is (or is in) {side.path}, where the source's "
-                                           "priorities live; convert never writes its source")
 
 
 def _source_config(source: PrioritizedReplayBuffer, store, frame_stack) -> dict:
@@ -765,151 +318,3 @@ def _copy(source, out, order: np.ndarray, chunk: int, progress: bool, name: str,
             out.extend({k: v for k, v in data.items() if k in names})
             let_go()
             bar.update(idx.shape[0])
-
-
-def _publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) -> None:
-    """``partial`` becomes ``dst``: linked (which fails if something appeared at
-    ``dst`` meanwhile) and unlinked; then the directory is synced and the
-    partial's lock file removed. With ``overwrite`` the older file is moved
-    aside first (``_move_aside``: recorded, then linked at ``_replaced`` and
-    unlinked at dst, never over anything) and removed last, unless a buffer has
-    it open (then it stays, recorded, and the next convert removes it); a
-    failure before the link puts it back (or, where dst is taken, says where it
-    is kept). ``leftover``: the sidecar at ``<dst>.priorities`` is a killed
-    publish's (``_killed_publish``, under the lock still held), removed first."""
-    ours, side = _sidecar_of(partial), _sidecar_of(dst)
-    _clear_leftovers(partial, dst)  # (a killed publish's or recovery's)
-    if leftover:
-        _drop_leftover(side, partial, dst)
-    if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
-        _check_dst(dst, overwrite)
-    # The older file goes aside first and the priorities next: a kill -9 between
-    # the renames leaves a sidecar without its file (which the next convert
-    # recognizes and removes, under this lock: _killed_publish), never a file
-    # that opens with another's priorities or with default ones.
-    old = _move_aside(partial, dst) if overwrite and os.path.lexists(dst) else None
-    moved = os.path.isdir(ours) and not os.path.islink(ours)
-    linked = False
-    try:
-        if moved:
-            os.rename(ours, side)
-        try:
-            os.link(partial, dst)
-        except FileExistsError:
-            raise PathExistsError(f"dst={str(dst)!r} appeared while converting") from None
-        linked = True  # (published: from here on nothing is put back, dst is the new file with its sidecar)
-        os.unlink(partial)
-    except BaseException as e:
-        if not linked:
-            if moved and not os.path.lexists(ours):
-                os.rename(side, ours)
-            if old is not None and not _put_back(partial, dst, old) and isinstance(e, BigperError):
-                raise type(e)(f"{e}; the older file dst held is kept at {old}") from None
-        raise
-    fsync_dir(dst.parent)
-    if old is not None:
-        try:
-            _finish_aside(partial, dst, ("published",))
-        except BigperError as e:  # (a buffer opened it meanwhile: it stays, recorded, for the next convert)
-            warnings.warn(f"convert published {dst}; the older file it replaced stays at {old} for now: {e}. "
-                          "The next convert to this dst removes it once it is closed", stacklevel=3)
-    _remove(partial.with_name(partial.name + ".lock"))
-
-
-def _move_aside(partial: Path, dst: Path) -> Path:
-    """Move the older regular file at ``dst`` to ``_replaced``: its identity (and the new
-    file's) recorded durably first (``_write_record``), then linked there (which fails if
-    anything is there: nothing is ever replaced) and checked against the record, then
-    unlinked at dst. Anything but the regular file that was checked (a folder or symlink put
-    at dst meanwhile) is ``PathExistsError``, left where it is. A failure (or Ctrl-C) leaves
-    dst as it was and the record dropped; a kill between the link and the unlink leaves two
-    names of one file, which ``_aside`` knows."""
-    old = _replaced(partial)
-    st = os.lstat(dst)
-    changed = (f"dst={str(dst)!r} is no longer the regular file that was checked (something was put there "
-               "while converting); overwrite replaces only a regular file")
-    if not stat.S_ISREG(st.st_mode):
-        raise PathExistsError(changed)
-    _probe_unused(dst, _identity(st), f"dst={str(dst)!r}, the older file an overwrite replaces", lockfile=False)
-    _write_record(partial, dst, st, os.lstat(partial))
-    made = False
-    try:
-        try:
-            os.link(dst, old, follow_symlinks=False)
-        except FileExistsError:
-            raise PathExistsError(f"{old} appeared while converting; an overwrite moves the older dst there "
-                                  "until the new file is in place: move or delete it first") from None
-        except OSError:  # (a folder put at dst meanwhile cannot be linked: EPERM)
-            if not stat.S_ISREG(os.lstat(dst).st_mode):
-                raise PathExistsError(changed) from None
-            raise
-        made = True
-        got, now = os.lstat(old), os.lstat(dst)
-        if not stat.S_ISREG(got.st_mode) or _identity(got) != _identity(st) \
-                or (now.st_dev, now.st_ino) != (got.st_dev, got.st_ino):
-            raise PathExistsError(changed)
-        os.unlink(dst)
-    except BaseException:
-        try:  # (made: the link was made, though a Ctrl-C in it may have come after)
-            made = made or _identity(os.lstat(old))[:2] == _identity(st)[:2]
-        except FileNotFoundError:
-            pass
-        if made:  # (undone: the name made at old goes; the older file, if already off dst, goes back)
-            _undo_aside(partial, dst, old, st)
-        else:
-            _drop_record(partial)
-        raise
-    return old
-
-
-def _undo_aside(partial: Path, dst: Path, old: Path, st: os.stat_result) -> None:
-    """What ``_move_aside`` did, undone after its link: the name at ``old`` goes while dst
-    still names the same file, or the older file goes back to a free dst; else it stays at
-    ``old``, proven by the record (the next convert finishes or names it)."""
-    try:
-        got = os.lstat(old)
-    except FileNotFoundError:
-        _drop_record(partial)
-        return
-    try:
-        now = os.lstat(dst)
-    except FileNotFoundError:
-        now = None
-    if now is not None and (now.st_dev, now.st_ino) == (got.st_dev, got.st_ino):
-        os.unlink(old)  # (a second name of what is at dst, made just now)
-        _drop_record(partial)
-    elif now is None and _identity(got) == _identity(st):
-        _put_back(partial, dst, old)
-
-
-def _put_back(partial: Path, dst: Path, old: Path) -> bool:
-    """Put the older file (moved to ``old`` by ``_move_aside``) back at ``dst``: linked (never
-    over what is there) and unlinked at ``old``, the record dropped. False when dst is taken:
-    it stays at ``old``, and its record is dropped too, so that no later convert removes it
-    (the error names it)."""
-    try:
-        os.link(old, dst, follow_symlinks=False)
-    except FileExistsError:
-        _drop_record(partial)
-        return False
-    except OSError:  # (no inode for a link: a full tmpfs counts links; a rename takes none)
-        if os.path.lexists(dst):
-            _drop_record(partial)
-            return False
-        os.rename(old, dst)
-    else:
-        os.unlink(old)
-    fsync_dir(dst.parent)
-    _drop_record(partial)
-    return True
-
-
-def _remove(path: Path) -> None:
-    """Unlink a regular file this convert made (the partial file, its lock file)."""
-    try:
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    if path.suffix == ".partial":
-        _remove(path.with_name(path.name + ".lock"))

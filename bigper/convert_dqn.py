@@ -40,13 +40,13 @@ import numpy as np
 
 from .buffer import PrioritizedReplayBuffer
 from .config import Config
-from .convert import _DstLock, _check_dst, _publish, _remove
 from .core.layout import allocate
 from .core.statecheck import check_state
 from .errors import InvalidArgumentError, InvalidTypeError, OfflineDatasetError, PathExistsError
 from .frames.budget import frame_capacity
 from .frames.store import require_compression
 from .offline.dqn_replay import open_run, prefetch_frames, scan_run, stream_transitions, _workers
+from .offline.publish import DstLock, check_dst, publish, refuse_open, remove
 from .snapshots import Snapshots
 from .common.files import fsync_dir, read_json, real_names, write_json
 from .storage.hdf5 import HDF5Storage
@@ -103,9 +103,10 @@ def convert_dqn_replay(run_dir, dst, *, frame_stack: int = 4, overwrite: bool = 
     if not isinstance(dst, (str, os.PathLike)):
         raise InvalidTypeError(f"dst must be a str or os.PathLike, got {type(dst).__name__} {dst!r:.80}")
     dst = Path(os.path.abspath(os.path.expanduser(dst)))
+    dst = Path(os.path.realpath(dst.parent)) / dst.name  # (its folder resolved once, as convert's)
     partial = dst.with_name(dst.name + ".partial")
     work = dst.with_name(dst.name + ".partial.d")
-    _check_dst(dst, overwrite)
+    check_dst(dst, overwrite)
     require_compression()
     cks = scan_run(run_dir, frame_stack=frame_stack, workers=workers)  # every refusal before dst changes
     run = cks[0].run
@@ -130,9 +131,11 @@ def convert_dqn_replay(run_dir, dst, *, frame_stack: int = 4, overwrite: bool = 
     mark = {"format": FORMAT, "version": VERSION, "frame_stack": k, "capacity": cap,
             "run": str(run), "checkpoints": [[ck.n, {kind: list(m.ident[1:]) for kind, m in ck.members.items()}]
                                              for ck in cks]}
-    lock = _DstLock(dst)
+    lock = DstLock(dst)
     try:
-        _check_dst(dst, overwrite)  # again, under the lock
+        check_dst(dst, overwrite)  # again, under the lock
+        if overwrite:
+            refuse_open(dst)  # (the older file, open in a reader: before the work, not at its end)
         snaps, buf, done = _start(work, mark, cfg, restart)
         dir_fd = open_run(run)
         made = []
@@ -145,12 +148,12 @@ def convert_dqn_replay(run_dir, dst, *, frame_stack: int = 4, overwrite: bool = 
             buf.close()  # (recorded in its directory: what the copy reads)
             buf = None  # its tree and bookkeeping go before the copy
             _to_hdf5(live_dir, mcfg, partial, made)
-            _publish(partial, dst, overwrite)
+            publish(partial, dst, overwrite)
         except BaseException as e:
             if buf is not None and not buf.closed:
                 buf.close()  # the work directory keeps the finished checkpoints for a resume
             if made:
-                _remove(partial)
+                remove(partial)
             raise real_names(e, where=partial)
         finally:
             os.close(dir_fd)

@@ -229,8 +229,8 @@ if point == "chunk":
         return extend(self, *a, **k)
     c.PrioritizedReplayBuffer.extend = slow
 else:  # the partial file complete and closed, not yet renamed
-    publish = c._publish
-    c._publish = lambda *a: (stop(), publish(*a))
+    publish = c.publish
+    c.publish = lambda *a: (stop(), publish(*a))
 c.convert(sys.argv[1], sys.argv[2], progress=False, chunk=64)
 """
 

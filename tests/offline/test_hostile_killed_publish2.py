@@ -237,12 +237,12 @@ def test_a_partial_of_another_source_of_the_same_shape_is_replaced_by_this_conve
 PAUSED = r"""
 import sys
 import bigper.convert as c
-orig = c._DstLock.__init__
+orig = c.DstLock.__init__
 def paused(self, dst):
     print("before lock", flush=True)
     sys.stdin.readline()
     orig(self, dst)
-c._DstLock.__init__ = paused
+c.DstLock.__init__ = paused
 try:
     c.convert(sys.argv[1], sys.argv[2], progress=False, chunk=64)
     print("done", flush=True)

@@ -50,7 +50,7 @@ elif point == "copying":
 elif point == "before the HDF5 close":
     c.HDF5Storage.close = stop
 elif point == "before the publish":
-    c._publish = stop
+    c.publish = stop
 c.convert_dqn_replay(sys.argv[1], sys.argv[2], progress=False, chunk=100, workers=1)
 """
 
