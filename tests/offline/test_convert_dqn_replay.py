@@ -224,3 +224,24 @@ def test_the_python_call_checks_its_arguments(logged, tmp_path):
     with pytest.raises(bigper.InvalidArgumentError, match="inside run_dir"):
         convert_dqn_replay(logged, logged / "b.h5", progress=False)
     assert fingerprint(tmp_path) == held
+
+
+def test_an_overwrite_of_a_dst_open_in_a_reader_is_refused_before_the_work(logged, tmp_path):
+    """(offline/publish.py ``refuse_open``, as convert's: before, convert_dqn found the reader
+    only at its publish, after the whole conversion.) The refusal leaves the folder as it was
+    (no partial, no work folder); once the reader closes, the overwrite goes through."""
+    dst = tmp_path / "out" / "breakout.h5"
+    convert_dqn_replay(logged, dst, progress=False, workers=1)
+    reader = bigper.PrioritizedReplayBuffer.from_hdf5(dst)
+    try:
+        before = fingerprint(dst.parent)
+        with pytest.raises(bigper.errors.StorageLockedError, match="open in a buffer or another HDF5 reader"):
+            convert_dqn_replay(logged, dst, overwrite=True, progress=False, workers=1)
+        assert fingerprint(dst.parent) == before
+        assert len(reader.sample(4).indices) == 4  # (the reader reads on)
+    finally:
+        reader.close()
+    r = convert_dqn_replay(logged, dst, overwrite=True, progress=False, workers=1)
+    assert r["resumed_after"] == 0
+    assert sorted(os.listdir(dst.parent)) == ["breakout.h5"]
+    assert_equals_reference(dst, logged)
