@@ -39,8 +39,8 @@ from .storage.hdf5 import HDF5Storage
 from .frames.segments import log_geometry
 from .common.status import EMPTY
 from .offline.h5source import in_order
-from .offline.publish import (DstLock, check_dst, check_leftovers, check_not_source, drop_sidecar, kept_at_partial,
-                              publish, refuse_open, remove, settled, sidecar_of)
+from .offline.publish import (DstLock, check_dst, check_leftovers, check_not_source, drop_leftover, drop_sidecar,
+                              kept_at_partial, publish, refuse_open, remove, settled, sidecar_of)
 
 __all__ = ["convert", "infer_frame_stack"]
 
@@ -140,8 +140,11 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         if overwrite:
             refuse_open(dst)  # (the older file, open in a reader)
         check_leftovers(partial, dst)  # (what a killed publish may have left at names of the partial's)
-        leftover = os.path.lexists(sidecar_of(dst))  # (a killed publish's, recognized: see check_dst)
         keys = source.leaves(order)
+        _config(cfg, n, budget)  # (the arguments' every refusal before anything at dst changes)
+        require_compression()
+        if os.path.lexists(sidecar_of(dst)):  # (a killed publish's, recognized: see check_dst)
+            drop_leftover(partial, dst)  # (before the partial it was proven against is replaced)
         made = []  # set once the partial file is ours (its lock taken, its record written)
         try:
             cap = n
@@ -175,7 +178,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
             raise real_names(e, where=partial)  # the path as given, not /proc/self/fd/N
         src_bytes = store.nbytes()
         try:
-            publish(partial, dst, overwrite, leftover)
+            publish(partial, dst, overwrite)
         except BigperError as e:
             if os.path.lexists(partial):  # (refused before the link: the complete file is kept, and named)
                 raise kept_at_partial(e, partial) from None
@@ -197,10 +200,7 @@ def _write(source, partial: Path, cfg: dict, cap: int, order, keys, budget, chun
     """Write ``partial`` (replacing a leftover) with capacity ``cap``; ``(transitions
     sampleable in it, log bytes its frames took, frames written)``."""
     n = order.shape[0]
-    out = _open_partial(partial, Config.build(
-        capacity=cap, fields=cfg["fields"], frame_stack=cfg["frame_stack"], next_of=cfg["next_of"],
-        alpha=cfg["alpha"], eps=cfg["eps"], max_priority=cfg["max_priority"], gamma=cfg["gamma"],
-        prioritization=cfg["prioritization"], storage="hdf5", compression="zstd", compression_budget=budget))
+    out = _open_partial(partial, _config(cfg, cap, budget))
     made.append(True)
     try:
         _copy(source, out, order, chunk, progress, name, cfg)
@@ -216,6 +216,15 @@ def _write(source, partial: Path, cfg: dict, cap: int, order, keys, budget, chun
         return int(live.sum()), int(fm["seg"]) * seg + int(fm["pos"]), int(fm["fw"])
     finally:
         out.close()  # a complete record even of a partial file: the next convert replaces it
+
+
+def _config(cfg: dict, cap: int, budget) -> Config:
+    """The new buffer's config at capacity ``cap`` (``InvalidArgumentError`` for a ``budget`` no
+    buffer takes)."""
+    return Config.build(
+        capacity=cap, fields=cfg["fields"], frame_stack=cfg["frame_stack"], next_of=cfg["next_of"],
+        alpha=cfg["alpha"], eps=cfg["eps"], max_priority=cfg["max_priority"], gamma=cfg["gamma"],
+        prioritization=cfg["prioritization"], storage="hdf5", compression="zstd", compression_budget=budget)
 
 
 def _open_partial(partial: Path, cfg: Config) -> PrioritizedReplayBuffer:

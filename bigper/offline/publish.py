@@ -91,7 +91,7 @@ def check_dst(dst: Path, overwrite: bool, partial: Path | None = None, locked: b
     nothing read or written). A sidecar at ``<dst>.priorities`` is refused,
     unless it is the one a convert killed between the two renames of
     ``publish`` left (``_killed_publish``): before the lock, that is left to
-    judge under it (``locked``); ``publish`` removes it (``leftover``)."""
+    judge under it (``locked``); ``drop_leftover`` removes it."""
     side = sidecar_of(dst)
     if os.path.lexists(side):
         if partial is None or not _killed_publish(dst, partial, side, locked, overwrite):
@@ -433,13 +433,22 @@ def _clear_leftovers(partial: Path, dst: Path) -> None:
                               f"{e.strerror}; move or delete it first") from None
 
 
-def _drop_leftover(side: Path, partial: Path, dst: Path) -> None:
-    """Remove the killed publish's sidecar at ``side`` (``<dst>.priorities``):
-    renamed away first, so that a kill -9 while its files go leaves it whole
-    where it was (the next convert recognizes it) or gone from there, never
-    half of it; a file put there since it was recognized is put back with it
+def drop_leftover(partial: Path, dst: Path) -> None:
+    """Remove the killed publish's sidecar at ``<dst>.priorities`` (recognized
+    under dst's lock: ``check_dst``), before this run replaces the partial it
+    was proven against (a kill while this run writes then leaves no sidecar
+    beside a partial it was not made for). Renamed away first (``_dropped``,
+    cleared of a killed removal's files first: ``check_leftovers`` proved them
+    bigper's), so that a kill -9 while its files go leaves it whole where it
+    was (the next convert recognizes it) or gone from there, never half of it;
+    a file put there since it was recognized is put back with it
     (``PathExistsError``, nothing removed)."""
-    trash = _dropped(partial)  # (free: publish cleared it)
+    side, trash = sidecar_of(dst), _dropped(partial)
+    try:
+        drop_sidecar(trash)
+    except OSError as e:
+        raise PathExistsError(f"{trash} (a killed run's priorities, being removed) cannot be removed: "
+                              f"{e.strerror}; move or delete it first") from None
     os.rename(side, trash)
     if not _ours_only(trash):
         os.rename(trash, side)
@@ -466,7 +475,7 @@ def check_not_source(store, dst: Path, partial: Path) -> None:
                                            "priorities live; convert never writes its source")
 
 
-def publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) -> None:
+def publish(partial: Path, dst: Path, overwrite: bool) -> None:
     """``partial`` becomes ``dst``: linked (which fails if something appeared at
     ``dst`` meanwhile) and unlinked; then the directory is synced and the
     partial's lock file removed. With ``overwrite`` the older file is moved
@@ -474,12 +483,9 @@ def publish(partial: Path, dst: Path, overwrite: bool, leftover: bool = False) -
     unlinked at dst, never over anything) and removed last, unless a buffer has
     it open (then it stays, recorded, and the next convert removes it); a
     failure before the link puts it back (or, where dst is taken, says where it
-    is kept). ``leftover``: the sidecar at ``<dst>.priorities`` is a killed
-    publish's (``_killed_publish``, under the lock still held), removed first."""
+    is kept)."""
     ours, side = sidecar_of(partial), sidecar_of(dst)
     _clear_leftovers(partial, dst)  # (a killed publish's or recovery's)
-    if leftover:
-        _drop_leftover(side, partial, dst)
     if overwrite or not os.path.lexists(dst):  # else the link below says it appeared meanwhile
         check_dst(dst, overwrite)
     # The older file goes aside first and the priorities next: a kill -9 between

@@ -178,6 +178,8 @@ class HDF5Storage(StorageBase):
                         from None
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
                 return self._meta
+            if self.takeover:  # (a takeover killed in its _swap left the file only at its trash name)
+                self._clear_trash()
             self._created = True
             self._file = h5py.File(self._fp, "w-", rdcc_nbytes=0)
             self._meta = self._new_meta(config)
