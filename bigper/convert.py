@@ -179,7 +179,7 @@ def convert(src, dst, *, frame_stack=None, budget=None, overwrite: bool = False,
         src_bytes = store.nbytes()
         try:
             publish(partial, dst, overwrite)
-        except BigperError as e:
+        except (BigperError, OSError) as e:
             if os.path.lexists(partial):  # (refused before the link: the complete file is kept, and named)
                 raise kept_at_partial(e, partial) from None
             raise

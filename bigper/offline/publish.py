@@ -23,6 +23,7 @@ killed removal of a sidecar goes through ``<dst>.partial.priorities.dropped``
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -56,12 +57,15 @@ def settled(e: BigperError, partial: Path, dst: Path) -> BigperError:
     return type(e)(f"{e}; {note}")
 
 
-def kept_at_partial(e: BigperError, partial: Path) -> BigperError:
-    """``e``, a refusal at the publish, saying where the complete converted file is kept."""
+def kept_at_partial(e: OSError | BigperError, partial: Path) -> OSError | BigperError:
+    """``e``, a refusal (or an ``OSError``) at the publish, saying where the complete converted
+    file is kept."""
     side = sidecar_of(partial)
     where = (f"the converted file is complete and kept at {partial}"
              + (f", its priorities at {side}" if os.path.isdir(side) and not os.path.islink(side) else "")
              + "; the next convert to dst writes it anew")
+    if not isinstance(e, BigperError):  # (an OSError of the publish: a full disk, a mount at dst)
+        return type(e)(e.errno, f"{e.strerror} ({where})", e.filename) if e.errno else type(e)(f"{e} ({where})")
     text = str(e)
     text = (text.replace("(nothing was read or written)", f"({where})") if "(nothing was read or written)" in text
             else f"{text} ({where})")
@@ -228,9 +232,13 @@ def _write_record(partial: Path, dst: Path, older: os.stat_result, newer: os.sta
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-    except BaseException:
+    except OSError as e:
         os.close(fd)
         os.unlink(rec)  # (made just now, O_EXCL: ours)
+        raise OSError(e.errno, f"{e.strerror} (writing {rec})", str(rec)) from None
+    except BaseException:
+        os.close(fd)
+        os.unlink(rec)
         raise
     os.close(fd)
     fsync_dir(rec.parent)
@@ -253,9 +261,11 @@ def _read_record(partial: Path, dst: Path) -> dict | None:
         raw = read_regular(rec, limit=_RECORD_LIMIT, error=PathExistsError)
     except FileNotFoundError:
         return None
-    except PathExistsError as e:
-        raise refuse(f"cannot be read as a record ({e})") from None
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:  # (a name this file system cannot hold: no record can be there)
+            return None
+        if isinstance(e, PathExistsError):
+            raise refuse(f"cannot be read as a record ({e})") from None
         raise refuse(f"cannot be read ({e.strerror})") from None
     try:
         meta = json.loads(raw.decode("utf-8"))
@@ -263,7 +273,7 @@ def _read_record(partial: Path, dst: Path) -> dict | None:
         raise refuse("is not JSON") from None
 
     def ident(v):
-        return isinstance(v, list) and len(v) == 4 and all(type(x) is int and 0 <= x < 1 << 64 for x in v)
+        return isinstance(v, list) and len(v) == 4 and all(type(x) is int and -(1 << 63) <= x < 1 << 64 for x in v)
 
     if not (isinstance(meta, dict) and sorted(meta) == ["dst", "kind", "newer", "older"]
             and meta["kind"] == _RECORD_KIND and meta["dst"] == dst.name
