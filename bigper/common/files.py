@@ -174,6 +174,9 @@ def check_dense(fd: int, where, *, error=CorruptSnapshotError) -> None:
 _HELD: dict[tuple[int, int], tuple[str, int]] = {}
 
 
+_LOCK_TRIES = 100  # (opens of a lock file removed under us before giving up)
+
+
 class FileLock:
     """An flock on ``path``: released by the kernel when the process dies, so
     a killed writer never blocks the next one. Exclusive for writers, shared
@@ -190,6 +193,29 @@ class FileLock:
         self.path = Path(path)
         owner = owner if owner is not None else self.path.parent
         self.fd = -1
+        # The flock is on the file opened; a holder that removes its lock file at release
+        # (convert's DstLock, a storage's lock it made) may unlink it between our open and
+        # our flock: then the path names a new file (or none) that a third one can lock
+        # too. Locked, the path must still name the file locked; else again.
+        for _ in range(_LOCK_TRIES):
+            self._lock(shared, owner)
+            if self.fd < 0:
+                return
+            try:
+                st = os.stat(self.path)
+                if (st.st_dev, st.st_ino) == self.key:
+                    break
+            except FileNotFoundError:
+                pass
+            _HELD.pop(self.key, None)
+            os.close(self.fd)
+            self.fd = -1
+        else:
+            raise StorageLockedError(f"{owner}: its lock file {self.path} was removed and made again "
+                                     f"{_LOCK_TRIES} times while taking it; try again")
+
+    def _lock(self, shared: bool, owner) -> None:
+        """Open ``path`` and flock it (``fd``, ``key``), or ``StorageLockedError``."""
         if shared:
             try:
                 self.fd = open_regular(self.path, os.O_RDONLY)

@@ -592,14 +592,8 @@ def _wait_exit(pid):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "_DstLock.release unlinks the <dst>.lock it made (bigper/convert.py:300) while another convert "
-    "may have it open, and FileLock never checks after its flock that the path still names the "
-    "inode it locked (bigper/common/files.py:205-209): B locks the unlinked file while C holds a "
-    "new <dst>.lock, and both run the publish. B takes C's leftovers for a killed run's and "
-    "publishes; C's link then fails with a raw FileNotFoundError (convert.py:797) and its undo "
-    "renames B's published sidecar back to <dst>.partial.priorities (convert.py:805): dst opens "
-    "without its priorities (default keys), the sidecar stranded under a name of the partial's"))
+# (Was a strict xfail, fixed since (common/files.py FileLock: locked, the path must still name the
+# file locked, else again): "_DstLock.release unlinks the <dst>.lock it made (bigper/convert.py:300) while another convert " "may have it open, and FileLock never checks after its flock that the path still names the " "inode it locked (bigper/common/files.py:205-209):)
 def test_a_second_convert_that_opened_dsts_lock_file_before_its_removal_never_runs_beside_a_third(fresh,
                                                                                                  tmp_path):
     """A (a source without keys) has published and is about to unlink the lock file it made
