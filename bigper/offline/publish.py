@@ -208,6 +208,7 @@ def _aside_record(partial: Path) -> Path:
 
 _RECORD_KIND = "bigper convert: the older dst moved aside"
 _RECORD_LIMIT = 4096  # (a record is about 200 bytes)
+_OLDER_DST = "dst={dst!r}, the older file an overwrite replaces"
 
 
 def _identity(st: os.stat_result) -> list:
@@ -372,12 +373,6 @@ def _unused(path: Path, ident: list, what: str, *, lockfile: bool = True, unlink
         os.close(fd)
 
 
-def _probe_unused(path: Path, ident: list, what: str = "the older dst an interrupted overwrite moved aside, "
-                  "to be removed", lockfile: bool = True) -> None:
-    """``_unused`` without the unlink: ``StorageLockedError`` while a buffer has ``path`` open."""
-    _unused(path, ident, what, lockfile=lockfile)
-
-
 def _finish_aside(partial: Path, dst: Path, states=("stale", "same", "published", "pending")) -> str | None:
     """Finish what an interrupted overwrite left at ``_replaced`` (under dst's lock), where the
     state (``_aside``) is one of ``states``: the older file (or its second name) goes, then the
@@ -409,7 +404,7 @@ def check_leftovers(partial: Path, dst: Path) -> None:
     record naming dst (``drop_sidecar`` removes it last), or none."""
     state, st = _aside(partial, dst)
     if state in ("published", "pending"):
-        _probe_unused(_replaced(partial), _identity(st))
+        _unused(_replaced(partial), _identity(st), "the older dst an interrupted overwrite moved aside, to be removed")
     trash = _dropped(partial)
     if not os.path.lexists(trash):
         return
@@ -545,7 +540,7 @@ def _move_aside(partial: Path, dst: Path) -> Path:
                "while converting); overwrite replaces only a regular file")
     if not stat.S_ISREG(st.st_mode):
         raise PathExistsError(changed)
-    _probe_unused(dst, _identity(st), f"dst={str(dst)!r}, the older file an overwrite replaces", lockfile=False)
+    _unused(dst, _identity(st), _OLDER_DST.format(dst=str(dst)), lockfile=False)
     _write_record(partial, dst, st, os.lstat(partial))
     made = False
     try:
@@ -635,5 +630,4 @@ def refuse_open(dst: Path) -> None:
     ``dst`` open (an overwrite's older file: no lock file may be there for a reader to hold,
     but HDF5 holds an flock on the file it reads)."""
     if os.path.isfile(dst) and not os.path.islink(dst):
-        _probe_unused(dst, _identity(os.lstat(dst)), f"dst={str(dst)!r}, the older file an overwrite replaces",
-                      lockfile=False)
+        _unused(dst, _identity(os.lstat(dst)), _OLDER_DST.format(dst=str(dst)), lockfile=False)

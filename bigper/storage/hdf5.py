@@ -161,8 +161,9 @@ class HDF5Storage(StorageBase):
         # not see it truncated by mode "w".
         exists = os.path.lexists(self._fp)
         try:
+            if self.takeover:  # (what an interrupted replace left; a takeover killed in its _swap left its
+                self._clear_trash()  # file only at its trash name)
             if exists and self.takeover:
-                self._clear_trash()
                 self.previous = peek_meta(self._fp, where=self.path)
                 self._meta = self._new_meta(config)
                 self._pending = True
@@ -178,8 +179,6 @@ class HDF5Storage(StorageBase):
                         from None
                 self._meta = check_meta(meta, FORMAT, VERSION, self.path)
                 return self._meta
-            if self.takeover:  # (a takeover killed in its _swap left the file only at its trash name)
-                self._clear_trash()
             self._created = True
             self._file = h5py.File(self._fp, "w-", rdcc_nbytes=0)
             self._meta = self._new_meta(config)
