@@ -205,11 +205,12 @@ class FileLock:
                 st = os.stat(self.path)
                 if (st.st_dev, st.st_ino) == self.key:
                     break
-            except FileNotFoundError:
+            except OSError:  # (gone, or no longer a path to a file: ELOOP, ENOTDIR)
                 pass
-            _HELD.pop(self.key, None)
-            os.close(self.fd)
-            self.fd = -1
+            except BaseException:
+                self.release()
+                raise
+            self.release()
         else:
             raise StorageLockedError(f"{owner}: its lock file {self.path} was removed and made again "
                                      f"{_LOCK_TRIES} times while taking it; try again")
