@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_scale_run_runs_tiny_with_both_kills_and_resumes(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "offline", "--dqn-replay", "--scale",
-                        "--slots", "1500", "--checkpoints", "4", "--pool", "2400", "--check-all", "--games", "Pong,Seaquest",
+                        "--slots", "1500", "--checkpoints", "4", "--pool", "2400", "--check-all", "--games", "Pong,Seaquest", "--warm-rounds", "20",
                         "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "resume after kill -9" in r.stdout and "bytes on disk a transition" in r.stdout

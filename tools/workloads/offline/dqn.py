@@ -94,7 +94,8 @@ def cmd_scale(args, base: Path) -> int:
     try:
         rep = run_scale(root, args.slots, args.checkpoints, distinct=args.distinct, pool=args.pool,
                         level=args.gzip_level, sample=args.sample, check_all=args.check_all,
-                        reuse=Path(args.run).resolve() if args.run else None, games=args.games)
+                        reuse=Path(args.run).resolve() if args.run else None, games=args.games,
+                        warm_rounds=args.warm_rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rep["wall_s"] = round(time.perf_counter() - t0)

@@ -18,7 +18,7 @@ Then, each step a child interpreter, so that a kill is a real ``SIGKILL``:
    run's own rate, and all transitions over both runs' wall time).
 2. The converted file, opened with ``from_hdf5``: bytes a transition, and
    the sample + ``update_priorities`` round at B = 32 and 256 (median of
-   200 rounds after 2,000, and of the first 200), beside the same round on a one-checkpoint convert
+   200 rounds after 2,000 (``--warm-rounds``), and of the first 200), beside the same round on a one-checkpoint convert
    (``--slots`` transitions: the dataset's 1M).
 3. ``reprioritize`` with a score of the index alone is killed in the middle
    and run again (it resumes from the sidecar); reported: transitions a second
@@ -106,9 +106,10 @@ sys.path.insert(0, sys.argv[2])  # (tools/: the rounds below are the bench's own
 from pathlib import Path
 from workloads.offline.dqn_scale import rounds
 from workloads.offline.pagecache import read_through
-r = {"round_us": rounds(Path(sys.argv[1]))}
+warm = int(sys.argv[3])
+r = {"round_us": rounds(Path(sys.argv[1]), warm=warm)}
 r["cached_read"] = read_through(Path(sys.argv[1]))  # (then again, the whole file in the page cache)
-r["round_us_read"] = rounds(Path(sys.argv[1]), first=False)
+r["round_us_read"] = rounds(Path(sys.argv[1]), warm=warm, first=False)
 r["rss_mb"] = [int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM")][0] / 1024
 print("result", json.dumps(r), flush=True)
 """
@@ -265,10 +266,10 @@ def rounds(dst: Path, batches=(32, 256), warm: int = 2000, iters: int = 200, see
 
 def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, pool: int = 100_000,
               level: int = 1, sample: int = 2000, check_all: bool = False, games=GAMES, say=print,
-              reuse: Path | None = None) -> dict:
+              reuse: Path | None = None, warm_rounds: int = 2000) -> dict:
     if checkpoints < 2:
         raise SystemExit("--scale needs --checkpoints >= 2 (the kill lands after half of them)")
-    rep: dict = {"slots": slots, "checkpoints": checkpoints}
+    rep: dict = {"slots": slots, "checkpoints": checkpoints, "warm_rounds": warm_rounds}
     child.peaks.clear()
     child.anon.clear()
     run, dst = reuse or root / "run", root / "out.h5"
@@ -326,7 +327,7 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
     # (in a child: the RSS is the sampling process's own, not this one's with the checks' arrays)
     tools = str(Path(__file__).resolve().parents[2])
     rep["cached"] = round(cached(dst), 3)  # (a sampled frame not in the page cache is a disk read)
-    r, _, _, _ = child(ROUNDS, dst, tools, log=log)
+    r, _, _, _ = child(ROUNDS, dst, tools, warm_rounds, log=log)
     rep["round_us"], rep["round_rss_mb"] = r["round_us"], round(child.peaks[-1])
     rep["cached_read"], rep["round_us_read"] = r["cached_read"], r["round_us_read"]
     rep["round_rss_anon_mb"] = round(child.anon[-1])
@@ -336,7 +337,7 @@ def run_scale(root: Path, slots: int, checkpoints: int, *, distinct: int = 2, po
         os.link(p, one / p.name)
     r1, _, _, _ = child(CONVERT, one, root / "one.h5", log=log)
     rep["cached_one_checkpoint"] = round(cached(root / "one.h5"), 3)
-    r1r = child(ROUNDS, root / "one.h5", tools, log=log)[0]
+    r1r = child(ROUNDS, root / "one.h5", tools, warm_rounds, log=log)[0]
     rep["round_us_one_checkpoint"], rep["round_us_read_one_checkpoint"] = r1r["round_us"], r1r["round_us_read"]
     rep["one_checkpoint_transitions"] = r1["transitions"]
     rep["rss_anon_mb"] = {"convert": round(max(child.anon[:2])), "reprioritize": round(max(child.anon[2:4]))}
@@ -366,14 +367,14 @@ def print_scale(rep: dict) -> None:
     rows.append(["file in the page cache before the rounds", f"{rep['cached']:.1%} (one checkpoint "
                  f"{rep['cached_one_checkpoint']:.1%})", ""])
     for b in rep["round_us"]:
-        what = f"B={b.split()[0]}, the first 200" if b.endswith(" first") else f"B={b}, after 2,000"
+        what = f"B={b.split()[0]}, the first 200" if b.endswith(" first") else f"B={b}, after {rep.get('warm_rounds', 2000):,}"
         rows.append([f"sample + update round {what}, us", f"{rep['round_us'][b]} (one checkpoint "
                      f"{rep['round_us_one_checkpoint'][b]}: {ratio[b]:.2f}x)", "<= 2x the 1M round"])
     if "round_us_read" in rep:  # (results before it was measured have none)
         rows.append(["file in the page cache after it was read once", f"{rep['cached_read']:.1%}", ""])
         for b, us in rep["round_us_read"].items():
             one = rep["round_us_read_one_checkpoint"][b]
-            rows.append([f"  then the round B={b}, after 2,000, us", f"{us} (one checkpoint {one}: "
+            rows.append([f"  then the round B={b}, after {rep.get('warm_rounds', 2000):,}, us", f"{us} (one checkpoint {one}: "
                          f"{us / one:.2f}x)", "<= 2x the 1M round"])
     rows += [["reprioritize (resumed run), tr/s", f"{p['rate_resumed']:,}", ""],
              ["reprioritize incl. kill -9 + resume, tr/s", f"{p['rate_overall']:,}", ""],

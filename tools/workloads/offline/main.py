@@ -360,4 +360,6 @@ def add_arguments(p) -> None:
     p.add_argument("--gzip-level", type=int, default=1, help="--scale: gzip level of the run's files (1)")
     p.add_argument("--sample", type=int, default=2000, help="--scale: transitions checked a checkpoint (2,000)")
     p.add_argument("--check-all", action="store_true", help="--scale: check every transition of them")
+    p.add_argument("--warm-rounds", type=int, default=2000,
+                   help="--scale: sample + update rounds before the 200 measured (2,000: a 50M tree's pages)")
     p.set_defaults(func=cmd_offline)
