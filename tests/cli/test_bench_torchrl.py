@@ -20,6 +20,7 @@ pytest.importorskip("torchrl")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # (CI time: 42 s of the suite's CPU, three processes with torch and TorchRL; run with -m slow)
 def test_the_torchrl_workload_runs_at_a_tiny_size_with_the_fallback(tmp_path):
     frames = tmp_path / "frames.npy"  # the bench cuts episodes of about 1,000 frames: all six games
     with np.load(ROOT / "tests" / "data" / "atari_frames.npz") as z:
