@@ -114,7 +114,7 @@ def _new_frame(src, dst, n_new, fw, ring):
 
 
 @kernel
-def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, reach, ring=0):
+def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, reach, ring=0, copy_last=True):
     """Frame references for ``m`` transitions, in order.
 
     ``rows``: ``(obs, nxt, env, ends, valid)``: (m, k, P) uint8 bytes of the
@@ -136,6 +136,9 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rea
     ``new_frames`` is the frame ring (``ring`` rows) and each new frame is
     written straight to its row: frames are compared with the input and with
     ``last_frames``, never read back from the ring, so the result is the same.
+    ``copy_last`` False: ``last_frames`` is left as it was, and the caller
+    copies each env's continued stack into it (``continue_streams``) once the
+    write went through (nothing to save for an undo).
     """
     obs, nxt, env, ends, valid = rows
     last_frames, last_ref, has_last = stream
@@ -189,22 +192,37 @@ def assign_refs(rows, stream, fw, has_next, refs, new_frames, slots, minref, rea
             if has_next:
                 lo = min(lo, next_ref[r, j])
         minref[slots[r]] = lo
-    for e in range(prev.shape[0]):
-        if prev[e] >= 0:
-            for j in range(k):
-                _copy(last_frames[e, j], cont[prev[e], j])
+    if copy_last:
+        for e in range(prev.shape[0]):
+            if prev[e] >= 0:
+                for j in range(k):
+                    _copy(last_frames[e, j], cont[prev[e], j])
     return fw
 
 
 @kernel
-def write_direct(rows, stream, fw, has_next, fref, foff, ring, slots, minref, reach):
+def continue_streams(last_frames, cont, env, valid):
+    """``assign_refs``' last step, for ``copy_last`` False: each env's
+    stream continues its last valid row's stack ``cont[r]``."""
+    done = np.zeros(last_frames.shape[0], dtype=np.bool_)
+    for r in range(env.shape[0] - 1, -1, -1):
+        e = env[r]
+        if valid[r] and not done[e]:
+            done[e] = True
+            for j in range(last_frames.shape[1]):
+                _copy(last_frames[e, j], cont[r, j])
+
+
+@kernel
+def write_direct(rows, stream, fw, has_next, fref, foff, ring, slots, minref, reach, copy_last=True):
     """``assign_refs`` writing new frames into the ring (``ring.shape[0]``
     rows) and the references of row ``r`` into ``fref[slots[r]]`` /
     ``foff[slots[r]]`` (``pack_refs``); returns the new frame count."""
     m, k = rows[0].shape[0], rows[0].shape[1]
     obs_ref = np.empty((m, k), dtype=np.int64)
     next_ref = np.empty((m, k), dtype=np.int64)
-    fw = assign_refs(rows, stream, fw, has_next, (obs_ref, next_ref), ring, slots, minref, reach, ring.shape[0])
+    fw = assign_refs(rows, stream, fw, has_next, (obs_ref, next_ref), ring, slots, minref, reach, ring.shape[0],
+                     copy_last)
     pack_refs(obs_ref, next_ref, has_next, slots, fref, foff)
     return fw
 
@@ -217,11 +235,12 @@ def write_logged(g0, flags, stacks, ra, sizes, work, log, fw):
     streams and references (``RingArgs``; its ``ring`` unused); ``sizes``:
     ``(capacity, num_envs)``; ``fw``: the frames written): the new frames go to a
     staging ring and from there, compressed, to the open segment
-    (``segments.append_staged``, ``log`` its ``StagedLog``). ``work``: ``(staged, saved, scratch)``, the
-    staging ring (``2 * m * k`` rows at least), room for ``m`` rows' streams
-    and for their compressed frames (reused: no page faults). When they do not all fit there (or zstd
-    fails), what it changed (the streams, the slots' oldest references and
-    references) is put back and ``-1`` (``-2``) is returned; else the new frame count."""
+    (``segments.append_staged``, ``log`` its ``StagedLog``). ``work``: ``(staged, scratch)``, the
+    staging ring (``2 * m * k`` rows at least) and room for their compressed
+    frames (reused: no page faults). When they do not all fit there (or zstd
+    fails), what it changed (the streams' references, the slots' oldest references and
+    references; the streams' frames change only after the append) is put back and
+    ``-1`` (``-2``) is returned; else the new frame count."""
     term, trunc, valid = flags
     obs, nxt = stacks
     ra = RingArgs(*ra)
@@ -235,7 +254,7 @@ def write_logged(g0, flags, stacks, ra, sizes, work, log, fw):
     env = np.empty(m, dtype=np.int64)
     for r in range(m):
         env[r] = (g0 + r) % num_envs
-    staged, s_frames, scratch = work
+    staged, scratch = work
     s_ref = np.empty((m, k), dtype=np.int64)
     s_fref = np.empty(m, dtype=np.int64)
     s_foff = np.empty((m, foff.shape[1]), dtype=foff.dtype)
@@ -243,8 +262,6 @@ def write_logged(g0, flags, stacks, ra, sizes, work, log, fw):
     s_min = np.empty(m, dtype=np.int64)
     for r in range(m):
         e, s = env[r], slots[r]
-        for j in range(k):
-            _copy(s_frames[r, j], last_frames[e, j])
         s_ref[r] = last_ref[e]
         s_has[r] = has_last[e]
         s_min[r] = minref[s]
@@ -252,15 +269,15 @@ def write_logged(g0, flags, stacks, ra, sizes, work, log, fw):
         s_foff[r] = foff[s]
     ow = obs.reshape((m, k, -1)).view(last_frames.dtype)
     nw = nxt.reshape((m, k, -1)).view(last_frames.dtype)
+    # (last_frames is copied only once the frames went in: nothing of it to save for the undo)
     fw1 = write_direct((ow, nw, env, ends, valid), (last_frames, last_ref, has_last), fw, ra.has_next,
-                       fref, foff, staged, slots, minref, ra.reach)
+                       fref, foff, staged, slots, minref, ra.reach, False)
     code = append_staged(log, staged.view(np.uint8), scratch, fw, fw1 - fw)
     if code == 0:
+        continue_streams(last_frames, nw if ra.has_next else ow, env, valid)
         return fw1
     for r in range(m - 1, -1, -1):  # (in reverse: an env's first row holds what it had before)
         e, s = env[r], slots[r]
-        for j in range(k):
-            _copy(last_frames[e, j], s_frames[r, j])
         last_ref[e] = s_ref[r]
         has_last[e] = s_has[r]
         minref[s] = s_min[r]
@@ -559,7 +576,7 @@ class FrameStore:
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None else valid
         if self._work is None:
             most = 2 * self.num_envs * self.k
-            self._work = (np.empty((most, self.row_words), dtype=self.word), np.empty_like(self.last_frames),
+            self._work = (np.empty((most, self.row_words), dtype=self.word),
                           np.empty(most * self.log.max_len, dtype=np.uint8))
         fw = write_logged(g0, (rows["terminated"], rows["truncated"], ok), self._contiguous(rows),
                           self._ring_args(self._work[0], rw["frame_ref"], rw["frame_off"]),
