@@ -34,7 +34,8 @@ import numpy as np
 
 from ..common.undo import Journal
 from ..errors import InvalidArgumentError
-from ..frames.store import ALL_VALID, RingArgs, expire, write_direct
+from ..frames.store import (ALL_VALID, LoggedArgs, RingArgs, expire, first_frame, write_direct,
+                            write_logged)
 from ..common.kernels import kernel, ring_rows
 from ..prioritization._tree_kernels import tree_set
 from .ring import commit_rows
@@ -76,6 +77,30 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     valid row)``. ``book``, ``tree``, ``sizes`` and ``frames`` are the same
     every call.
     """
+    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, 0, 0)
+
+
+@kernel
+def write_rows_logged(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, logged):
+    """``write_rows`` of a buffer whose frames go to a compressed log
+    (``logged``: its ``frames.store.LoggedArgs``, from ``FrameStore.logged_args``;
+    ``frames`` holds its staging ring): the new frames go, compressed, to the
+    log's open segment first (``frames.store.write_logged``), and when they do
+    not all fit (or zstd fails) nothing is written and ``(-1, 0.0)`` (``(-2,
+    0.0)``) is returned. (A kernel of its own: one that calls libzstd compiles
+    only where compression is used, its library loaded.)"""
+    lg = LoggedArgs(*logged)
+    capacity, num_envs = book[0].shape[0], sizes[1]
+    fw = write_logged(g0, rows, stacks, frames, (capacity, num_envs), lg.work, lg.log, fw)
+    if fw < 0:
+        return fw, 0.0
+    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, lg.F, first_frame(lg.log))
+
+
+@kernel
+def _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, log_frames, log_oldest):
+    """``write_rows``; ``log_frames`` > 0: the frames went to a compressed log
+    keeping that many (``write_rows_logged``), whose first is ``log_oldest``."""
     term, trunc, valid = rows
     obs, nxt = stacks
     gid, ends_arr, status, pending, env_ended = book
@@ -86,11 +111,11 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     fref, foff, ring, minref, ptr, expired, reach = fr.fref, fr.foff, fr.ring, fr.minref, fr.ptr, fr.expired, fr.reach
     m = term.shape[0]
     capacity = gid.shape[0]
-    F = ring.shape[0]
+    F = log_frames if log_frames > 0 else ring.shape[0]
     slots = np.empty(m, dtype=np.int64)
     ends = np.empty(m, dtype=np.uint8)
     ring_rows(g0, capacity, term, trunc, slots, ends)
-    if framed:  # the stacks as (m, k, words) of the ring's word type
+    if framed and log_frames == 0:  # the stacks as (m, k, words) of the ring's word type
         k = last_frames.shape[1]
         ow = obs.reshape((m, k, -1)).view(ring.dtype)
         nw = nxt.reshape((m, k, -1)).view(ring.dtype)
@@ -124,8 +149,9 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
                 status[ready[i]] = LIVE
                 vals[i] = pending[ready[i]]
             tree_set(sums, mins, offsets, ready[:nr], vals)
-    if framed and fw - F > 0:
-        n = expire(ptr, g0 + m, capacity, num_envs, fw - F, minref, gid, status, expired)
+    oldest = max(log_oldest, fw - F)
+    if framed and oldest > 0:
+        n = expire(ptr, g0 + m, capacity, num_envs, oldest, minref, gid, status, expired)
         if n > 0:
             tree_set(sums, mins, offsets, expired[:n], np.zeros(n, dtype=np.float64))
     return fw, top
@@ -282,23 +308,26 @@ class Writer:
 
     def _write_one_call(self, rows: dict, keys, valid, rw: dict) -> bool:
         """The fused write; False (nothing written) where compressed frames
-        cannot be written in one call (``FrameStore.write_logged``)."""
+        cannot be written in one call (``FrameStore.logged_args``)."""
         m = rows["terminated"].shape[0]
         g0 = self.ring.count
         c = self.cfg.capacity
         s0 = g0 % c
         where = s0 if m == 1 else (slice(s0, s0 + m) if s0 + m <= c else np.arange(g0, g0 + m) % c)
         frames = self.frames
-        logged = frames is not None and not frames.in_place
-        if frames is None or logged:
+        logged = None
+        if frames is None:
             stacks, ring, fw = _NO_STACKS, _NO_RING, 0
-            if logged and not frames.write_logged(rows, g0, valid, rw):  # (first, all or nothing)
-                return False
-        else:  # (first: nothing is written until every call that can fail went through)
+        elif frames.in_place:  # (first: nothing is written until every call that can fail went through)
             stacks, ring = frames.kernel_args(rows, rw)
             fw = frames.fw
-        for name in self.plain:
-            rw[name][where] = rows[name][0] if m == 1 else rows[name]
+        else:  # compressed frames: in the same call, where they may fit in the open segment
+            args = frames.logged_args(rows, rw)
+            if args is None:
+                return False
+            (stacks, ring, logged), fw = args, frames.fw
+        if logged is None:
+            self._write_plain(rows, where, rw)
         ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) \
             if valid is None else valid
         if ring is not self._args_of:  # the ring's arrays (new after a memmap chunk's copy-on-write)
@@ -306,18 +335,27 @@ class Writer:
             self._args = (tuple(self.ring.book),  # (plain tuples: common/kernels.py says why)
                           tuple(t.arrays), (cfg.n_step, cfg.num_envs), ring)
             self._args_of = ring
-        fw, top = write_rows(g0, (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys,
-                             self.ring.max_leaf, fw, stacks, *self._args)
+        flags, keys = (rows["terminated"], rows["truncated"], ok), _NO_KEYS if keys is None else keys
+        if logged is None:
+            fw, top = write_rows(g0, flags, keys, self.ring.max_leaf, fw, stacks, *self._args)
+        else:  # the fields once the frames went in (-1: they did not fit, nothing was written)
+            fw, top = write_rows_logged(g0, flags, keys, self.ring.max_leaf, fw, stacks, *self._args, logged)
+            if fw < 0:
+                if fw == -2:
+                    raise RuntimeError(f"zstd failed to compress a frame of {frames.row_bytes} bytes")
+                return False
+            self._write_plain(rows, where, rw)
         self.ring.count = g0 + m
         if top > self.ring.max_leaf:
             self.ring.max_leaf = top
-        if logged:  # (write_rows expires in the ring's case)
-            dead = frames.expire(self.ring.count, self.gid, self.status)
-            if dead.shape[0]:
-                self.prio.remove(dead)
-        elif frames is not None:
+        if frames is not None:
             frames.fw = fw
         return True
+
+    def _write_plain(self, rows: dict, where, rw: dict) -> None:
+        m = rows["terminated"].shape[0]
+        for name in self.plain:
+            rw[name][where] = rows[name][0] if m == 1 else rows[name]
 
     def _write_chunk(self, rows: dict, keys, valid, journal: Journal, final: bool = True) -> None:
         """Rows (at most ``capacity``): first every call that can fail (the

@@ -66,7 +66,7 @@ generation they were written with.
 
 An add of a few rows whose frames fit in the open segment (not near a look,
 not a capped log) is written in one compiled call (``append_staged``, from
-``FrameStore.write_logged``); anything else takes ``append``.
+``FrameStore.logged_args``, in ``core/writer.write_rows_logged``); anything else takes ``append``.
 """
 
 from __future__ import annotations
@@ -281,6 +281,15 @@ def append_staged(log, staged, scratch, f0, n):
 
 
 @kernel
+def first_frame(log):
+    """The first frame still in the log of ``log`` (a ``StagedLog``'s values):
+    the first of the oldest live segment (``SegmentLog.oldest``)."""
+    log = StagedLog(*log)
+    lo = log.st[LO]
+    return 0 if lo == 0 else log.seg_first[lo % log.seg_first.shape[0]]
+
+
+@kernel
 def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets, lengths, dicts):
     """Index entries ``index[rows]``, checked (inside the log and inside one
     segment, a length in ``1..max_len``, dictionary generation 0 or one in
@@ -404,7 +413,8 @@ class SegmentLog:
         return self.dicts.codec
 
     def oldest(self) -> int:
-        """The first frame still in the log (the first of the oldest live segment)."""
+        """The first frame still in the log (the first of the oldest live segment;
+        ``first_frame`` in a kernel)."""
         lo = int(self.st[LO])
         return 0 if lo == 0 else int(self.seg_first[lo % self.S])
 

@@ -35,7 +35,7 @@ from ..common.kernels import kernel, ring_rows
 from ..common.pool import for_ranges, workers
 from ..common.reuse import ReusedArrays
 from .refs import check_offsets, derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
-from .segments import SegmentLog, append_staged
+from .segments import SegmentLog, append_staged, first_frame
 from ..common.undo import Journal
 from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
 from ..common.status import DEAD, LIVE, PENDING
@@ -52,6 +52,15 @@ REF_NAMES = ("obs_ref", "next_obs_ref")  # the stacks whose ids ``refs`` gives (
 
 _STAGING_BYTES = 64 << 20  # write's staging of new frames kept between writes, at most
 _ENV0 = np.zeros(256, dtype=np.int64)  # env of every row with one env (read only by kernels)
+
+
+class LoggedArgs(NamedTuple):
+    """A compressed log's write as ``core/writer.write_rows_logged`` takes it
+    (``FrameStore.logged_args``); a plain tuple at the call, named in the kernel."""
+
+    F: int  # frames the log keeps
+    work: tuple  # write_logged's (staging ring, scratch)
+    log: tuple  # the open segment (segments.StagedLog's values)
 
 
 class RingArgs(NamedTuple):
@@ -561,32 +570,27 @@ class FrameStore:
             self._new = new
         return new
 
-    def write_logged(self, rows: dict, g0: int, valid, rw: dict) -> bool:
-        """``write`` of compressed frames in one compiled call, for a write of
-        at most ``num_envs`` rows whose frames fit in the log's open segment:
-        all or nothing, no journal. False (nothing changed): the general path
-        writes them (they open a segment, the log is capped, or they may
-        reach a dictionary look: ``look`` can fail, so it runs where a
-        journal can put the write back)."""
+    def logged_args(self, rows: dict, rw: dict):
+        """``(stacks, ring, logged)``: the frame arguments of
+        ``_writer.write_rows_logged`` for a write of compressed frames in the same
+        compiled call (``write_logged``, all or nothing, no journal: ``-1``
+        when they do not fit, ``-2`` when zstd failed), for a write of at
+        most ``num_envs`` rows whose frames may fit in the log's open
+        segment. None: the general path writes them (they may reach a
+        dictionary look: ``look`` can fail, so it runs where a journal can
+        put the write back; or the log is capped)."""
         m = rows["terminated"].shape[0]
         log = None if m > self.num_envs or self.log.look_due(self.fw, 2 * m * self.k) \
             else self.log.staged_args(rw)
         if log is None:
-            return False
-        ok = (ALL_VALID[:m] if m <= ALL_VALID.shape[0] else np.ones(m, dtype=np.bool_)) if valid is None else valid
+            return None
         if self._work is None:
             most = 2 * self.num_envs * self.k
             self._work = (np.empty((most, self.row_words), dtype=self.word),
                           np.empty(most * self.log.max_len, dtype=np.uint8))
-        fw = write_logged(g0, (rows["terminated"], rows["truncated"], ok), self._contiguous(rows),
-                          self._ring_args(self._work[0], rw["frame_ref"], rw["frame_off"]),
-                          (self.capacity, self.num_envs), self._work, log, self.fw)
-        if fw == -2:
-            raise RuntimeError(f"zstd failed to compress a frame of {self.row_bytes} bytes")
-        if fw < 0:
-            return False
-        self.fw = fw
-        return True
+        # (made each call, not kept: the log's arrays are released with the log at its close)
+        return self._contiguous(rows), self._ring_args(self._work[0], rw["frame_ref"], rw["frame_off"]), \
+            (self.F, self._work, log)
 
     def look(self, fw0: int) -> None:
         """After frames ``fw0 .. fw - 1`` were written and the write's other

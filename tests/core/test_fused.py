@@ -45,7 +45,7 @@ def make(cfg, path=None):
               alpha=0.7, beta=0.5, weight_norm=cfg["norm"], prioritization=cfg["prio"])
     if cfg["storage"] == "memmap":
         kw.update(storage="memmap", path=path)
-    if cfg.get("zstd") and cfg["k"]:  # compressed frames: the fused path's one call (FrameStore.write_logged)
+    if cfg.get("zstd") and cfg["k"]:  # compressed frames: the fused path's one call (FrameStore.logged_args)
         kw.update(compression="zstd")
     return bigper.PrioritizedReplayBuffer(cfg["cap"], fields, **kw)
 

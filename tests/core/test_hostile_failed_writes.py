@@ -187,7 +187,7 @@ class FailingSteps:
     write calls: each call counts on ``calls`` (a failure there is one in the
     middle of the frame store's work)."""
 
-    FRAMES = ("write", "write_logged", "kernel_args", "rows_touched")
+    FRAMES = ("write", "logged_args", "kernel_args", "rows_touched")
     LOG = ("append", "staged_args", "touched", "maybe_train", "_open_ahead", "_put_through", "_write_bytes")
 
     @classmethod
