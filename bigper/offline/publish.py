@@ -500,16 +500,21 @@ def publish(partial: Path, dst: Path, overwrite: bool) -> None:
     old = _move_aside(partial, dst) if overwrite and os.path.lexists(dst) else None
     moved = os.path.isdir(ours) and not os.path.islink(ours)
     linked = False
+    new = os.lstat(partial)  # (the new file: what dst is once linked, whatever stops the flag below)
     try:
         if moved:
             os.rename(ours, side)
         try:
             os.link(partial, dst)
         except FileExistsError:
-            raise PathExistsError(f"dst={str(dst)!r} appeared while converting") from None
+            if not _is(dst, new):  # (else a second name of the new file: it is published)
+                raise PathExistsError(f"dst={str(dst)!r} appeared while converting") from None
         linked = True  # (published: from here on nothing is put back, dst is the new file with its sidecar)
         os.unlink(partial)
     except BaseException as e:
+        # (the flag is not proof: a Ctrl-C as os.link returns comes before it is set; dst that
+        # is the new file (its inode) is published, and nothing is put back, as after the flag)
+        linked = linked or _is(dst, new)
         if not linked:
             if moved and not os.path.lexists(ours):
                 os.rename(side, ours)
@@ -524,6 +529,15 @@ def publish(partial: Path, dst: Path, overwrite: bool) -> None:
             warnings.warn(f"convert published {dst}; the older file it replaced stays at {old} for now: {e}. "
                           "The next convert to this dst removes it once it is closed", stacklevel=3)
     remove(partial.with_name(partial.name + ".lock"))
+
+
+def _is(path: Path, st: os.stat_result) -> bool:
+    """Whether ``path`` names the file (the inode) whose ``lstat`` was ``st``."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _move_aside(partial: Path, dst: Path) -> Path:
