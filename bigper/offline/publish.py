@@ -524,7 +524,9 @@ def publish(partial: Path, dst: Path, overwrite: bool) -> None:
     fsync_dir(dst.parent)
     if old is not None:
         try:
-            _finish_aside(partial, dst, ("published",))
+            # ("same": what went aside was the new file itself, a second name of it put at dst
+            # while converting; that second name, made by the move aside, goes with the record)
+            _finish_aside(partial, dst, ("published", "same"))
         except BigperError as e:  # (a buffer opened it meanwhile: it stays, recorded, for the next convert)
             warnings.warn(f"convert published {dst}; the older file it replaced stays at {old} for now: {e}. "
                           "The next convert to this dst removes it once it is closed", stacklevel=3)

@@ -460,11 +460,13 @@ def test_an_overwrite_onto_its_own_source_is_refused_and_left(fresh, tmp_path, m
 
 # -- dst replaced by a hard link of the partial while converting ----------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the 'older dst' moved aside is the partial's own inode, so after the publish _aside finds "
-    "dst and .partial.old one file ('same'); _publish's _finish_aside(partial, dst, ('published',)) "
-    "(bigper/convert.py:812) returns at convert.py:610 without acting or warning: convert says done "
-    "and leaves <dst>.partial.old (a second name of dst) and its record, named nowhere"))
+# (Was a strict xfail, fixed since (publish finishes the "same" state it leaves, the new file
+# moved aside and linked back: the second name goes with the record):
+# "the 'older dst' moved aside is the partial's own inode, so after the publish _aside finds "
+# "dst and .partial.old one file ('same'); _publish's _finish_aside(partial, dst, ('published',)) "
+# "(bigper/convert.py:812) returns at convert.py:610 without acting or warning: convert says done "
+# "and leaves <dst>.partial.old (a second name of dst) and its record, named nowhere"
+# )
 def test_dst_replaced_by_a_hard_link_of_the_partial_while_converting(server, fresh, tmp_path):
     """While the convert writes the new file's priorities, the user replaces dst (the older file,
     moved to keep.h5) with a hard link of the complete partial. The publish then moves "the older
