@@ -14,7 +14,8 @@ removed at the end): a kill -9 between those steps leaves the new file's
 sidecar beside no destination, which the next convert recognizes and
 finishes (``check_dst``, ``_killed_publish``), never beside the older file.
 The move aside is recorded first (``<dst>.partial.old.id``: the identities
-of the older and the new file, synced), is a link that never replaces
+of the older and the new file, written whole and synced at a temporary name,
+``<dst>.partial.id<hex>``, then linked at its own), is a link that never replaces
 anything, then the unlink of dst; only the recorded file is ever removed
 from ``.partial.old``, and not while a buffer has it open (``_aside``). A
 killed removal of a sidecar goes through ``<dst>.partial.priorities.dropped``
@@ -27,6 +28,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -218,31 +220,82 @@ def _identity(st: os.stat_result) -> list:
 
 def _write_record(partial: Path, dst: Path, older: os.stat_result, newer: os.stat_result) -> None:
     """Record, durably, the identities of the older dst (about to go aside) and of the new file
-    (``partial``, about to be linked at dst). Made new (``O_EXCL``, never through a link);
-    ``PathExistsError`` naming it when something is there."""
+    (``partial``, about to be linked at dst). Written whole and synced under a name of its own
+    (``_temporary``), then linked at the record's name (which never replaces anything) and
+    unlinked there: the record's name only ever holds a complete record, so that a Ctrl-C or
+    a kill -9 at any step leaves no record or one that proves what it says, never one that
+    blocks the next convert. ``PathExistsError`` naming it when something is there; an
+    ``OSError`` (a full disk) names it too. Whatever fails, nothing of it is left."""
     rec = _aside_record(partial)
     body = json.dumps({"kind": _RECORD_KIND, "dst": dst.name, "older": _identity(older),
                        "newer": _identity(newer)}, sort_keys=True).encode()
     try:
-        fd = open_regular(rec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, error=PathExistsError)
-    except FileExistsError:
-        raise PathExistsError(f"{rec} appeared while converting; an overwrite records there the older dst it "
-                              f"moves to {_replaced(partial)}: move or delete it first") from None
+        fd, tmp = _temporary(partial)
+    except OSError as e:
+        if isinstance(e, BigperError):
+            raise
+        raise OSError(e.errno, f"{e.strerror} (writing {rec})", str(rec)) from None
+    mine = None
     try:
+        mine = os.fstat(fd)
         view = memoryview(body)
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-    except OSError as e:
-        os.close(fd)
-        os.unlink(rec)  # (made just now, O_EXCL: ours)
-        raise OSError(e.errno, f"{e.strerror} (writing {rec})", str(rec)) from None
-    except BaseException:
-        os.close(fd)
-        os.unlink(rec)
+        try:
+            os.link(tmp, rec, follow_symlinks=False)
+        except FileExistsError:
+            raise PathExistsError(f"{rec} appeared while converting; an overwrite records there the older dst it "
+                                  f"moves to {_replaced(partial)}: move or delete it first") from None
+        if _is(tmp, mine):
+            os.unlink(tmp)
+        fsync_dir(rec.parent)
+    except BaseException as e:
+        # (what is ours goes: the record's name when it is this file (a Ctrl-C as the link
+        # returned: the name is made, what follows is not), and the temporary's)
+        try:
+            mine = mine or os.fstat(fd)
+            for p in (rec, tmp):
+                if _is(p, mine):
+                    os.unlink(p)
+        finally:
+            os.close(fd)
+        if isinstance(e, OSError) and not isinstance(e, BigperError):
+            raise OSError(e.errno, f"{e.strerror} (writing {rec})", str(rec)) from None
         raise
     os.close(fd)
-    fsync_dir(rec.parent)
+
+
+_TEMPORARY = ".id"  # (+ 4 hex digits: a name as long as the record's, so that it fits where that does)
+
+
+def _temporary(partial: Path) -> tuple[int, Path]:
+    """A new, empty regular file for the record to be written in, made (``O_EXCL``, never
+    through a link) at a name of the partial's with a random tail (``<dst>.partial.id<hex>``),
+    and open for writing: ``(fd, path)``. A Ctrl-C as its open returns leaves nothing (the
+    empty file it made at that fresh name goes); a kill -9 before the record is linked leaves
+    it, at a name no later convert needs (it blocks none, and nothing proves it bigper's once
+    no process holds it); one linked at the record's name goes with the record
+    (``_drop_record``)."""
+    import secrets
+
+    for _ in range(100):
+        tmp = partial.with_name(f"{partial.name}{_TEMPORARY}{secrets.token_hex(2)}")
+        try:
+            return open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, error=PathExistsError), tmp
+        except FileExistsError:
+            continue
+        except BaseException as e:
+            if not isinstance(e, OSError):  # (an interrupt as the open returned: its fd lost, the file made)
+                try:
+                    st = os.lstat(tmp)
+                except FileNotFoundError:
+                    st = None
+                if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                    os.unlink(tmp)
+            raise
+    raise PathExistsError(f"{partial.parent} holds a file at every name {partial.name}{_TEMPORARY}<4 hex digits> "
+                          "that convert tried for the record of an overwrite; move or delete them first")
 
 
 def _read_record(partial: Path, dst: Path) -> dict | None:
@@ -284,12 +337,23 @@ def _read_record(partial: Path, dst: Path) -> dict | None:
 
 
 def _drop_record(partial: Path) -> None:
-    """Remove the record (one ``_write_record`` wrote, or one ``_read_record`` accepted)."""
+    """Remove the record (one ``_write_record`` wrote, or one ``_read_record`` accepted), and
+    before it any second name of it at a temporary's name (``_temporary``: a kill -9 between
+    the record's link and the temporary's unlink leaves one)."""
+    rec = _aside_record(partial)
     try:
-        if stat.S_ISREG(os.lstat(_aside_record(partial)).st_mode):
-            os.unlink(_aside_record(partial))
+        st = os.lstat(rec)
     except FileNotFoundError:
         return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    if st.st_nlink > 1:
+        tail = re.compile(re.escape(partial.name + _TEMPORARY) + "[0-9a-f]{4}")
+        with os.scandir(partial.parent) as found:
+            for e in found:
+                if tail.fullmatch(e.name) and _is(Path(e.path), st):
+                    os.unlink(e.path)
+    os.unlink(rec)
     fsync_dir(partial.parent)
 
 

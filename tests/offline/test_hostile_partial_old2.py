@@ -41,6 +41,7 @@ from tests.offline.test_hostile_partial_old import _copy_fresh, _interrupt, _key
 
 OLD = "z.h5.partial.old"
 REC = "z.h5.partial.old.id"
+TMP = "z.h5.partial.id"  # (+ 4 hex digits: the record's file until it is complete, _temporary)
 
 pytestmark = pytest.mark.slow
 
@@ -214,16 +215,46 @@ def test_a_record_put_there_during_the_convert_is_refused_and_kept(server, fresh
 
 # -- a real kill -9 at each step of the move aside --------------------------------------------------
 
-def test_a_kill_right_after_the_records_creation_leaves_an_empty_record_that_is_refused(server, fresh, tmp_path):
-    """Killed between the record's open (O_CREAT) and its write: an empty record, dst still the
-    older file. The next converts are refused naming it (an empty file proves nothing), nothing
-    changed; removed by the user, the next overwrite completes."""
+# (Was test_a_kill_right_after_the_records_creation_leaves_an_empty_record_that_is_refused: killed
+# between the record's O_EXCL open and its write, an empty record at its name refused every later
+# convert until the user deleted it. The record is now written whole under a temporary name of its
+# own first (_write_record, _temporary), then linked at its name: these say what a kill at each of
+# those steps leaves, and that it blocks nothing.)
+
+def test_a_kill_right_after_the_records_creation_leaves_nothing_that_blocks_the_next_convert(server, fresh,
+                                                                                          tmp_path):
+    """Killed between the O_EXCL open of the record's file (at its temporary name) and its write:
+    an empty file there, no record, dst still the older file. Nothing proves that empty file
+    convert's once its run is gone, so it is never removed; it is at a name no convert needs, and
+    the next overwrite completes around it."""
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
-    # (the record's path is opened three times (to read it: none) before the publish writes it)
-    assert _kill_at(server, src, dst, "open", "+$" + REC, 4, True), server.last
-    assert (run / REC).read_bytes() == b"" and _keys(dst) == old.tobytes() and not os.path.lexists(run / OLD)
-    _refused(run, src, dst, names=REC)
-    os.unlink(run / REC)
+    assert _kill_at(server, src, dst, "open", "+" + TMP, 1, True), server.last
+    tmp = [n for n in os.listdir(run) if n.startswith(TMP)]
+    assert len(tmp) == 1 and (run / tmp[0]).read_bytes() == b"", _left(run)
+    assert not os.path.lexists(run / REC) and not os.path.lexists(run / OLD) and _keys(dst) == old.tobytes()
+    with deadline(60):
+        convert(src, dst, progress=False, overwrite=True)
+    assert everything(dst)[1].tobytes() == want.tobytes()
+    assert _left(run) == sorted(["src", "z.h5", "z.h5.priorities", tmp[0]]), _left(run)
+    assert (run / tmp[0]).read_bytes() == b""
+
+
+@pytest.mark.parametrize("op,match", [("link", "+>" + REC), ("unlink", TMP)],
+                         ids=["right-after-the-link-at-its-name", "before-its-temporarys-unlink"])
+def test_a_kill_after_the_records_link_leaves_a_record_the_next_convert_drops_with_its_second_name(
+        server, fresh, tmp_path, op, match):
+    """Killed once the complete record has its name, before its temporary name goes: the record
+    (nothing aside yet: stale) and a second name of it. The next overwrite drops both, and
+    completes; a refusal before it changes nothing."""
+    run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
+    assert _kill_at(server, src, dst, op, match, 1, True), server.last
+    tmp = [n for n in os.listdir(run) if n.startswith(TMP)]
+    assert _valid(run) and len(tmp) == 1 and os.path.samefile(run / tmp[0], run / REC), _left(run)
+    assert _keys(dst) == old.tobytes() and not os.path.lexists(run / OLD)
+    before = _state(run)
+    with deadline(60), pytest.raises(PathExistsError):
+        convert(src, dst, progress=False)
+    assert _state(run) == before
     _completes(run, src, dst, want, True)
 
 

@@ -64,6 +64,7 @@ from tests.offline.test_hostile_partial_old2 import _state
 
 OLD = "z.h5.partial.old"
 REC = "z.h5.partial.old.id"
+TMP = "z.h5.partial.id"  # (+ 4 hex digits: the record's file until it is complete, _temporary)
 WRITING = ("mkdir", "$z.h5.partial.priorities")  # (past its checks, writing the new file's priorities)
 
 
@@ -199,6 +200,13 @@ def test_a_reader_without_hdf5_locking_never_leaves_its_keys_beside_the_new_file
 
 # -- a real ENOSPC at the record (a full tmpfs) --------------------------------------------------------
 
+# (The record is made at a temporary name (TMP) and linked at its own once written: its creation is
+# that O_EXCL open, its write follows it, and the link at its name takes an inode on a tmpfs too.)
+ENOSPC_POINTS = [(("open", TMP, 1), "inodes"), (("open", "+" + TMP, 1), "bytes"), (("link", ">" + REC, 1), "inodes"),
+                 (("link", "z.h5>" + OLD, 1), "inodes")]
+ENOSPC_IDS = ["at-its-creation", "at-its-write", "at-its-link", "at-the-move-asides-link"]
+
+
 def _on_a_full_tmpfs(fresh, tmp_path, point, fill):
     """A copy of ``fresh`` on a small tmpfs, converted with overwrite by a fork server of its own,
     stopped at ``point`` and the tmpfs filled (``inodes``: every free inode; ``bytes``: every
@@ -236,9 +244,7 @@ def _on_a_full_tmpfs(fresh, tmp_path, point, fill):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point,fill", [(("open", "$" + REC, 4), "inodes"), (("open", "+$" + REC, 4), "bytes"),
-                                        (("link", "z.h5>" + OLD, 1), "inodes")],
-                         ids=["at-its-creation", "at-its-write", "at-the-move-asides-link"])
+@pytest.mark.parametrize("point,fill", ENOSPC_POINTS, ids=ENOSPC_IDS)
 def test_enospc_at_the_record_leaves_the_older_file_and_no_record(fresh, tmp_path, point, fill):
     said, run, src, dst, want, old, gen = _on_a_full_tmpfs(fresh, tmp_path, point, fill)
     try:
@@ -255,9 +261,7 @@ def test_enospc_at_the_record_leaves_the_older_file_and_no_record(fresh, tmp_pat
 @pytest.mark.slow
 # (Was a strict xfail, fixed since:
 # "ENOSPC at the record (its O_EXCL open or its write, bigper/convert.py:455-463) or at the move " "aside's link (a full tmpfs counts a link's inode; convert.py:842-845) comes out of " "convert as a raw OSError (the write's names no file at all): _publish's refusals are named by " "_kept only when the)
-@pytest.mark.parametrize("point,fill", [(("open", "$" + REC, 4), "inodes"), (("open", "+$" + REC, 4), "bytes"),
-                                        (("link", "z.h5>" + OLD, 1), "inodes")],
-                         ids=["at-its-creation", "at-its-write", "at-the-move-asides-link"])
+@pytest.mark.parametrize("point,fill", ENOSPC_POINTS, ids=ENOSPC_IDS)
 def test_enospc_at_the_record_is_a_bigper_error_naming_the_kept_file(fresh, tmp_path, point, fill):
     said, run, src, dst, want, old, gen = _on_a_full_tmpfs(fresh, tmp_path, point, fill)
     try:
@@ -365,19 +369,25 @@ def test_a_users_file_on_the_freed_inode_with_the_mtime_set_back_is_never_delete
 
 # -- Ctrl-C right after the record's creation; kill -9 after the older file's removal ---------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Ctrl-C that lands right after the record's O_EXCL open returns (bigper/convert.py:455, before "
-    "the try at convert.py:460 that unlinks it) leaves an empty record, and _move_aside calls "
-    "_write_record outside its own try (convert.py:834), so nothing drops it: every later convert "
-    "to dst, with or without overwrite, is refused ('is not JSON ... move or delete it first') "
-    "until the user deletes a file the interrupted run made"))
+# (Was a strict xfail, fixed since (_write_record: the record is written whole and synced under a
+# temporary name of its own, <dst>.partial.id<hex>, then linked at its name, which thus only ever
+# holds a complete record; what an interrupt leaves of either is removed; the points below are the
+# record's creation in that order: its temporary's O_EXCL open, the link at its name):
+# "a Ctrl-C that lands right after the record's O_EXCL open returns (bigper/convert.py:455, before "
+# "the try at convert.py:460 that unlinks it) leaves an empty record, and _move_aside calls "
+# "_write_record outside its own try (convert.py:834), so nothing drops it: every later convert "
+# "to dst, with or without overwrite, is refused ('is not JSON ... move or delete it first') "
+# "until the user deletes a file the interrupted run made"
+# )
+@pytest.mark.parametrize("op,match", [("open", "+" + TMP), ("link", "+>" + REC)],
+                         ids=["its-temporarys-open", "the-link-at-its-name"])
 def test_ctrl_c_right_after_the_records_creation_leaves_nothing_that_blocks_the_next_convert(server, fresh,
-                                                                                           tmp_path):
-    """SIGINT lands right after the O_EXCL open made the record (before anything is written in it):
-    dst is still the older file, nothing is aside; the next overwrite completes."""
+                                                                                           tmp_path, op, match):
+    """SIGINT lands right after the O_EXCL open made the record's file (before anything is written
+    in it), or right after the link that gives it the record's name: dst is still the older file,
+    nothing is aside; the next overwrite completes and leaves nothing of convert's."""
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
-    # (the record's path is opened three times (to read it: none) before the publish makes it)
-    said = _kill_at(server, src, dst, "open", "+$" + REC, 4, True, during=_interrupt(dst), resume=True)
+    said = _kill_at(server, src, dst, op, match, 1, True, during=_interrupt(dst), resume=True)
     assert said.startswith("ended KeyboardInterrupt"), said
     assert _keys(dst) == old.tobytes() and not os.path.lexists(run / OLD)
     try:
