@@ -563,9 +563,9 @@ def publish(partial: Path, dst: Path, overwrite: bool) -> None:
     # that opens with another's priorities or with default ones.
     old = _move_aside(partial, dst) if overwrite and os.path.lexists(dst) else None
     moved = os.path.isdir(ours) and not os.path.islink(ours)
-    linked = False
-    new = os.lstat(partial)  # (the new file: what dst is once linked, whatever stops the flag below)
+    linked, new = False, None
     try:
+        new = os.lstat(partial)  # (the new file: what dst is once linked, whatever stops the flag below)
         if moved:
             os.rename(ours, side)
         try:
@@ -578,7 +578,7 @@ def publish(partial: Path, dst: Path, overwrite: bool) -> None:
     except BaseException as e:
         # (the flag is not proof: a Ctrl-C as os.link returns comes before it is set; dst that
         # is the new file (its inode) is published, and nothing is put back, as after the flag)
-        linked = linked or _is(dst, new)
+        linked = linked or (new is not None and _is(dst, new))
         if not linked:
             if moved and not os.path.lexists(ours):
                 os.rename(side, ours)
@@ -598,10 +598,11 @@ def publish(partial: Path, dst: Path, overwrite: bool) -> None:
 
 
 def _is(path: Path, st: os.stat_result) -> bool:
-    """Whether ``path`` names the file (the inode) whose ``lstat`` was ``st``."""
+    """Whether ``path`` names the file (the inode) whose ``lstat`` was ``st`` (False where it
+    cannot be looked at: nothing is proven there)."""
     try:
         now = os.lstat(path)
-    except FileNotFoundError:
+    except OSError:
         return False
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 

@@ -497,6 +497,25 @@ def test_dst_replaced_by_a_hard_link_of_the_partial_while_converting(server, fre
         assert said.startswith("ended PathExistsError") and "z.h5.partial" in said, said
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_partial_linked_at_dst_by_hand_just_before_the_publishs_link_is_the_publish(server, fresh, tmp_path,
+                                                                                       overwrite):
+    """Stopped before its link, the user links the complete partial at dst (the older file, if
+    any, already aside): the link finds dst taken, by the new file itself; convert says done, dst
+    opens with the new keys, nothing of convert's is left."""
+    run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
+    if not overwrite:
+        os.unlink(dst)
+
+    def during():
+        os.link(run / "z.h5.partial", dst)
+
+    said = _kill_at(server, src, dst, "link", "z.h5.partial>z.h5", 1, overwrite, during=during, resume=True)
+    assert said == "ended done", (said, _left(run))
+    assert _keys(dst) == want.tobytes()
+    assert _left(run) == ["src", "z.h5", "z.h5.priorities"], _left(run)
+
+
 # -- a non-UTF-8 dst name; a read-only folder ------------------------------------------------------------
 
 def test_a_non_utf8_dst_name_records_and_publishes(fresh, tmp_path):
