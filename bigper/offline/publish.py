@@ -17,7 +17,10 @@ The move aside is recorded first (``<dst>.partial.old.id``: the identities
 of the older and the new file, written whole and synced at a temporary name,
 ``<dst>.partial.id<hex>``, then linked at its own), is a link that never replaces
 anything, then the unlink of dst; only the recorded file is ever removed
-from ``.partial.old``, and not while a buffer has it open (``_aside``). A
+from ``.partial.old``, and not while a buffer has it open (``_aside``), by a
+rename into a folder made for it (``<dst>.partial.gone``) where it is
+checked before its unlink (``_remove``: a file put at the name meanwhile is
+put back). A
 killed removal of a sidecar goes through ``<dst>.partial.priorities.dropped``
 (``_dropped``). The ``<dst>.partial*`` names are convert's own.
 """
@@ -41,7 +44,8 @@ def settled(e: BigperError, partial: Path, dst: Path) -> BigperError:
     """``e``, a refusal of ``dst`` (which changes nothing), saying what an interrupted
     overwrite left at ``_replaced``: the older file it replaced, kept there until a convert
     publishes at dst (``_clear_leftovers``) or the user deletes it."""
-    old, rec = _replaced(partial), _aside_record(partial)
+    rec = _aside_record(partial)
+    old = _older_at(partial, os.path.lexists(rec))
     if not (os.path.lexists(old) or os.path.lexists(rec)):
         return e
     try:
@@ -358,7 +362,8 @@ def _drop_record(partial: Path) -> None:
 
 
 def _aside(partial: Path, dst: Path) -> tuple[str | None, os.stat_result | None]:
-    """What sits at ``_replaced`` and what it is, proven against the record:
+    """What sits at ``_replaced`` (or, where a removal was killed midway, in ``_gone``'s folder:
+    ``_older_at``) and what it is, proven against the record:
 
     - ``None``: nothing there and no record;
     - ``"stale"``: a record, nothing there (a kill before the move aside, or after the older
@@ -374,8 +379,9 @@ def _aside(partial: Path, dst: Path) -> tuple[str | None, os.stat_result | None]
     without a record (a user's, an older bigper's), a record that is not convert's, a file
     there that is not the one recorded (a hard link, a copy, a folder, a symlink, a FIFO),
     or the recorded older file beside a dst that is not the recorded new one."""
-    old, rec = _replaced(partial), _aside_record(partial)
+    rec = _aside_record(partial)
     record = _read_record(partial, dst)
+    old = _older_at(partial, record is not None)
     try:
         st = os.lstat(old)
     except FileNotFoundError:
@@ -430,11 +436,69 @@ def _unused(path: Path, ident: list, what: str, *, lockfile: bool = True, unlink
                                          "it was left as it is") from None
             finally:
                 os.close(lfd)  # (its flock goes with it)
-        st = os.lstat(path) if unlink else None
-        if unlink and (st.st_dev, st.st_ino) == tuple(ident[:2]):
-            os.unlink(path)
+        if unlink:
+            _remove(path, os.fstat(fd), what)
     finally:
         os.close(fd)
+
+
+def _gone(path: Path) -> Path:
+    """The folder the removal of ``path`` (``_replaced``: ``<dst>.partial.old``) moves it into
+    first (``<dst>.partial.gone``, made for it, removed after it): a name of convert's own,
+    as long as the record's or shorter."""
+    return path.with_name(path.name[:-len(".old")] + ".gone")
+
+
+def _older_at(partial: Path, recorded: bool) -> Path:
+    """Where the older file an overwrite moved aside is: ``_replaced``, or, with a record and
+    nothing there, in ``_gone``'s folder, where a removal killed before its unlink left it."""
+    old = _replaced(partial)
+    if recorded and not os.path.lexists(old) and os.path.lexists(_gone(old) / old.name):
+        return _gone(old) / old.name
+    return old
+
+
+def _remove(path: Path, held: os.stat_result, what: str) -> None:
+    """Unlink the name ``path`` of the file ``held`` (convert's own, proven), never a file put
+    there meanwhile: the name is first renamed into a folder made for it (``_gone``: nothing
+    else is there to replace) and checked there; the file that was put at ``path`` is put
+    back (``PathExistsError`` naming it). A name already in that folder (a killed removal's)
+    is checked and unlinked there. The folder goes when empty."""
+    gone = _gone(path) if path.parent.name != path.name[:-len(".old")] + ".gone" else path.parent
+    moved = gone / path.name
+    if path != moved:
+        try:
+            os.mkdir(gone, 0o700)
+        except FileExistsError:
+            try:
+                os.rmdir(gone)  # (an empty one a killed removal left; anything else stays)
+            except OSError:
+                raise PathExistsError(f"{gone} is in the way: convert moves {path} ({what}) there to remove it; "
+                                      "move or delete it first") from None
+            os.mkdir(gone, 0o700)
+        try:
+            os.rename(path, moved)
+        except FileNotFoundError:  # (no name left to remove)
+            os.rmdir(gone)
+            return
+    if _is(moved, held):
+        os.unlink(moved)
+        os.rmdir(gone)
+        return
+    put = f"{path} changed while convert was removing it ({what})"
+    try:  # (not the file checked: someone's, put at path meanwhile: back where it was, never over anything)
+        if stat.S_ISDIR(os.lstat(moved).st_mode):
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "taken", str(path))
+            os.rename(moved, path)
+        else:
+            os.link(moved, path, follow_symlinks=False)
+            os.unlink(moved)
+    except FileExistsError:
+        raise PathExistsError(f"{put}: what was put there is kept at {moved}, {path} being taken again; "
+                              "move it where you want it") from None
+    os.rmdir(gone)
+    raise PathExistsError(f"{put}; it was put back and left as it is")
 
 
 def _finish_aside(partial: Path, dst: Path, states=("stale", "same", "published", "pending")) -> str | None:
@@ -445,14 +509,16 @@ def _finish_aside(partial: Path, dst: Path, states=("stale", "same", "published"
     state, st = _aside(partial, dst)
     if state not in states:
         return state
-    old = _replaced(partial)
+    old = _older_at(partial, state is not None)
     if state == "same":  # (two names of the older file: dst's stays)
-        now = os.lstat(old)
-        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-            os.unlink(old)
+        _remove(old, st, "a second name of dst")
     elif state in ("published", "pending"):
         _unused(old, _identity(st), "the older dst an interrupted overwrite moved aside, to be removed", unlink=True)
     if state is not None:
+        try:
+            os.rmdir(_gone(_replaced(partial)))  # (empty: a removal killed after its unlink)
+        except OSError:
+            pass
         if state != "stale":
             fsync_dir(partial.parent)
         _drop_record(partial)
@@ -468,7 +534,8 @@ def check_leftovers(partial: Path, dst: Path) -> None:
     record naming dst (``drop_sidecar`` removes it last), or none."""
     state, st = _aside(partial, dst)
     if state in ("published", "pending"):
-        _unused(_replaced(partial), _identity(st), "the older dst an interrupted overwrite moved aside, to be removed")
+        _unused(_older_at(partial, True), _identity(st),
+                "the older dst an interrupted overwrite moved aside, to be removed")
     trash = _dropped(partial)
     if not os.path.lexists(trash):
         return

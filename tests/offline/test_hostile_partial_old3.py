@@ -744,12 +744,16 @@ def test_ctrl_c_as_the_link_returns_never_leaves_the_new_file_without_its_keys(s
 
 # -- a user's file renamed onto .partial.old between the removal's checks and its unlink -------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_unused checks the name's inode (bigper/convert.py:591-592, an lstat) and then unlinks the name "
-    "(convert.py:593): a file renamed onto <dst>.partial.old in between is unlinked in the older "
-    "file's place. A rename of the name to a private one of convert's, checked there and put back "
-    "when it is not the recorded file, would leave it (as _drop_leftover does for a sidecar)"))
-def test_a_users_file_renamed_onto_partial_old_at_the_removal_is_never_deleted(server, fresh, tmp_path):
+# (Was a strict xfail, fixed since (_remove: the name is renamed into a folder made for it,
+# <dst>.partial.gone, checked there, unlinked there only when it is the file checked, else put back;
+# the points: before that rename, and before the unlink there):
+# "_unused checks the name's inode (bigper/convert.py:591-592, an lstat) and then unlinks the name "
+# "(convert.py:593): a file renamed onto <dst>.partial.old in between is unlinked in the older "
+# "file's place. A rename of the name to a private one of convert's, checked there and put back "
+# "when it is not the recorded file, would leave it (as _drop_leftover does for a sidecar)"
+# )
+@pytest.mark.parametrize("op,match", [("rename", OLD + ">"), ("unlink", "$" + OLD)])
+def test_a_users_file_renamed_onto_partial_old_at_the_removal_is_never_deleted(server, fresh, tmp_path, op, match):
     run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
     mine = tmp_path / "mine.h5"
     mine.write_bytes(b"the user's only copy")
@@ -757,10 +761,31 @@ def test_a_users_file_renamed_onto_partial_old_at_the_removal_is_never_deleted(s
     def during():  # the publish is done; the removal has checked the older file and is at its unlink
         os.rename(mine, run / OLD)
 
-    said = _kill_at(server, src, dst, "unlink", "$" + OLD, 1, True, during=during, resume=True)
+    said = _kill_at(server, src, dst, op, match, 1, True, during=during, resume=True)
     assert isinstance(said, str) and said.startswith("ended"), said
     assert _keys(dst) == want.tobytes()
     assert os.path.lexists(run / OLD) and (run / OLD).read_bytes() == b"the user's only copy", (said, _left(run))
+
+
+@pytest.mark.parametrize("match", ["$" + OLD, "+$" + OLD])
+def test_a_kill_in_the_removal_of_the_older_file_is_finished_by_the_next_overwrite(server, fresh, tmp_path, match):
+    """(A source without keys: no sidecar at dst, so that an overwrite may follow.) Killed once the
+    older file is moved into <dst>.partial.gone, before its unlink there (the older file there,
+    recorded) or after it (an empty folder): a plain convert is refused and changes nothing; the
+    next overwrite finishes the removal and leaves nothing of convert's."""
+    run, src, dst, want, old = _copy_fresh(fresh, tmp_path)
+    plain = run / "src" / "old.h5"
+    assert _kill_at(server, plain, dst, "unlink", match, 1, True), server.last
+    assert not os.path.lexists(run / OLD) and os.path.isdir(run / "z.h5.partial.gone"), _left(run)
+    if match.startswith("$"):
+        assert _keys(run / "z.h5.partial.gone" / OLD) == old.tobytes() and os.path.isfile(run / REC)
+    before = _state(run)
+    with deadline(60), pytest.raises(PathExistsError):
+        convert(plain, dst, progress=False)
+    assert _state(run) == before
+    with deadline(60):
+        convert(plain, dst, progress=False, overwrite=True)
+    assert _keys(dst) == old.tobytes() and _left(run) == ["src", "z.h5"], _left(run)
 
 
 # -- convert_dqn_replay through a symlinked parent re-pointed at its publish --------------------------------
@@ -889,7 +914,7 @@ def test_an_overwrite_of_a_dst_with_an_mtime_before_1970_leaves_nothing_behind(f
 
 @pytest.mark.slow
 @pytest.mark.parametrize("op,match", [("unlink", "+$z.h5"), ("link", "z.h5.partial>z.h5"), ("unlink", "$z.h5.partial"),
-                                      ("unlink", "$" + OLD)])
+                                      ("rename", OLD + ">")])
 def test_a_buffer_on_the_older_file_aside_at_each_step_keeps_it_until_closed(server, fresh, tmp_path, op, match):
     """(A source without keys: the next overwrite may follow.) The buffer reads the older file
     all along; the convert publishes and leaves the older file aside, recorded; once the buffer
@@ -911,7 +936,7 @@ def test_a_buffer_on_the_older_file_aside_at_each_step_keeps_it_until_closed(ser
         said = _kill_at(server, plain, dst, op, match, 1, True, during=during, resume=True)
         assert said == "ended done", said
         if refused:
-            assert op == "unlink" and match == "$" + OLD, refused
+            assert (op, match) == ("rename", OLD + ">"), refused  # (the removal's move into .partial.gone)
             assert _left(run) == ["src", "z.h5"], _left(run)
             return
         assert os.path.isfile(run / OLD) and os.path.isfile(run / REC), _left(run)
