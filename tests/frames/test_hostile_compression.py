@@ -316,6 +316,37 @@ except bigper.BigperError as e:
     assert not (tmp_path / "x").exists()
 
 
+def test_buffers_without_compression_never_need_libzstd(tmp_path):
+    """With no zstd to be had (BIGPER_LIBZSTD names nothing), raw frame stacks
+    and plain fields add, extend, sample, update and snapshot as ever: the
+    kernels they run never link libzstd (a compressed add's one call,
+    ``write_rows_logged``, is a kernel of its own; one that ``write_rows``
+    called compiled libzstd's symbols into every buffer's adds: a segfault
+    where the library was not loaded)."""
+    code = f"""
+import bigper, numpy as np
+rng = np.random.default_rng(0)
+for k in (2, None):
+    fields = {{"obs": (((k, 8, 8) if k else (8, 8)), np.uint8), "r": ((), np.float32)}}
+    buf = bigper.PrioritizedReplayBuffer(capacity=16, fields=fields, frame_stack=k, storage="memmap",
+                                         path={str(tmp_path)!r} + f"/b{{k}}", seed=0)
+    for t in range(40):
+        o = rng.integers(0, 3, (((k, 8, 8) if k else (8, 8))), dtype=np.uint8)
+        buf.add(obs=o, next_obs=np.roll(o, -1, axis=0) if k else o, r=np.float32(t), terminated=t % 7 == 6)
+    buf.extend({{"obs": np.zeros((3, *fields["obs"][0]), np.uint8), "next_obs": np.zeros((3, *fields["obs"][0]),
+                np.uint8), "r": np.ones(3, np.float32), "terminated": np.zeros(3, bool)}})
+    b = buf.sample(8)
+    buf.update_priorities(b, np.ones(8))
+    buf.save({str(tmp_path)!r} + f"/s{{k}}")
+    print("ok", k, len(buf), float(b["r"].sum()) >= 0)
+    buf.close()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**_env(), "BIGPER_LIBZSTD": str(tmp_path / "no-libzstd.so")}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ok 2 16 True" in r.stdout and "ok None 16 True" in r.stdout, r.stdout
+
+
 # -- threads -------------------------------------------------------------------------
 
 def test_two_threads_add_sample_save_and_close_a_compressed_buffer(tmp_path):
