@@ -285,6 +285,8 @@ def _temporary(partial: Path) -> tuple[int, Path]:
 
     for _ in range(100):
         tmp = partial.with_name(f"{partial.name}{_TEMPORARY}{secrets.token_hex(2)}")
+        if os.path.lexists(tmp):  # (someone's, or a killed run's: never this open's, so never removed below)
+            continue
         try:
             return open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, error=PathExistsError), tmp
         except FileExistsError:
@@ -453,9 +455,33 @@ def _older_at(partial: Path, recorded: bool) -> Path:
     """Where the older file an overwrite moved aside is: ``_replaced``, or, with a record and
     nothing there, in ``_gone``'s folder, where a removal killed before its unlink left it."""
     old = _replaced(partial)
-    if recorded and not os.path.lexists(old) and os.path.lexists(_gone(old) / old.name):
-        return _gone(old) / old.name
+    if recorded and not os.path.lexists(old) and _real_dir(_gone(old)) and os.path.lexists(_gone(old) / old.name):
+        return _gone(old) / old.name  # (never through a symlink at _gone: a name elsewhere is not ours)
     return old
+
+
+def _real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _check_gone(partial: Path, old: Path) -> None:
+    """``PathExistsError`` naming ``_gone`` (before anything is written) unless the removal of
+    the older file at ``old`` can use it: nothing there, an empty folder (a killed removal's),
+    or the folder holding that file alone (``_older_at``)."""
+    gone = _gone(_replaced(partial))
+    if not os.path.lexists(gone):
+        return
+    try:
+        if _real_dir(gone) and os.listdir(gone) in ([], [old.name] if old.parent == gone else []):
+            return
+    except OSError:
+        pass
+    raise PathExistsError(f"{gone} is in the way: convert moves the older file at {old} there to remove it, and "
+                          "it holds what convert did not put there; move or delete it first (nothing was read "
+                          "or written)")
 
 
 def _remove(path: Path, held: os.stat_result, what: str) -> None:
@@ -483,7 +509,10 @@ def _remove(path: Path, held: os.stat_result, what: str) -> None:
             return
     if _is(moved, held):
         os.unlink(moved)
-        os.rmdir(gone)
+        try:
+            os.rmdir(gone)
+        except OSError:  # (something put in it meanwhile: it stays, and the next removal names it)
+            pass
         return
     put = f"{path} changed while convert was removing it ({what})"
     try:  # (not the file checked: someone's, put at path meanwhile: back where it was, never over anything)
@@ -536,6 +565,8 @@ def check_leftovers(partial: Path, dst: Path) -> None:
     if state in ("published", "pending"):
         _unused(_older_at(partial, True), _identity(st),
                 "the older dst an interrupted overwrite moved aside, to be removed")
+    if state in ("published", "pending", "same"):  # (removed at the publish, through _gone)
+        _check_gone(partial, _older_at(partial, True))
     trash = _dropped(partial)
     if not os.path.lexists(trash):
         return
@@ -658,7 +689,8 @@ def publish(partial: Path, dst: Path, overwrite: bool) -> None:
             # ("same": what went aside was the new file itself, a second name of it put at dst
             # while converting; that second name, made by the move aside, goes with the record)
             _finish_aside(partial, dst, ("published", "same"))
-        except BigperError as e:  # (a buffer opened it meanwhile: it stays, recorded, for the next convert)
+        except (BigperError, OSError) as e:  # (a buffer opened it meanwhile, a full disk: it stays, recorded,
+            # for the next convert; dst is published, which no exception may say otherwise of)
             warnings.warn(f"convert published {dst}; the older file it replaced stays at {old} for now: {e}. "
                           "The next convert to this dst removes it once it is closed", stacklevel=3)
     remove(partial.with_name(partial.name + ".lock"))
