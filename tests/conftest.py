@@ -13,6 +13,21 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sb3_logs_in_the_session_tmp(tmp_path_factory):
+    """Stable-Baselines3 makes a ``$TMPDIR/SB3-<date>`` folder for every model's logger
+    unless ``SB3_LOGDIR`` names one: hundreds a run, left in /tmp. They go to this session's
+    temporary folder instead (pytest keeps the last few), children included."""
+    if "SB3_LOGDIR" in os.environ:  # (the caller's choice)
+        yield
+        return
+    os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3-logs"))
+    try:
+        yield
+    finally:
+        os.environ.pop("SB3_LOGDIR", None)
+
+
 def mounted_tmpfs(tmp_path, size: str):
     """A real tmpfs of ``size`` (``3m``; root mounts it) at ``tmp_path/fs``: a full disk
     without filling the machine's. A generator for a fixture: unmounted after the test."""
