@@ -77,7 +77,7 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     valid row)``. ``book``, ``tree``, ``sizes`` and ``frames`` are the same
     every call.
     """
-    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, 0, 0)
+    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, _where(g0, rows, book), 0, 0)
 
 
 @kernel
@@ -90,16 +90,27 @@ def write_rows_logged(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, f
     0.0)``) is returned. (A kernel of its own: one that calls libzstd compiles
     only where compression is used, its library loaded.)"""
     lg = LoggedArgs(*logged)
-    capacity, num_envs = book[0].shape[0], sizes[1]
-    fw = write_logged(g0, rows, stacks, frames, (capacity, num_envs), lg.work, lg.log, fw)
+    where = _where(g0, rows, book)
+    fw = write_logged(g0, rows, stacks, frames, where, sizes[1], lg.work, lg.log, fw)
     if fw < 0:
         return fw, 0.0
-    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, lg.F, first_frame(lg.log))
+    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, where, lg.F,
+                       first_frame(lg.log))
 
 
 @kernel
-def _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, log_frames, log_oldest):
-    """``write_rows``; ``log_frames`` > 0: the frames went to a compressed log
+def _where(g0, rows, book):
+    """The rows' ``(slots, end flags)`` (``ring_rows``), computed once a write."""
+    m = rows[0].shape[0]
+    slots = np.empty(m, dtype=np.int64)
+    ends = np.empty(m, dtype=np.uint8)
+    ring_rows(g0, book[0].shape[0], rows[0], rows[1], slots, ends)
+    return slots, ends
+
+
+@kernel
+def _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, where, log_frames, log_oldest):
+    """``write_rows``, at ``where`` (``_where``); ``log_frames`` > 0: the frames went to a compressed log
     keeping that many (``write_rows_logged``), whose first is ``log_oldest``."""
     term, trunc, valid = rows
     obs, nxt = stacks
@@ -112,9 +123,7 @@ def _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames,
     m = term.shape[0]
     capacity = gid.shape[0]
     F = log_frames if log_frames > 0 else ring.shape[0]
-    slots = np.empty(m, dtype=np.int64)
-    ends = np.empty(m, dtype=np.uint8)
-    ring_rows(g0, capacity, term, trunc, slots, ends)
+    slots, ends = where
     if framed and log_frames == 0:  # the stacks as (m, k, words) of the ring's word type
         k = last_frames.shape[1]
         ow = obs.reshape((m, k, -1)).view(ring.dtype)

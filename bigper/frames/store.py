@@ -31,7 +31,7 @@ import numpy as np
 
 from . import zstd as _zstd
 from .budget import frame_capacity  # (config.py sizes the compressed log by it too)
-from ..common.kernels import kernel, ring_rows
+from ..common.kernels import kernel
 from ..common.pool import for_ranges, workers
 from ..common.reuse import ReusedArrays
 from .refs import check_offsets, derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
@@ -237,12 +237,12 @@ def write_direct(rows, stream, fw, has_next, fref, foff, ring, slots, minref, re
 
 
 @kernel
-def write_logged(g0, flags, stacks, ra, sizes, work, log, fw):
+def write_logged(g0, flags, stacks, ra, where, num_envs, work, log, fw):
     """``write_direct`` for a compressed log, all or nothing, for rows
     ``g0 ..`` (``flags``: their ``(terminated, truncated, valid)``; ``stacks``:
     ``(obs, next_obs)``, C-contiguous ``(m, k, *frame)``; ``ra``: the
-    streams and references (``RingArgs``; its ``ring`` unused); ``sizes``:
-    ``(capacity, num_envs)``; ``fw``: the frames written): the new frames go to a
+    streams and references (``RingArgs``; its ``ring`` unused); ``where``:
+    the rows' ``(slots, end flags)`` (``ring_rows``); ``fw``: the frames written): the new frames go to a
     staging ring and from there, compressed, to the open segment
     (``segments.append_staged``, ``log`` its ``StagedLog``). ``work``: ``(staged, scratch)``, the
     staging ring (``2 * m * k`` rows at least) and room for their compressed
@@ -255,11 +255,8 @@ def write_logged(g0, flags, stacks, ra, sizes, work, log, fw):
     ra = RingArgs(*ra)
     last_frames, last_ref, has_last = ra.last_frames, ra.last_ref, ra.has_last
     fref, foff, minref = ra.fref, ra.foff, ra.minref
-    capacity, num_envs = sizes
-    m, k, words = term.shape[0], last_frames.shape[1], last_frames.shape[2]
-    slots = np.empty(m, dtype=np.int64)
-    ends = np.empty(m, dtype=np.uint8)
-    ring_rows(g0, capacity, term, trunc, slots, ends)
+    slots, ends = where
+    m, k = term.shape[0], last_frames.shape[1]
     env = np.empty(m, dtype=np.int64)
     for r in range(m):
         env[r] = (g0 + r) % num_envs
