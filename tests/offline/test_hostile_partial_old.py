@@ -390,15 +390,22 @@ def _interrupt(dst):
     def during():
         pid = int((dst.with_name(dst.name + ".lock")).read_text().split()[0])
         os.kill(pid, signal.SIGINT)
-        for _ in range(3000):  # (until it exits: the SIGUSR1 that follows finds a zombie)
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                        return
-            except FileNotFoundError:
-                return
-            time.sleep(0.01)
+        _wait_exit(pid)  # (the SIGUSR1 that follows finds a zombie)
     return during
+
+
+def _wait_exit(pid):
+    """Until process ``pid`` has ended (a zombie, or gone); ``AssertionError`` after two
+    minutes (a loaded machine's slowest convert ends in seconds: past that it hangs)."""
+    for _ in range(12000):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not end")
 
 
 # (INTERRUPTED_AFTER_LINK was a strict xfail: a KeyboardInterrupt after os.link(partial, dst) and

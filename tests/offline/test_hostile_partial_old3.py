@@ -59,7 +59,7 @@ from tests.offline.test_hostile_convert_killed_publish import _files, _source
 from tests.offline.test_hostile_killed_publish3 import (  # noqa: F401  (fixtures)
     _completes, _copy_ow, _kill_at, _left, killed_overwrite_now, server)
 from tests.offline.test_hostile_partial_old import (  # noqa: F401  (fresh: a fixture)
-    _copy_fresh, _interrupt, _keys, _kill_children_of, fresh)
+    _copy_fresh, _interrupt, _keys, _kill_children_of, _wait_exit, fresh)
 from tests.offline.test_hostile_partial_old2 import _state
 
 OLD = "z.h5.partial.old"
@@ -611,20 +611,6 @@ def _children_of(ppid):
             except (OSError, ValueError, IndexError):
                 pass
     return out
-
-
-def _wait_exit(pid):
-    import time
-
-    for _ in range(12000):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} did not end")
 
 
 @pytest.mark.slow
