@@ -34,8 +34,7 @@ import numpy as np
 
 from ..common.undo import Journal
 from ..errors import InvalidArgumentError
-from ..frames.store import (ALL_VALID, LoggedArgs, RingArgs, expire, first_frame, write_direct,
-                            write_logged)
+from ..frames.store import ALL_VALID, LoggedArgs, RingArgs, expire, write_direct, write_logged
 from ..common.kernels import kernel, ring_rows
 from ..prioritization._tree_kernels import tree_set
 from .ring import commit_rows
@@ -77,7 +76,7 @@ def write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames):
     valid row)``. ``book``, ``tree``, ``sizes`` and ``frames`` are the same
     every call.
     """
-    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, _where(g0, rows, book), 0, 0)
+    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, _where(g0, rows, book), 0)
 
 
 @kernel
@@ -94,8 +93,9 @@ def write_rows_logged(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, f
     fw = write_logged(g0, rows, stacks, frames, where, sizes[1], lg.work, lg.log, fw)
     if fw < 0:
         return fw, 0.0
-    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, where, lg.F,
-                       first_frame(lg.log))
+    # (expired as the ring's: only a log without a budget takes this call, and it releases a
+    # segment only once all its frames are older than the newest F: its first frame is never past fw - F)
+    return _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, where, lg.F)
 
 
 @kernel
@@ -109,9 +109,9 @@ def _where(g0, rows, book):
 
 
 @kernel
-def _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, where, log_frames, log_oldest):
+def _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames, where, log_frames):
     """``write_rows``, at ``where`` (``_where``); ``log_frames`` > 0: the frames went to a compressed log
-    keeping that many (``write_rows_logged``), whose first is ``log_oldest``."""
+    keeping that many (``write_rows_logged``)."""
     term, trunc, valid = rows
     obs, nxt = stacks
     gid, ends_arr, status, pending, env_ended = book
@@ -158,7 +158,7 @@ def _write_rows(g0, rows, keys, max_leaf, fw, stacks, book, tree, sizes, frames,
                 status[ready[i]] = LIVE
                 vals[i] = pending[ready[i]]
             tree_set(sums, mins, offsets, ready[:nr], vals)
-    oldest = max(log_oldest, fw - F)
+    oldest = fw - F
     if framed and oldest > 0:
         n = expire(ptr, g0 + m, capacity, num_envs, oldest, minref, gid, status, expired)
         if n > 0:

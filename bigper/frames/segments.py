@@ -281,15 +281,6 @@ def append_staged(log, staged, scratch, f0, n):
 
 
 @kernel
-def first_frame(log):
-    """The first frame still in the log of ``log`` (a ``StagedLog``'s values):
-    the first of the oldest live segment (``SegmentLog.oldest``)."""
-    log = StagedLog(*log)
-    lo = log.st[LO]
-    return 0 if lo == 0 else log.seg_first[lo % log.seg_first.shape[0]]
-
-
-@kernel
 def gather_index(index, rows, log_bytes, seg, max_len, glo, ghi, nslots, offsets, lengths, dicts):
     """Index entries ``index[rows]``, checked (inside the log and inside one
     segment, a length in ``1..max_len``, dictionary generation 0 or one in
@@ -413,8 +404,7 @@ class SegmentLog:
         return self.dicts.codec
 
     def oldest(self) -> int:
-        """The first frame still in the log (the first of the oldest live segment;
-        ``first_frame`` in a kernel)."""
+        """The first frame still in the log (the first of the oldest live segment)."""
         lo = int(self.st[LO])
         return 0 if lo == 0 else int(self.seg_first[lo % self.S])
 

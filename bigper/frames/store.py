@@ -35,7 +35,7 @@ from ..common.kernels import kernel
 from ..common.pool import for_ranges, workers
 from ..common.reuse import ReusedArrays
 from .refs import check_offsets, derive_minref, offset_dtype, offset_reach, pack_refs, refs_outside, unpack_refs
-from .segments import SegmentLog, append_staged, first_frame
+from .segments import SegmentLog, append_staged
 from ..common.undo import Journal
 from ..errors import CorruptSnapshotError, IncompatibleSnapshotError
 from ..common.status import DEAD, LIVE, PENDING

@@ -143,9 +143,10 @@ def test_a_compressed_buffer_equals_its_uncompressed_twin(envs, n_step, storage,
 @pytest.mark.parametrize("envs", [1, 3])
 def test_a_small_budget_expires_by_the_logs_first_frame_and_samples_stay_exact(envs, tmp_path):
     """(A capped log never takes the one call: ``FrameStore.logged_args`` is
-    None for it, so this guards the general path's expiry beside it; the one
-    call's ``first_frame`` expiry was not seen to matter: with ``oldest = fw - F``
-    in ``_write_rows`` every case here still passes.)"""
+    None for it, so this guards the general path's expiry beside it. The one
+    call expires by ``fw - F`` alone: a log without a budget releases a segment
+    only once all its frames are older than that; this attack found an expiry by
+    the log's first frame there made no difference, and it was removed.)"""
     k = 3
     budget = 3 * SHAPE[0] * SHAPE[1] // k  # ~ a third of a raw frame each: noise frames release segments
     try:
